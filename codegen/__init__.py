@@ -1,0 +1,1 @@
+"""Spec -> generated API: ``python -m codegen [--check] [--spec PATH] [--out DIR]``."""

@@ -1,0 +1,27 @@
+"""VeloxQuant: KV-cache compression methods for MLX and mlx-lm, behind one config object.
+
+>>> from veloxquant_mlx import KVCacheConfig
+>>> from veloxquant_mlx.cache.options import StreamingLLMOptions
+>>> KVCacheConfig(method="streaming_llm", options=StreamingLLMOptions()).stream_window_size
+512
+"""
+
+from .cache import KVCacheConfig, VeloxQuantDeprecationWarning
+
+# The mlx-lm integration imports mlx-lm (slow); load it on first use.
+_LAZY = {
+    "make_prompt_cache": "veloxquant_mlx.integrations.mlx_lm",
+    "patch_model_kv_cache": "veloxquant_mlx.integrations.mlx_lm",
+    "unpatch_model_kv_cache": "veloxquant_mlx.integrations.mlx_lm",
+    "patched_kv_cache": "veloxquant_mlx.integrations.mlx_lm",
+}
+
+__all__ = ["KVCacheConfig", "VeloxQuantDeprecationWarning", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'veloxquant_mlx' has no attribute {name!r}")

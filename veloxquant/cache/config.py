@@ -1,0 +1,210 @@
+"""KVCacheConfig: one method key, that method's options, and a few common knobs.
+
+The fields themselves are generated from the spec (``KVCacheConfigFields``). This class
+adds the behaviour the public contract promises:
+
+- ``options`` populate every flat field still at its default, and the flat fields always
+  hold the effective values (``config.h2o_budget``);
+- ``config.options`` is rebuilt from the flat fields, so it always shows effective values;
+- setting a flat per-method field directly works but warns
+  (``VeloxQuantDeprecationWarning``), pointing at the caller's line;
+- every value is validated against the spec: wrong types and out-of-range values raise
+  ``ValueError`` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import warnings
+from typing import Any, Mapping
+
+from .._generated import validators
+from .._generated.config_fields import KVCacheConfigFields
+from .._generated.deprecations import CONFIG_FIELDS, FLAT_FIELDS
+from .._generated.registry import METHODS, OPTIONS_CLASS_TO_METHOD
+
+_PACKAGE_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (sys.modules["veloxquant_mlx"], sys.modules["veloxquant_mlx._generated"])
+)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KVCacheConfigFields)}
+
+
+class VeloxQuantDeprecationWarning(DeprecationWarning):
+    """A deprecated VeloxQuant API was used; the message names the replacement."""
+
+
+def _did_you_mean(word: str, candidates) -> str:
+    close = difflib.get_close_matches(str(word), list(candidates), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside us."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIRS)
+        or frame.f_code is KVCacheConfig.__init__.__code__
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_flat(name: str, value: Any, active_method: str) -> None:
+    method, cls = FLAT_FIELDS[name]
+    message = (
+        f"setting KVCacheConfig.{name} directly is deprecated; "
+        f"use options={cls}({name}={value!r}) with method={method!r}"
+    )
+    if method != active_method:
+        message += f" (the config's method is {active_method!r}, so it has no effect)"
+    warnings.warn(message, VeloxQuantDeprecationWarning, stacklevel=_caller_stacklevel())
+
+
+def _check_method(method: Any) -> None:
+    if method not in METHODS:
+        raise ValueError(
+            f"method={method!r} is not a known method{_did_you_mean(method, METHODS)}; "
+            f"allowed: {', '.join(METHODS)}"
+        )
+
+
+def _expected_options(method: str) -> type | None:
+    return METHODS[method].options_class
+
+
+@dataclasses.dataclass(eq=True, repr=False)
+class KVCacheConfig(KVCacheConfigFields):
+    """How the KV cache of a model is compressed: ``method`` plus its ``options``.
+
+    >>> from veloxquant_mlx.cache.options import H2OOptions
+    >>> KVCacheConfig(method="h2o", options=H2OOptions(h2o_budget=1024)).h2o_budget
+    1024
+
+    When ``method`` is left at ``"full"`` and ``options`` are given, the method is the
+    one those options belong to. See the generated API reference for every field.
+    """
+
+    def __post_init__(self) -> None:
+        options = self.__dict__.pop("_pending_options", None)
+        if options is not None and self.method == "full":
+            inferred = OPTIONS_CLASS_TO_METHOD.get(type(options).__name__)
+            if inferred is not None and isinstance(options, METHODS[inferred].options_class):
+                object.__setattr__(self, "method", inferred)
+        _check_method(self.method)
+        for name in CONFIG_FIELDS:
+            validators.validate_field(name, getattr(self, name))
+        for name in FLAT_FIELDS:
+            value = getattr(self, name)
+            if value != _DEFAULTS[name]:
+                validators.validate_field(name, value)
+                _warn_flat(name, value, self.method)
+        if options is not None:
+            self._apply_options(options, only_defaults=True)
+        self._validate_active()
+        object.__setattr__(self, "_ready", True)
+
+    # -- options ---------------------------------------------------------------
+    @property
+    def options(self) -> Any:
+        """The active method's options, built from the effective flat values."""
+        cls = _expected_options(self.method)
+        if cls is None:
+            return None
+        return cls(**{name: getattr(self, name) for name in METHODS[self.method].fields})
+
+    @options.setter
+    def options(self, value: Any) -> None:
+        if not self.__dict__.get("_ready"):
+            object.__setattr__(self, "_pending_options", value)  # applied in __post_init__
+            return
+        if value is None:
+            return
+        self._apply_options(value, only_defaults=False)
+        self._validate_active()
+
+    def _apply_options(self, options: Any, only_defaults: bool) -> None:
+        expected = _expected_options(self.method)
+        if expected is None or not isinstance(options, expected):
+            want = expected.__name__ if expected else "None (this method has no options)"
+            raise TypeError(
+                f"options for method={self.method!r} must be {want}, "
+                f"got {type(options).__name__}"
+            )
+        for name in METHODS[self.method].fields:
+            value = getattr(options, name)
+            validators.validate_field(name, value)
+            if not only_defaults or getattr(self, name) == _DEFAULTS[name]:
+                object.__setattr__(self, name, value)
+
+    def _validate_active(self) -> None:
+        names = (*METHODS[self.method].fields, *CONFIG_FIELDS)
+        validators.validate_values(self.method, {n: getattr(self, n) for n in names})
+
+    # -- assignment after construction ------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.__dict__.get("_ready") or name == "options":
+            object.__setattr__(self, name, value)
+            return
+        if name == "method":
+            _check_method(value)
+        elif name in CONFIG_FIELDS or name in FLAT_FIELDS:
+            validators.validate_field(name, value)
+        else:
+            raise AttributeError(
+                f"KVCacheConfig has no field {name!r}"
+                f"{_did_you_mean(name, _DEFAULTS)}"
+            )
+        if name in FLAT_FIELDS:
+            _warn_flat(name, value, self.method)
+        object.__setattr__(self, name, value)
+        if name in FLAT_FIELDS and FLAT_FIELDS[name][0] != self.method:
+            return
+        self._validate_active()
+
+    # -- serialisation -----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The nested form: ``{"method": ..., "options": {...}, <own fields>}``."""
+        out: dict[str, Any] = {"method": self.method}
+        out["options"] = {name: getattr(self, name) for name in METHODS[self.method].fields}
+        out.update({name: getattr(self, name) for name in CONFIG_FIELDS})
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "KVCacheConfig":
+        """Inverse of ``to_dict``; also accepts the legacy flat form (with a warning)."""
+        data = dict(data)
+        method = data.pop("method", "full")
+        options = data.pop("options", None)
+        unknown = [k for k in data if k not in CONFIG_FIELDS and k not in FLAT_FIELDS]
+        if unknown:
+            k = unknown[0]
+            raise ValueError(
+                f"unknown KVCacheConfig key {k!r}{_did_you_mean(k, _DEFAULTS)}"
+            )
+        if isinstance(options, Mapping):
+            _check_method(method)
+            options = _options_from_mapping(method, options)
+        return cls(method=method, options=options, **data)
+
+    def __repr__(self) -> str:
+        own = ", ".join(f"{name}={getattr(self, name)!r}" for name in CONFIG_FIELDS)
+        return f"KVCacheConfig(method={self.method!r}, options={self.options!r}, {own})"
+
+
+def _options_from_mapping(method: str, values: Mapping[str, Any]) -> Any:
+    cls = METHODS[method].options_class
+    allowed = METHODS[method].fields
+    for key in values:
+        if key not in allowed:
+            raise ValueError(
+                f"{key!r} is not a field of "
+                f"{cls.__name__ if cls else repr(method) + ' (no options)'}"
+                f"{_did_you_mean(key, allowed)}; allowed: {', '.join(allowed) or 'none'}"
+            )
+    if cls is None:
+        return None
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
