@@ -318,7 +318,12 @@ class _Parser:
             self.error(where, path, "a method with fields needs a 'class' for its options")
         checks = []
         if node.get("checks") is not None:
-            checks = self.check_list(node, path, fields)
+            declared = [
+                f.get("name")
+                for f in (node.get("fields") or [])
+                if isinstance(f, CommentedMap) and isinstance(f.get("name"), str)
+            ]
+            checks = self.check_list(node, path, fields, declared)
         if key is None:
             return None
         # Even a method with errors takes part in the whole-spec checks (duplicates...).
@@ -475,7 +480,10 @@ class _Parser:
             return float(raw)
         return raw
 
-    def check_list(self, node: CommentedMap, path: str, fields: list[Field]) -> list[Check]:
+    def check_list(
+        self, node: CommentedMap, path: str, fields: list[Field], declared: list[str]
+    ) -> list[Check]:
+        """Parse the checks; names may be any declared field, even one with errors."""
         seq = node["checks"]
         if not isinstance(seq, CommentedSeq):
             self.error(self.loc(node, "checks", of="value"), f"{path}.checks", "expected a list")
@@ -494,9 +502,12 @@ class _Parser:
             except SyntaxError as exc:
                 self.error(at, f"{p}.expr", f"not a Python expression: {exc.msg}")
                 continue
-            names = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)})
+            found = sorted(
+                (n.col_offset, n.id) for n in ast.walk(tree) if isinstance(n, ast.Name)
+            )
+            names = list(dict.fromkeys(name for _, name in found))  # in reading order
             in_scope = list(fields) + self.config_fields
-            field_names = [f.name for f in in_scope]
+            field_names = declared + [f.name for f in self.config_fields]
             unknown = [n for n in names if n not in field_names and n not in CHECK_FUNCTIONS]
             unknown = [n for n in unknown if n not in ("None", "True", "False")]
             for n in unknown:
@@ -509,6 +520,8 @@ class _Parser:
             if unknown:
                 continue
             defaults = {f.name: f.default for f in in_scope}
+            if any(n in field_names and n not in defaults for n in names):
+                continue  # a field it uses has errors of its own, already reported
             try:
                 holds = eval(compile(tree, "<check>", "eval"), {"__builtins__": {}}, {**CHECK_FUNCTIONS, **defaults})  # noqa: S307 - spec-authored expression over literal defaults
             except Exception as exc:  # noqa: BLE001 - report any failure as a spec error

@@ -1,0 +1,145 @@
+"""KVCacheConfig behaves as the reference page says, and rejects bad input clearly."""
+
+import warnings
+
+import pytest
+
+from veloxquant_mlx import KVCacheConfig, VeloxQuantDeprecationWarning
+from veloxquant_mlx.cache.options import (
+    H2OOptions,
+    KIVIOptions,
+    QFiltersOptions,
+    SnapKVOptions,
+    SVDqOptions,
+)
+
+
+def test_options_populate_flat_fields_and_read_back():
+    config = KVCacheConfig(method="h2o", options=H2OOptions(h2o_budget=1024))
+    assert config.h2o_budget == 1024
+    assert config.h2o_n_sink == 4
+    assert config.options == H2OOptions(h2o_budget=1024)
+
+
+def test_options_always_show_effective_values():
+    config = KVCacheConfig(method="h2o", options=H2OOptions(h2o_budget=1024))
+    with pytest.warns(VeloxQuantDeprecationWarning):
+        config.h2o_n_sink = 8
+    assert config.options == H2OOptions(h2o_budget=1024, h2o_n_sink=8)
+    assert KVCacheConfig(method="kivi").options == KIVIOptions()
+    assert KVCacheConfig().options is None  # `full` has no options
+
+
+def test_flat_field_in_constructor_warns_at_the_callers_line():
+    with pytest.warns(VeloxQuantDeprecationWarning) as record:
+        config = KVCacheConfig(method="h2o", h2o_budget=2048)  # the line warned about
+    assert config.h2o_budget == 2048
+    (w,) = record.list
+    assert w.filename == __file__
+    assert "h2o_budget = 2048" not in str(w.message)
+    assert "options=H2OOptions(h2o_budget=2048)" in str(w.message)
+    assert issubclass(w.category, DeprecationWarning)
+
+
+def test_flat_field_assignment_warns_at_the_callers_line():
+    config = KVCacheConfig(method="h2o")
+    with pytest.warns(VeloxQuantDeprecationWarning, match=r"options=H2OOptions\(h2o_budget=64\)") as record:
+        config.h2o_budget = 64
+    assert record.list[0].filename == __file__
+    assert config.options.h2o_budget == 64
+
+
+def test_explicit_flat_value_wins_over_options_default_only_fields_populated():
+    with pytest.warns(VeloxQuantDeprecationWarning):
+        config = KVCacheConfig(
+            method="h2o", options=H2OOptions(h2o_budget=1024, h2o_n_sink=2), h2o_budget=300
+        )
+    assert config.h2o_budget == 300  # flat field was not at its default
+    assert config.h2o_n_sink == 2  # flat field was at its default: options populate it
+
+
+def test_no_warning_for_plain_use():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = KVCacheConfig(method="snapkv", options=SnapKVOptions(snap_budget=256), kv_bits=4)
+        config.options = SnapKVOptions(snap_budget=128)
+        config.kv_bits = 2
+    assert config.snap_budget == 128
+
+
+def test_method_inferred_from_options():
+    config = KVCacheConfig(options=KIVIOptions(kivi_group_size=64))
+    assert config.method == "kivi" and config.kivi_group_size == 64
+
+
+def test_unknown_method_did_you_mean():
+    with pytest.raises(ValueError, match=r"method='snap_kv' is not a known method \(did you mean 'snapkv'\?\)"):
+        KVCacheConfig(method="snap_kv")
+
+
+def test_options_of_another_method_is_a_type_error():
+    with pytest.raises(TypeError, match=r"options for method='h2o' must be H2OOptions, got KIVIOptions"):
+        KVCacheConfig(method="h2o", options=KIVIOptions())
+    config = KVCacheConfig(method="h2o")
+    with pytest.raises(TypeError, match="must be H2OOptions"):
+        config.options = SnapKVOptions()
+
+
+@pytest.mark.parametrize(
+    "make, pattern",
+    [
+        (lambda: H2OOptions(h2o_budget=-1), r"h2o_budget=-1 is out of range; allowed: int, in \[1, inf\)"),
+        (lambda: H2OOptions(h2o_budget="512"), r"h2o_budget='512' must be int, got str"),
+        (lambda: H2OOptions(h2o_budget=True), r"h2o_budget=True must be int, got bool"),
+        (lambda: KVCacheConfig(kv_bits=3.0), r"kv_bits=3.0 must be int, got float"),
+        (lambda: KVCacheConfig(method="kivi", kv_bits=7), r"kv_bits=7 is out of range; allowed: int, one of 2, 3, 4, 5, 6, 8"),
+        (lambda: KIVIOptions(kivi_group_size=48), r"kivi_group_size=48 is out of range; allowed: int, one of 32, 64, 128"),
+        (lambda: QFiltersOptions(qfilters_min_retention=1.5), r"qfilters_min_retention=1.5 is out of range; allowed: float \| None, None or in \[0, 1\]"),
+        (lambda: QFiltersOptions(qfilters_on_low_retention="loud"), r"qfilters_on_low_retention='loud' must be Literal\['warn', 'raise', 'ignore'\]"),
+        (lambda: SVDqOptions(svdq_bit_schedule=(8, -1)), r"svdq_bit_schedule=\(8, -1\) is out of range"),
+        (lambda: SnapKVOptions(snap_budget=16), r"snap_budget must be at least snap_n_sink \+ snap_obs_window \+ 1.*snap_budget=16"),
+        (lambda: KVCacheConfig(method="kivi", residual_window=100), r"residual_window must be a multiple of kivi_group_size.*residual_window=100, kivi_group_size=32"),
+    ],
+)
+def test_bad_values_name_field_value_and_allowed(make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+def test_bad_assignment_is_rejected_and_leaves_config_unchanged():
+    config = KVCacheConfig(method="kivi")
+    with pytest.raises(ValueError, match="kv_bits=1"):
+        config.kv_bits = 1
+    assert config.kv_bits == 2
+    with pytest.raises(AttributeError, match=r"no field 'kv_bit' \(did you mean 'kv_bits'\?\)"):
+        config.kv_bit = 4
+
+
+def test_to_dict_from_dict_round_trip():
+    config = KVCacheConfig(method="snapkv", options=SnapKVOptions(snap_budget=300), kv_bits=4)
+    data = config.to_dict()
+    assert data["method"] == "snapkv" and data["options"]["snap_budget"] == 300
+    assert data["kv_bits"] == 4
+    assert KVCacheConfig.from_dict(data) == config
+    assert KVCacheConfig.from_dict(KVCacheConfig().to_dict()) == KVCacheConfig()
+    svdq = KVCacheConfig(method="svdq")
+    assert KVCacheConfig.from_dict(svdq.to_dict()).svdq_bit_schedule == (8, 4, 2, 1, 1, 0, 0, 0)
+
+
+def test_from_dict_accepts_legacy_flat_form_with_warning():
+    with pytest.warns(VeloxQuantDeprecationWarning, match=r"options=H2OOptions\(h2o_budget=1024\)") as record:
+        config = KVCacheConfig.from_dict({"method": "h2o", "h2o_budget": 1024})
+    assert record.list[0].filename == __file__
+    assert config.options == H2OOptions(h2o_budget=1024)
+
+
+def test_from_dict_rejects_unknown_keys_with_suggestions():
+    with pytest.raises(ValueError, match=r"unknown KVCacheConfig key 'h2o_budgett' \(did you mean 'h2o_budget'\?\)"):
+        KVCacheConfig.from_dict({"method": "h2o", "h2o_budgett": 5})
+    with pytest.raises(ValueError, match=r"'budget' is not a field of H2OOptions \(did you mean 'h2o_budget'\?\)"):
+        KVCacheConfig.from_dict({"method": "h2o", "options": {"budget": 5}})
+
+
+def test_flat_field_of_another_method_warns_that_it_has_no_effect():
+    with pytest.warns(VeloxQuantDeprecationWarning, match="so it has no effect"):
+        KVCacheConfig(method="kivi", h2o_budget=64)
