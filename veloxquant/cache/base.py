@@ -1,0 +1,194 @@
+"""The cache protocol every VeloxQuant method implements.
+
+mlx-lm calls ``cache.update_and_fetch(keys, values)`` per layer with post-RoPE keys of
+shape ``(B, n_kv_heads, L, head_dim)``, reading ``cache.offset`` first for RoPE, and then
+attention. Our caches keep the logical ``offset`` (it never shrinks when tokens are
+evicted) separate from ``stored_length``, report ``nbytes`` from the arrays they really
+keep, round-trip through ``save_prompt_cache``/``load_prompt_cache`` via ``state``, and may
+own attention through ``attend``: the integration routes each layer's attention there.
+
+Names mlx-lm duck-types are avoided on purpose: no ``bits`` (it would route attention to
+mlx-lm's quantized path), no ``to_quantized`` (``kv_bits`` would silently replace us),
+no ``merge`` (batching and the server would flatten us into a stock fp16 cache).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .buffers import GrowingArray
+from .config import KVCacheConfig
+
+# Every cache class registers here and, by bare name, in mlx_lm.models.cache, where
+# load_prompt_cache looks classes up.
+CACHE_CLASSES: dict[str, type] = {}
+
+
+def causal_mask(n_queries: int, n_keys: int) -> mx.array:
+    """Lower-right aligned causal mask: query i sees keys [0, n_keys - n_queries + i]."""
+    q = mx.arange(n_keys - n_queries, n_keys)[:, None]
+    return q >= mx.arange(n_keys)[None]
+
+
+class AttentionHookMissing(RuntimeError):
+    """A cache that owns attention was updated twice without being asked to attend."""
+
+
+class CompressedKVCache:
+    """Base class: shared bookkeeping, masks, state, and plain attention.
+
+    Subclasses implement ``update_and_fetch``, ``stored_length``, ``_arrays`` (what is
+    kept) and, when they store more than arrays, ``_meta``/``_restore_meta``. A subclass
+    that can only be correct when it computes attention itself sets
+    ``requires_attention_hook = True`` and overrides ``attend``.
+    """
+
+    requires_attention_hook = False
+
+    def __init__(self, config: KVCacheConfig, context: Any = None, layer: int = 0):
+        self.config = config
+        self.context = context
+        self.layer = layer
+        self.offset = 0
+        self._awaiting_attend = False
+        self._init_storage()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        CACHE_CLASSES[cls.__name__] = cls
+        import mlx_lm.models.cache as mlx_lm_cache
+
+        setattr(mlx_lm_cache, cls.__name__, cls)
+
+    # -- what subclasses provide -------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        raise NotImplementedError
+
+    @property
+    def stored_length(self) -> int:
+        """Tokens whose keys and values the cache keeps (any precision)."""
+        raise NotImplementedError
+
+    def _arrays(self) -> dict[str, Any]:
+        """What the cache keeps, by attribute name: arrays, ``GrowingArray``s or None."""
+        raise NotImplementedError
+
+    def _meta(self) -> dict[str, Any]:
+        return {}
+
+    def _restore_meta(self, meta: dict[str, Any]) -> None:
+        pass
+
+    def _rows_returned(self, n_new: int) -> int:
+        """How many key rows the next update of ``n_new`` tokens will attend over."""
+        return self.stored_length + n_new
+
+    # -- attention ---------------------------------------------------------------
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        """Attention over what ``update_and_fetch`` returned, with this layer's mask.
+
+        mlx-lm builds one mask from the first layer's cache and shares it; an array mask
+        is rebuilt here from this layer's own rows, so layers may differ in length.
+        """
+        self._awaiting_attend = False
+        if isinstance(mask, mx.array):
+            mask = causal_mask(queries.shape[2], keys.shape[2])
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+
+    def _expect_attend(self) -> None:
+        """Called by hook-dependent caches at each update: the last one must have attended."""
+        if self._awaiting_attend:
+            raise AttentionHookMissing(
+                f"{type(self).__name__} (method {self.config.method!r}) computes attention "
+                "itself, but the model's attention did not go through the VeloxQuant hook. "
+                "Build the cache with veloxquant_mlx.make_prompt_cache(model, config) or "
+                "patch_model_kv_cache(model, config); architectures that do not call "
+                "mlx-lm's scaled_dot_product_attention cannot use this method."
+            )
+        self._awaiting_attend = True
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if window_size is not None:
+            raise ValueError(
+                f"method {self.config.method!r} does not support sliding-window attention "
+                f"layers (window_size={window_size}); VeloxQuant only replaces full-attention "
+                "layers and leaves the model's own sliding-window caches in place"
+            )
+        if not return_array:
+            return None if N == 1 else "causal"
+        if N == 1:
+            return None
+        return causal_mask(N, self._rows_returned(N))
+
+    # -- bookkeeping ---------------------------------------------------------------
+    def size(self) -> int:
+        return self.stored_length
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array the cache keeps, spare room included (not a formula)."""
+        return sum(
+            a.nbytes
+            for _, a in tree_flatten(self._arrays())
+            if isinstance(a, (mx.array, GrowingArray))
+        )
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    # -- state: what save_prompt_cache writes and load_prompt_cache restores -------
+    @property
+    def state(self) -> dict[str, Any]:
+        meta = {
+            "offset": self.offset,
+            "layer": self.layer,
+            "config": json.dumps(self.config.to_dict(), sort_keys=True),
+            **self._meta(),
+        }
+        arrays = {
+            name: kept.view() if isinstance(kept, GrowingArray) else kept
+            for name, kept in self._arrays().items()
+        }
+        return {"arrays": arrays, "meta": meta}
+
+    @state.setter
+    def state(self, state: dict[str, Any]) -> None:
+        meta = dict(state["meta"])
+        if not hasattr(self, "config"):  # restored by from_state: rebuild from the file
+            config = KVCacheConfig.from_dict(json.loads(meta["config"]))
+            CompressedKVCache.__init__(self, config, None, int(meta["layer"]))
+        self.offset = int(meta["offset"])
+        for name, value in (state.get("arrays") or {}).items():
+            kept = getattr(self, name, None)
+            if isinstance(kept, GrowingArray):
+                kept.reset(value)
+            else:
+                setattr(self, name, value)
+        self._restore_meta(meta)
+
+    def _init_storage(self) -> None:
+        """Set up empty storage from ``self.config`` (by ``__init__`` and ``from_state``)."""
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]):
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(layer={self.layer}, offset={self.offset}, "
+            f"stored={self.stored_length}, nbytes={self.nbytes})"
+        )

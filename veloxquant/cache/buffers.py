@@ -1,0 +1,62 @@
+"""Arrays that grow along one axis in steps, so that appending a token is not a copy."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def _along(axis: int, start: int, stop: int):
+    """Index that slices ``[start:stop]`` along ``axis`` (2 = tokens, -1 = last)."""
+    if axis < 0:
+        return (..., slice(start, stop))
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+class GrowingArray:
+    """Rows appended along ``axis`` into a buffer grown ``step`` rows at a time.
+
+    The same policy as mlx-lm's ``KVCache``: when full, keep the valid rows and add
+    ``step``-aligned room. ``nbytes`` counts the whole buffer: it is what is kept.
+    """
+
+    def __init__(self, axis: int = 2, step: int = 256):
+        self.axis = axis
+        self.step = step
+        self.buffer: mx.array | None = None
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffer is None else self.buffer.shape[self.axis]
+
+    def append(self, rows: mx.array) -> None:
+        n = rows.shape[self.axis]
+        if self.length + n > self.capacity:
+            shape = list(rows.shape)
+            shape[self.axis] = (n + self.step - 1) // self.step * self.step
+            room = mx.zeros(shape, rows.dtype)
+            if self.buffer is None:
+                self.buffer = room
+            else:
+                kept = self.buffer[_along(self.axis, 0, self.length)]
+                self.buffer = mx.concatenate([kept, room], axis=self.axis)
+        self.buffer[_along(self.axis, self.length, self.length + n)] = rows
+        self.length += n
+
+    def view(self) -> mx.array | None:
+        """The valid rows (the buffer itself when it is exactly full)."""
+        if self.buffer is None or self.length == self.capacity:
+            return self.buffer
+        return self.buffer[_along(self.axis, 0, self.length)]
+
+    def reset(self, rows: mx.array | None) -> None:
+        """Replace the content by ``rows`` (exactly sized: no spare room)."""
+        self.buffer = rows
+        self.length = 0 if rows is None else rows.shape[self.axis]
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.nbytes

@@ -1,0 +1,204 @@
+"""mlx-lm integration: build our caches for a model and route attention to them.
+
+- ``make_prompt_cache(model, config)``: one cache per full-attention layer (layers the
+  model gives its own special cache, e.g. sliding-window or state-space layers, keep it),
+  plus one ``ModelContext`` shared by the layers of that prompt cache.
+- ``patch_model_kv_cache(model, config)``: sets ``model.make_cache`` so that
+  ``mlx_lm.generate``, ``stream_generate`` and the server build our caches, fresh for
+  every generation, and installs the attention hook; ``unpatch_model_kv_cache`` (or the
+  ``patched_kv_cache`` context manager) restores the model exactly.
+
+The attention hook replaces the ``scaled_dot_product_attention`` name that each model
+module imported from ``mlx_lm.models.base``. It hands attention to a layer's cache when
+that cache has ``attend`` and calls mlx-lm's own function otherwise, so models whose
+caches are not ours behave exactly as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.nn as nn
+import mlx_lm.models.base as mlx_lm_base
+from mlx_lm.models.cache import KVCache
+
+from ..cache.base import CompressedKVCache
+from ..cache.config import KVCacheConfig
+from ..registry import METHODS
+
+_ORIGINAL_SDPA = mlx_lm_base.scaled_dot_product_attention
+
+
+def _hooked_sdpa(queries, keys, values, cache=None, **kwargs):
+    attend = getattr(cache, "attend", None)
+    if attend is None:
+        return _ORIGINAL_SDPA(queries, keys, values, cache=cache, **kwargs)
+    return attend(queries, keys, values, **kwargs)
+
+
+@dataclass
+class _Hook:
+    module: Any
+    patched_models: int = 0
+    sticky: bool = False  # installed by a direct make_prompt_cache call: stays
+
+
+_HOOKS: dict[str, _Hook] = {}
+
+
+@dataclass
+class ModelContext:
+    """State shared by the layers of one prompt cache (one per ``make_prompt_cache``).
+
+    Methods that coordinate across layers (per-layer budgets, layers sharing or merging
+    their caches) keep that state here, never in globals.
+    """
+
+    config: KVCacheConfig
+    n_layers: int
+    compressed_layers: tuple[int, ...]
+    shared: dict[str, Any] = field(default_factory=dict)
+
+
+def attention_modules(model: nn.Module) -> list[Any]:
+    """The model modules whose attention calls mlx-lm's shared function by name."""
+    found = {}
+    for _, module in model.named_modules():
+        name = type(module).__module__
+        mod = sys.modules.get(name)
+        if mod is not None and name not in found:
+            fn = getattr(mod, "scaled_dot_product_attention", None)
+            if fn is _ORIGINAL_SDPA or fn is _hooked_sdpa:
+                found[name] = mod
+    return list(found.values())
+
+
+def _architecture(model: nn.Module) -> str:
+    return getattr(model, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _install_hooks(model: nn.Module, sticky: bool) -> None:
+    for mod in attention_modules(model):
+        hook = _HOOKS.setdefault(mod.__name__, _Hook(mod))
+        mod.scaled_dot_product_attention = _hooked_sdpa
+        if sticky:
+            hook.sticky = True
+        else:
+            hook.patched_models += 1
+
+
+def _release_hooks(model: nn.Module) -> None:
+    for mod in attention_modules(model):
+        hook = _HOOKS.get(mod.__name__)
+        if hook is None:
+            continue
+        hook.patched_models = max(0, hook.patched_models - 1)
+        if hook.patched_models == 0 and not hook.sticky:
+            mod.scaled_dot_product_attention = _ORIGINAL_SDPA
+            del _HOOKS[mod.__name__]
+
+
+def _native_caches(model: nn.Module) -> list[Any]:
+    """What mlx-lm would build for this model, ignoring our own patch."""
+    native = model.__dict__.get("_veloxquant_native_make_cache")
+    if native is not None:
+        return native()
+    if hasattr(model, "make_cache") and "_veloxquant_config" not in model.__dict__:
+        return model.make_cache()
+    return [KVCache() for _ in model.layers]
+
+
+def _check_supported(model: nn.Module, cache_class: type, config: KVCacheConfig) -> None:
+    if cache_class.requires_attention_hook and not attention_modules(model):
+        raise ValueError(
+            f"method {config.method!r} computes attention itself, but the "
+            f"{_architecture(model)!r} architecture does not call mlx-lm's "
+            "scaled_dot_product_attention (it computes attention inline), so the method "
+            "cannot be hooked in; methods that work here: "
+            + ", ".join(
+                k for k, m in METHODS.items()
+                if m.implemented and not m.load_implementation().requires_attention_hook
+            )
+        )
+
+
+def make_prompt_cache(model: nn.Module, config: KVCacheConfig | None = None, **_ignored) -> list[Any]:
+    """One cache per layer for ``config.method``; the model's special layers keep theirs.
+
+    Extra keyword arguments (mlx-lm's ``max_kv_size``) are accepted and ignored: the
+    method's own options bound the cache.
+    """
+    return _make_prompt_cache(model, config or KVCacheConfig(), sticky=True)
+
+
+def _make_prompt_cache(model: nn.Module, config: KVCacheConfig, sticky: bool) -> list[Any]:
+    cache_class = METHODS[config.method].load_implementation()
+    _check_supported(model, cache_class, config)
+    native = _native_caches(model)
+    layers = tuple(i for i, c in enumerate(native) if type(c) is KVCache)
+    if not layers:
+        raise ValueError(
+            f"the {_architecture(model)!r} model has no full-attention KV cache layer "
+            f"to compress (its caches: {sorted({type(c).__name__ for c in native})})"
+        )
+    context = ModelContext(config, len(native), layers)
+    if sticky:  # a patched model's hooks are installed (and counted) by the patch
+        _install_hooks(model, sticky=True)
+    return [
+        cache_class(config, context, i) if i in layers else c for i, c in enumerate(native)
+    ]
+
+
+def patch_model_kv_cache(model: nn.Module, config: KVCacheConfig) -> nn.Module:
+    """Make every mlx-lm generation with ``model`` use ``config``'s caches.
+
+    Sets ``model.make_cache`` (mlx-lm's ``make_prompt_cache`` calls it for generate,
+    stream_generate and the server) and installs the attention hook for the model's
+    architecture. Patching again replaces the config. Returns the model.
+    """
+    if not isinstance(config, KVCacheConfig):
+        raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+    cache_class = METHODS[config.method].load_implementation()
+    _check_supported(model, cache_class, config)
+    if "_veloxquant_config" not in model.__dict__:
+        previous = model.__dict__.get("make_cache")
+        native = model.make_cache if hasattr(model, "make_cache") else None
+        object.__setattr__(model, "_veloxquant_previous_make_cache", previous)
+        object.__setattr__(model, "_veloxquant_native_make_cache", native)
+        _install_hooks(model, sticky=False)
+    object.__setattr__(model, "_veloxquant_config", config)
+    object.__setattr__(
+        model, "make_cache", lambda: _make_prompt_cache(model, model._veloxquant_config, False)
+    )
+    return model
+
+
+def unpatch_model_kv_cache(model: nn.Module) -> nn.Module:
+    """Undo ``patch_model_kv_cache``: the model and mlx-lm behave exactly as before."""
+    if "_veloxquant_config" not in model.__dict__:
+        return model
+    previous = model.__dict__["_veloxquant_previous_make_cache"]
+    for name in ("_veloxquant_config", "_veloxquant_previous_make_cache",
+                 "_veloxquant_native_make_cache", "make_cache"):
+        model.__dict__.pop(name, None)
+    if previous is not None:
+        object.__setattr__(model, "make_cache", previous)
+    _release_hooks(model)
+    return model
+
+
+@contextlib.contextmanager
+def patched_kv_cache(model: nn.Module, config: KVCacheConfig):
+    """``with patched_kv_cache(model, config): mlx_lm.generate(model, ...)``."""
+    patch_model_kv_cache(model, config)
+    try:
+        yield model
+    finally:
+        unpatch_model_kv_cache(model)
+
+
+def is_veloxquant_cache(cache: Any) -> bool:
+    return isinstance(cache, CompressedKVCache)

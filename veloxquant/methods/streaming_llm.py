@@ -1,0 +1,116 @@
+"""StreamingLLM: attention sinks plus a window of the most recent tokens.
+
+Adapted (see the spec's status): keys keep their original RoPE positions, there is no
+pos-shift re-rotation. A prefill chunk of S tokens attends to the sinks, the last
+``W - min(W, S)`` older tokens and itself (causally), as the official ``evict_for_space``
+does; afterwards the cache keeps the sinks and the last W tokens. Decode steps write into
+a ring over the window rows, so a step costs one row, not a copy of the window.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..cache.base import CompressedKVCache
+
+
+class StreamingLLMCache(CompressedKVCache):
+    def _init_storage(self) -> None:
+        self.n_sink = self.config.stream_n_sink
+        self.window = self.config.stream_window_size
+        self.keys = None  # (B, H, n_sink + window, D), allocated at the first update
+        self.values = None
+        self.filled = 0  # rows in use
+        self.ring = 0  # next window row to overwrite once full (rows are then unordered)
+
+    @property
+    def capacity(self) -> int:
+        return self.n_sink + self.window
+
+    @property
+    def stored_length(self) -> int:
+        return self.filled
+
+    def _arrays(self):
+        return {"keys": self.keys, "values": self.values}
+
+    def _meta(self):
+        return {"n_sink": self.n_sink, "window": self.window, "filled": self.filled, "ring": self.ring}
+
+    def _restore_meta(self, meta):
+        self.n_sink, self.window = int(meta["n_sink"]), int(meta["window"])
+        self.filled, self.ring = int(meta["filled"]), int(meta["ring"])
+
+    def _kept_old(self, n_new: int) -> int:
+        sinks = min(self.n_sink, self.filled)
+        return sinks + min(self.filled - sinks, max(0, self.window - n_new))
+
+    def _rows_returned(self, n_new: int) -> int:
+        if n_new == 1:
+            return min(self.filled + 1, self.capacity)
+        return self._kept_old(n_new) + n_new
+
+    def _temporal(self, x: mx.array) -> mx.array:
+        """Stored rows in the order the tokens came."""
+        if self.filled < self.capacity or self.ring == self.n_sink:
+            return x[:, :, : self.filled]
+        s, r = self.n_sink, self.ring
+        return mx.concatenate([x[:, :, :s], x[:, :, r:], x[:, :, s:r]], axis=2)
+
+    def _allocate(self, keys, values) -> None:
+        b, h, _, dk = keys.shape
+        self.keys = mx.zeros((b, h, self.capacity, dk), keys.dtype)
+        self.values = mx.zeros((b, h, self.capacity, values.shape[-1]), values.dtype)
+
+    def update_and_fetch(self, keys, values):
+        if self.keys is None:
+            self._allocate(keys, values)
+        n = keys.shape[2]
+        self.offset += n
+        if n == 1:
+            return self._decode_step(keys, values)
+        return self._prefill_chunk(keys, values)
+
+    def _decode_step(self, keys, values):
+        if self.filled < self.capacity:
+            row, self.filled = self.filled, self.filled + 1
+            self.ring = self.n_sink if self.filled == self.capacity else self.filled
+        else:
+            row = self.ring
+            self.ring = self.n_sink + (row - self.n_sink + 1) % self.window
+        self.keys[:, :, row : row + 1] = keys
+        self.values[:, :, row : row + 1] = values
+        # Attention at a single-token step needs no order, so the ring is returned as is.
+        return self.keys[:, :, : self.filled], self.values[:, :, : self.filled]
+
+    def _prefill_chunk(self, keys, values):
+        kept = self._kept_old(keys.shape[2])
+        sinks = min(self.n_sink, self.filled)
+        old_k, old_v = self._temporal(self.keys), self._temporal(self.values)
+        start = self.filled - (kept - sinks)
+        all_k = mx.concatenate([old_k[:, :, :sinks], old_k[:, :, start:], keys], axis=2)
+        all_v = mx.concatenate([old_v[:, :, :sinks], old_v[:, :, start:], values], axis=2)
+        total = all_k.shape[2]
+        keep_from = max(self.n_sink, total - self.window)
+        if keep_from > self.n_sink:
+            ret_k = mx.concatenate([all_k[:, :, : self.n_sink], all_k[:, :, keep_from:]], axis=2)
+            ret_v = mx.concatenate([all_v[:, :, : self.n_sink], all_v[:, :, keep_from:]], axis=2)
+        else:
+            ret_k, ret_v = all_k, all_v
+        self.filled = ret_k.shape[2]
+        self.keys[:, :, : self.filled] = ret_k
+        self.values[:, :, : self.filled] = ret_v
+        self.ring = self.n_sink if self.filled == self.capacity else self.filled
+        return all_k, all_v
+
+    def is_trimmable(self) -> bool:
+        return self.offset == self.filled  # nothing evicted yet
+
+    def trim(self, n: int) -> int:
+        if not self.is_trimmable():
+            return 0
+        n = min(n, self.filled)
+        self.filled -= n
+        self.offset -= n
+        self.ring = self.filled
+        return n

@@ -1,0 +1,80 @@
+"""Group-wise asymmetric (min-max) quantization in the two layouts KV caches need.
+
+Per group of ``group_size`` consecutive elements: ``scale = (max - min) / (2^bits - 1)``,
+``code = round((x - min) / scale)``, ``x_hat = scale * code + min``, so every element is
+within ``scale / 2`` of its value (KIVI's quantizer; ``mx.quantize`` instead moves the
+grid to make zero exact, which can clip a group's far end). Scales and minima are stored
+in the input's dtype and codes are rounded against the stored values. Codes are packed
+``32 // bits`` to a uint32 word in ``mx.quantize``'s order, so ``mx.dequantize``,
+``mx.quantized_matmul`` and our kernels read them as they are.
+
+- per token: groups run along head_dim (``(B, H, T, D)`` -> codes ``(B, H, T, D*bits/32)``);
+- per channel: groups run along the tokens of one channel, stored transposed
+  (``(B, H, T, D)`` -> codes ``(B, H, D, T*bits/32)``), so appending a block of tokens
+  appends along the last axis and ``q @ K^T`` is a plain ``quantized_matmul``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+SUPPORTED_BITS = (2, 4, 8)
+_MIN_SCALE = 1e-6  # a constant group gets this scale and codes 0: x_hat == x exactly
+
+
+def pack_codes(codes: mx.array, bits: int) -> mx.array:
+    """(..., n) integer codes below ``2**bits`` -> (..., n * bits / 32) uint32 words."""
+    per_word = 32 // bits
+    grouped = codes.astype(mx.uint32).reshape(*codes.shape[:-1], -1, per_word)
+    shifts = mx.arange(per_word, dtype=mx.uint32) * bits
+    return (grouped << shifts).sum(axis=-1).astype(mx.uint32)  # disjoint bit fields
+
+
+def unpack_codes(words: mx.array, bits: int) -> mx.array:
+    """Inverse of ``pack_codes``: (..., W) uint32 -> (..., W * 32 / bits) uint32 codes."""
+    per_word = 32 // bits
+    shifts = mx.arange(per_word, dtype=mx.uint32) * bits
+    codes = (words[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
+
+
+def quantize(x: mx.array, group_size: int, bits: int):
+    """Min-max quantization along the last axis -> (codes, scales, minima)."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits} is not supported; allowed: {SUPPORTED_BITS}")
+    *lead, n = x.shape
+    groups = x.reshape(*lead, n // group_size, group_size).astype(mx.float32)
+    low = groups.min(axis=-1, keepdims=True)
+    high = groups.max(axis=-1, keepdims=True)
+    levels = (1 << bits) - 1
+    scale = mx.maximum((high - low) / levels, _MIN_SCALE).astype(x.dtype)
+    low = low.astype(x.dtype)
+    codes = mx.round((groups - low.astype(mx.float32)) / scale.astype(mx.float32))
+    codes = mx.clip(codes, 0, levels).reshape(*lead, n)
+    return pack_codes(codes, bits), scale.squeeze(-1), low.squeeze(-1)
+
+
+def dequantize(codes, scales, minima, group_size: int, bits: int, dtype=None):
+    out = mx.dequantize(codes, scales, minima, group_size=group_size, bits=bits)
+    return out if dtype is None else out.astype(dtype)
+
+
+def quantize_per_token(x: mx.array, group_size: int, bits: int):
+    return quantize(x, group_size, bits)
+
+
+def dequantize_per_token(codes, scales, minima, group_size: int, bits: int, dtype=None):
+    return dequantize(codes, scales, minima, group_size, bits, dtype)
+
+
+def quantize_per_channel(x: mx.array, group_size: int, bits: int):
+    return quantize(x.swapaxes(-1, -2), group_size, bits)
+
+
+def dequantize_per_channel(codes, scales, minima, group_size: int, bits: int, dtype=None):
+    return dequantize(codes, scales, minima, group_size, bits, dtype).swapaxes(-1, -2)
+
+
+def packed_length(n: int, bits: int) -> int:
+    """uint32 words that ``n`` codes of ``bits`` bits occupy."""
+    return n * bits // 32
