@@ -25,7 +25,6 @@ import mlx.nn as nn
 import mlx_lm.models.base as mlx_lm_base
 from mlx_lm.models.cache import KVCache
 
-from ..cache.base import CompressedKVCache
 from ..cache.config import KVCacheConfig
 from ..registry import METHODS
 
@@ -200,5 +199,21 @@ def patched_kv_cache(model: nn.Module, config: KVCacheConfig):
         unpatch_model_kv_cache(model)
 
 
-def is_veloxquant_cache(cache: Any) -> bool:
-    return isinstance(cache, CompressedKVCache)
+def patch_server(server_module: Any, config: KVCacheConfig) -> None:
+    """Make ``mlx_lm.server`` patch every model it loads with ``config``.
+
+    Our caches cannot be merged into a batch, so the server serves requests one at a
+    time through ``stream_generate`` (its LRU prompt cache copies and trims ours).
+    """
+    provider = server_module.ModelProvider
+    original = provider.__dict__.get("_veloxquant_original_load", provider._load)
+
+    def _load(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        patch_model_kv_cache(self.model, config)
+        self.is_batchable = False
+        return result
+
+    provider._veloxquant_original_load = original
+    provider._load = _load
+

@@ -1,0 +1,118 @@
+"""Decode benchmark: stored KV bytes, peak memory and decode speed per method.
+
+A random llama (8 layers, head_dim 128, GQA 4:1), prompts of 1k/4k/16k tokens prefilled
+the way mlx-lm does it (2048-token chunks, then the last token alone), then timed
+single-token decode steps. Every figure is also given as a ratio to mlx-lm's own
+``KVCache`` measured in the same run, on the same model and prompt.
+
+    python benchmarks/decode.py                      # 1k, 4k, 16k
+    python benchmarks/decode.py --contexts 1024 4096 --steps 16 --out bench-out/decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+from veloxquant_mlx import KVCacheConfig, make_prompt_cache
+from veloxquant_mlx.cache.options import KIVIOptions, SnapKVOptions, StreamingLLMOptions
+
+METHODS = {
+    "mlx-lm KVCache": None,
+    "full": KVCacheConfig(),
+    "streaming_llm": KVCacheConfig(options=StreamingLLMOptions(stream_n_sink=4, stream_window_size=508)),
+    "snapkv": KVCacheConfig(options=SnapKVOptions(snap_budget=512)),
+    "kivi-2bit": KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=32), kv_bits=2),
+    "kivi-4bit": KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=32), kv_bits=4),
+}
+
+
+def build_model(dtype=mx.float16):
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1024,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=128, rms_norm_eps=1e-5,
+        vocab_size=1024, rope_theta=500000.0, tie_word_embeddings=True,
+    )
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def prefill(model, cache, tokens, chunk=2048):
+    while tokens.shape[0] > 1:
+        n = min(chunk, tokens.shape[0] - 1)
+        model(tokens[:n][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        tokens = tokens[n:]
+    logits = model(tokens[None], cache=cache)
+    mx.eval(logits)
+    return mx.argmax(logits[:, -1], axis=-1)
+
+
+def measure(model, config, context, steps):
+    tokens = mx.random.randint(0, 1024, (context,), key=mx.random.key(context))
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    cache = [KVCache() for _ in model.layers] if config is None else make_prompt_cache(model, config)
+    y = prefill(model, cache, tokens)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits = model(y[:, None], cache=cache)
+        y = mx.argmax(logits[:, -1], axis=-1)
+        mx.eval(y)
+        times.append(time.perf_counter() - start)
+    step = statistics.median(times[2:] if steps > 4 else times)
+    return {
+        "kv_bytes": sum(c.nbytes for c in cache),
+        "peak_bytes": mx.get_peak_memory() - base,
+        "decode_s_per_token": step,
+        "decode_tokens_per_s": 1.0 / step,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--out", default=None, help="write every figure as JSON here")
+    args = ap.parse_args()
+
+    model = build_model()
+    results = []
+    for context in args.contexts:
+        for name in ["mlx-lm KVCache", *[m for m in args.methods if m != "mlx-lm KVCache"]]:
+            r = measure(model, METHODS[name], context, args.steps)
+            results.append({"method": name, "context": context, **r})
+            print(f"  {name:16s} {context:6d}: {r['decode_tokens_per_s']:8.2f} tok/s", flush=True)
+
+    rows = ["| context | method | KV bytes | KV ratio | peak ratio | decode tok/s | speed ratio |",
+            "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        base = next(b for b in results if b["context"] == r["context"] and b["method"] == "mlx-lm KVCache")
+        rows.append(
+            f"| {r['context']} | {r['method']} | {r['kv_bytes']:,} | {r['kv_bytes'] / base['kv_bytes']:.3f} "
+            f"| {r['peak_bytes'] / base['peak_bytes']:.3f} | {r['decode_tokens_per_s']:.2f} "
+            f"| {r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f} |"
+        )
+    env = {"mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
+           "processor": platform.processor(), "steps": args.steps}
+    print("\n" + "\n".join(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"environment": env, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
