@@ -210,3 +210,10 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "residual_window",
     "fused_attention",
 )
+
+# Which methods read each of the config's own fields (the spec's ``used_by``).
+CONFIG_FIELD_USERS: dict[str, tuple[str, ...]] = {
+    "kv_bits": ("kivi",),
+    "residual_window": ("kivi",),
+    "fused_attention": ("kivi",),
+}

@@ -1,4 +1,4 @@
-"""The ``veloxquant`` command line: methods, generate, serve."""
+"""The ``veloxquant`` command line: methods, generate, serve, bench (see bench/cli.py)."""
 
 from __future__ import annotations
 
@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_method_args(p)
     p.set_defaults(func=cmd_serve)
+
+    from .bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

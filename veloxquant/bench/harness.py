@@ -1,0 +1,141 @@
+"""The model-mode harness: memory, quality and speed of one method on one workload.
+
+Every figure of a method is measured the same way as the full cache's, in the same run,
+so the report can give ratios: memory from the caches' ``nbytes`` and
+``mx.get_peak_memory``, quality from greedy answers to retrieval tasks and from the
+next-token distributions over held-out text, speed from wall-clock prefill and decode.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from ..cache.config import KVCacheConfig
+from ..integrations.mlx_lm import make_prompt_cache
+from . import metrics
+from .runner import greedy, prefill, step, teacher_forced
+from .tasks import Example, score
+
+
+@dataclass
+class Workload:
+    """What every method is run on (identical inputs for every method)."""
+
+    retrieval: list[Example]
+    speed_prompt: list[int]
+    decode_steps: int
+    prefix: list[int]  # held-out text given as the prompt...
+    continuation: list[int]  # ...and the held-out tokens that follow it
+
+
+@dataclass
+class MethodRun:
+    label: str
+    config: KVCacheConfig
+    make_cache: Callable[[Any], list] | None = None  # default: make_prompt_cache(model, config)
+    settings: dict = field(default_factory=dict)  # what differs from the method's defaults
+
+    def cache(self, model):
+        return self.make_cache(model) if self.make_cache else make_prompt_cache(model, self.config)
+
+
+def _kv_bytes(cache) -> int:
+    return sum(c.nbytes for c in cache)
+
+
+def measure_memory_and_speed(model, run: MethodRun, work: Workload) -> dict:
+    tokens = mx.array(work.speed_prompt)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    active = mx.get_active_memory()
+    cache = run.cache(model)
+    start = time.perf_counter()
+    logits = prefill(model, cache, tokens)
+    prefill_s = time.perf_counter() - start
+    bytes_prefill = _kv_bytes(cache)
+    steps = []
+    token = mx.argmax(logits)
+    for _ in range(work.decode_steps):
+        start = time.perf_counter()
+        token = mx.argmax(step(model, cache, token))
+        mx.eval(token)
+        steps.append(time.perf_counter() - start)
+    n = len(work.speed_prompt)
+    decode_s = statistics.median(steps)
+    return {
+        "tokens_prefill": n,
+        "tokens_decode": n + work.decode_steps,
+        "kv_bytes_prefill": bytes_prefill,
+        "kv_bytes_decode": _kv_bytes(cache),
+        "bytes_per_token_prefill": bytes_prefill / n,
+        "bytes_per_token_decode": _kv_bytes(cache) / (n + work.decode_steps),
+        "peak_bytes": mx.get_peak_memory() - active,
+        "prefill_tokens_per_s": n / prefill_s,
+        "decode_tokens_per_s": 1.0 / decode_s,
+    }
+
+
+def answer(model, tokenizer, run: MethodRun, example: Example) -> str:
+    cache = run.cache(model)
+    logits = prefill(model, cache, mx.array(tokenizer.encode(example.prompt)))
+    return tokenizer.decode(greedy(model, cache, logits, example.max_new_tokens))
+
+
+def retrieval(model, tokenizer, run: MethodRun, examples: list[Example], tick) -> dict:
+    rows = []
+    for ex in examples:
+        output = answer(model, tokenizer, run, ex)
+        rows.append({"task": ex.task, "context": ex.context_tokens, "depth": ex.depth,
+                     "index": ex.index, "correct": score(ex, output), "output": output})
+        tick()
+
+    def accuracy(key):
+        groups: dict[Any, list[bool]] = {}
+        for r in rows:
+            groups.setdefault(r[key], []).append(r["correct"])
+        return {str(k): sum(v) / len(v) for k, v in sorted(groups.items())}
+
+    return {
+        "accuracy": sum(r["correct"] for r in rows) / max(1, len(rows)),
+        "by_task": accuracy("task"),
+        "by_context": accuracy("context"),
+        "by_depth": accuracy("depth"),
+        "examples": rows,
+    }
+
+
+def continuation(model, run: MethodRun, work: Workload) -> mx.array:
+    cache = run.cache(model)
+    first = prefill(model, cache, mx.array(work.prefix))
+    return teacher_forced(model, cache, first, work.continuation)
+
+
+def evaluate(model, tokenizer, run: MethodRun, work: Workload, reference_logprobs=None,
+             tick: Callable[[], None] = lambda: None) -> tuple[dict, mx.array | None]:
+    """All figures of one method; a failure is recorded, never raised."""
+    result: dict[str, Any] = {"label": run.label, "method": run.config.method,
+                              "settings": run.settings, "config": run.config.to_dict()}
+    logprobs = None
+    try:
+        result["memory_speed"] = measure_memory_and_speed(model, run, work)
+        tick()
+        result["retrieval"] = retrieval(model, tokenizer, run, work.retrieval, tick)
+        logprobs = continuation(model, run, work)
+        quality = {"perplexity": metrics.perplexity(logprobs, work.continuation)}
+        if reference_logprobs is not None:
+            quality["kl_mean"] = float(metrics.kl_divergence(reference_logprobs, logprobs).mean())
+            quality["top1_agreement"] = metrics.top1_agreement(reference_logprobs, logprobs)
+        result["continuation"] = quality
+        tick()
+        result["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - one method's failure must not abort the run
+        result["status"] = "failed"
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc(limit=6)
+    return result, logprobs

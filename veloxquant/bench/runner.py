@@ -1,0 +1,48 @@
+"""Driving a model through a cache the way mlx-lm's generate does."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+PREFILL_CHUNK = 2048  # mlx-lm's prefill_step_size
+
+
+def prefill(model, cache, tokens: mx.array, chunk: int = PREFILL_CHUNK) -> mx.array:
+    """Process a prompt in chunks, then its last token alone; return that token's logits."""
+    while tokens.shape[0] > 1:
+        n = min(chunk, tokens.shape[0] - 1)
+        model(tokens[:n][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        tokens = tokens[n:]
+    logits = model(tokens[None], cache=cache)[0, -1]
+    mx.eval(logits)
+    return logits
+
+
+def step(model, cache, token: int | mx.array) -> mx.array:
+    """One decode step: the logits (V,) after ``token``."""
+    logits = model(mx.array([[token]]) if isinstance(token, int) else token.reshape(1, 1), cache=cache)
+    return logits[0, -1]
+
+
+def greedy(model, cache, first_logits: mx.array, n: int) -> list[int]:
+    """``n`` greedy tokens, the first from ``first_logits``."""
+    out = []
+    logits = first_logits
+    for i in range(n):
+        token = mx.argmax(logits)
+        mx.eval(token)
+        out.append(int(token))
+        if i + 1 < n:
+            logits = step(model, cache, token)
+    return out
+
+
+def teacher_forced(model, cache, first_logits: mx.array, targets: list[int]) -> mx.array:
+    """Log-probabilities (len(targets), V) of each next token given the true history."""
+    rows = [first_logits]
+    for token in targets[:-1]:
+        rows.append(step(model, cache, token))
+        mx.eval(rows[-1])
+    logits = mx.stack(rows).astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
