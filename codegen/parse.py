@@ -18,6 +18,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import MarkedYAMLError
 
+from .typecheck import conforms
 from .model import (
     FAMILIES,
     STATUSES,
@@ -119,27 +120,6 @@ def parse_type(text: str) -> FieldType | None:
         if values and all(isinstance(v, (str, int, bool)) for v in values):
             return FieldType(base="literal", literals=tuple(values), optional=optional)
     return None
-
-
-def conforms(value: Any, base: str, item: str | None = None, literals=()) -> bool:
-    """Whether ``value`` is a valid (non-None) value of a base type."""
-    if base == "any":
-        return True
-    if base == "literal":
-        return any(value == v and type(value) is type(v) for v in literals)
-    if base == "bool":
-        return isinstance(value, bool)
-    if base == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if base == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if base == "str":
-        return isinstance(value, str)
-    if base == "tuple":
-        if not isinstance(value, (tuple, list)):
-            return False
-        return item is None or all(conforms(v, item) for v in value)
-    raise AssertionError(base)
 
 
 def parse_interval(text: Any) -> Interval | None:

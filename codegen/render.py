@@ -85,6 +85,13 @@ def typing_imports(fields: list[Field]) -> list[str]:
     return sorted(names)
 
 
+def _typecheck_body() -> str:
+    """``codegen/typecheck.py`` without its docstring and imports (the template has them)."""
+    source = (Path(__file__).parent / "typecheck.py").read_text()
+    body = source[source.index("def conforms") :]
+    return body.strip()
+
+
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
@@ -120,6 +127,7 @@ def render_all(spec: Spec) -> dict[str, str]:
         fields_by_name={f.name: f for f in all_fields},
         option_typing=typing_imports([f for m in with_options for f in m.fields]),
         config_typing=sorted(set(typing_imports(all_fields)) | {"Any"}),
+        typecheck_source=_typecheck_body(),
     )
     out = {}
     for name in OUTPUTS:

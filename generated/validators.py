@@ -980,7 +980,10 @@ CHECKS: dict[
 }
 
 
-def _is(value: Any, base: str, item: str | None, literals: tuple[Any, ...]) -> bool:
+def conforms(
+    value: Any, base: str, item: str | None = None, literals: tuple = ()
+) -> bool:
+    """Whether ``value`` (not None) is a valid value of the base type ``base``."""
     if base == "any":
         return True
     if base == "literal":
@@ -999,7 +1002,7 @@ def _is(value: Any, base: str, item: str | None, literals: tuple[Any, ...]) -> b
         return isinstance(value, str)
     if base == "tuple":
         return isinstance(value, (tuple, list)) and (
-            item is None or all(_is(v, item, None, ()) for v in value)
+            item is None or all(conforms(v, item) for v in value)
         )
     raise AssertionError(base)
 
@@ -1027,7 +1030,7 @@ def field_problem(name: str, value: Any) -> str | None:
         if rule.optional or rule.base == "any":
             return None
         return f"must be {rule.annotation}, not None"
-    if not _is(value, rule.base, rule.item, rule.literals):
+    if not conforms(value, rule.base, rule.item, rule.literals):
         return f"must be {rule.annotation}, got {type(value).__name__}"
     items = list(value) if rule.base == "tuple" else [value]
     if not all(_in_range(rule, x) for x in items):
