@@ -1,6 +1,7 @@
 import os
 from pathlib import Path
 
+import veloxquant_mlx  # noqa: F401  first: it may load an optimized BLAS before mlx
 import pytest
 
 # Tests run on the CPU: CI has no GPU, and MLX's CPU back-end is the reference.

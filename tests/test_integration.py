@@ -134,7 +134,8 @@ def test_prompt_cache_reuse_copy_and_trim():
     ref = make_prompt_cache(model, KVCacheConfig())
     run(model, ref, tokens[:80], decode=0)
     nxt = tokens[80:81][None]
-    assert mx.array_equal(model(nxt, cache=clone), model(nxt, cache=ref))
+    # Different prefill chunkings round differently: equal to float precision.
+    assert mx.allclose(model(nxt, cache=clone), model(nxt, cache=ref), atol=1e-5)
     # After eviction a streaming cache can no longer be trimmed.
     stream = make_prompt_cache(model, CONFIGS["streaming_llm"])
     run(model, stream, tokens, decode=0)

@@ -6,7 +6,11 @@
 512
 """
 
-from .cache import KVCacheConfig, VeloxQuantDeprecationWarning
+from ._blas import use_optimized_blas
+
+use_optimized_blas()  # before anything imports mlx (see _blas.py)
+
+from .cache import KVCacheConfig, VeloxQuantDeprecationWarning  # noqa: E402
 
 # The mlx-lm integration imports mlx-lm (slow); load it on first use.
 _LAZY = {
