@@ -1,0 +1,556 @@
+"""Fused KIVI decode attention (veloxquant/kernels/kivi_decode.py).
+
+CPU (CI) checks the two pure-mlx paths; the CUDA and Metal kernels run only where their
+back-end exists and are skipped, with the reason printed, elsewhere. The CUDA source is
+also executed on the CPU through a C++ emulation (each CUDA thread a std::thread), which
+checks its indexing and synchronisation without a GPU.
+
+Tolerances, from the arithmetic:
+* Every path computes in float32 on the same dequantized values (scale * code + bias is
+  exact up to one float32 rounding), so two paths differ by float32 summation order:
+  about sqrt(n) * 2**-24 relative for n-term sums, under 1e-5 for the sizes here.
+* The output is rounded to the query dtype once. Two float32 results a hair apart can
+  round to neighbouring values: at most one ulp = 2 u per element (u = unit roundoff,
+  2**-11 float16, 2**-8 bfloat16, 2**-24 float32), so the relative norm error between
+  two paths is at most 2 u + 1e-5, and 1 u + 1e-5 against an unrounded float64 result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from veloxquant_mlx.kernels import kivi_decode as kd
+
+UNIT_ROUNDOFF = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-24}
+SUM_EPS = 1e-5
+
+
+def _rel(a, b) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _f32(x) -> np.ndarray:
+    return np.array(x.astype(mx.float32))
+
+
+def make_case(B=1, H=2, R=4, D=128, bits=4, G=32, n_kq=256, n_kres=17, n_vres=40,
+              dtype=mx.float16, spare_groups=2, seed=0):
+    """A KIVI-layout cache with spare capacity everywhere (NaN scales and residual rows,
+    random codes), so that any read past the valid part shows up as NaN or garbage.
+    Returns (args tuple for the attention functions, unquantized K, unquantized V)."""
+    mx.random.seed(seed)
+    T = n_kq + n_kres
+    n_vq = T - n_vres
+    P = 32 // bits
+    nan = float("nan")
+    # keys with per-channel magnitudes (the outlier channels KIVI is built for)
+    K = (mx.random.normal((B, H, T, D)) * (0.5 + 3 * mx.random.uniform(shape=(1, H, 1, D))))
+    V = mx.random.normal((B, H, T, D))
+    K, V = K.astype(dtype), V.astype(dtype)
+    q = mx.random.normal((B, H * R, 1, D)).astype(dtype)
+
+    if n_kq:
+        kc, ks, kb = mx.quantize(K[:, :, :n_kq].transpose(0, 1, 3, 2), group_size=G, bits=bits)
+    else:
+        kc = mx.zeros((B, H, D, 0), mx.uint32)
+        ks = kb = mx.zeros((B, H, D, 0), dtype)
+    extra = spare_groups * G
+    kc = mx.concatenate(
+        [kc, mx.random.randint(0, 2**31 - 1, (B, H, D, extra // P)).astype(mx.uint32)], -1)
+    ks = mx.concatenate([ks, mx.full((B, H, D, spare_groups), nan, dtype)], -1)
+    kb = mx.concatenate([kb, mx.full((B, H, D, spare_groups), nan, dtype)], -1)
+
+    if n_vq:
+        vc, vs, vb = mx.quantize(V[:, :, :n_vq], group_size=G, bits=bits)
+    else:
+        vc = mx.zeros((B, H, 0, D // P), mx.uint32)
+        vs = vb = mx.zeros((B, H, 0, D // G), dtype)
+    vc = mx.concatenate(
+        [vc, mx.random.randint(0, 2**31 - 1, (B, H, 3, D // P)).astype(mx.uint32)], 2)
+    vs = mx.concatenate([vs, mx.full((B, H, 3, D // G), nan, dtype)], 2)
+    vb = mx.concatenate([vb, mx.full((B, H, 3, D // G), nan, dtype)], 2)
+    kr = mx.concatenate([K[:, :, n_kq:], mx.full((B, H, 5, D), nan, dtype)], 2)
+    vr = mx.concatenate([V[:, :, n_vq:], mx.full((B, H, 7, D), nan, dtype)], 2)
+    mx.eval(q, kc, ks, kb, kr, vc, vs, vb, vr, K, V)
+    return (q, kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres), K, V
+
+
+def _kw(D, bits, G):
+    return dict(scale=D**-0.5, bits=bits, group_size=G)
+
+
+def _numpy_reference(args, scale, bits, G):
+    """Independent float64 dequantize + attention from the raw packed arrays."""
+    q, kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = args
+    B, Hq, _, D = q.shape
+    P = 32 // bits
+    mask = (1 << bits) - 1
+
+    def unpack(w):  # (..., W) uint32 -> (..., W * P) codes, code j of a word at bits j*b
+        w = np.asarray(w).astype(np.uint64)
+        sh = (np.arange(P, dtype=np.uint64) * bits)
+        return ((w[..., None] >> sh) & mask).reshape(*w.shape[:-1], -1).astype(np.float64)
+
+    Ks = []
+    if n_kq:
+        c = unpack(np.array(kc)[..., : n_kq // P])  # (B,H,D,n_kq)
+        s = np.repeat(_f32(ks)[..., : n_kq // G].astype(np.float64), G, -1)
+        b = np.repeat(_f32(kb)[..., : n_kq // G].astype(np.float64), G, -1)
+        Ks.append(np.swapaxes(s * c + b, -1, -2))
+    if n_kres:
+        Ks.append(_f32(kr)[:, :, :n_kres].astype(np.float64))
+    Vs = []
+    if n_vq:
+        c = unpack(np.array(vc)[:, :, :n_vq])
+        s = np.repeat(_f32(vs)[:, :, :n_vq].astype(np.float64), G, -1)
+        b = np.repeat(_f32(vb)[:, :, :n_vq].astype(np.float64), G, -1)
+        Vs.append(s * c + b)
+    if n_vres:
+        Vs.append(_f32(vr)[:, :, :n_vres].astype(np.float64))
+    Kf = np.concatenate(Ks, 2)
+    Vf = np.concatenate(Vs, 2)
+    H = Kf.shape[1]
+    R = Hq // H
+    out = np.zeros((B, Hq, 1, D))
+    qf = _f32(q).astype(np.float64)
+    for hq in range(Hq):
+        h = hq // R
+        s = np.einsum("bd,btd->bt", qf[:, hq, 0], Kf[:, h]) * scale
+        s = s - s.max(-1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(-1, keepdims=True)
+        out[:, hq, 0] = np.einsum("bt,btd->bd", p, Vf[:, h])
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# layout and the reference
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits,G", list(itertools.product((2, 4, 8), (32, 64, 128))))
+def test_unpacking_matches_mx_dequantize(bits, G):
+    w = mx.random.normal((2, 3, 128, 256))
+    codes, s, b = mx.quantize(w, group_size=G, bits=bits)
+    mine = kd._dequant_values_f32(codes, s, b, 128, bits, G)
+    theirs = mx.dequantize(codes, s, b, group_size=G, bits=bits)
+    np.testing.assert_allclose(np.array(mine), np.array(theirs), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "R,bits,G,n_kq,n_kres,n_vres,dtype",
+    [
+        (1, 4, 32, 256, 17, 40, mx.float32),
+        (4, 2, 64, 192, 0, 1, mx.float16),
+        (8, 8, 128, 384, 127, 128, mx.bfloat16),
+        (4, 4, 32, 0, 45, 45, mx.float32),
+    ],
+)
+def test_reference_matches_float64(R, bits, G, n_kq, n_kres, n_vres, dtype):
+    args, _, _ = make_case(R=R, bits=bits, G=G, n_kq=n_kq, n_kres=n_kres, n_vres=n_vres,
+                           dtype=dtype)
+    kw = _kw(128, bits, G)
+    out = kd.kivi_decode_attention_reference(*args, **kw)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    ref = _numpy_reference(args, kw["scale"], bits, G)
+    assert _rel(_f32(out), ref) <= UNIT_ROUNDOFF[dtype] + SUM_EPS
+
+
+def test_reference_tracks_unquantized_attention():
+    """At 8 bits the cache is nearly lossless: the output must match plain attention on
+    the original K/V, which pins the logical token order (quantized, then residual, with
+    different key and value split points) and the GQA head mapping."""
+    B, H, R, D = 2, 2, 4, 128
+    args, K, V = make_case(B=B, H=H, R=R, bits=8, G=32, n_kq=320, n_kres=50, n_vres=128,
+                           dtype=mx.float32)
+    q = args[0]
+    out = kd.kivi_decode_attention_reference(*args, **_kw(D, 8, 32))
+    Kr = mx.repeat(K, R, axis=1)
+    Vr = mx.repeat(V, R, axis=1)
+    exact = mx.fast.scaled_dot_product_attention(q, Kr, Vr, scale=D**-0.5)
+    assert _rel(_f32(out), _f32(exact)) < 0.02
+    # the check is sensitive to order: values shifted by one token are far off
+    shifted = mx.fast.scaled_dot_product_attention(q, Kr, mx.roll(Vr, 1, axis=2),
+                                                   scale=D**-0.5)
+    assert _rel(_f32(shifted), _f32(exact)) > 0.1
+
+
+# ----------------------------------------------------------------------------------
+# the quantized_matmul path against the reference
+# ----------------------------------------------------------------------------------
+
+_RESIDUALS = [(0, 0), (17, 40), (31, 128), (100, 1), (0, 77), (63, 0)]
+_DTYPES = [mx.float16, mx.float32, mx.bfloat16]
+_GRID = list(itertools.product((2, 4, 8), (32, 64, 128), (1, 4, 8)))
+
+
+@pytest.mark.parametrize("bits,G,R", _GRID)
+def test_qmm_path_matches_reference(bits, G, R):
+    i = _GRID.index((bits, G, R))
+    n_kres, n_vres = _RESIDUALS[i % len(_RESIDUALS)]
+    dtype = _DTYPES[i % len(_DTYPES)]
+    n_kq = G * (1 + (i % 5))  # 1..5 groups
+    args, _, _ = make_case(B=1 + i % 2, H=2, R=R, bits=bits, G=G, n_kq=n_kq,
+                           n_kres=n_kres, n_vres=min(n_vres, n_kq + n_kres), dtype=dtype,
+                           seed=i)
+    kw = _kw(128, bits, G)
+    ref = kd.kivi_decode_attention_reference(*args, **kw)
+    out = kd.kivi_decode_attention_qmm(*args, **kw)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert np.isfinite(_f32(out)).all()
+    assert _rel(_f32(out), _f32(ref)) <= 2 * UNIT_ROUNDOFF[dtype] + SUM_EPS
+
+
+@pytest.mark.parametrize(
+    "n_kq,n_kres,n_vres",
+    [(0, 70, 70), (256, 0, 0), (256, 0, 256), (0, 1, 1), (128, 129, 5)],
+    ids=["all-residual", "no-residual", "values-all-residual", "one-token", "long-residual"],
+)
+def test_edge_splits(n_kq, n_kres, n_vres):
+    args, _, _ = make_case(R=4, bits=4, G=64, n_kq=n_kq, n_kres=n_kres, n_vres=n_vres,
+                           dtype=mx.float32)
+    kw = _kw(128, 4, 64)
+    ref = kd.kivi_decode_attention_reference(*args, **kw)
+    np64 = _numpy_reference(args, kw["scale"], 4, 64)
+    assert _rel(_f32(ref), np64) <= UNIT_ROUNDOFF[mx.float32] + SUM_EPS
+    out = kd.kivi_decode_attention_qmm(*args, **kw)
+    assert _rel(_f32(out), _f32(ref)) <= 2 * UNIT_ROUNDOFF[mx.float32] + SUM_EPS
+
+
+def test_dispatcher_on_cpu_uses_the_default_pure_path():
+    args, _, _ = make_case(R=4, bits=4, G=32, n_kq=256, n_kres=9, n_vres=30)
+    kw = _kw(128, 4, 32)
+    assert kd.CPU_DEFAULT_PATH in ("qmm", "reference")
+    with mx.stream(mx.cpu):
+        out = kd.kivi_decode_attention(*args, **kw)
+        off = kd.kivi_decode_attention(*args, **kw, use_kernel=False)
+    path = (kd.kivi_decode_attention_qmm if kd.CPU_DEFAULT_PATH == "qmm"
+            else kd.kivi_decode_attention_reference)
+    np.testing.assert_array_equal(_f32(out), _f32(path(*args, **kw)))
+    np.testing.assert_array_equal(_f32(out), _f32(off))
+
+
+def test_empty_placeholder_buffers_are_accepted():
+    """The cache passes 1-D empty arrays for parts it has not created yet."""
+    args, _, _ = make_case(R=2, bits=4, G=32, n_kq=0, n_kres=20, n_vres=20)
+    empty = mx.zeros((0,), mx.float16)
+    a = list(args)
+    a[1] = a[2] = a[3] = empty
+    a[7] = a[8] = a[9] = empty
+    kw = _kw(128, 4, 32)
+    ref = kd.kivi_decode_attention_reference(*args, **kw)
+    for fn in (kd.kivi_decode_attention_reference, kd.kivi_decode_attention_qmm,
+               kd.kivi_decode_attention):
+        np.testing.assert_allclose(_f32(fn(*a, **kw)), _f32(ref), rtol=2e-3, atol=2e-3)
+
+
+def test_invalid_layouts_are_rejected():
+    args, _, _ = make_case(R=4, bits=4, G=32, n_kq=64, n_kres=3, n_vres=10)
+    kw = _kw(128, 4, 32)
+    a = list(args)
+    a[12] += 1  # n_vres: counts no longer agree
+    with pytest.raises(ValueError, match="must equal"):
+        kd.kivi_decode_attention_reference(*a, **kw)
+    a = list(args)
+    a[4] = 48  # n_kq not a multiple of the group
+    a[6] = args[6] + 16
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        kd.kivi_decode_attention_qmm(*a, **kw)
+    with pytest.raises(ValueError, match="bits"):
+        kd.kivi_decode_attention_reference(*args, scale=1.0, bits=3, group_size=32)
+
+
+def test_kernel_support_matrix():
+    for bits, G, R in _GRID:
+        assert kd.kernel_supports(128, R, bits, G, mx.float16)
+    assert not kd.kernel_supports(128, 16, 4, 64)   # GQA ratio above 8: pure path
+    assert not kd.kernel_supports(96, 4, 4, 32)     # value tiling does not divide 128 threads
+    assert not kd.kernel_supports(64, 4, 4, 128)    # group larger than head_dim
+    assert kd.packed_bytes_read(1, 8, 32, 128, 32768, 0, 32768, 0, 4, 64) == (
+        2 * 8 * 32768 * (128 // 2 + 2 * 2 * 2) + 32 * 128 * 2)
+
+
+# ----------------------------------------------------------------------------------
+# GPU kernels: run only where the back-end exists
+# ----------------------------------------------------------------------------------
+
+
+def _cuda_available() -> bool:
+    try:
+        return bool(mx.cuda.is_available())
+    except AttributeError:
+        return False
+
+
+def _metal_available() -> bool:
+    try:
+        return bool(mx.metal.is_available())
+    except AttributeError:
+        return False
+
+
+_GPU_CASES = [
+    # R, bits, G, n_kq, n_kres, n_vres, dtype, chunk, target_blocks
+    (4, 4, 64, 4096, 37, 128, mx.float16, 256, 1024),
+    (1, 2, 32, 1024, 0, 1, mx.float16, 128, 1024),
+    (8, 8, 128, 2048, 127, 5, mx.bfloat16, 256, 1024),
+    (4, 4, 32, 8192, 100, 128, mx.float32, 256, 4),    # many chunks per block
+    (4, 2, 64, 0, 70, 70, mx.float16, 256, 1024),      # residual only
+]
+
+
+def _run_gpu_cases(fn, algos):
+    """Kernel (every output poisoned with NaN first) against the float32 reference, which
+    runs on the CPU: MLX's CUDA float32 matmuls use TF32 by default (MLX_ENABLE_TF32)."""
+    old = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        for R, bits, G, n_kq, n_kres, n_vres, dtype, chunk, target in _GPU_CASES:
+            args, _, _ = make_case(B=2, H=2, R=R, bits=bits, G=G, n_kq=n_kq, n_kres=n_kres,
+                                   n_vres=n_vres, dtype=dtype)
+            kw = _kw(128, bits, G)
+            with mx.stream(mx.cpu):
+                ref = _f32(kd.kivi_decode_attention_reference(args[0].astype(mx.float32),
+                                                              *args[1:], **kw))
+            for algo in algos:
+                if not kd.kernel_supports(128, R, bits, G, dtype, chunk, algo=algo):
+                    continue
+                # simt: float32 throughout; mma: float16 operands (~2^-11 each)
+                tol = 1e-4 if algo == "simt" else 1e-3
+                out = fn(*args, **kw, chunk=chunk, target_blocks=target, out_dtype=mx.float32,
+                         poison=True, algo=algo)
+                o = _f32(out)
+                assert np.isfinite(o).all(), f"{algo}: outputs left unwritten (NaN poison)"
+                assert _rel(o, ref) < tol, (algo, R, bits, G, dtype)
+                nat = fn(*args, **kw, chunk=chunk, target_blocks=target, algo=algo)
+                assert nat.dtype == dtype
+                assert _rel(_f32(nat), ref) <= UNIT_ROUNDOFF[dtype] + tol
+            disp = kd.kivi_decode_attention(*args, **kw)
+            assert _rel(_f32(disp), ref) <= UNIT_ROUNDOFF[dtype] + 1e-3
+    finally:
+        mx.set_default_device(old)
+
+
+def test_cuda_kernel_matches_reference():
+    if not _cuda_available():
+        pytest.skip("SKIPPED LOUDLY: MLX's CUDA back-end is not available here "
+                    "(mx.cuda.is_available() is False); the fused CUDA kernel is NOT "
+                    "exercised. Run benchmarks/fused_attention.py on an NVIDIA GPU.")
+    _run_gpu_cases(kd.kivi_decode_attention_cuda, ("simt", "mma"))
+
+
+def test_metal_kernel_matches_reference():
+    if not _metal_available():
+        pytest.skip("SKIPPED LOUDLY: no Metal device (mx.metal.is_available() is False); "
+                    "the Metal kernel, which has never run on hardware, is NOT exercised.")
+    _run_gpu_cases(kd.kivi_decode_attention_metal, ("simt",))
+
+
+# ----------------------------------------------------------------------------------
+# the CUDA source, executed on the CPU (indexing and barriers, no GPU needed)
+# ----------------------------------------------------------------------------------
+
+_EMU_PRELUDE = r"""
+#include <algorithm>
+#include <array>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+using std::max; using std::min;
+typedef _Float16 __half;
+struct __nv_bfloat16 { float v; };
+static inline float __half2float(__half x) { return (float)x; }
+static inline float __bfloat162float(__nv_bfloat16 x) { return x.v; }
+static inline __half __float2half_rn(float x) { return (__half)x; }
+static inline __nv_bfloat16 __float2bfloat16_rn(float x) { return {x}; }
+static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float __int_as_float(int32_t u) { float f; memcpy(&f, &u, 4); return f; }
+struct D3 { int x, y, z; };
+struct uint4 { uint32_t x, y, z, w; };
+static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+thread_local D3 threadIdx, blockIdx;
+D3 gridDim;
+using Shape = std::array<int32_t, 10>;
+std::barrier<>* g_bar;
+std::vector<std::unique_ptr<std::barrier<>>> w_bar;
+static float xbuf[1024];
+static inline void __syncthreads() { g_bar->arrive_and_wait(); }
+static inline float __shfl_xor_sync(unsigned, float v, int off) {
+  int t = threadIdx.x; xbuf[t] = v; w_bar[t / 32]->arrive_and_wait();
+  float r = xbuf[t ^ off]; w_bar[t / 32]->arrive_and_wait(); return r;
+}
+// tensor-core helpers, emulated: every lane posts its fragments, then computes its own
+// accumulators from the whole warp's (PTX m16n8k16 .row.col layouts)
+#define VQK_EMULATION 1
+static inline uint32_t vqk_h2(float lo, float hi) {
+  _Float16 l = (_Float16)lo, h = (_Float16)hi; uint16_t a, b;
+  memcpy(&a, &l, 2); memcpy(&b, &h, 2); return (uint32_t)a | ((uint32_t)b << 16);
+}
+static inline float vqk_half(uint32_t r, int k) {
+  uint16_t v = (uint16_t)(r >> (16 * k)); _Float16 f; memcpy(&f, &v, 2); return (float)f;
+}
+static uint32_t xa[1024][4], xb[1024][2];
+static inline void vqk_mma(float* c, const uint32_t* a, const uint32_t* b) {
+  const int t = threadIdx.x, w = t / 32, lane = t % 32, base = w * 32;
+  for (int k = 0; k < 4; ++k) xa[t][k] = a[k];
+  xb[t][0] = b[0]; xb[t][1] = b[1];
+  w_bar[w]->arrive_and_wait();
+  const int g = lane / 4, q = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + (e >= 2 ? 8 : 0), col = 2 * q + (e & 1);
+    float sum = 0.f;
+    for (int k = 0; k < 16; ++k) {
+      const float av = vqk_half(xa[base + (row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k % 2);
+      const float bv = vqk_half(xb[base + col * 4 + (k % 8) / 2][k >= 8], k % 2);
+      sum += av * bv;
+    }
+    c[e] += sum;
+  }
+  w_bar[w]->arrive_and_wait();
+}
+template <class F> void launch(int gx, int gy, int nt, F f) {
+  gridDim = {gx, gy, 1};
+  for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {
+    std::barrier<> bar(nt); g_bar = &bar; w_bar.clear();
+    for (int w = 0; w < (nt + 31) / 32; ++w) w_bar.emplace_back(new std::barrier<>(32));
+    std::vector<std::thread> th;
+    for (int t = 0; t < nt; ++t) th.emplace_back([&, t] { threadIdx = {t, 0, 0}; blockIdx = {x, y, 0}; f(); });
+    for (auto& t : th) t.join();
+  }
+}
+static std::vector<char> rd(const char* p) {
+  FILE* f = fopen(p, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<char> v(n + 16); if (fread(v.data(), 1, n, f) != (size_t)n) {} fclose(f); return v;
+}
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+"""
+
+_CT = {"float16": "__half", "float32": "float", "uint32": "uint32_t", "int32": "int32_t"}
+
+
+def _emu_function(name, source, inputs, outputs, template):
+    """The function MLX's cuda_kernel would generate, as plain C++."""
+    args = []
+    for n, dt in inputs:
+        args.append(f"const {_CT[dt]}* {n}")
+        if n + "_shape" in source:
+            args.append(f"const Shape {n}_shape")
+    args += [f"{_CT[dt]}* {n}" for n, dt in outputs]
+    body = "".join(f"  using {k} = {_CT[v]};\n" if isinstance(v, str)
+                   else f"  constexpr int {k} = {v};\n" for k, v in template)
+    return f"void {name}({', '.join(args)}) {{\n{body}{source}\n}}\n"
+
+
+def _emulate_cuda(args, *, scale, bits, group_size, chunk, target, variant, workdir,
+                  algo="simt"):
+    q, kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = args
+    B, Hq, _, D = q.shape
+    H = kc.shape[1]
+    ns, cpb = kd._plan(n_kq + n_kres, B * H, chunk, target)
+    params = kd._params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
+    dt = {mx.float16: "float16", mx.float32: "float32"}[q.dtype]
+    ins = [("queries", dt, q), ("k_codes", "uint32", kc), ("k_scales", dt, ks),
+           ("k_biases", dt, kb), ("k_res", dt, kr), ("v_codes", "uint32", vc),
+           ("v_scales", dt, vs), ("v_biases", dt, vb), ("v_res", dt, vr),
+           ("params", "int32", params)]
+    tw, ku, vu = variant
+    template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
+                ("GQA", Hq // H), ("CHUNK", chunk), ("NT", kd._NT), ("TW", tw),
+                ("KUNROLL", ku), ("VUNROLL", vu), ("MODE", 0)]
+    ng = max(1, 256 // D)
+    src = _EMU_PRELUDE + kd.CUDA_HEADER
+    source = kd.CUDA_MMA_SOURCE if algo == "mma" else kd.CUDA_SOURCE
+    src += _emu_function("kmain", source, [(n, d) for n, d, _ in ins],
+                         [("o_part", "float32"), ("ml_part", "float32")], template)
+    src += _emu_function("kcomb", kd.CUDA_COMBINE_SOURCE,
+                         [("o_part", "float32"), ("ml_part", "float32")], [("out", "float32")],
+                         [("OT", "float32"), ("HEAD_DIM", D), ("NG", ng)])
+    call = []
+    for n, _, a in ins:
+        src_ptr = f"(const {_CT[dict((x, y) for x, y, _ in ins)[n]]}*)b_{n}.data()"
+        call.append(src_ptr)
+        if n + "_shape" in source:
+            shape = list(a.shape) + [0] * (10 - a.ndim)
+            call.append("Shape{" + ",".join(map(str, shape)) + "}")
+    main = "int main() {\n"
+    for n, _, a in ins:
+        path = os.path.join(workdir, n + ".bin")
+        np.array(a).tofile(path)
+        main += f'  auto b_{n} = rd("{path}");\n'
+    main += (f"  std::vector<float> o_part({B * Hq * ns * D}, NAN), ml_part({B * Hq * ns * 2}, NAN),"
+             f" out({B * Hq * D}, NAN);\n")
+    main += (f"  launch({ns}, {B * H}, {kd._NT}, [&] {{ kmain({', '.join(call)}, o_part.data(),"
+             f" ml_part.data()); }});\n")
+    main += (f"  launch({B * Hq}, 1, {D * ng}, [&] {{ kcomb(o_part.data(), Shape{{{B * Hq}, {ns},"
+             f" {D}}}, ml_part.data(), out.data()); }});\n")
+    out_path = os.path.join(workdir, "out.bin")
+    main += f'  FILE* f = fopen("{out_path}", "wb"); fwrite(out.data(), 4, out.size(), f);'
+    main += " fclose(f);\n  return 0;\n}\n"
+    cpp = os.path.join(workdir, "k.cpp")
+    exe = os.path.join(workdir, "k")
+    with open(cpp, "w") as fh:
+        fh.write(src + main)
+    r = subprocess.run(["g++", "-std=c++20", "-O0", "-pthread", "-w", "-o", exe, cpp],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.fail("the CUDA source does not compile as C++ in the emulation:\n"
+                    + r.stderr[-3000:])
+    subprocess.run([exe], check=True, timeout=120)
+    return np.fromfile(out_path, dtype=np.float32).reshape(B, Hq, 1, D), ns, cpb
+
+
+def _gxx_can_emulate() -> bool:
+    if shutil.which("g++") is None or sys.platform == "win32":
+        return False
+    probe = subprocess.run(
+        ["g++", "-std=c++20", "-x", "c++", "-fsyntax-only", "-"],
+        input="#include <barrier>\n_Float16 x; int main(){}\n", capture_output=True, text=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize(
+    "algo,R,bits,G,n_kq,n_kres,n_vres,chunk,target,variant",
+    [
+        ("simt", 4, 4, 64, 512, 37, 128, 256, 1024, (8, 8, 8)),   # 3 splits, residual last
+        pytest.param("simt", 8, 2, 32, 256, 100, 200, 128, 2, (4, 8, 8),  # chunks per split
+                     marks=pytest.mark.slow),
+        ("mma", 4, 4, 32, 288, 37, 130, 128, 2, (4, 16, 8)),      # super-tile cut by n_kq
+        pytest.param("mma", 3, 2, 64, 256, 19, 77, 512, 1024, (4, 16, 8),  # GQA 3
+                     marks=pytest.mark.slow),
+    ],
+)
+def test_cuda_source_emulated_on_cpu(tmp_path, algo, R, bits, G, n_kq, n_kres, n_vres, chunk,
+                                     target, variant):
+    if not _gxx_can_emulate():
+        pytest.skip("SKIPPED LOUDLY: no g++ with C++20 <barrier> and _Float16: the CUDA "
+                    "source is not emulated on this machine")
+    args, _, _ = make_case(B=1, H=2, R=R, bits=bits, G=G, n_kq=n_kq, n_kres=n_kres,
+                           n_vres=n_vres, dtype=mx.float16)
+    kw = _kw(128, bits, G)
+    out, ns, cpb = _emulate_cuda(args, **kw, chunk=chunk, target=target, variant=variant,
+                                 workdir=str(tmp_path), algo=algo)
+    assert np.isfinite(out).all(), "emulated kernel left outputs unwritten"
+    ref = kd.kivi_decode_attention_reference(args[0].astype(mx.float32), *args[1:], **kw)
+    # simt: float32 throughout; mma: float16 operands (dequantized K/V, q, p), so about
+    # the unit roundoff of float16 on each operand
+    tol = 1e-5 if algo == "simt" else 2e-3
+    assert _rel(out, _f32(ref)) < tol
