@@ -40,6 +40,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--synthetic", action="store_true", help="no model: attention error on synthetic K/V/Q")
     p.add_argument("--out", default="bench-out", help="folder for results.json and pareto.png")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+        help="compute dtype of the model and its KV cache; auto: float32 on the CPU "
+             "(MLX's fast CPU path), the model's own dtype on a GPU",
+    )
     p.set_defaults(func=cmd_bench)
 
 
@@ -101,11 +106,10 @@ def method_runs(methods: list[str], assignments: list[str] | None, sweep: bool):
 
 def workload_settings(args) -> dict:
     if args.quick:
-        return {"contexts": [min(args.context, 2048)], "tasks_per_context": 1, "depths": (0.25, 0.75),
-                "decode_steps": 8, "continuation": 64, "synthetic_decode": 8}
-    return {"contexts": sorted({args.context // 2, args.context}), "tasks_per_context": 2,
-            "depths": (0.1, 0.3, 0.5, 0.7, 0.9), "decode_steps": 32, "continuation": 256,
-            "synthetic_decode": 32}
+        return {"contexts": [min(args.context, 2048)], "examples_per_depth": 1, "depths": (0.25, 0.75),
+                "continuation": 64, "synthetic_decode": 8}
+    return {"contexts": sorted({args.context // 2, args.context}), "examples_per_depth": 2,
+            "depths": (0.1, 0.3, 0.5, 0.7, 0.9), "continuation": 256, "synthetic_decode": 32}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -187,7 +191,7 @@ def build_workload(tokenizer, settings: dict, seed: int):
     examples = []
     for context in settings["contexts"]:
         for task in TASKS:
-            examples += make_examples(task, settings["tasks_per_context"] * len(settings["depths"]),
+            examples += make_examples(task, settings["examples_per_depth"] * len(settings["depths"]),
                                       context, seed=1234 + seed, depths=settings["depths"],
                                       count_tokens=count)
     text = tokenizer.encode(load_default_filler())
@@ -197,11 +201,17 @@ def build_workload(tokenizer, settings: dict, seed: int):
     window = text[start : start + context + n_cont]
     return Workload(
         retrieval=examples,
-        speed_prompt=window[:context],
-        decode_steps=settings["decode_steps"],
         prefix=window[: context - n_cont],
         continuation=window[context - n_cont : context],
     )
+
+
+def compute_dtype(name: str):
+    import mlx.core as mx
+
+    if name == "auto":
+        return mx.float32 if mx.default_device() == mx.cpu else None
+    return getattr(mx, name)
 
 
 def run_model(runs, args, settings, console) -> list[dict]:
@@ -211,8 +221,11 @@ def run_model(runs, args, settings, console) -> list[dict]:
     from .harness import evaluate
 
     model, tokenizer = mlx_lm.load(_model_name(args))
+    dtype = compute_dtype(args.dtype)
+    if dtype is not None:
+        model.set_dtype(dtype)
     work = build_workload(tokenizer, settings, args.seed)
-    per_method = 2 + len(work.retrieval)
+    per_method = 1 + len(work.retrieval)
     results, reference = [], None
     with Progress(console=console) as progress:
         bar = progress.add_task("bench", total=per_method * len(runs))

@@ -19,7 +19,7 @@ import mlx.core as mx
 from ..cache.config import KVCacheConfig
 from ..integrations.mlx_lm import make_prompt_cache
 from . import metrics
-from .runner import greedy, prefill, step, teacher_forced
+from .runner import greedy, prefill, step
 from .tasks import Example, score
 
 
@@ -28,10 +28,8 @@ class Workload:
     """What every method is run on (identical inputs for every method)."""
 
     retrieval: list[Example]
-    speed_prompt: list[int]
-    decode_steps: int
-    prefix: list[int]  # held-out text given as the prompt...
-    continuation: list[int]  # ...and the held-out tokens that follow it
+    prefix: list[int]  # held-out text given as the prompt (memory, prefill speed)...
+    continuation: list[int]  # ...and the tokens that follow it (quality, decode speed)
 
 
 @dataclass
@@ -49,36 +47,41 @@ def _kv_bytes(cache) -> int:
     return sum(c.nbytes for c in cache)
 
 
-def measure_memory_and_speed(model, run: MethodRun, work: Workload) -> dict:
-    tokens = mx.array(work.speed_prompt)
+def held_out_text(model, run: MethodRun, work: Workload) -> tuple[dict, mx.array]:
+    """Prefill the held-out prefix, then decode its continuation teacher-forced.
+
+    One pass gives the memory figures (``nbytes`` after prefill and after decoding, peak
+    memory over both), the speeds (prefill tokens/s, median decode step) and the
+    next-token log-probabilities the quality metrics compare.
+    """
     mx.clear_cache()
     mx.reset_peak_memory()
     active = mx.get_active_memory()
     cache = run.cache(model)
     start = time.perf_counter()
-    logits = prefill(model, cache, tokens)
+    first = prefill(model, cache, mx.array(work.prefix))
     prefill_s = time.perf_counter() - start
     bytes_prefill = _kv_bytes(cache)
-    steps = []
-    token = mx.argmax(logits)
-    for _ in range(work.decode_steps):
+    rows, steps = [first], []
+    for token in work.continuation[:-1]:
         start = time.perf_counter()
-        token = mx.argmax(step(model, cache, token))
-        mx.eval(token)
+        rows.append(step(model, cache, token))
+        mx.eval(rows[-1])
         steps.append(time.perf_counter() - start)
-    n = len(work.speed_prompt)
-    decode_s = statistics.median(steps)
-    return {
+    logits = mx.stack(rows).astype(mx.float32)
+    n, total = len(work.prefix), len(work.prefix) + len(work.continuation) - 1
+    figures = {
         "tokens_prefill": n,
-        "tokens_decode": n + work.decode_steps,
+        "tokens_decode": total,
         "kv_bytes_prefill": bytes_prefill,
         "kv_bytes_decode": _kv_bytes(cache),
         "bytes_per_token_prefill": bytes_prefill / n,
-        "bytes_per_token_decode": _kv_bytes(cache) / (n + work.decode_steps),
+        "bytes_per_token_decode": _kv_bytes(cache) / total,
         "peak_bytes": mx.get_peak_memory() - active,
         "prefill_tokens_per_s": n / prefill_s,
-        "decode_tokens_per_s": 1.0 / decode_s,
+        "decode_tokens_per_s": 1.0 / statistics.median(steps),
     }
+    return figures, logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def answer(model, tokenizer, run: MethodRun, example: Example) -> str:
@@ -110,12 +113,6 @@ def retrieval(model, tokenizer, run: MethodRun, examples: list[Example], tick) -
     }
 
 
-def continuation(model, run: MethodRun, work: Workload) -> mx.array:
-    cache = run.cache(model)
-    first = prefill(model, cache, mx.array(work.prefix))
-    return teacher_forced(model, cache, first, work.continuation)
-
-
 def evaluate(model, tokenizer, run: MethodRun, work: Workload, reference_logprobs=None,
              tick: Callable[[], None] = lambda: None) -> tuple[dict, mx.array | None]:
     """All figures of one method; a failure is recorded, never raised."""
@@ -123,16 +120,14 @@ def evaluate(model, tokenizer, run: MethodRun, work: Workload, reference_logprob
                               "settings": run.settings, "config": run.config.to_dict()}
     logprobs = None
     try:
-        result["memory_speed"] = measure_memory_and_speed(model, run, work)
-        tick()
-        result["retrieval"] = retrieval(model, tokenizer, run, work.retrieval, tick)
-        logprobs = continuation(model, run, work)
+        result["memory_speed"], logprobs = held_out_text(model, run, work)
         quality = {"perplexity": metrics.perplexity(logprobs, work.continuation)}
         if reference_logprobs is not None:
             quality["kl_mean"] = float(metrics.kl_divergence(reference_logprobs, logprobs).mean())
             quality["top1_agreement"] = metrics.top1_agreement(reference_logprobs, logprobs)
         result["continuation"] = quality
         tick()
+        result["retrieval"] = retrieval(model, tokenizer, run, work.retrieval, tick)
         result["status"] = "ok"
     except Exception as exc:  # noqa: BLE001 - one method's failure must not abort the run
         result["status"] = "failed"

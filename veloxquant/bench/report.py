@@ -115,7 +115,9 @@ def print_table(results: list[dict], synthetic: bool, console=None) -> None:
         table.add_column(h, justify="left" if i < 2 or h == "status" else "right", no_wrap=i < 2)
     for row in rows:
         table.add_row(*row)
-    (console or Console()).print(table)
+    if console is None:  # piped output: wide enough that no column is cut
+        console = Console(width=None if sys.stdout.isatty() else 170)
+    console.print(table)
     if not synthetic:
         print(
             "bytes/tok: KV bytes kept per token after decoding (all layers); vs full, peak,\n"

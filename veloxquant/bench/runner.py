@@ -36,13 +36,3 @@ def greedy(model, cache, first_logits: mx.array, n: int) -> list[int]:
         if i + 1 < n:
             logits = step(model, cache, token)
     return out
-
-
-def teacher_forced(model, cache, first_logits: mx.array, targets: list[int]) -> mx.array:
-    """Log-probabilities (len(targets), V) of each next token given the true history."""
-    rows = [first_logits]
-    for token in targets[:-1]:
-        rows.append(step(model, cache, token))
-        mx.eval(rows[-1])
-    logits = mx.stack(rows).astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
