@@ -212,6 +212,11 @@ def patch_server(server_module: Any, config: KVCacheConfig) -> None:
         result = original(self, *args, **kwargs)
         patch_model_kv_cache(self.model, config)
         self.is_batchable = False
+        print(
+            f"veloxquant: serving {self.model_key[0]} with KV cache method {config.method!r}",
+            file=sys.stderr,
+            flush=True,
+        )
         return result
 
     provider._veloxquant_original_load = original
