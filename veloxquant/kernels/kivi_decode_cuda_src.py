@@ -1,0 +1,714 @@
+"""CUDA sources of the fused KIVI decode attention (see ``kivi_decode.py``).
+
+Used through ``mx.fast.cuda_kernel``; checked and timed on an NVIDIA H200.
+"""
+
+# ---------------------------------------------------------------------------------
+# CUDA kernel (mx.fast.cuda_kernel)
+# ---------------------------------------------------------------------------------
+
+CUDA_HEADER = r"""
+__device__ __forceinline__ float vqk_inf() { return __uint_as_float(0x7f800000u); }
+__device__ __forceinline__ float vqk_to_f(float x) { return x; }
+__device__ __forceinline__ float vqk_to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float vqk_to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename U> __device__ __forceinline__ U vqk_from_f(float x);
+template <> __device__ __forceinline__ float vqk_from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half vqk_from_f<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 vqk_from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+// Code J of a packed word (bits [J*BITS, (J+1)*BITS)) as the float 1 + code / 2^BITS:
+// shift the code to the top of the mantissa and OR in the exponent of 1.0 (a shift and
+// a logic op instead of a quarter-rate int-to-float conversion). Dequantize with
+// fma(scale * 2^BITS, f, bias - scale * 2^BITS) == scale * code + bias.
+template <int BITS, int J>
+__device__ __forceinline__ float vqk_code1(uint32_t w) {
+  constexpr int SH = 23 - BITS - J * BITS;
+  constexpr uint32_t M = ((1u << BITS) - 1u) << (23 - BITS);
+  const uint32_t x = SH >= 0 ? (w << (SH >= 0 ? SH : 0)) : (w >> (SH < 0 ? -SH : 0));
+  return __uint_as_float((x & M) | 0x3F800000u);
+}
+#ifndef VQK_EMULATION  // (the CPU emulation in the tests supplies its own)
+// ---- tensor-core helpers (sm_80+): one m16n8k16 f16 x f16 -> f32 product per call
+__device__ __forceinline__ uint32_t vqk_h2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ void vqk_mma(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+// the float16 rounding residual of (lo, hi): q = hi-part + lo-part to ~2^-22
+__device__ __forceinline__ uint32_t vqk_h2_lo(float lo, float hi) {
+  return vqk_h2(lo - __half2float(__float2half_rn(lo)), hi - __half2float(__float2half_rn(hi)));
+}
+template <int BITS, int J>
+__device__ __forceinline__ float vqk_deq(uint32_t w, float s2, float b2) {
+  return fmaf(s2, vqk_code1<BITS, J>(w), b2);
+}
+template <int BITS, int N>
+__device__ __forceinline__ void vqk_dequant(uint32_t w, float s2, float b2, float* out) {
+  // out[j] = scale * code_j + bias for j < N, with s2 = scale * 2^BITS, b2 = bias - s2
+  if constexpr (N > 0) out[0] = fmaf(s2, vqk_code1<BITS, 0>(w), b2);
+  if constexpr (N > 1) out[1] = fmaf(s2, vqk_code1<BITS, 1>(w), b2);
+  if constexpr (N > 2) out[2] = fmaf(s2, vqk_code1<BITS, 2>(w), b2);
+  if constexpr (N > 3) out[3] = fmaf(s2, vqk_code1<BITS, 3>(w), b2);
+  if constexpr (N > 4) out[4] = fmaf(s2, vqk_code1<BITS, 4>(w), b2);
+  if constexpr (N > 5) out[5] = fmaf(s2, vqk_code1<BITS, 5>(w), b2);
+  if constexpr (N > 6) out[6] = fmaf(s2, vqk_code1<BITS, 6>(w), b2);
+  if constexpr (N > 7) out[7] = fmaf(s2, vqk_code1<BITS, 7>(w), b2);
+}
+"""
+
+# Template constants: T (cache/query dtype), BITS, GROUP, HEAD_DIM, GQA (query heads per
+# kv head, <= 8), CHUNK (tokens per inner step), NT (threads per block, 128), TW (codes
+# per thread and step: 4 or 8), KUNROLL / VUNROLL (unroll of the key channel loop and
+# of the value token loop: loads in flight per thread), MODE (0; 1 and 2 skip the
+# packed values / keys, for timing the stages only).
+# Grid: x = split index (gridDim.x splits), y = b * H + h. Runtime counts come from
+# `params` (int32): n_kq, n_kres, n_vq, n_vres, bits of scale*log2(e), chunks per split;
+# buffer capacities come from the shapes, so neither changes the compiled source.
+CUDA_SOURCE = r"""
+  constexpr int PACK = 32 / BITS;                 // codes per uint32 word
+  constexpr int TPW = PACK < TW ? PACK : TW;      // key tokens per thread column
+  constexpr int COLK = CHUNK / TPW;               // key thread columns per chunk
+  constexpr int NCS = NT / COLK;                  // key channel slices
+  constexpr int CPS = HEAD_DIM / NCS;             // channels per key slice
+  constexpr int CPT = PACK < TW ? PACK : TW;      // value channels per thread
+  constexpr int COLV = HEAD_DIM / CPT;            // value thread columns
+  constexpr int NSV = NT / COLV;                  // value token slices
+  constexpr int DW = HEAD_DIM / PACK;             // value words per row
+  constexpr int DG = HEAD_DIM / GROUP;            // value groups per row
+  constexpr int NWARP = NT / 32;
+  constexpr int KSTRIDE = GQA * CHUNK + (COLK < 32 ? COLK : 0);
+  constexpr int VSTRIDE = GQA * HEAD_DIM + (COLV < 32 ? COLV : 0);
+  constexpr int RED = (NCS * KSTRIDE > NSV * VSTRIDE) ? NCS * KSTRIDE : NSV * VSTRIDE;
+  static_assert(NT % 32 == 0 && NT % COLK == 0 && HEAD_DIM % NCS == 0, "key tiling");
+  static_assert(NT % COLV == 0 && HEAD_DIM % CPT == 0, "value tiling");
+  static_assert(GROUP % PACK == 0 && HEAD_DIM % GROUP == 0, "grouping");
+
+  __shared__ __align__(16) float red[RED];
+  __shared__ __align__(16) float qsm[HEAD_DIM * GQA];
+  __shared__ float sm_m[GQA];
+  __shared__ float sm_l[GQA];
+  __shared__ float sm_a[GQA];
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int split = blockIdx.x;
+  const int NS = gridDim.x;
+  const int bh = blockIdx.y;
+  const int H = k_codes_shape[1];
+  const int Hq = queries_shape[1];
+  const int b = bh / H;
+  const int h = bh - b * H;
+  const int CKW = k_codes_shape[3];
+  const int CKG = k_scales_shape[3];
+  const int CKR = k_res_shape[2];
+  const int CV = v_codes_shape[2];
+  const int CVR = v_res_shape[2];
+  const int n_kq = params[0];
+  const int n_kres = params[1];
+  const int n_vq = params[2];
+  const float qscale = __int_as_float(params[4]);
+  const int cpb = params[5];
+  const int Tn = n_kq + n_kres;
+  const size_t qrow = (size_t)b * Hq + (size_t)h * GQA;
+
+  // queries, pre-scaled by scale * log2(e), layout [channel][head]
+  for (int i = tid; i < GQA * HEAD_DIM; i += NT) {
+    const int r = i / HEAD_DIM;
+    const int c = i - r * HEAD_DIM;
+    qsm[c * GQA + r] = vqk_to_f(queries[(qrow + r) * HEAD_DIM + c]) * qscale;
+  }
+  if (tid < GQA) {
+    sm_m[tid] = -vqk_inf();
+    sm_l[tid] = 0.f;
+  }
+
+  // key-phase thread role: TPW consecutive tokens x CPS channels
+  const int col = tid % COLK;
+  const int slice = tid / COLK;
+  // value-phase thread role: CPT consecutive channels x every NSV-th token
+  const int colv = tid % COLV;
+  const int sv = tid / COLV;
+  const int c0 = colv * CPT;
+  const uint32_t* vcp = v_codes + (c0 / PACK);
+  const int vsh = (c0 % PACK) * BITS;
+  const int vg = c0 / GROUP;
+
+  float o[GQA][CPT];
+#pragma unroll
+  for (int r = 0; r < GQA; ++r)
+#pragma unroll
+    for (int j = 0; j < CPT; ++j) o[r][j] = 0.f;
+
+  __syncthreads();
+
+  const int n_chunks = (Tn + CHUNK - 1) / CHUNK;
+  const int ch_begin = split * cpb;
+  const int ch_end = min(ch_begin + cpb, n_chunks);
+  for (int chunk = ch_begin; chunk < ch_end; ++chunk) {
+    const int t0 = chunk * CHUNK;
+
+    // ---- 1. partial scores of this thread's tokens over its channel slice
+    {
+      const int tg = t0 + col * TPW;
+      float acc[GQA][TPW];
+#pragma unroll
+      for (int r = 0; r < GQA; ++r)
+#pragma unroll
+        for (int j = 0; j < TPW; ++j) acc[r][j] = 0.f;
+      if (MODE != 2 && tg < n_kq) {
+        const int sh = (tg % PACK) * BITS;
+        const size_t krow = (size_t)bh * HEAD_DIM + (size_t)slice * CPS;
+        const uint32_t* kc = k_codes + krow * CKW + tg / PACK;
+        const T* ks = k_scales + krow * CKG + tg / GROUP;
+        const T* kb = k_biases + krow * CKG + tg / GROUP;
+        const float* qp = qsm + slice * CPS * GQA;
+#pragma unroll KUNROLL
+        for (int k = 0; k < CPS; ++k) {
+          const uint32_t wd = kc[(size_t)k * CKW] >> sh;
+          const float s2 = vqk_to_f(ks[(size_t)k * CKG]) * (float)(1 << BITS);
+          const float b2 = vqk_to_f(kb[(size_t)k * CKG]) - s2;
+          float kd[TPW];
+          vqk_dequant<BITS, TPW>(wd, s2, b2, kd);
+#pragma unroll
+          for (int r = 0; r < GQA; ++r) {
+            const float a = qp[k * GQA + r];
+#pragma unroll
+            for (int j = 0; j < TPW; ++j) acc[r][j] = fmaf(a, kd[j], acc[r][j]);
+          }
+        }
+      }
+      // layout per slice: [head][j][col] (token = col * TPW + j): conflict-free stores
+      float* rp = red + slice * KSTRIDE;
+#pragma unroll
+      for (int r = 0; r < GQA; ++r)
+#pragma unroll
+        for (int j = 0; j < TPW; ++j) rp[(r * TPW + j) * COLK + col] = acc[r][j];
+    }
+    __syncthreads();
+
+    // ---- 2. sum the slices into slice 0, mask tokens past the end
+    for (int i = tid; i < GQA * CHUNK; i += NT) {
+      float v = red[i];
+#pragma unroll
+      for (int s2 = 1; s2 < NCS; ++s2) v += red[s2 * KSTRIDE + i];
+      const int loc = i % CHUNK;
+      const int j = loc / COLK;
+      const int cc = loc - j * COLK;
+      if (t0 + cc * TPW + j >= Tn) v = -vqk_inf();
+      red[i] = v;
+    }
+    // residual keys of this chunk (full precision): one warp per token, lanes over
+    // channels; overwrites the (zero) partial sums of those tokens
+    const int kr_begin = max(t0, n_kq);
+    const int kr_end = min(t0 + CHUNK, Tn);
+    if (kr_begin < kr_end) {  // block-uniform condition
+      __syncthreads();
+      for (int t = kr_begin + warp; t < kr_end; t += NWARP) {
+        const T* kr = k_res + ((size_t)bh * CKR + (size_t)(t - n_kq)) * HEAD_DIM;
+        float part[GQA];
+#pragma unroll
+        for (int r = 0; r < GQA; ++r) part[r] = 0.f;
+        for (int c = lane; c < HEAD_DIM; c += 32) {
+          const float kv = vqk_to_f(kr[c]);
+#pragma unroll
+          for (int r = 0; r < GQA; ++r) part[r] = fmaf(qsm[c * GQA + r], kv, part[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < GQA; ++r) {
+          float v = part[r];
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+          part[r] = v;
+        }
+        if (lane == 0) {
+          const int tl = t - t0;
+          const int pi = (tl % TPW) * COLK + tl / TPW;
+#pragma unroll
+          for (int r = 0; r < GQA; ++r) red[r * CHUNK + pi] = part[r];
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- 3. online softmax (base 2), one warp per query head
+    for (int r = warp; r < GQA; r += NWARP) {
+      float m = -vqk_inf();
+      for (int i = lane; i < CHUNK; i += 32) m = fmaxf(m, red[r * CHUNK + i]);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      const float m_old = sm_m[r];
+      const float m_new = fmaxf(m_old, m);  // finite: every chunk has a valid token
+      float l = 0.f;
+      for (int i = lane; i < CHUNK; i += 32) {
+        const float e = exp2f(red[r * CHUNK + i] - m_new);
+        red[r * CHUNK + i] = e;
+        l += e;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+      if (lane == 0) {
+        const float a = exp2f(m_old - m_new);
+        sm_a[r] = a;
+        sm_l[r] = sm_l[r] * a + l;
+        sm_m[r] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // ---- 4. values: rescale the running output, accumulate this chunk
+    {
+#pragma unroll
+      for (int r = 0; r < GQA; ++r) {
+        const float a = sm_a[r];
+#pragma unroll
+        for (int j = 0; j < CPT; ++j) o[r][j] *= a;
+      }
+      const int tend = min(CHUNK, Tn - t0);
+      const int qend = min(tend, n_vq - t0);
+      int t = sv;
+      if (MODE == 1)  // timing only: skip the packed values
+        while (t < qend) t += NSV;
+#pragma unroll VUNROLL
+      for (; t < qend; t += NSV) {
+        const size_t row = (size_t)bh * CV + (size_t)(t0 + t);
+        const uint32_t wd = vcp[row * DW] >> vsh;
+        const float s2 = vqk_to_f(v_scales[row * DG + vg]) * (float)(1 << BITS);
+        const float b2 = vqk_to_f(v_biases[row * DG + vg]) - s2;
+        const int pi = (t % TPW) * COLK + t / TPW;
+        float vd[CPT];
+        vqk_dequant<BITS, CPT>(wd, s2, b2, vd);
+#pragma unroll
+        for (int r = 0; r < GQA; ++r) {
+          const float p = red[r * CHUNK + pi];
+#pragma unroll
+          for (int j = 0; j < CPT; ++j) o[r][j] = fmaf(p, vd[j], o[r][j]);
+        }
+      }
+      for (; t < tend; t += NSV) {
+        const T* vr = v_res + ((size_t)bh * CVR + (size_t)(t0 + t - n_vq)) * HEAD_DIM + c0;
+        const int pi = (t % TPW) * COLK + t / TPW;
+        float vv[CPT];
+#pragma unroll
+        for (int j = 0; j < CPT; ++j) vv[j] = vqk_to_f(vr[j]);
+#pragma unroll
+        for (int r = 0; r < GQA; ++r) {
+          const float p = red[r * CHUNK + pi];
+#pragma unroll
+          for (int j = 0; j < CPT; ++j) o[r][j] = fmaf(p, vv[j], o[r][j]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // ---- 5. sum the token slices, write this split's partial (m, l, o)
+#pragma unroll
+  for (int r = 0; r < GQA; ++r)
+#pragma unroll
+    for (int j = 0; j < CPT; ++j) red[sv * VSTRIDE + (r * CPT + j) * COLV + colv] = o[r][j];
+  __syncthreads();
+  for (int i = tid; i < GQA * HEAD_DIM; i += NT) {
+    const int r = i / HEAD_DIM;
+    const int c = i - r * HEAD_DIM;
+    const int j = c % CPT;
+    const int cv = c / CPT;
+    float v = 0.f;
+#pragma unroll
+    for (int s2 = 0; s2 < NSV; ++s2) v += red[s2 * VSTRIDE + (r * CPT + j) * COLV + cv];
+    o_part[((qrow + r) * NS + split) * HEAD_DIM + c] = v;
+  }
+  if (tid < GQA) {
+    ml_part[((qrow + tid) * NS + split) * 2 + 0] = sm_m[tid];
+    ml_part[((qrow + tid) * NS + split) * 2 + 1] = sm_l[tid];
+  }
+"""
+
+# Tensor-core variant (sm_80+). Same inputs, outputs, grid and partials as CUDA_SOURCE.
+# Keys: scores^T (tokens x heads) = deq(K) (tokens x channels) . q^T (channels x heads) with
+# mma.m16n8k16; values: o^T (channels x heads) = deq(V)^T (channels x tokens) . p^T. The
+# fragment rows are permuted so that each lane dequantizes whole packed words: in a key
+# "super-tile" of 8 * PACK tokens, m-tile i row g is token PACK*g + 2i and row g+8 is
+# PACK*g + 2i + 1 (lane group g owns word g of each channel row); values use the same
+# permutation on channels. Dequantization in float32 (fma(scale*2^b, 1+code/2^b, ...)),
+# then rounded to float16 operands (q as a float16 pair, value + residual); products and
+# sums in float32. Template constants
+# as CUDA_SOURCE (TW, KUNROLL, VUNROLL unused).
+CUDA_MMA_SOURCE = r"""
+  constexpr int PACK = 32 / BITS;
+  constexpr int NWARP = NT / 32;
+  constexpr int ST = 8 * PACK;            // key super-tile: 8 words per channel row
+  constexpr int NST = CHUNK / ST;
+  constexpr int MT = PACK / 2;            // m-tiles per super-tile / per value channel block
+  constexpr int KS = HEAD_DIM / 16;       // key k-steps (16 channels)
+  constexpr int CB = 8 * PACK;            // value channel block (8 words per token row)
+  constexpr int NCB = HEAD_DIM / CB;
+  constexpr int VM = NCB * MT;            // value m-tiles (16 channels each)
+  constexpr int VK = CHUNK / 16;          // value k-steps (16 tokens) per chunk
+  constexpr int DW = HEAD_DIM / PACK;
+  constexpr int DG = HEAD_DIM / GROUP;
+  constexpr float SC2 = (float)(1 << BITS);
+  static_assert(CHUNK % ST == 0 && HEAD_DIM % CB == 0 && GQA <= 8 && NT % 32 == 0, "tiling");
+  static_assert(GROUP % PACK == 0 && HEAD_DIM % GROUP == 0, "grouping");
+
+  __shared__ __align__(16) float sc[GQA * CHUNK];
+  __shared__ __align__(16) float qsm[HEAD_DIM * GQA];
+  __shared__ __align__(16) float ored[NWARP * GQA * HEAD_DIM];
+  __shared__ uint4 qfr[KS * 32];
+  __shared__ float sm_m[GQA];
+  __shared__ float sm_l[GQA];
+  __shared__ float sm_a[GQA];
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int g = lane >> 2;
+  const int q4 = lane & 3;
+  const int split = blockIdx.x;
+  const int NS = gridDim.x;
+  const int bh = blockIdx.y;
+  const int H = k_codes_shape[1];
+  const int Hq = queries_shape[1];
+  const int b = bh / H;
+  const int h = bh - b * H;
+  const int CKW = k_codes_shape[3];
+  const int CKG = k_scales_shape[3];
+  const int CKR = k_res_shape[2];
+  const int CV = v_codes_shape[2];
+  const int CVR = v_res_shape[2];
+  const int n_kq = params[0];
+  const int n_kres = params[1];
+  const int n_vq = params[2];
+  const float qscale = __int_as_float(params[4]);
+  const int cpb = params[5];
+  const int Tn = n_kq + n_kres;
+  const size_t qrow = (size_t)b * Hq + (size_t)h * GQA;
+
+  for (int i = tid; i < GQA * HEAD_DIM; i += NT) {
+    const int r = i / HEAD_DIM;
+    const int c = i - r * HEAD_DIM;
+    qsm[c * GQA + r] = vqk_to_f(queries[(qrow + r) * HEAD_DIM + c]) * qscale;
+  }
+  if (tid < GQA) {
+    sm_m[tid] = -vqk_inf();
+    sm_l[tid] = 0.f;
+  }
+  __syncthreads();
+
+  // q^T as B fragments (k = channel, n = head g), constant for the block, kept in shared
+  // memory per lane: {hi, hi, lo, lo}. q is split into a float16 value and its float16
+  // residual (two products): a single rounded q would shift every score of a head the
+  // same way (the largest error term otherwise).
+  if (warp == 0) {
+    for (int s = 0; s < KS; ++s) {
+      const int c = 16 * s + 2 * q4;
+      const bool hv = g < GQA;
+      const float x0 = hv ? qsm[c * GQA + g] : 0.f;
+      const float x1 = hv ? qsm[(c + 1) * GQA + g] : 0.f;
+      const float x8 = hv ? qsm[(c + 8) * GQA + g] : 0.f;
+      const float x9 = hv ? qsm[(c + 9) * GQA + g] : 0.f;
+      qfr[s * 32 + lane] = make_uint4(vqk_h2(x0, x1), vqk_h2(x8, x9), vqk_h2_lo(x0, x1),
+                                      vqk_h2_lo(x8, x9));
+    }
+  }
+  __syncthreads();
+
+  float oacc[VM][4];
+#pragma unroll
+  for (int m = 0; m < VM; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) oacc[m][e] = 0.f;
+
+  const int n_chunks = (Tn + CHUNK - 1) / CHUNK;
+  const int ch_begin = split * cpb;
+  const int ch_end = min(ch_begin + cpb, n_chunks);
+  for (int chunk = ch_begin; chunk < ch_end; ++chunk) {
+    const int t0 = chunk * CHUNK;
+
+    // ---- 1. quantized keys: one warp per super-tile, all channels
+    if (MODE != 2) {
+      for (int st = warp; st < NST; st += NWARP) {
+        const int tb = t0 + st * ST;
+        if (tb >= n_kq) break;  // warp-uniform
+        const int tw = tb + PACK * g;      // first token of this lane's word
+        const bool quant = tw < n_kq;      // n_kq is a multiple of PACK
+        const int wi = tw / PACK;
+        const int gi = tw / GROUP;
+        float acc[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+#pragma unroll 2
+        for (int s = 0; s < KS; ++s) {
+          const uint4 qv = qfr[s * 32 + lane];
+          const uint32_t qh[2] = {qv.x, qv.y};
+          const uint32_t qlo[2] = {qv.z, qv.w};
+          uint32_t w[4];
+          float s2[4], b2[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const size_t row = (size_t)bh * HEAD_DIM + 16 * s + 2 * q4 + (u & 1) + (u >> 1) * 8;
+            w[u] = quant ? k_codes[row * CKW + wi] : 0u;
+            const float sv = quant ? vqk_to_f(k_scales[row * CKG + gi]) * SC2 : 0.f;
+            const float bv = quant ? vqk_to_f(k_biases[row * CKG + gi]) : 0.f;
+            s2[u] = sv;
+            b2[u] = bv - sv;
+          }
+#pragma unroll
+          for (int i = 0; i < MT; ++i) {
+            uint32_t a[4];
+            a[0] = vqk_h2(vqk_deq<BITS, 0>(w[0] >> (2 * i * BITS), s2[0], b2[0]),
+                          vqk_deq<BITS, 0>(w[1] >> (2 * i * BITS), s2[1], b2[1]));
+            a[1] = vqk_h2(vqk_deq<BITS, 1>(w[0] >> (2 * i * BITS), s2[0], b2[0]),
+                          vqk_deq<BITS, 1>(w[1] >> (2 * i * BITS), s2[1], b2[1]));
+            a[2] = vqk_h2(vqk_deq<BITS, 0>(w[2] >> (2 * i * BITS), s2[2], b2[2]),
+                          vqk_deq<BITS, 0>(w[3] >> (2 * i * BITS), s2[3], b2[3]));
+            a[3] = vqk_h2(vqk_deq<BITS, 1>(w[2] >> (2 * i * BITS), s2[2], b2[2]),
+                          vqk_deq<BITS, 1>(w[3] >> (2 * i * BITS), s2[3], b2[3]));
+            vqk_mma(acc[i], a, qh);
+            vqk_mma(acc[i], a, qlo);
+          }
+        }
+        // C: row g -> token tw + 2i, row g+8 -> tw + 2i + 1; columns 2*q4, 2*q4+1 -> heads
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          const int tl = tw - t0 + 2 * i;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int hh = 2 * q4 + e;
+            if (hh < GQA) {
+              sc[hh * CHUNK + tl] = acc[i][e];
+              sc[hh * CHUNK + tl + 1] = acc[i][2 + e];
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- 2. mask past the end; residual keys (one warp per token)
+    for (int i = tid; i < GQA * CHUNK; i += NT) {
+      const int loc = i % CHUNK;
+      if (t0 + loc >= Tn) sc[i] = -vqk_inf();
+    }
+    {
+      const int kr_begin = max(t0, n_kq);
+      const int kr_end = min(t0 + CHUNK, Tn);
+      for (int t = kr_begin + warp; t < kr_end; t += NWARP) {
+        const T* kr = k_res + ((size_t)bh * CKR + (size_t)(t - n_kq)) * HEAD_DIM;
+        float part[GQA];
+#pragma unroll
+        for (int r = 0; r < GQA; ++r) part[r] = 0.f;
+        for (int c = lane; c < HEAD_DIM; c += 32) {
+          const float kv = vqk_to_f(kr[c]);
+#pragma unroll
+          for (int r = 0; r < GQA; ++r) part[r] = fmaf(qsm[c * GQA + r], kv, part[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < GQA; ++r) {
+          float v = part[r];
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+          part[r] = v;
+        }
+        if (lane == 0) {
+#pragma unroll
+          for (int r = 0; r < GQA; ++r) sc[r * CHUNK + (t - t0)] = part[r];
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- 3. online softmax (base 2), one warp per query head
+    for (int r = warp; r < GQA; r += NWARP) {
+      float m = -vqk_inf();
+      for (int i = lane; i < CHUNK; i += 32) m = fmaxf(m, sc[r * CHUNK + i]);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      const float m_old = sm_m[r];
+      const float m_new = fmaxf(m_old, m);
+      float l = 0.f;
+      for (int i = lane; i < CHUNK; i += 32) {
+        const float e = exp2f(sc[r * CHUNK + i] - m_new);
+        sc[r * CHUNK + i] = e;
+        l += e;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+      if (lane == 0) {
+        const float a = exp2f(m_old - m_new);
+        sm_a[r] = a;
+        sm_l[r] = sm_l[r] * a + l;
+        sm_m[r] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // ---- 4. values: o^T += deq(V)^T . p^T, one warp per 16-token k-step
+    {
+      const float a0 = (2 * q4 < GQA) ? sm_a[2 * q4] : 0.f;
+      const float a1 = (2 * q4 + 1 < GQA) ? sm_a[2 * q4 + 1] : 0.f;
+#pragma unroll
+      for (int m = 0; m < VM; ++m) {
+        oacc[m][0] *= a0;
+        oacc[m][1] *= a1;
+        oacc[m][2] *= a0;
+        oacc[m][3] *= a1;
+      }
+      const int tend = min(CHUNK, Tn - t0);
+      for (int ks = warp; ks * 16 < tend; ks += NWARP) {
+        int tok[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) tok[u] = 16 * ks + 2 * q4 + (u & 1) + (u >> 1) * 8;
+        uint32_t pb[2];
+        {
+          const bool hv = g < GQA;
+          const float* pr = sc + (hv ? g : 0) * CHUNK;
+          pb[0] = vqk_h2(hv ? pr[tok[0]] : 0.f, hv ? pr[tok[1]] : 0.f);
+          pb[1] = vqk_h2(hv ? pr[tok[2]] : 0.f, hv ? pr[tok[3]] : 0.f);
+        }
+        const bool all_quant = t0 + 16 * ks + 16 <= n_vq;  // warp-uniform
+        if (MODE == 1 && all_quant) continue;
+#pragma unroll
+        for (int cb = 0; cb < NCB; ++cb) {
+          const int cw = cb * 8 + g;                 // this lane's word in each token row
+          const int cg = (cb * CB + PACK * g) / GROUP;
+          uint32_t w[4];
+          float s2[4], b2[4];
+          const T* vr[4];
+          bool res[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int t = t0 + tok[u];
+            const bool qv = t < n_vq;
+            res[u] = !qv && t < Tn;
+            const size_t row = (size_t)bh * CV + (size_t)(qv ? t : 0);
+            w[u] = qv ? v_codes[row * DW + cw] : 0u;
+            const float sv = qv ? vqk_to_f(v_scales[row * DG + cg]) * SC2 : 0.f;
+            const float bv = qv ? vqk_to_f(v_biases[row * DG + cg]) : 0.f;
+            s2[u] = sv;
+            b2[u] = bv - sv;
+            vr[u] = v_res + ((size_t)bh * CVR + (size_t)(res[u] ? t - n_vq : 0)) * HEAD_DIM
+                + cb * CB + PACK * g;
+          }
+          if (all_quant) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+              uint32_t a[4];
+              a[0] = vqk_h2(vqk_deq<BITS, 0>(w[0] >> (2 * i * BITS), s2[0], b2[0]),
+                            vqk_deq<BITS, 0>(w[1] >> (2 * i * BITS), s2[1], b2[1]));
+              a[1] = vqk_h2(vqk_deq<BITS, 1>(w[0] >> (2 * i * BITS), s2[0], b2[0]),
+                            vqk_deq<BITS, 1>(w[1] >> (2 * i * BITS), s2[1], b2[1]));
+              a[2] = vqk_h2(vqk_deq<BITS, 0>(w[2] >> (2 * i * BITS), s2[2], b2[2]),
+                            vqk_deq<BITS, 0>(w[3] >> (2 * i * BITS), s2[3], b2[3]));
+              a[3] = vqk_h2(vqk_deq<BITS, 1>(w[2] >> (2 * i * BITS), s2[2], b2[2]),
+                            vqk_deq<BITS, 1>(w[3] >> (2 * i * BITS), s2[3], b2[3]));
+              vqk_mma(oacc[cb * MT + i], a, pb);
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+              float v[4][2];
+#pragma unroll
+              for (int u = 0; u < 4; ++u) {
+                v[u][0] = vqk_deq<BITS, 0>(w[u] >> (2 * i * BITS), s2[u], b2[u]);
+                v[u][1] = vqk_deq<BITS, 1>(w[u] >> (2 * i * BITS), s2[u], b2[u]);
+                if (res[u]) {
+                  v[u][0] = vqk_to_f(vr[u][2 * i]);
+                  v[u][1] = vqk_to_f(vr[u][2 * i + 1]);
+                }
+              }
+              uint32_t a[4];
+              a[0] = vqk_h2(v[0][0], v[1][0]);
+              a[1] = vqk_h2(v[0][1], v[1][1]);
+              a[2] = vqk_h2(v[2][0], v[3][0]);
+              a[3] = vqk_h2(v[2][1], v[3][1]);
+              vqk_mma(oacc[cb * MT + i], a, pb);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // ---- 5. sum the warps' outputs, write this split's partial (m, l, o)
+  // C of value m-tile m = cb*MT + i: row g -> channel cb*CB + PACK*g + 2i, row g+8 -> +1;
+  // columns 2*q4, 2*q4+1 -> heads
+#pragma unroll
+  for (int m = 0; m < VM; ++m) {
+    const int cb = m / MT;
+    const int i = m - cb * MT;
+    const int ch = cb * CB + PACK * g + 2 * i;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int hh = 2 * q4 + e;
+      if (hh < GQA) {
+        ored[(warp * GQA + hh) * HEAD_DIM + ch] = oacc[m][e];
+        ored[(warp * GQA + hh) * HEAD_DIM + ch + 1] = oacc[m][2 + e];
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < GQA * HEAD_DIM; i += NT) {
+    float v = 0.f;
+#pragma unroll
+    for (int w2 = 0; w2 < NWARP; ++w2) v += ored[w2 * GQA * HEAD_DIM + i];
+    const int r = i / HEAD_DIM;
+    const int c = i - r * HEAD_DIM;
+    o_part[((qrow + r) * NS + split) * HEAD_DIM + c] = v;
+  }
+  if (tid < GQA) {
+    ml_part[((qrow + tid) * NS + split) * 2 + 0] = sm_m[tid];
+    ml_part[((qrow + tid) * NS + split) * 2 + 1] = sm_l[tid];
+  }
+"""
+
+# Merge the split partials: one block per (batch, query head), HEAD_DIM * NG threads.
+CUDA_COMBINE_SOURCE = r"""
+  __shared__ float sacc[HEAD_DIM * NG];
+  __shared__ float sl[NG];
+  const int row = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int c = tid % HEAD_DIM;
+  const int g = tid / HEAD_DIM;
+  const int NS = o_part_shape[1];
+  const float* ml = ml_part + (size_t)row * NS * 2;
+  float M = -vqk_inf();
+  for (int s = 0; s < NS; ++s) M = fmaxf(M, ml[2 * s]);
+  float acc = 0.f;
+  float L = 0.f;
+  const float* op = o_part + (size_t)row * NS * HEAD_DIM + c;
+#pragma unroll 4
+  for (int s = g; s < NS; s += NG) {
+    const float w = exp2f(ml[2 * s] - M);
+    L = fmaf(w, ml[2 * s + 1], L);
+    acc = fmaf(w, op[(size_t)s * HEAD_DIM], acc);
+  }
+  sacc[tid] = acc;
+  if (c == 0) sl[g] = L;
+  __syncthreads();
+  if (g == 0) {
+    float a = 0.f;
+    float l = 0.f;
+    for (int gg = 0; gg < NG; ++gg) {
+      a += sacc[gg * HEAD_DIM + c];
+      l += sl[gg];
+    }
+    out[(size_t)row * HEAD_DIM + c] = vqk_from_f<OT>(a / l);
+  }
+"""
