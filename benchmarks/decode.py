@@ -17,12 +17,15 @@ import platform
 import statistics
 import time
 
-import mlx.core as mx
-from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache
+from veloxquant_mlx import KVCacheConfig, make_prompt_cache  # first: it may load OpenBLAS
 
-from veloxquant_mlx import KVCacheConfig, make_prompt_cache
-from veloxquant_mlx.cache.options import KIVIOptions, SnapKVOptions, StreamingLLMOptions
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models import llama  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from veloxquant_mlx.bench.cli import compute_dtype  # noqa: E402
+from veloxquant_mlx.bench.runner import prefill  # noqa: E402
+from veloxquant_mlx.cache.options import KIVIOptions, SnapKVOptions, StreamingLLMOptions  # noqa: E402
 
 METHODS = {
     "mlx-lm KVCache": None,
@@ -34,7 +37,7 @@ METHODS = {
 }
 
 
-def build_model(dtype=mx.float16):
+def build_model(dtype):
     args = llama.ModelArgs(
         model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1024,
         num_attention_heads=4, num_key_value_heads=1, head_dim=128, rms_norm_eps=1e-5,
@@ -47,24 +50,13 @@ def build_model(dtype=mx.float16):
     return model
 
 
-def prefill(model, cache, tokens, chunk=2048):
-    while tokens.shape[0] > 1:
-        n = min(chunk, tokens.shape[0] - 1)
-        model(tokens[:n][None], cache=cache)
-        mx.eval([c.state for c in cache])
-        tokens = tokens[n:]
-    logits = model(tokens[None], cache=cache)
-    mx.eval(logits)
-    return mx.argmax(logits[:, -1], axis=-1)
-
-
 def measure(model, config, context, steps):
     tokens = mx.random.randint(0, 1024, (context,), key=mx.random.key(context))
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
     cache = [KVCache() for _ in model.layers] if config is None else make_prompt_cache(model, config)
-    y = prefill(model, cache, tokens)
+    y = mx.argmax(prefill(model, cache, tokens))[None]
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -87,9 +79,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--out", default=None, help="write every figure as JSON here")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                    help="auto: float32 on the CPU (MLX's fast CPU path), float16 on a GPU")
     args = ap.parse_args()
 
-    model = build_model()
+    model = build_model(compute_dtype(args.dtype) or mx.float16)
     results = []
     for context in args.contexts:
         for name in ["mlx-lm KVCache", *[m for m in args.methods if m != "mlx-lm KVCache"]]:
@@ -107,7 +101,7 @@ def main() -> None:
             f"| {r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f} |"
         )
     env = {"mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
-           "processor": platform.processor(), "steps": args.steps}
+           "processor": platform.processor(), "steps": args.steps, "dtype": str(model.model.embed_tokens.weight.dtype)}
     print("\n" + "\n".join(rows))
     if args.out:
         with open(args.out, "w") as f:

@@ -23,9 +23,9 @@ which only keeps 260 positions anyway). Computation is in float32 (the
 weights are float16; MLX's CPU half-precision matmul is very slow).
 
 MLX's Linux CPU wheel links the reference (netlib) BLAS, which is about 30x
-slower than OpenBLAS here. When Debian's OpenBLAS is installed
-(``apt-get install libopenblas0-pthread``) this script re-executes itself with
-it in LD_PRELOAD (disable with --no-openblas). Results are the same.
+slower than OpenBLAS here; importing veloxquant_mlx first makes MLX use an
+installed OpenBLAS (``apt-get install libopenblas0-pthread``; see
+veloxquant/_blas.py). Results are the same to float rounding.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections import Counter
@@ -41,29 +40,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO / "veloxquant" / "assets" / "reference_model"
-OPENBLAS = (
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
-)
 
-
-def _maybe_reexec_with_openblas() -> None:
-    if (
-        "--no-openblas" in sys.argv
-        or sys.platform != "linux"
-        or os.environ.get("LD_PRELOAD")
-    ):
-        return
-    for lib in OPENBLAS:
-        if os.path.exists(lib):
-            os.execve(
-                sys.executable,
-                [sys.executable] + sys.argv,
-                dict(os.environ, LD_PRELOAD=lib),
-            )
-
-
-_maybe_reexec_with_openblas()
+import veloxquant_mlx._blas as blas  # noqa: E402  before mlx: may load OpenBLAS
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm import load  # noqa: E402
@@ -166,15 +144,13 @@ def main() -> int:
         help="limit the held-out text (0 = all of it)",
     )
     ap.add_argument("--json", default=str(REPO / "bench-out" / "reference_model.json"))
-    ap.add_argument("--no-openblas", action="store_true")
     args = ap.parse_args()
 
     mx.set_default_device(mx.cpu)
     t0 = time.time()
     model, tokenizer = load(args.model)
     model.set_dtype(mx.float32)
-    blas = os.environ.get("LD_PRELOAD") or "bundled"
-    print(f"model {args.model} (float32 compute, BLAS: {blas})", flush=True)
+    print(f"model {args.model} (float32 compute, BLAS: {blas.loaded or 'bundled'})", flush=True)
 
     plan = [
         (int(c), int(n)) for c, n in (x.split(":") for x in args.examples.split(","))
@@ -239,7 +215,7 @@ def main() -> int:
     # table
     print()
     head = (
-        f"| task | "
+        "| task | "
         + " | ".join(f"{c} full | {c} sinks+window" for c, _ in plan)
         + " |"
     )

@@ -8,7 +8,7 @@ import pytest
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.bench.synthetic import SyntheticSpec, attention_error, make_tensors
 from veloxquant_mlx.cache.options import SnapKVOptions, StreamingLLMOptions
-from veloxquant_mlx.registry import METHODS, implemented_methods
+from veloxquant_mlx.registry import implemented_methods
 
 SPEC = SyntheticSpec(context=600, decode=6, head_dim=64)
 

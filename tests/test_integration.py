@@ -157,7 +157,7 @@ def test_gemma2_full_and_streaming_work_hook_methods_refuse():
     """gemma2 computes attention inline (softcapping): no hook is possible there."""
     model = tiny_model("gemma2")
     tokens = prompt(120)
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.cache import KVCache
 
     ref = run(model, [KVCache() for _ in model.layers], tokens)
     assert mx.array_equal(run(model, make_prompt_cache(model, KVCacheConfig()), tokens), ref)

@@ -8,7 +8,6 @@ from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.options import KIVIOptions
 from veloxquant_mlx.methods.kivi import KIVICache
-from veloxquant_mlx.quant.affine import dequantize_per_channel, dequantize_per_token
 
 
 def feed(cache, keys, values, chunk):
