@@ -133,3 +133,30 @@ def test_different_stored_lengths_per_layer_with_array_masks(monkeypatch):
     ref = run(model, reference_caches(model, lambda layer: streaming_visible(2, windows[layer])), tokens, chunk=40, decode=20)
     assert [c.stored_length for c in cache] == [2 + w for w in windows]
     assert mx.allclose(out, ref, atol=2e-5, rtol=1e-4), float(mx.abs(out - ref).max())
+
+
+def _feed(cache, t, head_dim=64, chunk=2048):
+    """A t-token prompt the way mlx-lm sends it: chunks, then the last token alone."""
+    keys = mx.random.normal((1, 2, t, head_dim)).astype(mx.float16)
+    start = 0
+    while start < t:
+        n = min(chunk, t - 1 - start) if start < t - 1 else 1
+        k, v = cache.update_and_fetch(keys[:, :, start : start + n], keys[:, :, start : start + n])
+        q = mx.random.normal((1, 8, n, head_dim)).astype(mx.float16)
+        cache.attend(q, k, v, scale=head_dim**-0.5, mask="causal" if n > 1 else None)
+        start += n
+
+
+def test_memory_after_a_4k_prompt_is_what_the_method_promises():
+    from veloxquant_mlx.methods.snapkv import SnapKVCache
+    from veloxquant_mlx.methods.streaming_llm import StreamingLLMCache
+
+    row = 2 * 64 * 2  # one token of one layer: 2 KV heads x head_dim 64, float16
+    stream = StreamingLLMCache(KVCacheConfig(options=StreamingLLMOptions(stream_n_sink=4, stream_window_size=508)))
+    _feed(stream, 4096)
+    assert stream.stored_length == 512 and stream.offset == 4096
+    assert stream.nbytes == 2 * 512 * row  # keys and values, sinks + window rows, nothing else
+    snap = SnapKVCache(KVCacheConfig(options=SnapKVOptions(snap_budget=512)))
+    _feed(snap, 4096)
+    assert snap.stored_length == 512 and snap.window_queries is None
+    assert snap.nbytes == 2 * 512 * row + snap.kept_positions.nbytes  # + the kept positions (int32)
