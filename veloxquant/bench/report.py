@@ -71,9 +71,9 @@ def table_rows(results: list[dict], synthetic: bool) -> tuple[list[str], list[li
         rows = []
         for r in results:
             if r["status"] != "ok":
-                rows.append([r["label"], _settings(r), "-", "-", "-", "-", "FAILED: " + r["error"]])
+                rows.append([r["method"], _settings(r), "-", "-", "-", "-", "FAILED: " + r["error"]])
                 continue
-            rows.append([r["label"], _settings(r), f(r["bytes_per_token"], ".1f"),
+            rows.append([r["method"], _settings(r), f(r["bytes_per_token"], ".1f"),
                          f(r.get("ratios", {}).get("bytes_per_token"), ".3f"),
                          f(r["relative_error_mean"], ".4f"), f(r["relative_error_max"], ".4f"), "ok"])
         return head, rows
@@ -82,11 +82,11 @@ def table_rows(results: list[dict], synthetic: bool) -> tuple[list[str], list[li
     rows = []
     for r in results:
         if r["status"] != "ok":
-            rows.append([r["label"], _settings(r)] + ["-"] * 9 + ["FAILED: " + r["error"]])
+            rows.append([r["method"], _settings(r)] + ["-"] * 9 + ["FAILED: " + r["error"]])
             continue
         ratios, q = r.get("ratios", {}), r["continuation"]
         rows.append([
-            r["label"], _settings(r),
+            r["method"], _settings(r),
             f(r["memory_speed"]["bytes_per_token_decode"], ",.0f"),
             f(ratios.get("bytes_per_token_decode"), ".3f"),
             f(ratios.get("peak_memory"), ".2f"),
@@ -146,19 +146,20 @@ def plot(path: Path, results: list[dict], synthetic: bool) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in results if r["status"] == "ok"]
-    if synthetic:
+    if synthetic:  # lower error is better: the frontier is taken on -error
         xs = [r["bytes_per_token"] for r in ok]
-        ys = [1.0 - min(1.0, r["relative_error_mean"]) for r in ok]
-        ylabel = "1 - attention relative error (higher is better)"
+        ys = [r["relative_error_mean"] for r in ok]
+        quality = [-y for y in ys]
+        ylabel = "attention relative error vs exact (lower is better)"
     else:
         xs = [r["memory_speed"]["bytes_per_token_decode"] for r in ok]
-        ys = [r["retrieval"]["accuracy"] for r in ok]
-        ylabel = "retrieval accuracy"
+        ys = quality = [r["retrieval"]["accuracy"] for r in ok]
+        ylabel = "retrieval accuracy (higher is better)"
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     ax.scatter(xs, ys, color="tab:blue", zorder=3)
     for r, x, y in zip(ok, xs, ys):
         ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    front = pareto_front(list(zip(xs, ys)))
+    front = pareto_front(list(zip(xs, quality)))
     if front:
         ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="tab:red",
                 label="Pareto frontier", zorder=2)
@@ -166,6 +167,9 @@ def plot(path: Path, results: list[dict], synthetic: bool) -> None:
                    facecolors="none", edgecolors="tab:red", zorder=4)
         ax.legend()
     ax.set_xscale("log")
+    if synthetic:
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_ylim(bottom=0)
     ax.set_xlabel("KV bytes per token (measured nbytes, all layers)")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
