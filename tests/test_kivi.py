@@ -132,3 +132,21 @@ def test_group_size_must_divide_head_dim():
     cache = make_prompt_cache(model, KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=64)))
     with pytest.raises(ValueError, match="kivi_group_size=64 must divide head_dim=32"):
         model(prompt(8)[None], cache=cache)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_attention_option_reaches_the_kernel_dispatcher(fused, monkeypatch):
+    import veloxquant_mlx.methods.kivi as kivi_module
+
+    seen = []
+    real = kivi_module.kivi_decode_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["use_kernel"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kivi_module, "kivi_decode_attention", spy)
+    cache = kivi(fused_attention=fused)
+    keys = mx.random.normal((1, 2, 40, 64))
+    feed(cache, keys, keys, 39)
+    assert seen == [fused]
