@@ -184,3 +184,21 @@ def test_kivi_group_size_128_on_head_dim_128_generates(tokenizer):
     config = KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=128), residual_window=128)
     with patched_kv_cache(model, config):
         assert len(mlx_lm.generate(model, tokenizer, TEXT * 2, max_tokens=8)) > 0
+
+
+def test_gemma3_keeps_its_sliding_window_layers_and_compresses_the_global_ones(tokenizer):
+    """Sliding-window layers keep mlx-lm's RotatingKVCache; global layers get ours."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    model = tiny_model("gemma3_text")
+    tokens = prompt(120)
+    ref = run(model, model.make_cache(), tokens)
+    cache = make_prompt_cache(model, KVCacheConfig())
+    assert [type(c).__name__ for c in cache] == ["RotatingKVCache", "FullCache"] * 2
+    assert mx.array_equal(run(model, cache, tokens), ref)
+    kivi = make_prompt_cache(model, CONFIGS["kivi"])
+    assert isinstance(kivi[0], RotatingKVCache) and kivi[1].config.method == "kivi"
+    run(model, kivi, tokens)
+    assert kivi[1].stored_length == 120 + 6 and kivi[1].n_quantized_keys == 64
+    with patched_kv_cache(model, CONFIGS["snapkv"]):
+        assert len(mlx_lm.generate(model, tokenizer, TEXT, max_tokens=6)) > 0

@@ -24,6 +24,11 @@ ARCH_ARGS = {
         vocab_size=260, rope_theta=10000.0, attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0, query_pre_attn_scalar=32.0,
     ),
+    "gemma3_text": dict(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+        vocab_size=260, query_pre_attn_scalar=32.0, sliding_window=32, sliding_window_pattern=2,
+    ),
 }
 
 
