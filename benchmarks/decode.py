@@ -2,8 +2,10 @@
 
 A random llama (8 layers, head_dim 128, GQA 4:1), prompts of 1k/4k/16k tokens prefilled
 the way mlx-lm does it (2048-token chunks, then the last token alone), then timed
-single-token decode steps. Every figure is also given as a ratio to mlx-lm's own
-``KVCache`` measured in the same run, on the same model and prompt.
+single-token decode steps, the methods taking turns (rounds x steps each) so that the
+machine's drift hits them alike; speed is the median step. Every figure is also given
+as a ratio to mlx-lm's own ``KVCache`` measured in the same run, on the same model and
+prompt. Peak memory is over each method's prefill and first two decode steps.
 
     python benchmarks/decode.py                      # 1k, 4k, 16k
     python benchmarks/decode.py --contexts 1024 4096 --steps 16 --out bench-out/decode.json
@@ -50,33 +52,44 @@ def build_model(dtype):
     return model
 
 
-def measure(model, config, context, steps):
+def start(model, config, context):
+    """Prefill one method's cache; its KV bytes and peak memory over prefill + 2 steps."""
     tokens = mx.random.randint(0, 1024, (context,), key=mx.random.key(context))
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
     cache = [KVCache() for _ in model.layers] if config is None else make_prompt_cache(model, config)
     y = mx.argmax(prefill(model, cache, tokens))[None]
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        logits = model(y[:, None], cache=cache)
-        y = mx.argmax(logits[:, -1], axis=-1)
-        mx.eval(y)
-        times.append(time.perf_counter() - start)
-    step = statistics.median(times[2:] if steps > 4 else times)
-    return {
-        "kv_bytes": sum(c.nbytes for c in cache),
-        "peak_bytes": mx.get_peak_memory() - base,
-        "decode_s_per_token": step,
-        "decode_tokens_per_s": 1.0 / step,
-    }
+    for _ in range(2):
+        y = decode(model, cache, y)
+    return cache, y, {"kv_bytes": sum(c.nbytes for c in cache), "peak_bytes": mx.get_peak_memory() - base}
+
+
+def decode(model, cache, y):
+    y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+    mx.eval(y)
+    return y
+
+
+def time_interleaved(model, states, steps, rounds):
+    """Per-step decode times, the methods taking turns so that drift hits them alike."""
+    times = {name: [] for name in states}
+    for _ in range(rounds):
+        for name, state in states.items():
+            cache, y = state
+            for _ in range(steps):
+                t = time.perf_counter()
+                y = decode(model, cache, y)
+                times[name].append(time.perf_counter() - t)
+            states[name] = (cache, y)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per method per round")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of interleaved timing")
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--out", default=None, help="write every figure as JSON here")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
@@ -86,10 +99,17 @@ def main() -> None:
     model = build_model(compute_dtype(args.dtype) or mx.float16)
     results = []
     for context in args.contexts:
-        for name in ["mlx-lm KVCache", *[m for m in args.methods if m != "mlx-lm KVCache"]]:
-            r = measure(model, METHODS[name], context, args.steps)
+        names = ["mlx-lm KVCache", *[m for m in args.methods if m != "mlx-lm KVCache"]]
+        states, figures = {}, {}
+        for name in names:
+            cache, y, figures[name] = start(model, METHODS[name], context)
+            states[name] = (cache, y)
+        step = time_interleaved(model, states, args.steps, args.rounds)
+        for name in names:
+            r = {**figures[name], "decode_s_per_token": step[name], "decode_tokens_per_s": 1 / step[name]}
             results.append({"method": name, "context": context, **r})
             print(f"  {name:16s} {context:6d}: {r['decode_tokens_per_s']:8.2f} tok/s", flush=True)
+        del states
 
     rows = ["| context | method | KV bytes | KV ratio | peak ratio | decode tok/s | speed ratio |",
             "|---:|---|---:|---:|---:|---:|---:|"]
@@ -101,7 +121,7 @@ def main() -> None:
             f"| {r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f} |"
         )
     env = {"mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
-           "processor": platform.processor(), "steps": args.steps, "dtype": str(model.model.embed_tokens.weight.dtype)}
+           "processor": platform.processor(), "steps": args.steps, "rounds": args.rounds, "dtype": str(model.model.embed_tokens.weight.dtype)}
     print("\n" + "\n".join(rows))
     if args.out:
         with open(args.out, "w") as f:
