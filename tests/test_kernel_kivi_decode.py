@@ -324,16 +324,17 @@ def _run_gpu_cases(fn, algos):
                 ref = _f32(kd.kivi_decode_attention_reference(args[0].astype(mx.float32),
                                                               *args[1:], **kw))
             for algo in algos:
-                if not kd.kernel_supports(128, R, bits, G, dtype, chunk, algo=algo):
+                c = None if algo == "folded" else chunk  # folded: chunk set by the bits
+                if not kd.kernel_supports(128, R, bits, G, dtype, c, algo=algo):
                     continue
                 # simt: float32 throughout; mma: float16 operands (~2^-11 each)
-                tol = 1e-4 if algo == "simt" else 1e-3
-                out = fn(*args, **kw, chunk=chunk, target_blocks=target, out_dtype=mx.float32,
+                tol = 1e-3 if algo == "mma" else 1e-4
+                out = fn(*args, **kw, chunk=c, target_blocks=target, out_dtype=mx.float32,
                          poison=True, algo=algo)
                 o = _f32(out)
                 assert np.isfinite(o).all(), f"{algo}: outputs left unwritten (NaN poison)"
                 assert _rel(o, ref) < tol, (algo, R, bits, G, dtype)
-                nat = fn(*args, **kw, chunk=chunk, target_blocks=target, algo=algo)
+                nat = fn(*args, **kw, chunk=c, target_blocks=target, algo=algo)
                 assert nat.dtype == dtype
                 assert _rel(_f32(nat), ref) <= UNIT_ROUNDOFF[dtype] + tol
             disp = kd.kivi_decode_attention(*args, **kw)
@@ -347,7 +348,7 @@ def test_cuda_kernel_matches_reference():
         pytest.skip("SKIPPED LOUDLY: MLX's CUDA back-end is not available here "
                     "(mx.cuda.is_available() is False); the fused CUDA kernel is NOT "
                     "exercised. Run benchmarks/fused_attention.py on an NVIDIA GPU.")
-    _run_gpu_cases(kd.kivi_decode_attention_cuda, ("simt", "mma"))
+    _run_gpu_cases(kd.kivi_decode_attention_cuda, ("simt", "mma", "folded"))
 
 
 def test_metal_kernel_matches_reference():
@@ -394,6 +395,24 @@ static inline void __syncthreads() { g_bar->arrive_and_wait(); }
 static inline float __shfl_xor_sync(unsigned, float v, int off) {
   int t = threadIdx.x; xbuf[t] = v; w_bar[t / 32]->arrive_and_wait();
   float r = xbuf[t ^ off]; w_bar[t / 32]->arrive_and_wait(); return r;
+}
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t v = (uint64_t)x | ((uint64_t)y << 32); uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) r |= (uint32_t)((v >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+  return r;
+}
+// cp.async as a plain copy: the kernels wait before they read, so a copy that completes
+// at once is one of the orders the hardware may produce
+template <int BYTES> static inline void vqk_cp_async(void* dst, const void* src) { memcpy(dst, src, BYTES); }
+static inline void vqk_cp_commit() {}
+template <int N> static inline void vqk_cp_wait() {}
+static inline float __shfl_sync(unsigned, float v, int src) {
+  int t = threadIdx.x; xbuf[t] = v; w_bar[t / 32]->arrive_and_wait();
+  float r = xbuf[(t & ~31) + src]; w_bar[t / 32]->arrive_and_wait(); return r;
 }
 // tensor-core helpers, emulated: every lane posts its fragments, then computes its own
 // accumulators from the whole warp's (PTX m16n8k16 .row.col layouts)
@@ -472,18 +491,23 @@ def _emulate_cuda(args, *, scale, bits, group_size, chunk, target, variant, work
            ("k_biases", dt, kb), ("k_res", dt, kr), ("v_codes", "uint32", vc),
            ("v_scales", dt, vs), ("v_biases", dt, vb), ("v_res", dt, vr),
            ("params", "int32", params)]
-    tw, ku, vu = variant
-    template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
-                ("GQA", Hq // H), ("CHUNK", chunk), ("NT", kd._NT), ("TW", tw),
-                ("KUNROLL", ku), ("VUNROLL", vu), ("MODE", 0)]
-    ng = max(1, 256 // D)
-    src = _EMU_PRELUDE + kd.CUDA_HEADER
-    source = kd.CUDA_MMA_SOURCE if algo == "mma" else kd.CUDA_SOURCE
+    if algo == "folded":
+        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
+                    ("GQA", Hq // H), ("CHUNK", chunk), ("NT", kd._NT),
+                    ("KVEC", 4 if kc.shape[3] % 4 == 0 else 1), ("MODE", 0)]
+    else:
+        tw, ku, vu = variant
+        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
+                    ("GQA", Hq // H), ("CHUNK", chunk), ("NT", kd._NT), ("TW", tw),
+                    ("KUNROLL", ku), ("VUNROLL", vu), ("MODE", 0)]
+    src = _EMU_PRELUDE + kd.CUDA_HEADER + kd.CUDA_FOLDED_HEADER
+    source = {"simt": kd.CUDA_SOURCE, "mma": kd.CUDA_MMA_SOURCE,
+              "folded": kd.CUDA_FOLDED_SOURCE}[algo]
     src += _emu_function("kmain", source, [(n, d) for n, d, _ in ins],
                          [("o_part", "float32"), ("ml_part", "float32")], template)
     src += _emu_function("kcomb", kd.CUDA_COMBINE_SOURCE,
                          [("o_part", "float32"), ("ml_part", "float32")], [("out", "float32")],
-                         [("OT", "float32"), ("HEAD_DIM", D), ("NG", ng)])
+                         [("OT", "float32"), ("HEAD_DIM", D)])
     call = []
     for n, _, a in ins:
         src_ptr = f"(const {_CT[dict((x, y) for x, y, _ in ins)[n]]}*)b_{n}.data()"
@@ -500,7 +524,7 @@ def _emulate_cuda(args, *, scale, bits, group_size, chunk, target, variant, work
              f" out({B * Hq * D}, NAN);\n")
     main += (f"  launch({ns}, {B * H}, {kd._NT}, [&] {{ kmain({', '.join(call)}, o_part.data(),"
              f" ml_part.data()); }});\n")
-    main += (f"  launch({B * Hq}, 1, {D * ng}, [&] {{ kcomb(o_part.data(), Shape{{{B * Hq}, {ns},"
+    main += (f"  launch({B * Hq}, {D // 32}, 256, [&] {{ kcomb(o_part.data(), Shape{{{B * Hq}, {ns},"
              f" {D}}}, ml_part.data(), out.data()); }});\n")
     out_path = os.path.join(workdir, "out.bin")
     main += f'  FILE* f = fopen("{out_path}", "wb"); fwrite(out.data(), 4, out.size(), f);'
@@ -536,6 +560,13 @@ def _gxx_can_emulate() -> bool:
         ("mma", 4, 4, 32, 288, 37, 130, 128, 2, (4, 16, 8)),      # super-tile cut by n_kq
         pytest.param("mma", 3, 2, 64, 256, 19, 77, 512, 1024, (4, 16, 8),  # GQA 3
                      marks=pytest.mark.slow),
+        # folded: splits of one chunk; several chunks per split (register prefetch),
+        # 4-byte key loads (rows not 16-byte aligned), a chunk shorter than a group
+        ("folded", 4, 4, 64, 512, 37, 131, 128, 2, None),
+        ("folded", 8, 2, 32, 288, 100, 200, 128, 2, None),
+        pytest.param("folded", 4, 4, 64, 512, 37, 128, 128, 1024, None,
+                     marks=pytest.mark.slow),
+        pytest.param("folded", 3, 8, 128, 256, 19, 77, 64, 4, None, marks=pytest.mark.slow),
     ],
 )
 def test_cuda_source_emulated_on_cpu(tmp_path, algo, R, bits, G, n_kq, n_kres, n_vres, chunk,
@@ -551,6 +582,7 @@ def test_cuda_source_emulated_on_cpu(tmp_path, algo, R, bits, G, n_kq, n_kres, n
     assert np.isfinite(out).all(), "emulated kernel left outputs unwritten"
     ref = kd.kivi_decode_attention_reference(args[0].astype(mx.float32), *args[1:], **kw)
     # simt: float32 throughout; mma: float16 operands (dequantized K/V, q, p), so about
-    # the unit roundoff of float16 on each operand
-    tol = 1e-5 if algo == "simt" else 2e-3
+    # the unit roundoff of float16 on each operand; folded: exact codes, q*s and p*s as
+    # float16 pairs (about 2^-22 each, less where the low part is subnormal)
+    tol = {"simt": 1e-5, "mma": 2e-3, "folded": 1e-4}[algo]
     assert _rel(out, _f32(ref)) < tol

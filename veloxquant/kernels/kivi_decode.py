@@ -34,9 +34,11 @@ Paths
     the residual windows, under one joint softmax.
 ``kivi_decode_attention_cuda``
     a flash-decoding kernel through ``mx.fast.cuda_kernel`` (MLX's CUDA back-end), in
-    two versions: ``algo="simt"`` (CUDA cores, float32 throughout) and ``algo="mma"``
-    (tensor cores, float16 operands, float32 accumulation). Both were checked on an
-    H200 against the float32 reference; timings in benchmarks/results/fused_attention.md.
+    three versions: ``algo="folded"`` (tensor cores on the raw codes, the affine scales
+    folded into the queries and probabilities, float16 caches), ``algo="simt"`` (CUDA
+    cores, float32 throughout) and ``algo="mma"`` (tensor cores on dequantized float16
+    operands). All three were checked on an H200 against the float32 reference; timings
+    in benchmarks/results/fused_attention.md.
 ``kivi_decode_attention_metal``
     the twin of the simt kernel through ``mx.fast.metal_kernel``. No Metal hardware was
     available: it is untested on hardware.
@@ -44,10 +46,13 @@ Paths
     the dispatcher: a CUDA kernel on the CUDA back-end (:func:`default_algo`), the Metal
     one on Metal, otherwise the faster pure-mlx path on the CPU (``CPU_DEFAULT_PATH``).
 
-Measured (H200, MLX 0.32.4, fp16, 32 q / 8 kv heads, d 128, dispatcher defaults): the
-fused kernels read the packed cache at 0.13-1.5 TB/s and run at 0.76x-1.9x the speed of
-fp16 ``mx.fast.scaled_dot_product_attention`` on the same shape (faster only at 4k
-context): so far they save memory, not time. See benchmarks/notes/fused_attention.md.
+Measured (H200, MLX 0.32.4, fp16, 32 q / 8 kv heads, d 128, group 64, dispatcher
+defaults, run 4 of benchmarks/results/fused_attention.md): the fused kernels read the
+packed cache at 0.08-1.5 TB/s and run at 0.74x-1.54x the speed of fp16
+``mx.fast.scaled_dot_product_attention`` on the same shape (4-bit, 32k: 1.51x at batch 1,
+1.10x at batch 8; at 128k and at 8 bits they are slower). They save memory; the speed-up
+targets of the issue (3x, 50% of the roofline) are not met. See
+benchmarks/notes/fused_attention.md.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from .kivi_decode_cuda_src import (
     CUDA_MMA_SOURCE,
     CUDA_SOURCE,
 )
+from .kivi_decode_cuda_folded_src import CUDA_FOLDED_HEADER, CUDA_FOLDED_SOURCE
 from .kivi_decode_metal_src import METAL_COMBINE_SOURCE, METAL_HEADER, METAL_SOURCE
 
 __all__ = [
@@ -94,15 +100,18 @@ _LOG2E = 1.4426950408889634
 # ``CHUNK`` tokens of one (batch, kv head) with an online softmax, and writes one
 # partial (m, l, o) per query head; a second tiny kernel merges the partials.
 _NT = 128
-#: CUDA kernel of the dispatcher: "simt" (CUDA cores, float32 throughout), except for the
-#: bit widths listed in MMA_DEFAULT_BITS with float16 inputs, which use "mma" (tensor
-#: cores, float16 operands, float32 accumulation). Chosen from the H200 table in
-#: benchmarks/results/fused_attention.md: mma was faster at 2 bits in all six shapes,
-#: slower at 4 and 8 bits.
+#: CUDA kernel of the dispatcher: "folded" (tensor cores on the raw codes, scales
+#: folded into q and p) for float16 caches at the bit widths of FOLDED_DEFAULT_BITS where
+#: it handles the shape, otherwise "simt" (CUDA cores, float32 throughout). Chosen from
+#: the H200 table in benchmarks/results/fused_attention.md: folded was the fastest
+#: kernel in all twelve 2- and 4-bit shapes; at 8 bits simt was as fast or faster.
 DEFAULT_CUDA_ALGO = "simt"
-MMA_DEFAULT_BITS = (2,)
+FOLDED_DEFAULT_BITS = (2, 4)
 DEFAULT_CHUNK = 256
 DEFAULT_TARGET_BLOCKS = 1024
+#: folded: one wave of its blocks on an H200 (132 SMs x 6 resident blocks); the best
+#: split target of the sweep in benchmarks/results/fused_attention.md
+FOLDED_TARGET_BLOCKS = 792
 _MAX_GQA = 8
 
 
@@ -275,11 +284,12 @@ def _get_kernels(backend: str, algo: str = "simt"):
     key = (backend, algo)
     if key not in _KERNELS:
         if backend == "cuda":
+            source = {"simt": CUDA_SOURCE, "mma": CUDA_MMA_SOURCE,
+                      "folded": CUDA_FOLDED_SOURCE}[algo]
             main = mx.fast.cuda_kernel(
-                name="vq_kivi_decode" + ("_mma" if algo == "mma" else ""),
+                name="vq_kivi_decode" + ("" if algo == "simt" else "_" + algo),
                 input_names=_INPUT_NAMES, output_names=["o_part", "ml_part"],
-                source=CUDA_MMA_SOURCE if algo == "mma" else CUDA_SOURCE,
-                header=CUDA_HEADER)
+                source=source, header=CUDA_HEADER + CUDA_FOLDED_HEADER)
             comb = mx.fast.cuda_kernel(
                 name="vq_kivi_decode_combine", input_names=["o_part", "ml_part"],
                 output_names=["out"], source=CUDA_COMBINE_SOURCE, header=CUDA_HEADER)
@@ -312,7 +322,28 @@ def _mma_supports(head_dim, gqa, bits, chunk) -> bool:
             and chunk % (8 * pack) == 0 and chunk % 16 == 0)
 
 
+def _folded_shared_bytes(head_dim, gqa, bits, group_size, chunk) -> int:
+    """Static shared memory of the folded kernel (its declarations, in bytes)."""
+    pack = 32 // bits
+    dg = head_dim // group_size
+    return (4 * head_dim * (chunk // pack + 4) + 4 * chunk * (head_dim // pack + 4)
+            + 4 * max(1, chunk // group_size) * head_dim + 4 * chunk * dg
+            + 4 * gqa * chunk + 16 * 32 * (head_dim // 16) + 2 * 2 * dg * gqa * chunk
+            + 4 * gqa * (3 + dg))
+
+
+def _folded_supports(head_dim, gqa, bits, group_size, dtype, chunk) -> bool:
+    pack = 32 // bits
+    return (dtype == mx.float16 and 1 <= gqa <= _MAX_GQA and head_dim % 64 == 0
+            and chunk % 64 == 0 and chunk % pack == 0 and (chunk // pack) % 4 == 0
+            and (head_dim // pack) % 4 == 0 and group_size % 16 == 0
+            and head_dim % group_size == 0
+            and _folded_shared_bytes(head_dim, gqa, bits, group_size, chunk) <= 48 * 1024)
+
+
 def _default_chunk(algo: str, bits: int) -> int:
+    if algo == "folded":  # 16 packed words per key channel row and chunk at 4 and 8 bits
+        return 64 if bits == 8 else 128
     # mma: a key super-tile is 8 words = 8 * (32 // bits) tokens; keep 4 per chunk
     return max(DEFAULT_CHUNK, 32 * (32 // bits)) if algo == "mma" else DEFAULT_CHUNK
 
@@ -325,11 +356,14 @@ def kernel_supports(head_dim: int, gqa: int, bits: int, group_size: int,
         return False
     if dtype not in (mx.float16, mx.bfloat16, mx.float32) or tw not in (4, 8):
         return False
-    if not 1 <= gqa <= _MAX_GQA or head_dim % group_size or head_dim > 256:
+    # head_dim % 32: the CUDA combine kernel owns 32-channel slices
+    if not 1 <= gqa <= _MAX_GQA or head_dim % group_size or head_dim > 256 or head_dim % 32:
         return False
     chunk = _default_chunk(algo, bits) if chunk is None else chunk
     if algo == "mma":
         return _mma_supports(head_dim, gqa, bits, chunk)
+    if algo == "folded":
+        return _folded_supports(head_dim, gqa, bits, group_size, dtype, chunk)
     per = min(32 // bits, tw)
     colk = chunk // per
     if chunk % per or colk > _NT or _NT % colk or head_dim % (_NT // colk):
@@ -339,13 +373,13 @@ def kernel_supports(head_dim: int, gqa: int, bits: int, group_size: int,
 
 
 def default_algo(head_dim: int, gqa: int, bits: int, group_size: int, dtype) -> Optional[str]:
-    """The CUDA kernel the dispatcher uses for a shape: "mma", "simt" or None (none fits).
+    """The CUDA kernel the dispatcher uses for a shape: "folded", "mma", "simt" or None.
 
-    mma only for float16 inputs: it rounds dequantized K/V to float16 operands, which
-    for bfloat16/float32 caches could overflow (|x| > 65504)."""
-    if bits in MMA_DEFAULT_BITS and dtype == mx.float16 and kernel_supports(
-            head_dim, gqa, bits, group_size, dtype, algo="mma"):
-        return "mma"
+    The tensor-core kernels only for float16 inputs: their operands are float16, which
+    bfloat16/float32 caches could overflow (|x| > 65504)."""
+    if dtype == mx.float16 and bits in FOLDED_DEFAULT_BITS and kernel_supports(
+            head_dim, gqa, bits, group_size, dtype, algo="folded"):
+        return "folded"
     if kernel_supports(head_dim, gqa, bits, group_size, dtype, tw=_default_variant(gqa)[0]):
         return DEFAULT_CUDA_ALGO
     return None
@@ -394,7 +428,9 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
         algo = (default_algo(D, R, bits, group_size, dt) or "simt") if backend == "cuda" \
             else "simt"
     chunk = _default_chunk(algo, bits) if chunk is None else int(chunk)
-    target_blocks = DEFAULT_TARGET_BLOCKS if target_blocks is None else int(target_blocks)
+    if target_blocks is None:
+        target_blocks = FOLDED_TARGET_BLOCKS if algo == "folded" else DEFAULT_TARGET_BLOCKS
+    target_blocks = int(target_blocks)
     tw, kunroll, vunroll = _default_variant(R) if variant is None else variant
     if not kernel_supports(D, R, bits, group_size, dt, chunk, tw, algo):
         raise ValueError(
@@ -417,22 +453,35 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
     params = _params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
     main, comb = _get_kernels(backend, algo)
     init = float("nan") if poison else None
+    if algo == "folded":
+        # 16-byte loads of key rows only where every row starts 16-byte aligned
+        kvec = 4 if k_codes.shape[3] % 4 == 0 else 1
+        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
+                    ("GQA", R), ("CHUNK", chunk), ("NT", _NT), ("KVEC", kvec),
+                    ("MODE", int(_mode))]
+    else:
+        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
+                    ("GQA", R), ("CHUNK", chunk), ("NT", _NT), ("TW", tw),
+                    ("KUNROLL", kunroll), ("VUNROLL", vunroll), ("MODE", int(_mode))]
     o_part, ml_part = main(
         inputs=[queries, k_codes, k_scales, k_biases, k_res, v_codes, v_scales, v_biases,
                 v_res, params],
-        template=[("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
-                  ("GQA", R), ("CHUNK", chunk), ("NT", _NT), ("TW", tw),
-                  ("KUNROLL", kunroll), ("VUNROLL", vunroll), ("MODE", int(_mode))],
+        template=template,
         grid=(ns * _NT, B * H, 1), threadgroup=(_NT, 1, 1),
         output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
         output_dtypes=[mx.float32, mx.float32], init_value=init)
-    ng = max(1, 256 // D)
     odt = dt if out_dtype is None else out_dtype
+    if backend == "cuda":  # a block per (row, 32-channel slice), 8 warps over the splits
+        comb_template = [("OT", odt), ("HEAD_DIM", D)]
+        comb_grid, comb_group = (B * Hq * 256, D // 32, 1), (256, 1, 1)
+    else:
+        ng = max(1, 256 // D)
+        comb_template = [("OT", odt), ("HEAD_DIM", D), ("NG", ng)]
+        comb_grid, comb_group = (B * Hq * D * ng, 1, 1), (D * ng, 1, 1)
     (out,) = comb(
-        inputs=[o_part, ml_part],
-        template=[("OT", odt), ("HEAD_DIM", D), ("NG", ng)],
-        grid=(B * Hq * D * ng, 1, 1), threadgroup=(D * ng, 1, 1),
-        output_shapes=[(B, Hq, 1, D)], output_dtypes=[odt], init_value=init)
+        inputs=[o_part, ml_part], template=comb_template, grid=comb_grid,
+        threadgroup=comb_group, output_shapes=[(B, Hq, 1, D)], output_dtypes=[odt],
+        init_value=init)
     return out
 
 

@@ -678,36 +678,50 @@ CUDA_MMA_SOURCE = r"""
   }
 """
 
-# Merge the split partials: one block per (batch, query head), HEAD_DIM * NG threads.
+# Merge the split partials. Grid: (B * Hq) x (HEAD_DIM / 32) blocks of 256 threads: one
+# block per query row and 32-channel slice, its 8 warps take every 8th split (lane =
+# channel), so the loads of a row are spread over many threads and blocks; the block
+# max of the split maxima comes first, the 8 warp sums are added in shared memory.
 CUDA_COMBINE_SOURCE = r"""
-  __shared__ float sacc[HEAD_DIM * NG];
-  __shared__ float sl[NG];
+  constexpr int NW = 8;
+  __shared__ float red_m[NW];
+  __shared__ float red_l[NW];
+  __shared__ float red_o[NW * 32];
   const int row = blockIdx.x;
   const int tid = threadIdx.x;
-  const int c = tid % HEAD_DIM;
-  const int g = tid / HEAD_DIM;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int c = blockIdx.y * 32 + lane;
   const int NS = o_part_shape[1];
   const float* ml = ml_part + (size_t)row * NS * 2;
-  float M = -vqk_inf();
-  for (int s = 0; s < NS; ++s) M = fmaxf(M, ml[2 * s]);
+  float m = -vqk_inf();
+  for (int s = tid; s < NS; s += 32 * NW) m = fmaxf(m, ml[2 * s]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (lane == 0) red_m[warp] = m;
+  __syncthreads();
+  float M = red_m[0];
+#pragma unroll
+  for (int w = 1; w < NW; ++w) M = fmaxf(M, red_m[w]);
   float acc = 0.f;
   float L = 0.f;
   const float* op = o_part + (size_t)row * NS * HEAD_DIM + c;
 #pragma unroll 4
-  for (int s = g; s < NS; s += NG) {
+  for (int s = warp; s < NS; s += NW) {
     const float w = exp2f(ml[2 * s] - M);
     L = fmaf(w, ml[2 * s + 1], L);
     acc = fmaf(w, op[(size_t)s * HEAD_DIM], acc);
   }
-  sacc[tid] = acc;
-  if (c == 0) sl[g] = L;
+  red_o[warp * 32 + lane] = acc;
+  if (lane == 0) red_l[warp] = L;
   __syncthreads();
-  if (g == 0) {
+  if (warp == 0) {
     float a = 0.f;
     float l = 0.f;
-    for (int gg = 0; gg < NG; ++gg) {
-      a += sacc[gg * HEAD_DIM + c];
-      l += sl[gg];
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      a += red_o[w * 32 + lane];
+      l += red_l[w];
     }
     out[(size_t)row * HEAD_DIM + c] = vqk_from_f<OT>(a / l);
   }
