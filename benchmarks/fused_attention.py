@@ -8,16 +8,17 @@
 1. Check: for every bit width x group size x GQA ratio, and residual lengths that are 0,
    not multiples of the chunk, longer than a chunk, fresh random inputs (never zeros;
    spare buffer capacity filled with NaN scales / random codes so stray reads show), each
-   CUDA kernel's (simt and mma) float32 output (every output poisoned with NaN first, then checked fully
+   CUDA kernel's (folded, simt and mma) float32 output (every output poisoned with NaN first, then checked fully
    written) against the float32 reference computed from the dequantized cache:
    ||out - ref|| / ||ref|| < 1e-3. One failing configuration is printed and skipped.
 2. Table: bits {2,4,8} x context {4k,32k,128k} x batch {1,8}, 32 query / 8 kv heads,
    head_dim 128, group 64: median time, bandwidth on the packed bytes actually read
    (codes + scales + biases + residual rows + queries), fraction of the copy roofline,
    and the ratio to fp16 mx.fast.scaled_dot_product_attention on the same shape, for the
-   dispatcher's kernel (the other kernel's time alongside).
+   dispatcher's kernel (the other kernels' times alongside).
 3. Sweep: kernel variants (per-thread tile, unrolls, chunk, split target) at 32k, 4-bit,
-   and stage timings (packed values or packed keys left out).
+   and stage timings of simt and mma (packed values or packed keys left out).
+   --check-algos / --sweep-only narrow the check and the sweep to some kernels.
 
 Timing: inputs rotate over enough copies that they do not sit in the 50 MB L2; a batch of
 N calls is built lazily, then evaluated with mx.eval + mx.synchronize around the host
@@ -44,12 +45,19 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 import mlx.core as mx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# the kernels folder as a package of its own: the device machines have MLX only, not
+# mlx-lm, so the veloxquant_mlx package itself is not importable there
 _spec = importlib.util.spec_from_file_location(
-    "kivi_decode", ROOT / "veloxquant" / "kernels" / "kivi_decode.py")
-kd = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kd)
+    "vq_kernels", ROOT / "veloxquant" / "kernels" / "__init__.py",
+    submodule_search_locations=[str(ROOT / "veloxquant" / "kernels")])
+sys.modules["vq_kernels"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sys.modules["vq_kernels"])
+kd = importlib.import_module("vq_kernels.kivi_decode")
 
-ALGOS = ("simt", "mma")
+ALGOS = ("simt", "mma", "folded")
+CHECK_ALGOS = list(ALGOS)  # --check-algos narrows the check
+SWEEP_ALGOS = list(ALGOS)  # --sweep-only narrows the sweep
+SWEEP_STAGE_ALGOS = ("simt", "mma")  # kernels with stage-skipping modes
 ROOFLINE_TBS = 4.3  # H200 copy roofline (TB/s), /work/shared/ARCHITECTURE.md
 L2_BYTES = 50e6
 
@@ -146,7 +154,7 @@ def check(quick: bool):
     for dtype, bits, G, R, n_kq, n_kres, n_vres, chunk, target in cases:
         name = (f"{str(dtype).split('.')[-1]:8s} bits={bits} G={G:3d} gqa={R} n_kq={n_kq:5d} "
                 f"n_kres={n_kres:3d} n_vres={n_vres:3d} chunk={chunk or 'default'} "
-                f"target={target or kd.DEFAULT_TARGET_BLOCKS}")
+                f"target={target or 'default'}")
         try:
             T = n_kq + n_kres
             K, V = random_kv(B, H, T, D, dtype)
@@ -159,7 +167,7 @@ def check(quick: bool):
             n_fail += 1
             log(f"  ERROR preparing {name}: {type(exc).__name__}: {exc}")
             continue
-        for algo in ALGOS:
+        for algo in CHECK_ALGOS:
             if not kd.kernel_supports(D, R, bits, G, dtype, chunk, algo=algo):
                 continue
             if quick and algo != kd.default_algo(D, R, bits, G, dtype) and (
@@ -250,6 +258,9 @@ def sweep(shapes=((1, 32768), (8, 32768))):
     log("\n== sweep: kernel variants, 4-bit, group 64, 32 q-heads / 8 kv-heads, d=128 ==")
     D, H, R, G, bits = 128, 8, 4, 64, 4
     variants = [  # (algo, (TW, KU, VU), chunk, target blocks)
+        ("folded", None, 128, 132), ("folded", None, 128, 264), ("folded", None, 128, 396),
+        ("folded", None, 128, 528), ("folded", None, 128, 792), ("folded", None, 128, 1056),
+        ("folded", None, 128, 2112), ("folded", None, 64, 528), ("folded", None, 64, 1056),
         ("mma", None, 256, 1024), ("mma", None, 512, 1024), ("mma", None, 128, 1024),
         ("mma", None, 256, 512), ("mma", None, 256, 2048), ("mma", None, 256, 4096),
         ("simt", (4, 16, 8), 256, 1024), ("simt", (8, 8, 8), 256, 1024),
@@ -270,6 +281,8 @@ def sweep(shapes=((1, 32768), (8, 32768))):
             sets.append((q, c))
             del K, V
         for algo, variant, chunk, target in variants:
+            if algo not in SWEEP_ALGOS:
+                continue
             label = f"{algo} {variant or ''}".strip()
             try:
                 s, spread = time_batches(
@@ -281,7 +294,7 @@ def sweep(shapes=((1, 32768), (8, 32768))):
                     f"{s * 1e6:8.1f} us  {bytes_set / s / 1e9:7.0f} GB/s  (spread {spread:.0%})")
             except Exception as exc:
                 log(f"  ERROR {label} chunk={chunk} target={target}: {exc}")
-        for algo in ALGOS:
+        for algo in [a for a in SWEEP_STAGE_ALGOS if a in SWEEP_ALGOS]:
             for mode, what in ((1, "packed values skipped"), (2, "packed keys skipped")):
                 try:  # stage timing: leave one stage out (outputs meaningless, time only)
                     s, spread = time_batches(
@@ -349,7 +362,7 @@ def table(quick: bool, contexts=(4096, 32768, 131072), batches=(1, 8)):
                     times[algo] = (t_a, spread)
                 default = kd.default_algo(D, R, bits, G, mx.float16)
                 t_k, spread = times[default]
-                other = [a for a in ALGOS if a != default][0]
+                others = [a for a in ALGOS if a != default]
                 extra = ""
                 if bits == 4 and T == 32768 and B == 1:
                     try:  # the pure-mlx quantized_matmul path, for context
@@ -361,11 +374,12 @@ def table(quick: bool, contexts=(4096, 32768, 131072), batches=(1, 8)):
                     except Exception as exc:
                         extra = f"; quantized_matmul path failed: {exc}"
                 gbs = pb / t_k / 1e9
-                rows.append((bits, T, B, default, t_k, other, times[other][0], pb, gbs, t_sdpa))
+                otxt = ", ".join(f"{a} {times[a][0] * 1e6:.1f}" for a in others)
+                rows.append((bits, T, B, default, t_k, otxt, pb, gbs, t_sdpa))
                 log(f"  bits={bits} B={B} T={T:6d}: fused {default} {t_k * 1e6:8.1f} us  "
                     f"{pb / 1e6:8.1f} MB  {gbs:7.0f} GB/s  ({gbs / 1e3 / ROOFLINE_TBS:.0%} of "
                     f"{ROOFLINE_TBS} TB/s)  SDPA/fused {t_sdpa / t_k:5.2f}x  "
-                    f"(spread {spread:.0%}); {other} {times[other][0] * 1e6:.1f} us{extra}")
+                    f"(spread {spread:.0%}); others (us): {otxt}{extra}")
                 del sets
             del raw
     return rows
@@ -384,13 +398,13 @@ def render(n_ok, n_fail, worst, bw, sw, rows):
             md.append(f"| {B} | {T} | {v} | {ch} | {tg} | {s * 1e6:.1f} | {g:.0f} |")
         md.append("")
     md.append("| bits | context | batch | fused (us) | kernel | packed MB read | GB/s | "
-              "% of 4.3 TB/s | fp16 SDPA (us) | SDPA / fused | other kernel (us) |")
+              "% of 4.3 TB/s | fp16 SDPA (us) | SDPA / fused | other kernels (us) |")
     md.append("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
-    for bits, T, B, dal, t_k, oal, t_o, pb, gbs, t_s in sorted(
+    for bits, T, B, dal, t_k, otxt, pb, gbs, t_s in sorted(
             rows, key=lambda r: (r[0], r[2], r[1])):
         md.append(f"| {bits} | {T // 1024}k | {B} | {t_k * 1e6:.1f} | {dal} | {pb / 1e6:.1f} | "
                   f"{gbs:.0f} | {gbs / 1e3 / ROOFLINE_TBS:.0%} | {t_s * 1e6:.1f} | "
-                  f"{t_s / t_k:.2f}x | {oal} {t_o * 1e6:.1f} |")
+                  f"{t_s / t_k:.2f}x | {otxt} |")
     return "\n".join(md)
 
 
@@ -432,7 +446,15 @@ def main():
     ap.add_argument("--lean", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--cpu-paths", action="store_true")
+    ap.add_argument("--check-algos", default=",".join(ALGOS),
+                    help="kernels the check runs (comma-separated)")
+    ap.add_argument("--sweep-only", default=None,
+                    help="sweep only these kernels (comma-separated)")
     args = ap.parse_args()
+    CHECK_ALGOS[:] = args.check_algos.split(",")
+    if args.sweep_only:
+        keep = set(args.sweep_only.split(","))
+        SWEEP_ALGOS[:] = [a for a in SWEEP_ALGOS if a in keep]
     if args.cpu_paths:
         log(f"mlx {mx.__version__}; pure-mlx paths on the CPU, 1 x 32 q-heads / 8 kv-heads, "
             f"head_dim 128, group 64, median of 5")
@@ -452,7 +474,8 @@ def main():
     log(f"MLX elementwise copy (x + 1, 1 GiB f32, read + write): {bw:.2f} TB/s")
     rows = table(args.quick)
     log(f"[{time.time() - t0:.0f}s]")
-    sw = [] if (args.quick or args.lean or args.no_sweep) else sweep()
+    do_sweep = args.sweep_only is not None or not (args.quick or args.lean or args.no_sweep)
+    sw = sweep() if do_sweep else []
     log(f"[{time.time() - t0:.0f}s]")
 
     text = render(n_ok, n_fail, worst, bw, sw, rows)
