@@ -47,10 +47,10 @@ Paths
     one on Metal, otherwise the faster pure-mlx path on the CPU (``CPU_DEFAULT_PATH``).
 
 Measured (H200, MLX 0.32.4, fp16, 32 q / 8 kv heads, d 128, group 64, dispatcher
-defaults, run 4 of benchmarks/results/fused_attention.md): the fused kernels read the
-packed cache at 0.08-1.5 TB/s and run at 0.74x-1.54x the speed of fp16
-``mx.fast.scaled_dot_product_attention`` on the same shape (4-bit, 32k: 1.51x at batch 1,
-1.10x at batch 8; at 128k and at 8 bits they are slower). They save memory; the speed-up
+defaults, run 5 of benchmarks/results/fused_attention.md): the fused kernels read the
+packed cache at 0.1-1.5 TB/s and run at 0.70x-2.14x the speed of fp16
+``mx.fast.scaled_dot_product_attention`` on the same shape (4-bit, 32k: 1.14x at batch 1,
+1.05x at batch 8; 1.51x / 1.10x in run 4; at 8 bits and at 4-bit 128k they are slower). They save memory; the speed-up
 targets of the issue (3x, 50% of the roofline) are not met. See
 benchmarks/notes/fused_attention.md.
 """
@@ -103,8 +103,10 @@ _NT = 128
 #: CUDA kernel of the dispatcher: "folded" (tensor cores on the raw codes, scales
 #: folded into q and p) for float16 caches at the bit widths of FOLDED_DEFAULT_BITS where
 #: it handles the shape, otherwise "simt" (CUDA cores, float32 throughout). Chosen from
-#: the H200 table in benchmarks/results/fused_attention.md: folded was the fastest
-#: kernel in all twelve 2- and 4-bit shapes; at 8 bits simt was as fast or faster.
+#: the H200 tables in benchmarks/results/fused_attention.md: folded was the fastest
+#: kernel in all twelve 2- and 4-bit shapes of run 4 and in ten of run 5 (not at 4k
+#: batch 1, where every kernel sits near MLX's per-call floor and the spread was ~100%);
+#: at 8 bits simt was as fast or faster.
 DEFAULT_CUDA_ALGO = "simt"
 FOLDED_DEFAULT_BITS = (2, 4)
 DEFAULT_CHUNK = 256

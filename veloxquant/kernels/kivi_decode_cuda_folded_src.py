@@ -126,6 +126,7 @@ CUDA_FOLDED_SOURCE = r"""
   constexpr int NVSC = (CHUNK * DG + NT - 1) / NT;
   static_assert(NT == 128 && CHUNK % 64 == 0 && HEAD_DIM % 64 == 0 && GQA <= 8, "tiling");
   static_assert(KW % KVEC == 0 && DW % 4 == 0 && KW % 4 == 0, "copies");
+  static_assert((CHUNK * (DW / 4)) % NT == 0, "value copies");
   static_assert(GROUP % 16 == 0 && HEAD_DIM % GROUP == 0 && MPW % SEG == 0, "grouping");
   static_assert((VMW * 16) % GROUP == 0 || GROUP % (VMW * 16) == 0, "value groups");
 
@@ -169,24 +170,29 @@ CUDA_FOLDED_SOURCE = r"""
 
   // ---- staging: codes by cp.async, scales through registers
   T rks[NKSC], rkb[NKSC], rvs[NVSC], rvb[NVSC];
+  // (one 64-bit base per buffer and chunk, 32-bit offsets from it: per-copy 64-bit
+  // address arithmetic was a fifth of the kernel's instructions)
   auto issue_keys = [&](int t0) {
-    const int kwords = n_kq / PACK;
-    const int w0 = t0 / PACK;
-    for (int row = tid; row < HEAD_DIM; row += NT) {
-      const uint32_t* src = k_codes + ((size_t)bh * HEAD_DIM + row) * CKW + w0;
+    const int nw = min(KW, n_kq / PACK - t0 / PACK);  // valid words per channel row
+    const uint32_t* src = k_codes + (size_t)bh * HEAD_DIM * CKW + t0 / PACK;
+    if (nw > 0) {
+      for (int row = tid; row < HEAD_DIM; row += NT) {
 #pragma unroll
-      for (int v = 0; v < KW; v += KVEC)
-        if (w0 + v < kwords) vqk_cp_async<4 * KVEC>(kc_s + row * KSTR + v, src + v);
+        for (int v = 0; v < KW; v += KVEC)
+          if (v < nw) vqk_cp_async<4 * KVEC>(kc_s + row * KSTR + v, src + row * CKW + v);
+      }
     }
+    const T* ss = k_scales + (size_t)bh * HEAD_DIM * CKG + t0 / GROUP;
+    const T* sb = k_biases + (size_t)bh * HEAD_DIM * CKG + t0 / GROUP;
+    const int ng = (n_kq - t0 + GROUP - 1) / GROUP;   // valid groups from t0
 #pragma unroll
     for (int u = 0; u < NKSC; ++u) {
       const int i = tid + u * NT;
       const int row = i / KGC;
-      const int grp = t0 / GROUP + (i - row * KGC);
-      if (i < HEAD_DIM * KGC && grp * GROUP < n_kq) {
-        const size_t e = ((size_t)bh * HEAD_DIM + row) * CKG + grp;
-        rks[u] = k_scales[e];
-        rkb[u] = k_biases[e];
+      const int j = i - row * KGC;
+      if (i < HEAD_DIM * KGC && j < ng) {
+        rks[u] = ss[row * CKG + j];
+        rkb[u] = sb[row * CKG + j];
       }
     }
   };
@@ -200,20 +206,23 @@ CUDA_FOLDED_SOURCE = r"""
   };
   auto issue_values = [&](int t0) {
     const int nv = min(CHUNK, n_vq - t0);
-    for (int i = tid; i < CHUNK * (DW / 4); i += NT) {
+    // the chunk's rows are contiguous: copy i is words 4 i .. 4 i + 3 from the chunk start
+    const uint32_t* src = v_codes + ((size_t)bh * CV + t0) * DW;
+#pragma unroll
+    for (int u = 0; u < CHUNK * (DW / 4) / NT; ++u) {
+      const int i = tid + u * NT;
       const int row = i / (DW / 4);
-      const int col = (i - row * (DW / 4)) * 4;
       if (row < nv)
-        vqk_cp_async<16>(vc_s + row * VSTR + col, v_codes + ((size_t)bh * CV + t0 + row) * DW + col);
+        vqk_cp_async<16>(vc_s + row * VSTR + (i - row * (DW / 4)) * 4, src + 4 * i);
     }
+    const T* ss = v_scales + ((size_t)bh * CV + t0) * DG;
+    const T* sb = v_biases + ((size_t)bh * CV + t0) * DG;
 #pragma unroll
     for (int u = 0; u < NVSC; ++u) {
       const int i = tid + u * NT;
-      const int row = i / DG;
-      if (i < CHUNK * DG && row < nv) {
-        const size_t e = ((size_t)bh * CV + t0 + row) * DG + (i - row * DG);
-        rvs[u] = v_scales[e];
-        rvb[u] = v_biases[e];
+      if (i < CHUNK * DG && i / DG < nv) {
+        rvs[u] = ss[i];
+        rvb[u] = sb[i];
       }
     }
   };
