@@ -28,6 +28,8 @@ step; 128, or 64 at 8 bits), NT (128), KVEC (4: key rows 16-byte aligned; 1: 4-b
 copies), MODE (unused).
 """
 
+from .kivi_decode_cuda_src import CUDA_PROLOGUE
+
 CUDA_FOLDED_HEADER = r"""
 // float16 pair x - (1024, 1024)
 __device__ __forceinline__ uint32_t vqk_sub1024(uint32_t x) {
@@ -74,6 +76,17 @@ __device__ __forceinline__ void vqk_frag(const uint32_t* w, uint32_t sel, uint32
   vqk_pair<BITS>(w[0], w[1], sel, sel2, p, a[0], a[1]);
   vqk_pair<BITS>(w[2], w[3], sel, sel2, p, a[2], a[3]);
 }
+// acc += A . (bhi + blo), A the codes of rows r[0], r[s], r[8 s], r[9 s] (k columns)
+template <int BITS>
+__device__ __forceinline__ void vqk_mma_codes(float* acc, const uint32_t* r, int s,
+                                              uint32_t sel, uint32_t sel2, int p,
+                                              const uint32_t* bhi, const uint32_t* blo) {
+  const uint32_t w[4] = {r[0], r[s], r[8 * s], r[9 * s]};
+  uint32_t a[4];
+  vqk_frag<BITS>(w, sel, sel2, p, a);
+  vqk_mma(acc, a, bhi);
+  vqk_mma(acc, a, blo);
+}
 // (hi, lo) float16 pairs with hi + lo == (x0, x1) to about 2^-22
 __device__ __forceinline__ void vqk_split(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   hi = vqk_h2(x0, x1);
@@ -107,7 +120,7 @@ __device__ __forceinline__ void vqk_cp_wait() { asm volatile("cp.async.wait_grou
 #endif
 """
 
-CUDA_FOLDED_SOURCE = r"""
+CUDA_FOLDED_SOURCE = CUDA_PROLOGUE + r"""
   constexpr int PACK = 32 / BITS;
   constexpr int NWARP = NT / 32;
   constexpr int KW = CHUNK / PACK;              // key words per channel row and chunk
@@ -143,30 +156,8 @@ CUDA_FOLDED_SOURCE = r"""
   __shared__ float sm_a[GQA];
   __shared__ float sm_vb[GQA * DG];              // running sum_t p_t b_v,t per head, group
 
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
   const int g = lane >> 2;
   const int q4 = lane & 3;
-  const int split = blockIdx.x;
-  const int NS = gridDim.x;
-  const int bh = blockIdx.y;
-  const int H = k_codes_shape[1];
-  const int Hq = queries_shape[1];
-  const int b = bh / H;
-  const int h = bh - b * H;
-  const int CKW = k_codes_shape[3];
-  const int CKG = k_scales_shape[3];
-  const int CKR = k_res_shape[2];
-  const int CV = v_codes_shape[2];
-  const int CVR = v_res_shape[2];
-  const int n_kq = params[0];
-  const int n_kres = params[1];
-  const int n_vq = params[2];
-  const float qscale = __int_as_float(params[4]);
-  const int cpb = params[5];
-  const int Tn = n_kq + n_kres;
-  const size_t qrow = (size_t)b * Hq + (size_t)h * GQA;
 
   // ---- staging: codes by cp.async, scales through registers
   T rks[NKSC], rkb[NKSC], rvs[NVSC], rvb[NVSC];
@@ -307,14 +298,8 @@ CUDA_FOLDED_SOURCE = r"""
         vqk_split(qv.z * sb8.x, qv.w * sb9.x, bhi[1], blo[1]);
         const uint32_t* kr = kbase + 16 * s * KSTR;
 #pragma unroll
-        for (int m = 0; m < SEG; ++m) {
-          const int wc = m * 16 / PACK;
-          const uint32_t w[4] = {kr[wc], kr[KSTR + wc], kr[8 * KSTR + wc], kr[9 * KSTR + wc]};
-          uint32_t a[4];
-          vqk_frag<BITS>(w, sel, sel2, pbit, a);
-          vqk_mma(acc[m], a, bhi);
-          vqk_mma(acc[m], a, blo);
-        }
+        for (int m = 0; m < SEG; ++m)
+          vqk_mma_codes<BITS>(acc[m], kr + m * 16 / PACK, KSTR, sel, sel2, pbit, bhi, blo);
       }
       beta += __shfl_xor_sync(0xffffffffu, beta, 1);
       beta += __shfl_xor_sync(0xffffffffu, beta, 2);
@@ -451,14 +436,8 @@ CUDA_FOLDED_SOURCE = r"""
                                    *reinterpret_cast<const uint32_t*>(pl + 16 * ks + 8)};
           const uint32_t* vr = vbase + 16 * ks * VSTR;
 #pragma unroll
-          for (int m = 0; m < VMW; ++m) {
-            const int wc = m * 16 / PACK;
-            const uint32_t w[4] = {vr[wc], vr[VSTR + wc], vr[8 * VSTR + wc], vr[9 * VSTR + wc]};
-            uint32_t a[4];
-            vqk_frag<BITS>(w, sel, sel2, pbit, a);
-            vqk_mma(oacc[m], a, bhi);
-            vqk_mma(oacc[m], a, blo);
-          }
+          for (int m = 0; m < VMW; ++m)
+            vqk_mma_codes<BITS>(oacc[m], vr + m * 16 / PACK, VSTR, sel, sel2, pbit, bhi, blo);
         }
         if (16 * ks + 16 > qend) {  // residual values in this k-step: float16 operands
           float pr[4];

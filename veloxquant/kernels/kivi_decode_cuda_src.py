@@ -75,7 +75,34 @@ __device__ __forceinline__ void vqk_dequant(uint32_t w, float s2, float b2, floa
 # Grid: x = split index (gridDim.x splits), y = b * H + h. Runtime counts come from
 # `params` (int32): n_kq, n_kres, n_vq, n_vres, bits of scale*log2(e), chunks per split;
 # buffer capacities come from the shapes, so neither changes the compiled source.
-CUDA_SOURCE = r"""
+# The main kernels' common start: thread roles, the (batch, kv head) and split of the
+# block, buffer capacities from the shape arguments, counts from `params`.
+CUDA_PROLOGUE = r"""
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int split = blockIdx.x;
+  const int NS = gridDim.x;
+  const int bh = blockIdx.y;
+  const int H = k_codes_shape[1];
+  const int Hq = queries_shape[1];
+  const int b = bh / H;
+  const int h = bh - b * H;
+  const int CKW = k_codes_shape[3];
+  const int CKG = k_scales_shape[3];
+  const int CKR = k_res_shape[2];
+  const int CV = v_codes_shape[2];
+  const int CVR = v_res_shape[2];
+  const int n_kq = params[0];
+  const int n_kres = params[1];
+  const int n_vq = params[2];
+  const float qscale = __int_as_float(params[4]);
+  const int cpb = params[5];
+  const int Tn = n_kq + n_kres;
+  const size_t qrow = (size_t)b * Hq + (size_t)h * GQA;
+"""
+
+CUDA_SOURCE = CUDA_PROLOGUE + r"""
   constexpr int PACK = 32 / BITS;                 // codes per uint32 word
   constexpr int TPW = PACK < TW ? PACK : TW;      // key tokens per thread column
   constexpr int COLK = CHUNK / TPW;               // key thread columns per chunk
@@ -100,28 +127,6 @@ CUDA_SOURCE = r"""
   __shared__ float sm_l[GQA];
   __shared__ float sm_a[GQA];
 
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int split = blockIdx.x;
-  const int NS = gridDim.x;
-  const int bh = blockIdx.y;
-  const int H = k_codes_shape[1];
-  const int Hq = queries_shape[1];
-  const int b = bh / H;
-  const int h = bh - b * H;
-  const int CKW = k_codes_shape[3];
-  const int CKG = k_scales_shape[3];
-  const int CKR = k_res_shape[2];
-  const int CV = v_codes_shape[2];
-  const int CVR = v_res_shape[2];
-  const int n_kq = params[0];
-  const int n_kres = params[1];
-  const int n_vq = params[2];
-  const float qscale = __int_as_float(params[4]);
-  const int cpb = params[5];
-  const int Tn = n_kq + n_kres;
-  const size_t qrow = (size_t)b * Hq + (size_t)h * GQA;
 
   // queries, pre-scaled by scale * log2(e), layout [channel][head]
   for (int i = tid; i < GQA * HEAD_DIM; i += NT) {
@@ -346,7 +351,7 @@ CUDA_SOURCE = r"""
 # then rounded to float16 operands (q as a float16 pair, value + residual); products and
 # sums in float32. Template constants
 # as CUDA_SOURCE (TW, KUNROLL, VUNROLL unused).
-CUDA_MMA_SOURCE = r"""
+CUDA_MMA_SOURCE = CUDA_PROLOGUE + r"""
   constexpr int PACK = 32 / BITS;
   constexpr int NWARP = NT / 32;
   constexpr int ST = 8 * PACK;            // key super-tile: 8 words per channel row
@@ -371,30 +376,8 @@ CUDA_MMA_SOURCE = r"""
   __shared__ float sm_l[GQA];
   __shared__ float sm_a[GQA];
 
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
   const int g = lane >> 2;
   const int q4 = lane & 3;
-  const int split = blockIdx.x;
-  const int NS = gridDim.x;
-  const int bh = blockIdx.y;
-  const int H = k_codes_shape[1];
-  const int Hq = queries_shape[1];
-  const int b = bh / H;
-  const int h = bh - b * H;
-  const int CKW = k_codes_shape[3];
-  const int CKG = k_scales_shape[3];
-  const int CKR = k_res_shape[2];
-  const int CV = v_codes_shape[2];
-  const int CVR = v_res_shape[2];
-  const int n_kq = params[0];
-  const int n_kres = params[1];
-  const int n_vq = params[2];
-  const float qscale = __int_as_float(params[4]);
-  const int cpb = params[5];
-  const int Tn = n_kq + n_kres;
-  const size_t qrow = (size_t)b * Hq + (size_t)h * GQA;
 
   for (int i = tid; i < GQA * HEAD_DIM; i += NT) {
     const int r = i / HEAD_DIM;
