@@ -494,7 +494,7 @@ def _emulate_cuda(args, *, scale, bits, group_size, chunk, target, variant, work
     if algo == "folded":
         template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
                     ("GQA", Hq // H), ("CHUNK", chunk), ("NT", kd._NT),
-                    ("KVEC", 4 if kc.shape[3] % 4 == 0 else 1), ("MODE", 0)]
+                    ("KVEC", 4 if kc.shape[3] % 4 == 0 else 1)]
     else:
         tw, ku, vu = variant
         template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),

@@ -50,9 +50,9 @@ Measured (H200, MLX 0.32.4, fp16, 32 q / 8 kv heads, d 128, group 64, dispatcher
 defaults, run 5 of benchmarks/results/fused_attention.md): the fused kernels read the
 packed cache at 0.1-1.5 TB/s and run at 0.70x-2.14x the speed of fp16
 ``mx.fast.scaled_dot_product_attention`` on the same shape (4-bit, 32k: 1.14x at batch 1,
-1.05x at batch 8; 1.51x / 1.10x in run 4; at 8 bits and at 4-bit 128k they are slower). They save memory; the speed-up
-targets of the issue (3x, 50% of the roofline) are not met. See
-benchmarks/notes/fused_attention.md.
+1.05x at batch 8; 1.51x / 1.10x in run 4; at 8 bits and at 4-bit 128k they are slower).
+They save memory; the speed-up targets of the issue (3x, 50% of the roofline) are not
+met. See benchmarks/notes/fused_attention.md.
 """
 
 from __future__ import annotations
@@ -455,16 +455,16 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
     params = _params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
     main, comb = _get_kernels(backend, algo)
     init = float("nan") if poison else None
+    template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
+                ("GQA", R), ("CHUNK", chunk), ("NT", _NT)]
     if algo == "folded":
-        # 16-byte loads of key rows only where every row starts 16-byte aligned
-        kvec = 4 if k_codes.shape[3] % 4 == 0 else 1
-        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
-                    ("GQA", R), ("CHUNK", chunk), ("NT", _NT), ("KVEC", kvec),
-                    ("MODE", int(_mode))]
+        if _mode:
+            raise ValueError("the folded kernel has no stage-skipping modes")
+        # 16-byte copies of key rows only where every row starts 16-byte aligned
+        template.append(("KVEC", 4 if k_codes.shape[3] % 4 == 0 else 1))
     else:
-        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
-                    ("GQA", R), ("CHUNK", chunk), ("NT", _NT), ("TW", tw),
-                    ("KUNROLL", kunroll), ("VUNROLL", vunroll), ("MODE", int(_mode))]
+        template += [("TW", tw), ("KUNROLL", kunroll), ("VUNROLL", vunroll),
+                     ("MODE", int(_mode))]
     o_part, ml_part = main(
         inputs=[queries, k_codes, k_scales, k_biases, k_res, v_codes, v_scales, v_biases,
                 v_res, params],

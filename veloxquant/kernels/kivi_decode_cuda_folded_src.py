@@ -18,14 +18,15 @@ Memory: one chunk of packed codes per block in shared memory, copied with ``cp.a
 (16-byte copies where rows are 16-byte aligned) and software-pipelined: the next
 chunk's keys are copied while this chunk's softmax and values run, the next chunk's
 values while the next keys are scored. Scales go through registers the same way.
-Warps split the tokens of a chunk (keys: 16-token tiles; values: 16-token steps over all
-channels), so each scale is folded once per warp and group.
+For keys the warps split a chunk's tokens (16-token tiles, one key group's scales folded
+per warp); for values they split the channels (16-channel tiles), and ``p * s_v`` and the
+value bias term are computed once per token and group in the softmax step.
 
 Same inputs, outputs, grid, partials and combine kernel as the other CUDA kernels; the
 cache dtype must be float16 (residual values become mma operands as they are).
 Template constants: T (float16), BITS, GROUP, HEAD_DIM, GQA (<= 8), CHUNK (tokens per
 step; 128, or 64 at 8 bits), NT (128), KVEC (4: key rows 16-byte aligned; 1: 4-byte
-copies), MODE (unused).
+copies).
 """
 
 from .kivi_decode_cuda_src import CUDA_PROLOGUE
