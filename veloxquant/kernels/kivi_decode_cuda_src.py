@@ -75,6 +75,37 @@ __device__ __forceinline__ void vqk_dequant(uint32_t w, float s2, float b2, floa
 # Grid: x = split index (gridDim.x splits), y = b * H + h. Runtime counts come from
 # `params` (int32): n_kq, n_kres, n_vq, n_vres, bits of scale*log2(e), chunks per split;
 # buffer capacities come from the shapes, so neither changes the compiled source.
+def _online_softmax(scores: str) -> str:
+    """Step 3 of the simt and mma kernels: the online softmax (base 2) of one chunk, a warp
+    per query head, over the chunk's scores in shared array `scores` ([head][CHUNK])."""
+    return r"""
+    // ---- 3. online softmax (base 2), one warp per query head
+    for (int r = warp; r < GQA; r += NWARP) {{
+      float m = -vqk_inf();
+      for (int i = lane; i < CHUNK; i += 32) m = fmaxf(m, {s}[r * CHUNK + i]);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      const float m_old = sm_m[r];
+      const float m_new = fmaxf(m_old, m);  // finite: every chunk has a valid token
+      float l = 0.f;
+      for (int i = lane; i < CHUNK; i += 32) {{
+        const float e = exp2f({s}[r * CHUNK + i] - m_new);
+        {s}[r * CHUNK + i] = e;
+        l += e;
+      }}
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+      if (lane == 0) {{
+        const float a = exp2f(m_old - m_new);
+        sm_a[r] = a;
+        sm_l[r] = sm_l[r] * a + l;
+        sm_m[r] = m_new;
+      }}
+    }}
+""".format(s=scores)[1:]
+
+
 # The main kernels' common start: thread roles, the (batch, kv head) and split of the
 # block, buffer capacities from the shape arguments, counts from `params`.
 CUDA_PROLOGUE = r"""
@@ -247,31 +278,7 @@ CUDA_SOURCE = CUDA_PROLOGUE + r"""
     }
     __syncthreads();
 
-    // ---- 3. online softmax (base 2), one warp per query head
-    for (int r = warp; r < GQA; r += NWARP) {
-      float m = -vqk_inf();
-      for (int i = lane; i < CHUNK; i += 32) m = fmaxf(m, red[r * CHUNK + i]);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-      const float m_old = sm_m[r];
-      const float m_new = fmaxf(m_old, m);  // finite: every chunk has a valid token
-      float l = 0.f;
-      for (int i = lane; i < CHUNK; i += 32) {
-        const float e = exp2f(red[r * CHUNK + i] - m_new);
-        red[r * CHUNK + i] = e;
-        l += e;
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-      if (lane == 0) {
-        const float a = exp2f(m_old - m_new);
-        sm_a[r] = a;
-        sm_l[r] = sm_l[r] * a + l;
-        sm_m[r] = m_new;
-      }
-    }
-    __syncthreads();
+""" + _online_softmax("red") + r"""    __syncthreads();
 
     // ---- 4. values: rescale the running output, accumulate this chunk
     {
@@ -515,31 +522,7 @@ CUDA_MMA_SOURCE = CUDA_PROLOGUE + r"""
     }
     __syncthreads();
 
-    // ---- 3. online softmax (base 2), one warp per query head
-    for (int r = warp; r < GQA; r += NWARP) {
-      float m = -vqk_inf();
-      for (int i = lane; i < CHUNK; i += 32) m = fmaxf(m, sc[r * CHUNK + i]);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-      const float m_old = sm_m[r];
-      const float m_new = fmaxf(m_old, m);
-      float l = 0.f;
-      for (int i = lane; i < CHUNK; i += 32) {
-        const float e = exp2f(sc[r * CHUNK + i] - m_new);
-        sc[r * CHUNK + i] = e;
-        l += e;
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-      if (lane == 0) {
-        const float a = exp2f(m_old - m_new);
-        sm_a[r] = a;
-        sm_l[r] = sm_l[r] * a + l;
-        sm_m[r] = m_new;
-      }
-    }
-    __syncthreads();
+""" + _online_softmax("sc") + r"""    __syncthreads();
 
     // ---- 4. values: o^T += deq(V)^T . p^T, one warp per 16-token k-step
     {
