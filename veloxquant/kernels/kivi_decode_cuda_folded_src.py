@@ -29,7 +29,7 @@ step; 128, or 64 at 8 bits), NT (128), KVEC (4: key rows 16-byte aligned; 1: 4-b
 copies).
 """
 
-from .kivi_decode_cuda_src import CUDA_PROLOGUE
+from .kivi_decode_cuda_src import _STORE_SCORES, CUDA_PROLOGUE, _residual_key_scores
 
 CUDA_FOLDED_HEADER = r"""
 // float16 pair x - (1024, 1024)
@@ -327,32 +327,11 @@ CUDA_FOLDED_SOURCE = CUDA_PROLOGUE + r"""
       }
       const int kr_begin = max(t0, n_kq);
       const int kr_end = min(t0 + CHUNK, Tn);
-      for (int t = kr_begin + warp; t < kr_end; t += NWARP) {
-        const T* kr = k_res + ((size_t)bh * CKR + (size_t)(t - n_kq)) * HEAD_DIM;
-        float part[GQA];
-#pragma unroll
-        for (int r = 0; r < GQA; ++r) part[r] = 0.f;
-        for (int c = lane; c < HEAD_DIM; c += 32) {
-          const float kv = vqk_to_f(kr[c]);
+""" + _residual_key_scores("qc[r * 16]", _STORE_SCORES, q_setup="""
           // q of head r at channel c, from its slot in the fragment table qf
           const int cc = c & 15;
           const float* qc = qflat + (c >> 4) * 128 + ((cc & 7) >> 1) * 4 + (cc & 1) + (cc >> 3) * 2;
-#pragma unroll
-          for (int r = 0; r < GQA; ++r) part[r] = fmaf(qc[r * 16], kv, part[r]);
-        }
-#pragma unroll
-        for (int r = 0; r < GQA; ++r) {
-          float v = part[r];
-#pragma unroll
-          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-          part[r] = v;
-        }
-        if (lane == 0) {
-#pragma unroll
-          for (int r = 0; r < GQA; ++r) sc[r * CHUNK + (t - t0)] = part[r];
-        }
-      }
-    }
+""") + r"""    }
     if (chunk > ch_begin) store_value_scales();  // this chunk's, loaded during its keys
     __syncthreads();
     if (next) {  // the key buffers are free: copy the next chunk's keys

@@ -67,14 +67,45 @@ __device__ __forceinline__ void vqk_dequant(uint32_t w, float s2, float b2, floa
 }
 """
 
-# Template constants: T (cache/query dtype), BITS, GROUP, HEAD_DIM, GQA (query heads per
-# kv head, <= 8), CHUNK (tokens per inner step), NT (threads per block, 128), TW (codes
-# per thread and step: 4 or 8), KUNROLL / VUNROLL (unroll of the key channel loop and
-# of the value token loop: loads in flight per thread), MODE (0; 1 and 2 skip the
-# packed values / keys, for timing the stages only).
-# Grid: x = split index (gridDim.x splits), y = b * H + h. Runtime counts come from
-# `params` (int32): n_kq, n_kres, n_vq, n_vres, bits of scale*log2(e), chunks per split;
-# buffer capacities come from the shapes, so neither changes the compiled source.
+
+def _residual_key_scores(q_of_head_r: str, store: str, q_setup: str = "") -> str:
+    """CUDA text shared by the kernels: scores of the chunk's full-precision residual keys
+    (tokens kr_begin..kr_end), one warp per token, lanes over channels, summed over the
+    warp into part[r] for every query head r; lane 0 then runs `store`. `q_of_head_r` is
+    the expression for q of head r at channel c, after `q_setup` (run per channel)."""
+    body = """
+      for (int t = kr_begin + warp; t < kr_end; t += NWARP) {
+        const T* kr = k_res + ((size_t)bh * CKR + (size_t)(t - n_kq)) * HEAD_DIM;
+        float part[GQA];
+#pragma unroll
+        for (int r = 0; r < GQA; ++r) part[r] = 0.f;
+        for (int c = lane; c < HEAD_DIM; c += 32) {
+          const float kv = vqk_to_f(kr[c]);
+@Q_SETUP@#pragma unroll
+          for (int r = 0; r < GQA; ++r) part[r] = fmaf(@Q@, kv, part[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < GQA; ++r) {
+          float v = part[r];
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+          part[r] = v;
+        }
+        if (lane == 0) {
+@STORE@        }
+      }
+"""[1:]
+    return (body.replace("@Q_SETUP@", q_setup.lstrip("\n")).replace("@Q@", q_of_head_r)
+            .replace("@STORE@", store.lstrip("\n")))
+
+
+#: `store` of _residual_key_scores: each head's score at its token's place in sc[head][CHUNK]
+_STORE_SCORES = """
+#pragma unroll
+          for (int r = 0; r < GQA; ++r) sc[r * CHUNK + (t - t0)] = part[r];
+"""
+
+
 def _online_softmax(scores: str) -> str:
     """Step 3 of the simt and mma kernels: the online softmax (base 2) of one chunk, a warp
     per query head, over the chunk's scores in shared array `scores` ([head][CHUNK])."""
@@ -133,6 +164,14 @@ CUDA_PROLOGUE = r"""
   const size_t qrow = (size_t)b * Hq + (size_t)h * GQA;
 """
 
+# Template constants: T (cache/query dtype), BITS, GROUP, HEAD_DIM, GQA (query heads per
+# kv head, <= 8), CHUNK (tokens per inner step), NT (threads per block, 128), TW (codes
+# per thread and step: 4 or 8), KUNROLL / VUNROLL (unroll of the key channel loop and
+# of the value token loop: loads in flight per thread), MODE (0; 1 and 2 skip the
+# packed values / keys, for timing the stages only).
+# Grid: x = split index (gridDim.x splits), y = b * H + h. Runtime counts come from
+# `params` (int32): n_kq, n_kres, n_vq, n_vres, bits of scale*log2(e), chunks per split;
+# buffer capacities come from the shapes, so neither changes the compiled source.
 CUDA_SOURCE = CUDA_PROLOGUE + r"""
   constexpr int PACK = 32 / BITS;                 // codes per uint32 word
   constexpr int TPW = PACK < TW ? PACK : TW;      // key tokens per thread column
@@ -251,31 +290,12 @@ CUDA_SOURCE = CUDA_PROLOGUE + r"""
     const int kr_end = min(t0 + CHUNK, Tn);
     if (kr_begin < kr_end) {  // block-uniform condition
       __syncthreads();
-      for (int t = kr_begin + warp; t < kr_end; t += NWARP) {
-        const T* kr = k_res + ((size_t)bh * CKR + (size_t)(t - n_kq)) * HEAD_DIM;
-        float part[GQA];
-#pragma unroll
-        for (int r = 0; r < GQA; ++r) part[r] = 0.f;
-        for (int c = lane; c < HEAD_DIM; c += 32) {
-          const float kv = vqk_to_f(kr[c]);
-#pragma unroll
-          for (int r = 0; r < GQA; ++r) part[r] = fmaf(qsm[c * GQA + r], kv, part[r]);
-        }
-#pragma unroll
-        for (int r = 0; r < GQA; ++r) {
-          float v = part[r];
-#pragma unroll
-          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-          part[r] = v;
-        }
-        if (lane == 0) {
+""" + _residual_key_scores("qsm[c * GQA + r]", """
           const int tl = t - t0;
           const int pi = (tl % TPW) * COLK + tl / TPW;
 #pragma unroll
           for (int r = 0; r < GQA; ++r) red[r * CHUNK + pi] = part[r];
-        }
-      }
-    }
+""") + r"""    }
     __syncthreads();
 
 """ + _online_softmax("red") + r"""    __syncthreads();
@@ -497,29 +517,7 @@ CUDA_MMA_SOURCE = CUDA_PROLOGUE + r"""
     {
       const int kr_begin = max(t0, n_kq);
       const int kr_end = min(t0 + CHUNK, Tn);
-      for (int t = kr_begin + warp; t < kr_end; t += NWARP) {
-        const T* kr = k_res + ((size_t)bh * CKR + (size_t)(t - n_kq)) * HEAD_DIM;
-        float part[GQA];
-#pragma unroll
-        for (int r = 0; r < GQA; ++r) part[r] = 0.f;
-        for (int c = lane; c < HEAD_DIM; c += 32) {
-          const float kv = vqk_to_f(kr[c]);
-#pragma unroll
-          for (int r = 0; r < GQA; ++r) part[r] = fmaf(qsm[c * GQA + r], kv, part[r]);
-        }
-#pragma unroll
-        for (int r = 0; r < GQA; ++r) {
-          float v = part[r];
-#pragma unroll
-          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-          part[r] = v;
-        }
-        if (lane == 0) {
-#pragma unroll
-          for (int r = 0; r < GQA; ++r) sc[r * CHUNK + (t - t0)] = part[r];
-        }
-      }
-    }
+""" + _residual_key_scores("qsm[c * GQA + r]", _STORE_SCORES) + r"""    }
     __syncthreads();
 
 """ + _online_softmax("sc") + r"""    __syncthreads();
