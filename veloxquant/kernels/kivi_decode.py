@@ -34,11 +34,13 @@ Paths
     the residual windows, under one joint softmax.
 ``kivi_decode_attention_cuda``
     a flash-decoding kernel through ``mx.fast.cuda_kernel`` (MLX's CUDA back-end), in
-    three versions: ``algo="folded"`` (tensor cores on the raw codes, the affine scales
-    folded into the queries and probabilities, float16 caches), ``algo="simt"`` (CUDA
-    cores, float32 throughout) and ``algo="mma"`` (tensor cores on dequantized float16
-    operands). All three were checked on an H200 against the float32 reference; timings
-    in benchmarks/results/fused_attention.md.
+    four versions: ``algo="frag"`` (tensor cores on the packed words in their stored
+    order, each warp with its own tiles, softmax and copies; float16 caches),
+    ``algo="folded"`` (tensor cores on the raw codes, the affine scales folded into the
+    queries and probabilities, float16 caches), ``algo="simt"`` (CUDA cores, float32
+    throughout) and ``algo="mma"`` (tensor cores on dequantized float16 operands). All
+    four were checked on an H200 against the float32 reference; timings in
+    benchmarks/results/fused_attention.md.
 ``kivi_decode_attention_metal``
     the twin of the simt kernel through ``mx.fast.metal_kernel``. No Metal hardware was
     available: it is untested on hardware.
@@ -47,12 +49,13 @@ Paths
     one on Metal, otherwise the faster pure-mlx path on the CPU (``CPU_DEFAULT_PATH``).
 
 Measured (H200, MLX 0.32.4, fp16, 32 q / 8 kv heads, d 128, group 64, dispatcher
-defaults, run 5 of benchmarks/results/fused_attention.md): the fused kernels read the
-packed cache at 0.1-1.5 TB/s and run at 0.70x-2.14x the speed of fp16
-``mx.fast.scaled_dot_product_attention`` on the same shape (4-bit, 32k: 1.14x at batch 1,
-1.05x at batch 8; 1.51x / 1.10x in run 4; at 8 bits and at 4-bit 128k they are slower).
-They save memory; the speed-up targets of the issue (3x, 50% of the roofline) are not
-met. See benchmarks/notes/fused_attention.md.
+defaults, run 9 of benchmarks/results/fused_attention.md): the fused kernels read the
+packed cache at 0.1-2.1 TB/s and run at 0.87x-2.12x the speed of fp16
+``mx.fast.scaled_dot_product_attention`` on the same shape (4-bit, 32k: 1.40x at batch 1,
+2.12x at batch 8, 43% of the 4.3 TB/s roofline; at 4k every path sits near MLX's
+per-call floor; 8-bit 128k batch 8 is slower than SDPA). They save memory; the speed-up
+targets of the issue (3x, 50% of the roofline) are not met. See
+benchmarks/notes/fused_attention.md.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from .kivi_decode_cuda_src import (
     CUDA_SOURCE,
 )
 from .kivi_decode_cuda_folded_src import CUDA_FOLDED_HEADER, CUDA_FOLDED_SOURCE
+from .kivi_decode_cuda_frag_src import CUDA_FRAG_HEADER, CUDA_FRAG_SOURCE, cuda_frag_bounds
 from .kivi_decode_metal_src import METAL_COMBINE_SOURCE, METAL_HEADER, METAL_SOURCE
 
 __all__ = [
@@ -100,15 +104,16 @@ _LOG2E = 1.4426950408889634
 # ``CHUNK`` tokens of one (batch, kv head) with an online softmax, and writes one
 # partial (m, l, o) per query head; a second tiny kernel merges the partials.
 _NT = 128
-#: CUDA kernel of the dispatcher: "folded" (tensor cores on the raw codes, scales
-#: folded into q and p) for float16 caches at the bit widths of FOLDED_DEFAULT_BITS where
-#: it handles the shape, otherwise "simt" (CUDA cores, float32 throughout). Chosen from
-#: the H200 tables in benchmarks/results/fused_attention.md: folded was the fastest
-#: kernel in all twelve 2- and 4-bit shapes of run 4 and in ten of run 5 (not at 4k
-#: batch 1, where every kernel sits near MLX's per-call floor and the spread was ~100%);
-#: at 8 bits simt was as fast or faster.
+#: CUDA kernel of the dispatcher for float16 caches: "frag" at the bit widths of
+#: FRAG_DEFAULT_BITS, "folded" at those of FOLDED_DEFAULT_BITS, where they handle the
+#: shape; otherwise "simt" (CUDA cores, float32 throughout). Chosen from the H200 tables
+#: in benchmarks/results/fused_attention.md: at 4 and 8 bits frag beat folded and simt in
+#: every 32k shape of run 7q (4-bit batch 8: 180 vs 293 / 418 us) and runs 7-9 time it
+#: at 1.1-2.1x its predecessors elsewhere; at 2 bits folded stays ahead (frag's 128-token
+#: tile spans two groups of 64, which doubles its products).
 DEFAULT_CUDA_ALGO = "simt"
 FOLDED_DEFAULT_BITS = (2, 4)
+FRAG_DEFAULT_BITS = (4, 8)
 DEFAULT_CHUNK = 256
 DEFAULT_TARGET_BLOCKS = 1024
 #: folded: one wave of its blocks on an H200 (132 SMs x 6 resident blocks); the best
@@ -283,15 +288,17 @@ _KERNELS: dict = {}
 
 
 def _get_kernels(backend: str, algo: str = "simt"):
-    key = (backend, algo)
+    key = (backend, algo, FRAG_MIN_BLOCKS if algo == "frag" else 0)
     if key not in _KERNELS:
         if backend == "cuda":
             source = {"simt": CUDA_SOURCE, "mma": CUDA_MMA_SOURCE,
-                      "folded": CUDA_FOLDED_SOURCE}[algo]
+                      "folded": CUDA_FOLDED_SOURCE, "frag": CUDA_FRAG_SOURCE}[algo]
+            header = CUDA_HEADER + CUDA_FOLDED_HEADER + CUDA_FRAG_HEADER
             main = mx.fast.cuda_kernel(
                 name="vq_kivi_decode" + ("" if algo == "simt" else "_" + algo),
                 input_names=_INPUT_NAMES, output_names=["o_part", "ml_part"],
-                source=source, header=CUDA_HEADER + CUDA_FOLDED_HEADER)
+                source=source, header=header + (
+                    cuda_frag_bounds(FRAG_NT, FRAG_MIN_BLOCKS) if algo == "frag" else ""))
             comb = mx.fast.cuda_kernel(
                 name="vq_kivi_decode_combine", input_names=["o_part", "ml_part"],
                 output_names=["out"], source=CUDA_COMBINE_SOURCE, header=CUDA_HEADER)
@@ -343,6 +350,48 @@ def _folded_supports(head_dim, gqa, bits, group_size, dtype, chunk) -> bool:
             and _folded_shared_bytes(head_dim, gqa, bits, group_size, chunk) <= 48 * 1024)
 
 
+#: frag: threads per block (two warps, each with its own tiles and buffers), tail tokens
+#: per block, the split target (sweeps of runs 5-9: 792 = one wave of 6 blocks on 132 SMs,
+#: within the noise of 1188 and 660), and whether the key codes lose their float16 offset
+#: of 1024 before the product (True: exact; False, the offset taken off the scores in
+#: float32, was 5% faster with 10x the error, 2e-4)
+FRAG_NT = 64
+FRAG_TAIL = 8 * (FRAG_NT // 32)
+FRAG_TARGET_BLOCKS = 792
+FRAG_KEY_SUB = True
+#: frag: resident blocks an SM the compiler must allow (launch bounds: the register budget;
+#: 6 -> 168 registers was the sweep's best; 8 -> 128 registers ran ~1.6x slower)
+FRAG_MIN_BLOCKS = 6
+
+
+def _frag_shared_bytes(head_dim, gqa, bits, group_size) -> int:
+    """Static shared memory of the frag kernel (its declarations, in bytes)."""
+    nw, tt = FRAG_NT // 32, 8 * (32 // bits)
+    kgt, dg = max(1, tt // group_size), head_dim // group_size
+    return (2 * nw * 8 * head_dim * 4 + nw * kgt * head_dim * 8 + nw * dg * (tt + 8) * 8
+            + (head_dim // 16) * 32 * 16 + 2 * nw * gqa * 4)
+
+
+def _frag_supports(head_dim, gqa, bits, group_size, dtype) -> bool:
+    return (dtype == mx.float16 and 1 <= gqa <= _MAX_GQA and head_dim in (64, 128)
+            and head_dim % (8 * (32 // bits)) == 0 and head_dim % group_size == 0
+            and _frag_shared_bytes(head_dim, gqa, bits, group_size) <= 48 * 1024)
+
+
+def _frag_plan(n_kq, n_vq, T, BH, bits, target_blocks):
+    """(first tail token, tail splits, tile splits, tiles per split) of the frag kernel:
+    tiles of 8 * (32 // bits) tokens over the tokens whose keys and values are both
+    quantized, FRAG_TAIL tokens per tail split for the rest."""
+    tt = 8 * (32 // bits)
+    t_fast = min(n_kq, n_vq) // tt * tt
+    ns_tail = -(-(T - t_fast) // FRAG_TAIL)
+    n_tiles = t_fast // tt
+    if n_tiles == 0:
+        return t_fast, ns_tail, 0, 1
+    ns_fast, tps = _plan(n_tiles, BH, 1, target_blocks)
+    return t_fast, ns_tail, ns_fast, tps
+
+
 def _default_chunk(algo: str, bits: int) -> int:
     if algo == "folded":  # 16 packed words per key channel row and chunk at 4 and 8 bits
         return 64 if bits == 8 else 128
@@ -361,6 +410,8 @@ def kernel_supports(head_dim: int, gqa: int, bits: int, group_size: int,
     # head_dim % 32: the CUDA combine kernel owns 32-channel slices
     if not 1 <= gqa <= _MAX_GQA or head_dim % group_size or head_dim > 256 or head_dim % 32:
         return False
+    if algo == "frag":
+        return _frag_supports(head_dim, gqa, bits, group_size, dtype)
     chunk = _default_chunk(algo, bits) if chunk is None else chunk
     if algo == "mma":
         return _mma_supports(head_dim, gqa, bits, chunk)
@@ -375,10 +426,13 @@ def kernel_supports(head_dim: int, gqa: int, bits: int, group_size: int,
 
 
 def default_algo(head_dim: int, gqa: int, bits: int, group_size: int, dtype) -> Optional[str]:
-    """The CUDA kernel the dispatcher uses for a shape: "folded", "mma", "simt" or None.
+    """The CUDA kernel the dispatcher uses for a shape: "frag", "folded", "simt" or None.
 
     The tensor-core kernels only for float16 inputs: their operands are float16, which
     bfloat16/float32 caches could overflow (|x| > 65504)."""
+    if dtype == mx.float16 and bits in FRAG_DEFAULT_BITS and kernel_supports(
+            head_dim, gqa, bits, group_size, dtype, algo="frag"):
+        return "frag"
     if dtype == mx.float16 and bits in FOLDED_DEFAULT_BITS and kernel_supports(
             head_dim, gqa, bits, group_size, dtype, algo="folded"):
         return "folded"
@@ -398,12 +452,12 @@ def _plan(T: int, BH: int, chunk: int, target_blocks: int):
 _PARAMS_CACHE: "OrderedDict[tuple, mx.array]" = OrderedDict()
 
 
-def _params(n_kq, n_kres, n_vq, n_vres, scale, cpb):
-    key = (n_kq, n_kres, n_vq, n_vres, float(scale), cpb)
+def _params(n_kq, n_kres, n_vq, n_vres, scale, cpb, *extra):
+    key = (n_kq, n_kres, n_vq, n_vres, float(scale), cpb, *extra)
     arr = _PARAMS_CACHE.get(key)
     if arr is None:
         sbits = struct.unpack("<i", struct.pack("<f", float(scale) * _LOG2E))[0]
-        arr = mx.array([n_kq, n_kres, n_vq, n_vres, sbits, cpb], dtype=mx.int32)
+        arr = mx.array([n_kq, n_kres, n_vq, n_vres, sbits, cpb, *extra], dtype=mx.int32)
         _PARAMS_CACHE[key] = arr
         if len(_PARAMS_CACHE) > 256:
             _PARAMS_CACHE.popitem(last=False)
@@ -429,7 +483,11 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
     if algo is None:
         algo = (default_algo(D, R, bits, group_size, dt) or "simt") if backend == "cuda" \
             else "simt"
-    chunk = _default_chunk(algo, bits) if chunk is None else int(chunk)
+    # frag's tile is fixed (8 * 32 // bits tokens): it takes no chunk
+    chunk = None if algo == "frag" else (
+        _default_chunk(algo, bits) if chunk is None else int(chunk))
+    if target_blocks is None and algo == "frag":
+        target_blocks = FRAG_TARGET_BLOCKS
     if target_blocks is None:
         target_blocks = FOLDED_TARGET_BLOCKS if algo == "folded" else DEFAULT_TARGET_BLOCKS
     target_blocks = int(target_blocks)
@@ -451,25 +509,38 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
                       ("v_scales", v_scales), ("v_biases", v_biases), ("v_res", v_res)):
         if arr.dtype != dt:
             raise ValueError(f"{name} has dtype {arr.dtype}, queries {dt}: must match")
-    ns, cpb = _plan(T, B * H, chunk, target_blocks)
-    params = _params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
     main, comb = _get_kernels(backend, algo)
     init = float("nan") if poison else None
-    template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
-                ("GQA", R), ("CHUNK", chunk), ("NT", _NT)]
-    if algo == "folded":
+    nt = _NT
+    if algo == "frag":
         if _mode:
-            raise ValueError("the folded kernel has no stage-skipping modes")
-        # 16-byte copies of key rows only where every row starts 16-byte aligned
-        template.append(("KVEC", 4 if k_codes.shape[3] % 4 == 0 else 1))
+            raise ValueError("the frag kernel has no stage-skipping modes")
+        nt = FRAG_NT
+        t_fast, ns_tail, ns_fast, tps = _frag_plan(n_kq, n_vq, T, B * H, bits,
+                                                   target_blocks)
+        ns = ns_tail + ns_fast
+        params = _params(n_kq, n_kres, n_vq, n_vres, scale, tps, t_fast, ns_tail)
+        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
+                    ("GQA", R), ("NT", nt), ("KVEC", 4 if k_codes.shape[3] % 4 == 0 else 1),
+                    ("KSUB", bool(FRAG_KEY_SUB))]
     else:
-        template += [("TW", tw), ("KUNROLL", kunroll), ("VUNROLL", vunroll),
-                     ("MODE", int(_mode))]
+        ns, cpb = _plan(T, B * H, chunk, target_blocks)
+        params = _params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
+        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
+                    ("GQA", R), ("CHUNK", chunk), ("NT", _NT)]
+        if algo == "folded":
+            if _mode:
+                raise ValueError("the folded kernel has no stage-skipping modes")
+            # 16-byte copies of key rows only where every row starts 16-byte aligned
+            template.append(("KVEC", 4 if k_codes.shape[3] % 4 == 0 else 1))
+        else:
+            template += [("TW", tw), ("KUNROLL", kunroll), ("VUNROLL", vunroll),
+                         ("MODE", int(_mode))]
     o_part, ml_part = main(
         inputs=[queries, k_codes, k_scales, k_biases, k_res, v_codes, v_scales, v_biases,
                 v_res, params],
         template=template,
-        grid=(ns * _NT, B * H, 1), threadgroup=(_NT, 1, 1),
+        grid=(ns * nt, B * H, 1), threadgroup=(nt, 1, 1),
         output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
         output_dtypes=[mx.float32, mx.float32], init_value=init)
     odt = dt if out_dtype is None else out_dtype
@@ -501,10 +572,12 @@ def kivi_decode_attention_cuda(queries, k_codes, k_scales, k_biases, n_kq, k_res
     (max, sum, output) partial per query head; a second kernel merges the partials.
     Counts travel in a small int32 array and capacities in the shape arguments, so the
     compiled code depends only on dtype, bits, group size, head_dim, GQA ratio and chunk.
-    ``algo``: "mma" (tensor cores: dequantized K/V and q/p rounded to float16 operands,
-    float32 products and sums; fragment rows permuted so each lane dequantizes whole
-    packed words) or "simt" (CUDA cores, float32 throughout); default from
-    :func:`default_algo`. ``variant=(TW, KUNROLL, VUNROLL)`` tunes the simt kernel;
+    ``algo``: "frag" (grid: splits of tiles, each a block of two warps that walk their own
+    tiles, plus FRAG_TAIL-token tail blocks for the full-precision part; see
+    kivi_decode_cuda_frag_src.py), "folded", "mma" (tensor cores: dequantized K/V and q/p
+    rounded to float16 operands, float32 products and sums; fragment rows permuted so each
+    lane dequantizes whole packed words) or "simt" (CUDA cores, float32 throughout);
+    default from :func:`default_algo`. ``variant=(TW, KUNROLL, VUNROLL)`` tunes the simt kernel;
     ``out_dtype`` the output dtype (float32 to check without the final rounding);
     ``poison=True`` fills every output with NaN before the kernels run (checking).
     """

@@ -1,0 +1,547 @@
+"""CUDA source of the "frag" fused KIVI decode attention (see ``kivi_decode.py``).
+
+The packed words feed the tensor cores in the order ``mx.quantize`` stores them. A lane
+holds one packed word per (channel, block of tokens) for keys and per (token, block of
+channels) for values; the mma fragments are filled with the codes at one position of
+the word, so a fragment's rows (values) or columns (keys) are every ``PACK``-th
+channel or token, and the mapping is carried through the softmax instead of
+rearranging any data. Consequences:
+
+* keys: ``scores^T (heads x tokens) = (q * s_k) . codes + q . b_k``. The mma's A operand
+  is ``q * s_k`` split into a float16 value (rows 0-7) and its float16 residual (rows
+  8-15), built once per key group and channel step, B is the codes; one product gives
+  both parts of every score, and the C fragment of the scores is, lane for lane, the B
+  fragment of the probabilities for the values (no shuffles, no shared memory);
+* values: ``o^T (channels x heads) += codes^T . (p * s_v) + sum_t p b_v``; A is the codes,
+  B is ``p * s_v`` (float16 value in columns 0-3, residual in 4-7 when a kv head has at
+  most 4 query heads, two products otherwise), computed by the lane that holds p;
+* a code becomes an exact float16 operand with a byte permute, a masked OR into the
+  mantissa of 1024 and a float16 subtraction of 1024; codes that sit higher in their
+  byte come out multiplied by 16 (2-bit: 4, 16, 64), undone once on the scores and at
+  the end on the output rows.
+
+Each warp walks its own tiles of ``8 * PACK`` tokens (one packed word per lane and row)
+with its own online softmax and its own key and value buffers in shared memory, filled
+by ``cp.async`` (the next tile's keys while this tile's softmax and values run, its
+values while the next keys are scored), so warps never wait for each other until the
+end of the block, where the block's warps merge into one (max, sum, output) partial.
+Shared-memory slots are XOR-swizzled so that the four rows a warp reads at once fall on
+different banks. Tiles cover the tokens whose
+keys and values are both quantized; the rest (the residual windows, and the quantized
+keys whose values are still in the window) is the "tail": ``TAIL`` tokens per block in
+float32 on the CUDA cores, in the blocks with the lowest split indices.
+
+Template constants: T (float16), BITS, GROUP, HEAD_DIM (64 or 128), GQA (<= 8), NT (64:
+two warps), KVEC (4: key rows 16-byte aligned; 1: 4-byte copies), KSUB (true: the key
+codes lose their float16 offset of 1024 before the product, exact; false: the offset is
+taken off the scores in float32, ~5% faster, 2e-4 instead of 2e-5 worst error on the
+H200). ``params`` adds to the counts of the other kernels: tiles per split, the first
+tail token (a multiple of the tile), and the number of tail splits. The header of this
+kernel ends with :func:`cuda_frag_bounds` (launch bounds: the register budget).
+
+Checked on an H200 against the float32 reference (benchmarks/results/fused_attention.md,
+runs 7-9, worst relative error 2.8e-5) for every 4- and 8-bit configuration of the
+check and for 2-bit group 64; the other 2-bit configurations (groups 32 and 128) have run
+only in the CPU emulation of tests/test_kernel_kivi_decode.py. The dispatcher uses
+folded at 2 bits.
+"""
+
+from .kivi_decode_cuda_src import CUDA_PROLOGUE
+
+CUDA_FRAG_HEADER = r"""
+// code C of both words as a float16 pair (wa's, wb's): 1024 + code * 2^((C * BITS) % 8),
+// exact; SUB: minus the 1024
+template <int BITS, bool SUB>
+__device__ __forceinline__ uint32_t vqk_codes2(uint32_t wa, uint32_t wb, int c) {
+  const uint32_t byte = (uint32_t)(c * BITS) / 8;
+  const uint32_t sel = byte | (byte << 4) | ((byte + 4) << 8) | ((byte + 4) << 12);
+  const uint32_t m = (((1u << BITS) - 1u) << ((c * BITS) % 8)) * 0x10001u;
+  const uint32_t x = vqk_and_or(__byte_perm(wa, wb, sel), m, 0x64006400u);
+  return SUB ? vqk_sub1024(x) : x;
+}
+// 2^x in one MUFU instruction (relative error ~2^-22; exp2f adds range checks); 2^-inf = 0
+__device__ __forceinline__ float vqk_exp2(float x) {
+#ifdef VQK_EMULATION
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+// (hi, lo) float16 pairs with hi + lo == (x0, x1) to about 2^-22 (lo from the packed hi)
+__device__ __forceinline__ void vqk_split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = vqk_h2(x0, x1);
+  const float2 h = vqk_h2f(hi);
+  lo = vqk_h2(x0 - h.x, x1 - h.y);
+}
+"""
+
+
+
+def cuda_frag_bounds(threads: int, min_blocks: int) -> str:
+    """Appended to the header of the frag kernel only: MLX declares the kernel right after
+    the header as ``__global__ void name(``, so this gives it launch bounds (``threads``
+    a block, ``min_blocks`` resident blocks an SM: the register budget a thread)."""
+    return (f"\n#ifndef VQK_EMULATION\n#undef __global__\n#define __global__ "
+            f"__attribute__((global)) __attribute__((launch_bounds({threads}, {min_blocks})))"
+            f"\n#endif\n")
+
+CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
+  constexpr int PACK = 32 / BITS;
+  constexpr int NW = NT / 32;
+  constexpr int TT = 8 * PACK;                   // tokens per tile
+  constexpr int KS = HEAD_DIM / 16;              // key channel steps
+  constexpr int KGT = TT > GROUP ? TT / GROUP : 1;  // key groups per tile
+  constexpr int DW = HEAD_DIM / PACK;            // value words per token
+  constexpr int DG = HEAD_DIM / GROUP;           // value groups per token
+  constexpr int NH = HEAD_DIM / (8 * PACK);      // value word columns per lane
+  constexpr int VGT = 8 * PACK > GROUP ? 8 * PACK / GROUP : 1;  // value groups per m-tile
+  constexpr int NJ = PACK / 2;                   // code pairs per word
+  constexpr int CW = 8 * HEAD_DIM;               // code words per tile (keys; values too)
+  constexpr int NKS = KGT * HEAD_DIM / 32;       // key (scale, bias) per lane and tile
+  constexpr int NVS = TT * DG / 32;              // value (scale, bias) per lane and tile
+  constexpr int TPW = 8;                         // tail tokens per warp, in rounds of 4
+  constexpr int TAIL = TPW * NW;                 // tail tokens per block
+  constexpr int CPL = HEAD_DIM / 32;             // tail: channels per lane
+  constexpr bool TWO_B = GQA > 4;                // values: hi and lo B in two products
+  static_assert(NT % 32 == 0 && GQA <= 8 && HEAD_DIM % 32 == 0, "shape");
+  static_assert(HEAD_DIM % (8 * PACK) == 0 && NKS >= 1 && NVS >= 1, "tiling");
+  static_assert((NKS * 32) % KGT == 0 && (NVS * 32) % DG == 0, "scales");
+  static_assert(GQA * HEAD_DIM <= CW && GQA * DG <= CW && GQA * HEAD_DIM <= KS * 128, "epilogue");
+
+  __shared__ __align__(16) uint32_t kc_s[NW * CW];   // [warp][channel][8 words]
+  __shared__ __align__(16) uint32_t vc_s[NW * CW];   // [warp][token][DW words]
+  __shared__ __align__(16) float2 ksb_s[NW * KGT * HEAD_DIM];  // [warp][group][channel]
+  constexpr int TTP = TT + 8;  // value scale rows padded: 16 bytes every 2 PACK tokens
+  __shared__ __align__(16) float2 vsb_s[NW * DG * TTP];        // [warp][group][token]
+  __shared__ __align__(16) float4 qf[KS * 32];  // a lane's q: its head, 4 channels a step
+  __shared__ float ep_m[NW * GQA];
+  __shared__ float ep_l[NW * GQA];
+
+  const int g = lane >> 2;
+  const int q4 = lane & 3;
+  const int t_fast = params[6];
+  const int ns_tail = params[7];
+  // the warp's unnormalized output [head][channel] for the epilogue (its key buffer)
+  float* obuf = reinterpret_cast<float*>(kc_s + warp * CW);
+
+  if (split < ns_tail) {
+    // ---- tail: TAIL tokens from t_fast + split * TAIL, float32 on the CUDA cores; a
+    //      warp takes 4 tokens a round, a lane CPL channels of each
+    float* qs = reinterpret_cast<float*>(qf);  // [head][channel]
+    for (int i = tid; i < GQA * HEAD_DIM; i += NT)
+      qs[i] = vqk_to_f(queries[qrow * HEAD_DIM + i]) * qscale;
+    __syncthreads();
+    float m[GQA], l[GQA], o[GQA][CPL];
+#pragma unroll
+    for (int r = 0; r < GQA; ++r) {
+      m[r] = -vqk_inf();
+      l[r] = 0.f;
+#pragma unroll
+      for (int x = 0; x < CPL; ++x) o[r][x] = 0.f;
+    }
+    constexpr uint32_t MASK = (1u << BITS) - 1u;
+    for (int j0 = 0; j0 < TPW; j0 += 4) {
+      const int tw = t_fast + split * TAIL + warp * TPW + j0;  // warp-uniform
+      if (tw >= Tn) break;
+      float kx[4][CPL], vx[4][CPL], s[4][GQA];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int t = min(tw + j, Tn - 1);  // past the end: a valid token, masked below
+#pragma unroll
+        for (int x = 0; x < CPL; ++x) {
+          const int c = lane + 32 * x;
+          if (t < n_kq) {
+            const size_t row = (size_t)bh * HEAD_DIM + c;
+            const uint32_t w = k_codes[row * CKW + t / PACK];
+            const float code = (float)((w >> ((t % PACK) * BITS)) & MASK);
+            kx[j][x] = fmaf(vqk_to_f(k_scales[row * CKG + t / GROUP]), code,
+                            vqk_to_f(k_biases[row * CKG + t / GROUP]));
+          } else {
+            kx[j][x] = vqk_to_f(k_res[((size_t)bh * CKR + (t - n_kq)) * HEAD_DIM + c]);
+          }
+          if (t < n_vq) {
+            const size_t row = (size_t)bh * CV + t;
+            const uint32_t w = v_codes[row * DW + c / PACK];
+            const float code = (float)((w >> ((c % PACK) * BITS)) & MASK);
+            vx[j][x] = fmaf(vqk_to_f(v_scales[row * DG + c / GROUP]), code,
+                            vqk_to_f(v_biases[row * DG + c / GROUP]));
+          } else {
+            vx[j][x] = vqk_to_f(v_res[((size_t)bh * CVR + (t - n_vq)) * HEAD_DIM + c]);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < GQA; ++r) {
+          float d = 0.f;
+#pragma unroll
+          for (int x = 0; x < CPL; ++x) d = fmaf(qs[r * HEAD_DIM + lane + 32 * x], kx[j][x], d);
+          s[j][r] = d;
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)  // the 4 x GQA sums side by side
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int r = 0; r < GQA; ++r) s[j][r] += __shfl_xor_sync(0xffffffffu, s[j][r], off);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (tw + j >= Tn) break;
+#pragma unroll
+        for (int r = 0; r < GQA; ++r) {
+          const float mn = fmaxf(m[r], s[j][r]);
+          const float a = exp2f(m[r] - mn);
+          const float p = exp2f(s[j][r] - mn);
+          m[r] = mn;
+          l[r] = fmaf(l[r], a, p);
+#pragma unroll
+          for (int x = 0; x < CPL; ++x) o[r][x] = fmaf(o[r][x], a, p * vx[j][x]);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < GQA; ++r) {
+      if (lane == 0) {
+        ep_m[warp * GQA + r] = m[r];
+        ep_l[warp * GQA + r] = l[r];
+      }
+#pragma unroll
+      for (int x = 0; x < CPL; ++x) obuf[r * HEAD_DIM + lane + 32 * x] = o[r][x];
+    }
+  } else {
+    // ---- tiles: whole key and value words, tensor cores
+    const int n_tiles = t_fast / TT;
+    const int k_begin = (split - ns_tail) * cpb;
+    const int k_end = min(k_begin + cpb, n_tiles);
+    for (int i = tid; i < KS * 32; i += NT) {
+      // row g of the A fragments and column g of the value B fragments: query head hh
+      const int gg = (i & 31) >> 2;
+      const int hh = GQA <= 4 ? (gg & 3) % GQA : gg % GQA;
+      const int c = 16 * (i / 32) + 2 * (i & 3);
+      const T* qp = queries + (qrow + hh) * HEAD_DIM;
+      qf[i] = make_float4(vqk_to_f(qp[c]) * qscale, vqk_to_f(qp[c + 1]) * qscale,
+                          vqk_to_f(qp[c + 8]) * qscale, vqk_to_f(qp[c + 9]) * qscale);
+    }
+    __syncthreads();
+
+    uint32_t* kc = kc_s + warp * CW;
+    uint32_t* vc = vc_s + warp * CW;
+    float2* ksw = ksb_s + warp * KGT * HEAD_DIM;
+    float2* vsw = vsb_s + warp * DG * TTP;
+    T rks[NKS], rkb[NKS], rvs[NVS], rvb[NVS];
+    // Shared-memory slot of word f of a tile (f = channel * 8 + word for keys, token * DW +
+    // word for values): bits 3-4 of f (which 8-word quarter of a 32-word line) are XORed
+    // with bits of the row, so that the four rows a warp reads at once (channels 2 q4
+    // apart, tokens 2 PACK q4 apart) fall on different banks. The 16-byte pieces the
+    // copies move stay whole; for the reads the XOR is a constant of the lane.
+    auto kslot = [](int f) { return f ^ (8 * ((f >> 5) & 1)); };
+    auto vslot = [](int f) { return f ^ (8 * (((f / DW) / (2 * PACK)) & 3)); };
+    // The lane's reads: key rows 16 s + 2 q4 + {0, 1, 8, 9} (word g), whose slots are
+    // those of rows 2 q4 + {0, 1, 8, 9} plus 128 s; value word w of token 2 PACK q4 + o,
+    // whose slot is 2 HEAD_DIM q4 + g + ((C & 24) ^ 8 q4) + (C & ~24) for C = o DW + w - g
+    // (the XOR touches bits 3-4 only): one pointer per value of C & 24, C a constant.
+    const int kx = 8 * (q4 >> 1);
+    const uint32_t* krow[4] = {kc + (((2 * q4) * 8 + g) ^ kx), kc + (((2 * q4 + 1) * 8 + g) ^ kx),
+                               kc + (((2 * q4 + 8) * 8 + g) ^ kx), kc + (((2 * q4 + 9) * 8 + g) ^ kx)};
+    const uint32_t* vrow[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) vrow[x] = vc + 2 * HEAD_DIM * q4 + g + ((8 * x) ^ (8 * q4));
+    const size_t kscale0 = (size_t)bh * HEAD_DIM * CKG + (lane / KGT) * CKG + lane % KGT;
+    // copies of one tile's codes (cp.async) and scales (registers, stored after a wait)
+    // this lane's part of the key copies (16 bytes: row lane / 2 + 16 j, half lane & 1)
+    const uint32_t* ksrc = k_codes + (size_t)bh * HEAD_DIM * CKW + (lane >> 1) * CKW + 4 * (lane & 1);
+    uint32_t* kdst = kc + kslot(4 * lane);
+    auto issue_keys = [&](int k) {
+      const uint32_t* src = k_codes + (size_t)bh * HEAD_DIM * CKW + k * (TT / PACK);
+      if constexpr (KVEC == 4) {
+        const uint32_t* sp = ksrc + k * (TT / PACK);
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 16; ++j)
+          vqk_cp_async<16>(kdst + 128 * j, sp + (size_t)(16 * j) * CKW);
+      } else {
+#pragma unroll
+        for (int i = lane; i < CW; i += 32) vqk_cp_async<4>(kc + kslot(i), src + (i >> 3) * CKW + (i & 7));
+      }
+      vqk_cp_commit();
+      const size_t s0 = kscale0 + (k * TT) / GROUP;
+#pragma unroll
+      for (int u = 0; u < NKS; ++u) {  // element lane + 32 u: channel (lane + 32 u) / KGT
+        rks[u] = k_scales[s0 + (size_t)(u * (32 / KGT)) * CKG];
+        rkb[u] = k_biases[s0 + (size_t)(u * (32 / KGT)) * CKG];
+      }
+    };
+    auto issue_values = [&](int k) {
+      const uint32_t* src = v_codes + ((size_t)bh * CV + k * TT) * DW;
+#pragma unroll
+      for (int i = lane; i < CW / 4; i += 32) vqk_cp_async<16>(vc + vslot(4 * i), src + 4 * i);
+      vqk_cp_commit();
+      const size_t s0 = ((size_t)bh * CV + k * TT) * DG;
+#pragma unroll
+      for (int u = 0; u < NVS; ++u) {
+        rvs[u] = v_scales[s0 + lane + 32 * u];
+        rvb[u] = v_biases[s0 + lane + 32 * u];
+      }
+    };
+
+    float oacc[NH * NJ][4];
+#pragma unroll
+    for (int i = 0; i < NH * NJ; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) oacc[i][e] = 0.f;
+    float m_run = -vqk_inf(), l_run = 0.f;
+    float bsum[DG];  // sum_t p_t b_v,t per value group, head of row g, this lane's tokens
+#pragma unroll
+    for (int i = 0; i < DG; ++i) bsum[i] = 0.f;
+    // value C columns 2 q4 and 2 q4 + 1: their heads (for the rescale)
+    const int ch0 = GQA <= 4 ? ((2 * q4) & 3) % GQA : (2 * q4) % GQA;
+    const int ch1 = GQA <= 4 ? ((2 * q4 + 1) & 3) % GQA : (2 * q4 + 1) % GQA;
+    const int gcol = KGT > 1 ? (g * PACK) / GROUP : 0;      // key group of B column g
+    const int gk = KGT > 1 ? (2 * q4 * PACK) / GROUP : 0;   // key group of C columns
+
+    int k = k_begin + warp;
+    if (k < k_end) {
+      issue_keys(k);
+      issue_values(k);
+    }
+    for (; k < k_end; k += NW) {
+      const bool next = k + NW < k_end;
+      vqk_cp_wait<1>();  // this tile's keys (its values may still be in flight)
+#pragma unroll
+      for (int u = 0; u < NKS; ++u) {
+        const int e = lane + 32 * u;
+        ksw[(e % KGT) * HEAD_DIM + e / KGT] = make_float2(vqk_to_f(rks[u]), vqk_to_f(rkb[u]));
+      }
+      __syncwarp();
+
+      // 1. scores of the head of row g: column 2 q4 (+1) of n-tile i is token
+      //    PACK * 2 q4 + i (+ PACK)
+      float acc[PACK][4];
+#pragma unroll
+      for (int i = 0; i < PACK; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+      float beta[KGT];  // q . b_k, minus 1024 * q . s_k where the codes keep their 1024
+#pragma unroll
+      for (int i = 0; i < KGT; ++i) beta[i] = 0.f;
+      float qsum[KGT];
+#pragma unroll
+      for (int i = 0; i < KGT; ++i) qsum[i] = 0.f;
+#pragma unroll
+      for (int s = 0; s < KS; ++s) {
+        const float4 qv = qf[s * 32 + lane];
+        const int d0 = 16 * s + 2 * q4;
+        const uint32_t w0 = krow[0][128 * s], w1 = krow[1][128 * s];
+        const uint32_t w2 = krow[2][128 * s], w3 = krow[3][128 * s];
+        uint32_t a[KGT][4];
+#pragma unroll
+        for (int gi = 0; gi < KGT; ++gi) {
+          const float2* sb = ksw + gi * HEAD_DIM + d0;
+          const float2 s0 = sb[0], s1 = sb[1], s8 = sb[8], s9 = sb[9];
+          beta[gi] = fmaf(qv.x, s0.y, fmaf(qv.y, s1.y, fmaf(qv.z, s8.y, fmaf(qv.w, s9.y, beta[gi]))));
+          const float x0 = qv.x * s0.x, x1 = qv.y * s1.x, x8 = qv.z * s8.x, x9 = qv.w * s9.x;
+          vqk_split2(x0, x1, a[gi][0], a[gi][1]);
+          vqk_split2(x8, x9, a[gi][2], a[gi][3]);
+          if constexpr (!KSUB) {  // what the mma sees: the float16 parts of q * s_k
+            const float2 h0 = vqk_h2f(a[gi][0]), l0 = vqk_h2f(a[gi][1]);
+            const float2 h8 = vqk_h2f(a[gi][2]), l8 = vqk_h2f(a[gi][3]);
+            qsum[gi] += ((h0.x + l0.x) + (h0.y + l0.y)) + ((h8.x + l8.x) + (h8.y + l8.y));
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) {
+          const uint32_t bb[2] = {vqk_codes2<BITS, KSUB>(w0, w1, i), vqk_codes2<BITS, KSUB>(w2, w3, i)};
+          if constexpr (KGT == 1) {
+            vqk_mma(acc[i], a[0], bb);
+          } else {
+#pragma unroll
+            for (int gi = 0; gi < KGT; ++gi) {
+              const uint32_t z = gcol == gi ? ~0u : 0u;
+              const uint32_t bm[2] = {bb[0] & z, bb[1] & z};
+              vqk_mma(acc[i], a[gi], bm);
+            }
+          }
+        }
+      }
+      float bk = 0.f, qk = 0.f;
+#pragma unroll
+      for (int gi = 0; gi < KGT; ++gi) {
+        float x = beta[gi], y = qsum[gi];
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        if constexpr (!KSUB) {
+          y += __shfl_xor_sync(0xffffffffu, y, 1);
+          y += __shfl_xor_sync(0xffffffffu, y, 2);
+        }
+        if (gi == gk) {
+          bk = x;
+          qk = 1024.f * y;
+        }
+      }
+      __syncwarp();  // the key buffer is read: copy the next tile's keys
+      if (next) issue_keys(k + NW);
+
+      // 2. online softmax (base 2) over the tile
+      float sc[PACK][2];
+      float mt = -vqk_inf();
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) {
+        const float f = 1.f / (float)(1 << ((i * BITS) % 8));
+        sc[i][0] = fmaf(acc[i][0] + acc[i][2] - qk, f, bk);
+        sc[i][1] = fmaf(acc[i][1] + acc[i][3] - qk, f, bk);
+        mt = fmaxf(mt, fmaxf(sc[i][0], sc[i][1]));
+      }
+      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+      const float m_new = fmaxf(m_run, mt);
+      const float alpha = vqk_exp2(m_run - m_new);
+      m_run = m_new;
+      float lsum = 0.f;
+#pragma unroll
+      for (int i = 0; i < PACK; ++i) {
+        sc[i][0] = vqk_exp2(sc[i][0] - m_new);
+        sc[i][1] = vqk_exp2(sc[i][1] - m_new);
+        lsum += sc[i][0] + sc[i][1];
+      }
+      l_run = fmaf(l_run, alpha, lsum);
+#pragma unroll
+      for (int i = 0; i < DG; ++i) bsum[i] *= alpha;
+      const float a0 = __shfl_sync(0xffffffffu, alpha, 4 * ch0);
+      const float a1 = __shfl_sync(0xffffffffu, alpha, 4 * ch1);
+#pragma unroll
+      for (int i = 0; i < NH * NJ; ++i) {
+        oacc[i][0] *= a0;
+        oacc[i][1] *= a1;
+        oacc[i][2] *= a0;
+        oacc[i][3] *= a1;
+      }
+
+      // 3. values, 16 tokens a step: n-tiles 2u and 2u + 1 of the scores
+      if (next)
+        vqk_cp_wait<1>();  // this tile's values (the next keys may be in flight)
+      else
+        vqk_cp_wait<0>();
+#pragma unroll
+      for (int u = 0; u < NVS; ++u) {
+        const int e = lane + 32 * u;
+        const int t = e / DG;
+        vsw[(e % DG) * TTP + t + 2 * (t / (2 * PACK))] = make_float2(vqk_to_f(rvs[u]), vqk_to_f(rvb[u]));
+      }
+      __syncwarp();
+#pragma unroll
+      for (int u = 0; u < NJ; ++u) {
+        const int tA = PACK * 2 * q4 + 2 * u;  // k 2q4, 2q4+1: tA, tB; k + 8: tA + 1, tB + 1
+        const int tB = tA + PACK;
+        const float pA = sc[2 * u][0], pB = sc[2 * u][1];
+        const float pC = sc[2 * u + 1][0], pD = sc[2 * u + 1][1];
+        uint32_t bhi[DG][2], blo[DG][2];
+#pragma unroll
+        for (int gv = 0; gv < DG; ++gv) {
+          const float4 sa = *reinterpret_cast<const float4*>(vsw + gv * TTP + tA + 2 * q4);
+          const float4 sbb = *reinterpret_cast<const float4*>(vsw + gv * TTP + tB + 2 * q4);
+          bsum[gv] = fmaf(pA, sa.y, fmaf(pC, sa.w, fmaf(pB, sbb.y, fmaf(pD, sbb.w, bsum[gv]))));
+          vqk_split2(pA * sa.x, pB * sbb.x, bhi[gv][0], blo[gv][0]);
+          vqk_split2(pC * sa.z, pD * sbb.z, bhi[gv][1], blo[gv][1]);
+          if constexpr (!TWO_B) {  // columns 0-3: float16 values, 4-7: residuals
+            if (g >= 4) {
+              bhi[gv][0] = blo[gv][0];
+              bhi[gv][1] = blo[gv][1];
+            }
+          }
+        }
+#pragma unroll
+        for (int hh = 0; hh < NH; ++hh) {
+          // offsets o DW + 8 hh of tokens tA, tB, tA + 1, tB + 1 (constants once unrolled)
+          const int cA = 2 * u * DW + 8 * hh, cB = cA + PACK * DW, cC = cA + DW, cD = cB + DW;
+          const uint32_t wA = vrow[(cA >> 3) & 3][cA & ~24], wB = vrow[(cB >> 3) & 3][cB & ~24];
+          const uint32_t wC = vrow[(cC >> 3) & 3][cC & ~24], wD = vrow[(cD >> 3) & 3][cD & ~24];
+#pragma unroll
+          for (int j = 0; j < NJ; ++j) {
+            const uint32_t a[4] = {vqk_codes2<BITS, true>(wA, wB, 2 * j),
+                                   vqk_codes2<BITS, true>(wA, wB, 2 * j + 1),
+                                   vqk_codes2<BITS, true>(wC, wD, 2 * j),
+                                   vqk_codes2<BITS, true>(wC, wD, 2 * j + 1)};
+            float* o = oacc[hh * NJ + j];
+#pragma unroll
+            for (int vg = 0; vg < VGT; ++vg) {
+              const int gv = (8 * PACK * hh) / GROUP + vg;
+              uint32_t am[4] = {a[0], a[1], a[2], a[3]};
+              if constexpr (VGT > 1) {
+                const uint32_t z = (g * PACK) / GROUP == vg ? ~0u : 0u;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) am[e] &= z;
+              }
+              vqk_mma(o, am, bhi[gv]);
+              if constexpr (TWO_B) vqk_mma(o, am, blo[gv]);
+            }
+          }
+        }
+      }
+      __syncwarp();  // the value buffer is read: copy the next tile's values
+      if (next) issue_values(k + NW);
+    }
+
+    // ---- the warp's partial: sums over the quad, bias term, hi + lo columns
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+#pragma unroll
+    for (int i = 0; i < DG; ++i) {
+      bsum[i] += __shfl_xor_sync(0xffffffffu, bsum[i], 1);
+      bsum[i] += __shfl_xor_sync(0xffffffffu, bsum[i], 2);
+    }
+    float* ep_b = reinterpret_cast<float*>(vc);  // [head][value group]
+    if (q4 == 0 && g < GQA) {
+      ep_m[warp * GQA + g] = m_run;
+      ep_l[warp * GQA + g] = l_run;
+#pragma unroll
+      for (int i = 0; i < DG; ++i) ep_b[g * DG + i] = bsum[i];
+    }
+    __syncwarp();
+#pragma unroll
+    for (int hh = 0; hh < NH; ++hh)
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = oacc[hh * NJ + j][e];
+          if constexpr (!TWO_B) v += __shfl_xor_sync(0xffffffffu, v, 2);  // column + 4
+          const int col = 2 * q4 + (e & 1);
+          const int code = 2 * j + (e >> 1);
+          const int c = PACK * (8 * hh + g) + code;
+          if (col < GQA && (TWO_B || col < 4)) {
+            const float f = 1.f / (float)(1 << ((code * BITS) % 8));
+            obuf[col * HEAD_DIM + c] = fmaf(v, f, ep_b[col * DG + c / GROUP]);
+          }
+        }
+  }
+
+  // ---- merge the block's warps into one partial
+  __syncthreads();
+  for (int i = tid; i < GQA * HEAD_DIM; i += NT) {
+    const int r = i / HEAD_DIM;
+    float M = -vqk_inf();
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, ep_m[w * GQA + r]);
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float mw = ep_m[w * GQA + r];
+      if (mw > -vqk_inf())
+        acc = fmaf(exp2f(mw - M), reinterpret_cast<const float*>(kc_s + w * CW)[i], acc);
+    }
+    o_part[((qrow + r) * NS + split) * HEAD_DIM + (i - r * HEAD_DIM)] = acc;
+  }
+  if (tid < GQA) {
+    float M = -vqk_inf();
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, ep_m[w * GQA + tid]);
+    float L = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float mw = ep_m[w * GQA + tid];
+      if (mw > -vqk_inf()) L = fmaf(exp2f(mw - M), ep_l[w * GQA + tid], L);
+    }
+    ml_part[((qrow + tid) * NS + split) * 2 + 0] = M;
+    ml_part[((qrow + tid) * NS + split) * 2 + 1] = L;
+  }
+"""
