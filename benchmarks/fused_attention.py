@@ -8,7 +8,7 @@
 1. Check: for every bit width x group size x GQA ratio, and residual lengths that are 0,
    not multiples of the chunk, longer than a chunk, fresh random inputs (never zeros;
    spare buffer capacity filled with NaN scales / random codes so stray reads show), each
-   CUDA kernel's (folded, simt and mma) float32 output (every output poisoned with NaN first, then checked fully
+   CUDA kernel's (frag, folded, simt and mma) float32 output (every output poisoned with NaN first, then checked fully
    written) against the float32 reference computed from the dequantized cache:
    ||out - ref|| / ||ref|| < 1e-3. One failing configuration is printed and skipped.
 2. Table: bits {2,4,8} x context {4k,32k,128k} x batch {1,8}, 32 query / 8 kv heads,
@@ -54,9 +54,11 @@ sys.modules["vq_kernels"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sys.modules["vq_kernels"])
 kd = importlib.import_module("vq_kernels.kivi_decode")
 
-ALGOS = ("simt", "mma", "folded")
+ALGOS = ("simt", "mma", "folded", "frag")
 CHECK_ALGOS = list(ALGOS)  # --check-algos narrows the check
 SWEEP_ALGOS = list(ALGOS)  # --sweep-only narrows the sweep
+FRAG_MIN_BLOCKS_DEFAULT = kd.FRAG_MIN_BLOCKS
+TABLE_ALGOS = list(ALGOS)  # --table-algos narrows the table (the dispatcher's always runs)
 SWEEP_STAGE_ALGOS = ("simt", "mma")  # kernels with stage-skipping modes
 ROOFLINE_TBS = 4.3  # H200 copy roofline (TB/s), /work/shared/ARCHITECTURE.md
 L2_BYTES = 50e6
@@ -250,6 +252,14 @@ def copy_bandwidth():
     return 2 * x.nbytes / s / 1e12
 
 
+def call_floor():
+    """Seconds per call of a one-kernel op on a tiny array: what a call costs at least."""
+    xs = [mx.random.normal((1024,)) for _ in range(4)]
+    mx.eval(xs)
+    s, _ = time_batches(lambda i: xs[i] * 2.0, 4)
+    return s
+
+
 def n_sets_for(bytes_per_set):
     return int(min(32, max(2, math.ceil(4 * L2_BYTES / bytes_per_set))))
 
@@ -258,6 +268,8 @@ def sweep(shapes=((1, 32768), (8, 32768))):
     log("\n== sweep: kernel variants, 4-bit, group 64, 32 q-heads / 8 kv-heads, d=128 ==")
     D, H, R, G, bits = 128, 8, 4, 64, 4
     variants = [  # (algo, (TW, KU, VU), chunk, target blocks)
+        # frag: variant = resident blocks an SM in its launch bounds (register budget)
+        ("frag", 6, None, 792), ("frag", 6, None, 1188), ("frag", 5, None, 660),
         ("folded", None, 128, 132), ("folded", None, 128, 264), ("folded", None, 128, 396),
         ("folded", None, 128, 528), ("folded", None, 128, 792), ("folded", None, 128, 1056),
         ("folded", None, 128, 2112), ("folded", None, 64, 528), ("folded", None, 64, 1056),
@@ -284,6 +296,9 @@ def sweep(shapes=((1, 32768), (8, 32768))):
             if algo not in SWEEP_ALGOS:
                 continue
             label = f"{algo} {variant or ''}".strip()
+            if algo == "frag":
+                label = f"frag, {variant} blocks/SM bound"
+                kd.FRAG_MIN_BLOCKS, variant = variant, None
             try:
                 s, spread = time_batches(
                     lambda i: kd.kivi_decode_attention_cuda(
@@ -294,6 +309,7 @@ def sweep(shapes=((1, 32768), (8, 32768))):
                     f"{s * 1e6:8.1f} us  {bytes_set / s / 1e9:7.0f} GB/s  (spread {spread:.0%})")
             except Exception as exc:
                 log(f"  ERROR {label} chunk={chunk} target={target}: {exc}")
+        kd.FRAG_MIN_BLOCKS = FRAG_MIN_BLOCKS_DEFAULT
         for algo in [a for a in SWEEP_STAGE_ALGOS if a in SWEEP_ALGOS]:
             for mode, what in ((1, "packed values skipped"), (2, "packed keys skipped")):
                 try:  # stage timing: leave one stage out (outputs meaningless, time only)
@@ -350,7 +366,8 @@ def table(quick: bool, contexts=(4096, 32768, 131072), batches=(1, 8)):
                     mx.eval(*[a for a in c if isinstance(a, mx.array)])
                     sets.append((q, c))
                 times = {}
-                for algo in ALGOS:
+                default = kd.default_algo(D, R, bits, G, mx.float16)
+                for algo in [a for a in ALGOS if a in TABLE_ALGOS or a == default]:
                     try:
                         t_a, spread = time_batches(
                             lambda i: kd.kivi_decode_attention_cuda(
@@ -360,9 +377,8 @@ def table(quick: bool, contexts=(4096, 32768, 131072), batches=(1, 8)):
                         log(f"  ERROR {algo} kernel bits={bits} B={B} T={T}: {exc}")
                         t_a, spread = float("nan"), float("nan")
                     times[algo] = (t_a, spread)
-                default = kd.default_algo(D, R, bits, G, mx.float16)
                 t_k, spread = times[default]
-                others = [a for a in ALGOS if a != default]
+                others = [a for a in times if a != default]
                 extra = ""
                 if bits == 4 and T == 32768 and B == 1:
                     try:  # the pure-mlx quantized_matmul path, for context
@@ -450,8 +466,17 @@ def main():
                     help="kernels the check runs (comma-separated)")
     ap.add_argument("--sweep-only", default=None,
                     help="sweep only these kernels (comma-separated)")
+    ap.add_argument("--table-algos", default=",".join(ALGOS),
+                    help="kernels timed in the table besides the dispatcher's")
+    ap.add_argument("--frag-key-sub", type=int, choices=(0, 1), default=None,
+                    help="frag: subtract the float16 offset from the key codes (1) or "
+                         "from the scores (0); default: the module's FRAG_KEY_SUB")
     args = ap.parse_args()
     CHECK_ALGOS[:] = args.check_algos.split(",")
+    TABLE_ALGOS[:] = args.table_algos.split(",")
+    if args.frag_key_sub is not None:
+        kd.FRAG_KEY_SUB = bool(args.frag_key_sub)
+    log(f"frag: FRAG_KEY_SUB={kd.FRAG_KEY_SUB}")
     if args.sweep_only:
         keep = set(args.sweep_only.split(","))
         SWEEP_ALGOS[:] = [a for a in SWEEP_ALGOS if a in keep]
@@ -472,6 +497,8 @@ def main():
     log(f"[{time.time() - t0:.0f}s]")
     bw = copy_bandwidth()
     log(f"MLX elementwise copy (x + 1, 1 GiB f32, read + write): {bw:.2f} TB/s")
+    floor = call_floor()
+    log(f"MLX per-call floor of this timing (x * 2 on 4 KiB, one kernel): {floor * 1e6:.1f} us")
     rows = table(args.quick)
     log(f"[{time.time() - t0:.0f}s]")
     do_sweep = args.sweep_only is not None or not (args.quick or args.lean or args.no_sweep)

@@ -2,7 +2,7 @@
 profiler (Nsight Compute) to attach to:
 
     ncu --kernel-name regex:vq_kivi --launch-skip 3 --launch-count 1 \
-        python3 benchmarks/profile_fused_attention.py --algo folded --bits 4
+        python3 benchmarks/profile_fused_attention.py --algo frag --bits 4
 
 Shape: 1 x 32 query heads / 8 kv heads x 32k tokens x head_dim 128, group 64, float16.
 """
@@ -20,7 +20,7 @@ import mlx.core as mx
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--algo", default="folded")
+    ap.add_argument("--algo", default="frag")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=1)
