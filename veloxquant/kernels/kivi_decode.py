@@ -364,9 +364,14 @@ FRAG_KEY_SUB = True
 FRAG_MIN_BLOCKS = 6
 
 
+def _frag_tile(bits: int) -> int:
+    """Tokens in a frag tile: one packed word per lane and row, 8 lanes across."""
+    return 8 * (32 // bits)
+
+
 def _frag_shared_bytes(head_dim, gqa, bits, group_size) -> int:
     """Static shared memory of the frag kernel (its declarations, in bytes)."""
-    nw, tt = FRAG_NT // 32, 8 * (32 // bits)
+    nw, tt = FRAG_NT // 32, _frag_tile(bits)
     kgt, dg = max(1, tt // group_size), head_dim // group_size
     return (2 * nw * 8 * head_dim * 4 + nw * kgt * head_dim * 8 + nw * dg * (tt + 8) * 8
             + (head_dim // 16) * 32 * 16 + 2 * nw * gqa * 4)
@@ -374,15 +379,15 @@ def _frag_shared_bytes(head_dim, gqa, bits, group_size) -> int:
 
 def _frag_supports(head_dim, gqa, bits, group_size, dtype) -> bool:
     return (dtype == mx.float16 and 1 <= gqa <= _MAX_GQA and head_dim in (64, 128)
-            and head_dim % (8 * (32 // bits)) == 0 and head_dim % group_size == 0
+            and head_dim % _frag_tile(bits) == 0 and head_dim % group_size == 0
             and _frag_shared_bytes(head_dim, gqa, bits, group_size) <= 48 * 1024)
 
 
 def _frag_plan(n_kq, n_vq, T, BH, bits, target_blocks):
     """(first tail token, tail splits, tile splits, tiles per split) of the frag kernel:
-    tiles of 8 * (32 // bits) tokens over the tokens whose keys and values are both
+    tiles of :func:`_frag_tile` tokens over the tokens whose keys and values are both
     quantized, FRAG_TAIL tokens per tail split for the rest."""
-    tt = 8 * (32 // bits)
+    tt = _frag_tile(bits)
     t_fast = min(n_kq, n_vq) // tt * tt
     ns_tail = -(-(T - t_fast) // FRAG_TAIL)
     n_tiles = t_fast // tt
@@ -483,13 +488,12 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
     if algo is None:
         algo = (default_algo(D, R, bits, group_size, dt) or "simt") if backend == "cuda" \
             else "simt"
-    # frag's tile is fixed (8 * 32 // bits tokens): it takes no chunk
+    # frag's tile is fixed (_frag_tile): it takes no chunk
     chunk = None if algo == "frag" else (
         _default_chunk(algo, bits) if chunk is None else int(chunk))
-    if target_blocks is None and algo == "frag":
-        target_blocks = FRAG_TARGET_BLOCKS
     if target_blocks is None:
-        target_blocks = FOLDED_TARGET_BLOCKS if algo == "folded" else DEFAULT_TARGET_BLOCKS
+        target_blocks = {"frag": FRAG_TARGET_BLOCKS, "folded": FOLDED_TARGET_BLOCKS}.get(
+            algo, DEFAULT_TARGET_BLOCKS)
     target_blocks = int(target_blocks)
     tw, kunroll, vunroll = _default_variant(R) if variant is None else variant
     if not kernel_supports(D, R, bits, group_size, dt, chunk, tw, algo):

@@ -253,13 +253,13 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
     const uint32_t* ksrc = k_codes + (size_t)bh * HEAD_DIM * CKW + (lane >> 1) * CKW + 4 * (lane & 1);
     uint32_t* kdst = kc + kslot(4 * lane);
     auto issue_keys = [&](int k) {
-      const uint32_t* src = k_codes + (size_t)bh * HEAD_DIM * CKW + k * (TT / PACK);
       if constexpr (KVEC == 4) {
         const uint32_t* sp = ksrc + k * (TT / PACK);
 #pragma unroll
         for (int j = 0; j < HEAD_DIM / 16; ++j)
           vqk_cp_async<16>(kdst + 128 * j, sp + (size_t)(16 * j) * CKW);
       } else {
+        const uint32_t* src = k_codes + (size_t)bh * HEAD_DIM * CKW + k * (TT / PACK);
 #pragma unroll
         for (int i = lane; i < CW; i += 32) vqk_cp_async<4>(kc + kslot(i), src + (i >> 3) * CKW + (i & 7));
       }
