@@ -468,15 +468,15 @@ def main():
                     help="sweep only these kernels (comma-separated)")
     ap.add_argument("--table-algos", default=",".join(ALGOS),
                     help="kernels timed in the table besides the dispatcher's")
-    ap.add_argument("--frag-key-sub", type=int, choices=(0, 1), default=None,
-                    help="frag: subtract the float16 offset from the key codes (1) or "
-                         "from the scores (0); default: the module's FRAG_KEY_SUB")
+    ap.add_argument("--frag-keep", type=int, choices=(0, 1, 2, 3), default=None,
+                    help="frag: which codes keep their float16 offset (KEEP of "
+                         "kivi_decode_cuda_frag_src.py); default: FRAG_KEEP_OFFSET")
     args = ap.parse_args()
     CHECK_ALGOS[:] = args.check_algos.split(",")
     TABLE_ALGOS[:] = args.table_algos.split(",")
-    if args.frag_key_sub is not None:
-        kd.FRAG_KEY_SUB = bool(args.frag_key_sub)
-    log(f"frag: FRAG_KEY_SUB={kd.FRAG_KEY_SUB}")
+    if args.frag_keep is not None:
+        kd.FRAG_KEEP_OFFSET = args.frag_keep
+    log(f"frag: FRAG_KEEP_OFFSET={kd.FRAG_KEEP_OFFSET}")
     if args.sweep_only:
         keep = set(args.sweep_only.split(","))
         SWEEP_ALGOS[:] = [a for a in SWEEP_ALGOS if a in keep]

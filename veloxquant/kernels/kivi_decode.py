@@ -351,16 +351,18 @@ def _folded_supports(head_dim, gqa, bits, group_size, dtype, chunk) -> bool:
 
 
 #: frag: threads per block (two warps, each with its own tiles and buffers), tail tokens
-#: per block, the split target (sweeps of runs 5-9: 792 = one wave of 6 blocks on 132 SMs,
-#: within the noise of 1188 and 660), and whether the key codes lose their float16 offset
-#: of 1024 before the product (True: exact; False, the offset taken off the scores in
-#: float32, was 5% faster with 10x the error, 2e-4)
+#: per chunk, the blocks the split plan fills (792 = one wave of 6 blocks on the H200's
+#: 132 SMs), which codes keep their float16 offset of 1024 into the products (KEEP of
+#: kivi_decode_cuda_frag_src.py; 1: the codes 4+ bits up their byte, worst error 2.4e-5
+#: on the H200; 3, every code, cut 10% of the instructions and up to 7% of the time under
+#: ncu, but its error grows with the tiles a warp sums: 1.05e-3 at 64 a warp, over the
+#: bound)
 FRAG_NT = 64
 FRAG_TAIL = 8 * (FRAG_NT // 32)
 FRAG_TARGET_BLOCKS = 792
-FRAG_KEY_SUB = True
+FRAG_KEEP_OFFSET = 1
 #: frag: resident blocks an SM the compiler must allow (launch bounds: the register budget;
-#: 6 -> 168 registers was the sweep's best; 8 -> 128 registers ran ~1.6x slower)
+#: 6 -> 168 registers; 7 -> 144 and 8 -> 128 spill: 1.4-2x slower under ncu)
 FRAG_MIN_BLOCKS = 6
 
 
@@ -384,17 +386,25 @@ def _frag_supports(head_dim, gqa, bits, group_size, dtype) -> bool:
 
 
 def _frag_plan(n_kq, n_vq, T, BH, bits, target_blocks):
-    """(first tail token, tail splits, tile splits, tiles per split) of the frag kernel:
-    tiles of :func:`_frag_tile` tokens over the tokens whose keys and values are both
-    quantized, FRAG_TAIL tokens per tail split for the rest."""
+    """(first tail token, tail chunks, blocks per kv head, tiles per block, first block
+    with tail chunks) of the frag kernel. Tiles of :func:`_frag_tile` tokens cover the
+    tokens whose keys and values are both quantized, split evenly over blocks that fit in
+    ``target_blocks`` (one wave: a block more per kv head would run in a second wave,
+    after all the others); the rest goes in chunks of FRAG_TAIL tokens to blocks of their
+    own where those fit in the same wave, else to the tile blocks (block s taking chunks
+    s, s + blocks, ...)."""
     tt = _frag_tile(bits)
     t_fast = min(n_kq, n_vq) // tt * tt
     ns_tail = -(-(T - t_fast) // FRAG_TAIL)
     n_tiles = t_fast // tt
     if n_tiles == 0:
-        return t_fast, ns_tail, 0, 1
-    ns_fast, tps = _plan(n_tiles, BH, 1, target_blocks)
-    return t_fast, ns_tail, ns_fast, tps
+        return t_fast, ns_tail, max(ns_tail, 1), 1, 0
+    ns = max(1, min(n_tiles, target_blocks // BH))
+    tps = -(-n_tiles // ns)
+    ns = -(-n_tiles // tps)
+    if (ns + ns_tail) * BH <= target_blocks:
+        return t_fast, ns_tail, ns + ns_tail, tps, ns
+    return t_fast, ns_tail, ns, tps, 0
 
 
 def _default_chunk(algo: str, bits: int) -> int:
@@ -520,13 +530,12 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
         if _mode:
             raise ValueError("the frag kernel has no stage-skipping modes")
         nt = FRAG_NT
-        t_fast, ns_tail, ns_fast, tps = _frag_plan(n_kq, n_vq, T, B * H, bits,
-                                                   target_blocks)
-        ns = ns_tail + ns_fast
-        params = _params(n_kq, n_kres, n_vq, n_vres, scale, tps, t_fast, ns_tail)
+        t_fast, ns_tail, ns, tps, tail0 = _frag_plan(n_kq, n_vq, T, B * H, bits,
+                                                     target_blocks)
+        params = _params(n_kq, n_kres, n_vq, n_vres, scale, tps, t_fast, ns_tail, tail0)
         template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
                     ("GQA", R), ("NT", nt), ("KVEC", 4 if k_codes.shape[3] % 4 == 0 else 1),
-                    ("KSUB", bool(FRAG_KEY_SUB))]
+                    ("KEEP", int(FRAG_KEEP_OFFSET))]
     else:
         ns, cpb = _plan(T, B * H, chunk, target_blocks)
         params = _params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
@@ -576,9 +585,10 @@ def kivi_decode_attention_cuda(queries, k_codes, k_scales, k_biases, n_kq, k_res
     (max, sum, output) partial per query head; a second kernel merges the partials.
     Counts travel in a small int32 array and capacities in the shape arguments, so the
     compiled code depends only on dtype, bits, group size, head_dim, GQA ratio and chunk.
-    ``algo``: "frag" (grid: splits of tiles, each a block of two warps that walk their own
-    tiles, plus FRAG_TAIL-token tail blocks for the full-precision part; see
-    kivi_decode_cuda_frag_src.py), "folded", "mma" (tensor cores: dequantized K/V and q/p
+    ``algo``: "frag" (grid: splits of tiles in one wave, each a block of two warps that
+    walk their own tiles; FRAG_TAIL-token chunks of the full-precision part in blocks of
+    their own where those fit in the wave, else in the tile blocks; see
+    kivi_decode_cuda_frag_src.py and :func:`_frag_plan`), "folded", "mma" (tensor cores: dequantized K/V and q/p
     rounded to float16 operands, float32 products and sums; fragment rows permuted so each
     lane dequantizes whole packed words) or "simt" (CUDA cores, float32 throughout);
     default from :func:`default_algo`. ``variant=(TW, KUNROLL, VUNROLL)`` tunes the simt kernel;

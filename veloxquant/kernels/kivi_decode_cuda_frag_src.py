@@ -15,49 +15,67 @@ rearranging any data. Consequences:
 * values: ``o^T (channels x heads) += codes^T . (p * s_v) + sum_t p b_v``; A is the codes,
   B is ``p * s_v`` (float16 value in columns 0-3, residual in 4-7 when a kv head has at
   most 4 query heads, two products otherwise), computed by the lane that holds p;
-* a code becomes an exact float16 operand with a byte permute, a masked OR into the
-  mantissa of 1024 and a float16 subtraction of 1024; codes that sit higher in their
-  byte come out multiplied by 16 (2-bit: 4, 16, 64), undone once on the scores and at
-  the end on the output rows.
+* a code becomes a float16 operand with a byte permute and a masked OR into the mantissa
+  of 1024 (1024 + code, exact); a float16 subtraction takes the 1024 off, except for the
+  codes KEEP lets keep it, whose offset comes off the scores (1024 q . s_k) and outputs
+  (1024 sum_t p s_v) in float32. Codes that sit higher in their byte come out multiplied
+  by 16 (2-bit: 4, 16, 64), undone once on the scores and at the end on the output rows.
 
 Each warp walks its own tiles of ``8 * PACK`` tokens (one packed word per lane and row)
 with its own online softmax and its own key and value buffers in shared memory, filled
-by ``cp.async`` (the next tile's keys while this tile's softmax and values run, its
-values while the next keys are scored), so warps never wait for each other until the
-end of the block, where the block's warps merge into one (max, sum, output) partial.
-Shared-memory slots are XOR-swizzled so that the four rows a warp reads at once fall on
-different banks. Tiles cover the tokens whose
-keys and values are both quantized; the rest (the residual windows, and the quantized
-keys whose values are still in the window) is the "tail": ``TAIL`` tokens per block in
-float32 on the CUDA cores, in the blocks with the lowest split indices.
+by ``cp.async`` (the next tile's keys, scales included, while this tile's softmax and
+values run, its values while the next keys are scored), so warps never wait for each
+other until the end of the block, where the block's warps merge into one (max, sum,
+output) partial. Shared-memory slots are XOR-swizzled so that the four rows a warp reads
+at once fall on different banks. Tiles cover the tokens whose keys and values are both
+quantized, split evenly over blocks that fit in one wave; the rest (the residual
+windows, and the quantized keys whose values are still in the window) is the "tail":
+chunks of ``TAIL`` tokens in float32 on the CUDA cores, in blocks of their own where
+those fit in the same wave (batch 1), else in the tile blocks after their tiles (batch 8:
+tail blocks queued behind the tile blocks had held slots for up to ~150 us).
 
 Template constants: T (float16), BITS, GROUP, HEAD_DIM (64 or 128), GQA (<= 8), NT (64:
-two warps), KVEC (4: key rows 16-byte aligned; 1: 4-byte copies), KSUB (true: the key
-codes lose their float16 offset of 1024 before the product, exact; false: the offset is
-taken off the scores in float32, ~5% faster, 2e-4 instead of 2e-5 worst error on the
-H200). ``params`` adds to the counts of the other kernels: tiles per split, the first
-tail token (a multiple of the tile), and the number of tail splits. The header of this
-kernel ends with :func:`cuda_frag_bounds` (launch bounds: the register budget).
+two warps), KVEC (4: key rows 16-byte aligned; 1: 4-byte copies), KEEP (which codes keep
+their float16 offset of 1024 into the products: 0 none, exact; 1 the codes 4 or more
+bits up their byte, whose unit is at least 16, so the float32 sums lose ~6 bits of it
+instead of ~10 (none at 8 bits); 2 every key code and the values as in 1; 3 every
+code; over the bound where a warp sums many tiles). ``params`` adds to the counts of the other kernels: tiles per block, the first tail
+token (a multiple of the tile), the number of tail chunks and the first block that takes
+them. The header of this kernel ends with :func:`cuda_frag_bounds` (launch bounds: the
+register budget).
 
-Checked on an H200 against the float32 reference (benchmarks/results/fused_attention.md,
-runs 7-9, worst relative error 2.8e-5) for every 4- and 8-bit configuration of the
-check and for 2-bit group 64; the other 2-bit configurations (groups 32 and 128) have run
-only in the CPU emulation of tests/test_kernel_kivi_decode.py. The dispatcher uses
-folded at 2 bits.
+Checked on an H200 against the float32 reference (benchmarks/results/fused_attention.md):
+runs 7-9 (before the tail and split-plan changes of session 4), worst relative error
+2.8e-5; run 11 (this code, KEEP 1), 25 of 25 configurations of the check, worst 8.0e-5.
+That check covers every 4- and 8-bit configuration and 2-bit group 64; 2-bit groups 32
+and 128 ran on the GPU only with this session's code before its last change (the key
+scales' copies; benchmarks/frag_variants.py --check, KEEP 0, 1 and 3) and in the CPU
+emulation of tests/test_kernel_kivi_decode.py. The dispatcher uses folded at 2 bits.
 """
 
 from .kivi_decode_cuda_src import CUDA_PROLOGUE
 
 CUDA_FRAG_HEADER = r"""
 // code C of both words as a float16 pair (wa's, wb's): 1024 + code * 2^((C * BITS) % 8),
-// exact; SUB: minus the 1024
-template <int BITS, bool SUB>
-__device__ __forceinline__ uint32_t vqk_codes2(uint32_t wa, uint32_t wb, int c) {
+// exact; sub: minus the 1024
+template <int BITS>
+__device__ __forceinline__ uint32_t vqk_codes2(uint32_t wa, uint32_t wb, int c, bool sub) {
   const uint32_t byte = (uint32_t)(c * BITS) / 8;
   const uint32_t sel = byte | (byte << 4) | ((byte + 4) << 8) | ((byte + 4) << 12);
   const uint32_t m = (((1u << BITS) - 1u) << ((c * BITS) % 8)) * 0x10001u;
   const uint32_t x = vqk_and_or(__byte_perm(wa, wb, sel), m, 0x64006400u);
-  return SUB ? vqk_sub1024(x) : x;
+  return sub ? vqk_sub1024(x) : x;
+}
+// Whether code C of a key / value word keeps its float16 offset of 1024 into the product
+// (KEEP, see the kernel's docstring). A code 4 or more bits up its byte has a unit of at
+// least 16: the offset costs the float32 sums ~6 bits of it instead of ~10
+template <int BITS, int KEEP>
+__device__ __forceinline__ constexpr bool vqk_keep_k(int c) {
+  return KEEP >= 2 || (KEEP == 1 && (c * BITS) % 8 >= 4);
+}
+template <int BITS, int KEEP>
+__device__ __forceinline__ constexpr bool vqk_keep_v(int c) {
+  return KEEP == 3 || (KEEP >= 1 && (c * BITS) % 8 >= 4);
 }
 // 2^x in one MUFU instruction (relative error ~2^-22; exp2f adds range checks); 2^-inf = 0
 __device__ __forceinline__ float vqk_exp2(float x) {
@@ -102,13 +120,13 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
   constexpr int NKS = KGT * HEAD_DIM / 32;       // key (scale, bias) per lane and tile
   constexpr int NVS = TT * DG / 32;              // value (scale, bias) per lane and tile
   constexpr int TPW = 8;                         // tail tokens per warp, in rounds of 4
-  constexpr int TAIL = TPW * NW;                 // tail tokens per block
+  constexpr int TAIL = TPW * NW;                 // tail tokens per chunk
   constexpr int CPL = HEAD_DIM / 32;             // tail: channels per lane
   constexpr bool TWO_B = GQA > 4;                // values: hi and lo B in two products
   static_assert(NT % 32 == 0 && GQA <= 8 && HEAD_DIM % 32 == 0, "shape");
   static_assert(HEAD_DIM % (8 * PACK) == 0 && NKS >= 1 && NVS >= 1, "tiling");
   static_assert((NKS * 32) % KGT == 0 && (NVS * 32) % DG == 0, "scales");
-  static_assert(GQA * HEAD_DIM <= CW && GQA * DG <= CW && GQA * HEAD_DIM <= KS * 128, "epilogue");
+  static_assert(GQA * HEAD_DIM <= CW && 2 * GQA * DG <= CW && GQA * HEAD_DIM <= KS * 128, "epilogue");
 
   __shared__ __align__(16) uint32_t kc_s[NW * CW];   // [warp][channel][8 words]
   __shared__ __align__(16) uint32_t vc_s[NW * CW];   // [warp][token][DW words]
@@ -122,97 +140,16 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
   const int g = lane >> 2;
   const int q4 = lane & 3;
   const int t_fast = params[6];
-  const int ns_tail = params[7];
+  const int ns_tail = params[7];  // tail chunks
+  const int tail0 = params[8];    // the first block that takes tail chunks
   // the warp's unnormalized output [head][channel] for the epilogue (its key buffer)
   float* obuf = reinterpret_cast<float*>(kc_s + warp * CW);
 
-  if (split < ns_tail) {
-    // ---- tail: TAIL tokens from t_fast + split * TAIL, float32 on the CUDA cores; a
-    //      warp takes 4 tokens a round, a lane CPL channels of each
-    float* qs = reinterpret_cast<float*>(qf);  // [head][channel]
-    for (int i = tid; i < GQA * HEAD_DIM; i += NT)
-      qs[i] = vqk_to_f(queries[qrow * HEAD_DIM + i]) * qscale;
-    __syncthreads();
-    float m[GQA], l[GQA], o[GQA][CPL];
-#pragma unroll
-    for (int r = 0; r < GQA; ++r) {
-      m[r] = -vqk_inf();
-      l[r] = 0.f;
-#pragma unroll
-      for (int x = 0; x < CPL; ++x) o[r][x] = 0.f;
-    }
-    constexpr uint32_t MASK = (1u << BITS) - 1u;
-    for (int j0 = 0; j0 < TPW; j0 += 4) {
-      const int tw = t_fast + split * TAIL + warp * TPW + j0;  // warp-uniform
-      if (tw >= Tn) break;
-      float kx[4][CPL], vx[4][CPL], s[4][GQA];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int t = min(tw + j, Tn - 1);  // past the end: a valid token, masked below
-#pragma unroll
-        for (int x = 0; x < CPL; ++x) {
-          const int c = lane + 32 * x;
-          if (t < n_kq) {
-            const size_t row = (size_t)bh * HEAD_DIM + c;
-            const uint32_t w = k_codes[row * CKW + t / PACK];
-            const float code = (float)((w >> ((t % PACK) * BITS)) & MASK);
-            kx[j][x] = fmaf(vqk_to_f(k_scales[row * CKG + t / GROUP]), code,
-                            vqk_to_f(k_biases[row * CKG + t / GROUP]));
-          } else {
-            kx[j][x] = vqk_to_f(k_res[((size_t)bh * CKR + (t - n_kq)) * HEAD_DIM + c]);
-          }
-          if (t < n_vq) {
-            const size_t row = (size_t)bh * CV + t;
-            const uint32_t w = v_codes[row * DW + c / PACK];
-            const float code = (float)((w >> ((c % PACK) * BITS)) & MASK);
-            vx[j][x] = fmaf(vqk_to_f(v_scales[row * DG + c / GROUP]), code,
-                            vqk_to_f(v_biases[row * DG + c / GROUP]));
-          } else {
-            vx[j][x] = vqk_to_f(v_res[((size_t)bh * CVR + (t - n_vq)) * HEAD_DIM + c]);
-          }
-        }
-#pragma unroll
-        for (int r = 0; r < GQA; ++r) {
-          float d = 0.f;
-#pragma unroll
-          for (int x = 0; x < CPL; ++x) d = fmaf(qs[r * HEAD_DIM + lane + 32 * x], kx[j][x], d);
-          s[j][r] = d;
-        }
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1)  // the 4 x GQA sums side by side
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int r = 0; r < GQA; ++r) s[j][r] += __shfl_xor_sync(0xffffffffu, s[j][r], off);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (tw + j >= Tn) break;
-#pragma unroll
-        for (int r = 0; r < GQA; ++r) {
-          const float mn = fmaxf(m[r], s[j][r]);
-          const float a = exp2f(m[r] - mn);
-          const float p = exp2f(s[j][r] - mn);
-          m[r] = mn;
-          l[r] = fmaf(l[r], a, p);
-#pragma unroll
-          for (int x = 0; x < CPL; ++x) o[r][x] = fmaf(o[r][x], a, p * vx[j][x]);
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < GQA; ++r) {
-      if (lane == 0) {
-        ep_m[warp * GQA + r] = m[r];
-        ep_l[warp * GQA + r] = l[r];
-      }
-#pragma unroll
-      for (int x = 0; x < CPL; ++x) obuf[r * HEAD_DIM + lane + 32 * x] = o[r][x];
-    }
-  } else {
+  {
+    // ---- tiles: whole key and value words, tensor cores
     // ---- tiles: whole key and value words, tensor cores
     const int n_tiles = t_fast / TT;
-    const int k_begin = (split - ns_tail) * cpb;
+    const int k_begin = split * cpb;
     const int k_end = min(k_begin + cpb, n_tiles);
     for (int i = tid; i < KS * 32; i += NT) {
       // row g of the A fragments and column g of the value B fragments: query head hh
@@ -229,7 +166,7 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
     uint32_t* vc = vc_s + warp * CW;
     float2* ksw = ksb_s + warp * KGT * HEAD_DIM;
     float2* vsw = vsb_s + warp * DG * TTP;
-    T rks[NKS], rkb[NKS], rvs[NVS], rvb[NVS];
+    T rvs[NVS], rvb[NVS];
     // Shared-memory slot of word f of a tile (f = channel * 8 + word for keys, token * DW +
     // word for values): bits 3-4 of f (which 8-word quarter of a 32-word line) are XORed
     // with bits of the row, so that the four rows a warp reads at once (channels 2 q4
@@ -263,13 +200,21 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
 #pragma unroll
         for (int i = lane; i < CW; i += 32) vqk_cp_async<4>(kc + kslot(i), src + (i >> 3) * CKW + (i & 7));
       }
-      vqk_cp_commit();
+      // Key scales and biases: the 4-byte word holding each (two float16s; the buffers
+      // hold an even count, so the word is in bounds) copied raw into the element's
+      // float2 slot, converted there after the wait. Loaded into registers instead, they
+      // were the kernel's largest stall (13% of the samples, ncu): 128 rows a tile, each
+      // a separate sector, arriving after the codes.
       const size_t s0 = kscale0 + (k * TT) / GROUP;
 #pragma unroll
       for (int u = 0; u < NKS; ++u) {  // element lane + 32 u: channel (lane + 32 u) / KGT
-        rks[u] = k_scales[s0 + (size_t)(u * (32 / KGT)) * CKG];
-        rkb[u] = k_biases[s0 + (size_t)(u * (32 / KGT)) * CKG];
+        const int e = lane + 32 * u;
+        const size_t i = s0 + (size_t)(u * (32 / KGT)) * CKG;
+        float2* slot = ksw + (e % KGT) * HEAD_DIM + e / KGT;
+        vqk_cp_async<4>(&slot->x, reinterpret_cast<const uint32_t*>(k_scales) + i / 2);
+        vqk_cp_async<4>(&slot->y, reinterpret_cast<const uint32_t*>(k_biases) + i / 2);
       }
+      vqk_cp_commit();
     };
     auto issue_values = [&](int k) {
       const uint32_t* src = v_codes + ((size_t)bh * CV + k * TT) * DW;
@@ -291,8 +236,9 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
       for (int e = 0; e < 4; ++e) oacc[i][e] = 0.f;
     float m_run = -vqk_inf(), l_run = 0.f;
     float bsum[DG];  // sum_t p_t b_v,t per value group, head of row g, this lane's tokens
+    float psum[DG];  // sum_t p_t s_v,t likewise (the 1024 the value codes may keep)
 #pragma unroll
-    for (int i = 0; i < DG; ++i) bsum[i] = 0.f;
+    for (int i = 0; i < DG; ++i) bsum[i] = psum[i] = 0.f;
     // value C columns 2 q4 and 2 q4 + 1: their heads (for the rescale)
     const int ch0 = GQA <= 4 ? ((2 * q4) & 3) % GQA : (2 * q4) % GQA;
     const int ch1 = GQA <= 4 ? ((2 * q4 + 1) & 3) % GQA : (2 * q4 + 1) % GQA;
@@ -307,10 +253,15 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
     for (; k < k_end; k += NW) {
       const bool next = k + NW < k_end;
       vqk_cp_wait<1>();  // this tile's keys (its values may still be in flight)
+      const size_t s0 = kscale0 + (k * TT) / GROUP;
 #pragma unroll
       for (int u = 0; u < NKS; ++u) {
         const int e = lane + 32 * u;
-        ksw[(e % KGT) * HEAD_DIM + e / KGT] = make_float2(vqk_to_f(rks[u]), vqk_to_f(rkb[u]));
+        const bool odd = (s0 + (size_t)(u * (32 / KGT)) * CKG) & 1;
+        float2* slot = ksw + (e % KGT) * HEAD_DIM + e / KGT;
+        const float2 raw = *slot;
+        const float2 sc = vqk_h2f(__float_as_uint(raw.x)), bi = vqk_h2f(__float_as_uint(raw.y));
+        *slot = make_float2(odd ? sc.y : sc.x, odd ? bi.y : bi.x);
       }
       __syncwarp();
 
@@ -321,7 +272,7 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
       for (int i = 0; i < PACK; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
-      float beta[KGT];  // q . b_k, minus 1024 * q . s_k where the codes keep their 1024
+      float beta[KGT];  // q . b_k
 #pragma unroll
       for (int i = 0; i < KGT; ++i) beta[i] = 0.f;
       float qsum[KGT];
@@ -342,15 +293,14 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
           const float x0 = qv.x * s0.x, x1 = qv.y * s1.x, x8 = qv.z * s8.x, x9 = qv.w * s9.x;
           vqk_split2(x0, x1, a[gi][0], a[gi][1]);
           vqk_split2(x8, x9, a[gi][2], a[gi][3]);
-          if constexpr (!KSUB) {  // what the mma sees: the float16 parts of q * s_k
-            const float2 h0 = vqk_h2f(a[gi][0]), l0 = vqk_h2f(a[gi][1]);
-            const float2 h8 = vqk_h2f(a[gi][2]), l8 = vqk_h2f(a[gi][3]);
-            qsum[gi] += ((h0.x + l0.x) + (h0.y + l0.y)) + ((h8.x + l8.x) + (h8.y + l8.y));
-          }
+          // q . s_k for the codes that keep their 1024 (the float16 parts the mma sees
+          // differ from it by ~2^-22 of it: far below what the offset costs)
+          if constexpr (KEEP > 0) qsum[gi] += (x0 + x1) + (x8 + x9);
         }
 #pragma unroll
         for (int i = 0; i < PACK; ++i) {
-          const uint32_t bb[2] = {vqk_codes2<BITS, KSUB>(w0, w1, i), vqk_codes2<BITS, KSUB>(w2, w3, i)};
+          const bool sub = !vqk_keep_k<BITS, KEEP>(i);
+          const uint32_t bb[2] = {vqk_codes2<BITS>(w0, w1, i, sub), vqk_codes2<BITS>(w2, w3, i, sub)};
           if constexpr (KGT == 1) {
             vqk_mma(acc[i], a[0], bb);
           } else {
@@ -369,7 +319,7 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
         float x = beta[gi], y = qsum[gi];
         x += __shfl_xor_sync(0xffffffffu, x, 1);
         x += __shfl_xor_sync(0xffffffffu, x, 2);
-        if constexpr (!KSUB) {
+        if constexpr (KEEP > 0) {
           y += __shfl_xor_sync(0xffffffffu, y, 1);
           y += __shfl_xor_sync(0xffffffffu, y, 2);
         }
@@ -387,8 +337,9 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
 #pragma unroll
       for (int i = 0; i < PACK; ++i) {
         const float f = 1.f / (float)(1 << ((i * BITS) % 8));
-        sc[i][0] = fmaf(acc[i][0] + acc[i][2] - qk, f, bk);
-        sc[i][1] = fmaf(acc[i][1] + acc[i][3] - qk, f, bk);
+        const float off = vqk_keep_k<BITS, KEEP>(i) ? qk : 0.f;
+        sc[i][0] = fmaf(acc[i][0] + acc[i][2] - off, f, bk);
+        sc[i][1] = fmaf(acc[i][1] + acc[i][3] - off, f, bk);
         mt = fmaxf(mt, fmaxf(sc[i][0], sc[i][1]));
       }
       mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
@@ -405,7 +356,10 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
       }
       l_run = fmaf(l_run, alpha, lsum);
 #pragma unroll
-      for (int i = 0; i < DG; ++i) bsum[i] *= alpha;
+      for (int i = 0; i < DG; ++i) {
+        bsum[i] *= alpha;
+        if constexpr (KEEP > 0) psum[i] *= alpha;
+      }
       const float a0 = __shfl_sync(0xffffffffu, alpha, 4 * ch0);
       const float a1 = __shfl_sync(0xffffffffu, alpha, 4 * ch1);
 #pragma unroll
@@ -440,8 +394,10 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
           const float4 sa = *reinterpret_cast<const float4*>(vsw + gv * TTP + tA + 2 * q4);
           const float4 sbb = *reinterpret_cast<const float4*>(vsw + gv * TTP + tB + 2 * q4);
           bsum[gv] = fmaf(pA, sa.y, fmaf(pC, sa.w, fmaf(pB, sbb.y, fmaf(pD, sbb.w, bsum[gv]))));
-          vqk_split2(pA * sa.x, pB * sbb.x, bhi[gv][0], blo[gv][0]);
-          vqk_split2(pC * sa.z, pD * sbb.z, bhi[gv][1], blo[gv][1]);
+          const float xA = pA * sa.x, xB = pB * sbb.x, xC = pC * sa.z, xD = pD * sbb.z;
+          if constexpr (KEEP > 0) psum[gv] += (xA + xB) + (xC + xD);
+          vqk_split2(xA, xB, bhi[gv][0], blo[gv][0]);
+          vqk_split2(xC, xD, bhi[gv][1], blo[gv][1]);
           if constexpr (!TWO_B) {  // columns 0-3: float16 values, 4-7: residuals
             if (g >= 4) {
               bhi[gv][0] = blo[gv][0];
@@ -457,10 +413,11 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
           const uint32_t wC = vrow[(cC >> 3) & 3][cC & ~24], wD = vrow[(cD >> 3) & 3][cD & ~24];
 #pragma unroll
           for (int j = 0; j < NJ; ++j) {
-            const uint32_t a[4] = {vqk_codes2<BITS, true>(wA, wB, 2 * j),
-                                   vqk_codes2<BITS, true>(wA, wB, 2 * j + 1),
-                                   vqk_codes2<BITS, true>(wC, wD, 2 * j),
-                                   vqk_codes2<BITS, true>(wC, wD, 2 * j + 1)};
+            const bool s0 = !vqk_keep_v<BITS, KEEP>(2 * j), s1 = !vqk_keep_v<BITS, KEEP>(2 * j + 1);
+            const uint32_t a[4] = {vqk_codes2<BITS>(wA, wB, 2 * j, s0),
+                                   vqk_codes2<BITS>(wA, wB, 2 * j + 1, s1),
+                                   vqk_codes2<BITS>(wC, wD, 2 * j, s0),
+                                   vqk_codes2<BITS>(wC, wD, 2 * j + 1, s1)};
             float* o = oacc[hh * NJ + j];
 #pragma unroll
             for (int vg = 0; vg < VGT; ++vg) {
@@ -488,13 +445,21 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
     for (int i = 0; i < DG; ++i) {
       bsum[i] += __shfl_xor_sync(0xffffffffu, bsum[i], 1);
       bsum[i] += __shfl_xor_sync(0xffffffffu, bsum[i], 2);
+      if constexpr (KEEP > 0) {
+        psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 1);
+        psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 2);
+      }
     }
-    float* ep_b = reinterpret_cast<float*>(vc);  // [head][value group]
+    float* ep_b = reinterpret_cast<float*>(vc);  // [head][value group]: bias term
+    float* ep_p = ep_b + GQA * DG;               // [head][value group]: 1024 * sum p s_v
     if (q4 == 0 && g < GQA) {
       ep_m[warp * GQA + g] = m_run;
       ep_l[warp * GQA + g] = l_run;
 #pragma unroll
-      for (int i = 0; i < DG; ++i) ep_b[g * DG + i] = bsum[i];
+      for (int i = 0; i < DG; ++i) {
+        ep_b[g * DG + i] = bsum[i];
+        ep_p[g * DG + i] = 1024.f * psum[i];
+      }
     }
     __syncwarp();
 #pragma unroll
@@ -510,9 +475,121 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
           const int c = PACK * (8 * hh + g) + code;
           if (col < GQA && (TWO_B || col < 4)) {
             const float f = 1.f / (float)(1 << ((code * BITS) % 8));
-            obuf[col * HEAD_DIM + c] = fmaf(v, f, ep_b[col * DG + c / GROUP]);
+            const float off = vqk_keep_v<BITS, KEEP>(code) ? ep_p[col * DG + c / GROUP] : 0.f;
+            obuf[col * HEAD_DIM + c] = fmaf(v - off, f, ep_b[col * DG + c / GROUP]);
           }
         }
+  }
+
+  // ---- tail: the block's chunks of TAIL tokens from t_fast (chunks split - tail0, plus
+  //      multiples of NS - tail0), float32 on the CUDA cores, merged into the warp's
+  //      partial; a warp takes 4 tokens a round, a lane CPL channels of each. Blocks of
+  //      their own (tail0 = the tile blocks) where they fit in the wave beside the tile
+  //      blocks, else the tile blocks' (tail0 = 0)
+  if (split >= tail0 && split - tail0 < ns_tail) {
+    __syncwarp();
+    float qs[GQA][CPL];  // the lane's channels of every head's query
+#pragma unroll
+    for (int r = 0; r < GQA; ++r)
+#pragma unroll
+      for (int x = 0; x < CPL; ++x)
+        qs[r][x] = vqk_to_f(queries[(qrow + r) * HEAD_DIM + lane + 32 * x]) * qscale;
+    float m[GQA], l[GQA], o[GQA][CPL];
+#pragma unroll
+    for (int r = 0; r < GQA; ++r) {
+      m[r] = -vqk_inf();
+      l[r] = 0.f;
+#pragma unroll
+      for (int x = 0; x < CPL; ++x) o[r][x] = 0.f;
+    }
+    constexpr uint32_t MASK = (1u << BITS) - 1u;
+    for (int chunk = split - tail0; chunk < ns_tail; chunk += NS - tail0) {
+      for (int j0 = 0; j0 < TPW; j0 += 4) {
+        const int tw = t_fast + chunk * TAIL + warp * TPW + j0;  // warp-uniform
+        if (tw >= Tn) break;
+        float kx[4][CPL], vx[4][CPL], s[4][GQA];
+        // The round's 4 tokens share their key words, scales and biases (n_kq is a
+        // multiple of the group, tw of 4, and a word holds >= 4 tokens): one load of each
+        // per channel, not per token. Both sources are read (element 0 of the one not
+        // used): no branch, so that the round's loads are in flight together.
+        const bool kq = tw < n_kq;
+        uint32_t kw[CPL];
+        float ks[CPL], kb[CPL];
+#pragma unroll
+        for (int x = 0; x < CPL; ++x) {
+          const size_t krow = (size_t)bh * HEAD_DIM + lane + 32 * x;
+          kw[x] = k_codes[kq ? krow * CKW + tw / PACK : 0];
+          ks[x] = vqk_to_f(k_scales[kq ? krow * CKG + tw / GROUP : 0]);
+          kb[x] = vqk_to_f(k_biases[kq ? krow * CKG + tw / GROUP : 0]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int t = min(tw + j, Tn - 1);  // past the end: a valid token, masked below
+          const bool vq = t < n_vq;
+#pragma unroll
+          for (int x = 0; x < CPL; ++x) {
+            const int c = lane + 32 * x;
+            const size_t vrow_ = (size_t)bh * CV + t;
+            const float kr =
+                vqk_to_f(k_res[kq ? 0 : ((size_t)bh * CKR + (t - n_kq)) * HEAD_DIM + c]);
+            const uint32_t vw = v_codes[vq ? vrow_ * DW + c / PACK : 0];
+            const float vs = vqk_to_f(v_scales[vq ? vrow_ * DG + c / GROUP : 0]);
+            const float vb = vqk_to_f(v_biases[vq ? vrow_ * DG + c / GROUP : 0]);
+            const float vr =
+                vqk_to_f(v_res[vq ? 0 : ((size_t)bh * CVR + (t - n_vq)) * HEAD_DIM + c]);
+            const uint32_t code = (kw[x] >> (((tw + j) % PACK) * BITS)) & MASK;
+            kx[j][x] = kq ? fmaf(ks[x], (float)code, kb[x]) : kr;
+            vx[j][x] = vq ? fmaf(vs, (float)((vw >> ((c % PACK) * BITS)) & MASK), vb) : vr;
+          }
+#pragma unroll
+          for (int r = 0; r < GQA; ++r) {
+            float d = 0.f;
+#pragma unroll
+            for (int x = 0; x < CPL; ++x) d = fmaf(qs[r][x], kx[j][x], d);
+            s[j][r] = d;
+          }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)  // the 4 x GQA sums side by side
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int r = 0; r < GQA; ++r) s[j][r] += __shfl_xor_sync(0xffffffffu, s[j][r], off);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (tw + j >= Tn) break;
+#pragma unroll
+          for (int r = 0; r < GQA; ++r) {
+            const float mn = fmaxf(m[r], s[j][r]);
+            const float a = exp2f(m[r] - mn);
+            const float p = exp2f(s[j][r] - mn);
+            m[r] = mn;
+            l[r] = fmaf(l[r], a, p);
+#pragma unroll
+            for (int x = 0; x < CPL; ++x) o[r][x] = fmaf(o[r][x], a, p * vx[j][x]);
+          }
+        }
+      }
+    }
+    // into the warp's partial (written above by the tiles, empty if it had none)
+#pragma unroll
+    for (int r = 0; r < GQA; ++r) {
+      const float mw = ep_m[warp * GQA + r];
+      const float M = fmaxf(mw, m[r]);
+      if (M > -vqk_inf()) {
+        const float aw = exp2f(mw - M), at = exp2f(m[r] - M);
+#pragma unroll
+        for (int x = 0; x < CPL; ++x) {
+          float* ob = obuf + r * HEAD_DIM + lane + 32 * x;
+          *ob = fmaf(*ob, aw, o[r][x] * at);
+        }
+        __syncwarp();
+        if (lane == 0) {
+          ep_l[warp * GQA + r] = fmaf(ep_l[warp * GQA + r], aw, l[r] * at);
+          ep_m[warp * GQA + r] = M;
+        }
+      }
+    }
   }
 
   // ---- merge the block's warps into one partial

@@ -1,0 +1,250 @@
+"""A/B of the frag kernel's build options on one GPU, in one process.
+
+The timing noise of the H200 between runs (the same configuration at 164 and 198 us in
+one run of fused_attention.py) hides 5-15% effects, so the variants are checked and
+then timed in interleaved rounds (every variant once per round, the median over rounds
+reported next to the baseline's of the same rounds). Even so, runs disagreed; the
+figures this session relied on come from Nsight Compute, whose clocks are locked:
+``--profile`` runs each variant a few times for it to attach to, and ``--ncu-csv``
+tabulates its CSV (same ``--variants``, ``--shapes`` and ``--calls``). ``--overheads``
+times the whole call against its main kernel alone and MLX's one-kernel floor:
+
+    python3 benchmarks/frag_variants.py --check --rounds 7 --overheads
+    ncu --kernel-name regex:frag --csv --metrics gpu__time_duration.sum,\\
+        sm__cycles_active.avg,sm__cycles_elapsed.avg,smsp__inst_executed.sum \\
+        python3 benchmarks/frag_variants.py --profile --calls 3 > ncu.csv
+    python3 benchmarks/frag_variants.py --ncu-csv ncu.csv --calls 3
+
+A variant is ``keep,min_blocks,target`` (KEEP of the frag kernel, its launch-bound
+blocks per SM, its split target); ``--variants`` takes them separated by
+spaces, the first being the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fused_attention as fa  # noqa: E402  (loads the kernels module on its own)
+import mlx.core as mx  # noqa: E402
+
+kd = fa.kd
+DEFAULT_VARIANTS = "1,6,792 0,6,792 3,6,792 1,5,660"
+CHECK_CASES = [  # bits, group, gqa, n_kq (a multiple of the group), n_kres, n_vres
+    (4, 64, 4, 4992, 37, 131), (4, 32, 8, 2976, 64, 128), (4, 128, 1, 4096, 1, 300),
+    (8, 64, 4, 2944, 17, 128), (8, 128, 3, 1920, 64, 64), (2, 32, 4, 2048, 5, 33),
+    (2, 64, 8, 2944, 64, 128),
+]
+
+
+def parse(v: str):
+    try:
+        keep, mb, target = (int(x) for x in v.split(","))
+    except ValueError:
+        raise SystemExit(f"--variants: {v!r} is not keep,min_blocks,target (three integers)")
+    if keep not in (0, 1, 2, 3) or mb < 1 or target < 1:
+        raise SystemExit(f"--variants: {v!r}: keep must be 0-3, min_blocks and target >= 1")
+    return keep, mb, target
+
+
+def label(v) -> str:
+    keep, mb, target = v
+    return f"keep {keep}, {mb} blocks/SM, target {target}"
+
+
+def apply(v):
+    kd.FRAG_KEEP_OFFSET, kd.FRAG_MIN_BLOCKS, target = v
+    return target
+
+
+def check(variants) -> bool:
+    """Every case for the first variant and those with another KEEP (the arithmetic), the
+    first two for those that only change the schedule (launch bounds, split target)."""
+    ok_all = True
+    for n, (bits, G, R, n_kq, n_kres, n_vres) in enumerate(CHECK_CASES):
+        B, H, D = 2, 2, 128
+        K, V = fa.random_kv(B, H, n_kq + n_kres, D, mx.float16)
+        cache = fa.make_cache(K, V, n_kres, n_vres, bits, G)
+        q = mx.random.normal((B, H * R, 1, D)).astype(mx.float16)
+        kw = dict(scale=D ** -0.5, bits=bits, group_size=G)
+        ref = kd.kivi_decode_attention_reference(q.astype(mx.float32), *cache, **kw)
+        mx.eval(ref)
+        errs = []
+        for v in variants:
+            if n >= 2 and v[0] == variants[0][0] and v != variants[0]:
+                errs.append("   -   ")
+                continue
+            target = apply(v)
+            out = kd.kivi_decode_attention_cuda(q, *cache, **kw, algo="frag", target_blocks=target,
+                                                out_dtype=mx.float32, poison=True)
+            mx.eval(out)
+            e = fa.rel_err(out, ref)
+            ok = bool(mx.all(mx.isfinite(out)).item()) and e < 1e-3
+            ok_all &= ok
+            errs.append(f"{e:.1e}{'' if ok else ' FAIL'}")
+        fa.log(f"  bits {bits} G {G:3d} gqa {R} n_kq {n_kq}: " + "  ".join(errs))
+    return ok_all
+
+
+def shapes_data(B, T, bits=4, G=64, H=8, R=4, D=128):
+    n_kres, n_vres = 64, 128
+    nbytes = kd.packed_bytes_read(B, H, H * R, D, T - n_kres, n_kres, T - n_vres, n_vres,
+                                  bits, G)
+    sets = []
+    for _ in range(fa.n_sets_for(nbytes)):
+        K, V = fa.random_kv(B, H, T, D, mx.float16)
+        c = fa.make_cache(K, V, n_kres, n_vres, bits, G, spare=False)
+        q = mx.random.normal((B, H * R, 1, D)).astype(mx.float16)
+        mx.eval(q, *[a for a in c if isinstance(a, mx.array)])
+        sets.append((q, c))
+    return sets, nbytes, dict(scale=D ** -0.5, bits=bits, group_size=G)
+
+
+def main_kernel_only(q, cache, kw, target):
+    """The frag kernel's launch of kd._launch without the merge kernel (lazy)."""
+    kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = cache
+    B, Hq, _, D = q.shape
+    H = kc.shape[1]
+    bits, G = kw["bits"], kw["group_size"]
+    t_fast, ns_tail, ns, tps, tail0 = kd._frag_plan(n_kq, n_vq, n_kq + n_kres, B * H, bits,
+                                                    target)
+    params = kd._params(n_kq, n_kres, n_vq, n_vres, kw["scale"], tps, t_fast, ns_tail,
+                        tail0)
+    template = [("T", q.dtype), ("BITS", bits), ("GROUP", G), ("HEAD_DIM", D),
+                ("GQA", Hq // H), ("NT", kd.FRAG_NT), ("KVEC", 4 if kc.shape[3] % 4 == 0 else 1),
+                ("KEEP", kd.FRAG_KEEP_OFFSET)]
+    main, _ = kd._get_kernels("cuda", "frag")
+    return main(inputs=[q, kc, ks, kb, kr, vc, vs, vb, vr, params], template=template,
+                grid=(ns * kd.FRAG_NT, B * H, 1), threadgroup=(kd.FRAG_NT, 1, 1),
+                output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
+                output_dtypes=[mx.float32, mx.float32])[0]
+
+
+def overheads(shapes, reps=5):
+    """The whole call against its main kernel alone and MLX's floor for a one-kernel op."""
+    fa.log("\nwhere a call's time goes (first variant; medians of %d)" % reps)
+    for B, T, bits in shapes:
+        sets, _, kw = shapes_data(B, T, bits)
+        target = kd.FRAG_TARGET_BLOCKS
+        full, main = [], []
+        for _ in range(reps):
+            full.append(fa.time_batches(lambda i: kd.kivi_decode_attention_cuda(
+                sets[i][0], *sets[i][1], **kw, algo="frag"), len(sets), reps=3)[0])
+            main.append(fa.time_batches(lambda i: main_kernel_only(
+                sets[i][0], sets[i][1], kw, target), len(sets), reps=3)[0])
+        floor = fa.call_floor()
+        fa.log(f"  {bits}-bit B={B} T={T}: whole call {statistics.median(full) * 1e6:.1f} us, "
+               f"main kernel alone {statistics.median(main) * 1e6:.1f} us, one-kernel floor "
+               f"{floor * 1e6:.1f} us")
+        del sets
+
+
+def time_rounds(variants, shapes, rounds):
+    for B, T, bits in shapes:
+        sets, nbytes, kw = shapes_data(B, T, bits)
+        times = {v: [] for v in variants}
+        for r in range(rounds):
+            for v in variants:
+                target = apply(v)
+                s, _ = fa.time_batches(lambda i: kd.kivi_decode_attention_cuda(
+                    sets[i][0], *sets[i][1], **kw, algo="frag", target_blocks=target),
+                    len(sets), reps=3)
+                times[v].append(s)
+        base = statistics.median(times[variants[0]])
+        fa.log(f"\n{bits}-bit B={B} T={T}: median / min of {rounds} interleaved rounds")
+        fa.log("| variant | median (us) | min (us) | GB/s | vs first |")
+        fa.log("|---|---:|---:|---:|---:|")
+        for v in variants:
+            med = statistics.median(times[v])
+            fa.log(f"| {label(v)} | {med * 1e6:.1f} | {min(times[v]) * 1e6:.1f} | "
+                   f"{nbytes / med / 1e9:.0f} | {base / med:.3f}x |")
+        del sets
+
+
+def profile(variants, shapes, calls):
+    for B, T, bits in shapes:
+        sets, _, kw = shapes_data(B, T, bits)
+        for v in variants:
+            target = apply(v)
+            for _ in range(calls):
+                mx.eval(kd.kivi_decode_attention_cuda(sets[0][0], *sets[0][1], **kw,
+                                                      algo="frag", target_blocks=target))
+            mx.synchronize()
+            fa.log(f"profiled: {bits}-bit B={B} T={T} {label(v)} x {calls}")
+        del sets
+
+
+def ncu_summary(path, variants, shapes, calls):
+    """Median gpu__time_duration (and SM-active share, instructions) per variant and shape
+    from the CSV of an ``ncu --csv ... --profile`` run of this script."""
+    import csv
+    rows = [r for r in csv.reader(open(path)) if r]
+    hdr = next(r for r in rows if r[0] == "ID")
+    by_id = {}
+    for r in rows:
+        if len(r) == len(hdr) and r[0] != "ID":
+            d = dict(zip(hdr, r))
+            by_id.setdefault(int(d["ID"]), {})[d["Metric Name"]] = float(
+                d["Metric Value"].replace(",", ""))
+    ids = sorted(by_id)
+    n = 0
+    for B, T, bits in shapes:
+        fa.log(f"\n{bits}-bit B={B} T={T} (ncu, clocks locked)")
+        fa.log("| variant | kernel (us) | SMs active | M warp-instr. | vs first |")
+        fa.log("|---|---:|---:|---:|---:|")
+        base = None
+        for v in variants:
+            ms = [by_id[i] for i in ids[n:n + calls]]
+            n += calls
+            t = statistics.median(m["gpu__time_duration.sum"] for m in ms) / 1e3
+            act = statistics.median(m.get("sm__cycles_active.avg", 0) / m.get(
+                "sm__cycles_elapsed.avg", 1) for m in ms)
+            ins = statistics.median(m.get("smsp__inst_executed.sum", 0) for m in ms) / 1e6
+            base = base or t
+            fa.log(f"| {label(v)} | {t:.1f} | {act:.0%} | {ins:.1f} | {base / t:.3f}x |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--shapes", default="1,32768,4 8,32768,4",
+                    help="batch,context,bits triples separated by spaces")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--overheads", action="store_true")
+    ap.add_argument("--ncu-csv", default=None, help="summarize this ncu CSV of --profile")
+    args = ap.parse_args()
+    variants = [parse(v) for v in args.variants.split()]
+    try:
+        shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split()]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(sh) != 3 or sh[2] not in (2, 4, 8) for sh in shapes):
+        raise SystemExit(f"--shapes: {args.shapes!r} is not batch,context,bits triples "
+                         "(bits 2, 4 or 8) separated by spaces")
+    if args.ncu_csv:
+        ncu_summary(args.ncu_csv, variants, shapes, args.calls)
+        return
+    mx.set_default_device(mx.gpu)
+    if args.profile:
+        profile(variants, shapes, args.calls)
+        return
+    if args.check:
+        fa.log("check, float32-output relative error per variant (bound 1e-3):")
+        fa.log("  variants: " + " | ".join(label(v) for v in variants))
+        if not check(variants):
+            fa.log("check FAILED")
+    if args.rounds:
+        time_rounds(variants, shapes, args.rounds)
+    if args.overheads:
+        apply(variants[0])
+        overheads(shapes)
+
+
+if __name__ == "__main__":
+    main()
