@@ -354,7 +354,7 @@ def _folded_supports(head_dim, gqa, bits, group_size, dtype, chunk) -> bool:
 #: per chunk, the blocks the split plan fills (792 = one wave of 6 blocks on the H200's
 #: 132 SMs), which codes keep their float16 offset of 1024 into the products (KEEP of
 #: kivi_decode_cuda_frag_src.py; 1: the codes 4+ bits up their byte, worst error 2.4e-5
-#: on the H200; 3, every code, cut 10% of the instructions and up to 7% of the time under
+#: on the H200, time within 3% of exact codes; 3, every code, cut 10% of the instructions and up to 7% of the time under
 #: ncu, but its error grows with the tiles a warp sums: 1.05e-3 at 64 a warp, over the
 #: bound)
 FRAG_NT = 64
