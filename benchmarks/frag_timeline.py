@@ -60,13 +60,9 @@ def run(kernel, q, cache, bits, G, target, calls=10):
     kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = cache
     B, Hq, _, D = q.shape
     H = kc.shape[1]
-    T = n_kq + n_kres
-    t_fast, ns_tail, ns, tps, tail0 = kd._frag_plan(n_kq, n_vq, T, B * H, bits, target)
-    params = kd._params(n_kq, n_kres, n_vq, n_vres, D ** -0.5, tps, t_fast, ns_tail,
-                        tail0)
-    template = [("T", mx.float16), ("BITS", bits), ("GROUP", G), ("HEAD_DIM", D),
-                ("GQA", Hq // H), ("NT", kd.FRAG_NT), ("KVEC", 4),
-                ("KEEP", kd.FRAG_KEEP_OFFSET)]
+    ns, params, template, tail0, ns_tail = kd._frag_launch_args(
+        q.dtype, D, Hq // H, bits, G, kc.shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
+        D ** -0.5, target)
     # only the last call's stamps are read: MLX's CUDA memory is managed, and a buffer the
     # CPU has read faults back to the GPU when a later call reuses it (blocks that wrote
     # there ran ~5x longer)

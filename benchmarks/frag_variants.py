@@ -89,17 +89,8 @@ def check(variants) -> bool:
     return ok_all
 
 
-def shapes_data(B, T, bits=4, G=64, H=8, R=4, D=128):
-    n_kres, n_vres = 64, 128
-    nbytes = kd.packed_bytes_read(B, H, H * R, D, T - n_kres, n_kres, T - n_vres, n_vres,
-                                  bits, G)
-    sets = []
-    for _ in range(fa.n_sets_for(nbytes)):
-        K, V = fa.random_kv(B, H, T, D, mx.float16)
-        c = fa.make_cache(K, V, n_kres, n_vres, bits, G, spare=False)
-        q = mx.random.normal((B, H * R, 1, D)).astype(mx.float16)
-        mx.eval(q, *[a for a in c if isinstance(a, mx.array)])
-        sets.append((q, c))
+def shapes_data(B, T, bits=4, G=64, D=128):
+    sets, nbytes = fa.timing_sets(B, T, bits, G, D=D)
     return sets, nbytes, dict(scale=D ** -0.5, bits=bits, group_size=G)
 
 
@@ -108,14 +99,9 @@ def main_kernel_only(q, cache, kw, target):
     kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = cache
     B, Hq, _, D = q.shape
     H = kc.shape[1]
-    bits, G = kw["bits"], kw["group_size"]
-    t_fast, ns_tail, ns, tps, tail0 = kd._frag_plan(n_kq, n_vq, n_kq + n_kres, B * H, bits,
-                                                    target)
-    params = kd._params(n_kq, n_kres, n_vq, n_vres, kw["scale"], tps, t_fast, ns_tail,
-                        tail0)
-    template = [("T", q.dtype), ("BITS", bits), ("GROUP", G), ("HEAD_DIM", D),
-                ("GQA", Hq // H), ("NT", kd.FRAG_NT), ("KVEC", 4 if kc.shape[3] % 4 == 0 else 1),
-                ("KEEP", kd.FRAG_KEEP_OFFSET)]
+    ns, params, template, _, _ = kd._frag_launch_args(
+        q.dtype, D, Hq // H, kw["bits"], kw["group_size"], kc.shape[3], n_kq, n_kres, n_vq,
+        n_vres, B * H, kw["scale"], target)
     main, _ = kd._get_kernels("cuda", "frag")
     return main(inputs=[q, kc, ks, kb, kr, vc, vs, vb, vr, params], template=template,
                 grid=(ns * kd.FRAG_NT, B * H, 1), threadgroup=(kd.FRAG_NT, 1, 1),

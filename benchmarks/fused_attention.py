@@ -264,6 +264,22 @@ def n_sets_for(bytes_per_set):
     return int(min(32, max(2, math.ceil(4 * L2_BYTES / bytes_per_set))))
 
 
+def timing_sets(B, T, bits, G, H=8, R=4, D=128, n_kres=64, n_vres=128):
+    """Input sets (queries, KIVI buffers) of one shape for time_batches, enough of them to
+    stay out of L2, and the bytes a call must read."""
+    nbytes = kd.packed_bytes_read(B, H, H * R, D, T - n_kres, n_kres, T - n_vres, n_vres,
+                                  bits, G)
+    sets = []
+    for _ in range(n_sets_for(nbytes)):
+        K, V = random_kv(B, H, T, D, mx.float16)
+        c = make_cache(K, V, n_kres, n_vres, bits, G, spare=False)
+        q = mx.random.normal((B, H * R, 1, D)).astype(mx.float16)
+        mx.eval(q, *[a for a in c if isinstance(a, mx.array)])
+        sets.append((q, c))
+        del K, V
+    return sets, nbytes
+
+
 def sweep(shapes=((1, 32768), (8, 32768))):
     log("\n== sweep: kernel variants, 4-bit, group 64, 32 q-heads / 8 kv-heads, d=128 ==")
     D, H, R, G, bits = 128, 8, 4, 64, 4
@@ -280,18 +296,8 @@ def sweep(shapes=((1, 32768), (8, 32768))):
     ]
     rows = []
     for B, T in shapes:
-        n_kres, n_vres = 64, 128
-        bytes_set = kd.packed_bytes_read(B, H, H * R, D, T - n_kres, n_kres, T - n_vres,
-                                         n_vres, bits, G)
-        ns = n_sets_for(bytes_set)
-        sets = []
-        for _ in range(ns):
-            K, V = random_kv(B, H, T, D, mx.float16)
-            c = make_cache(K, V, n_kres, n_vres, bits, G, spare=False)
-            q = mx.random.normal((B, H * R, 1, D)).astype(mx.float16)
-            mx.eval(q, *[a for a in c if isinstance(a, mx.array)])
-            sets.append((q, c))
-            del K, V
+        sets, bytes_set = timing_sets(B, T, bits, G, H, R, D)
+        ns = len(sets)
         for algo, variant, chunk, target in variants:
             if algo not in SWEEP_ALGOS:
                 continue

@@ -538,9 +538,10 @@ def _emulate_cuda(args, *, scale, bits, group_size, chunk, target, variant, work
     nt = kd._NT
     if algo == "frag":
         nt = kd.FRAG_NT
-        t_fast, ns_tail, ns, cpb, tail0 = kd._frag_plan(n_kq, n_vq, n_kq + n_kres, B * H,
-                                                        bits, target)
-        params = kd._params(n_kq, n_kres, n_vq, n_vres, scale, cpb, t_fast, ns_tail, tail0)
+        ns, params, frag_template, _, _ = kd._frag_launch_args(
+            None, D, Hq // H, bits, group_size, kc.shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
+            scale, target, keep=keep)
+        cpb = int(params[5].item())
     else:
         ns, cpb = kd._plan(n_kq + n_kres, B * H, chunk, target)
         params = kd._params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
@@ -550,9 +551,7 @@ def _emulate_cuda(args, *, scale, bits, group_size, chunk, target, variant, work
            ("v_scales", dt, vs), ("v_biases", dt, vb), ("v_res", dt, vr),
            ("params", "int32", params)]
     if algo == "frag":
-        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
-                    ("GQA", Hq // H), ("NT", nt), ("KVEC", 4 if kc.shape[3] % 4 == 0 else 1),
-                    ("KEEP", keep)]
+        template = [(k, dt if k == "T" else v) for k, v in frag_template]
     elif algo == "folded":
         template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
                     ("GQA", Hq // H), ("CHUNK", chunk), ("NT", kd._NT),

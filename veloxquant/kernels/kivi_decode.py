@@ -407,6 +407,21 @@ def _frag_plan(n_kq, n_vq, T, BH, bits, target_blocks):
     return t_fast, ns_tail, ns, tps, 0
 
 
+def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n_kres, n_vq,
+                      n_vres, BH, scale, target_blocks, keep=None):
+    """What a launch of the frag kernel takes besides its buffers: (blocks per kv head,
+    params, template, first block with tail chunks, tail chunks). ``key_words``: the
+    capacity of a key code row (16-byte copies where it is a multiple of 4); ``keep``:
+    KEEP (default FRAG_KEEP_OFFSET)."""
+    t_fast, ns_tail, ns, tps, tail0 = _frag_plan(n_kq, n_vq, n_kq + n_kres, BH, bits,
+                                                 target_blocks)
+    params = _params(n_kq, n_kres, n_vq, n_vres, scale, tps, t_fast, ns_tail, tail0)
+    template = [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
+                ("GQA", gqa), ("NT", FRAG_NT), ("KVEC", 4 if key_words % 4 == 0 else 1),
+                ("KEEP", int(FRAG_KEEP_OFFSET if keep is None else keep))]
+    return ns, params, template, tail0, ns_tail
+
+
 def _default_chunk(algo: str, bits: int) -> int:
     if algo == "folded":  # 16 packed words per key channel row and chunk at 4 and 8 bits
         return 64 if bits == 8 else 128
@@ -530,12 +545,9 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
         if _mode:
             raise ValueError("the frag kernel has no stage-skipping modes")
         nt = FRAG_NT
-        t_fast, ns_tail, ns, tps, tail0 = _frag_plan(n_kq, n_vq, T, B * H, bits,
-                                                     target_blocks)
-        params = _params(n_kq, n_kres, n_vq, n_vres, scale, tps, t_fast, ns_tail, tail0)
-        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
-                    ("GQA", R), ("NT", nt), ("KVEC", 4 if k_codes.shape[3] % 4 == 0 else 1),
-                    ("KEEP", int(FRAG_KEEP_OFFSET))]
+        ns, params, template, _, _ = _frag_launch_args(
+            dt, D, R, bits, group_size, k_codes.shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
+            scale, target_blocks)
     else:
         ns, cpb = _plan(T, B * H, chunk, target_blocks)
         params = _params(n_kq, n_kres, n_vq, n_vres, scale, cpb)

@@ -124,6 +124,10 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
   constexpr int TAIL = TPW * NW;                 // tail tokens per chunk
   constexpr int CPL = HEAD_DIM / 32;             // tail: channels per lane
   constexpr bool TWO_B = GQA > 4;                // values: hi and lo B in two products
+  // whether any key / value code keeps its 1024 (a word's top code is the first to): the
+  // float32 offset sums only then (none at 8 bits with KEEP 1)
+  constexpr bool KEEP_K = vqk_keep_k<BITS, KEEP>(PACK - 1);
+  constexpr bool KEEP_V = vqk_keep_v<BITS, KEEP>(PACK - 1);
   static_assert(NT % 32 == 0 && GQA <= 8 && HEAD_DIM % 32 == 0, "shape");
   static_assert(HEAD_DIM % (8 * PACK) == 0 && NKS >= 1 && NVS >= 1, "tiling");
   static_assert((NKS * 32) % KGT == 0 && (NVS * 32) % DG == 0, "scales");
@@ -296,7 +300,7 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
           vqk_split2(x8, x9, a[gi][2], a[gi][3]);
           // q . s_k for the codes that keep their 1024 (the float16 parts the mma sees
           // differ from it by ~2^-22 of it: far below what the offset costs)
-          if constexpr (KEEP > 0) qsum[gi] += (x0 + x1) + (x8 + x9);
+          if constexpr (KEEP_K) qsum[gi] += (x0 + x1) + (x8 + x9);
         }
 #pragma unroll
         for (int i = 0; i < PACK; ++i) {
@@ -320,7 +324,7 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
         float x = beta[gi], y = qsum[gi];
         x += __shfl_xor_sync(0xffffffffu, x, 1);
         x += __shfl_xor_sync(0xffffffffu, x, 2);
-        if constexpr (KEEP > 0) {
+        if constexpr (KEEP_K) {
           y += __shfl_xor_sync(0xffffffffu, y, 1);
           y += __shfl_xor_sync(0xffffffffu, y, 2);
         }
@@ -359,7 +363,7 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
 #pragma unroll
       for (int i = 0; i < DG; ++i) {
         bsum[i] *= alpha;
-        if constexpr (KEEP > 0) psum[i] *= alpha;
+        if constexpr (KEEP_V) psum[i] *= alpha;
       }
       const float a0 = __shfl_sync(0xffffffffu, alpha, 4 * ch0);
       const float a1 = __shfl_sync(0xffffffffu, alpha, 4 * ch1);
@@ -396,7 +400,7 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
           const float4 sbb = *reinterpret_cast<const float4*>(vsw + gv * TTP + tB + 2 * q4);
           bsum[gv] = fmaf(pA, sa.y, fmaf(pC, sa.w, fmaf(pB, sbb.y, fmaf(pD, sbb.w, bsum[gv]))));
           const float xA = pA * sa.x, xB = pB * sbb.x, xC = pC * sa.z, xD = pD * sbb.z;
-          if constexpr (KEEP > 0) psum[gv] += (xA + xB) + (xC + xD);
+          if constexpr (KEEP_V) psum[gv] += (xA + xB) + (xC + xD);
           vqk_split2(xA, xB, bhi[gv][0], blo[gv][0]);
           vqk_split2(xC, xD, bhi[gv][1], blo[gv][1]);
           if constexpr (!TWO_B) {  // columns 0-3: float16 values, 4-7: residuals
@@ -446,7 +450,7 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
     for (int i = 0; i < DG; ++i) {
       bsum[i] += __shfl_xor_sync(0xffffffffu, bsum[i], 1);
       bsum[i] += __shfl_xor_sync(0xffffffffu, bsum[i], 2);
-      if constexpr (KEEP > 0) {
+      if constexpr (KEEP_V) {
         psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 1);
         psum[i] += __shfl_xor_sync(0xffffffffu, psum[i], 2);
       }
