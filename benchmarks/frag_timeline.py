@@ -131,7 +131,8 @@ def main():
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
     ap.add_argument("--residual", default="64,128", help="key,value residual tokens")
-    ap.add_argument("--target", type=int, nargs="+", default=[kd.FRAG_TARGET_BLOCKS])
+    ap.add_argument("--target", type=int, nargs="+", default=None,
+                    help="split targets (default: the dispatcher's for the batch)")
     ap.add_argument("--keep", type=int, default=kd.FRAG_KEEP_OFFSET, choices=(0, 1, 2, 3))
     args = ap.parse_args()
     H, R, D, G = 8, 4, 128, 64
@@ -152,7 +153,7 @@ def main():
         q = mx.random.normal((B, H * R, 1, D)).astype(mx.float16)
         mx.eval(q, *[a for a in cache if isinstance(a, mx.array)])
         del K, V
-        for target in args.target:
+        for target in args.target or [kd.frag_target_blocks(B * H)]:
             st, tails = run(kernel, q, cache, args.bits, G, target)
             fa.log(f"\n{args.bits}-bit B={B} T={args.context} residual {n_kres},{n_vres} "
                    f"target {target} keep {args.keep}: grid {st.shape[1]} x {st.shape[0]}")

@@ -10,6 +10,7 @@ tabulates its CSV (same ``--variants``, ``--shapes`` and ``--calls``). ``--overh
 times the whole call against its main kernel alone and MLX's one-kernel floor:
 
     python3 benchmarks/frag_variants.py --check --rounds 7 --overheads
+    python3 benchmarks/frag_variants.py --rounds 5 --chained
     ncu --kernel-name regex:frag --csv --metrics gpu__time_duration.sum,\\
         sm__cycles_active.avg,sm__cycles_elapsed.avg,smsp__inst_executed.sum \\
         python3 benchmarks/frag_variants.py --profile --calls 3 > ncu.csv
@@ -114,7 +115,7 @@ def overheads(shapes, reps=5):
     fa.log("\nwhere a call's time goes (first variant; medians of %d)" % reps)
     for B, T, bits in shapes:
         sets, _, kw = shapes_data(B, T, bits)
-        target = kd.FRAG_TARGET_BLOCKS
+        target = kd.frag_target_blocks(B * 8)  # timing_sets: 8 kv heads
         full, main = [], []
         for _ in range(reps):
             full.append(fa.time_batches(lambda i: kd.kivi_decode_attention_cuda(
@@ -128,19 +129,25 @@ def overheads(shapes, reps=5):
         del sets
 
 
-def time_rounds(variants, shapes, rounds):
+def time_rounds(variants, shapes, rounds, chained=False):
     for B, T, bits in shapes:
         sets, nbytes, kw = shapes_data(B, T, bits)
         times = {v: [] for v in variants}
         for r in range(rounds):
             for v in variants:
                 target = apply(v)
-                s, _ = fa.time_batches(lambda i: kd.kivi_decode_attention_cuda(
-                    sets[i][0], *sets[i][1], **kw, algo="frag", target_blocks=target),
-                    len(sets), reps=3)
+                if chained:
+                    s, _ = fa.time_chain(lambda q, i: kd.kivi_decode_attention_cuda(
+                        q, *sets[i][1], **kw, algo="frag", target_blocks=target),
+                        len(sets), sets[0][0], reps=3)
+                else:
+                    s, _ = fa.time_batches(lambda i: kd.kivi_decode_attention_cuda(
+                        sets[i][0], *sets[i][1], **kw, algo="frag", target_blocks=target),
+                        len(sets), reps=3)
                 times[v].append(s)
         base = statistics.median(times[variants[0]])
-        fa.log(f"\n{bits}-bit B={B} T={T}: median / min of {rounds} interleaved rounds")
+        fa.log(f"\n{bits}-bit B={B} T={T}: median / min of {rounds} interleaved rounds"
+               + (", chained calls" if chained else ""))
         fa.log("| variant | median (us) | min (us) | GB/s | vs first |")
         fa.log("|---|---:|---:|---:|---:|")
         for v in variants:
@@ -203,6 +210,8 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--calls", type=int, default=2)
     ap.add_argument("--overheads", action="store_true")
+    ap.add_argument("--chained", action="store_true",
+                    help="time chains (each call's queries the previous output) in --rounds")
     ap.add_argument("--ncu-csv", default=None, help="summarize this ncu CSV of --profile")
     args = ap.parse_args()
     variants = [parse(v) for v in args.variants.split()]
@@ -226,7 +235,7 @@ def main():
         if not check(variants):
             fa.log("check FAILED")
     if args.rounds:
-        time_rounds(variants, shapes, args.rounds)
+        time_rounds(variants, shapes, args.rounds, args.chained)
     if args.overheads:
         apply(variants[0])
         overheads(shapes)

@@ -245,6 +245,39 @@ def time_batches(make, n_sets, min_batch_s=3e-3, reps=7):
     return statistics.median(times), (max(times) - min(times)) / statistics.median(times)
 
 
+def time_chain(step, n_sets, q0, min_batch_s=2e-2, reps=7):
+    """Median seconds per call when each call's queries are the previous call's output, as
+    in decoding (a layer's attention waits for the layer before): no two calls overlap on
+    the GPU, where the independent calls of time_batches may (MLX puts up to 100 ops in
+    one CUDA graph, and only data dependencies order its nodes). step(q, i) builds one
+    lazy call on input set i; its output has the queries' shape and dtype. Chains of >= 20
+    ms: MLX commits its CUDA graphs every ~1 GB of inputs, and short chains moved by
+    +-25% between rounds."""
+    def chain(n):
+        q = q0
+        for i in range(n):
+            q = step(q, i % n_sets)
+        return q
+
+    mx.eval(chain(n_sets))  # warm-up
+    mx.synchronize()
+    t = time.perf_counter()
+    mx.eval(chain(n_sets))
+    mx.synchronize()
+    est = max((time.perf_counter() - t) / n_sets, 1e-6)
+    n = int(min(4000, max(n_sets, math.ceil(min_batch_s / est))))
+    times = []
+    for _ in range(reps):
+        out = chain(n)
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(out)
+        mx.synchronize()
+        times.append((time.perf_counter() - t) / n)
+        del out
+    return statistics.median(times), (max(times) - min(times)) / statistics.median(times)
+
+
 def copy_bandwidth():
     x = mx.random.uniform(shape=(2**28,))  # 1 GiB float32
     mx.eval(x)
@@ -356,8 +389,15 @@ def table(quick: bool, contexts=(4096, 32768, 131072), batches=(1, 8)):
             except Exception as exc:
                 log(f"  ERROR sdpa B={B} T={T}: {exc}")
                 t_sdpa = float("nan")
+            try:
+                t_sdpa_c, _ = time_chain(
+                    lambda q, i: mx.fast.scaled_dot_product_attention(
+                        q, raw[i][1], raw[i][2], scale=D ** -0.5), ns_f, raw[0][0])
+            except Exception as exc:
+                log(f"  ERROR sdpa chained B={B} T={T}: {exc}")
+                t_sdpa_c = float("nan")
             log(f"  fp16 SDPA B={B} T={T:6d}: {t_sdpa * 1e6:8.1f} us "
-                f"({kvb / t_sdpa / 1e9:.0f} GB/s on fp16 K+V)")
+                f"({kvb / t_sdpa / 1e9:.0f} GB/s on fp16 K+V); chained {t_sdpa_c * 1e6:.1f} us")
             for bits in (2, 4, 8):
                 n_kq, n_vq = T - n_kres, T - n_vres
                 pb = kd.packed_bytes_read(B, H, H * R, D, n_kq, n_kres, n_vq, n_vres, bits, G)
@@ -382,8 +422,16 @@ def table(quick: bool, contexts=(4096, 32768, 131072), batches=(1, 8)):
                     except Exception as exc:
                         log(f"  ERROR {algo} kernel bits={bits} B={B} T={T}: {exc}")
                         t_a, spread = float("nan"), float("nan")
-                    times[algo] = (t_a, spread)
-                t_k, spread = times[default]
+                    try:
+                        t_c, _ = time_chain(
+                            lambda q, i: kd.kivi_decode_attention_cuda(
+                                q, *sets[i][1], scale=D ** -0.5, bits=bits, group_size=G,
+                                algo=algo), ns, sets[0][0])
+                    except Exception as exc:
+                        log(f"  ERROR {algo} chained bits={bits} B={B} T={T}: {exc}")
+                        t_c = float("nan")
+                    times[algo] = (t_a, spread, t_c)
+                t_k, spread, t_kc = times[default]
                 others = [a for a in times if a != default]
                 extra = ""
                 if bits == 4 and T == 32768 and B == 1:
@@ -396,12 +444,14 @@ def table(quick: bool, contexts=(4096, 32768, 131072), batches=(1, 8)):
                     except Exception as exc:
                         extra = f"; quantized_matmul path failed: {exc}"
                 gbs = pb / t_k / 1e9
-                otxt = ", ".join(f"{a} {times[a][0] * 1e6:.1f}" for a in others)
-                rows.append((bits, T, B, default, t_k, otxt, pb, gbs, t_sdpa))
+                otxt = ", ".join(f"{a} {times[a][0] * 1e6:.1f} / {times[a][2] * 1e6:.1f} chained"
+                                 for a in others)
+                rows.append((bits, T, B, default, t_k, otxt, pb, gbs, t_sdpa, t_kc, t_sdpa_c))
                 log(f"  bits={bits} B={B} T={T:6d}: fused {default} {t_k * 1e6:8.1f} us  "
                     f"{pb / 1e6:8.1f} MB  {gbs:7.0f} GB/s  ({gbs / 1e3 / ROOFLINE_TBS:.0%} of "
                     f"{ROOFLINE_TBS} TB/s)  SDPA/fused {t_sdpa / t_k:5.2f}x  "
-                    f"(spread {spread:.0%}); others (us): {otxt}{extra}")
+                    f"(spread {spread:.0%}); chained {t_kc * 1e6:.1f} us, SDPA/fused "
+                    f"{t_sdpa_c / t_kc:5.2f}x; others (us): {otxt}{extra}")
                 del sets
             del raw
     return rows
@@ -419,14 +469,24 @@ def render(n_ok, n_fail, worst, bw, sw, rows):
         for B, T, v, ch, tg, s, g in sw:
             md.append(f"| {B} | {T} | {v} | {ch} | {tg} | {s * 1e6:.1f} | {g:.0f} |")
         md.append("")
-    md.append("| bits | context | batch | fused (us) | kernel | packed MB read | GB/s | "
-              "% of 4.3 TB/s | fp16 SDPA (us) | SDPA / fused | other kernels (us) |")
-    md.append("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
-    for bits, T, B, dal, t_k, otxt, pb, gbs, t_s in sorted(
+    md.append("Independent calls (time_batches: MLX may run them concurrently on the GPU) "
+              "and chained calls (time_chain: each call's queries are the previous call's "
+              "output, as in decoding). GB/s: packed bytes read a call / time; % of the "
+              f"{ROOFLINE_TBS} TB/s roofline in brackets.\n")
+    md.append("| bits | context | batch | kernel | packed MB | fused (us) | GB/s | fp16 SDPA (us) "
+              "| SDPA / fused | fused, chained (us) | GB/s, chained | SDPA, chained (us) | "
+              "SDPA / fused, chained | other kernels (us) |")
+    md.append("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+
+    def gb(t, pb):
+        g = pb / t / 1e9
+        return f"{g:.0f} ({g / 1e3 / ROOFLINE_TBS:.0%})"
+
+    for bits, T, B, dal, t_k, otxt, pb, gbs, t_s, t_kc, t_sc in sorted(
             rows, key=lambda r: (r[0], r[2], r[1])):
-        md.append(f"| {bits} | {T // 1024}k | {B} | {t_k * 1e6:.1f} | {dal} | {pb / 1e6:.1f} | "
-                  f"{gbs:.0f} | {gbs / 1e3 / ROOFLINE_TBS:.0%} | {t_s * 1e6:.1f} | "
-                  f"{t_s / t_k:.2f}x | {otxt} |")
+        md.append(f"| {bits} | {T // 1024}k | {B} | {dal} | {pb / 1e6:.1f} | {t_k * 1e6:.1f} | "
+                  f"{gb(t_k, pb)} | {t_s * 1e6:.1f} | {t_s / t_k:.2f}x | {t_kc * 1e6:.1f} | "
+                  f"{gb(t_kc, pb)} | {t_sc * 1e6:.1f} | {t_sc / t_kc:.2f}x | {otxt} |")
     return "\n".join(md)
 
 

@@ -300,7 +300,7 @@ def test_frag_plan_covers_every_token_once(n_kq, n_vq, T, BH, bits):
     waits for a second wave: +35% at batch 8 on the H200); the tail chunks get blocks of
     their own only where those fit in the target too."""
     tt = 8 * (32 // bits)
-    target = kd.FRAG_TARGET_BLOCKS
+    target = kd.frag_target_blocks(BH)
     t_fast, ns_tail, ns, tps, tail0 = kd._frag_plan(n_kq, n_vq, T, BH, bits, target)
     assert t_fast % tt == 0 and t_fast <= min(n_kq, n_vq) < t_fast + tt
     n_tiles = t_fast // tt

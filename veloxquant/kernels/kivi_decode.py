@@ -49,12 +49,12 @@ Paths
     one on Metal, otherwise the faster pure-mlx path on the CPU (``CPU_DEFAULT_PATH``).
 
 Measured (H200, MLX 0.32.4, fp16, 32 q / 8 kv heads, d 128, group 64, dispatcher
-defaults, run 9 of benchmarks/results/fused_attention.md): the fused kernels read the
-packed cache at 0.1-2.1 TB/s and run at 0.87x-2.12x the speed of fp16
-``mx.fast.scaled_dot_product_attention`` on the same shape (4-bit, 32k: 1.40x at batch 1,
-2.12x at batch 8, 43% of the 4.3 TB/s roofline; at 4k every path sits near MLX's
-per-call floor; 8-bit 128k batch 8 is slower than SDPA). They save memory; the speed-up
-targets of the issue (3x, 50% of the roofline) are not met. See
+defaults, run 13 of benchmarks/results/fused_attention.md, chained calls as in decoding):
+4-bit 32k 1.20x the speed of fp16 ``mx.fast.scaled_dot_product_attention`` on the same
+shape at batch 1 (21% of the 4.3 TB/s roofline) and 1.83x at batch 8 (45%); 4-bit 128k
+batch 8 1.96x (54%); at 4k and at batch 1 MLX's host-side cost of a custom-kernel call
+(10-15 us) weighs as much as the kernels. They save memory; the speed-up targets of the
+issue (3x, 50% of the roofline at 4-bit 32k) are not met. See
 benchmarks/notes/fused_attention.md.
 """
 
@@ -294,8 +294,11 @@ def _get_kernels(backend: str, algo: str = "simt"):
             source = {"simt": CUDA_SOURCE, "mma": CUDA_MMA_SOURCE,
                       "folded": CUDA_FOLDED_SOURCE, "frag": CUDA_FRAG_SOURCE}[algo]
             header = CUDA_HEADER + CUDA_FOLDED_HEADER + CUDA_FRAG_HEADER
+            # MLX caches a compiled kernel by its name (and template): the launch bounds,
+            # which are in the header, must be in the name too
             main = mx.fast.cuda_kernel(
-                name="vq_kivi_decode" + ("" if algo == "simt" else "_" + algo),
+                name="vq_kivi_decode" + ("" if algo == "simt" else "_" + algo) + (
+                    f"_mb{FRAG_MIN_BLOCKS}" if algo == "frag" else ""),
                 input_names=_INPUT_NAMES, output_names=["o_part", "ml_part"],
                 source=source, header=header + (
                     cuda_frag_bounds(FRAG_NT, FRAG_MIN_BLOCKS) if algo == "frag" else ""))
@@ -351,19 +354,30 @@ def _folded_supports(head_dim, gqa, bits, group_size, dtype, chunk) -> bool:
 
 
 #: frag: threads per block (two warps, each with its own tiles and buffers), tail tokens
-#: per chunk, the blocks the split plan fills (792 = one wave of 6 blocks on the H200's
-#: 132 SMs), which codes keep their float16 offset of 1024 into the products (KEEP of
+#: per chunk, which codes keep their float16 offset of 1024 into the products (KEEP of
 #: kivi_decode_cuda_frag_src.py; 1: the codes 4+ bits up their byte, worst error 2.4e-5
 #: on the H200, time within 3% of exact codes; 3, every code, cut 10% of the instructions and up to 7% of the time under
 #: ncu, but its error grows with the tiles a warp sums: 1.05e-3 at 64 a warp, over the
 #: bound)
 FRAG_NT = 64
 FRAG_TAIL = 8 * (FRAG_NT // 32)
-FRAG_TARGET_BLOCKS = 792
 FRAG_KEEP_OFFSET = 1
 #: frag: resident blocks an SM the compiler must allow (launch bounds: the register budget;
 #: 6 -> 168 registers; 7 -> 144 and 8 -> 128 spill: 1.4-2x slower under ncu)
 FRAG_MIN_BLOCKS = 6
+#: frag's split target (blocks), by the kv heads of a call (batch x kv heads): 6 blocks an SM
+#: of the H200's 132 below FRAG_MANY_HEADS, 4 from there. With 8 kv heads 792 was fastest
+#: at 32k (4-bit) and 9% slower than 264 at 128k; with 64, 528 took 9-16% less GPU time
+#: than 792 at 4-bit 4k, 32k and 128k, 5% less at 8-bit 32k (benchmarks/chain_timeline.py,
+#: session 5). Between 8 and 64 kv heads not measured; other GPUs not at all.
+FRAG_TARGET_BLOCKS = 792
+FRAG_TARGET_BLOCKS_MANY_HEADS = 528
+FRAG_MANY_HEADS = 32
+
+
+def frag_target_blocks(BH: int) -> int:
+    """The frag kernel's default split target for a call over ``BH`` kv heads."""
+    return FRAG_TARGET_BLOCKS_MANY_HEADS if BH >= FRAG_MANY_HEADS else FRAG_TARGET_BLOCKS
 
 
 def _frag_tile(bits: int) -> int:
@@ -517,8 +531,8 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
     chunk = None if algo == "frag" else (
         _default_chunk(algo, bits) if chunk is None else int(chunk))
     if target_blocks is None:
-        target_blocks = {"frag": FRAG_TARGET_BLOCKS, "folded": FOLDED_TARGET_BLOCKS}.get(
-            algo, DEFAULT_TARGET_BLOCKS)
+        target_blocks = {"frag": frag_target_blocks(B * H),
+                         "folded": FOLDED_TARGET_BLOCKS}.get(algo, DEFAULT_TARGET_BLOCKS)
     target_blocks = int(target_blocks)
     tw, kunroll, vunroll = _default_variant(R) if variant is None else variant
     if not kernel_supports(D, R, bits, group_size, dt, chunk, tw, algo):
@@ -568,7 +582,13 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
         grid=(ns * nt, B * H, 1), threadgroup=(nt, 1, 1),
         output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
         output_dtypes=[mx.float32, mx.float32], init_value=init)
-    odt = dt if out_dtype is None else out_dtype
+    return _merge(backend, comb, o_part, ml_part, (B, Hq, 1, D),
+                  dt if out_dtype is None else out_dtype, init)
+
+
+def _merge(backend, comb, o_part, ml_part, out_shape, odt, init=None):
+    """The merge kernel's launch: the splits' partials into the attention output."""
+    B, Hq, _, D = out_shape
     if backend == "cuda":  # a block per (row, 32-channel slice), 8 warps over the splits
         comb_template = [("OT", odt), ("HEAD_DIM", D)]
         comb_grid, comb_group = (B * Hq * 256, D // 32, 1), (256, 1, 1)
@@ -578,7 +598,7 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
         comb_grid, comb_group = (B * Hq * D * ng, 1, 1), (D * ng, 1, 1)
     (out,) = comb(
         inputs=[o_part, ml_part], template=comb_template, grid=comb_grid,
-        threadgroup=comb_group, output_shapes=[(B, Hq, 1, D)], output_dtypes=[odt],
+        threadgroup=comb_group, output_shapes=[out_shape], output_dtypes=[odt],
         init_value=init)
     return out
 

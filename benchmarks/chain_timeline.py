@@ -1,0 +1,181 @@
+"""Where a chained call's time goes, by the GPU's own clock.
+
+In decoding a layer's attention waits for the layer before, so `fused_attention.py` also
+times chains (each call's queries are the previous call's output). This script runs such
+a chain of N calls of the frag kernel (a copy that writes %globaltimer at each block's
+start and end) followed by the merge kernel, as `kivi_decode_attention_cuda` does, and
+the same for a one-block copy kernel (the floor of a custom-kernel call), then prints per
+call: the main kernel's span on the GPU (first block start to last block end), the time
+from its end to the next call's first block (the merge kernel and two launch gaps), and
+the host's wall time per call, whose excess over the two is time the GPU spent idle:
+
+    python3 benchmarks/chain_timeline.py --batch 1 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fused_attention as fa  # noqa: E402
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+kd = fa.kd
+_FIRST = "  const int g = lane >> 2;\n"
+_TIMER = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"({}));\n'
+_START = "  unsigned long long vq_t0;\n  " + _TIMER.format("vq_t0")
+_END = r"""
+  __syncthreads();
+  if (tid == 0) {
+    unsigned long long vq_t1;
+    """ + _TIMER.format("vq_t1") + r"""
+    stamps[((size_t)bh * NS + split) * 2] = vq_t0;
+    stamps[((size_t)bh * NS + split) * 2 + 1] = vq_t1;
+  }
+"""
+_COPY = r"""
+  unsigned long long vq_t0;
+  """ + _TIMER.format("vq_t0") + r"""
+  for (int i = threadIdx.x; i < q_shape[0] * q_shape[1] * q_shape[3]; i += blockDim.x)
+    out[i] = q[i];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long vq_t1;
+    """ + _TIMER.format("vq_t1") + r"""
+    stamps[0] = vq_t0;
+    stamps[1] = vq_t1;
+  }
+"""
+
+
+def stamped_kernel():
+    src = kd.CUDA_FRAG_SOURCE
+    assert src.count(_FIRST) == 1
+    src = src.replace(_FIRST, _START + _FIRST) + _END
+    header = (kd.CUDA_HEADER + kd.CUDA_FOLDED_HEADER + kd.CUDA_FRAG_HEADER
+              + kd.cuda_frag_bounds(kd.FRAG_NT, kd.FRAG_MIN_BLOCKS))
+    return mx.fast.cuda_kernel(name=f"vq_kivi_decode_frag_chain_stamped_mb{kd.FRAG_MIN_BLOCKS}",
+                               input_names=kd._INPUT_NAMES,
+                               output_names=["o_part", "ml_part", "stamps"],
+                               source=src, header=header)
+
+
+def copy_kernel(extra_inputs=()):
+    return mx.fast.cuda_kernel(name="vq_stamped_copy" + str(len(extra_inputs)),
+                               input_names=["q", *extra_inputs], output_names=["out", "stamps"],
+                               source=_COPY)
+
+
+def frag_step(kernel, sets, bits, G, target=None):
+    """One lazy call (q -> out, stamps) on input set i: the frag kernel, then the merge."""
+    comb = kd._get_kernels("cuda", "frag")[1]
+
+    def step(q, i):
+        kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = sets[i % len(sets)][1]
+        B, Hq, _, D = q.shape
+        H = kc.shape[1]
+        ns, params, template, _, _ = kd._frag_launch_args(
+            q.dtype, D, Hq // H, bits, G, kc.shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
+            D ** -0.5, kd.frag_target_blocks(B * H) if target is None else target)
+        o_part, ml_part, st = kernel(
+            inputs=[q, kc, ks, kb, kr, vc, vs, vb, vr, params], template=template,
+            grid=(ns * kd.FRAG_NT, B * H, 1), threadgroup=(kd.FRAG_NT, 1, 1),
+            output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2), (B * H * ns * 2,)],
+            output_dtypes=[mx.float32, mx.float32, mx.uint64])
+        return kd._merge("cuda", comb, o_part, ml_part, q.shape, q.dtype), st
+    return step
+
+
+def copy_step(kernel, sets=None):
+    """The copy kernel; given as many inputs as the frag kernel where sets is given (the 8
+    cache buffers, a small params array)."""
+    small = mx.zeros((8,), dtype=mx.int32)
+
+    def step(q, i):
+        extra = [] if sets is None else [*(a for a in sets[i % len(sets)][1]
+                                           if isinstance(a, mx.array)), small]
+        return kernel(inputs=[q, *extra], grid=(256, 1, 1), threadgroup=(256, 1, 1),
+                      output_shapes=[q.shape, (2,)], output_dtypes=[q.dtype, mx.uint64])
+    return step
+
+
+def chain(step, q0, n, reps=5):
+    """Wall time a call (median of reps) and the last rep's (first block start, last block
+    end) per call, in ns of the GPU's clock."""
+    walls = []
+    for _ in range(reps):
+        q, stamps = q0, []
+        for i in range(n):
+            q, st = step(q, i)
+            stamps.append(st)
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(q, *stamps)
+        mx.synchronize()
+        walls.append((time.perf_counter() - t) / n * 1e6)
+    spans = [(int(a[0::2].min()), int(a[1::2].max())) for a in map(np.array, stamps)]
+    return statistics.median(walls), spans
+
+
+def report(name, wall, spans):
+    dur = [(b - a) / 1e3 for a, b in spans]
+    gap = [(spans[i + 1][0] - spans[i][1]) / 1e3 for i in range(len(spans) - 1)]
+    q = lambda x: "/".join(f"{np.percentile(x, p):.1f}" for p in (10, 50, 90))
+    first_to_last = (spans[-1][1] - spans[0][0]) / 1e3 / (len(spans) - 1)
+    fa.log(f"  {name}: wall {wall:.1f} us a call; main kernel span {q(dur)} us; its end to "
+           f"the next call's first block {q(gap)} us (p10/median/p90; max {max(gap):.1f}); "
+           f"GPU clock, first call's start to last call's end: {first_to_last:.1f} us a call")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
+    ap.add_argument("--calls", type=int, default=60)
+    ap.add_argument("--variants", default=None,
+                    help="also time these frag variants, keep,target pairs separated by "
+                         "spaces (KEEP of the kernel, split target)")
+    args = ap.parse_args()
+    try:
+        variants = [tuple(int(x) for x in v.split(",")) for v in (args.variants or "").split()]
+    except ValueError:
+        variants = [()]
+    if any(len(v) != 2 or v[0] not in (0, 1, 2, 3) or v[1] < 1 for v in variants):
+        raise SystemExit(f"--variants: {args.variants!r} is not keep,target pairs (keep 0-3, "
+                         "target >= 1) separated by spaces")
+    mx.set_default_device(mx.gpu)
+    G = 64
+    frag, cp = stamped_kernel(), copy_kernel()
+    cp10 = copy_kernel([f"x{i}" for i in range(9)])
+    for B in args.batch:
+        fa.log(f"\n{args.bits}-bit B={B} T={args.context}, chains of {args.calls} calls")
+        sets, _ = fa.timing_sets(B, args.context, args.bits, G)
+        q0 = sets[0][0]
+        report("frag + merge kernel", *chain(frag_step(frag, sets, args.bits, G), q0,
+                                             args.calls))
+        default_keep = kd.FRAG_KEEP_OFFSET
+        for keep, target in variants:
+            kd.FRAG_KEEP_OFFSET = keep
+            report(f"frag KEEP {keep} target {target} + merge kernel", *chain(
+                frag_step(frag, sets, args.bits, G, target), q0, args.calls))
+        kd.FRAG_KEEP_OFFSET = default_keep
+        report("copy kernel (one block)", *chain(copy_step(cp), q0, args.calls))
+        report("copy kernel, given the frag kernel's inputs too", *chain(
+            copy_step(cp10, sets), q0, args.calls))
+        sets = None
+        kv = [fa.random_kv(B, 8, args.context, 128, mx.float16) for _ in range(2)]
+        mx.eval(kv)
+        t, _ = fa.time_chain(lambda q, i: mx.fast.scaled_dot_product_attention(
+            q, *kv[i], scale=128 ** -0.5), 2, q0)
+        fa.log(f"  fp16 SDPA: wall {t * 1e6:.1f} us a call (time_chain)")
+        kv = None
+
+
+if __name__ == "__main__":
+    main()
