@@ -10,6 +10,8 @@ from its end to the next call's first block (the merge kernel and two launch gap
 the host's wall time per call, whose excess over the two is time the GPU spent idle:
 
     python3 benchmarks/chain_timeline.py --batch 1 8
+    python3 benchmarks/chain_timeline.py --batch 8 --variants "1,528 1,792"  # split targets
+    python3 benchmarks/chain_timeline.py --batch 1 --probe  # host cost of custom kernels
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ def stamped_kernel():
                                source=src, header=header)
 
 
-def copy_kernel(extra_inputs=()):
-    return mx.fast.cuda_kernel(name="vq_stamped_copy" + str(len(extra_inputs)),
-                               input_names=["q", *extra_inputs], output_names=["out", "stamps"],
-                               source=_COPY)
+def copy_kernel(extra_inputs=(), extra_outputs=()):
+    return mx.fast.cuda_kernel(
+        name=f"vq_stamped_copy{len(extra_inputs)}_{len(extra_outputs)}",
+        input_names=["q", *extra_inputs], output_names=["out", "stamps", *extra_outputs],
+        source=_COPY)
 
 
 def frag_step(kernel, sets, bits, G, target=None):
@@ -91,16 +94,26 @@ def frag_step(kernel, sets, bits, G, target=None):
     return step
 
 
-def copy_step(kernel, sets=None):
+def copy_step(kernel, sets=None, scratch=0, twice=False):
     """The copy kernel; given as many inputs as the frag kernel where sets is given (the 8
-    cache buffers, a small params array)."""
+    cache buffers, a small params array), with an unwritten float32 output of ``scratch``
+    elements (the frag kernel's partials), or run twice a call."""
     small = mx.zeros((8,), dtype=mx.int32)
 
     def step(q, i):
         extra = [] if sets is None else [*(a for a in sets[i % len(sets)][1]
                                            if isinstance(a, mx.array)), small]
-        return kernel(inputs=[q, *extra], grid=(256, 1, 1), threadgroup=(256, 1, 1),
-                      output_shapes=[q.shape, (2,)], output_dtypes=[q.dtype, mx.uint64])
+        shapes, dtypes = [q.shape, (2,)], [q.dtype, mx.uint64]
+        if scratch:
+            shapes.append((scratch,))
+            dtypes.append(mx.float32)
+        outs = kernel(inputs=[q, *extra], grid=(256, 1, 1), threadgroup=(256, 1, 1),
+                      output_shapes=shapes, output_dtypes=dtypes)
+        if twice:
+            outs = kernel(inputs=[outs[0], *extra], grid=(256, 1, 1),
+                          threadgroup=(256, 1, 1), output_shapes=shapes,
+                          output_dtypes=dtypes)
+        return outs[0], outs[1]
     return step
 
 
@@ -138,6 +151,8 @@ def main():
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
     ap.add_argument("--calls", type=int, default=60)
+    ap.add_argument("--probe", action="store_true",
+                    help="also time copy kernels with the frag call's output sizes / twice")
     ap.add_argument("--variants", default=None,
                     help="also time these frag variants, keep,target pairs separated by "
                          "spaces (KEEP of the kernel, split target)")
@@ -153,6 +168,7 @@ def main():
     G = 64
     frag, cp = stamped_kernel(), copy_kernel()
     cp10 = copy_kernel([f"x{i}" for i in range(9)])
+    cp10s = copy_kernel([f"x{i}" for i in range(9)], ["scratch"])
     for B in args.batch:
         fa.log(f"\n{args.bits}-bit B={B} T={args.context}, chains of {args.calls} calls")
         sets, _ = fa.timing_sets(B, args.context, args.bits, G)
@@ -168,6 +184,14 @@ def main():
         report("copy kernel (one block)", *chain(copy_step(cp), q0, args.calls))
         report("copy kernel, given the frag kernel's inputs too", *chain(
             copy_step(cp10, sets), q0, args.calls))
+        if args.probe:  # which part of a frag call costs the host its time
+            ns = kd._frag_launch_args(mx.float16, 128, 4, args.bits, G, 1, args.context - 64,
+                                      64, args.context - 128, 128, B * 8, 1.0,
+                                      kd.frag_target_blocks(B * 8))[0]
+            report("  + an unwritten output the size of the partials", *chain(
+                copy_step(cp10s, sets, B * 32 * ns * 128), q0, args.calls))
+            report("  twice a call", *chain(copy_step(cp10, sets, twice=True), q0,
+                                             args.calls))
         sets = None
         kv = [fa.random_kv(B, 8, args.context, 128, mx.float16) for _ in range(2)]
         mx.eval(kv)
