@@ -11,6 +11,7 @@ times the whole call against its main kernel alone and MLX's one-kernel floor:
 
     python3 benchmarks/frag_variants.py --check --rounds 7 --overheads
     python3 benchmarks/frag_variants.py --rounds 5 --chained
+    python3 benchmarks/frag_variants.py --check --long --rounds 0 --variants "1,6,528 2,6,528"
     ncu --kernel-name regex:frag --csv --metrics gpu__time_duration.sum,\\
         sm__cycles_active.avg,sm__cycles_elapsed.avg,smsp__inst_executed.sum \\
         python3 benchmarks/frag_variants.py --profile --calls 3 > ncu.csv
@@ -61,12 +62,19 @@ def apply(v):
     return target
 
 
-def check(variants) -> bool:
+#: the batch-8 128k shape: with the split target of 64 kv heads (528), 128 tiles a warp
+LONG_CASE = (4, 64, 4, 131008, 64, 128, 8, 8)
+
+
+def check(variants, long=False) -> bool:
     """Every case for the first variant and those with another KEEP (the arithmetic), the
-    first two for those that only change the schedule (launch bounds, split target)."""
+    first two for those that only change the schedule (launch bounds, split target); with
+    ``long``, LONG_CASE too (every variant: KEEP's error grows with a warp's tiles)."""
     ok_all = True
-    for n, (bits, G, R, n_kq, n_kres, n_vres) in enumerate(CHECK_CASES):
-        B, H, D = 2, 2, 128
+    cases = [(*c, 2, 2) for c in CHECK_CASES] + ([LONG_CASE] if long else [])
+    for n, (bits, G, R, n_kq, n_kres, n_vres, B, H) in enumerate(cases):
+        D = 128
+        n = 0 if n >= len(CHECK_CASES) else n
         K, V = fa.random_kv(B, H, n_kq + n_kres, D, mx.float16)
         cache = fa.make_cache(K, V, n_kres, n_vres, bits, G)
         q = mx.random.normal((B, H * R, 1, D)).astype(mx.float16)
@@ -86,7 +94,7 @@ def check(variants) -> bool:
             ok = bool(mx.all(mx.isfinite(out)).item()) and e < 1e-3
             ok_all &= ok
             errs.append(f"{e:.1e}{'' if ok else ' FAIL'}")
-        fa.log(f"  bits {bits} G {G:3d} gqa {R} n_kq {n_kq}: " + "  ".join(errs))
+        fa.log(f"  bits {bits} G {G:3d} gqa {R} n_kq {n_kq} B {B} H {H}: " + "  ".join(errs))
     return ok_all
 
 
@@ -206,6 +214,7 @@ def main():
     ap.add_argument("--shapes", default="1,32768,4 8,32768,4",
                     help="batch,context,bits triples separated by spaces")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--long", action="store_true", help="--check: also LONG_CASE")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--calls", type=int, default=2)
@@ -232,7 +241,7 @@ def main():
     if args.check:
         fa.log("check, float32-output relative error per variant (bound 1e-3):")
         fa.log("  variants: " + " | ".join(label(v) for v in variants))
-        if not check(variants):
+        if not check(variants, args.long):
             fa.log("check FAILED")
     if args.rounds:
         time_rounds(variants, shapes, args.rounds, args.chained)

@@ -317,6 +317,23 @@ def test_frag_plan_covers_every_token_once(n_kq, n_vq, T, BH, bits):
         assert ns == max(ns_tail, 1) and tail0 == 0
 
 
+def test_frag_keeps_offsets_only_where_a_block_sums_few_tiles():
+    """KEEP's error grows with the tiles a warp sums (1.6e-4 at 128 a warp on the H200 with
+    KEEP 1): past FRAG_KEEP_MAX_TILES a block, the launch takes exact codes (KEEP 0); an
+    explicit keep is taken as given."""
+    def keep_and_tiles(T, BH, keep=None):
+        ns, params, template, _, _ = kd._frag_launch_args(
+            mx.float16, 128, 4, 4, 64, 4, T - 64, 64, T - 128, 128, BH, 0.1,
+            kd.frag_target_blocks(BH), keep=keep)
+        return dict(template)["KEEP"], int(params[5].item())
+
+    keep, tps = keep_and_tiles(131072, 64)   # batch 8 at 128k: 256 tiles a block
+    assert tps <= kd.FRAG_KEEP_MAX_TILES and keep == kd.FRAG_KEEP_OFFSET
+    keep, tps = keep_and_tiles(262144, 64)   # 256k: 512 tiles a block
+    assert tps > kd.FRAG_KEEP_MAX_TILES and keep == 0
+    assert keep_and_tiles(262144, 64, keep=3)[0] == 3
+
+
 def test_kernel_support_matrix():
     for bits, G, R in _GRID:
         assert kd.kernel_supports(128, R, bits, G, mx.float16)

@@ -356,12 +356,17 @@ def _folded_supports(head_dim, gqa, bits, group_size, dtype, chunk) -> bool:
 #: frag: threads per block (two warps, each with its own tiles and buffers), tail tokens
 #: per chunk, which codes keep their float16 offset of 1024 into the products (KEEP of
 #: kivi_decode_cuda_frag_src.py; 1: the codes 4+ bits up their byte, worst error 2.4e-5
-#: on the H200, time within 3% of exact codes; 3, every code, cut 10% of the instructions and up to 7% of the time under
-#: ncu, but its error grows with the tiles a warp sums: 1.05e-3 at 64 a warp, over the
-#: bound)
+#: on the H200 in the check's shapes, 1.6e-4 at batch 8 and 128k (128 tiles a warp; exact
+#: codes 2.7e-5), 2% less GPU time than exact codes; 2, every key code too, 2% less again,
+#: 2.0e-4 there and up to 3.6e-4 in the check's shapes; 3, every code, 4.5% less than 1,
+#: but its error grows with the tiles a warp sums: 2.3e-3 there, over the bound)
 FRAG_NT = 64
 FRAG_TAIL = 8 * (FRAG_NT // 32)
 FRAG_KEEP_OFFSET = 1
+#: frag: tiles a block may sum with FRAG_KEEP_OFFSET; above, exact codes (KEEP 0). 256
+#: (128 a warp, batch 8 at 128k): KEEP 1's worst error measured there was 1.6e-4, and it
+#: grows with the tiles
+FRAG_KEEP_MAX_TILES = 256
 #: frag: resident blocks an SM the compiler must allow (launch bounds: the register budget;
 #: 6 -> 168 registers; 7 -> 144 and 8 -> 128 spill: 1.4-2x slower under ncu)
 FRAG_MIN_BLOCKS = 6
@@ -426,13 +431,16 @@ def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n
     """What a launch of the frag kernel takes besides its buffers: (blocks per kv head,
     params, template, first block with tail chunks, tail chunks). ``key_words``: the
     capacity of a key code row (16-byte copies where it is a multiple of 4); ``keep``:
-    KEEP (default FRAG_KEEP_OFFSET)."""
+    KEEP (default FRAG_KEEP_OFFSET, or 0 where a block has more than FRAG_KEEP_MAX_TILES
+    tiles: the error of kept offsets grows with the tiles a warp sums)."""
     t_fast, ns_tail, ns, tps, tail0 = _frag_plan(n_kq, n_vq, n_kq + n_kres, BH, bits,
                                                  target_blocks)
+    if keep is None:
+        keep = FRAG_KEEP_OFFSET if tps <= FRAG_KEEP_MAX_TILES else 0
     params = _params(n_kq, n_kres, n_vq, n_vres, scale, tps, t_fast, ns_tail, tail0)
     template = [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
                 ("GQA", gqa), ("NT", FRAG_NT), ("KVEC", 4 if key_words % 4 == 0 else 1),
-                ("KEEP", int(FRAG_KEEP_OFFSET if keep is None else keep))]
+                ("KEEP", int(keep))]
     return ns, params, template, tail0, ns_tail
 
 
