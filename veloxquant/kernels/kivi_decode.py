@@ -368,7 +368,8 @@ FRAG_KEEP_OFFSET = 1
 #: grows with the tiles
 FRAG_KEEP_MAX_TILES = 256
 #: frag: resident blocks an SM the compiler must allow (launch bounds: the register budget;
-#: 6 -> 168 registers; 7 -> 144 and 8 -> 128 spill: 1.4-2x slower under ncu)
+#: 6 -> 168 registers; 7 -> 144 and 8 -> 128 spill, 1.4-2x slower under ncu in session 4,
+#: unconfirmed: kernel names did not carry the bounds then, see the notes' session 5)
 FRAG_MIN_BLOCKS = 6
 #: frag's split target (blocks), by the kv heads of a call (batch x kv heads): 6 blocks an SM
 #: of the H200's 132 below FRAG_MANY_HEADS, 4 from there. With 8 kv heads 792 was fastest
