@@ -154,16 +154,17 @@ def main():
     ap.add_argument("--probe", action="store_true",
                     help="also time copy kernels with the frag call's output sizes / twice")
     ap.add_argument("--variants", default=None,
-                    help="also time these frag variants, keep,target pairs separated by "
-                         "spaces (KEEP of the kernel, split target)")
+                    help="also time these frag variants, keep,target[,min_blocks] separated "
+                         "by spaces (KEEP of the kernel, split target, launch-bound blocks)")
     args = ap.parse_args()
     try:
         variants = [tuple(int(x) for x in v.split(",")) for v in (args.variants or "").split()]
     except ValueError:
         variants = [()]
-    if any(len(v) != 2 or v[0] not in (0, 1, 2, 3) or v[1] < 1 for v in variants):
-        raise SystemExit(f"--variants: {args.variants!r} is not keep,target pairs (keep 0-3, "
-                         "target >= 1) separated by spaces")
+    if any(len(v) not in (2, 3) or v[0] not in (0, 1, 2, 3) or min(v[1:]) < 1
+           for v in variants):
+        raise SystemExit(f"--variants: {args.variants!r} is not keep,target[,min_blocks] "
+                         "(keep 0-3, the others >= 1) separated by spaces")
     mx.set_default_device(mx.gpu)
     G = 64
     frag, cp = stamped_kernel(), copy_kernel()
@@ -175,12 +176,15 @@ def main():
         q0 = sets[0][0]
         report("frag + merge kernel", *chain(frag_step(frag, sets, args.bits, G), q0,
                                              args.calls))
-        default_keep = kd.FRAG_KEEP_OFFSET
-        for keep, target in variants:
+        default_keep, default_mb = kd.FRAG_KEEP_OFFSET, kd.FRAG_MIN_BLOCKS
+        for keep, target, *mb in variants:
             kd.FRAG_KEEP_OFFSET = keep
-            report(f"frag KEEP {keep} target {target} + merge kernel", *chain(
-                frag_step(frag, sets, args.bits, G, target), q0, args.calls))
-        kd.FRAG_KEEP_OFFSET = default_keep
+            kd.FRAG_MIN_BLOCKS = mb[0] if mb else default_mb
+            kernel = frag if kd.FRAG_MIN_BLOCKS == default_mb else stamped_kernel()
+            report(f"frag KEEP {keep} target {target} launch bounds {kd.FRAG_MIN_BLOCKS} "
+                   "+ merge kernel", *chain(frag_step(kernel, sets, args.bits, G, target),
+                                            q0, args.calls))
+        kd.FRAG_KEEP_OFFSET, kd.FRAG_MIN_BLOCKS = default_keep, default_mb
         report("copy kernel (one block)", *chain(copy_step(cp), q0, args.calls))
         report("copy kernel, given the frag kernel's inputs too", *chain(
             copy_step(cp10, sets), q0, args.calls))
