@@ -55,13 +55,14 @@ _COPY = r"""
 """
 
 
-def stamped_kernel():
+def stamped_kernel(min_blocks):
+    """The frag kernel with block stamps, built with launch bounds ``min_blocks``."""
     src = kd.CUDA_FRAG_SOURCE
     assert src.count(_FIRST) == 1
     src = src.replace(_FIRST, _START + _FIRST) + _END
     header = (kd.CUDA_HEADER + kd.CUDA_FOLDED_HEADER + kd.CUDA_FRAG_HEADER
-              + kd.cuda_frag_bounds(kd.FRAG_NT, kd.FRAG_MIN_BLOCKS))
-    return mx.fast.cuda_kernel(name=f"vq_kivi_decode_frag_chain_stamped_mb{kd.FRAG_MIN_BLOCKS}",
+              + kd.cuda_frag_bounds(kd.FRAG_NT, min_blocks))
+    return mx.fast.cuda_kernel(name=f"vq_kivi_decode_frag_chain_stamped_mb{min_blocks}",
                                input_names=kd._INPUT_NAMES,
                                output_names=["o_part", "ml_part", "stamps"],
                                source=src, header=header)
@@ -167,24 +168,25 @@ def main():
                          "(keep 0-3, the others >= 1) separated by spaces")
     mx.set_default_device(mx.gpu)
     G = 64
-    frag, cp = stamped_kernel(), copy_kernel()
+    cp = copy_kernel()
     cp10 = copy_kernel([f"x{i}" for i in range(9)])
     cp10s = copy_kernel([f"x{i}" for i in range(9)], ["scratch"])
     for B in args.batch:
         fa.log(f"\n{args.bits}-bit B={B} T={args.context}, chains of {args.calls} calls")
         sets, _ = fa.timing_sets(B, args.context, args.bits, G)
         q0 = sets[0][0]
-        report("frag + merge kernel", *chain(frag_step(frag, sets, args.bits, G), q0,
-                                             args.calls))
-        default_keep, default_mb = kd.FRAG_KEEP_OFFSET, kd.FRAG_MIN_BLOCKS
+        mb0 = kd.frag_launch_bounds(B * 8)  # timing_sets: 8 kv heads
+        report(f"frag (defaults: target {kd.frag_target_blocks(B * 8)}, launch bounds {mb0})"
+               " + merge kernel", *chain(frag_step(stamped_kernel(mb0), sets, args.bits, G),
+                                         q0, args.calls))
+        default_keep = kd.FRAG_KEEP_OFFSET
         for keep, target, *mb in variants:
             kd.FRAG_KEEP_OFFSET = keep
-            kd.FRAG_MIN_BLOCKS = mb[0] if mb else default_mb
-            kernel = frag if kd.FRAG_MIN_BLOCKS == default_mb else stamped_kernel()
-            report(f"frag KEEP {keep} target {target} launch bounds {kd.FRAG_MIN_BLOCKS} "
-                   "+ merge kernel", *chain(frag_step(kernel, sets, args.bits, G, target),
-                                            q0, args.calls))
-        kd.FRAG_KEEP_OFFSET, kd.FRAG_MIN_BLOCKS = default_keep, default_mb
+            mb = mb[0] if mb else mb0
+            report(f"frag KEEP {keep} target {target} launch bounds {mb} + merge kernel",
+                   *chain(frag_step(stamped_kernel(mb), sets, args.bits, G, target), q0,
+                          args.calls))
+        kd.FRAG_KEEP_OFFSET = default_keep
         report("copy kernel (one block)", *chain(copy_step(cp), q0, args.calls))
         report("copy kernel, given the frag kernel's inputs too", *chain(
             copy_step(cp10, sets), q0, args.calls))

@@ -44,13 +44,13 @@ _END = r"""
 """
 
 
-def stamped_kernel():
+def stamped_kernel(min_blocks):
     src = kd.CUDA_FRAG_SOURCE
     assert src.count(_FIRST) == 1 and src.count(_TAIL) == 1
     src = src.replace(_FIRST, _T0 + _FIRST).replace(_TAIL, _TM + _TAIL) + _END
     header = (kd.CUDA_HEADER + kd.CUDA_FOLDED_HEADER + kd.CUDA_FRAG_HEADER
-              + kd.cuda_frag_bounds(kd.FRAG_NT, kd.FRAG_MIN_BLOCKS))
-    return mx.fast.cuda_kernel(name="vq_kivi_decode_frag_stamped",
+              + kd.cuda_frag_bounds(kd.FRAG_NT, min_blocks))
+    return mx.fast.cuda_kernel(name=f"vq_kivi_decode_frag_stamped_mb{min_blocks}",
                                input_names=kd._INPUT_NAMES,
                                output_names=["o_part", "ml_part", "stamps"],
                                source=src, header=header)
@@ -146,8 +146,8 @@ def main():
                  f"[0, context], and context minus the key residual a multiple of {G}")
     mx.set_default_device(mx.gpu)
     kd.FRAG_KEEP_OFFSET = args.keep
-    kernel = stamped_kernel()
     for B in args.batch:
+        kernel = stamped_kernel(kd.frag_launch_bounds(B * H))
         K, V = fa.random_kv(B, H, args.context, D, mx.float16)
         cache = fa.make_cache(K, V, n_kres, n_vres, args.bits, G, spare=False)
         q = mx.random.normal((B, H * R, 1, D)).astype(mx.float16)
@@ -156,7 +156,8 @@ def main():
         for target in args.target or [kd.frag_target_blocks(B * H)]:
             st, tails = run(kernel, q, cache, args.bits, G, target)
             fa.log(f"\n{args.bits}-bit B={B} T={args.context} residual {n_kres},{n_vres} "
-                   f"target {target} keep {args.keep}: grid {st.shape[1]} x {st.shape[0]}")
+                   f"target {target} keep {args.keep} launch bounds "
+                   f"{kd.frag_launch_bounds(B * H)}: grid {st.shape[1]} x {st.shape[0]}")
             summarize(st, tails)
 
 

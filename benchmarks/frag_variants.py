@@ -58,7 +58,9 @@ def label(v) -> str:
 
 
 def apply(v):
-    kd.FRAG_KEEP_OFFSET, kd.FRAG_MIN_BLOCKS, target = v
+    """Make v the frag kernel's build (its launch bounds for every batch); its target."""
+    kd.FRAG_KEEP_OFFSET, mb, target = v
+    kd.FRAG_MIN_BLOCKS = kd.FRAG_MIN_BLOCKS_MANY_HEADS = mb
     return target
 
 
@@ -111,7 +113,7 @@ def main_kernel_only(q, cache, kw, target):
     ns, params, template, _, _ = kd._frag_launch_args(
         q.dtype, D, Hq // H, kw["bits"], kw["group_size"], kc.shape[3], n_kq, n_kres, n_vq,
         n_vres, B * H, kw["scale"], target)
-    main, _ = kd._get_kernels("cuda", "frag")
+    main, _ = kd._get_kernels("cuda", "frag", kd.frag_launch_bounds(B * H))
     return main(inputs=[q, kc, ks, kb, kr, vc, vs, vb, vr, params], template=template,
                 grid=(ns * kd.FRAG_NT, B * H, 1), threadgroup=(kd.FRAG_NT, 1, 1),
                 output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],

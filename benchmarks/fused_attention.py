@@ -57,7 +57,7 @@ kd = importlib.import_module("vq_kernels.kivi_decode")
 ALGOS = ("simt", "mma", "folded", "frag")
 CHECK_ALGOS = list(ALGOS)  # --check-algos narrows the check
 SWEEP_ALGOS = list(ALGOS)  # --sweep-only narrows the sweep
-FRAG_MIN_BLOCKS_DEFAULT = kd.FRAG_MIN_BLOCKS
+FRAG_MIN_BLOCKS_DEFAULT = kd.FRAG_MIN_BLOCKS, kd.FRAG_MIN_BLOCKS_MANY_HEADS
 TABLE_ALGOS = list(ALGOS)  # --table-algos narrows the table (the dispatcher's always runs)
 SWEEP_STAGE_ALGOS = ("simt", "mma")  # kernels with stage-skipping modes
 ROOFLINE_TBS = 4.3  # H200 copy roofline (TB/s), /work/shared/ARCHITECTURE.md
@@ -337,7 +337,8 @@ def sweep(shapes=((1, 32768), (8, 32768))):
             label = f"{algo} {variant or ''}".strip()
             if algo == "frag":
                 label = f"frag, {variant} blocks/SM bound"
-                kd.FRAG_MIN_BLOCKS, variant = variant, None
+                kd.FRAG_MIN_BLOCKS = kd.FRAG_MIN_BLOCKS_MANY_HEADS = variant
+                variant = None
             try:
                 s, spread = time_batches(
                     lambda i: kd.kivi_decode_attention_cuda(
@@ -348,7 +349,7 @@ def sweep(shapes=((1, 32768), (8, 32768))):
                     f"{s * 1e6:8.1f} us  {bytes_set / s / 1e9:7.0f} GB/s  (spread {spread:.0%})")
             except Exception as exc:
                 log(f"  ERROR {label} chunk={chunk} target={target}: {exc}")
-        kd.FRAG_MIN_BLOCKS = FRAG_MIN_BLOCKS_DEFAULT
+        kd.FRAG_MIN_BLOCKS, kd.FRAG_MIN_BLOCKS_MANY_HEADS = FRAG_MIN_BLOCKS_DEFAULT
         for algo in [a for a in SWEEP_STAGE_ALGOS if a in SWEEP_ALGOS]:
             for mode, what in ((1, "packed values skipped"), (2, "packed keys skipped")):
                 try:  # stage timing: leave one stage out (outputs meaningless, time only)

@@ -49,11 +49,11 @@ Paths
     one on Metal, otherwise the faster pure-mlx path on the CPU (``CPU_DEFAULT_PATH``).
 
 Measured (H200, MLX 0.32.4, fp16, 32 q / 8 kv heads, d 128, group 64, dispatcher
-defaults, run 13 of benchmarks/results/fused_attention.md, chained calls as in decoding):
-4-bit 32k 1.20x the speed of fp16 ``mx.fast.scaled_dot_product_attention`` on the same
-shape at batch 1 (21% of the 4.3 TB/s roofline) and 1.83x at batch 8 (45%); 4-bit 128k
-batch 8 1.96x (54%); at 4k and at batch 1 MLX's host-side cost of a custom-kernel call
-(10-15 us) weighs as much as the kernels. They save memory; the speed-up targets of the
+defaults, run 14 of benchmarks/results/fused_attention.md, chained calls as in decoding):
+4-bit 32k 1.12x the speed of fp16 ``mx.fast.scaled_dot_product_attention`` on the same
+shape at batch 1 (20% of the 4.3 TB/s roofline) and 2.00x at batch 8 (48%); 4-bit 128k
+batch 8 2.41x (60%); at 4k and at batch 1 MLX's host-side cost of a custom-kernel call
+(~12 us) weighs as much as the kernels. They save memory; the speed-up targets of the
 issue (3x, 50% of the roofline at 4-bit 32k) are not met. See
 benchmarks/notes/fused_attention.md.
 """
@@ -287,8 +287,10 @@ _INPUT_NAMES = ["queries", "k_codes", "k_scales", "k_biases", "k_res", "v_codes"
 _KERNELS: dict = {}
 
 
-def _get_kernels(backend: str, algo: str = "simt"):
-    key = (backend, algo, FRAG_MIN_BLOCKS if algo == "frag" else 0)
+def _get_kernels(backend: str, algo: str = "simt", min_blocks: int = 0):
+    """(main, merge) kernels; ``min_blocks``: frag's launch bounds (blocks an SM)."""
+    min_blocks = (min_blocks or FRAG_MIN_BLOCKS) if algo == "frag" else 0
+    key = (backend, algo, min_blocks)
     if key not in _KERNELS:
         if backend == "cuda":
             source = {"simt": CUDA_SOURCE, "mma": CUDA_MMA_SOURCE,
@@ -298,10 +300,10 @@ def _get_kernels(backend: str, algo: str = "simt"):
             # which are in the header, must be in the name too
             main = mx.fast.cuda_kernel(
                 name="vq_kivi_decode" + ("" if algo == "simt" else "_" + algo) + (
-                    f"_mb{FRAG_MIN_BLOCKS}" if algo == "frag" else ""),
+                    f"_mb{min_blocks}" if algo == "frag" else ""),
                 input_names=_INPUT_NAMES, output_names=["o_part", "ml_part"],
                 source=source, header=header + (
-                    cuda_frag_bounds(FRAG_NT, FRAG_MIN_BLOCKS) if algo == "frag" else ""))
+                    cuda_frag_bounds(FRAG_NT, min_blocks) if algo == "frag" else ""))
             comb = mx.fast.cuda_kernel(
                 name="vq_kivi_decode_combine", input_names=["o_part", "ml_part"],
                 output_names=["out"], source=CUDA_COMBINE_SOURCE, header=CUDA_HEADER)
@@ -367,23 +369,31 @@ FRAG_KEEP_OFFSET = 1
 #: (128 a warp, batch 8 at 128k): KEEP 1's worst error measured there was 1.6e-4, and it
 #: grows with the tiles
 FRAG_KEEP_MAX_TILES = 256
-#: frag: resident blocks an SM the compiler must allow (launch bounds: the register budget;
-#: 6 -> 168 registers; 7 -> 144 and 8 -> 128 spill, 1.4-2x slower under ncu in session 4,
-#: unconfirmed: kernel names did not carry the bounds then, see the notes' session 5)
-FRAG_MIN_BLOCKS = 6
-#: frag's split target (blocks), by the kv heads of a call (batch x kv heads): 6 blocks an SM
-#: of the H200's 132 below FRAG_MANY_HEADS, 4 from there. With 8 kv heads 792 was fastest
-#: at 32k (4-bit) and 9% slower than 264 at 128k; with 64, 528 took 9-16% less GPU time
-#: than 792 at 4-bit 4k, 32k and 128k, 5% less at 8-bit 32k (benchmarks/chain_timeline.py,
-#: session 5). Between 8 and 64 kv heads not measured; other GPUs not at all.
+#: frag's split target (blocks) and launch bounds (resident blocks an SM the compiler must
+#: allow: the register budget), by the kv heads of a call (batch x kv heads): below
+#: FRAG_MANY_HEADS 792 blocks, 6 an SM of the H200's 132 (168 registers); from there 528,
+#: 4 an SM, bounds 4 (up to 255 registers). Measured (benchmarks/chain_timeline.py,
+#: session 5, main-kernel GPU time): with 8 kv heads 792/6 was fastest at 4-bit 32k (22.7
+#: us; 528/4 23.6) and 9% slower than 264 at 128k; with 64, 528 took 9-16% less than 792 at
+#: 4-bit 4k, 32k and 128k and 5% less at 8-bit 32k, and bounds 4 instead of 6 another 9-10%
+#: at 4-bit 32k and 128k. Between 8 and 64 kv heads not measured; other GPUs not at all.
+#: (Session 4's "7 or 8 blocks an SM spill, 1.4-2x slower" is unconfirmed: kernel names
+#: did not carry the bounds then, see the notes' session 5.)
 FRAG_TARGET_BLOCKS = 792
+FRAG_MIN_BLOCKS = 6
 FRAG_TARGET_BLOCKS_MANY_HEADS = 528
+FRAG_MIN_BLOCKS_MANY_HEADS = 4
 FRAG_MANY_HEADS = 32
 
 
 def frag_target_blocks(BH: int) -> int:
     """The frag kernel's default split target for a call over ``BH`` kv heads."""
     return FRAG_TARGET_BLOCKS_MANY_HEADS if BH >= FRAG_MANY_HEADS else FRAG_TARGET_BLOCKS
+
+
+def frag_launch_bounds(BH: int) -> int:
+    """The frag kernel's launch bounds (blocks an SM) for a call over ``BH`` kv heads."""
+    return FRAG_MIN_BLOCKS_MANY_HEADS if BH >= FRAG_MANY_HEADS else FRAG_MIN_BLOCKS
 
 
 def _frag_tile(bits: int) -> int:
@@ -561,7 +571,7 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
                       ("v_scales", v_scales), ("v_biases", v_biases), ("v_res", v_res)):
         if arr.dtype != dt:
             raise ValueError(f"{name} has dtype {arr.dtype}, queries {dt}: must match")
-    main, comb = _get_kernels(backend, algo)
+    main, comb = _get_kernels(backend, algo, frag_launch_bounds(B * H))
     init = float("nan") if poison else None
     nt = _NT
     if algo == "frag":

@@ -47,8 +47,9 @@ register budget).
 Checked on an H200 against the float32 reference (benchmarks/results/fused_attention.md):
 runs 7-9 (before the tail and split-plan changes of session 4), worst relative error
 2.8e-5; run 11 (session 4's code, KEEP 1), 25 of 25 configurations of the check, worst
-8.0e-5; run 13 (this code: session 5 changed only the split target), 25 of 25, worst
-6.6e-5.
+8.0e-5; run 14 (this code: session 5 changed only the split target and launch bounds),
+25 of 25, worst 1.1e-4; the launch bounds of many kv heads (4) over the same shapes and
+batch 8 at 128k: worst 1.6e-4 (benchmarks/frag_variants.py --check --long).
 That check covers every 4- and 8-bit configuration and 2-bit group 64; 2-bit group 32
 ran on the GPU only with this session's code before its last change (the key scales'
 copies; benchmarks/frag_variants.py --check, KEEP 0, 1 and 3), 2-bit group 128 only in
