@@ -317,6 +317,18 @@ def test_frag_plan_covers_every_token_once(n_kq, n_vq, T, BH, bits):
         assert ns == max(ns_tail, 1) and tail0 == 0
 
 
+@pytest.mark.parametrize("BH", [1, 8, 31, 32, 64, 512])
+def test_frag_split_target_fits_one_wave_of_its_launch_bounds(BH):
+    """The plan's one wave must fit the blocks the launch bounds keep resident on the
+    H200's 132 SMs (528 blocks with bounds 4 from 32 kv heads, 792 with 6 below): a target
+    above it would put blocks in a second wave; the tail chunks' own blocks count too."""
+    assert kd.frag_target_blocks(BH) <= 132 * kd.frag_launch_bounds(BH)
+    for T in (4096, 32768, 131072):
+        ns = kd._frag_launch_args(mx.float16, 128, 4, 4, 64, 4, T - 64, 64, T - 128, 128, BH,
+                                  0.1, kd.frag_target_blocks(BH))[0]
+        assert ns * BH <= max(132 * kd.frag_launch_bounds(BH), BH)
+
+
 def test_frag_keeps_offsets_only_where_a_block_sums_few_tiles():
     """KEEP's error grows with the tiles a warp sums (1.6e-4 at 128 a warp on the H200 with
     KEEP 1): past FRAG_KEEP_MAX_TILES a block, the launch takes exact codes (KEEP 0); an
