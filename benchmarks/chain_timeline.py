@@ -2,8 +2,8 @@
 
 In decoding a layer's attention waits for the layer before, so `fused_attention.py` also
 times chains (each call's queries are the previous call's output). This script runs such
-a chain of N calls of the frag kernel (a copy that writes %globaltimer at each block's
-start and end) followed by the merge kernel, as `kivi_decode_attention_cuda` does, and
+a chain of N calls of the frag kernel (frag_timeline.py's copy, which writes %globaltimer
+at each block's start and end) followed by the merge kernel, as `kivi_decode_attention_cuda` does, and
 the same for a one-block copy kernel (the floor of a custom-kernel call), then prints per
 call: the main kernel's span on the GPU (first block start to last block end), the time
 from its end to the next call's first block (the merge kernel and two launch gaps), and
@@ -25,21 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fused_attention as fa  # noqa: E402
 import mlx.core as mx  # noqa: E402
+from frag_timeline import stamped_kernel  # noqa: E402
 import numpy as np  # noqa: E402
 
 kd = fa.kd
-_FIRST = "  const int g = lane >> 2;\n"
 _TIMER = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"({}));\n'
-_START = "  unsigned long long vq_t0;\n  " + _TIMER.format("vq_t0")
-_END = r"""
-  __syncthreads();
-  if (tid == 0) {
-    unsigned long long vq_t1;
-    """ + _TIMER.format("vq_t1") + r"""
-    stamps[((size_t)bh * NS + split) * 2] = vq_t0;
-    stamps[((size_t)bh * NS + split) * 2 + 1] = vq_t1;
-  }
-"""
 _COPY = r"""
   unsigned long long vq_t0;
   """ + _TIMER.format("vq_t0") + r"""
@@ -49,23 +39,10 @@ _COPY = r"""
   if (threadIdx.x == 0) {
     unsigned long long vq_t1;
     """ + _TIMER.format("vq_t1") + r"""
-    stamps[0] = vq_t0;
+    stamps[0] = vq_t0;  // as the frag kernel's stamps: 4 a block, start and end first
     stamps[1] = vq_t1;
   }
 """
-
-
-def stamped_kernel(min_blocks):
-    """The frag kernel with block stamps, built with launch bounds ``min_blocks``."""
-    src = kd.CUDA_FRAG_SOURCE
-    assert src.count(_FIRST) == 1
-    src = src.replace(_FIRST, _START + _FIRST) + _END
-    header = (kd.CUDA_HEADER + kd.CUDA_FOLDED_HEADER + kd.CUDA_FRAG_HEADER
-              + kd.cuda_frag_bounds(kd.FRAG_NT, min_blocks))
-    return mx.fast.cuda_kernel(name=f"vq_kivi_decode_frag_chain_stamped_mb{min_blocks}",
-                               input_names=kd._INPUT_NAMES,
-                               output_names=["o_part", "ml_part", "stamps"],
-                               source=src, header=header)
 
 
 def copy_kernel(extra_inputs=(), extra_outputs=()):
@@ -89,7 +66,7 @@ def frag_step(kernel, sets, bits, G, target=None):
         o_part, ml_part, st = kernel(
             inputs=[q, kc, ks, kb, kr, vc, vs, vb, vr, params], template=template,
             grid=(ns * kd.FRAG_NT, B * H, 1), threadgroup=(kd.FRAG_NT, 1, 1),
-            output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2), (B * H * ns * 2,)],
+            output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2), (B * H * ns * 4,)],
             output_dtypes=[mx.float32, mx.float32, mx.uint64])
         return kd._merge("cuda", comb, o_part, ml_part, q.shape, q.dtype), st
     return step
@@ -104,7 +81,7 @@ def copy_step(kernel, sets=None, scratch=0, twice=False):
     def step(q, i):
         extra = [] if sets is None else [*(a for a in sets[i % len(sets)][1]
                                            if isinstance(a, mx.array)), small]
-        shapes, dtypes = [q.shape, (2,)], [q.dtype, mx.uint64]
+        shapes, dtypes = [q.shape, (4,)], [q.dtype, mx.uint64]
         if scratch:
             shapes.append((scratch,))
             dtypes.append(mx.float32)
@@ -132,7 +109,7 @@ def chain(step, q0, n, reps=5):
         mx.eval(q, *stamps)
         mx.synchronize()
         walls.append((time.perf_counter() - t) / n * 1e6)
-    spans = [(int(a[0::2].min()), int(a[1::2].max())) for a in map(np.array, stamps)]
+    spans = [(int(a[0::4].min()), int(a[1::4].max())) for a in map(np.array, stamps)]
     return statistics.median(walls), spans
 
 

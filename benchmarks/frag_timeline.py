@@ -45,15 +45,16 @@ _END = r"""
 
 
 def stamped_kernel(min_blocks):
+    """The frag kernel (launch bounds ``min_blocks``) with an extra output ``stamps``: 4
+    uint64 a block at (kv head * blocks + block) * 4: start, end (%globaltimer, ns), SM,
+    end of the tiles (blocks with tail chunks)."""
     src = kd.CUDA_FRAG_SOURCE
     assert src.count(_FIRST) == 1 and src.count(_TAIL) == 1
     src = src.replace(_FIRST, _T0 + _FIRST).replace(_TAIL, _TM + _TAIL) + _END
-    header = (kd.CUDA_HEADER + kd.CUDA_FOLDED_HEADER + kd.CUDA_FRAG_HEADER
-              + kd.cuda_frag_bounds(kd.FRAG_NT, min_blocks))
     return mx.fast.cuda_kernel(name=f"vq_kivi_decode_frag_stamped_mb{min_blocks}",
                                input_names=kd._INPUT_NAMES,
                                output_names=["o_part", "ml_part", "stamps"],
-                               source=src, header=header)
+                               source=src, header=kd.cuda_header(min_blocks))
 
 
 def run(kernel, q, cache, bits, G, target, calls=10):

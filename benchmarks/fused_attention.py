@@ -224,18 +224,19 @@ def check(quick: bool):
 # ----------------------------------------------------------------------------------
 
 
-def time_batches(make, n_sets, min_batch_s=3e-3, reps=7):
-    """Median seconds per call; make(i) builds one lazy call on input set i."""
-    mx.eval([make(i) for i in range(n_sets)])  # warm-up (compile, allocate)
+def _time_per_call(build, n_sets, min_batch_s, reps):
+    """(median seconds per call, spread) of build(n), n lazy calls evaluated at once: a
+    warm-up, an estimate that sizes n so a batch lasts >= min_batch_s, reps batches."""
+    mx.eval(build(n_sets))  # warm-up (compile, allocate)
     mx.synchronize()
     t = time.perf_counter()
-    mx.eval([make(i) for i in range(n_sets)])
+    mx.eval(build(n_sets))
     mx.synchronize()
     est = max((time.perf_counter() - t) / n_sets, 1e-6)
     n = int(min(4000, max(n_sets, math.ceil(min_batch_s / est))))
     times = []
     for _ in range(reps):
-        outs = [make(i % n_sets) for i in range(n)]
+        outs = build(n)
         mx.synchronize()
         t = time.perf_counter()
         mx.eval(outs)
@@ -243,6 +244,12 @@ def time_batches(make, n_sets, min_batch_s=3e-3, reps=7):
         times.append((time.perf_counter() - t) / n)
         del outs
     return statistics.median(times), (max(times) - min(times)) / statistics.median(times)
+
+
+def time_batches(make, n_sets, min_batch_s=3e-3, reps=7):
+    """Median seconds per call; make(i) builds one lazy call on input set i."""
+    return _time_per_call(lambda n: [make(i % n_sets) for i in range(n)], n_sets,
+                          min_batch_s, reps)
 
 
 def time_chain(step, n_sets, q0, min_batch_s=2e-2, reps=7):
@@ -259,23 +266,7 @@ def time_chain(step, n_sets, q0, min_batch_s=2e-2, reps=7):
             q = step(q, i % n_sets)
         return q
 
-    mx.eval(chain(n_sets))  # warm-up
-    mx.synchronize()
-    t = time.perf_counter()
-    mx.eval(chain(n_sets))
-    mx.synchronize()
-    est = max((time.perf_counter() - t) / n_sets, 1e-6)
-    n = int(min(4000, max(n_sets, math.ceil(min_batch_s / est))))
-    times = []
-    for _ in range(reps):
-        out = chain(n)
-        mx.synchronize()
-        t = time.perf_counter()
-        mx.eval(out)
-        mx.synchronize()
-        times.append((time.perf_counter() - t) / n)
-        del out
-    return statistics.median(times), (max(times) - min(times)) / statistics.median(times)
+    return _time_per_call(chain, n_sets, min_batch_s, reps)
 
 
 def copy_bandwidth():
@@ -447,7 +438,7 @@ def table(quick: bool, contexts=(4096, 32768, 131072), batches=(1, 8)):
                 gbs = pb / t_k / 1e9
                 otxt = ", ".join(f"{a} {times[a][0] * 1e6:.1f} / {times[a][2] * 1e6:.1f} chained"
                                  for a in others)
-                rows.append((bits, T, B, default, t_k, otxt, pb, gbs, t_sdpa, t_kc, t_sdpa_c))
+                rows.append((bits, T, B, default, t_k, otxt, pb, t_sdpa, t_kc, t_sdpa_c))
                 log(f"  bits={bits} B={B} T={T:6d}: fused {default} {t_k * 1e6:8.1f} us  "
                     f"{pb / 1e6:8.1f} MB  {gbs:7.0f} GB/s  ({gbs / 1e3 / ROOFLINE_TBS:.0%} of "
                     f"{ROOFLINE_TBS} TB/s)  SDPA/fused {t_sdpa / t_k:5.2f}x  "
@@ -483,7 +474,7 @@ def render(n_ok, n_fail, worst, bw, sw, rows):
         g = pb / t / 1e9
         return f"{g:.0f} ({g / 1e3 / ROOFLINE_TBS:.0%})"
 
-    for bits, T, B, dal, t_k, otxt, pb, gbs, t_s, t_kc, t_sc in sorted(
+    for bits, T, B, dal, t_k, otxt, pb, t_s, t_kc, t_sc in sorted(
             rows, key=lambda r: (r[0], r[2], r[1])):
         md.append(f"| {bits} | {T // 1024}k | {B} | {dal} | {pb / 1e6:.1f} | {t_k * 1e6:.1f} | "
                   f"{gb(t_k, pb)} | {t_s * 1e6:.1f} | {t_s / t_k:.2f}x | {t_kc * 1e6:.1f} | "

@@ -287,6 +287,13 @@ _INPUT_NAMES = ["queries", "k_codes", "k_scales", "k_biases", "k_res", "v_codes"
 _KERNELS: dict = {}
 
 
+def cuda_header(min_blocks: int = 0) -> str:
+    """The CUDA kernels' shared header; with ``min_blocks``, ending in the frag kernel's
+    launch bounds (:func:`cuda_frag_bounds`)."""
+    header = CUDA_HEADER + CUDA_FOLDED_HEADER + CUDA_FRAG_HEADER
+    return header + (cuda_frag_bounds(FRAG_NT, min_blocks) if min_blocks else "")
+
+
 def _get_kernels(backend: str, algo: str = "simt", min_blocks: int = 0):
     """(main, merge) kernels; ``min_blocks``: frag's launch bounds (blocks an SM)."""
     min_blocks = (min_blocks or FRAG_MIN_BLOCKS) if algo == "frag" else 0
@@ -295,15 +302,13 @@ def _get_kernels(backend: str, algo: str = "simt", min_blocks: int = 0):
         if backend == "cuda":
             source = {"simt": CUDA_SOURCE, "mma": CUDA_MMA_SOURCE,
                       "folded": CUDA_FOLDED_SOURCE, "frag": CUDA_FRAG_SOURCE}[algo]
-            header = CUDA_HEADER + CUDA_FOLDED_HEADER + CUDA_FRAG_HEADER
             # MLX caches a compiled kernel by its name (and template): the launch bounds,
             # which are in the header, must be in the name too
             main = mx.fast.cuda_kernel(
                 name="vq_kivi_decode" + ("" if algo == "simt" else "_" + algo) + (
                     f"_mb{min_blocks}" if algo == "frag" else ""),
                 input_names=_INPUT_NAMES, output_names=["o_part", "ml_part"],
-                source=source, header=header + (
-                    cuda_frag_bounds(FRAG_NT, min_blocks) if algo == "frag" else ""))
+                source=source, header=cuda_header(min_blocks))
             comb = mx.fast.cuda_kernel(
                 name="vq_kivi_decode_combine", input_names=["o_part", "ml_part"],
                 output_names=["out"], source=CUDA_COMBINE_SOURCE, header=CUDA_HEADER)
