@@ -52,28 +52,25 @@ def stamped_kernel(min_blocks):
     assert src.count(_FIRST) == 1 and src.count(_TAIL) == 1
     src = src.replace(_FIRST, _T0 + _FIRST).replace(_TAIL, _TM + _TAIL) + _END
     return mx.fast.cuda_kernel(name=f"vq_kivi_decode_frag_stamped_mb{min_blocks}",
-                               input_names=kd._INPUT_NAMES,
+                               input_names=kd.FRAG_INPUT_NAMES,
                                output_names=["o_part", "ml_part", "stamps"],
                                source=src, header=kd.cuda_header(min_blocks))
 
 
-def run(kernel, q, cache, bits, G, target, calls=10):
-    kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = cache
-    B, Hq, _, D = q.shape
-    H = kc.shape[1]
-    ns, params, template, tail0, ns_tail = kd._frag_launch_args(
-        q.dtype, D, Hq // H, bits, G, kc.shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
-        D ** -0.5, target)
+def run(kernel, q, cache, bits, G, target, calls=10, dynamic=None):
+    """The last of ``calls`` calls' stamps (kv head, block, 4) and the blocks with tail
+    chunks."""
+    BH = q.shape[0] * cache[0].shape[1]
     # only the last call's stamps are read: MLX's CUDA memory is managed, and a buffer the
     # CPU has read faults back to the GPU when a later call reuses it (blocks that wrote
     # there ran ~5x longer)
     for _ in range(calls):
-        outs = kernel(inputs=[q, kc, ks, kb, kr, vc, vs, vb, vr, params], template=template,
-                      grid=(ns * kd.FRAG_NT, B * H, 1), threadgroup=(kd.FRAG_NT, 1, 1),
-                      output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2), (B * H * ns * 4,)],
-                      output_dtypes=[mx.float32, mx.float32, mx.uint64])
+        outs, ns, tail0, ns_tail = kd.frag_call(
+            kernel, q, cache, scale=q.shape[3] ** -0.5, bits=bits, group_size=G,
+            target_blocks=target, dynamic=dynamic,
+            extra_outputs=lambda ns: [((BH * ns * 4,), mx.uint64)])
         mx.eval(outs)
-    return np.array(outs[2]).reshape(B * H, ns, 4), slice(tail0, tail0 + ns_tail)
+    return np.array(outs[2]).reshape(BH, ns, 4), slice(tail0, tail0 + ns_tail)
 
 
 def summarize(st, tails):
@@ -135,6 +132,8 @@ def main():
     ap.add_argument("--target", type=int, nargs="+", default=None,
                     help="split targets (default: the dispatcher's for the batch)")
     ap.add_argument("--keep", type=int, default=kd.FRAG_KEEP_OFFSET, choices=(0, 1, 2, 3))
+    ap.add_argument("--queue", type=int, default=None, choices=(0, 1),
+                    help="1 / 0: work stealing or none (default: the dispatcher's choice)")
     args = ap.parse_args()
     H, R, D, G = 8, 4, 128, 64
     try:
@@ -155,9 +154,9 @@ def main():
         mx.eval(q, *[a for a in cache if isinstance(a, mx.array)])
         del K, V
         for target in args.target or [kd.frag_target_blocks(B * H)]:
-            st, tails = run(kernel, q, cache, args.bits, G, target)
+            st, tails = run(kernel, q, cache, args.bits, G, target, dynamic=args.queue)
             fa.log(f"\n{args.bits}-bit B={B} T={args.context} residual {n_kres},{n_vres} "
-                   f"target {target} keep {args.keep} launch bounds "
+                   f"target {target} keep {args.keep} queue {args.queue} launch bounds "
                    f"{kd.frag_launch_bounds(B * H)}: grid {st.shape[1]} x {st.shape[0]}")
             summarize(st, tails)
 

@@ -17,9 +17,10 @@ times the whole call against its main kernel alone and MLX's one-kernel floor:
         python3 benchmarks/frag_variants.py --profile --calls 3 > ncu.csv
     python3 benchmarks/frag_variants.py --ncu-csv ncu.csv --calls 3
 
-A variant is ``keep,min_blocks,target`` (KEEP of the frag kernel, its launch-bound
-blocks per SM, its split target); ``--variants`` takes them separated by
-spaces, the first being the baseline.
+A variant is ``keep,min_blocks,target[,queue]`` (KEEP of the frag kernel, its launch-bound
+blocks per SM, its split target, and 1 / 0 for the work queue at every batch / none;
+without it, the dispatcher's choice); ``--variants`` takes them separated by spaces, the
+first being the baseline.
 """
 
 from __future__ import annotations
@@ -44,23 +45,33 @@ CHECK_CASES = [  # bits, group, gqa, n_kq (a multiple of the group), n_kres, n_v
 
 def parse(v: str):
     try:
-        keep, mb, target = (int(x) for x in v.split(","))
+        keep, mb, target, *queue = (int(x) for x in v.split(","))
     except ValueError:
-        raise SystemExit(f"--variants: {v!r} is not keep,min_blocks,target (three integers)")
-    if keep not in (0, 1, 2, 3) or mb < 1 or target < 1:
-        raise SystemExit(f"--variants: {v!r}: keep must be 0-3, min_blocks and target >= 1")
-    return keep, mb, target
+        queue = [None, None]
+    if len(queue) > 1:
+        raise SystemExit(f"--variants: {v!r} is not keep,min_blocks,target[,queue] (three "
+                         "or four integers)")
+    if keep not in (0, 1, 2, 3) or mb < 1 or target < 1 or queue[:1] not in ([], [0], [1]):
+        raise SystemExit(f"--variants: {v!r}: keep must be 0-3, min_blocks and target >= 1, "
+                         "queue 0 or 1")
+    return keep, mb, target, (queue or [None])[0]
 
 
 def label(v) -> str:
-    keep, mb, target = v
-    return f"keep {keep}, {mb} blocks/SM, target {target}"
+    keep, mb, target, queue = v
+    return f"keep {keep}, {mb} blocks/SM, target {target}" + (
+        "" if queue is None else ", queue" if queue else ", no queue")
+
+
+_DYNAMIC_HEADS = kd.FRAG_DYNAMIC_HEADS
 
 
 def apply(v):
-    """Make v the frag kernel's build (its launch bounds for every batch); its target."""
-    kd.FRAG_KEEP_OFFSET, mb, target = v
+    """Make v the frag kernel's build (its launch bounds for every batch, the work queue);
+    its target."""
+    kd.FRAG_KEEP_OFFSET, mb, target, queue = v
     kd.FRAG_MIN_BLOCKS = kd.FRAG_MIN_BLOCKS_MANY_HEADS = mb
+    kd.FRAG_DYNAMIC_HEADS = _DYNAMIC_HEADS if queue is None else 1 if queue else 1 << 30
     return target
 
 
@@ -107,17 +118,9 @@ def shapes_data(B, T, bits=4, G=64, D=128):
 
 def main_kernel_only(q, cache, kw, target):
     """The frag kernel's launch of kd._launch without the merge kernel (lazy)."""
-    kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = cache
-    B, Hq, _, D = q.shape
-    H = kc.shape[1]
-    ns, params, template, _, _ = kd._frag_launch_args(
-        q.dtype, D, Hq // H, kw["bits"], kw["group_size"], kc.shape[3], n_kq, n_kres, n_vq,
-        n_vres, B * H, kw["scale"], target)
-    main, _ = kd._get_kernels("cuda", "frag", kd.frag_launch_bounds(B * H))
-    return main(inputs=[q, kc, ks, kb, kr, vc, vs, vb, vr, params], template=template,
-                grid=(ns * kd.FRAG_NT, B * H, 1), threadgroup=(kd.FRAG_NT, 1, 1),
-                output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
-                output_dtypes=[mx.float32, mx.float32])[0]
+    BH = q.shape[0] * cache[0].shape[1]
+    main, _ = kd._get_kernels("cuda", "frag", kd.frag_launch_bounds(BH))
+    return kd.frag_call(main, q, cache, **kw, target_blocks=target)[0][0]
 
 
 def overheads(shapes, reps=5):

@@ -284,6 +284,8 @@ def kivi_decode_attention_qmm(queries, k_codes, k_scales, k_biases, n_kq, k_res,
 
 _INPUT_NAMES = ["queries", "k_codes", "k_scales", "k_biases", "k_res", "v_codes",
                 "v_scales", "v_biases", "v_res", "params"]
+#: frag's inputs: the others' and a 64-bit counter per block (work stealing, DYN 1)
+FRAG_INPUT_NAMES = _INPUT_NAMES + ["tile_queue"]
 _KERNELS: dict = {}
 
 
@@ -307,7 +309,8 @@ def _get_kernels(backend: str, algo: str = "simt", min_blocks: int = 0):
             main = mx.fast.cuda_kernel(
                 name="vq_kivi_decode" + ("" if algo == "simt" else "_" + algo) + (
                     f"_mb{min_blocks}" if algo == "frag" else ""),
-                input_names=_INPUT_NAMES, output_names=["o_part", "ml_part"],
+                input_names=FRAG_INPUT_NAMES if algo == "frag" else _INPUT_NAMES,
+                output_names=["o_part", "ml_part"],
                 source=source, header=cuda_header(min_blocks))
             comb = mx.fast.cuda_kernel(
                 name="vq_kivi_decode_combine", input_names=["o_part", "ml_part"],
@@ -389,6 +392,9 @@ FRAG_MIN_BLOCKS = 6
 FRAG_TARGET_BLOCKS_MANY_HEADS = 528
 FRAG_MIN_BLOCKS_MANY_HEADS = 4
 FRAG_MANY_HEADS = 32
+#: frag: from this many kv heads a call, warps that run out of tiles steal them from other
+#: blocks of their kv head (DYN 1 of the kernel) instead of stopping
+FRAG_DYNAMIC_HEADS = 32
 
 
 def frag_target_blocks(BH: int) -> int:
@@ -399,6 +405,11 @@ def frag_target_blocks(BH: int) -> int:
 def frag_launch_bounds(BH: int) -> int:
     """The frag kernel's launch bounds (blocks an SM) for a call over ``BH`` kv heads."""
     return FRAG_MIN_BLOCKS_MANY_HEADS if BH >= FRAG_MANY_HEADS else FRAG_MIN_BLOCKS
+
+
+def frag_dynamic(BH: int) -> bool:
+    """Whether the frag kernel's warps steal tiles from other blocks of their kv head."""
+    return BH >= FRAG_DYNAMIC_HEADS
 
 
 def _frag_tile(bits: int) -> int:
@@ -443,12 +454,16 @@ def _frag_plan(n_kq, n_vq, T, BH, bits, target_blocks):
 
 
 def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n_kres, n_vq,
-                      n_vres, BH, scale, target_blocks, keep=None):
+                      n_vres, BH, scale, target_blocks, keep=None, dynamic=None):
     """What a launch of the frag kernel takes besides its buffers: (blocks per kv head,
     params, template, first block with tail chunks, tail chunks). ``key_words``: the
     capacity of a key code row (16-byte copies where it is a multiple of 4); ``keep``:
     KEEP (default FRAG_KEEP_OFFSET, or 0 where a block has more than FRAG_KEEP_MAX_TILES
-    tiles: the error of kept offsets grows with the tiles a warp sums)."""
+    tiles: the error of kept offsets grows with the tiles a warp sums; a warp that steals
+    tiles takes at most as many as a block has); ``dynamic``: DYN, work stealing (default
+    :func:`frag_dynamic`; never without tiles)."""
+    dynamic = frag_dynamic(BH) if dynamic is None else dynamic
+    dynamic = bool(dynamic) and min(n_kq, n_vq) >= _frag_tile(bits)
     t_fast, ns_tail, ns, tps, tail0 = _frag_plan(n_kq, n_vq, n_kq + n_kres, BH, bits,
                                                  target_blocks)
     if keep is None:
@@ -456,8 +471,47 @@ def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n
     params = _params(n_kq, n_kres, n_vq, n_vres, scale, tps, t_fast, ns_tail, tail0)
     template = [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
                 ("GQA", gqa), ("NT", FRAG_NT), ("KVEC", 4 if key_words % 4 == 0 else 1),
-                ("KEEP", int(keep))]
+                ("KEEP", int(keep)), ("DYN", int(dynamic))]
     return ns, params, template, tail0, ns_tail
+
+
+_STILL_QUEUE: list = []
+
+
+def frag_queue(BH: int, ns: int, template) -> mx.array:
+    """The frag kernel's ``tile_queue`` input: a fresh zeroed 64-bit word per block (two
+    uint32) where its warps share work through them (DYN 1; reused words would be raced
+    by concurrent calls), else one word it never reads."""
+    if dict(template)["DYN"]:
+        return mx.zeros((BH * ns * 2,), dtype=mx.uint32)
+    if not _STILL_QUEUE:
+        _STILL_QUEUE.append(mx.zeros((1,), dtype=mx.uint32))
+    return _STILL_QUEUE[0]
+
+
+def frag_call(kernel, queries, cache, *, scale, bits, group_size, target_blocks=None,
+              keep=None, dynamic=None, extra_outputs=None, init=None):
+    """A lazy launch of the frag main kernel ``kernel`` (its partials, before the merge):
+    ``cache`` the 12 cache arguments of :func:`kivi_decode_attention`, ``extra_outputs``
+    a function of the blocks per kv head giving (shape, dtype) of outputs after the
+    partials (the timelines' stamps). Returns (outputs, blocks per kv head, first block
+    with tail chunks, tail chunks)."""
+    kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = cache
+    B, Hq, _, D = queries.shape
+    H = kc.shape[1]
+    if target_blocks is None:
+        target_blocks = frag_target_blocks(B * H)
+    ns, params, template, tail0, ns_tail = _frag_launch_args(
+        queries.dtype, D, Hq // H, bits, group_size, kc.shape[3], n_kq, n_kres, n_vq, n_vres,
+        B * H, scale, int(target_blocks), keep, dynamic)
+    extra = extra_outputs(ns) if extra_outputs else []
+    outs = kernel(
+        inputs=[queries, kc, ks, kb, kr, vc, vs, vb, vr, params,
+                frag_queue(B * H, ns, template)],
+        template=template, grid=(ns * FRAG_NT, B * H, 1), threadgroup=(FRAG_NT, 1, 1),
+        output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2), *(s for s, _ in extra)],
+        output_dtypes=[mx.float32, mx.float32, *(d for _, d in extra)], init_value=init)
+    return outs, ns, tail0, ns_tail
 
 
 def _default_chunk(algo: str, bits: int) -> int:
@@ -578,36 +632,36 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
             raise ValueError(f"{name} has dtype {arr.dtype}, queries {dt}: must match")
     main, comb = _get_kernels(backend, algo, frag_launch_bounds(B * H))
     init = float("nan") if poison else None
-    nt = _NT
+    out_dtype = dt if out_dtype is None else out_dtype
     if algo == "frag":
         if _mode:
             raise ValueError("the frag kernel has no stage-skipping modes")
-        nt = FRAG_NT
-        ns, params, template, _, _ = _frag_launch_args(
-            dt, D, R, bits, group_size, k_codes.shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
-            scale, target_blocks)
+        (o_part, ml_part), _, _, _ = frag_call(
+            main, queries, (k_codes, k_scales, k_biases, n_kq, k_res, n_kres, v_codes,
+                            v_scales, v_biases, n_vq, v_res, n_vres),
+            scale=scale, bits=bits, group_size=group_size, target_blocks=target_blocks,
+            init=init)
+        return _merge(backend, comb, o_part, ml_part, (B, Hq, 1, D), out_dtype, init)
+    ns, cpb = _plan(T, B * H, chunk, target_blocks)
+    params = _params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
+    template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
+                ("GQA", R), ("CHUNK", chunk), ("NT", _NT)]
+    if algo == "folded":
+        if _mode:
+            raise ValueError("the folded kernel has no stage-skipping modes")
+        # 16-byte copies of key rows only where every row starts 16-byte aligned
+        template.append(("KVEC", 4 if k_codes.shape[3] % 4 == 0 else 1))
     else:
-        ns, cpb = _plan(T, B * H, chunk, target_blocks)
-        params = _params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
-        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
-                    ("GQA", R), ("CHUNK", chunk), ("NT", _NT)]
-        if algo == "folded":
-            if _mode:
-                raise ValueError("the folded kernel has no stage-skipping modes")
-            # 16-byte copies of key rows only where every row starts 16-byte aligned
-            template.append(("KVEC", 4 if k_codes.shape[3] % 4 == 0 else 1))
-        else:
-            template += [("TW", tw), ("KUNROLL", kunroll), ("VUNROLL", vunroll),
-                         ("MODE", int(_mode))]
+        template += [("TW", tw), ("KUNROLL", kunroll), ("VUNROLL", vunroll),
+                     ("MODE", int(_mode))]
     o_part, ml_part = main(
         inputs=[queries, k_codes, k_scales, k_biases, k_res, v_codes, v_scales, v_biases,
                 v_res, params],
         template=template,
-        grid=(ns * nt, B * H, 1), threadgroup=(nt, 1, 1),
+        grid=(ns * _NT, B * H, 1), threadgroup=(_NT, 1, 1),
         output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
         output_dtypes=[mx.float32, mx.float32], init_value=init)
-    return _merge(backend, comb, o_part, ml_part, (B, Hq, 1, D),
-                  dt if out_dtype is None else out_dtype, init)
+    return _merge(backend, comb, o_part, ml_part, (B, Hq, 1, D), out_dtype, init)
 
 
 def _merge(backend, comb, o_part, ml_part, out_shape, odt, init=None):

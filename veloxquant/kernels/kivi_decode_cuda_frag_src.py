@@ -39,9 +39,10 @@ two warps), KVEC (4: key rows 16-byte aligned; 1: 4-byte copies), KEEP (which co
 their float16 offset of 1024 into the products: 0 none, exact; 1 the codes 4 or more
 bits up their byte, whose unit is at least 16, so the float32 sums lose ~6 bits of it
 instead of ~10 (none at 8 bits); 2 every key code and the values as in 1; 3 every
-code; over the bound where a warp sums many tiles). ``params`` adds to the counts of the other kernels: tiles per block, the first tail
-token (a multiple of the tile), the number of tail chunks and the first block that takes
-them. The header of this kernel ends with :func:`cuda_frag_bounds` (launch bounds: the
+code; over the bound where a warp sums many tiles), DYN (0: a warp's tiles are fixed; 1:
+work stealing through ``tile_queue``, below). ``params`` adds to the counts of the other
+kernels: tiles per block, the first tail token (a multiple of the tile), the number of
+tail chunks and the first block that takes them. The header of this kernel ends with :func:`cuda_frag_bounds` (launch bounds: the
 register budget).
 
 Checked on an H200 against the float32 reference (benchmarks/results/fused_attention.md):
@@ -155,10 +156,45 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
 
   {
     // ---- tiles: whole key and value words, tensor cores
-    // ---- tiles: whole key and value words, tensor cores
     const int n_tiles = t_fast / TT;
     const int k_begin = split * cpb;
     const int k_end = min(k_begin + cpb, n_tiles);
+    // The warp's tiles. DYN 0: k_begin + warp, + NW, ... DYN 1 (work stealing): its first
+    // tile is k_begin + warp; the block's warps take the rest of its tiles from the front,
+    // one at a time, through a 64-bit word of the caller's zeroed ``tile_queue`` (low half:
+    // tiles taken from the front after the first NW, high half: from the back); a warp
+    // whose block has none left takes single tiles from the back of the next blocks of its
+    // kv head, so that warps which run faster do more (blocks of equal work ran 74-142 us
+    // at batch 8, 32k) while a block still reads one run of tiles. Lane 0 asks a tile
+    // ahead; the answer is read when the tile after is due. A warp takes at most cpb
+    // tiles (the bound KEEP is chosen for); the owners finish their block regardless.
+    unsigned long long* words =
+        reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(tile_queue)) + (size_t)bh * NS;
+    const int n_tile_blocks = (n_tiles + cpb - 1) / cpb;
+    int victim = split;              // the block whose word the next ask goes to
+    int taken = 1;                   // tiles the warp holds or has done
+    unsigned long long asked = 0;    // lane 0: the word before its ask
+    auto ask = [&]() {
+      if (lane == 0) asked = atomicAdd(words + victim, victim == split ? 1ull : 1ull << 32);
+    };
+    auto answer = [&]() -> int {  // the tile the ask got, or -1
+      const unsigned long long a = __shfl_sync(0xffffffffu, asked, 0);
+      const int front = (int)(a & 0xffffffffu), back = (int)(a >> 32);
+      const int vb = victim * cpb, ve = min(vb + cpb, n_tiles);
+      if (NW + front + back >= ve - vb) return -1;
+      return victim == split ? vb + NW + front : ve - 1 - back;
+    };
+    auto next_tile = [&]() -> int {  // the answer, else a tile stolen from the next blocks
+      int t = answer();
+      while (t < 0) {
+        victim = victim + 1 == n_tile_blocks ? 0 : victim + 1;
+        if (victim == split || taken >= cpb) return -1;
+        ask();
+        t = answer();
+      }
+      ++taken;
+      return t;
+    };
     for (int i = tid; i < KS * 32; i += NT) {
       // row g of the A fragments and column g of the value B fragments: query head hh
       const int gg = (i & 31) >> 2;
@@ -253,13 +289,21 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
     const int gcol = KGT > 1 ? (g * PACK) / GROUP : 0;      // key group of B column g
     const int gk = KGT > 1 ? (2 * q4 * PACK) / GROUP : 0;   // key group of C columns
 
-    int k = k_begin + warp;
-    if (k < k_end) {
+    int k = k_begin + warp < k_end ? k_begin + warp : -1;
+    int k_next = k >= 0 && k + NW < k_end ? k + NW : -1;
+    if (k >= 0) {
       issue_keys(k);
       issue_values(k);
+      if constexpr (DYN) {
+        ask();
+        k_next = next_tile();
+      }
     }
-    for (; k < k_end; k += NW) {
-      const bool next = k + NW < k_end;
+    while (k >= 0) {
+      const bool next = k_next >= 0;
+      // DYN: ask for the tile after the next one (from another block: within the bound)
+      const bool asking = DYN && next && (victim == split || taken < cpb);
+      if (asking) ask();
       vqk_cp_wait<1>();  // this tile's keys (its values may still be in flight)
       const size_t s0 = kscale0 + (k * TT) / GROUP;
 #pragma unroll
@@ -337,7 +381,7 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
         }
       }
       __syncwarp();  // the key buffer is read: copy the next tile's keys
-      if (next) issue_keys(k + NW);
+      if (next) issue_keys(k_next);
 
       // 2. online softmax (base 2) over the tile
       float sc[PACK][2];
@@ -443,7 +487,12 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
         }
       }
       __syncwarp();  // the value buffer is read: copy the next tile's values
-      if (next) issue_values(k + NW);
+      if (next) issue_values(k_next);
+      k = k_next;
+      if constexpr (DYN)
+        k_next = asking ? next_tile() : -1;
+      else
+        k_next = k_next >= 0 && k_next + NW < k_end ? k_next + NW : -1;
     }
 
     // ---- the warp's partial: sums over the quad, bias term, hi + lo columns
