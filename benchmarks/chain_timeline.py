@@ -11,8 +11,8 @@ the host's wall time per call, whose excess over the two is time the GPU spent i
 
     python3 benchmarks/chain_timeline.py --batch 1 8
     python3 benchmarks/chain_timeline.py --batch 8 --variants "1,528 1,792"  # split targets
-    python3 benchmarks/chain_timeline.py --batch 8 --variants "1,528,4,0"  # without the queue
     python3 benchmarks/chain_timeline.py --batch 1 --probe  # host cost of custom kernels
+    python3 benchmarks/chain_timeline.py --batch 8 --tail-first 0  # tail after the tiles
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def copy_kernel(extra_inputs=(), extra_outputs=()):
         source=_COPY)
 
 
-def frag_step(kernel, sets, bits, G, target=None, dynamic=None):
+def frag_step(kernel, sets, bits, G, target=None):
     """One lazy call (q -> out, stamps) on input set i: the frag kernel, then the merge."""
     comb = kd._get_kernels("cuda", "frag")[1]
 
@@ -62,8 +62,7 @@ def frag_step(kernel, sets, bits, G, target=None, dynamic=None):
         BH = q.shape[0] * cache[0].shape[1]
         (o_part, ml_part, st), _, _, _ = kd.frag_call(
             kernel, q, cache, scale=q.shape[3] ** -0.5, bits=bits, group_size=G,
-            target_blocks=target, dynamic=dynamic,
-            extra_outputs=lambda ns: [((BH * ns * 4,), mx.uint64)])
+            target_blocks=target, extra_outputs=lambda ns: [((BH * ns * 4,), mx.uint64)])
         return kd._merge("cuda", comb, o_part, ml_part, q.shape, q.dtype), st
     return step
 
@@ -128,18 +127,19 @@ def main():
     ap.add_argument("--probe", action="store_true",
                     help="also time copy kernels with the frag call's output sizes / twice")
     ap.add_argument("--variants", default=None,
-                    help="also time these frag variants, keep,target[,min_blocks[,queue]] "
-                         "separated by spaces (KEEP of the kernel, split target, launch-bound "
-                         "blocks, 1 / 0: the work queue or none)")
+                    help="also time these frag variants, keep,target[,min_blocks] separated "
+                         "by spaces (KEEP of the kernel, split target, launch-bound blocks)")
+    ap.add_argument("--tail-first", type=int, nargs="*", default=[], choices=(0, 1),
+                    help="also time the defaults with TAIL_FIRST forced to each of these")
     args = ap.parse_args()
     try:
         variants = [tuple(int(x) for x in v.split(",")) for v in (args.variants or "").split()]
     except ValueError:
         variants = [()]
-    if any(len(v) not in (2, 3, 4) or v[0] not in (0, 1, 2, 3) or min(v[1:3]) < 1
-           or v[3:] not in ((), (0,), (1,)) for v in variants):
-        raise SystemExit(f"--variants: {args.variants!r} is not keep,target[,min_blocks"
-                         "[,queue]] (keep 0-3, queue 0-1, the others >= 1) separated by spaces")
+    if any(len(v) not in (2, 3) or v[0] not in (0, 1, 2, 3) or min(v[1:]) < 1
+           for v in variants):
+        raise SystemExit(f"--variants: {args.variants!r} is not keep,target[,min_blocks] "
+                         "(keep 0-3, the others >= 1) separated by spaces")
     mx.set_default_device(mx.gpu)
     G = 64
     cp = copy_kernel()
@@ -150,17 +150,21 @@ def main():
         sets, _ = fa.timing_sets(B, args.context, args.bits, G)
         q0 = sets[0][0]
         mb0 = kd.frag_launch_bounds(B * 8)  # timing_sets: 8 kv heads
-        report(f"frag (defaults: target {kd.frag_target_blocks(B * 8)}, launch bounds {mb0}, "
-               f"queue {int(kd.frag_dynamic(B * 8))}) + merge kernel",
-               *chain(frag_step(stamped_kernel(mb0), sets, args.bits, G), q0, args.calls))
+        report(f"frag (defaults: target {kd.frag_target_blocks(B * 8)}, launch bounds {mb0})"
+               " + merge kernel", *chain(frag_step(stamped_kernel(mb0), sets, args.bits, G),
+                                         q0, args.calls))
+        for tail_first in args.tail_first:
+            kd.FRAG_TAIL_FIRST = bool(tail_first)
+            report(f"frag defaults with TAIL_FIRST {tail_first} + merge kernel",
+                   *chain(frag_step(stamped_kernel(mb0), sets, args.bits, G), q0, args.calls))
+            kd.FRAG_TAIL_FIRST = None
         default_keep = kd.FRAG_KEEP_OFFSET
-        for keep, target, *rest in variants:
+        for keep, target, *mb in variants:
             kd.FRAG_KEEP_OFFSET = keep
-            mb = rest[0] if rest else mb0
-            dyn = bool(rest[1]) if len(rest) > 1 else kd.frag_dynamic(B * 8)
-            report(f"frag KEEP {keep} target {target} launch bounds {mb} queue {int(dyn)} "
-                   "+ merge kernel", *chain(frag_step(stamped_kernel(mb), sets, args.bits, G,
-                                                      target, dyn), q0, args.calls))
+            mb = mb[0] if mb else mb0
+            report(f"frag KEEP {keep} target {target} launch bounds {mb} + merge kernel",
+                   *chain(frag_step(stamped_kernel(mb), sets, args.bits, G, target), q0,
+                          args.calls))
         kd.FRAG_KEEP_OFFSET = default_keep
         report("copy kernel (one block)", *chain(copy_step(cp), q0, args.calls))
         report("copy kernel, given the frag kernel's inputs too", *chain(

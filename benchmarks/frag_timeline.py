@@ -23,11 +23,10 @@ import numpy as np  # noqa: E402
 
 kd = fa.kd
 _FIRST = "  const int g = lane >> 2;\n"
-_T0 = ('  unsigned long long vq_t0;\n'
+_T0 = ('  unsigned long long vq_t0, vq_tm = 0;\n'
        '  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(vq_t0));\n')
-_TAIL = "  if (split >= tail0 && split - tail0 < ns_tail) {\n"
-_TM = ('  unsigned long long vq_tm;\n'
-       '  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(vq_tm));\n')
+_TILES = "    for (; k < k_end; k += NW) {\n"
+_TM = '    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(vq_tm));\n'
 _END = r"""
   __syncthreads();
   if (tid == 0) {
@@ -47,17 +46,17 @@ _END = r"""
 def stamped_kernel(min_blocks):
     """The frag kernel (launch bounds ``min_blocks``) with an extra output ``stamps``: 4
     uint64 a block at (kv head * blocks + block) * 4: start, end (%globaltimer, ns), SM,
-    end of the tiles (blocks with tail chunks)."""
+    start of the first warp's tiles (after the tail chunks, in blocks with some)."""
     src = kd.CUDA_FRAG_SOURCE
-    assert src.count(_FIRST) == 1 and src.count(_TAIL) == 1
-    src = src.replace(_FIRST, _T0 + _FIRST).replace(_TAIL, _TM + _TAIL) + _END
+    assert src.count(_FIRST) == 1 and src.count(_TILES) == 1
+    src = src.replace(_FIRST, _T0 + _FIRST).replace(_TILES, _TM + _TILES) + _END
     return mx.fast.cuda_kernel(name=f"vq_kivi_decode_frag_stamped_mb{min_blocks}",
-                               input_names=kd.FRAG_INPUT_NAMES,
+                               input_names=kd._INPUT_NAMES,
                                output_names=["o_part", "ml_part", "stamps"],
                                source=src, header=kd.cuda_header(min_blocks))
 
 
-def run(kernel, q, cache, bits, G, target, calls=10, dynamic=None):
+def run(kernel, q, cache, bits, G, target, calls=10):
     """The last of ``calls`` calls' stamps (kv head, block, 4) and the blocks with tail
     chunks."""
     BH = q.shape[0] * cache[0].shape[1]
@@ -67,8 +66,7 @@ def run(kernel, q, cache, bits, G, target, calls=10, dynamic=None):
     for _ in range(calls):
         outs, ns, tail0, ns_tail = kd.frag_call(
             kernel, q, cache, scale=q.shape[3] ** -0.5, bits=bits, group_size=G,
-            target_blocks=target, dynamic=dynamic,
-            extra_outputs=lambda ns: [((BH * ns * 4,), mx.uint64)])
+            target_blocks=target, extra_outputs=lambda ns: [((BH * ns * 4,), mx.uint64)])
         mx.eval(outs)
     return np.array(outs[2]).reshape(BH, ns, 4), slice(tail0, tail0 + ns_tail)
 
@@ -92,8 +90,8 @@ def summarize(st, tails):
                "(min/p10/median/p90/max)")
     tm = (st[:, tails, 3].astype(np.int64) - base) / 1e3
     if tm.size:
-        tail = (t1[:, tails] - tm).ravel()
-        fa.log("  time from the tiles' end to the block's end in blocks with tail chunks: "
+        tail = (tm - t0[:, tails]).ravel()
+        fa.log("  time from the block's start to its tiles' start in blocks with tail chunks: "
                + "/".join(f"{np.percentile(tail, p):.1f}" for p in (0, 10, 50, 90, 100)) + " us")
     sm = st[:, :, 2].ravel()
     busy = []
@@ -132,8 +130,6 @@ def main():
     ap.add_argument("--target", type=int, nargs="+", default=None,
                     help="split targets (default: the dispatcher's for the batch)")
     ap.add_argument("--keep", type=int, default=kd.FRAG_KEEP_OFFSET, choices=(0, 1, 2, 3))
-    ap.add_argument("--queue", type=int, default=None, choices=(0, 1),
-                    help="1 / 0: work stealing or none (default: the dispatcher's choice)")
     args = ap.parse_args()
     H, R, D, G = 8, 4, 128, 64
     try:
@@ -154,9 +150,9 @@ def main():
         mx.eval(q, *[a for a in cache if isinstance(a, mx.array)])
         del K, V
         for target in args.target or [kd.frag_target_blocks(B * H)]:
-            st, tails = run(kernel, q, cache, args.bits, G, target, dynamic=args.queue)
+            st, tails = run(kernel, q, cache, args.bits, G, target)
             fa.log(f"\n{args.bits}-bit B={B} T={args.context} residual {n_kres},{n_vres} "
-                   f"target {target} keep {args.keep} queue {args.queue} launch bounds "
+                   f"target {target} keep {args.keep} launch bounds "
                    f"{kd.frag_launch_bounds(B * H)}: grid {st.shape[1]} x {st.shape[0]}")
             summarize(st, tails)
 

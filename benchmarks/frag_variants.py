@@ -17,10 +17,9 @@ times the whole call against its main kernel alone and MLX's one-kernel floor:
         python3 benchmarks/frag_variants.py --profile --calls 3 > ncu.csv
     python3 benchmarks/frag_variants.py --ncu-csv ncu.csv --calls 3
 
-A variant is ``keep,min_blocks,target[,queue]`` (KEEP of the frag kernel, its launch-bound
-blocks per SM, its split target, and 1 / 0 for the work queue at every batch / none;
-without it, the dispatcher's choice); ``--variants`` takes them separated by spaces, the
-first being the baseline.
+A variant is ``keep,min_blocks,target`` (KEEP of the frag kernel, its launch-bound
+blocks per SM, its split target); ``--variants`` takes them separated by
+spaces, the first being the baseline.
 """
 
 from __future__ import annotations
@@ -45,33 +44,23 @@ CHECK_CASES = [  # bits, group, gqa, n_kq (a multiple of the group), n_kres, n_v
 
 def parse(v: str):
     try:
-        keep, mb, target, *queue = (int(x) for x in v.split(","))
+        keep, mb, target = (int(x) for x in v.split(","))
     except ValueError:
-        queue = [None, None]
-    if len(queue) > 1:
-        raise SystemExit(f"--variants: {v!r} is not keep,min_blocks,target[,queue] (three "
-                         "or four integers)")
-    if keep not in (0, 1, 2, 3) or mb < 1 or target < 1 or queue[:1] not in ([], [0], [1]):
-        raise SystemExit(f"--variants: {v!r}: keep must be 0-3, min_blocks and target >= 1, "
-                         "queue 0 or 1")
-    return keep, mb, target, (queue or [None])[0]
+        raise SystemExit(f"--variants: {v!r} is not keep,min_blocks,target (three integers)")
+    if keep not in (0, 1, 2, 3) or mb < 1 or target < 1:
+        raise SystemExit(f"--variants: {v!r}: keep must be 0-3, min_blocks and target >= 1")
+    return keep, mb, target
 
 
 def label(v) -> str:
-    keep, mb, target, queue = v
-    return f"keep {keep}, {mb} blocks/SM, target {target}" + (
-        "" if queue is None else ", queue" if queue else ", no queue")
-
-
-_DYNAMIC_HEADS = kd.FRAG_DYNAMIC_HEADS
+    keep, mb, target = v
+    return f"keep {keep}, {mb} blocks/SM, target {target}"
 
 
 def apply(v):
-    """Make v the frag kernel's build (its launch bounds for every batch, the work queue);
-    its target."""
-    kd.FRAG_KEEP_OFFSET, mb, target, queue = v
+    """Make v the frag kernel's build (its launch bounds for every batch); its target."""
+    kd.FRAG_KEEP_OFFSET, mb, target = v
     kd.FRAG_MIN_BLOCKS = kd.FRAG_MIN_BLOCKS_MANY_HEADS = mb
-    kd.FRAG_DYNAMIC_HEADS = _DYNAMIC_HEADS if queue is None else 1 if queue else 1 << 30
     return target
 
 

@@ -315,29 +315,6 @@ def test_frag_plan_covers_every_token_once(n_kq, n_vq, T, BH, bits):
         assert tail0 or (tile_blocks + ns_tail) * BH > target
     else:
         assert ns == max(ns_tail, 1) and tail0 == 0
-    # work stealing (DYN) leaves the plan as it is, and needs tiles
-    template = kd._frag_launch_args(mx.float16, 128, 4, bits, 64, 4, n_kq, T - n_kq, n_vq,
-                                    T - n_vq, BH, 0.1, target, dynamic=True)[2]
-    assert dict(template)["DYN"] == (n_tiles > 0)
-
-
-def test_frag_work_stealing_from_many_kv_heads():
-    """Stealing is the default from FRAG_DYNAMIC_HEADS kv heads a call; its words (64 bits
-    a block) are a fresh zeroed array per call (reused ones would be raced by concurrent
-    calls), while a call without it gets one word, always the same."""
-    def launch(BH, **kw):
-        return kd._frag_launch_args(mx.float16, 128, 4, 4, 64, 4, 32704, 64, 32640, 128, BH,
-                                    0.1, kd.frag_target_blocks(BH), **kw)
-    for BH in (1, 8, kd.FRAG_DYNAMIC_HEADS - 1, kd.FRAG_DYNAMIC_HEADS, 64):
-        assert dict(launch(BH)[2])["DYN"] == (BH >= kd.FRAG_DYNAMIC_HEADS) == kd.frag_dynamic(BH)
-    assert dict(launch(8, dynamic=True)[2])["DYN"]
-    assert not dict(launch(64, dynamic=False)[2])["DYN"]
-    ns, _, template, _, _ = launch(64)
-    q1, q2 = kd.frag_queue(64, ns, template), kd.frag_queue(64, ns, template)
-    assert q1 is not q2 and q1.shape == (64 * ns * 2,) and q1.dtype == mx.uint32
-    assert not mx.any(q1).item()
-    ns, _, template, _, _ = launch(8)
-    assert kd.frag_queue(8, ns, template) is kd.frag_queue(8, ns, template)
 
 
 @pytest.mark.parametrize("BH", [1, 8, 31, 32, 64, 512])
@@ -516,19 +493,6 @@ static inline float __shfl_sync(unsigned, float v, int src) {
   int t = threadIdx.x; xbuf[t] = v; w_bar[t / 32]->arrive_and_wait();
   float r = xbuf[(t & ~31) + src]; w_bar[t / 32]->arrive_and_wait(); return r;
 }
-static int ibuf[1024];
-static inline int __shfl_sync(unsigned, int v, int src) {
-  int t = threadIdx.x; ibuf[t] = v; w_bar[t / 32]->arrive_and_wait();
-  int r = ibuf[(t & ~31) + src]; w_bar[t / 32]->arrive_and_wait(); return r;
-}
-static unsigned long long ubuf[1024];
-static inline unsigned long long __shfl_sync(unsigned, unsigned long long v, int src) {
-  int t = threadIdx.x; ubuf[t] = v; w_bar[t / 32]->arrive_and_wait();
-  unsigned long long r = ubuf[(t & ~31) + src]; w_bar[t / 32]->arrive_and_wait(); return r;
-}
-static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
-  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
-}
 // tensor-core helpers, emulated: every lane posts its fragments, then computes its own
 // accumulators from the whole warp's (PTX m16n8k16 .row.col layouts)
 #define VQK_EMULATION 1
@@ -596,7 +560,7 @@ def _emu_function(name, source, inputs, outputs, template):
 
 
 def _emulate_cuda(args, *, scale, bits, group_size, chunk, target, variant, workdir,
-                  algo="simt", keep=0, dynamic=False):
+                  algo="simt", keep=0):
     q, kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = args
     B, Hq, _, D = q.shape
     H = kc.shape[1]
@@ -605,7 +569,7 @@ def _emulate_cuda(args, *, scale, bits, group_size, chunk, target, variant, work
         nt = kd.FRAG_NT
         ns, params, frag_template, _, _ = kd._frag_launch_args(
             None, D, Hq // H, bits, group_size, kc.shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
-            scale, target, keep=keep, dynamic=dynamic)
+            scale, target, keep=keep)
         cpb = int(params[5].item())
     else:
         ns, cpb = kd._plan(n_kq + n_kres, B * H, chunk, target)
@@ -615,8 +579,7 @@ def _emulate_cuda(args, *, scale, bits, group_size, chunk, target, variant, work
            ("k_biases", dt, kb), ("k_res", dt, kr), ("v_codes", "uint32", vc),
            ("v_scales", dt, vs), ("v_biases", dt, vb), ("v_res", dt, vr),
            ("params", "int32", params)]
-    if algo == "frag":  # blocks run one after another here: the first ones steal the most
-        ins.append(("tile_queue", "uint32", kd.frag_queue(B * H, ns, frag_template)))
+    if algo == "frag":
         template = [(k, dt if k == "T" else v) for k, v in frag_template]
     elif algo == "folded":
         template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
@@ -713,38 +676,33 @@ def _gxx_can_emulate() -> bool:
                      marks=pytest.mark.slow),
         pytest.param("frag", 8, 2, 32, 512, 37, 131, None, 4, None,  # four groups a tile
                      marks=pytest.mark.slow),
-        # frag with work stealing (DYN 1): 30 tiles a kv head in 4 blocks of 8, at most 8
-        # a warp. Blocks run one at a time here, so block 0's warps take their 8 tiles,
-        # block 1's last 6 and block 2's last 2 (then they hold 8 each: the bound); block
-        # 1's warps their first two, then the last 4 of blocks 2 and 3; blocks 2 and 3 find
-        # their tiles taken after their first ones
-        ("frag", 4, 4, 64, 2048, 37, 131, None, 8, "dyn"),
-        pytest.param("frag", 3, 8, 32, 1024, 37, 100, None, 4, "dyn",
+        # tail chunks in the tile blocks go first by default; after the tiles on demand
+        pytest.param("frag", 4, 4, 64, 512, 37, 131, None, 4, "tail-last",
                      marks=pytest.mark.slow),
     ],
 )
-def test_cuda_source_emulated_on_cpu(tmp_path, algo, R, bits, G, n_kq, n_kres, n_vres, chunk,
-                                     target, variant):
+def test_cuda_source_emulated_on_cpu(tmp_path, monkeypatch, algo, R, bits, G, n_kq, n_kres,
+                                     n_vres, chunk, target, variant):
     if not _gxx_can_emulate():
         pytest.skip("SKIPPED LOUDLY: no g++ with C++20 <barrier> and _Float16: the CUDA "
                     "source is not emulated on this machine")
     args, _, _ = make_case(B=1, H=2, R=R, bits=bits, G=G, n_kq=n_kq, n_kres=n_kres,
                            n_vres=n_vres, dtype=mx.float16)
     kw = _kw(128, bits, G)
-    keep, dynamic = 0, False
+    keep = 0
     if algo == "frag":
-        dynamic = variant == "dyn"
         if variant == "pad-key-words":  # key rows no longer 16-byte aligned: 4-byte copies
             a = list(args)
             a[1] = mx.concatenate([a[1], mx.zeros((*a[1].shape[:3], 1), mx.uint32)], -1)
             assert a[1].shape[3] % 4
             args = tuple(a)
+        if variant == "tail-last":
+            monkeypatch.setattr(kd, "FRAG_TAIL_FIRST", False)
         if variant and variant.startswith("keep-"):
             keep = int(variant.split("-")[1])
         variant = None
     out, ns, cpb = _emulate_cuda(args, **kw, chunk=chunk, target=target, variant=variant,
-                                 workdir=str(tmp_path), algo=algo, keep=keep,
-                                 dynamic=dynamic)
+                                 workdir=str(tmp_path), algo=algo, keep=keep)
     assert np.isfinite(out).all(), "emulated kernel left outputs unwritten"
     ref = kd.kivi_decode_attention_reference(args[0].astype(mx.float32), *args[1:], **kw)
     # simt: float32 throughout; mma: float16 operands (dequantized K/V, q, p), so about

@@ -284,8 +284,6 @@ def kivi_decode_attention_qmm(queries, k_codes, k_scales, k_biases, n_kq, k_res,
 
 _INPUT_NAMES = ["queries", "k_codes", "k_scales", "k_biases", "k_res", "v_codes",
                 "v_scales", "v_biases", "v_res", "params"]
-#: frag's inputs: the others' and a 64-bit counter per block (work stealing, DYN 1)
-FRAG_INPUT_NAMES = _INPUT_NAMES + ["tile_queue"]
 _KERNELS: dict = {}
 
 
@@ -309,8 +307,7 @@ def _get_kernels(backend: str, algo: str = "simt", min_blocks: int = 0):
             main = mx.fast.cuda_kernel(
                 name="vq_kivi_decode" + ("" if algo == "simt" else "_" + algo) + (
                     f"_mb{min_blocks}" if algo == "frag" else ""),
-                input_names=FRAG_INPUT_NAMES if algo == "frag" else _INPUT_NAMES,
-                output_names=["o_part", "ml_part"],
+                input_names=_INPUT_NAMES, output_names=["o_part", "ml_part"],
                 source=source, header=cuda_header(min_blocks))
             comb = mx.fast.cuda_kernel(
                 name="vq_kivi_decode_combine", input_names=["o_part", "ml_part"],
@@ -377,6 +374,9 @@ FRAG_KEEP_OFFSET = 1
 #: (128 a warp, batch 8 at 128k): KEEP 1's worst error measured there was 1.6e-4, and it
 #: grows with the tiles
 FRAG_KEEP_MAX_TILES = 256
+#: frag: whether tail chunks that share a block with tiles go before them (TAIL_FIRST);
+#: None: wherever they do (the tiles' blocks hold the tail when it has none of its own)
+FRAG_TAIL_FIRST = None
 #: frag's split target (blocks) and launch bounds (resident blocks an SM the compiler must
 #: allow: the register budget), by the kv heads of a call (batch x kv heads): below
 #: FRAG_MANY_HEADS 792 blocks, 6 an SM of the H200's 132 (168 registers); from there 528,
@@ -392,9 +392,6 @@ FRAG_MIN_BLOCKS = 6
 FRAG_TARGET_BLOCKS_MANY_HEADS = 528
 FRAG_MIN_BLOCKS_MANY_HEADS = 4
 FRAG_MANY_HEADS = 32
-#: frag: from this many kv heads a call, warps that run out of tiles steal them from other
-#: blocks of their kv head (DYN 1 of the kernel) instead of stopping
-FRAG_DYNAMIC_HEADS = 32
 
 
 def frag_target_blocks(BH: int) -> int:
@@ -407,11 +404,6 @@ def frag_launch_bounds(BH: int) -> int:
     return FRAG_MIN_BLOCKS_MANY_HEADS if BH >= FRAG_MANY_HEADS else FRAG_MIN_BLOCKS
 
 
-def frag_dynamic(BH: int) -> bool:
-    """Whether the frag kernel's warps steal tiles from other blocks of their kv head."""
-    return BH >= FRAG_DYNAMIC_HEADS
-
-
 def _frag_tile(bits: int) -> int:
     """Tokens in a frag tile: one packed word per lane and row, 8 lanes across."""
     return 8 * (32 // bits)
@@ -422,7 +414,8 @@ def _frag_shared_bytes(head_dim, gqa, bits, group_size) -> int:
     nw, tt = FRAG_NT // 32, _frag_tile(bits)
     kgt, dg = max(1, tt // group_size), head_dim // group_size
     return (2 * nw * 8 * head_dim * 4 + nw * kgt * head_dim * 8 + nw * dg * (tt + 8) * 8
-            + (head_dim // 16) * 32 * 16 + 2 * nw * gqa * 4)
+            + (head_dim // 16) * 32 * 16 + 2 * nw * gqa * 4
+            + nw * gqa * (head_dim + 2) * 4)  # the tail's partials
 
 
 def _frag_supports(head_dim, gqa, bits, group_size, dtype) -> bool:
@@ -454,43 +447,26 @@ def _frag_plan(n_kq, n_vq, T, BH, bits, target_blocks):
 
 
 def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n_kres, n_vq,
-                      n_vres, BH, scale, target_blocks, keep=None, dynamic=None):
+                      n_vres, BH, scale, target_blocks, keep=None):
     """What a launch of the frag kernel takes besides its buffers: (blocks per kv head,
     params, template, first block with tail chunks, tail chunks). ``key_words``: the
     capacity of a key code row (16-byte copies where it is a multiple of 4); ``keep``:
     KEEP (default FRAG_KEEP_OFFSET, or 0 where a block has more than FRAG_KEEP_MAX_TILES
-    tiles: the error of kept offsets grows with the tiles a warp sums; a warp that steals
-    tiles takes at most as many as a block has); ``dynamic``: DYN, work stealing (default
-    :func:`frag_dynamic`; never without tiles)."""
-    dynamic = frag_dynamic(BH) if dynamic is None else dynamic
-    dynamic = bool(dynamic) and min(n_kq, n_vq) >= _frag_tile(bits)
+    tiles: the error of kept offsets grows with the tiles a warp sums)."""
     t_fast, ns_tail, ns, tps, tail0 = _frag_plan(n_kq, n_vq, n_kq + n_kres, BH, bits,
                                                  target_blocks)
     if keep is None:
         keep = FRAG_KEEP_OFFSET if tps <= FRAG_KEEP_MAX_TILES else 0
+    tail_first = (tail0 == 0 and t_fast > 0) if FRAG_TAIL_FIRST is None else FRAG_TAIL_FIRST
     params = _params(n_kq, n_kres, n_vq, n_vres, scale, tps, t_fast, ns_tail, tail0)
     template = [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
                 ("GQA", gqa), ("NT", FRAG_NT), ("KVEC", 4 if key_words % 4 == 0 else 1),
-                ("KEEP", int(keep)), ("DYN", int(dynamic))]
+                ("KEEP", int(keep)), ("TAIL_FIRST", bool(tail_first))]
     return ns, params, template, tail0, ns_tail
 
 
-_STILL_QUEUE: list = []
-
-
-def frag_queue(BH: int, ns: int, template) -> mx.array:
-    """The frag kernel's ``tile_queue`` input: a fresh zeroed 64-bit word per block (two
-    uint32) where its warps share work through them (DYN 1; reused words would be raced
-    by concurrent calls), else one word it never reads."""
-    if dict(template)["DYN"]:
-        return mx.zeros((BH * ns * 2,), dtype=mx.uint32)
-    if not _STILL_QUEUE:
-        _STILL_QUEUE.append(mx.zeros((1,), dtype=mx.uint32))
-    return _STILL_QUEUE[0]
-
-
 def frag_call(kernel, queries, cache, *, scale, bits, group_size, target_blocks=None,
-              keep=None, dynamic=None, extra_outputs=None, init=None):
+              keep=None, extra_outputs=None, init=None):
     """A lazy launch of the frag main kernel ``kernel`` (its partials, before the merge):
     ``cache`` the 12 cache arguments of :func:`kivi_decode_attention`, ``extra_outputs``
     a function of the blocks per kv head giving (shape, dtype) of outputs after the
@@ -503,11 +479,10 @@ def frag_call(kernel, queries, cache, *, scale, bits, group_size, target_blocks=
         target_blocks = frag_target_blocks(B * H)
     ns, params, template, tail0, ns_tail = _frag_launch_args(
         queries.dtype, D, Hq // H, bits, group_size, kc.shape[3], n_kq, n_kres, n_vq, n_vres,
-        B * H, scale, int(target_blocks), keep, dynamic)
+        B * H, scale, int(target_blocks), keep)
     extra = extra_outputs(ns) if extra_outputs else []
     outs = kernel(
-        inputs=[queries, kc, ks, kb, kr, vc, vs, vb, vr, params,
-                frag_queue(B * H, ns, template)],
+        inputs=[queries, kc, ks, kb, kr, vc, vs, vb, vr, params],
         template=template, grid=(ns * FRAG_NT, B * H, 1), threadgroup=(FRAG_NT, 1, 1),
         output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2), *(s for s, _ in extra)],
         output_dtypes=[mx.float32, mx.float32, *(d for _, d in extra)], init_value=init)

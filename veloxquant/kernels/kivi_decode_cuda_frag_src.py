@@ -39,10 +39,9 @@ two warps), KVEC (4: key rows 16-byte aligned; 1: 4-byte copies), KEEP (which co
 their float16 offset of 1024 into the products: 0 none, exact; 1 the codes 4 or more
 bits up their byte, whose unit is at least 16, so the float32 sums lose ~6 bits of it
 instead of ~10 (none at 8 bits); 2 every key code and the values as in 1; 3 every
-code; over the bound where a warp sums many tiles), DYN (0: a warp's tiles are fixed; 1:
-work stealing through ``tile_queue``, below). ``params`` adds to the counts of the other
-kernels: tiles per block, the first tail token (a multiple of the tile), the number of
-tail chunks and the first block that takes them. The header of this kernel ends with :func:`cuda_frag_bounds` (launch bounds: the
+code; over the bound where a warp sums many tiles). ``params`` adds to the counts of the other kernels: tiles per block, the first tail
+token (a multiple of the tile), the number of tail chunks and the first block that takes
+them. The header of this kernel ends with :func:`cuda_frag_bounds` (launch bounds: the
 register budget).
 
 Checked on an H200 against the float32 reference (benchmarks/results/fused_attention.md):
@@ -143,6 +142,9 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
   constexpr int TTP = TT + 8;  // value scale rows padded: 16 bytes every 2 PACK tokens
   __shared__ __align__(16) float2 vsb_s[NW * DG * TTP];        // [warp][group][token]
   __shared__ __align__(16) float4 qf[KS * 32];  // a lane's q: its head, 4 channels a step
+  // TAIL_FIRST: the warp's tail partial [head][channel] and its (max, sum) per head
+  __shared__ float tail_o[TAIL_FIRST ? NW * GQA * HEAD_DIM : 1];
+  __shared__ float tail_ml[TAIL_FIRST ? NW * GQA * 2 : 1];
   __shared__ float ep_m[NW * GQA];
   __shared__ float ep_l[NW * GQA];
 
@@ -151,50 +153,109 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
   const int t_fast = params[6];
   const int ns_tail = params[7];  // tail chunks
   const int tail0 = params[8];    // the first block that takes tail chunks
+  const bool has_tail = split >= tail0 && split - tail0 < ns_tail;
   // the warp's unnormalized output [head][channel] for the epilogue (its key buffer)
   float* obuf = reinterpret_cast<float*>(kc_s + warp * CW);
+
+  // ---- tail: the block's chunks of TAIL tokens from t_fast (chunks split - tail0, plus
+  //      multiples of NS - tail0), float32 on the CUDA cores, into a warp's (m, l, o); a
+  //      warp takes 4 tokens a round, a lane CPL channels of each. Blocks of their own
+  //      (tail0 = the tile blocks) where they fit in the wave beside the tile blocks, else
+  //      the tile blocks' (tail0 = 0), where with TAIL_FIRST they go before the tiles:
+  //      their loads then fly with the first tile's copies (after the tiles, the tail's
+  //      latency had added 4-18 us to a block at batch 8), and the partial waits in
+  //      tail_o and tail_ml for the tiles' epilogue
+  auto tail_partial = [&](float (&m)[GQA], float (&l)[GQA], float (&o)[GQA][CPL]) {
+    __syncwarp();
+    float qs[GQA][CPL];  // the lane's channels of every head's query
+#pragma unroll
+    for (int r = 0; r < GQA; ++r)
+#pragma unroll
+      for (int x = 0; x < CPL; ++x)
+        qs[r][x] = vqk_to_f(queries[(qrow + r) * HEAD_DIM + lane + 32 * x]) * qscale;
+#pragma unroll
+    for (int r = 0; r < GQA; ++r) {
+      m[r] = -vqk_inf();
+      l[r] = 0.f;
+#pragma unroll
+      for (int x = 0; x < CPL; ++x) o[r][x] = 0.f;
+    }
+    constexpr uint32_t MASK = (1u << BITS) - 1u;
+    for (int chunk = split - tail0; chunk < ns_tail; chunk += NS - tail0) {
+      for (int j0 = 0; j0 < TPW; j0 += 4) {
+        const int tw = t_fast + chunk * TAIL + warp * TPW + j0;  // warp-uniform
+        if (tw >= Tn) break;
+        float kx[4][CPL], vx[4][CPL], s[4][GQA];
+        // The round's 4 tokens share their key words, scales and biases (n_kq is a
+        // multiple of the group, tw of 4, and a word holds >= 4 tokens): one load of each
+        // per channel, not per token. Both sources are read (element 0 of the one not
+        // used): no branch, so that the round's loads are in flight together.
+        const bool kq = tw < n_kq;
+        uint32_t kw[CPL];
+        float ks[CPL], kb[CPL];
+#pragma unroll
+        for (int x = 0; x < CPL; ++x) {
+          const size_t krow = (size_t)bh * HEAD_DIM + lane + 32 * x;
+          kw[x] = k_codes[kq ? krow * CKW + tw / PACK : 0];
+          ks[x] = vqk_to_f(k_scales[kq ? krow * CKG + tw / GROUP : 0]);
+          kb[x] = vqk_to_f(k_biases[kq ? krow * CKG + tw / GROUP : 0]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int t = min(tw + j, Tn - 1);  // past the end: a valid token, masked below
+          const bool vq = t < n_vq;
+#pragma unroll
+          for (int x = 0; x < CPL; ++x) {
+            const int c = lane + 32 * x;
+            const size_t vrow_ = (size_t)bh * CV + t;
+            const float kr =
+                vqk_to_f(k_res[kq ? 0 : ((size_t)bh * CKR + (t - n_kq)) * HEAD_DIM + c]);
+            const uint32_t vw = v_codes[vq ? vrow_ * DW + c / PACK : 0];
+            const float vs = vqk_to_f(v_scales[vq ? vrow_ * DG + c / GROUP : 0]);
+            const float vb = vqk_to_f(v_biases[vq ? vrow_ * DG + c / GROUP : 0]);
+            const float vr =
+                vqk_to_f(v_res[vq ? 0 : ((size_t)bh * CVR + (t - n_vq)) * HEAD_DIM + c]);
+            const uint32_t code = (kw[x] >> (((tw + j) % PACK) * BITS)) & MASK;
+            kx[j][x] = kq ? fmaf(ks[x], (float)code, kb[x]) : kr;
+            vx[j][x] = vq ? fmaf(vs, (float)((vw >> ((c % PACK) * BITS)) & MASK), vb) : vr;
+          }
+#pragma unroll
+          for (int r = 0; r < GQA; ++r) {
+            float d = 0.f;
+#pragma unroll
+            for (int x = 0; x < CPL; ++x) d = fmaf(qs[r][x], kx[j][x], d);
+            s[j][r] = d;
+          }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)  // the 4 x GQA sums side by side
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int r = 0; r < GQA; ++r) s[j][r] += __shfl_xor_sync(0xffffffffu, s[j][r], off);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (tw + j >= Tn) break;
+#pragma unroll
+          for (int r = 0; r < GQA; ++r) {
+            const float mn = fmaxf(m[r], s[j][r]);
+            const float a = exp2f(m[r] - mn);
+            const float p = exp2f(s[j][r] - mn);
+            m[r] = mn;
+            l[r] = fmaf(l[r], a, p);
+#pragma unroll
+            for (int x = 0; x < CPL; ++x) o[r][x] = fmaf(o[r][x], a, p * vx[j][x]);
+          }
+        }
+      }
+    }
+  };
 
   {
     // ---- tiles: whole key and value words, tensor cores
     const int n_tiles = t_fast / TT;
     const int k_begin = split * cpb;
     const int k_end = min(k_begin + cpb, n_tiles);
-    // The warp's tiles. DYN 0: k_begin + warp, + NW, ... DYN 1 (work stealing): its first
-    // tile is k_begin + warp; the block's warps take the rest of its tiles from the front,
-    // one at a time, through a 64-bit word of the caller's zeroed ``tile_queue`` (low half:
-    // tiles taken from the front after the first NW, high half: from the back); a warp
-    // whose block has none left takes single tiles from the back of the next blocks of its
-    // kv head, so that warps which run faster do more (blocks of equal work ran 74-142 us
-    // at batch 8, 32k) while a block still reads one run of tiles. Lane 0 asks a tile
-    // ahead; the answer is read when the tile after is due. A warp takes at most cpb
-    // tiles (the bound KEEP is chosen for); the owners finish their block regardless.
-    unsigned long long* words =
-        reinterpret_cast<unsigned long long*>(const_cast<uint32_t*>(tile_queue)) + (size_t)bh * NS;
-    const int n_tile_blocks = (n_tiles + cpb - 1) / cpb;
-    int victim = split;              // the block whose word the next ask goes to
-    int taken = 1;                   // tiles the warp holds or has done
-    unsigned long long asked = 0;    // lane 0: the word before its ask
-    auto ask = [&]() {
-      if (lane == 0) asked = atomicAdd(words + victim, victim == split ? 1ull : 1ull << 32);
-    };
-    auto answer = [&]() -> int {  // the tile the ask got, or -1
-      const unsigned long long a = __shfl_sync(0xffffffffu, asked, 0);
-      const int front = (int)(a & 0xffffffffu), back = (int)(a >> 32);
-      const int vb = victim * cpb, ve = min(vb + cpb, n_tiles);
-      if (NW + front + back >= ve - vb) return -1;
-      return victim == split ? vb + NW + front : ve - 1 - back;
-    };
-    auto next_tile = [&]() -> int {  // the answer, else a tile stolen from the next blocks
-      int t = answer();
-      while (t < 0) {
-        victim = victim + 1 == n_tile_blocks ? 0 : victim + 1;
-        if (victim == split || taken >= cpb) return -1;
-        ask();
-        t = answer();
-      }
-      ++taken;
-      return t;
-    };
     for (int i = tid; i < KS * 32; i += NT) {
       // row g of the A fragments and column g of the value B fragments: query head hh
       const int gg = (i & 31) >> 2;
@@ -289,21 +350,27 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
     const int gcol = KGT > 1 ? (g * PACK) / GROUP : 0;      // key group of B column g
     const int gk = KGT > 1 ? (2 * q4 * PACK) / GROUP : 0;   // key group of C columns
 
-    int k = k_begin + warp < k_end ? k_begin + warp : -1;
-    int k_next = k >= 0 && k + NW < k_end ? k + NW : -1;
-    if (k >= 0) {
+    int k = k_begin + warp;
+    if (k < k_end) {
       issue_keys(k);
       issue_values(k);
-      if constexpr (DYN) {
-        ask();
-        k_next = next_tile();
+    }
+    if (TAIL_FIRST && has_tail) {
+      float m[GQA], l[GQA], o[GQA][CPL];
+      tail_partial(m, l, o);
+#pragma unroll
+      for (int r = 0; r < GQA; ++r) {
+#pragma unroll
+        for (int x = 0; x < CPL; ++x)
+          tail_o[(warp * GQA + r) * HEAD_DIM + lane + 32 * x] = o[r][x];
+        if (lane == 0) {
+          tail_ml[(warp * GQA + r) * 2] = m[r];
+          tail_ml[(warp * GQA + r) * 2 + 1] = l[r];
+        }
       }
     }
-    while (k >= 0) {
-      const bool next = k_next >= 0;
-      // DYN: ask for the tile after the next one (from another block: within the bound)
-      const bool asking = DYN && next && (victim == split || taken < cpb);
-      if (asking) ask();
+    for (; k < k_end; k += NW) {
+      const bool next = k + NW < k_end;
       vqk_cp_wait<1>();  // this tile's keys (its values may still be in flight)
       const size_t s0 = kscale0 + (k * TT) / GROUP;
 #pragma unroll
@@ -381,7 +448,7 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
         }
       }
       __syncwarp();  // the key buffer is read: copy the next tile's keys
-      if (next) issue_keys(k_next);
+      if (next) issue_keys(k + NW);
 
       // 2. online softmax (base 2) over the tile
       float sc[PACK][2];
@@ -487,12 +554,7 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
         }
       }
       __syncwarp();  // the value buffer is read: copy the next tile's values
-      if (next) issue_values(k_next);
-      k = k_next;
-      if constexpr (DYN)
-        k_next = asking ? next_tile() : -1;
-      else
-        k_next = k_next >= 0 && k_next + NW < k_end ? k_next + NW : -1;
+      if (next) issue_values(k + NW);
     }
 
     // ---- the warp's partial: sums over the quad, bias term, hi + lo columns
@@ -538,97 +600,21 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
         }
   }
 
-  // ---- tail: the block's chunks of TAIL tokens from t_fast (chunks split - tail0, plus
-  //      multiples of NS - tail0), float32 on the CUDA cores, merged into the warp's
-  //      partial; a warp takes 4 tokens a round, a lane CPL channels of each. Blocks of
-  //      their own (tail0 = the tile blocks) where they fit in the wave beside the tile
-  //      blocks, else the tile blocks' (tail0 = 0)
-  if (split >= tail0 && split - tail0 < ns_tail) {
-    __syncwarp();
-    float qs[GQA][CPL];  // the lane's channels of every head's query
-#pragma unroll
-    for (int r = 0; r < GQA; ++r)
-#pragma unroll
-      for (int x = 0; x < CPL; ++x)
-        qs[r][x] = vqk_to_f(queries[(qrow + r) * HEAD_DIM + lane + 32 * x]) * qscale;
+  // ---- the tail's partial into the warp's (written above by the tiles, empty if none)
+  if (has_tail) {
     float m[GQA], l[GQA], o[GQA][CPL];
+    if constexpr (TAIL_FIRST) {
+      __syncwarp();
 #pragma unroll
-    for (int r = 0; r < GQA; ++r) {
-      m[r] = -vqk_inf();
-      l[r] = 0.f;
+      for (int r = 0; r < GQA; ++r) {
+        m[r] = tail_ml[(warp * GQA + r) * 2];
+        l[r] = tail_ml[(warp * GQA + r) * 2 + 1];
 #pragma unroll
-      for (int x = 0; x < CPL; ++x) o[r][x] = 0.f;
-    }
-    constexpr uint32_t MASK = (1u << BITS) - 1u;
-    for (int chunk = split - tail0; chunk < ns_tail; chunk += NS - tail0) {
-      for (int j0 = 0; j0 < TPW; j0 += 4) {
-        const int tw = t_fast + chunk * TAIL + warp * TPW + j0;  // warp-uniform
-        if (tw >= Tn) break;
-        float kx[4][CPL], vx[4][CPL], s[4][GQA];
-        // The round's 4 tokens share their key words, scales and biases (n_kq is a
-        // multiple of the group, tw of 4, and a word holds >= 4 tokens): one load of each
-        // per channel, not per token. Both sources are read (element 0 of the one not
-        // used): no branch, so that the round's loads are in flight together.
-        const bool kq = tw < n_kq;
-        uint32_t kw[CPL];
-        float ks[CPL], kb[CPL];
-#pragma unroll
-        for (int x = 0; x < CPL; ++x) {
-          const size_t krow = (size_t)bh * HEAD_DIM + lane + 32 * x;
-          kw[x] = k_codes[kq ? krow * CKW + tw / PACK : 0];
-          ks[x] = vqk_to_f(k_scales[kq ? krow * CKG + tw / GROUP : 0]);
-          kb[x] = vqk_to_f(k_biases[kq ? krow * CKG + tw / GROUP : 0]);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int t = min(tw + j, Tn - 1);  // past the end: a valid token, masked below
-          const bool vq = t < n_vq;
-#pragma unroll
-          for (int x = 0; x < CPL; ++x) {
-            const int c = lane + 32 * x;
-            const size_t vrow_ = (size_t)bh * CV + t;
-            const float kr =
-                vqk_to_f(k_res[kq ? 0 : ((size_t)bh * CKR + (t - n_kq)) * HEAD_DIM + c]);
-            const uint32_t vw = v_codes[vq ? vrow_ * DW + c / PACK : 0];
-            const float vs = vqk_to_f(v_scales[vq ? vrow_ * DG + c / GROUP : 0]);
-            const float vb = vqk_to_f(v_biases[vq ? vrow_ * DG + c / GROUP : 0]);
-            const float vr =
-                vqk_to_f(v_res[vq ? 0 : ((size_t)bh * CVR + (t - n_vq)) * HEAD_DIM + c]);
-            const uint32_t code = (kw[x] >> (((tw + j) % PACK) * BITS)) & MASK;
-            kx[j][x] = kq ? fmaf(ks[x], (float)code, kb[x]) : kr;
-            vx[j][x] = vq ? fmaf(vs, (float)((vw >> ((c % PACK) * BITS)) & MASK), vb) : vr;
-          }
-#pragma unroll
-          for (int r = 0; r < GQA; ++r) {
-            float d = 0.f;
-#pragma unroll
-            for (int x = 0; x < CPL; ++x) d = fmaf(qs[r][x], kx[j][x], d);
-            s[j][r] = d;
-          }
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)  // the 4 x GQA sums side by side
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int r = 0; r < GQA; ++r) s[j][r] += __shfl_xor_sync(0xffffffffu, s[j][r], off);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (tw + j >= Tn) break;
-#pragma unroll
-          for (int r = 0; r < GQA; ++r) {
-            const float mn = fmaxf(m[r], s[j][r]);
-            const float a = exp2f(m[r] - mn);
-            const float p = exp2f(s[j][r] - mn);
-            m[r] = mn;
-            l[r] = fmaf(l[r], a, p);
-#pragma unroll
-            for (int x = 0; x < CPL; ++x) o[r][x] = fmaf(o[r][x], a, p * vx[j][x]);
-          }
-        }
+        for (int x = 0; x < CPL; ++x) o[r][x] = tail_o[(warp * GQA + r) * HEAD_DIM + lane + 32 * x];
       }
+    } else {
+      tail_partial(m, l, o);
     }
-    // into the warp's partial (written above by the tiles, empty if it had none)
 #pragma unroll
     for (int r = 0; r < GQA; ++r) {
       const float mw = ep_m[warp * GQA + r];
