@@ -167,12 +167,18 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
   //      tail_o and tail_ml for the tiles' epilogue
   auto tail_partial = [&](float (&m)[GQA], float (&l)[GQA], float (&o)[GQA][CPL]) {
     __syncwarp();
-    float qs[GQA][CPL];  // the lane's channels of every head's query
+    // the lane's channels of every head's query (times qscale), read back from qf: head r
+    // is row r of the A fragments, channel c component (c & 1) + 2 ((c & 15) >= 8) of the
+    // float4 of lane 4 r + (c & 7) / 2 of key step c / 16
+    float qs[GQA][CPL];
 #pragma unroll
     for (int r = 0; r < GQA; ++r)
 #pragma unroll
-      for (int x = 0; x < CPL; ++x)
-        qs[r][x] = vqk_to_f(queries[(qrow + r) * HEAD_DIM + lane + 32 * x]) * qscale;
+      for (int x = 0; x < CPL; ++x) {
+        const int c = lane + 32 * x, w = c & 15;
+        qs[r][x] = reinterpret_cast<const float*>(qf)[4 * ((c >> 4) * 32 + 4 * r + (w & 7) / 2)
+                                                      + (w & 1) + (w >= 8 ? 2 : 0)];
+      }
 #pragma unroll
     for (int r = 0; r < GQA; ++r) {
       m[r] = -vqk_inf();
@@ -181,44 +187,56 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
       for (int x = 0; x < CPL; ++x) o[r][x] = 0.f;
     }
     constexpr uint32_t MASK = (1u << BITS) - 1u;
+    // tokens a pass, all their loads issued before any is used (two rounds of 4 one after
+    // the other took ~10 us a block at batch 8, mostly waiting); 4 at GQA > 4 (registers)
+    constexpr int TP = GQA <= 4 ? TPW : 4;
     for (int chunk = split - tail0; chunk < ns_tail; chunk += NS - tail0) {
-      for (int j0 = 0; j0 < TPW; j0 += 4) {
-        const int tw = t_fast + chunk * TAIL + warp * TPW + j0;  // warp-uniform
-        if (tw >= Tn) break;
-        float kx[4][CPL], vx[4][CPL], s[4][GQA];
-        // The round's 4 tokens share their key words, scales and biases (n_kq is a
-        // multiple of the group, tw of 4, and a word holds >= 4 tokens): one load of each
-        // per channel, not per token. Both sources are read (element 0 of the one not
-        // used): no branch, so that the round's loads are in flight together.
-        const bool kq = tw < n_kq;
-        uint32_t kw[CPL];
-        float ks[CPL], kb[CPL];
 #pragma unroll
-        for (int x = 0; x < CPL; ++x) {
-          const size_t krow = (size_t)bh * HEAD_DIM + lane + 32 * x;
-          kw[x] = k_codes[kq ? krow * CKW + tw / PACK : 0];
-          ks[x] = vqk_to_f(k_scales[kq ? krow * CKG + tw / GROUP : 0]);
-          kb[x] = vqk_to_f(k_biases[kq ? krow * CKG + tw / GROUP : 0]);
-        }
+      for (int p0 = 0; p0 < TPW; p0 += TP) {
+        const int tp = t_fast + chunk * TAIL + warp * TPW + p0;  // warp-uniform
+        if (tp >= Tn) break;
+        float kx[TP][CPL], vx[TP][CPL], s[TP][GQA];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int t = min(tw + j, Tn - 1);  // past the end: a valid token, masked below
-          const bool vq = t < n_vq;
+        for (int j0 = 0; j0 < TP; j0 += 4) {
+          // A round's 4 tokens share their key words, scales and biases (n_kq is a
+          // multiple of the group, tw of 4, and a word holds >= 4 tokens): one load of
+          // each per channel, not per token. Both sources are read (element 0 of the one
+          // not used): no branch, so that the loads are in flight together.
+          // a round past the end reads the last one again (masked below)
+          const int tw = min(tp + j0, (Tn - 1) & ~3);
+          const bool kq = tw < n_kq;
+          uint32_t kw[CPL];
+          float ks[CPL], kb[CPL];
 #pragma unroll
           for (int x = 0; x < CPL; ++x) {
-            const int c = lane + 32 * x;
-            const size_t vrow_ = (size_t)bh * CV + t;
-            const float kr =
-                vqk_to_f(k_res[kq ? 0 : ((size_t)bh * CKR + (t - n_kq)) * HEAD_DIM + c]);
-            const uint32_t vw = v_codes[vq ? vrow_ * DW + c / PACK : 0];
-            const float vs = vqk_to_f(v_scales[vq ? vrow_ * DG + c / GROUP : 0]);
-            const float vb = vqk_to_f(v_biases[vq ? vrow_ * DG + c / GROUP : 0]);
-            const float vr =
-                vqk_to_f(v_res[vq ? 0 : ((size_t)bh * CVR + (t - n_vq)) * HEAD_DIM + c]);
-            const uint32_t code = (kw[x] >> (((tw + j) % PACK) * BITS)) & MASK;
-            kx[j][x] = kq ? fmaf(ks[x], (float)code, kb[x]) : kr;
-            vx[j][x] = vq ? fmaf(vs, (float)((vw >> ((c % PACK) * BITS)) & MASK), vb) : vr;
+            const size_t krow = (size_t)bh * HEAD_DIM + lane + 32 * x;
+            kw[x] = k_codes[kq ? krow * CKW + tw / PACK : 0];
+            ks[x] = vqk_to_f(k_scales[kq ? krow * CKG + tw / GROUP : 0]);
+            kb[x] = vqk_to_f(k_biases[kq ? krow * CKG + tw / GROUP : 0]);
           }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int t = min(tw + j, Tn - 1);  // past the end: a valid token, masked below
+            const bool vq = t < n_vq;
+#pragma unroll
+            for (int x = 0; x < CPL; ++x) {
+              const int c = lane + 32 * x;
+              const size_t vrow_ = (size_t)bh * CV + t;
+              const float kr =
+                  vqk_to_f(k_res[kq ? 0 : ((size_t)bh * CKR + (t - n_kq)) * HEAD_DIM + c]);
+              const uint32_t vw = v_codes[vq ? vrow_ * DW + c / PACK : 0];
+              const float vs = vqk_to_f(v_scales[vq ? vrow_ * DG + c / GROUP : 0]);
+              const float vb = vqk_to_f(v_biases[vq ? vrow_ * DG + c / GROUP : 0]);
+              const float vr =
+                  vqk_to_f(v_res[vq ? 0 : ((size_t)bh * CVR + (t - n_vq)) * HEAD_DIM + c]);
+              const uint32_t code = (kw[x] >> (((tw + j) % PACK) * BITS)) & MASK;
+              kx[j0 + j][x] = kq ? fmaf(ks[x], (float)code, kb[x]) : kr;
+              vx[j0 + j][x] = vq ? fmaf(vs, (float)((vw >> ((c % PACK) * BITS)) & MASK), vb) : vr;
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < TP; ++j)
 #pragma unroll
           for (int r = 0; r < GQA; ++r) {
             float d = 0.f;
@@ -226,26 +244,32 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
             for (int x = 0; x < CPL; ++x) d = fmaf(qs[r][x], kx[j][x], d);
             s[j][r] = d;
           }
-        }
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1)  // the 4 x GQA sums side by side
+        for (int off = 16; off > 0; off >>= 1)  // the TP x GQA sums side by side
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
+          for (int j = 0; j < TP; ++j)
 #pragma unroll
             for (int r = 0; r < GQA; ++r) s[j][r] += __shfl_xor_sync(0xffffffffu, s[j][r], off);
+        // the pass's tokens in one step of the online softmax (tokens past the end: p = 0)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (tw + j >= Tn) break;
+        for (int r = 0; r < GQA; ++r) {
+          float mn = m[r];
 #pragma unroll
-          for (int r = 0; r < GQA; ++r) {
-            const float mn = fmaxf(m[r], s[j][r]);
-            const float a = exp2f(m[r] - mn);
-            const float p = exp2f(s[j][r] - mn);
-            m[r] = mn;
-            l[r] = fmaf(l[r], a, p);
+          for (int j = 0; j < TP; ++j)
+            if (tp + j < Tn) mn = fmaxf(mn, s[j][r]);
+          const float a = vqk_exp2(m[r] - mn);
+          m[r] = mn;
+          float lsum = 0.f;
 #pragma unroll
-            for (int x = 0; x < CPL; ++x) o[r][x] = fmaf(o[r][x], a, p * vx[j][x]);
+          for (int x = 0; x < CPL; ++x) o[r][x] *= a;
+#pragma unroll
+          for (int j = 0; j < TP; ++j) {
+            const float p = tp + j < Tn ? vqk_exp2(s[j][r] - mn) : 0.f;
+            lsum += p;
+#pragma unroll
+            for (int x = 0; x < CPL; ++x) o[r][x] = fmaf(p, vx[j][x], o[r][x]);
           }
+          l[r] = fmaf(l[r], a, lsum);
         }
       }
     }
@@ -351,10 +375,6 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
     const int gk = KGT > 1 ? (2 * q4 * PACK) / GROUP : 0;   // key group of C columns
 
     int k = k_begin + warp;
-    if (k < k_end) {
-      issue_keys(k);
-      issue_values(k);
-    }
     if (TAIL_FIRST && has_tail) {
       float m[GQA], l[GQA], o[GQA][CPL];
       tail_partial(m, l, o);
@@ -368,6 +388,10 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
           tail_ml[(warp * GQA + r) * 2 + 1] = l[r];
         }
       }
+    }
+    if (k < k_end) {
+      issue_keys(k);
+      issue_values(k);
     }
     for (; k < k_end; k += NW) {
       const bool next = k + NW < k_end;
