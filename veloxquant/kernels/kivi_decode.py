@@ -49,12 +49,12 @@ Paths
     one on Metal, otherwise the faster pure-mlx path on the CPU (``CPU_DEFAULT_PATH``).
 
 Measured (H200, MLX 0.32.4, fp16, 32 q / 8 kv heads, d 128, group 64, dispatcher
-defaults, run 14 of benchmarks/results/fused_attention.md, chained calls as in decoding):
-4-bit 32k 1.12x the speed of fp16 ``mx.fast.scaled_dot_product_attention`` on the same
-shape at batch 1 (20% of the 4.3 TB/s roofline) and 2.00x at batch 8 (48%); 4-bit 128k
-batch 8 2.41x (60%); at 4k and at batch 1 MLX's host-side cost of a custom-kernel call
-(~12 us) weighs as much as the kernels. They save memory; the speed-up targets of the
-issue (3x, 50% of the roofline at 4-bit 32k) are not met. See
+defaults, run 15 of benchmarks/results/fused_attention.md, chained calls as in decoding):
+4-bit 32k 0.97x the speed of fp16 ``mx.fast.scaled_dot_product_attention`` on the same
+shape at batch 1 (18% of the 4.3 TB/s roofline) and 1.96x at batch 8 (51%); 4-bit 128k
+batch 8 2.10x (58%); at 4k and at batch 1 MLX's host-side cost of a custom-kernel call
+(~12 us) weighs as much as the kernels. They save memory; of the issue's targets at
+4-bit 32k, 50% of the roofline is met at batch 8 only, 3x fp16 SDPA nowhere. See
 benchmarks/notes/fused_attention.md.
 """
 
@@ -375,7 +375,9 @@ FRAG_KEEP_OFFSET = 1
 #: grows with the tiles
 FRAG_KEEP_MAX_TILES = 256
 #: frag: whether tail chunks that share a block with tiles go before them (TAIL_FIRST);
-#: None: wherever they do (the tiles' blocks hold the tail when it has none of its own)
+#: None: wherever they do (the tiles' blocks hold the tail when it has none of its own).
+#: Measured at 4-bit batch 8 (chain_timeline --tail-first 0, main kernel): 4k 22.1 vs 26.9
+#: us, 32k 110.0 vs 128.6, 128k 435.6 vs 455.7
 FRAG_TAIL_FIRST = None
 #: frag's split target (blocks) and launch bounds (resident blocks an SM the compiler must
 #: allow: the register budget), by the kv heads of a call (batch x kv heads): below
