@@ -33,7 +33,7 @@ windows, and the quantized keys whose values are still in the window) is the "ta
 chunks of ``TAIL`` tokens in float32 on the CUDA cores, in blocks of their own where
 those fit in the same wave (batch 1), else in the tile blocks (batch 8: tail blocks
 queued behind the tile blocks had held slots for up to ~150 us), before their tiles
-(TAIL_FIRST; after them, the tail's latency added 4.5-17.5 us to a block).
+(TAIL_FIRST; after them, the tail added 4.5-17.5 us to a block).
 
 Template constants: T (float16), BITS, GROUP, HEAD_DIM (64 or 128), GQA (<= 8), NT (64:
 two warps), KVEC (4: key rows 16-byte aligned; 1: 4-byte copies), KEEP (which codes keep
@@ -43,8 +43,8 @@ instead of ~10 (none at 8 bits); 2 every key code and the values as in 1; 3 ever
 code; over the bound where a warp sums many tiles), TAIL_FIRST (the block's tail chunks
 before its tiles, their partial kept in shared memory). ``params`` adds to the counts of
 the other kernels: tiles per block, the first tail token (a multiple of the tile), the
-number of tail chunks and the first block that takes them. The header of this kernel ends with :func:`cuda_frag_bounds` (launch bounds: the
-register budget).
+number of tail chunks and the first block that takes them. The header of this kernel
+ends with :func:`cuda_frag_bounds` (launch bounds: the register budget).
 
 Checked on an H200 against the float32 reference (benchmarks/results/fused_attention.md):
 runs 7-9 (before the tail and split-plan changes of session 4), worst relative error
@@ -164,10 +164,10 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
   //      multiples of NS - tail0), float32 on the CUDA cores, into a warp's (m, l, o); a
   //      warp takes 4 tokens a round, a lane CPL channels of each. Blocks of their own
   //      (tail0 = the tile blocks) where they fit in the wave beside the tile blocks, else
-  //      the tile blocks' (tail0 = 0), where with TAIL_FIRST they go before the tiles:
-  //      their loads then fly with the first tile's copies (after the tiles, the tail's
-  //      latency had added 4-18 us to a block at batch 8), and the partial waits in
-  //      tail_o and tail_ml for the tiles' epilogue
+  //      the tile blocks' (tail0 = 0), where with TAIL_FIRST they go before the tiles,
+  //      even before the first tile's copies are issued (after the tiles they added
+  //      4.5-17.5 us to a block at batch 8, beside the first copies ~10), the partial
+  //      waiting in tail_o and tail_ml for the tiles' epilogue
   auto tail_partial = [&](float (&m)[GQA], float (&l)[GQA], float (&o)[GQA][CPL]) {
     __syncwarp();
     // the lane's channels of every head's query (times qscale), read back from qf: head r
@@ -190,8 +190,8 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
       for (int x = 0; x < CPL; ++x) o[r][x] = 0.f;
     }
     constexpr uint32_t MASK = (1u << BITS) - 1u;
-    // tokens a pass, all their loads issued before any is used (two rounds of 4 one after
-    // the other took ~10 us a block at batch 8, mostly waiting); 4 at GQA > 4 (registers)
+    // tokens a pass, all their loads issued before any is used; 4 at GQA > 4 (registers).
+    // Alone this did not shorten the tail (measured with its other changes, session 6)
     constexpr int TP = GQA <= 4 ? TPW : 4;
     for (int chunk = split - tail0; chunk < ns_tail; chunk += NS - tail0) {
 #pragma unroll
