@@ -26,20 +26,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fused_attention as fa  # noqa: E402
 import mlx.core as mx  # noqa: E402
-from frag_timeline import stamped_kernel  # noqa: E402
+from frag_timeline import TIMER, stamp_outputs, stamped_kernel  # noqa: E402
 import numpy as np  # noqa: E402
 
 kd = fa.kd
-_TIMER = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"({}));\n'
 _COPY = r"""
   unsigned long long vq_t0;
-  """ + _TIMER.format("vq_t0") + r"""
+  """ + TIMER.format("vq_t0") + r"""
   for (int i = threadIdx.x; i < q_shape[0] * q_shape[1] * q_shape[3]; i += blockDim.x)
     out[i] = q[i];
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned long long vq_t1;
-    """ + _TIMER.format("vq_t1") + r"""
+    """ + TIMER.format("vq_t1") + r"""
     stamps[0] = vq_t0;  // as the frag kernel's stamps: 4 a block, start and end first
     stamps[1] = vq_t1;
   }
@@ -62,7 +61,7 @@ def frag_step(kernel, sets, bits, G, target=None):
         BH = q.shape[0] * cache[0].shape[1]
         (o_part, ml_part, st), _, _, _ = kd.frag_call(
             kernel, q, cache, scale=q.shape[3] ** -0.5, bits=bits, group_size=G,
-            target_blocks=target, extra_outputs=lambda ns: [((BH * ns * 4,), mx.uint64)])
+            target_blocks=target, extra_outputs=stamp_outputs(BH))
         return kd._merge("cuda", comb, o_part, ml_part, q.shape, q.dtype), st
     return step
 

@@ -22,17 +22,17 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 kd = fa.kd
+#: CUDA: the GPU's clock (%globaltimer, ns) into the named variable
+TIMER = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"({}));\n'
 _FIRST = "  const int g = lane >> 2;\n"
-_T0 = ('  unsigned long long vq_t0, vq_tm = 0;\n'
-       '  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(vq_t0));\n')
+_T0 = "  unsigned long long vq_t0, vq_tm = 0;\n  " + TIMER.format("vq_t0")
 _TILES = "    for (; k < k_end; k += NW) {\n"
-_TM = '    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(vq_tm));\n'
+_TM = "    " + TIMER.format("vq_tm")
 _END = r"""
   __syncthreads();
   if (tid == 0) {
     unsigned long long t1;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
-    unsigned sm;
+    """ + TIMER.format("t1") + r"""    unsigned sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     const size_t i = ((size_t)bh * NS + split) * 4;
     stamps[i] = vq_t0;
@@ -56,6 +56,11 @@ def stamped_kernel(min_blocks):
                                source=src, header=kd.cuda_header(min_blocks))
 
 
+def stamp_outputs(BH):
+    """frag_call's extra_outputs for a stamped kernel over BH kv heads: its stamps."""
+    return lambda ns: [((BH * ns * 4,), mx.uint64)]
+
+
 def run(kernel, q, cache, bits, G, target, calls=10):
     """The last of ``calls`` calls' stamps (kv head, block, 4) and the blocks with tail
     chunks."""
@@ -66,7 +71,7 @@ def run(kernel, q, cache, bits, G, target, calls=10):
     for _ in range(calls):
         outs, ns, tail0, ns_tail = kd.frag_call(
             kernel, q, cache, scale=q.shape[3] ** -0.5, bits=bits, group_size=G,
-            target_blocks=target, extra_outputs=lambda ns: [((BH * ns * 4,), mx.uint64)])
+            target_blocks=target, extra_outputs=stamp_outputs(BH))
         mx.eval(outs)
     return np.array(outs[2]).reshape(BH, ns, 4), slice(tail0, tail0 + ns_tail)
 

@@ -412,7 +412,8 @@ def _frag_tile(bits: int) -> int:
 
 
 def _frag_shared_bytes(head_dim, gqa, bits, group_size) -> int:
-    """Static shared memory of the frag kernel (its declarations, in bytes)."""
+    """Static shared memory of the frag kernel (its declarations, in bytes; with the
+    tail's partials of TAIL_FIRST, the most it takes)."""
     nw, tt = FRAG_NT // 32, _frag_tile(bits)
     kgt, dg = max(1, tt // group_size), head_dim // group_size
     return (2 * nw * 8 * head_dim * 4 + nw * kgt * head_dim * 8 + nw * dg * (tt + 8) * 8
