@@ -171,12 +171,19 @@ def test_gemma2_full_and_streaming_work_hook_methods_refuse():
             patch_model_kv_cache(model, CONFIGS[method])
 
 
-def test_a_cache_that_needs_the_hook_detects_its_absence():
+def test_a_cache_that_needs_the_hook_refuses_an_inline_attention_model_at_once():
     model = tiny_model("gemma2")
     cache = [SnapKVCache(CONFIGS["snapkv"], None, i) for i in range(len(model.layers))]
-    model(prompt(8)[None], cache=cache)
-    with pytest.raises(AttentionHookMissing, match="did not go through the VeloxQuant hook"):
+    with pytest.raises(AttentionHookMissing, match="mlx_lm.models.gemma2 computes attention inline"):
         model(prompt(8)[None], cache=cache)
+
+
+def test_a_cache_updated_outside_a_model_detects_a_missing_attend():
+    cache = SnapKVCache(CONFIGS["snapkv"], None, 0)
+    k = mx.zeros((1, 2, 8, 32))
+    cache.update_and_fetch(k, k)
+    with pytest.raises(AttentionHookMissing, match="did not go through the VeloxQuant hook"):
+        cache.update_and_fetch(k, k)
 
 
 def test_kivi_group_size_128_on_head_dim_128_generates(tokenizer):

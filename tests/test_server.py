@@ -1,4 +1,10 @@
-"""`veloxquant serve`: mlx-lm's HTTP server, answering with our caches."""
+"""`veloxquant serve`: mlx-lm's HTTP server, answering with our caches, request after request.
+
+mlx-lm's server keeps the caches of earlier requests and reuses them for later prompts
+that share a prefix: it deep-copies them, trims them and prefills the rest. Each method's
+server gets a short prompt, then different ones, then the first again, then one that
+continues an earlier exchange; every request must be answered.
+"""
 
 import json
 import socket
@@ -7,7 +13,18 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
 from veloxquant_mlx.cli import REFERENCE_MODEL
+from veloxquant_mlx.registry import implemented_methods
+
+# Small budgets, so that the longer prompts evict or quantize and the short ones do not.
+SETTINGS = {
+    "streaming_llm": ["stream_window_size=64"],
+    "snapkv": ["snap_budget=256"],
+    "kivi": ["residual_window=32"],
+}
+PROMPTS = ["Hello", "World", "Hello", "In the beginning was the Word, and the Word was with God. " * 6]
 
 
 def _free_port() -> int:
@@ -16,34 +33,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_answers_completions_with_the_method(tmp_path):
+def _complete(port: int, text: str, timeout: float) -> dict:
+    body = json.dumps({"prompt": text, "max_tokens": 12, "temperature": 0.0}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    return json.loads(urllib.request.urlopen(request, timeout=timeout).read())
+
+
+@pytest.mark.parametrize("method", implemented_methods())
+def test_serve_keeps_answering_short_then_different_prompts(method, tmp_path):
     port = _free_port()
     log = open(tmp_path / "server.log", "w+")
+    sets = [a for s in SETTINGS.get(method, []) for a in ("--set", s)]
     server = subprocess.Popen(
-        [sys.executable, "-m", "veloxquant_mlx.cli", "serve", "--method", "streaming_llm",
-         "--set", "stream_window_size=64", "--", "--model", str(REFERENCE_MODEL),
-         "--port", str(port)],
+        [sys.executable, "-m", "veloxquant_mlx.cli", "serve", "--method", method, *sets,
+         "--", "--model", str(REFERENCE_MODEL), "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT,
     )
     try:
-        body = json.dumps({"prompt": "In the beginning was the Word", "max_tokens": 12,
-                           "temperature": 0.0}).encode()
-        deadline, reply = time.time() + 90, None
-        while time.time() < deadline and server.poll() is None:
+        deadline, first = time.time() + 90, None
+        while first is None and time.time() < deadline and server.poll() is None:
             try:
-                request = urllib.request.Request(
-                    f"http://127.0.0.1:{port}/v1/completions", data=body,
-                    headers={"Content-Type": "application/json"},
-                )
-                reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
-                break
+                first = _complete(port, PROMPTS[0], timeout=60)
             except OSError:
-                time.sleep(0.5)
+                time.sleep(0.3)
+        replies = [first] + [_complete(port, p, timeout=60) for p in PROMPTS[1:]]
+        # and one that continues the first exchange: the server reuses that cache
+        replies.append(_complete(port, PROMPTS[0] + first["choices"][0]["text"] + " and", 60))
         log.seek(0)
         output = log.read()
-        assert reply is not None, output
-        assert reply["choices"][0]["text"], reply
-        assert "with KV cache method 'streaming_llm'" in output
+        assert all(r and r["choices"][0]["finish_reason"] for r in replies), output
+        assert replies[0]["choices"][0]["text"] == replies[2]["choices"][0]["text"]  # greedy
+        assert f"with KV cache method {method!r}" in output
+        assert "Traceback" not in output, output
     finally:
         server.terminate()
         server.wait(timeout=20)

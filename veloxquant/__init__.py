@@ -11,6 +11,9 @@ from ._blas import use_optimized_blas
 use_optimized_blas()  # before anything imports mlx (see _blas.py)
 
 from .cache import KVCacheConfig, VeloxQuantDeprecationWarning  # noqa: E402
+from .integrations.cache_classes import register_cache_classes  # noqa: E402
+
+register_cache_classes()  # saved prompt caches load after `import veloxquant_mlx` alone
 
 # The mlx-lm integration imports mlx-lm (slow); load it on first use.
 _LAZY = {

@@ -14,7 +14,10 @@ no ``merge`` (batching and the server would flatten us into a stock fp16 cache).
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import sys
 from typing import Any
 
 import mlx.core as mx
@@ -26,6 +29,7 @@ from .config import KVCacheConfig
 # Every cache class registers here and, by bare name, in mlx_lm.models.cache, where
 # load_prompt_cache looks classes up.
 CACHE_CLASSES: dict[str, type] = {}
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def causal_mask(n_queries: int, n_keys: int) -> mx.array:
@@ -102,7 +106,20 @@ class CompressedKVCache:
         )
 
     def _expect_attend(self) -> None:
-        """Called by hook-dependent caches at each update: the last one must have attended."""
+        """Called by hook-dependent caches at each update: attention must come to us.
+
+        The model module that called ``update_and_fetch`` gets the attention hook if it
+        lacks it (a cache loaded from a file, used with an unpatched model), before any
+        token is computed; a model module that computes attention inline is refused.
+        The second check catches callers that are not mlx-lm model modules.
+        """
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            frame = frame.f_back
+        if frame is not None:
+            from ..integrations.mlx_lm import hook_caller_module
+
+            hook_caller_module(frame.f_globals, self)
         if self._awaiting_attend:
             raise AttentionHookMissing(
                 f"{type(self).__name__} (method {self.config.method!r}) computes attention "
@@ -125,6 +142,15 @@ class CompressedKVCache:
         if N == 1:
             return None
         return causal_mask(N, self._rows_returned(N))
+
+    # -- copies: mlx-lm's server deep-copies prompt caches to reuse them -------------
+    def __deepcopy__(self, memo):
+        """Arrays and state are copied; dtypes (which cannot be copied) are shared."""
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            clone.__dict__[name] = value if isinstance(value, mx.Dtype) else copy.deepcopy(value, memo)
+        return clone
 
     # -- bookkeeping ---------------------------------------------------------------
     def size(self) -> int:

@@ -151,6 +151,32 @@ def _make_prompt_cache(model: nn.Module, config: KVCacheConfig, sticky: bool) ->
     ]
 
 
+def hook_caller_module(caller_globals: dict, cache: Any) -> None:
+    """Route the attention of the model module that updated ``cache`` to the cache.
+
+    Called by caches that own attention, from ``update_and_fetch``: a cache loaded with
+    ``load_prompt_cache`` and used with a model nobody patched gets the hook here,
+    before the model computes anything with it. An mlx-lm model module that does not
+    call mlx-lm's shared attention function cannot use such a cache and is refused.
+    """
+    module_name = caller_globals.get("__name__", "")
+    fn = caller_globals.get("scaled_dot_product_attention")
+    if fn is _hooked_sdpa:
+        return
+    if fn is _ORIGINAL_SDPA:
+        module = sys.modules[module_name]
+        _HOOKS.setdefault(module_name, _Hook(module)).sticky = True
+        module.scaled_dot_product_attention = _hooked_sdpa
+    elif module_name.startswith("mlx_lm.models."):
+        from ..cache.base import AttentionHookMissing
+
+        raise AttentionHookMissing(
+            f"{type(cache).__name__} (method {cache.config.method!r}) computes attention "
+            f"itself, but {module_name} computes attention inline instead of calling "
+            "mlx-lm's scaled_dot_product_attention, so it cannot use this method"
+        )
+
+
 def patch_model_kv_cache(model: nn.Module, config: KVCacheConfig) -> nn.Module:
     """Make every mlx-lm generation with ``model`` use ``config``'s caches.
 
