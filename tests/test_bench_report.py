@@ -73,8 +73,8 @@ def test_method_selection_and_settings():
     assert select_methods("all")[:1] == ["full"]
     with pytest.raises(BenchError, match=r"unknown method 'kivy' \(did you mean 'kivi'\?\)"):
         select_methods("kivy")
-    with pytest.raises(BenchError, match="'h2o' has no implementation yet"):
-        select_methods("h2o")
+    with pytest.raises(BenchError, match="'pyramidkv' has no implementation yet"):
+        select_methods("pyramidkv")
     runs = method_runs(["kivi", "snapkv"], ["kv_bits=4", "snap_budget=256"], sweep=False)
     assert [r.label for r in runs] == ["full", "kivi kv_bits=4", "snapkv snap_budget=256"]
     assert runs[1].config.kv_bits == 4 and runs[2].config.snap_budget == 256

@@ -196,13 +196,17 @@ class CompressedKVCache:
             config = KVCacheConfig.from_dict(json.loads(meta["config"]))
             CompressedKVCache.__init__(self, config, None, int(meta["layer"]))
         self.offset = int(meta["offset"])
-        for name, value in (state.get("arrays") or {}).items():
+        self._restore_arrays(state.get("arrays") or {})
+        self._restore_meta(meta)
+
+    def _restore_arrays(self, arrays: dict[str, Any]) -> None:
+        """Put saved arrays back where ``_arrays`` found them (by attribute name)."""
+        for name, value in arrays.items():
             kept = getattr(self, name, None)
             if isinstance(kept, GrowingArray):
                 kept.reset(value)
             else:
                 setattr(self, name, value)
-        self._restore_meta(meta)
 
     def _init_storage(self) -> None:
         """Set up empty storage from ``self.config`` (by ``__init__`` and ``from_state``)."""

@@ -19,9 +19,10 @@ class GrowingArray:
     ``step``-aligned room. ``nbytes`` counts the whole buffer: it is what is kept.
     """
 
-    def __init__(self, axis: int = 2, step: int = 256):
+    def __init__(self, axis: int = 2, step: int = 256, limit: int | None = None):
         self.axis = axis
         self.step = step
+        self.limit = limit  # rows the content never outgrows in steady state: room stops there
         self.buffer: mx.array | None = None
         self.length = 0
 
@@ -33,7 +34,10 @@ class GrowingArray:
         n = rows.shape[self.axis]
         if self.length + n > self.capacity:
             shape = list(rows.shape)
-            shape[self.axis] = (n + self.step - 1) // self.step * self.step
+            room = (n + self.step - 1) // self.step * self.step
+            if self.limit is not None and self.length + n <= self.limit:
+                room = min(room, self.limit - self.length)
+            shape[self.axis] = room
             room = mx.zeros(shape, rows.dtype)
             if self.buffer is None:
                 self.buffer = room

@@ -39,7 +39,8 @@ class KIVICache(CompressedKVCache):
 
     def _init_storage(self) -> None:
         c = self.config
-        self.group, self.code_bits, self.residual = c.kivi_group_size, c.kv_bits, c.residual_window
+        self.group = c.options.kivi_group_size
+        self.code_bits, self.residual = c.kv_bits, c.residual_window  # config fields (see the spec)
         self.use_kernel = c.fused_attention
         # Keys flush in residual-sized blocks (whole groups when there is no residual).
         self.flush = self.residual or self.group

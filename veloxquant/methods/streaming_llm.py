@@ -12,20 +12,27 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache
+from ..cache.buffers import GrowingArray
 
 
 class StreamingLLMCache(CompressedKVCache):
     def _init_storage(self) -> None:
-        self.n_sink = self.config.stream_n_sink
-        self.window = self.config.stream_window_size
-        self.keys = None  # (B, H, n_sink + window, D), allocated at the first update
-        self.values = None
-        self.filled = 0  # rows in use
+        options = self.config.options
+        self.n_sink, self.window = options.stream_n_sink, options.stream_window_size
+        # Room grows with what is kept, up to the capacity, never allocated ahead of it.
+        self.keys = GrowingArray(limit=self.capacity)
+        self.values = GrowingArray(limit=self.capacity)
         self.ring = 0  # next window row to overwrite once full (rows are then unordered)
 
     @property
     def capacity(self) -> int:
         return self.n_sink + self.window
+
+    budget = capacity
+
+    @property
+    def filled(self) -> int:
+        return self.keys.length
 
     @property
     def stored_length(self) -> int:
@@ -35,11 +42,10 @@ class StreamingLLMCache(CompressedKVCache):
         return {"keys": self.keys, "values": self.values}
 
     def _meta(self):
-        return {"n_sink": self.n_sink, "window": self.window, "filled": self.filled, "ring": self.ring}
+        return {"ring": self.ring}
 
     def _restore_meta(self, meta):
-        self.n_sink, self.window = int(meta["n_sink"]), int(meta["window"])
-        self.filled, self.ring = int(meta["filled"]), int(meta["ring"])
+        self.ring = int(meta["ring"])
 
     def _kept_old(self, n_new: int) -> int:
         sinks = min(self.n_sink, self.filled)
@@ -50,21 +56,15 @@ class StreamingLLMCache(CompressedKVCache):
             return min(self.filled + 1, self.capacity)
         return self._kept_old(n_new) + n_new
 
-    def _temporal(self, x: mx.array) -> mx.array:
+    def _temporal(self, grown: GrowingArray) -> mx.array:
         """Stored rows in the order the tokens came."""
+        x = grown.view()
         if self.filled < self.capacity or self.ring == self.n_sink:
-            return x[:, :, : self.filled]
+            return x
         s, r = self.n_sink, self.ring
         return mx.concatenate([x[:, :, :s], x[:, :, r:], x[:, :, s:r]], axis=2)
 
-    def _allocate(self, keys, values) -> None:
-        b, h, _, dk = keys.shape
-        self.keys = mx.zeros((b, h, self.capacity, dk), keys.dtype)
-        self.values = mx.zeros((b, h, self.capacity, values.shape[-1]), values.dtype)
-
     def update_and_fetch(self, keys, values):
-        if self.keys is None:
-            self._allocate(keys, values)
         n = keys.shape[2]
         self.offset += n
         if n == 1:
@@ -73,23 +73,27 @@ class StreamingLLMCache(CompressedKVCache):
 
     def _decode_step(self, keys, values):
         if self.filled < self.capacity:
-            row, self.filled = self.filled, self.filled + 1
+            self.keys.append(keys)
+            self.values.append(values)
             self.ring = self.n_sink if self.filled == self.capacity else self.filled
         else:
             row = self.ring
             self.ring = self.n_sink + (row - self.n_sink + 1) % self.window
-        self.keys[:, :, row : row + 1] = keys
-        self.values[:, :, row : row + 1] = values
+            self.keys.buffer[:, :, row : row + 1] = keys
+            self.values.buffer[:, :, row : row + 1] = values
         # Attention at a single-token step needs no order, so the ring is returned as is.
-        return self.keys[:, :, : self.filled], self.values[:, :, : self.filled]
+        return self.keys.view(), self.values.view()
 
     def _prefill_chunk(self, keys, values):
-        kept = self._kept_old(keys.shape[2])
-        sinks = min(self.n_sink, self.filled)
-        old_k, old_v = self._temporal(self.keys), self._temporal(self.values)
-        start = self.filled - (kept - sinks)
-        all_k = mx.concatenate([old_k[:, :, :sinks], old_k[:, :, start:], keys], axis=2)
-        all_v = mx.concatenate([old_v[:, :, :sinks], old_v[:, :, start:], values], axis=2)
+        if self.keys.buffer is None:
+            all_k, all_v = keys, values
+        else:
+            kept = self._kept_old(keys.shape[2])
+            sinks = min(self.n_sink, self.filled)
+            old_k, old_v = self._temporal(self.keys), self._temporal(self.values)
+            start = self.filled - (kept - sinks)
+            all_k = mx.concatenate([old_k[:, :, :sinks], old_k[:, :, start:], keys], axis=2)
+            all_v = mx.concatenate([old_v[:, :, :sinks], old_v[:, :, start:], values], axis=2)
         total = all_k.shape[2]
         keep_from = max(self.n_sink, total - self.window)
         if keep_from > self.n_sink:
@@ -97,9 +101,8 @@ class StreamingLLMCache(CompressedKVCache):
             ret_v = mx.concatenate([all_v[:, :, : self.n_sink], all_v[:, :, keep_from:]], axis=2)
         else:
             ret_k, ret_v = all_k, all_v
-        self.filled = ret_k.shape[2]
-        self.keys[:, :, : self.filled] = ret_k
-        self.values[:, :, : self.filled] = ret_v
+        self.keys.reset(ret_k)
+        self.values.reset(ret_v)
         self.ring = self.n_sink if self.filled == self.capacity else self.filled
         return all_k, all_v
 
@@ -110,7 +113,8 @@ class StreamingLLMCache(CompressedKVCache):
         if not self.is_trimmable():
             return 0
         n = min(n, self.filled)
-        self.filled -= n
+        self.keys.truncate(self.filled - n)
+        self.values.truncate(self.keys.length)
         self.offset -= n
         self.ring = self.filled
         return n

@@ -1,0 +1,26 @@
+"""GrowingArray: room in steps, up to a limit, and appends after a truncation."""
+
+import mlx.core as mx
+
+from veloxquant_mlx.cache.buffers import GrowingArray
+
+
+def rows(n, start=0):
+    return mx.broadcast_to(mx.arange(start, start + n, dtype=mx.float32)[None, None, :, None], (1, 2, n, 3))
+
+
+def test_room_stops_at_the_limit():
+    g = GrowingArray(step=256, limit=513)
+    g.append(rows(256))
+    g.append(rows(257, 256))
+    assert g.capacity == 513 and mx.array_equal(g.view(), rows(513))  # not 768
+    g.append(rows(400, 513))  # past the limit: steps again
+    assert g.length == 913 and mx.array_equal(g.view(), rows(913))
+
+
+def test_an_append_after_a_truncation_fits_within_the_limit():
+    g = GrowingArray(step=256, limit=513)
+    g.append(rows(256))
+    g.truncate(10)  # a trimmed cache: capacity 256, 10 rows kept
+    g.append(rows(300, 10))
+    assert g.length == 310 and g.capacity <= 513 and mx.array_equal(g.view(), rows(310))

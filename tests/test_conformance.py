@@ -1,0 +1,360 @@
+"""The conformance suite: every implemented method, present and future, passes these.
+
+Settings come from tests/conformance.py (derived for methods on the eviction base);
+a method that cannot meet a check is exempted there, with its reason.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.models.cache import KVCache, LRUPromptCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+import conformance
+from conformance import BUDGET, PROMPT, arrays_held, config, profile
+from tiny_models import char_tokenizer, prompt, tiny_model
+from veloxquant_mlx import make_prompt_cache, patched_kv_cache
+from veloxquant_mlx._generated.validators import RULES
+from veloxquant_mlx.evict.base import ScoredEvictionCache
+from veloxquant_mlx.methods.full import FullCache
+from veloxquant_mlx.registry import METHODS, implemented_methods
+
+METHOD_KEYS = implemented_methods()
+
+
+def drive(model, cache, tokens, chunk=64, decode=8, check=None):
+    """The prompt in chunks, its last token alone, then ``decode`` teacher-forced steps
+    (the tokens that follow in ``tokens``). Returns the logits of every single-token call."""
+    n = tokens.shape[0] - decode
+    start, outs = 0, []
+    while start < n - 1:
+        stop = min(start + chunk, n - 1)
+        model(tokens[start:stop][None], cache=cache)
+        start = stop
+        if check:
+            check(cache, start, True)
+    for i in range(n - 1, tokens.shape[0]):
+        outs.append(model(tokens[i : i + 1][None], cache=cache)[:, -1])
+        if check:
+            check(cache, i + 1, False)
+    return mx.concatenate(outs, axis=0)
+
+
+def exempt(method: str, check: str):
+    reason = profile(method).exempt.get(check)
+    if reason:
+        pytest.skip(f"{method} is exempt from {check}: {reason}")
+
+
+def compressing(method, model):
+    return make_prompt_cache(model, config(method, profile(method).compressing))
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lossless_settings_equal_mlx_lm_kvcache(method, arch):
+    p = profile(method)
+    if p.lossless is None:
+        pytest.skip(f"{method} has no lossless setting")
+    model = tiny_model(arch)
+    tokens = prompt(PROMPT + 8)
+    ref = drive(model, [KVCache() for _ in model.layers], tokens)
+    out = drive(model, make_prompt_cache(model, config(method, p.lossless)), tokens)
+    if p.lossless_tolerance == 0:
+        assert mx.array_equal(out, ref)
+    else:
+        assert mx.allclose(out, ref, atol=p.lossless_tolerance, rtol=p.lossless_tolerance)
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_offset_stored_length_and_nbytes_after_every_call(method):
+    p = profile(method)
+    model = tiny_model("llama")
+    cache = compressing(method, model)
+    budget = getattr(cache[0], "budget", None)
+
+    def check(cache, seen, in_prompt):
+        for c in cache:
+            assert c.offset == seen
+            if in_prompt or not p.evicts:
+                assert c.stored_length <= seen
+            else:  # the prompt was PROMPT tokens, the rest decoded
+                assert c.stored_length <= budget + (0 if p.bound_after_decode else seen - PROMPT)
+            assert c.nbytes == arrays_held(c), (c.nbytes, arrays_held(c))
+            if isinstance(c, ScoredEvictionCache) and c.kept_positions is not None:
+                _kept_positions_are_sound(c)
+
+    drive(model, cache, prompt(PROMPT + 8), chunk=40, check=check)
+    if p.evicts:
+        assert cache[0].stored_length < cache[0].offset
+
+
+def _kept_positions_are_sound(c):
+    """Distinct tokens seen so far, the sinks and the recent window among them."""
+    kept = c.kept_positions
+    assert mx.all(kept[..., 1:] > kept[..., :-1]) and int(kept.max()) < c.offset
+    protected = mx.concatenate([mx.arange(min(c.n_sink, c.offset)),
+                                mx.arange(max(0, c.offset - c.recent), c.offset)])
+    present = (kept[..., None] == protected).any(axis=-2)
+    assert mx.all(present), (protected.tolist(), kept[0, 0].tolist())
+
+
+class _Recorder:
+    """Records, at each attention call of a cache, the positions of the tokens attended."""
+
+    def __init__(self, cache):
+        self.calls = []
+        original = cache.attend
+
+        def attend(queries, keys, values, **kw):
+            self.calls.append(cache.store.view("positions"))
+            return original(queries, keys, values, **kw)
+
+        cache.attend = attend
+
+
+class _VisibleOnly(FullCache):
+    """Keeps every token; call t attends only to the positions recorded at call t."""
+
+    calls: list
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        self._awaiting_attend = False
+        kept = self.calls.pop(0)
+        n_q, n_k = queries.shape[2], keys.shape[2]
+        member = mx.zeros((*kept.shape[:2], n_k), mx.bool_)
+        member = mx.put_along_axis(member, kept, mx.array(True), axis=-1)
+        causal = mx.arange(n_k)[None] <= mx.arange(self.offset - n_q, self.offset)[:, None]
+        allowed = member[:, :, None] & causal
+        allowed = mx.repeat(allowed, queries.shape[1] // keys.shape[1], axis=1)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=allowed)
+
+
+def _reference_check(method, model, cache, tokens, chunk):
+    """Attention over the method's cache equals attention over the tokens it claims to keep."""
+    recorders = [_Recorder(c) for c in cache]
+    out = drive(model, cache, tokens, chunk=chunk)
+    reference = make_prompt_cache(model, conformance.config("full", {}))
+    refs = []
+    for c, rec in zip(reference, recorders):
+        r = _VisibleOnly(c.config, c.context, c.layer)
+        r.calls = list(rec.calls)
+        refs.append(r)
+    ref = drive(model, refs, tokens, chunk=chunk)
+    assert mx.allclose(out, ref, atol=3e-5, rtol=1e-4), float(mx.abs(out - ref).max())
+    return cache
+
+
+def _evicting(method):
+    if not issubclass(METHODS[method].load_implementation(), ScoredEvictionCache):
+        exempt(method, "kept_positions_reference")
+        pytest.skip(f"{method} is not on the eviction base (no recorded positions)")
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+@pytest.mark.parametrize("chunk", [40, 70])
+def test_chunks_straddling_an_eviction_attend_exactly_the_kept_tokens(method, chunk):
+    _evicting(method)
+    model = tiny_model("llama")
+    cache = _reference_check(method, model, compressing(method, model), prompt(PROMPT + 8), chunk)
+    assert cache[0].stored_length < cache[0].offset
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_gqa_4_to_1(method):
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=2)
+    tokens = prompt(PROMPT + 8)
+    p = profile(method)
+    if p.lossless is not None:
+        ref = drive(model, [KVCache() for _ in model.layers], tokens)
+        out = drive(model, make_prompt_cache(model, config(method, p.lossless)), tokens)
+        assert mx.allclose(out, ref, atol=p.lossless_tolerance, rtol=p.lossless_tolerance)
+    if issubclass(METHODS[method].load_implementation(), ScoredEvictionCache):
+        _reference_check(method, model, compressing(method, model), tokens, 64)
+
+
+@pytest.fixture
+def array_masks(monkeypatch):
+    """A model that asks for array masks (mlx-lm builds one from layer 0's cache)."""
+    import mlx_lm.models.llama as llama
+
+    original = llama.create_attention_mask
+    monkeypatch.setattr(
+        llama, "create_attention_mask", lambda h, cache=None, **kw: original(h, cache, return_array=True)
+    )
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_array_masks(method, array_masks):
+    model = tiny_model("llama")
+    tokens = prompt(PROMPT + 8)
+    p = profile(method)
+    if p.lossless is not None:
+        ref = drive(model, [KVCache() for _ in model.layers], tokens)
+        out = drive(model, make_prompt_cache(model, config(method, p.lossless)), tokens)
+        assert mx.allclose(out, ref, atol=p.lossless_tolerance, rtol=p.lossless_tolerance)
+    if issubclass(METHODS[method].load_implementation(), ScoredEvictionCache):
+        _reference_check(method, model, compressing(method, model), tokens, 64)
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_per_layer_budgets_give_per_layer_lengths(method, array_masks):
+    exempt(method, "per_layer_budgets")
+    _evicting(method)
+    model = tiny_model("llama", num_hidden_layers=3)
+    cache = compressing(method, model)
+    budgets = {0: BUDGET - 8, 1: BUDGET, 2: BUDGET + 16}
+    cache[0].context.layer_budgets = budgets
+    _reference_check(method, model, cache, prompt(PROMPT + 8), 64)
+    stored = [c.stored_length for c in cache]
+    assert len(set(stored)) == 3
+    if profile(method).bound_after_decode:
+        assert stored == [budgets[i] for i in range(3)]
+
+
+def _bit_equal_or_close(a, b):
+    assert mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1))
+    assert mx.allclose(a, b, atol=1e-5, rtol=1e-5), float(mx.abs(a - b).max())
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_save_load_continue_gives_the_same_logits(method, tmp_path):
+    model = tiny_model("llama")
+    tokens = prompt(PROMPT + 12)
+    head, tail = tokens[: PROMPT + 4], tokens[PROMPT + 4 :]
+    cache = compressing(method, model)
+    drive(model, cache, head, decode=4)
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = load_prompt_cache(path)
+    assert [type(c) for c in loaded] == [type(c) for c in cache]
+    assert all(l.nbytes <= c.nbytes for c, l in zip(cache, loaded))  # loads exactly sized
+    for c, l in zip(cache, loaded):
+        assert (l.offset, l.stored_length, l.config) == (c.offset, c.stored_length, c.config)
+    a = mx.concatenate([model(t.reshape(1, 1), cache=cache)[:, -1] for t in tail])
+    b = mx.concatenate([model(t.reshape(1, 1), cache=loaded)[:, -1] for t in tail])
+    _bit_equal_or_close(a, b)
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_trim_is_exact_or_refused(method):
+    model = tiny_model("llama")
+    tokens = prompt(PROMPT + 80)
+    for n_prompt in (30, PROMPT):  # under and over the budget
+        cache = compressing(method, model)
+        drive(model, cache, tokens[:n_prompt], decode=0)
+        offsets = [c.offset for c in cache]
+        if not all(c.is_trimmable() for c in cache):
+            assert all(c.trim(3) == 0 for c in cache if not c.is_trimmable())
+            continue
+        assert all(c.trim(3) == 3 for c in cache)
+        assert [c.offset for c in cache] == [o - 3 for o in offsets]
+        fresh = compressing(method, model)
+        drive(model, fresh, tokens[: n_prompt - 3], decode=0)
+        nxt = tokens[n_prompt - 3 : n_prompt + 77][None]  # longer than what was trimmed
+        _bit_equal_or_close(model(nxt, cache=cache)[0], model(nxt, cache=fresh)[0])
+    cache = compressing(method, model)
+    drive(model, cache, prompt(PROMPT + 8))
+    if profile(method).evicts:
+        assert not cache[0].is_trimmable()  # after eviction nothing can be trimmed exactly
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_deep_copy_is_independent(method):
+    model = tiny_model("llama")
+    tokens = prompt(PROMPT + 16)
+    cache = compressing(method, model)
+    drive(model, cache, tokens[:PROMPT], decode=0)
+    clone = copy.deepcopy(cache)
+    assert [c.nbytes for c in clone] == [c.nbytes for c in cache]
+    assert all(c.context is clone[0].context for c in clone) or clone[0].context is None
+    other = drive(model, clone, mx.concatenate([tokens[:1], tokens[PROMPT + 8 :]]), decode=8)
+    a = mx.concatenate([model(t.reshape(1, 1), cache=cache)[:, -1] for t in tokens[PROMPT : PROMPT + 8]])
+    fresh = compressing(method, model)
+    drive(model, fresh, tokens[:PROMPT], decode=0)
+    b = mx.concatenate([model(t.reshape(1, 1), cache=fresh)[:, -1] for t in tokens[PROMPT : PROMPT + 8]])
+    assert mx.array_equal(a, b)  # the clone's own steps left the original untouched
+    assert other.shape[0] == 9
+
+
+def _serve(model, tokenizer, lru, text, max_tokens=6):
+    """One request the way mlx-lm's server handles it, with its LRU prompt cache."""
+    tokens = tokenizer.encode(text)
+    cache, rest = lru.fetch_nearest_cache("model", tokens)
+    if cache is None:
+        cache, rest = mlx_lm.models.cache.make_prompt_cache(model), tokens
+    out = [r.token for r in mlx_lm.stream_generate(
+        model, tokenizer, rest, max_tokens=max_tokens, sampler=make_sampler(temp=0.0),
+        prompt_cache=cache)]
+    lru.insert_cache("model", tokens + out, cache)
+    return out, len(tokens) - len(rest)
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+@pytest.mark.parametrize("setting", ["compressing", "lossless"])
+def test_what_the_server_does_copy_trim_and_reuse_as_a_prefix(method, setting):
+    """Insert after each generation; fetch for the same prompt (a longer entry: copy and
+    trim, or a fresh cache), a different one, and one that continues an earlier exchange
+    (a shorter entry: copy and prefill the rest). Lossless settings give what a fresh
+    cache gives; compressing ones must keep answering."""
+    settings = getattr(profile(method), setting)
+    if settings is None:
+        pytest.skip(f"{method} has no lossless setting")
+    model = tiny_model("llama")
+    tokenizer = char_tokenizer()
+    lru = LRUPromptCache(max_size=8)
+    story = "Once upon a time there was a cache that had to keep answering. " * 3
+    with patched_kv_cache(model, config(method, settings)):
+        first, _ = _serve(model, tokenizer, lru, "Hello")
+        _serve(model, tokenizer, lru, "World")
+        again, _ = _serve(model, tokenizer, lru, "Hello")
+        long_first, _ = _serve(model, tokenizer, lru, story)
+        follow_up = story + tokenizer.decode(long_first) + " And then"
+        reused, n_reused = _serve(model, tokenizer, lru, follow_up)
+        fresh = [r.token for r in mlx_lm.stream_generate(
+            model, tokenizer, follow_up, max_tokens=6, sampler=make_sampler(temp=0.0))]
+    assert first == again and len(reused) == 6
+    assert n_reused == len(tokenizer.encode(story)) + len(long_first)  # the earlier exchange
+    if setting == "lossless":
+        assert reused == fresh
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_unpatch_restores_the_model_exactly(method):
+    from veloxquant_mlx import patch_model_kv_cache, unpatch_model_kv_cache
+
+    model = tiny_model("llama")
+    attrs = set(model.__dict__)
+    x = prompt(50)[None]
+    before = model(x)
+    patch_model_kv_cache(model, config(method, profile(method).compressing))
+    mlx_lm.generate(model, char_tokenizer(), "Some text to start from.", max_tokens=4)
+    unpatch_model_kv_cache(model)
+    assert set(model.__dict__) == attrs
+    assert type(mlx_lm.models.cache.make_prompt_cache(model)[0]) is KVCache
+    assert mx.array_equal(model(x), before)
+
+
+def _bad_value(rule):
+    if rule.choices:
+        return max(c for c in rule.choices if isinstance(c, (int, float))) + 1 if rule.base in ("int", "float") else "no-such-choice"
+    if rule.low is not None:
+        return rule.low - 1 if rule.base == "int" else rule.low - 0.5
+    return None
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_bad_options_give_the_error_the_spec_defines(method):
+    fields = METHODS[method].fields
+    for name in fields:
+        rule = RULES[name]
+        bad = _bad_value(rule) if rule.base in ("int", "float", "str") else None
+        if bad is None:
+            continue
+        with pytest.raises(ValueError) as info:
+            config(method, {name: bad})
+        assert f"{name}={bad!r}" in str(info.value) and rule.allowed in str(info.value)

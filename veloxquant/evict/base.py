@@ -1,0 +1,266 @@
+"""The scorer base: an eviction method is its options mapping and its ``score``.
+
+``ScoredEvictionCache`` owns everything eviction methods share (kvpress's ``ScorerPress``
+is the model): the kept keys, values and positions (a ``SlotStore``), when scoring
+happens (``Schedule``), the inputs a score may use (``ScoreInputs``, each computed only
+when asked for), protection of sinks and of a recent window, the budget (one for every
+layer, or per layer from the model context), top-k and gather, eviction at decode time
+by slot reuse, trim and state. A method subclass declares:
+
+- ``roles``: which of its options fields are the budget, the sinks, the recent window
+  and the observation window (``Roles``);
+- ``schedule``: when it scores;
+- ``token_state``: per-token float32 arrays that travel with their token (a running
+  attention mass, a cached norm), with ``new_token_state`` and ``observe`` to fill them;
+- ``score(inputs)``: (B, Hkv or 1, rows), higher is kept; a score with one row for all
+  heads selects the same tokens in every head.
+
+Attention always runs over every stored token plus the new ones (``budget + 1`` at a
+decode step); eviction follows it, as in H2O, TOVA and SnapKV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import mlx.core as mx
+
+from ..cache.base import CompressedKVCache, causal_mask
+from .attention import attention_mass, attention_weights
+from .select import top_k_sorted
+from .store import SlotStore
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a method scores and evicts.
+
+    ``prefill_end``: once the prompt is in (mlx-lm sends a prompt's last token alone, so
+    the first single-token update after a multi-token one ends a prefill);
+    ``chunks``: after every multi-token update too (a long prompt then never holds more
+    than budget + one chunk); ``decode_every``: every N single-token steps (0: never).
+    """
+
+    prefill_end: bool = True
+    chunks: bool = False
+    decode_every: int = 0
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Names of the options fields that play the base's roles (None: not an option)."""
+
+    budget: str
+    n_sink: str | None = None
+    recent: str | None = None
+    window: str | None = None  # observation window: the last prompt queries are kept
+
+
+class ScoreInputs:
+    """What a score may use. Everything beyond the stored arrays is computed on request."""
+
+    def __init__(self, cache: "ScoredEvictionCache", queries: mx.array, scale: float):
+        self.cache = cache
+        self.queries = queries  # this update's queries (B, Hq, N, D)
+        self.scale = scale
+        self.keys = cache.store.view("keys")
+        self.values = cache.store.view("values")
+        self.positions = cache.store.view("positions")  # (B, Hkv, rows) int32
+        offset = cache.offset
+        self.query_positions = mx.arange(offset - queries.shape[2], offset)
+
+    @property
+    def n_new(self) -> int:
+        return self.queries.shape[2]
+
+    def state(self, name: str) -> mx.array:
+        return self.cache.store.view(name)
+
+    @property
+    def window_queries(self) -> mx.array | None:
+        """The last observation-window queries of the prompt, this update's included."""
+        return self.cache.window_queries
+
+    def mass(self, queries=None, query_positions=None, query_weights=None, dtype=mx.float32):
+        """Attention mass per kept token (B, Hkv, rows) of ``queries`` (default: this update's)."""
+        if queries is None:
+            queries, query_positions = self.queries, self.query_positions
+        return attention_mass(
+            queries, self.keys, self.scale, query_positions, self.positions, query_weights, dtype
+        )
+
+    @cached_property
+    def last_query_weights(self) -> mx.array:
+        """Attention of this update's last query over the kept tokens: (B, Hkv, G, rows)."""
+        weights = attention_weights(
+            self.queries[:, :, -1:], self.keys, self.scale, self.query_positions[-1:],
+            self.positions, self.cache.logits_dtype,
+        )
+        return weights[:, :, :, 0]
+
+
+class ScoredEvictionCache(CompressedKVCache):
+    """Keeps at most ``budget`` tokens per layer and KV head, chosen by the method's score."""
+
+    requires_attention_hook = True
+    roles: Roles
+    schedule: Schedule = Schedule()
+    token_state: tuple[str, ...] = ()
+    state_from_queries = False  # token_state accumulates what queries paid: trim is inexact
+    logits_dtype = mx.float32  # dtype of the score's logits matmul (the softmax is float32)
+
+    def _init_storage(self) -> None:
+        self.options = self.config.options
+        self.store = SlotStore(("keys", "values", "positions", *self.token_state))
+        self.window_queries = None  # (B, Hq, <= window, D) during a prefill
+        self.in_prompt = True  # the last update was a prompt chunk (or nothing came yet)
+        self.decode_steps = 0  # single-token steps since the last prefill ended
+
+    # -- the options' roles --------------------------------------------------------------
+    def _option(self, role: str, default: int = 0) -> int:
+        name = getattr(self.roles, role)
+        return default if name is None else getattr(self.options, name)
+
+    @property
+    def budget(self) -> int:
+        """Tokens kept per KV head: the options' budget, or this layer's from the context."""
+        per_layer = getattr(self.context, "layer_budgets", None) or {}
+        return per_layer.get(self.layer, self._option("budget"))
+
+    @property
+    def n_sink(self) -> int:
+        return self._option("n_sink")
+
+    @property
+    def recent(self) -> int:
+        return self._option("recent")
+
+    @property
+    def window(self) -> int:
+        return self._option("window")
+
+    # -- what a method provides ---------------------------------------------------------------
+    def score(self, inputs: ScoreInputs) -> mx.array:
+        raise NotImplementedError
+
+    def new_token_state(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        """Initial per-token state of new tokens (B, Hkv, N); zeros unless overridden."""
+        b, h, n, _ = keys.shape
+        return {name: mx.zeros((b, h, n), mx.float32) for name in self.token_state}
+
+    def observe(self, inputs: ScoreInputs) -> None:
+        """After every attention call: accumulate ``token_state`` (default: nothing)."""
+
+    # -- storage ---------------------------------------------------------------------------
+    @property
+    def stored_length(self) -> int:
+        return self.store.kept
+
+    def _arrays(self) -> dict[str, Any]:
+        return {**self.store.arrays, "free_slot": self.store.free, "window_queries": self.window_queries}
+
+    def _restore_arrays(self, arrays: dict[str, Any]) -> None:
+        self.store.restore(arrays, arrays.get("free_slot"))
+        self.window_queries = arrays.get("window_queries")
+
+    def _meta(self) -> dict[str, Any]:
+        return {"in_prompt": self.in_prompt, "decode_steps": self.decode_steps}
+
+    def _restore_meta(self, meta: dict[str, Any]) -> None:
+        self.in_prompt = bool(meta["in_prompt"])
+        self.decode_steps = int(meta["decode_steps"])
+
+    @property
+    def kept_positions(self) -> mx.array | None:
+        """Positions of the kept tokens, sorted, per sequence and KV head; None before any eviction."""
+        if self.stored_length == self.offset:
+            return None
+        positions = self.store.view("positions")
+        if self.store.free is not None:  # the freed slot's token is gone: sort it last
+            freed = mx.arange(positions.shape[2]) == self.store.free[..., None]
+            positions = mx.where(freed, mx.iinfo(mx.int32).max, positions)
+        return mx.sort(positions, axis=-1)[..., : self.stored_length]
+
+    # -- the protocol ------------------------------------------------------------------------
+    def update_and_fetch(self, keys, values):
+        self._expect_attend()
+        b, h, n, _ = keys.shape
+        if self.schedule.decode_every:  # steady state: the budget plus the steps between scorings
+            self.store.set_limit(self.budget + self.schedule.decode_every)
+        positions = mx.broadcast_to(mx.arange(self.offset, self.offset + n, dtype=mx.int32), (b, h, n))
+        self.store.write({"keys": keys, "values": values, "positions": positions,
+                          **self.new_token_state(keys, values)})
+        self.offset += n
+        return self.store.view("keys"), self.store.view("values")
+
+    def _rows_returned(self, n_new: int) -> int:
+        return self.store.rows + n_new - (self.store.free is not None and n_new > 0)
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        self._awaiting_attend = False
+        if isinstance(mask, mx.array):  # mlx-lm's mask is sized by layer 0's rows
+            mask = causal_mask(queries.shape[2], keys.shape[2])
+        out = mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+        n = queries.shape[2]
+        prefill_end = n == 1 and self.in_prompt
+        if self.window and (n > 1 or prefill_end):
+            q = queries if self.window_queries is None else mx.concatenate([self.window_queries, queries], 2)
+            self.window_queries = q[:, :, -self.window :]
+        inputs = ScoreInputs(self, queries, scale)
+        self.observe(inputs)
+        if self._scores_now(n, prefill_end):
+            self._evict(inputs, decode_step=n == 1 and not prefill_end)
+        if prefill_end:
+            self.window_queries = None
+        self.in_prompt = n > 1
+        return out
+
+    def _scores_now(self, n: int, prefill_end: bool) -> bool:
+        s = self.schedule
+        if prefill_end:
+            self.decode_steps = 0
+            return s.prefill_end
+        if n > 1:
+            return s.chunks
+        self.decode_steps += 1
+        return bool(s.decode_every) and self.decode_steps % s.decode_every == 0
+
+    def protected(self, positions: mx.array) -> mx.array:
+        """Tokens never evicted: the sinks and the ``recent`` newest tokens."""
+        keep = positions < self.n_sink
+        if self.recent:
+            keep = keep | (positions >= self.offset - self.recent)
+        return keep
+
+    def _evict(self, inputs: ScoreInputs, decode_step: bool) -> None:
+        """Keep the ``budget`` best tokens: at a decode step by freeing the worst one's slot
+        (one token over budget), otherwise by gathering the kept ones (one copy)."""
+        budget, rows = self.budget, self.store.rows
+        if rows <= budget:
+            return
+        scores = mx.where(self.protected(inputs.positions), float("inf"), self.score(inputs))
+        b, h = inputs.positions.shape[:2]
+        if decode_step and rows == budget + 1:
+            self.store.evict_one(mx.broadcast_to(mx.argmin(scores, axis=-1), (b, h)))
+        else:
+            slots = mx.broadcast_to(top_k_sorted(scores, budget), (b, h, budget))
+            self.store.keep(slots, spare=self.schedule.decode_every)
+
+    # -- trim: exact only while nothing was evicted ------------------------------------------
+    def is_trimmable(self) -> bool:
+        return self.stored_length == self.offset and not (self.state_from_queries and self.offset)
+
+    def trim(self, n: int) -> int:
+        if not self.is_trimmable():
+            return 0
+        n = min(n, self.offset)
+        self.store.truncate(self.store.rows - n)
+        self.offset -= n
+        if self.window_queries is not None:
+            left = self.window_queries.shape[2] - n
+            self.window_queries = self.window_queries[:, :, :left] if left > 0 else None
+        return n
