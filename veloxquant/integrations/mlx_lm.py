@@ -60,6 +60,8 @@ class ModelContext:
     n_layers: int
     compressed_layers: tuple[int, ...]
     shared: dict[str, Any] = field(default_factory=dict)
+    layer_budgets: dict[int, int] = field(default_factory=dict)  # per-layer token budgets
+    model_args: Any = None  # the model's ModelArgs (rope_theta, head counts, ...) when known
 
 
 def attention_modules(model: nn.Module) -> list[Any]:
@@ -143,7 +145,7 @@ def _make_prompt_cache(model: nn.Module, config: KVCacheConfig, sticky: bool) ->
             f"the {_architecture(model)!r} model has no full-attention KV cache layer "
             f"to compress (its caches: {sorted({type(c).__name__ for c in native})})"
         )
-    context = ModelContext(config, len(native), layers)
+    context = ModelContext(config, len(native), layers, model_args=getattr(model, "args", None))
     if sticky:  # a patched model's hooks are installed (and counted) by the patch
         _install_hooks(model, sticky=True)
     return [
