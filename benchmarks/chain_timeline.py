@@ -54,7 +54,6 @@ def copy_kernel(extra_inputs=(), extra_outputs=()):
 
 def frag_step(kernel, sets, bits, G, target=None):
     """One lazy call (q -> out, stamps) on input set i: the frag kernel, then the merge."""
-    comb = kd._get_kernels("cuda", "frag")[1]
 
     def step(q, i):
         cache = sets[i % len(sets)][1]
@@ -62,7 +61,7 @@ def frag_step(kernel, sets, bits, G, target=None):
         (o_part, ml_part, st), _, _, _ = kd.frag_call(
             kernel, q, cache, scale=q.shape[3] ** -0.5, bits=bits, group_size=G,
             target_blocks=target, extra_outputs=stamp_outputs(BH))
-        return kd._merge("cuda", comb, o_part, ml_part, q.shape, q.dtype), st
+        return kd.merge_partials("cuda", o_part, ml_part, q.shape, q.dtype), st
     return step
 
 

@@ -36,7 +36,7 @@ def test_residual_windows_are_bit_exact(t, chunk):
     feed(cache, keys, values, chunk)
     r = 128
     n_key_res, n_val_res = t % r, min(t, r)
-    assert cache.k_res.shape[2] == n_key_res and cache.v_res.shape[2] == n_val_res
+    assert cache.store.k_res.shape[2] == n_key_res and cache.store.v_res.shape[2] == n_val_res
     assert cache.n_quantized_keys == t - n_key_res and cache.n_quantized_values == t - n_val_res
     k_hat, v_hat = cache.dequantized(mx.float16)
     assert k_hat.shape == keys.shape and v_hat.shape == values.shape
@@ -62,11 +62,11 @@ def test_error_within_the_card_bounds(bits, bound):
     k_hat, v_hat = cache.dequantized(mx.float32)
     nq = cache.n_quantized_keys
     # Per element: |x_hat - x| <= scale / 2 (round to nearest code) + float rounding.
-    scales = mx.repeat(cache.k_scales.view(), 32, axis=-1).swapaxes(-1, -2)  # (B,H,T,D)
+    scales = mx.repeat(cache.store.keys.scales.view(), 32, axis=-1).swapaxes(-1, -2)  # (B,H,T,D)
     assert mx.all(scales > 0)
     err = mx.abs(k_hat[:, :, :nq] - keys[:, :, :nq])
     assert mx.all(err <= mx.abs(scales) / 2 + 1e-5)
-    v_scales = mx.repeat(cache.v_scales.view(), 32, axis=-1)
+    v_scales = mx.repeat(cache.store.values.scales.view(), 32, axis=-1)
     nv = cache.n_quantized_values
     v_err = mx.abs(v_hat[:, :, :nv] - values[:, :, :nv])
     assert mx.all(v_err <= mx.abs(v_scales) / 2 + 1e-5)
@@ -92,12 +92,12 @@ def test_quantized_blocks_never_change_and_fetching_twice_is_identical():
     keys = mx.random.normal((1, 2, 300, 64))
     cache = kivi()
     feed(cache, keys, keys, 64)
-    before = [mx.array(a) for a in (cache.k_codes.view(), cache.v_codes.view())]
+    before = [mx.array(a) for a in (cache.store.keys.codes.view(), cache.store.values.codes.view())]
     snapshot = cache.dequantized(mx.float32)
     assert all(mx.array_equal(a, b) for a, b in zip(snapshot, cache.dequantized(mx.float32)))
     feed(cache, mx.random.normal((1, 2, 200, 64)), mx.random.normal((1, 2, 200, 64)), 1)
-    assert mx.array_equal(cache.k_codes.view()[..., : before[0].shape[-1]], before[0])
-    assert mx.array_equal(cache.v_codes.view()[:, :, : before[1].shape[2]], before[1])
+    assert mx.array_equal(cache.store.keys.codes.view()[..., : before[0].shape[-1]], before[0])
+    assert mx.array_equal(cache.store.values.codes.view()[:, :, : before[1].shape[2]], before[1])
 
 
 def test_memory_at_4k_two_bits_group_32():
@@ -136,16 +136,16 @@ def test_group_size_must_divide_head_dim():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_fused_attention_option_reaches_the_kernel_dispatcher(fused, monkeypatch):
-    import veloxquant_mlx.methods.kivi as kivi_module
+    import veloxquant_mlx.kernels.kivi_decode as kd
 
     seen = []
-    real = kivi_module.kivi_decode_attention
+    real = kd.kivi_decode_attention
 
     def spy(*args, **kwargs):
         seen.append(kwargs["use_kernel"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kivi_module, "kivi_decode_attention", spy)
+    monkeypatch.setattr(kd, "kivi_decode_attention", spy)
     cache = kivi(fused_attention=fused)
     keys = mx.random.normal((1, 2, 40, 64))
     feed(cache, keys, keys, 39)

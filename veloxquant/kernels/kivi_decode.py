@@ -571,10 +571,26 @@ def _nonempty(x, shape, dtype):
     return x
 
 
-def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, v_codes,
-            v_scales, v_biases, n_vq, v_res, n_vres, *, scale, bits, group_size,
-            chunk=None, target_blocks=None, variant=None, out_dtype=None, poison=False,
-            algo=None, _mode=0):
+def _launch(backend, queries, *cache, scale, bits, group_size, out_dtype=None, poison=False,
+            **options):
+    """The main kernel's launch, then the merge of its partials into the output."""
+    init = float("nan") if poison else None
+    o_part, ml_part = _partials(backend, queries, *cache, scale=scale, bits=bits,
+                                group_size=group_size, init=init, **options)
+    return merge_partials(backend, o_part, ml_part, queries.shape,
+                          queries.dtype if out_dtype is None else out_dtype, init)
+
+
+def decode_partials(backend, queries, *cache, scale, bits, group_size):
+    """The dispatcher's kernel over one layout, before the merge: (o_part, ml_part), the
+    per-split partial softmax states (base-2 max and sum, unnormalised output), which
+    partials of other layouts over other tokens may join (``kernels/decode.py``)."""
+    return _partials(backend, queries, *cache, scale=scale, bits=bits, group_size=group_size)
+
+
+def _partials(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, v_codes,
+              v_scales, v_biases, n_vq, v_res, n_vres, *, scale, bits, group_size,
+              chunk=None, target_blocks=None, variant=None, init=None, algo=None, _mode=0):
     B, Hq, H, D, T, n_kq, n_kres, n_vq, n_vres = _check_layout(
         queries, k_codes, k_scales, n_kq, k_res, n_kres, v_codes, v_scales, n_vq,
         v_res, n_vres, bits, group_size)
@@ -608,9 +624,7 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
                       ("v_scales", v_scales), ("v_biases", v_biases), ("v_res", v_res)):
         if arr.dtype != dt:
             raise ValueError(f"{name} has dtype {arr.dtype}, queries {dt}: must match")
-    main, comb = _get_kernels(backend, algo, frag_launch_bounds(B * H))
-    init = float("nan") if poison else None
-    out_dtype = dt if out_dtype is None else out_dtype
+    main, _ = _get_kernels(backend, algo, frag_launch_bounds(B * H))
     if algo == "frag":
         if _mode:
             raise ValueError("the frag kernel has no stage-skipping modes")
@@ -619,7 +633,7 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
                             v_scales, v_biases, n_vq, v_res, n_vres),
             scale=scale, bits=bits, group_size=group_size, target_blocks=target_blocks,
             init=init)
-        return _merge(backend, comb, o_part, ml_part, (B, Hq, 1, D), out_dtype, init)
+        return o_part, ml_part
     ns, cpb = _plan(T, B * H, chunk, target_blocks)
     params = _params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
     template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
@@ -632,18 +646,18 @@ def _launch(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, 
     else:
         template += [("TW", tw), ("KUNROLL", kunroll), ("VUNROLL", vunroll),
                      ("MODE", int(_mode))]
-    o_part, ml_part = main(
+    return tuple(main(
         inputs=[queries, k_codes, k_scales, k_biases, k_res, v_codes, v_scales, v_biases,
                 v_res, params],
         template=template,
         grid=(ns * _NT, B * H, 1), threadgroup=(_NT, 1, 1),
         output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
-        output_dtypes=[mx.float32, mx.float32], init_value=init)
-    return _merge(backend, comb, o_part, ml_part, (B, Hq, 1, D), out_dtype, init)
+        output_dtypes=[mx.float32, mx.float32], init_value=init))
 
 
-def _merge(backend, comb, o_part, ml_part, out_shape, odt, init=None):
+def merge_partials(backend, o_part, ml_part, out_shape, odt, init=None):
     """The merge kernel's launch: the splits' partials into the attention output."""
+    comb = _get_kernels(backend)[1]
     B, Hq, _, D = out_shape
     if backend == "cuda":  # a block per (row, 32-channel slice), 8 warps over the splits
         comb_template = [("OT", odt), ("HEAD_DIM", D)]
@@ -710,7 +724,7 @@ def kivi_decode_attention_metal(queries, k_codes, k_scales, k_biases, n_kq, k_re
                    poison=poison, algo=algo)
 
 
-def _gpu_backend() -> Optional[str]:
+def gpu_backend() -> Optional[str]:
     if mx.default_device() != mx.gpu:
         return None
     try:
@@ -741,7 +755,7 @@ def kivi_decode_attention(queries, k_codes, k_scales, k_biases, n_kq, k_res, n_k
             v_biases, n_vq, v_res, n_vres)
     kw = dict(scale=scale, bits=bits, group_size=group_size)
     if use_kernel:
-        backend = _gpu_backend()
+        backend = gpu_backend()
         if backend is not None:
             H = next(a.shape[1] for a in (k_codes, v_codes, k_res, v_res)
                      if a is not None and a.size)
@@ -754,9 +768,70 @@ def kivi_decode_attention(queries, k_codes, k_scales, k_biases, n_kq, k_res, n_k
             elif R and kernel_supports(D, R, bits, group_size, queries.dtype,
                                        tw=_default_variant(R)[0]):
                 return _launch(backend, *args, **kw, algo="simt")
-    if CPU_DEFAULT_PATH == "qmm":
+    if _pure_path() == "qmm":
         return kivi_decode_attention_qmm(*args, **kw)
     return kivi_decode_attention_reference(*args, **kw)
+
+
+def _pure_path() -> str:
+    """CPU_DEFAULT_PATH on the CPU; the reference on a GPU, where MLX's CUDA back-end has
+    no ``quantized_matmul`` for these shapes (measured on MLX 0.32.4)."""
+    return CPU_DEFAULT_PATH if mx.default_device() == mx.cpu else "reference"
+
+
+def kernel_algo(backend: str, queries, n_kv_heads: int, bits: int, group_size: int):
+    """The kernel the dispatcher runs for this shape on ``backend``, or None."""
+    if queries.shape[1] % n_kv_heads:
+        return None
+    gqa, head_dim = queries.shape[1] // n_kv_heads, queries.shape[3]
+    if backend == "cuda":
+        return default_algo(head_dim, gqa, bits, group_size, queries.dtype)
+    tw = _default_variant(gqa)[0]
+    ok = kernel_supports(head_dim, gqa, bits, group_size, queries.dtype, tw=tw)
+    return "simt" if ok else None
+
+
+def part_scores_and_values(queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres,
+                           v_codes, v_scales, v_biases, n_vq, v_res, n_vres, *, scale, bits,
+                           group_size):
+    """One layout's part of a pure-MLX decode: its float32 scores (B, H, R, T) and a
+    function of its probabilities (B, H, R, T) giving its share of the output."""
+    B, Hq, H, D, T, n_kq, n_kres, n_vq, n_vres = _check_layout(
+        queries, k_codes, k_scales, n_kq, k_res, n_kres, v_codes, v_scales, n_vq,
+        v_res, n_vres, bits, group_size)
+    q = queries.astype(mx.float32).reshape(B, H, Hq // H, D) * scale
+    qmm = _pure_path() == "qmm"
+    pack = 32 // bits
+    scores = []
+    if n_kq:
+        if qmm:
+            scores.append(mx.quantized_matmul(
+                q, k_codes[..., : n_kq // pack], k_scales[..., : n_kq // group_size],
+                k_biases[..., : n_kq // group_size], transpose=False, group_size=group_size,
+                bits=bits))
+        else:
+            keys = _dequant_keys_f32(k_codes, k_scales, k_biases, n_kq, bits, group_size)
+            scores.append(q @ keys.swapaxes(-1, -2))
+    if n_kres:
+        scores.append(q @ k_res[:, :, :n_kres].astype(mx.float32).swapaxes(-1, -2))
+    scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+
+    def mix(p):
+        out = None
+        if n_vq:
+            if qmm:
+                out = mx.quantized_matmul(
+                    p[..., :n_vq], v_codes[:, :, :n_vq], v_scales[:, :, :n_vq],
+                    v_biases[:, :, :n_vq], transpose=False, group_size=group_size, bits=bits)
+            else:
+                out = p[..., :n_vq] @ _dequant_values_f32(v_codes, v_scales, v_biases, n_vq,
+                                                          bits, group_size)
+        if n_vres:
+            r = p[..., n_vq:] @ v_res[:, :, :n_vres].astype(mx.float32)
+            out = r if out is None else out + r
+        return out
+
+    return scores.astype(mx.float32), mix
 
 
 def packed_bytes_read(B, H, Hq, D, n_kq, n_kres, n_vq, n_vres, bits, group_size,

@@ -1,0 +1,115 @@
+"""The quantized store: a layer's keys and values, packed, with a full-precision window.
+
+New tokens wait in full precision, then flush into packed storage: keys in blocks of
+``key_block`` tokens (a per-channel codec needs whole groups of tokens), values one token
+at a time so that the newest ``window`` values stay exact (KIVI's residual R; with
+``key_block = window`` the newest ``T mod R`` keys stay exact too). Older runs of tokens
+may sit in sealed ``segments`` of other codecs (precision by age, by epoch): each is
+attended as one part of the decode, the parts merged by log-sum-exp.
+
+A prefill chunk attends over the history (decoded, transient) plus itself; a decode step
+over the packed parts, through the fused kernel on a GPU or the pure-MLX path elsewhere
+(``kernels/decode.py``). Nothing is kept in full precision beyond the window; new rows
+are written into grown buffers in place, the history is never concatenated or re-sliced
+at a decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from ..kernels.decode import DecodePart, decode_attention
+from .packed import GroupAffine, PackedTokens
+
+
+@dataclass
+class Segment:
+    """A sealed run of tokens: keys and values in their own codecs, the same tokens."""
+
+    keys: PackedTokens
+    values: PackedTokens
+
+
+def _rows(x) -> int:
+    return 0 if x is None else x.shape[2]
+
+
+class QuantizedKVStore:
+    def __init__(self, key_codec: GroupAffine, value_codec: GroupAffine, window: int,
+                 key_block: int, step_tokens: int):
+        self.window, self.key_block = window, key_block
+        self.keys = PackedTokens(key_codec, step_tokens)
+        self.values = PackedTokens(value_codec)
+        self.k_res = None  # (B, H, < key_block, D): keys not yet flushed
+        self.v_res = None  # (B, H, <= window, D): the newest values
+        self.segments: list[Segment] = []
+
+    @property
+    def length(self) -> int:
+        sealed = sum(s.keys.count for s in self.segments)
+        return sealed + self.keys.count + _rows(self.k_res)
+
+    # -- writing -------------------------------------------------------------------------
+    def commit(self, keys: mx.array, values: mx.array) -> None:
+        """Take new tokens in; flush what the policy says is old enough."""
+        k_res = keys if self.k_res is None else mx.concatenate([self.k_res, keys], axis=2)
+        n_flush = k_res.shape[2] // self.key_block * self.key_block
+        if n_flush:
+            self.keys.append(k_res[:, :, :n_flush])
+            k_res = mx.contiguous(k_res[:, :, n_flush:])  # no view pinning the old block
+        self.k_res = k_res
+
+        v_res = values if self.v_res is None else mx.concatenate([self.v_res, values], axis=2)
+        n_old = v_res.shape[2] - self.window
+        if n_old > 0:
+            self.values.append(v_res[:, :, :n_old])
+            v_res = mx.contiguous(v_res[:, :, n_old:])
+        self.v_res = v_res
+
+    # -- reading --------------------------------------------------------------------------
+    def history(self, dtype) -> tuple[mx.array | None, mx.array | None]:
+        """Every stored token in ``dtype``, in order (transient: prefill chunks and tests)."""
+        parts_k, parts_v = [], []
+        for keys, values in [(s.keys, s.values) for s in self.segments] + [(self.keys, self.values)]:
+            if keys.count:
+                parts_k.append(keys.decode(dtype))
+            if values.count:
+                parts_v.append(values.decode(dtype))
+        parts_k += [] if self.k_res is None else [self.k_res.astype(dtype)]
+        parts_v += [] if self.v_res is None else [self.v_res.astype(dtype)]
+        if not parts_k:
+            return None, None
+        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+
+    def prefill_attention(self, queries, keys, values, *, scale, mask) -> mx.array:
+        """A prompt chunk attends over the decoded history plus itself, then is stored."""
+        old_k, old_v = self.history(keys.dtype)
+        all_k = keys if old_k is None else mx.concatenate([old_k, keys], axis=2)
+        all_v = values if old_v is None else mx.concatenate([old_v, values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
+        self.commit(keys, values)
+        return out
+
+    def decode_parts(self, empty: mx.array) -> list[DecodePart]:
+        parts = [DecodePart(s.keys.layout(empty), None, s.values.layout(empty), None)
+                 for s in self.segments]
+        parts.append(DecodePart(self.keys.layout(empty), self.k_res,
+                                self.values.layout(empty), self.v_res))
+        return parts
+
+    def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
+        """A decode step: store the token, attend over every part of the packed cache."""
+        self.commit(keys, values)
+        empty = mx.zeros((0,), queries.dtype)
+        return decode_attention(queries, self.decode_parts(empty), scale=scale, use_kernel=use_kernel)
+
+    # -- what is kept ------------------------------------------------------------------------
+    def arrays(self) -> dict[str, Any]:
+        out = {**self.keys.arrays("k"), **self.values.arrays("v"), "k_res": self.k_res, "v_res": self.v_res}
+        for i, s in enumerate(self.segments):
+            out.update(s.keys.arrays(f"seg{i}_k"))
+            out.update(s.values.arrays(f"seg{i}_v"))
+        return out
