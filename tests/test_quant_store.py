@@ -78,3 +78,50 @@ def test_the_store_keeps_no_full_precision_history():
     full_precision = [a for name, a in store.arrays().items() if name.endswith("_res")]
     assert sum(a.shape[2] for a in full_precision) < 64 + 64  # the windows, nothing else
     assert store.length == 1000 and store.keys.count + store.k_res.shape[2] == 1000
+
+
+def test_parts_that_hold_some_heads_each_merge_per_head():
+    """Per-head bit widths: heads 0 and 2 at 8 bits, 1 and 3 at 2 bits, then a tail."""
+    h = 4
+    k = mx.random.normal((B, h, 128, D), key=mx.random.key(1))
+    v = mx.random.normal((B, h, 128, D), key=mx.random.key(2))
+    tail_k = mx.random.normal((B, h, 20, D), key=mx.random.key(3))
+    tail_v = mx.random.normal((B, h, 20, D), key=mx.random.key(4))
+    empty, parts, hist_k, hist_v = mx.zeros((0,)), [], mx.zeros_like(k), mx.zeros_like(v)
+    for bits, heads in ((8, mx.array([0, 2])), (2, mx.array([1, 3]))):
+        pk, pv = PackedTokens(GroupAffine(bits, 32, "channel")), PackedTokens(GroupAffine(bits, 32, "token"))
+        pk.append(k[:, heads])
+        pv.append(v[:, heads])
+        hist_k[:, heads] = pk.decode(mx.float32)
+        hist_v[:, heads] = pv.decode(mx.float32)
+        parts.append(DecodePart(pk.layout(empty), None, pv.layout(empty), None, heads=heads))
+    parts.append(DecodePart(None, tail_k, None, tail_v))
+    q = mx.random.normal((B, h * G, 1, D), key=mx.random.key(5))
+    out = decode_attention(q, parts, scale=D**-0.5)
+    ref = reference(q, mx.concatenate([hist_k, tail_k], 2), mx.concatenate([hist_v, tail_v], 2))
+    assert mx.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    only_heads = decode_attention(q, parts[:2], scale=D**-0.5, n_kv_heads=h)
+    assert mx.allclose(only_heads, reference(q, hist_k, hist_v), atol=1e-5, rtol=1e-5)
+
+
+class DenseScores:
+    """A stand-in codec the kernels cannot read: plain keys and values."""
+
+    def __init__(self, x):
+        self.x, self.count, self.n_heads = x.astype(mx.float32), x.shape[2], x.shape[1]
+
+    def scores(self, q):
+        return q @ self.x.swapaxes(-1, -2)
+
+    def mix(self, p):
+        return p @ self.x
+
+
+def test_parts_in_a_codec_only_the_pure_path_reads_join_the_merge():
+    k, v = tokens(100, seed=7)
+    tail_k, tail_v = tokens(9, seed=8)
+    parts = [DecodePart(DenseScores(k), None, DenseScores(v), None), DecodePart(None, tail_k, None, tail_v)]
+    q = mx.random.normal((B, H * G, 1, D), key=mx.random.key(9))
+    out = decode_attention(q, parts, scale=D**-0.5)
+    ref = reference(q, mx.concatenate([k, tail_k], 2), mx.concatenate([v, tail_v], 2))
+    assert mx.allclose(out, ref, atol=1e-5, rtol=1e-5)

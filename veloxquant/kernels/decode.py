@@ -1,35 +1,65 @@
-"""Decode attention over a store of group-affine parts: one entry point for every method.
+"""Decode attention over a store of packed parts: one entry point for every method.
 
-A store hands over its history as ``DecodePart``s, each covering a run of tokens: keys as
-an ``AffineLayout`` (per channel) for the part's first tokens and full-precision keys
-after them, values likewise (per token), the two splits free to differ (KIVI flushes keys
-in blocks and values one by one). One part is one launch of the fused kernel
-(``kivi_decode.py``). Several parts (segments of different bit widths: precision by age,
-by epoch) are attended part by part: on a GPU each launch leaves its partial softmax
-states (max, sum, weighted values), the partials of all parts are merged by one
-log-sum-exp merge; on the pure-MLX path the parts' scores share one softmax.
+A store hands over its history as ``DecodePart``s, each a run of tokens: keys as an
+``AffineLayout`` (per channel) for the part's first tokens and full-precision keys after
+them, values likewise (per token), the two splits free to differ (KIVI flushes keys in
+blocks, values one by one). A part may hold only some KV heads (``heads``: per-head bit
+widths), and its keys or values may be in another codec's form (``PackedScores``:
+codebooks, promoted channels, low-rank factors), which the pure-MLX path reads.
+
+One group-affine part is one launch of the fused kernel (``kivi_decode.py``), as before.
+Several parts are attended part by part, each leaving partial softmax states (base-2
+max, sum, unnormalised output), merged by one log-sum-exp merge: on a GPU the kernels'
+partials (parts no kernel reads add pure-MLX partials in the same form) and the merge
+kernel, elsewhere pure-MLX partials and their merge.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import mlx.core as mx
 
 from ..quant.packed import AffineLayout
 from . import kivi_decode as kd
 
+LOG2E = 1.4426950408889634
+
+
+class PackedScores(Protocol):
+    """Keys or values in a form only the pure-MLX path reads."""
+
+    count: int  # tokens held
+    n_heads: int  # KV heads held
+
+    def scores(self, q: mx.array) -> mx.array:
+        """Keys: float32 ``q Kᵀ`` (B, H, R, count) for scaled float32 queries (B, H, R, D)."""
+
+    def mix(self, p: mx.array) -> mx.array:
+        """Values: ``p V`` (B, H, R, D) in float32 for probabilities (B, H, R, count)."""
+
 
 @dataclass(frozen=True)
 class DecodePart:
-    keys: AffineLayout | None  # per-channel layout of the part's first keys
+    keys: AffineLayout | Any | None  # the part's first keys, packed
     key_tail: mx.array | None  # (B, H, n, D) full-precision keys after them
-    values: AffineLayout | None  # per-token layout of the part's first values
+    values: AffineLayout | Any | None  # the part's first values, packed
     value_tail: mx.array | None
+    heads: mx.array | None = None  # the KV heads the part holds, increasing (None: all)
 
     @property
     def length(self) -> int:
-        return (self.keys.count if self.keys else 0) + _rows(self.key_tail)
+        return (self.keys.count if self.keys is not None else 0) + _rows(self.key_tail)
+
+    @property
+    def affine(self) -> bool:
+        return all(x is None or isinstance(x, AffineLayout) for x in (self.keys, self.values))
+
+    @property
+    def bits_and_group(self) -> tuple[int, int]:
+        layout = self.keys if self.keys is not None and self.keys.count else self.values
+        return layout.bits, layout.group
 
     def kernel_args(self):
         """The 12 cache arguments of the single-layout kernels (kivi_decode.py)."""
@@ -37,57 +67,105 @@ class DecodePart:
         return (k.codes, k.scales, k.biases, k.count, self.key_tail, _rows(self.key_tail),
                 v.codes, v.scales, v.biases, v.count, self.value_tail, _rows(self.value_tail))
 
-    @property
-    def kv_heads(self) -> int:
-        for x in (self.key_tail, self.value_tail):
-            if x is not None:
-                return x.shape[1]
-        return next(l.codes.shape[1] for l in (self.keys, self.values) if l and l.count)
-
-    @property
-    def bits_and_group(self) -> tuple[int, int]:
-        layout = self.keys if self.keys and self.keys.count else self.values
-        return layout.bits, layout.group
-
 
 def _rows(x) -> int:
     return 0 if x is None else x.shape[2]
 
 
-def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True) -> mx.array:
-    """One query token per sequence over every part: (B, Hq, 1, D) in the query dtype."""
+def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True,
+                     n_kv_heads: int | None = None) -> mx.array:
+    """One query token per sequence over every part: (B, Hq, 1, D) in the query dtype.
+
+    ``n_kv_heads``: the layer's KV heads, needed only when every part holds a subset.
+    """
     parts = [p for p in parts if p.length]
-    if len(parts) == 1:
+    if len(parts) == 1 and parts[0].affine and parts[0].heads is None:
         bits, group = parts[0].bits_and_group
         return kd.kivi_decode_attention(queries, *parts[0].kernel_args(), scale=scale,
                                         bits=bits, group_size=group, use_kernel=use_kernel)
+    if n_kv_heads is None:
+        n_kv_heads = next(_kv_heads(p) for p in parts if p.heads is None)
+    gqa = queries.shape[1] // n_kv_heads
     backend = kd.gpu_backend() if use_kernel else None
-    if backend is not None and all(
-            kd.kernel_algo(backend, queries, p.kv_heads, *p.bits_and_group) for p in parts):
-        partials = [kd.decode_partials(backend, queries, *p.kernel_args(), scale=scale,
-                                       bits=p.bits_and_group[0], group_size=p.bits_and_group[1])
-                    for p in parts]
-        o_part = mx.concatenate([o for o, _ in partials], axis=1)
-        ml_part = mx.concatenate([ml for _, ml in partials], axis=1)
-        return kd.merge_partials(backend, o_part, ml_part, queries.shape, queries.dtype)
-    return _pure_mlx(queries, parts, scale)
-
-
-def _pure_mlx(queries, parts, scale) -> mx.array:
-    """Every part's scores in float32 under one softmax, then each part's share of values."""
-    b, hq, _, d = queries.shape
-    scores, values = [], []
+    o_parts, ml_parts = [], []
     for p in parts:
-        bits, group = p.bits_and_group
-        s, v = kd.part_scores_and_values(queries, *p.kernel_args(), scale=scale, bits=bits,
-                                         group_size=group)
-        scores.append(s)
-        values.append(v)
-    probs = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1)
-    out, start = None, 0
-    for s, mix in zip(scores, values):
-        n = s.shape[-1]
-        part = mix(probs[..., start : start + n])
-        out = part if out is None else out + part
-        start += n
-    return out.reshape(b, hq, 1, d).astype(queries.dtype)
+        q = queries if p.heads is None else _head_queries(queries, p.heads, gqa)
+        algo = backend and p.affine and kd.kernel_algo(backend, q, _kv_heads(p), *p.bits_and_group)
+        if algo:
+            bits, group = p.bits_and_group
+            o, ml = kd.decode_partials(backend, q, *p.kernel_args(), scale=scale, bits=bits,
+                                       group_size=group)
+        else:
+            o, ml = _pure_partials(q, p, scale)
+        if p.heads is not None:
+            o, ml = _on_all_heads(o, ml, p.heads, queries.shape[0], n_kv_heads, gqa)
+        o_parts.append(o)
+        ml_parts.append(ml)
+    o_part, ml_part = mx.concatenate(o_parts, axis=1), mx.concatenate(ml_parts, axis=1)
+    if backend is not None:
+        return kd.merge_partials(backend, o_part, ml_part, queries.shape, queries.dtype)
+    return merge_partials(o_part, ml_part, queries.shape, queries.dtype)
+
+
+def _kv_heads(part: DecodePart) -> int:
+    for x in (part.key_tail, part.value_tail):
+        if x is not None:
+            return x.shape[1]
+    layout = part.keys if part.keys is not None and part.keys.count else part.values
+    return layout.codes.shape[1] if isinstance(layout, AffineLayout) else layout.n_heads
+
+
+def _head_queries(queries, heads, gqa):
+    """The query heads that read ``heads`` (GQA: ``gqa`` query heads per KV head)."""
+    b, hq, _, d = queries.shape
+    q = queries.reshape(b, hq // gqa, gqa, d)[:, heads]
+    return q.reshape(b, heads.shape[0] * gqa, 1, d)
+
+
+def _on_all_heads(o, ml, heads, b, n_kv_heads, gqa):
+    """A part's partials for its own heads, as empty states (max -inf, sum 0) for the rest."""
+    splits, d = o.shape[1], o.shape[2]
+    full_o = mx.zeros((b, n_kv_heads, gqa, splits, d), mx.float32)
+    full_ml = mx.broadcast_to(mx.array([-float("inf"), 0.0]), (b, n_kv_heads, gqa, splits, 2))
+    full_o[:, heads] = o.reshape(b, heads.shape[0], gqa, splits, d)
+    full_ml = mx.array(full_ml)
+    full_ml[:, heads] = ml.reshape(b, heads.shape[0], gqa, splits, 2)
+    rows = b * n_kv_heads * gqa
+    return full_o.reshape(rows, splits, d), full_ml.reshape(rows, splits, 2)
+
+
+def _pure_partials(queries, part: DecodePart, scale):
+    """A part's partial softmax state in the kernels' form: o (B*Hq, 1, D) unnormalised,
+    ml (B*Hq, 1, 2) = (base-2 max of the scores, sum of 2^(score - max))."""
+    b, hq, _, d = queries.shape
+    h = _kv_heads(part)
+    q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
+    scores = []
+    if part.keys is not None and part.keys.count:
+        k = part.keys
+        scores.append(kd.affine_key_scores(q, k.codes, k.scales, k.biases, k.count, k.bits, k.group)
+                      if isinstance(k, AffineLayout) else k.scores(q))
+    if part.key_tail is not None:
+        scores.append(q @ part.key_tail.astype(mx.float32).swapaxes(-1, -2))
+    s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+    m = s.max(axis=-1, keepdims=True)
+    e = mx.exp(s - m)
+    v, n_packed = part.values, part.values.count if part.values is not None else 0
+    o = None
+    if n_packed:
+        o = (kd.affine_value_mix(e[..., :n_packed], v.codes, v.scales, v.biases, n_packed, v.bits, v.group)
+             if isinstance(v, AffineLayout) else v.mix(e[..., :n_packed]))
+    if part.value_tail is not None:
+        r = e[..., n_packed:] @ part.value_tail.astype(mx.float32)
+        o = r if o is None else o + r
+    ml = mx.concatenate([m * LOG2E, e.sum(axis=-1, keepdims=True)], axis=-1)
+    return o.reshape(b * hq, 1, d), ml.reshape(b * hq, 1, 2)
+
+
+def merge_partials(o_part, ml_part, out_shape, dtype) -> mx.array:
+    """The pure-MLX twin of the merge kernel: partials (B*Hq, S, ·) into (B, Hq, 1, D)."""
+    m, l = ml_part[..., 0], ml_part[..., 1]
+    top = m.max(axis=1, keepdims=True)
+    w = mx.power(2.0, m - top)  # an empty partial (max -inf) weighs nothing
+    out = (w[..., None] * o_part).sum(axis=1) / (w * l).sum(axis=1)[..., None]
+    return out.reshape(out_shape).astype(dtype)

@@ -791,47 +791,26 @@ def kernel_algo(backend: str, queries, n_kv_heads: int, bits: int, group_size: i
     return "simt" if ok else None
 
 
-def part_scores_and_values(queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres,
-                           v_codes, v_scales, v_biases, n_vq, v_res, n_vres, *, scale, bits,
-                           group_size):
-    """One layout's part of a pure-MLX decode: its float32 scores (B, H, R, T) and a
-    function of its probabilities (B, H, R, T) giving its share of the output."""
-    B, Hq, H, D, T, n_kq, n_kres, n_vq, n_vres = _check_layout(
-        queries, k_codes, k_scales, n_kq, k_res, n_kres, v_codes, v_scales, n_vq,
-        v_res, n_vres, bits, group_size)
-    q = queries.astype(mx.float32).reshape(B, H, Hq // H, D) * scale
-    qmm = _pure_path() == "qmm"
+def affine_key_scores(q, codes, scales, biases, count, bits, group_size):
+    """Pure-MLX ``q Kᵀ`` (B, H, R, count), float32, over per-channel packed keys; ``q``
+    (B, H, R, D) float32, already scaled. ``quantized_matmul`` on the CPU, a float32
+    dequantization where it has no kernel (a GPU)."""
     pack = 32 // bits
-    scores = []
-    if n_kq:
-        if qmm:
-            scores.append(mx.quantized_matmul(
-                q, k_codes[..., : n_kq // pack], k_scales[..., : n_kq // group_size],
-                k_biases[..., : n_kq // group_size], transpose=False, group_size=group_size,
-                bits=bits))
-        else:
-            keys = _dequant_keys_f32(k_codes, k_scales, k_biases, n_kq, bits, group_size)
-            scores.append(q @ keys.swapaxes(-1, -2))
-    if n_kres:
-        scores.append(q @ k_res[:, :, :n_kres].astype(mx.float32).swapaxes(-1, -2))
-    scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+    if _pure_path() == "qmm":
+        return mx.quantized_matmul(q, codes[..., : count // pack], scales[..., : count // group_size],
+                                   biases[..., : count // group_size], transpose=False,
+                                   group_size=group_size, bits=bits)
+    return q @ _dequant_keys_f32(codes, scales, biases, count, bits, group_size).swapaxes(-1, -2)
 
-    def mix(p):
-        out = None
-        if n_vq:
-            if qmm:
-                out = mx.quantized_matmul(
-                    p[..., :n_vq], v_codes[:, :, :n_vq], v_scales[:, :, :n_vq],
-                    v_biases[:, :, :n_vq], transpose=False, group_size=group_size, bits=bits)
-            else:
-                out = p[..., :n_vq] @ _dequant_values_f32(v_codes, v_scales, v_biases, n_vq,
-                                                          bits, group_size)
-        if n_vres:
-            r = p[..., n_vq:] @ v_res[:, :, :n_vres].astype(mx.float32)
-            out = r if out is None else out + r
-        return out
 
-    return scores.astype(mx.float32), mix
+def affine_value_mix(p, codes, scales, biases, count, bits, group_size):
+    """Pure-MLX ``p V`` (B, H, R, D), float32, over per-token packed values; ``p``
+    (B, H, R, count) float32."""
+    if _pure_path() == "qmm":
+        return mx.quantized_matmul(p, codes[:, :, :count], scales[:, :, :count],
+                                   biases[:, :, :count], transpose=False,
+                                   group_size=group_size, bits=bits)
+    return p @ _dequant_values_f32(codes, scales, biases, count, bits, group_size)
 
 
 def packed_bytes_read(B, H, Hq, D, n_kq, n_kres, n_vq, n_vres, bits, group_size,
