@@ -125,3 +125,15 @@ def test_parts_in_a_codec_only_the_pure_path_reads_join_the_merge():
     out = decode_attention(q, parts, scale=D**-0.5)
     ref = reference(q, mx.concatenate([k, tail_k], 2), mx.concatenate([v, tail_v], 2))
     assert mx.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 8])
+def test_codes_pack_in_mx_quantize_order_at_every_width(bits):
+    from veloxquant_mlx.quant.affine import pack_codes, unpack_codes
+
+    codes = mx.random.randint(0, 2**bits, (2, 3, 96), key=mx.random.key(bits)).astype(mx.uint32)
+    words = pack_codes(codes, bits)
+    assert words.shape == (2, 3, 96 * bits // 32)
+    assert mx.array_equal(unpack_codes(words, bits), codes)
+    ones, zeros = mx.ones((2, 3, 3)), mx.zeros((2, 3, 3))
+    assert mx.array_equal(mx.dequantize(words, ones, zeros, group_size=32, bits=bits), codes.astype(mx.float32))

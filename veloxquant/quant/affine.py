@@ -5,8 +5,9 @@ Per group of ``group_size`` consecutive elements: ``scale = (max - min) / (2^bit
 within ``scale / 2`` of its value (KIVI's quantizer; ``mx.quantize`` instead moves the
 grid to make zero exact, which can clip a group's far end). Scales and minima are stored
 in the input's dtype and codes are rounded against the stored values. Codes are packed
-``32 // bits`` to a uint32 word in ``mx.quantize``'s order, so ``mx.dequantize``,
-``mx.quantized_matmul`` and our kernels read them as they are.
+into uint32 words as one little-endian bit stream, ``mx.quantize``'s order at every width
+it has (1-6 and 8 bits), so ``mx.dequantize``, ``mx.quantized_matmul`` and our kernels
+(2, 4 and 8 bits) read them as they are.
 
 - per token: groups run along head_dim (``(B, H, T, D)`` -> codes ``(B, H, T, D*bits/32)``);
 - per channel: groups run along the tokens of one channel, stored transposed
@@ -18,24 +19,50 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)  # what mx.quantize / mx.dequantize pack
 _MIN_SCALE = 1e-6  # a constant group gets this scale and codes 0: x_hat == x exactly
+
+
+def _bit_fields(bits: int):
+    """Where each of 32 consecutive codes lies in its ``bits`` words (a little-endian bit
+    stream, mx.quantize's order): word, shift, and whether it runs into the next word."""
+    start = mx.arange(32, dtype=mx.uint32) * bits
+    word, shift = start // 32, start % 32
+    return word, shift, (shift + bits) > 32
 
 
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
     """(..., n) integer codes below ``2**bits`` -> (..., n * bits / 32) uint32 words."""
-    per_word = 32 // bits
-    grouped = codes.astype(mx.uint32).reshape(*codes.shape[:-1], -1, per_word)
-    shifts = mx.arange(per_word, dtype=mx.uint32) * bits
-    return (grouped << shifts).sum(axis=-1).astype(mx.uint32)  # disjoint bit fields
+    codes = codes.astype(mx.uint32)
+    if 32 % bits == 0:  # whole codes per word
+        per_word = 32 // bits
+        grouped = codes.reshape(*codes.shape[:-1], -1, per_word)
+        shifts = mx.arange(per_word, dtype=mx.uint32) * bits
+        return (grouped << shifts).sum(axis=-1).astype(mx.uint32)  # disjoint bit fields
+    *lead, n = codes.shape
+    grouped = codes.reshape(*lead, n // 32, 32)
+    word, shift, spills = _bit_fields(bits)
+    low = grouped << shift  # the part that fits, shifted in place (high bits drop off)
+    high = mx.where(spills, grouped >> (32 - shift), 0)  # the rest, at the next word's start
+    words = mx.zeros((*lead, n // 32, bits + 1), mx.uint32)
+    words = words.at[..., word].add(low).at[..., word + 1].add(high)
+    return words[..., :bits].reshape(*lead, n * bits // 32)
 
 
 def unpack_codes(words: mx.array, bits: int) -> mx.array:
     """Inverse of ``pack_codes``: (..., W) uint32 -> (..., W * 32 / bits) uint32 codes."""
-    per_word = 32 // bits
-    shifts = mx.arange(per_word, dtype=mx.uint32) * bits
-    codes = (words[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
+    mask = (1 << bits) - 1
+    if 32 % bits == 0:
+        per_word = 32 // bits
+        shifts = mx.arange(per_word, dtype=mx.uint32) * bits
+        codes = (words[..., None] >> shifts) & mask
+        return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
+    *lead, w = words.shape
+    grouped = mx.pad(words.reshape(*lead, w // bits, bits), [(0, 0)] * len(lead) + [(0, 0), (0, 1)])
+    word, shift, spills = _bit_fields(bits)
+    low = grouped[..., word] >> shift
+    high = mx.where(spills, grouped[..., word + 1] << (32 - shift), 0)
+    return ((low | high) & mask).reshape(*lead, w * 32 // bits)
 
 
 def quantize(x: mx.array, group_size: int, bits: int):
@@ -43,6 +70,8 @@ def quantize(x: mx.array, group_size: int, bits: int):
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits} is not supported; allowed: {SUPPORTED_BITS}")
     *lead, n = x.shape
+    if 32 % bits and n % 32:
+        raise ValueError(f"{bits}-bit codes pack 32 at a time: {n} elements per row do not")
     groups = x.reshape(*lead, n // group_size, group_size).astype(mx.float32)
     low = groups.min(axis=-1, keepdims=True)
     high = groups.max(axis=-1, keepdims=True)
