@@ -96,3 +96,22 @@ def arrays_held(obj, seen=None) -> int:
     if hasattr(obj, "__dict__") and not isinstance(obj, (type, KVCacheConfig)):
         return sum(arrays_held(v, seen) for k, v in vars(obj).items() if k not in ("context", "config"))
     return 0
+
+
+def edit_saved_layer(path, layer, edit):
+    """Change one layer's saved state: ``edit(meta: dict[str, str|int], arrays: dict)``."""
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    prefix = f"{layer}."
+    meta = {}
+    for key, value in arrays.items():
+        if key.startswith(prefix + "meta."):
+            meta[key[len(prefix + "meta."):]] = value
+    decoded = {k: ("".join(chr(int(c)) for c in v.tolist()) if v.ndim == 1 and v.size > 1 else v.item())
+               for k, v in meta.items() if v.size}
+    own = {k[len(prefix + "arrays."):]: v for k, v in arrays.items() if k.startswith(prefix + "arrays.")}
+    edit(decoded, own)
+    for k, v in decoded.items():
+        arrays[prefix + "meta." + k] = mx.array([ord(c) for c in v]) if isinstance(v, str) else mx.array(v)
+    for k, v in own.items():
+        arrays[prefix + "arrays." + k] = v
+    mx.save_safetensors(str(path), arrays, metadata)

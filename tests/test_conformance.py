@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache, LRUPromptCache, load_prompt_cache, save
 from mlx_lm.sample_utils import make_sampler
 
 import conformance
-from conformance import BUDGET, PROMPT, arrays_held, config, profile
+from conformance import BUDGET, PROMPT, arrays_held, config, edit_saved_layer, profile
 from tiny_models import char_tokenizer, prompt, tiny_model
 from veloxquant_mlx import make_prompt_cache, patched_kv_cache
 from veloxquant_mlx._generated.validators import RULES
@@ -68,6 +68,22 @@ def test_lossless_settings_equal_mlx_lm_kvcache(method, arch):
         assert mx.array_equal(out, ref)
     else:
         assert mx.allclose(out, ref, atol=p.lossless_tolerance, rtol=p.lossless_tolerance)
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_storage_grows_with_what_is_kept_not_with_a_configured_maximum(method):
+    """Lossless settings are budgets far beyond the context: a 21-token prompt must still
+    cost about what mlx-lm's KVCache (room for 256 rows) costs, not the budget."""
+    p = profile(method)
+    if p.lossless is None:
+        pytest.skip(f"{method} has no lossless setting")
+    model = tiny_model("llama")
+    tokens = prompt(21)
+    ours = make_prompt_cache(model, config(method, p.lossless))
+    full = [KVCache() for _ in model.layers]
+    drive(model, ours, tokens, decode=0)
+    drive(model, full, tokens, decode=0)
+    assert sum(c.nbytes for c in ours) <= 1.5 * sum(c.nbytes for c in full)
 
 
 @pytest.mark.parametrize("method", METHOD_KEYS)
@@ -238,6 +254,25 @@ def test_save_load_continue_gives_the_same_logits(method, tmp_path):
     a = mx.concatenate([model(t.reshape(1, 1), cache=cache)[:, -1] for t in tail])
     b = mx.concatenate([model(t.reshape(1, 1), cache=loaded)[:, -1] for t in tail])
     _bit_equal_or_close(a, b)
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_a_saved_state_that_contradicts_itself_or_the_model_is_refused(method, tmp_path):
+    from veloxquant_mlx import load_prompt_cache
+    from veloxquant_mlx.cache.base import CacheStateError
+
+    model = tiny_model("llama")
+    cache = compressing(method, model)
+    drive(model, cache, prompt(PROMPT + 4), decode=4)
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(path), cache)
+    stored = cache[1].stored_length
+    with pytest.raises(CacheStateError, match=r"kv heads x head_dim is 2 x 32, expected the model's 1 x 32"):
+        load_prompt_cache(path, model=tiny_model("llama", num_key_value_heads=1))
+    edit_saved_layer(path, 1, lambda meta, arrays: meta.update(offset=stored - 1))
+    with pytest.raises(CacheStateError, match=str(path)) as info:
+        load_prompt_cache(path)
+    assert "layer 1" in str(info.value) and f"offset is {stored - 1}" in str(info.value)
 
 
 @pytest.mark.parametrize("method", METHOD_KEYS)

@@ -21,6 +21,7 @@ _LAZY = {
     "patch_model_kv_cache": "veloxquant_mlx.integrations.mlx_lm",
     "unpatch_model_kv_cache": "veloxquant_mlx.integrations.mlx_lm",
     "patched_kv_cache": "veloxquant_mlx.integrations.mlx_lm",
+    "load_prompt_cache": "veloxquant_mlx.integrations.saved",
 }
 
 __all__ = ["KVCacheConfig", "VeloxQuantDeprecationWarning", *_LAZY]

@@ -38,8 +38,22 @@ def causal_mask(n_queries: int, n_keys: int) -> mx.array:
     return q >= mx.arange(n_keys)[None]
 
 
+class CacheStateError(ValueError):
+    """A cache's state contradicts its config, itself, or the model it is used with."""
+
+
 class AttentionHookMissing(RuntimeError):
     """A cache that owns attention was updated twice without being asked to attend."""
+
+
+def _method_mismatch(cls: type, method: str) -> str | None:
+    """The methods ``cls`` implements, when ``method`` is not one of them."""
+    from ..registry import METHODS
+
+    if (METHODS[method].implementation or "").rpartition(":")[2] == cls.__name__:
+        return None
+    owners = [k for k, m in METHODS.items() if (m.implementation or "").endswith(":" + cls.__name__)]
+    return " or ".join(map(repr, owners)) or "none"
 
 
 class CompressedKVCache:
@@ -58,6 +72,7 @@ class CompressedKVCache:
         self.context = context
         self.layer = layer
         self.offset = 0
+        self.kv_shape: tuple[int, ...] | None = None  # (B, H, D_k, D_v), from the first update
         self._awaiting_attend = False
         self._init_storage()
 
@@ -83,6 +98,26 @@ class CompressedKVCache:
 
     def _meta(self) -> dict[str, Any]:
         return {}
+
+    def _layout_problems(self):
+        """(field, found, expected) for each array whose shape contradicts the config."""
+        return iter(())
+
+    def _state_problems(self):
+        """(field, found, expected) for each way the state contradicts its config or itself."""
+        return iter(())
+
+    def _check_shape(self, keys: mx.array, values: mx.array) -> None:
+        """Every update must bring keys and values of the shape the cache holds."""
+        shape = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+        if self.kv_shape is None:
+            self.kv_shape = shape
+        elif shape != self.kv_shape:
+            raise CacheStateError(
+                f"layer {self.layer} ({type(self).__name__}, method {self.config.method!r}) "
+                f"holds batch x kv heads x key/value head_dim {self.kv_shape}, but the model "
+                f"gives {shape}: this cache was made for another model"
+            )
 
     def _restore_meta(self, meta: dict[str, Any]) -> None:
         pass
@@ -181,6 +216,7 @@ class CompressedKVCache:
             "offset": self.offset,
             "layer": self.layer,
             "config": json.dumps(self.config.to_dict(), sort_keys=True),
+            "kv_shape": json.dumps(self.kv_shape),
             **self._meta(),
         }
         arrays = {
@@ -193,9 +229,23 @@ class CompressedKVCache:
     def state(self, state: dict[str, Any]) -> None:
         meta = dict(state["meta"])
         if not hasattr(self, "config"):  # restored by from_state: rebuild from the file
-            config = KVCacheConfig.from_dict(json.loads(meta["config"]))
+            try:
+                config = KVCacheConfig.from_dict(json.loads(meta["config"]))
+            except (TypeError, ValueError) as exc:
+                raise CacheStateError(
+                    f"saved cache, layer {meta.get('layer')} ({type(self).__name__}): its config "
+                    f"does not parse: {exc}"
+                ) from None
+            mismatch = _method_mismatch(type(self), config.method)
+            if mismatch:
+                raise CacheStateError(
+                    f"saved cache, layer {meta.get('layer')} ({type(self).__name__}): config "
+                    f"method is {config.method!r}, expected {mismatch}"
+                )
             CompressedKVCache.__init__(self, config, None, int(meta["layer"]))
         self.offset = int(meta["offset"])
+        shape = json.loads(meta.get("kv_shape", "null"))
+        self.kv_shape = None if shape is None else tuple(shape)
         self._restore_arrays(state.get("arrays") or {})
         self._restore_meta(meta)
 
@@ -213,9 +263,24 @@ class CompressedKVCache:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]):
+        """Restore a saved cache; refuse (CacheStateError) a state that contradicts its
+        config or itself, naming the field and both values."""
         obj = cls.__new__(cls)
         obj.state = state
+        problems = [*obj._layout_problems(), *obj._offset_problems(), *obj._state_problems()]
+        if problems:
+            field, found, expected = problems[0]
+            raise CacheStateError(
+                f"saved cache, layer {obj.layer} ({cls.__name__}, method "
+                f"{obj.config.method!r}): {field} is {found}, expected {expected}"
+            )
         return obj
+
+    def _offset_problems(self):
+        if self.offset < 0:
+            yield "offset", self.offset, "a token count >= 0"
+        elif self.stored_length > self.offset:
+            yield "offset", self.offset, f">= the {self.stored_length} tokens stored"
 
     def __repr__(self) -> str:
         return (

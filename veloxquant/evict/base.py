@@ -186,6 +186,7 @@ class ScoredEvictionCache(CompressedKVCache):
     # -- the protocol ------------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
         self._expect_attend()
+        self._check_shape(keys, values)
         b, h, n, _ = keys.shape
         if self.schedule.decode_every:  # steady state: the budget plus the steps between scorings
             self.store.set_limit(self.budget + self.schedule.decode_every)
@@ -249,6 +250,23 @@ class ScoredEvictionCache(CompressedKVCache):
         else:
             slots = mx.broadcast_to(top_k_sorted(scores, budget), (b, h, budget))
             self.store.keep(slots, spare=self.schedule.decode_every)
+
+    def _state_problems(self):
+        rows = {name: grown.length for name, grown in self.store.arrays.items()}
+        if len(set(rows.values())) > 1:
+            yield "rows of the kept arrays", rows, "one slot count for all"
+            return
+        positions = self.store.view("positions")
+        if positions is not None and positions.size:
+            low, high = int(positions.min()), int(positions.max())
+            if low < 0 or high >= self.offset:
+                yield "kept positions", f"[{low}, {high}]", f"within [0, offset {self.offset})"
+            elif not bool(mx.all(mx.sort(positions, axis=-1)[..., 1:] > mx.sort(positions, axis=-1)[..., :-1])):
+                yield "kept positions", "repeated tokens", "distinct tokens per head"
+        if self.store.free is not None and not 0 <= int(self.store.free.max()) < self.store.rows:
+            yield "free slot", int(self.store.free.max()), f"a slot below {self.store.rows}"
+        if self.schedule.decode_every and not self.in_prompt and self.stored_length > self.budget:
+            yield "stored tokens", self.stored_length, f"at most the budget {self.budget}"
 
     # -- trim: exact only while nothing was evicted ------------------------------------------
     def is_trimmable(self) -> bool:

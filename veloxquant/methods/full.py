@@ -14,6 +14,7 @@ class FullCache(CompressedKVCache):
         self.values = GrowingArray()
 
     def update_and_fetch(self, keys, values):
+        self._check_shape(keys, values)
         self.keys.append(keys)
         self.values.append(values)
         self.offset += keys.shape[2]
@@ -25,6 +26,12 @@ class FullCache(CompressedKVCache):
 
     def _arrays(self):
         return {"keys": self.keys, "values": self.values}
+
+    def _state_problems(self):
+        if self.keys.length != self.offset:
+            yield "stored tokens", self.keys.length, f"the offset {self.offset}"
+        if self.values.length != self.keys.length:
+            yield "value rows", self.values.length, f"the {self.keys.length} key rows"
 
     def is_trimmable(self) -> bool:
         return True

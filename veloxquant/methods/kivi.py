@@ -47,6 +47,13 @@ class KIVICache(CompressedKVCache):
                 kept[name].reset(value)
         self.store.k_res, self.store.v_res = arrays.get("k_res"), arrays.get("v_res")
 
+    def _layout_problems(self):
+        if self.kv_shape is not None:
+            yield from self.store.layout_problems(self.kv_shape[2:])
+
+    def _state_problems(self):
+        return self.store.problems(self.offset)
+
     @property
     def stored_length(self) -> int:
         return self.store.length
@@ -66,6 +73,7 @@ class KIVICache(CompressedKVCache):
     # -- protocol --------------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
         self._expect_attend()
+        self._check_shape(keys, values)
         head_dim = keys.shape[-1]
         if head_dim % self.group or values.shape[-1] % self.group:
             raise ValueError(

@@ -65,6 +65,7 @@ class StreamingLLMCache(CompressedKVCache):
         return mx.concatenate([x[:, :, :s], x[:, :, r:], x[:, :, s:r]], axis=2)
 
     def update_and_fetch(self, keys, values):
+        self._check_shape(keys, values)
         n = keys.shape[2]
         self.offset += n
         if n == 1:
@@ -105,6 +106,14 @@ class StreamingLLMCache(CompressedKVCache):
         self.values.reset(ret_v)
         self.ring = self.n_sink if self.filled == self.capacity else self.filled
         return all_k, all_v
+
+    def _state_problems(self):
+        if self.filled != min(self.offset, self.capacity):
+            yield "stored tokens", self.filled, f"min(offset {self.offset}, sinks + window {self.capacity})"
+        if self.values.length != self.filled:
+            yield "value rows", self.values.length, f"the {self.filled} key rows"
+        if self.filled == self.capacity and not self.n_sink <= self.ring < self.capacity:
+            yield "ring", self.ring, f"a window row in [{self.n_sink}, {self.capacity})"
 
     def is_trimmable(self) -> bool:
         return self.offset == self.filled  # nothing evicted yet

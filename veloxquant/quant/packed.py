@@ -93,6 +93,13 @@ class PackedTokens:
         self.scales.append(scales)
         self.biases.append(biases)
 
+    def expected_shapes(self, head_dim: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The trailing two dims of codes and scales that ``count`` tokens must have."""
+        c, n = self.codec, self.count
+        if c.axis == "channel":
+            return (head_dim, packed_length(n, c.bits)), (head_dim, n // c.group)
+        return (n, packed_length(head_dim, c.bits)), (n, head_dim // c.group)
+
     def decode(self, dtype) -> mx.array | None:
         """The valid tokens in ``dtype`` (transient: prefill chunks and tests)."""
         if not self.count:

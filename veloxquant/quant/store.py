@@ -106,6 +106,29 @@ class QuantizedKVStore:
         empty = mx.zeros((0,), queries.dtype)
         return decode_attention(queries, self.decode_parts(empty), scale=scale, use_kernel=use_kernel)
 
+    def layout_problems(self, head_dims: tuple[int, int]):
+        """(field, found, expected) for packed arrays whose shapes contradict their codecs;
+        ``head_dims``: the key and value head_dim they must have."""
+        for packed, name, dim in ((self.keys, "key", head_dims[0]), (self.values, "value", head_dims[1])):
+            expected = packed.expected_shapes(dim)
+            found = tuple(packed.codes.view().shape[2:]), tuple(packed.scales.view().shape[2:])
+            if packed.codes.buffer is not None and found != expected:
+                c = packed.codec
+                yield f"{name} codes and scales", found, f"{expected} ({c.bits}-bit codes, groups of {c.group})"
+
+    def problems(self, offset: int):
+        """(field, found, expected) for each way the stored tokens contradict the policy."""
+        n_kq, n_vq = self.keys.count, self.values.count
+        k_res, v_res = _rows(self.k_res), _rows(self.v_res)
+        if n_kq % self.key_block:
+            yield "quantized keys", n_kq, f"a multiple of the key block {self.key_block}"
+        if k_res >= self.key_block:
+            yield "full-precision keys", k_res, f"fewer than the key block {self.key_block}"
+        if v_res != min(offset, self.window):
+            yield "full-precision values", v_res, f"min(offset {offset}, window {self.window})"
+        if n_kq + k_res != offset or n_vq + v_res != offset:
+            yield "tokens stored", f"{n_kq + k_res} keys / {n_vq + v_res} values", f"the offset {offset}"
+
     # -- what is kept ------------------------------------------------------------------------
     def arrays(self) -> dict[str, Any]:
         out = {**self.keys.arrays("k"), **self.values.arrays("v"), "k_res": self.k_res, "v_res": self.v_res}
