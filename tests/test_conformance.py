@@ -142,8 +142,7 @@ class _VisibleOnly(FullCache):
         self._awaiting_attend = False
         kept = self.calls.pop(0)
         n_q, n_k = queries.shape[2], keys.shape[2]
-        member = mx.zeros((*kept.shape[:2], n_k), mx.bool_)
-        member = mx.put_along_axis(member, kept, mx.array(True), axis=-1)
+        member = (kept[..., None] == mx.arange(n_k)).any(axis=-2)  # padding (-1) is nobody
         causal = mx.arange(n_k)[None] <= mx.arange(self.offset - n_q, self.offset)[:, None]
         allowed = member[:, :, None] & causal
         allowed = mx.repeat(allowed, queries.shape[1] // keys.shape[1], axis=1)

@@ -50,7 +50,8 @@ def _method_mismatch(cls: type, method: str) -> str | None:
     """The methods ``cls`` implements, when ``method`` is not one of them."""
     from ..registry import METHODS
 
-    if (METHODS[method].implementation or "").rpartition(":")[2] == cls.__name__:
+    info = METHODS[method]
+    if info.implemented and issubclass(cls, info.load_implementation()):
         return None
     owners = [k for k, m in METHODS.items() if (m.implementation or "").endswith(":" + cls.__name__)]
     return " or ".join(map(repr, owners)) or "none"

@@ -28,7 +28,8 @@ def attention_weights(queries, keys, scale, q_positions, k_positions, dtype=mx.f
     logits = (q * scale) @ keys[:, :, None].astype(dtype).swapaxes(-1, -2)
     if q_positions.ndim == 1:
         q_positions = q_positions[None, None]
-    visible = k_positions[:, :, None, None, :] <= q_positions[:, :, None, :, None]
+    k = k_positions[:, :, None, None, :]
+    visible = (k >= 0) & (k <= q_positions[:, :, None, :, None])  # -1: a padding slot
     logits = mx.where(visible, logits, -float("inf"))
     return mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
 

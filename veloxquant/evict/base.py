@@ -110,6 +110,7 @@ class ScoredEvictionCache(CompressedKVCache):
     token_state: tuple[str, ...] = ()
     state_from_queries = False  # token_state accumulates what queries paid: trim is inexact
     logits_dtype = mx.float32  # dtype of the score's logits matmul (the softmax is float32)
+    window_in_decode = False  # keep the last ``window`` queries at decode steps too
 
     def _init_storage(self) -> None:
         self.options = self.config.options
@@ -117,6 +118,8 @@ class ScoredEvictionCache(CompressedKVCache):
         self.window_queries = None  # (B, Hq, <= window, D) during a prefill
         self.in_prompt = True  # the last update was a prompt chunk (or nothing came yet)
         self.decode_steps = 0  # single-token steps since the last prefill ended
+        self.padded = False  # some slots are padding (per-head budgets): attention masks them
+        self.padded_rows = 0  # slots per head under per-head budgets (the largest budget)
 
     # -- the options' roles --------------------------------------------------------------
     def _option(self, role: str, default: int = 0) -> int:
@@ -145,6 +148,12 @@ class ScoredEvictionCache(CompressedKVCache):
     def score(self, inputs: ScoreInputs) -> mx.array:
         raise NotImplementedError
 
+    def head_budgets(self, inputs: ScoreInputs) -> mx.array | None:
+        """Tokens each KV head keeps, (B, Hkv) int32, when heads differ; None: ``budget``
+        for every head. Heads below the largest budget hold padding slots (position -1,
+        never attended, counted in ``nbytes``: they are stored)."""
+        return None
+
     def new_token_state(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
         """Initial per-token state of new tokens (B, Hkv, N); zeros unless overridden."""
         b, h, n, _ = keys.shape
@@ -156,7 +165,18 @@ class ScoredEvictionCache(CompressedKVCache):
     # -- storage ---------------------------------------------------------------------------
     @property
     def stored_length(self) -> int:
-        return self.store.kept
+        """Tokens kept per KV head (under per-head budgets, by the head that keeps most)."""
+        if not self.padded:
+            return self.store.kept
+        return int(self._valid_slots().sum(axis=-1).max())
+
+    def _valid_slots(self) -> mx.array:
+        """Slots holding a kept token: not padding, not the freed slot."""
+        positions = self.store.view("positions")
+        valid = positions >= 0
+        if self.store.free is not None:
+            valid = valid & (mx.arange(positions.shape[2]) != self.store.free[..., None])
+        return valid
 
     def _arrays(self) -> dict[str, Any]:
         return {**self.store.arrays, "free_slot": self.store.free, "window_queries": self.window_queries}
@@ -166,22 +186,23 @@ class ScoredEvictionCache(CompressedKVCache):
         self.window_queries = arrays.get("window_queries")
 
     def _meta(self) -> dict[str, Any]:
-        return {"in_prompt": self.in_prompt, "decode_steps": self.decode_steps}
+        return {"in_prompt": self.in_prompt, "decode_steps": self.decode_steps,
+                "padded": self.padded, "padded_rows": self.padded_rows}
 
     def _restore_meta(self, meta: dict[str, Any]) -> None:
         self.in_prompt = bool(meta["in_prompt"])
         self.decode_steps = int(meta["decode_steps"])
+        self.padded, self.padded_rows = bool(meta["padded"]), int(meta["padded_rows"])
 
     @property
     def kept_positions(self) -> mx.array | None:
         """Positions of the kept tokens, sorted, per sequence and KV head; None before any eviction."""
         if self.stored_length == self.offset:
             return None
-        positions = self.store.view("positions")
-        if self.store.free is not None:  # the freed slot's token is gone: sort it last
-            freed = mx.arange(positions.shape[2]) == self.store.free[..., None]
-            positions = mx.where(freed, mx.iinfo(mx.int32).max, positions)
-        return mx.sort(positions, axis=-1)[..., : self.stored_length]
+        gone = mx.iinfo(mx.int32).max  # freed and padding slots sort last
+        kept = mx.sort(mx.where(self._valid_slots(), self.store.view("positions"), gone), axis=-1)
+        kept = kept[..., : self.stored_length]
+        return mx.where(kept == gone, -1, kept) if self.padded else kept
 
     # -- the protocol ------------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
@@ -201,24 +222,35 @@ class ScoredEvictionCache(CompressedKVCache):
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         self._awaiting_attend = False
-        if isinstance(mask, mx.array):  # mlx-lm's mask is sized by layer 0's rows
+        if self.padded:  # some heads keep fewer tokens: their padding slots are masked
+            mask = self._padding_mask(queries)
+        elif isinstance(mask, mx.array):  # mlx-lm's mask is sized by layer 0's rows
             mask = causal_mask(queries.shape[2], keys.shape[2])
         out = mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )
         n = queries.shape[2]
         prefill_end = n == 1 and self.in_prompt
-        if self.window and (n > 1 or prefill_end):
+        if self.window and (n > 1 or prefill_end or self.window_in_decode):
             q = queries if self.window_queries is None else mx.concatenate([self.window_queries, queries], 2)
             self.window_queries = q[:, :, -self.window :]
         inputs = ScoreInputs(self, queries, scale)
         self.observe(inputs)
         if self._scores_now(n, prefill_end):
             self._evict(inputs, decode_step=n == 1 and not prefill_end)
-        if prefill_end:
+        if prefill_end and not self.window_in_decode:
             self.window_queries = None
         self.in_prompt = n > 1
         return out
+
+    def _padding_mask(self, queries) -> mx.array:
+        """Causal by position, padding (position -1) hidden: (B, Hq, N, rows)."""
+        positions = self.store.view("positions")
+        n, offset = queries.shape[2], self.offset
+        q = mx.arange(offset - n, offset)[None, None, :, None]
+        k = positions[:, :, None, :]
+        visible = (k >= 0) & (k <= q)
+        return mx.repeat(visible, queries.shape[1] // positions.shape[1], axis=1)
 
     def _scores_now(self, n: int, prefill_end: bool) -> bool:
         s = self.schedule
@@ -240,6 +272,9 @@ class ScoredEvictionCache(CompressedKVCache):
     def _evict(self, inputs: ScoreInputs, decode_step: bool) -> None:
         """Keep the ``budget`` best tokens: at a decode step by freeing the worst one's slot
         (one token over budget), otherwise by gathering the kept ones (one copy)."""
+        per_head = self.head_budgets(inputs)
+        if per_head is not None:
+            return self._evict_per_head(inputs, per_head, decode_step)
         budget, rows = self.budget, self.store.rows
         if rows <= budget:
             return
@@ -251,22 +286,33 @@ class ScoredEvictionCache(CompressedKVCache):
             slots = mx.broadcast_to(top_k_sorted(scores, budget), (b, h, budget))
             self.store.keep(slots, spare=self.schedule.decode_every)
 
-    def _state_problems(self):
-        rows = {name: grown.length for name, grown in self.store.arrays.items()}
-        if len(set(rows.values())) > 1:
-            yield "rows of the kept arrays", rows, "one slot count for all"
-            return
-        positions = self.store.view("positions")
-        if positions is not None and positions.size:
-            low, high = int(positions.min()), int(positions.max())
-            if low < 0 or high >= self.offset:
-                yield "kept positions", f"[{low}, {high}]", f"within [0, offset {self.offset})"
-            elif not bool(mx.all(mx.sort(positions, axis=-1)[..., 1:] > mx.sort(positions, axis=-1)[..., :-1])):
-                yield "kept positions", "repeated tokens", "distinct tokens per head"
-        if self.store.free is not None and not 0 <= int(self.store.free.max()) < self.store.rows:
-            yield "free slot", int(self.store.free.max()), f"a slot below {self.store.rows}"
-        if self.schedule.decode_every and not self.in_prompt and self.stored_length > self.budget:
-            yield "stored tokens", self.stored_length, f"at most the budget {self.budget}"
+    def _evict_per_head(self, inputs: ScoreInputs, per_head: mx.array, decode_step: bool) -> None:
+        """Head h keeps ``per_head[b, h]`` tokens; slots are shared, the rest is padding."""
+        positions = inputs.positions
+        b, h, rows = positions.shape
+        per_head = mx.broadcast_to(per_head.astype(mx.int32), (b, h))
+        self.padded_rows = self.padded_rows or int(per_head.max())
+        capacity = self.padded_rows
+        padding = positions < 0
+        scores = mx.where(self.protected(positions), float("inf"), self.score(inputs))
+        scores = mx.broadcast_to(scores, (b, h, rows))
+        if decode_step:
+            over = (rows - padding.sum(axis=-1)) > per_head
+            worst = mx.argmin(mx.where(padding, float("inf"), scores), axis=-1)
+            if rows == capacity + 1:  # the next token takes a slot: the worst, or padding
+                self.store.evict_one(mx.where(over, worst, mx.argmax(padding, axis=-1)))
+            else:  # room to grow: a head over its budget turns its worst token into padding
+                dropped = (mx.arange(rows) == worst[..., None]) & over[..., None]
+                self.store.update("positions", mx.where(dropped, -1, positions))
+        else:  # the best of each head, up to its own budget; the rest of its slots padding
+            ranked = mx.where(padding, -float("inf"), scores)
+            slots = top_k_sorted(ranked, min(capacity, rows))
+            chosen = mx.take_along_axis(ranked, slots, axis=-1)
+            rank = mx.argsort(mx.argsort(-chosen, axis=-1), axis=-1)
+            self.store.keep(slots, spare=self.schedule.decode_every)
+            kept = self.store.view("positions")
+            self.store.update("positions", mx.where(rank < per_head[..., None], kept, -1))
+        self.padded = True
 
     # -- trim: exact only while nothing was evicted ------------------------------------------
     def is_trimmable(self) -> bool:
