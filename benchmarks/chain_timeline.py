@@ -29,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 from frag_timeline import TIMER, stamp_outputs, stamped_kernel  # noqa: E402
 import numpy as np  # noqa: E402
 
-kd = fa.kd
+kd, kx = fa.kd, fa.kx
 _COPY = r"""
   unsigned long long vq_t0;
   """ + TIMER.format("vq_t0") + r"""
@@ -52,15 +52,16 @@ def copy_kernel(extra_inputs=(), extra_outputs=()):
         source=_COPY)
 
 
-def frag_step(kernel, sets, bits, G, target=None):
+def frag_step(kernel, sets, bits, G, target=None, keep=None, tail_first=None):
     """One lazy call (q -> out, stamps) on input set i: the frag kernel, then the merge."""
 
     def step(q, i):
         cache = sets[i % len(sets)][1]
         BH = q.shape[0] * cache[0].shape[1]
-        (o_part, ml_part, st), _, _, _ = kd.frag_call(
+        (o_part, ml_part, st), _, _, _ = kx.frag_call(
             kernel, q, cache, scale=q.shape[3] ** -0.5, bits=bits, group_size=G,
-            target_blocks=target, extra_outputs=stamp_outputs(BH))
+            target_blocks=target, keep=keep, tail_first=tail_first,
+            extra_outputs=stamp_outputs(BH))
         return kd.merge_partials("cuda", o_part, ml_part, q.shape, q.dtype), st
     return step
 
@@ -152,18 +153,14 @@ def main():
                " + merge kernel", *chain(frag_step(stamped_kernel(mb0), sets, args.bits, G),
                                          q0, args.calls))
         for tail_first in args.tail_first:
-            kd.FRAG_TAIL_FIRST = bool(tail_first)
             report(f"frag defaults with TAIL_FIRST {tail_first} + merge kernel",
-                   *chain(frag_step(stamped_kernel(mb0), sets, args.bits, G), q0, args.calls))
-            kd.FRAG_TAIL_FIRST = None
-        default_keep = kd.FRAG_KEEP_OFFSET
+                   *chain(frag_step(stamped_kernel(mb0), sets, args.bits, G,
+                                    tail_first=bool(tail_first)), q0, args.calls))
         for keep, target, *mb in variants:
-            kd.FRAG_KEEP_OFFSET = keep
             mb = mb[0] if mb else mb0
             report(f"frag KEEP {keep} target {target} launch bounds {mb} + merge kernel",
-                   *chain(frag_step(stamped_kernel(mb), sets, args.bits, G, target), q0,
+                   *chain(frag_step(stamped_kernel(mb), sets, args.bits, G, target, keep), q0,
                           args.calls))
-        kd.FRAG_KEEP_OFFSET = default_keep
         report("copy kernel (one block)", *chain(copy_step(cp), q0, args.calls))
         report("copy kernel, given the frag kernel's inputs too", *chain(
             copy_step(cp10, sets), q0, args.calls))

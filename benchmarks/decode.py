@@ -1,14 +1,19 @@
-"""Decode benchmark: stored KV bytes, peak memory and decode speed per method.
+"""Decode benchmark: KV bytes, peak memory and decode speed of whole-model generation.
 
-A random llama (8 layers, head_dim 128, GQA 4:1), prompts of 1k/4k/16k tokens prefilled
-the way mlx-lm does it (2048-token chunks, then the last token alone), then timed
-single-token decode steps, the methods taking turns (rounds x steps each) so that the
-machine's drift hits them alike; speed is the median step. Every figure is also given
-as a ratio to mlx-lm's own ``KVCache`` measured in the same run, on the same model and
-prompt. Peak memory is over each method's prefill and first two decode steps.
+A random-weight llama (no download), prompts prefilled the way mlx-lm does it (2048-token
+chunks, then the last token alone), then single-token decode steps, the methods taking
+turns (rounds x steps each) so that the machine's drift hits them alike. Per step: the
+host time to build the step's graph (the model call, which is lazy), the time from then
+until the step's logits are ready (the device's share), and their sum (the step; tokens
+per second are its inverse, median over every step). Peak memory is over the prefill and
+the first two steps. Every figure is also a ratio to mlx-lm's own ``KVCache`` in the same
+run, on the same model and prompt; mlx-lm's ``QuantizedKVCache`` is a peer row (shown as
+failed where it fails: on MLX's CUDA back-end it has no ``quantized_matmul`` for these
+shapes).
 
-    python benchmarks/decode.py                      # 1k, 4k, 16k
-    python benchmarks/decode.py --contexts 1024 4096 --steps 16 --out bench-out/decode.json
+    python benchmarks/decode.py                                   # small model, CPU-sized
+    python benchmarks/decode.py --preset llama3-8b --contexts 4096 32768 131072
+    python benchmarks/decode.py --methods "mlx-lm KVCache" kivi-4bit --out decode.json
 """
 
 from __future__ import annotations
@@ -18,33 +23,52 @@ import json
 import platform
 import statistics
 import time
+import traceback
 
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache  # first: it may load OpenBLAS
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
-from mlx_lm.models.cache import KVCache  # noqa: E402
+from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
-from veloxquant_mlx.bench.cli import compute_dtype  # noqa: E402
 from veloxquant_mlx.bench.runner import prefill  # noqa: E402
-from veloxquant_mlx.cache.options import KIVIOptions, SnapKVOptions, StreamingLLMOptions  # noqa: E402
+from veloxquant_mlx.cache.options import (  # noqa: E402
+    H2OOptions,
+    KIVIOptions,
+    L2NormOptions,
+    SnapKVOptions,
+    StreamingLLMOptions,
+    TOVAOptions,
+)
 
+PRESETS = {
+    "small": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024,
+                  num_attention_heads=4, num_key_value_heads=1, vocab_size=1024),
+    # Llama-3-8B's shape: 32 layers, hidden 4096, 32 query / 8 KV heads of 128, MLP 14336
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+}
+
+BASELINE = "mlx-lm KVCache"
 METHODS = {
-    "mlx-lm KVCache": None,
+    BASELINE: None,
+    "mlx-lm QuantizedKVCache 4-bit": "QuantizedKVCache",
     "full": KVCacheConfig(),
-    "streaming_llm": KVCacheConfig(options=StreamingLLMOptions(stream_n_sink=4, stream_window_size=508)),
-    "snapkv": KVCacheConfig(options=SnapKVOptions(snap_budget=512)),
-    "kivi-2bit": KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=32), kv_bits=2),
     "kivi-4bit": KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=32), kv_bits=4),
+    "kivi-2bit": KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=32), kv_bits=2),
+    "streaming_llm 4+2044": KVCacheConfig(options=StreamingLLMOptions(stream_n_sink=4, stream_window_size=2044)),
+    "snapkv 2048": KVCacheConfig(options=SnapKVOptions(snap_budget=2048)),
+    "streaming_llm": KVCacheConfig(method="streaming_llm"),
+    "snapkv": KVCacheConfig(method="snapkv"),
+    "knorm": KVCacheConfig(options=L2NormOptions()),
+    "tova": KVCacheConfig(options=TOVAOptions()),
+    "h2o": KVCacheConfig(options=H2OOptions()),
 }
 
 
-def build_model(dtype):
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=512, num_hidden_layers=8, intermediate_size=1024,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=128, rms_norm_eps=1e-5,
-        vocab_size=1024, rope_theta=500000.0, tie_word_embeddings=True,
-    )
+def build_model(preset: str, dtype):
+    args = llama.ModelArgs(model_type="llama", head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                           tie_word_embeddings=False, **PRESETS[preset])
     mx.random.seed(0)
     model = llama.Model(args)
     model.set_dtype(dtype)
@@ -52,77 +76,115 @@ def build_model(dtype):
     return model
 
 
+def make_cache(model, config):
+    if config is None:
+        return [KVCache() for _ in model.layers]
+    if config == "QuantizedKVCache":
+        return [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
+    return make_prompt_cache(model, config)
+
+
 def start(model, config, context):
     """Prefill one method's cache; its KV bytes and peak memory over prefill + 2 steps."""
-    tokens = mx.random.randint(0, 1024, (context,), key=mx.random.key(context))
+    tokens = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(context))
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    cache = [KVCache() for _ in model.layers] if config is None else make_prompt_cache(model, config)
+    cache = make_cache(model, config)
     y = mx.argmax(prefill(model, cache, tokens))[None]
     for _ in range(2):
-        y = decode(model, cache, y)
+        y, _ = step(model, cache, y)
     return cache, y, {"kv_bytes": sum(c.nbytes for c in cache), "peak_bytes": mx.get_peak_memory() - base}
 
 
-def decode(model, cache, y):
-    y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+def step(model, cache, y):
+    """One decode step: (next token, (host seconds to build it, seconds until it is ready))."""
+    t0 = time.perf_counter()
+    logits = model(y[:, None], cache=cache)
+    y = mx.argmax(logits[:, -1], axis=-1)
+    t1 = time.perf_counter()
     mx.eval(y)
-    return y
+    return y, (t1 - t0, time.perf_counter() - t1)
 
 
 def time_interleaved(model, states, steps, rounds):
-    """Per-step decode times, the methods taking turns so that drift hits them alike."""
+    """Per-step (host, device) times, the methods taking turns so that drift hits them alike."""
     times = {name: [] for name in states}
     for _ in range(rounds):
-        for name, state in states.items():
-            cache, y = state
+        for name, (cache, y) in states.items():
             for _ in range(steps):
-                t = time.perf_counter()
-                y = decode(model, cache, y)
-                times[name].append(time.perf_counter() - t)
+                y, t = step(model, cache, y)
+                times[name].append(t)
             states[name] = (cache, y)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def summary(figures, times):
+    host = statistics.median(t[0] for t in times)
+    device = statistics.median(t[1] for t in times)
+    total = statistics.median(t[0] + t[1] for t in times)
+    return {**figures, "host_s": host, "device_s": device, "step_s": total, "decode_tokens_per_s": 1 / total}
+
+
+def table(results) -> list[str]:
+    rows = ["| context | cache | KV bytes | KV vs fp16 | peak vs fp16 | decode tok/s | decode vs fp16 "
+            "| host ms a step | host vs fp16 | device ms a step |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        base = next(b for b in results if b["context"] == r["context"] and b["method"] == BASELINE)
+        if r.get("error"):
+            rows.append(f"| {r['context']} | {r['method']} | failed: {r['error'][:90]} |||||||")
+            continue
+        rows.append(
+            f"| {r['context']} | {r['method']} | {r['kv_bytes']:,} | {r['kv_bytes'] / base['kv_bytes']:.3f} "
+            f"| {r['peak_bytes'] / base['peak_bytes']:.2f} | {r['decode_tokens_per_s']:.1f} "
+            f"| {r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x | {r['host_s'] * 1e3:.2f} "
+            f"| {r['host_s'] / base['host_s']:.2f}x | {r['device_s'] * 1e3:.2f} |"
+        )
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small", choices=list(PRESETS))
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--steps", type=int, default=8, help="decode steps per method per round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of interleaved timing")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), help=f"from: {', '.join(METHODS)}")
     ap.add_argument("--out", default=None, help="write every figure as JSON here")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                     help="auto: float32 on the CPU (MLX's fast CPU path), float16 on a GPU")
     args = ap.parse_args()
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
 
-    model = build_model(compute_dtype(args.dtype) or mx.float16)
+    on_cpu = mx.default_device() == mx.cpu
+    dtype = (mx.float32 if on_cpu else mx.float16) if args.dtype == "auto" else getattr(mx, args.dtype)
+    model = build_model(args.preset, dtype)
     results = []
     for context in args.contexts:
-        names = ["mlx-lm KVCache", *[m for m in args.methods if m != "mlx-lm KVCache"]]
+        names = [BASELINE, *[m for m in args.methods if m != BASELINE]]
         states, figures = {}, {}
         for name in names:
-            cache, y, figures[name] = start(model, METHODS[name], context)
-            states[name] = (cache, y)
-        step = time_interleaved(model, states, args.steps, args.rounds)
-        for name in names:
-            r = {**figures[name], "decode_s_per_token": step[name], "decode_tokens_per_s": 1 / step[name]}
-            results.append({"method": name, "context": context, **r})
-            print(f"  {name:16s} {context:6d}: {r['decode_tokens_per_s']:8.2f} tok/s", flush=True)
+            try:
+                cache, y, figures[name] = start(model, METHODS[name], context)
+                states[name] = (cache, y)
+            except Exception as exc:  # noqa: BLE001 - a failing peer is a row, not a crash
+                results.append({"method": name, "context": context, "error": f"{type(exc).__name__}: {exc}",
+                                "traceback": traceback.format_exc(limit=4)})
+                print(f"  {name:30s} {context:7d}: failed: {exc}", flush=True)
+        times = time_interleaved(model, states, args.steps, args.rounds)
+        for name in states:
+            r = {"method": name, "context": context, **summary(figures[name], times[name])}
+            results.append(r)
+            print(f"  {name:30s} {context:7d}: {r['decode_tokens_per_s']:8.2f} tok/s, host "
+                  f"{r['host_s'] * 1e3:.2f} ms, device {r['device_s'] * 1e3:.2f} ms", flush=True)
         del states
-
-    rows = ["| context | method | KV bytes | KV ratio | peak ratio | decode tok/s | speed ratio |",
-            "|---:|---|---:|---:|---:|---:|---:|"]
-    for r in results:
-        base = next(b for b in results if b["context"] == r["context"] and b["method"] == "mlx-lm KVCache")
-        rows.append(
-            f"| {r['context']} | {r['method']} | {r['kv_bytes']:,} | {r['kv_bytes'] / base['kv_bytes']:.3f} "
-            f"| {r['peak_bytes'] / base['peak_bytes']:.3f} | {r['decode_tokens_per_s']:.2f} "
-            f"| {r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.3f} |"
-        )
+    results.sort(key=lambda r: (r["context"], names.index(r["method"])))
     env = {"mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
-           "processor": platform.processor(), "steps": args.steps, "rounds": args.rounds, "dtype": str(model.model.embed_tokens.weight.dtype)}
-    print("\n" + "\n".join(rows))
+           "preset": args.preset, "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds}
+    print("\n" + "\n".join(table(results)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"environment": env, "results": results}, f, indent=2)

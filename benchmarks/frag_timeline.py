@@ -21,7 +21,7 @@ import fused_attention as fa  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-kd = fa.kd
+kd, kx = fa.kd, fa.kx
 #: CUDA: the GPU's clock (%globaltimer, ns) into the named variable
 TIMER = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"({}));\n'
 _FIRST = "  const int g = lane >> 2;\n"
@@ -57,11 +57,12 @@ def stamped_kernel(min_blocks):
 
 
 def stamp_outputs(BH):
-    """frag_call's extra_outputs for a stamped kernel over BH kv heads: its stamps."""
+    """kernels_extra.frag_call's extra_outputs for a stamped kernel over BH kv heads: its
+    stamps."""
     return lambda ns: [((BH * ns * 4,), mx.uint64)]
 
 
-def run(kernel, q, cache, bits, G, target, calls=10):
+def run(kernel, q, cache, bits, G, target, keep=None, calls=10):
     """The last of ``calls`` calls' stamps (kv head, block, 4) and the blocks with tail
     chunks."""
     BH = q.shape[0] * cache[0].shape[1]
@@ -69,9 +70,9 @@ def run(kernel, q, cache, bits, G, target, calls=10):
     # CPU has read faults back to the GPU when a later call reuses it (blocks that wrote
     # there ran ~5x longer)
     for _ in range(calls):
-        outs, ns, tail0, ns_tail = kd.frag_call(
+        outs, ns, tail0, ns_tail = kx.frag_call(
             kernel, q, cache, scale=q.shape[3] ** -0.5, bits=bits, group_size=G,
-            target_blocks=target, extra_outputs=stamp_outputs(BH))
+            target_blocks=target, keep=keep, extra_outputs=stamp_outputs(BH))
         mx.eval(outs)
     return np.array(outs[2]).reshape(BH, ns, 4), slice(tail0, tail0 + ns_tail)
 
@@ -146,7 +147,6 @@ def main():
         ap.error(f"--residual {args.residual!r} with --context {args.context}: each in "
                  f"[0, context], and context minus the key residual a multiple of {G}")
     mx.set_default_device(mx.gpu)
-    kd.FRAG_KEEP_OFFSET = args.keep
     for B in args.batch:
         kernel = stamped_kernel(kd.frag_launch_bounds(B * H))
         K, V = fa.random_kv(B, H, args.context, D, mx.float16)
@@ -155,7 +155,7 @@ def main():
         mx.eval(q, *[a for a in cache if isinstance(a, mx.array)])
         del K, V
         for target in args.target or [kd.frag_target_blocks(B * H)]:
-            st, tails = run(kernel, q, cache, args.bits, G, target)
+            st, tails = run(kernel, q, cache, args.bits, G, target, args.keep)
             fa.log(f"\n{args.bits}-bit B={B} T={args.context} residual {n_kres},{n_vres} "
                    f"target {target} keep {args.keep} launch bounds "
                    f"{kd.frag_launch_bounds(B * H)}: grid {st.shape[1]} x {st.shape[0]}")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fused_attention as fa  # noqa: E402  (loads the kernels module on its own)
 import mlx.core as mx  # noqa: E402
 
-kd = fa.kd
+kd, kx = fa.kd, fa.kx
 DEFAULT_VARIANTS = "1,6,792 0,6,792 3,6,792 1,5,660"
 CHECK_CASES = [  # bits, group, gqa, n_kq (a multiple of the group), n_kres, n_vres
     (4, 64, 4, 4992, 37, 131), (4, 32, 8, 2976, 64, 128), (4, 128, 1, 4096, 1, 300),
@@ -57,11 +57,11 @@ def label(v) -> str:
     return f"keep {keep}, {mb} blocks/SM, target {target}"
 
 
-def apply(v):
-    """Make v the frag kernel's build (its launch bounds for every batch); its target."""
-    kd.FRAG_KEEP_OFFSET, mb, target = v
-    kd.FRAG_MIN_BLOCKS = kd.FRAG_MIN_BLOCKS_MANY_HEADS = mb
-    return target
+def knobs(v):
+    """The frag knobs of kernels_extra for variant v: KEEP, launch bounds (for every
+    batch), split target."""
+    keep, mb, target = v
+    return dict(algo="frag", keep=keep, min_blocks=mb, target_blocks=target)
 
 
 #: the batch-8 128k shape: with the split target of 64 kv heads (528), 128 tiles a warp
@@ -88,9 +88,7 @@ def check(variants, long=False) -> bool:
             if n >= 2 and v[0] == variants[0][0] and v != variants[0]:
                 errs.append("   -   ")
                 continue
-            target = apply(v)
-            out = kd.kivi_decode_attention_cuda(q, *cache, **kw, algo="frag", target_blocks=target,
-                                                out_dtype=mx.float32, poison=True)
+            out = kx.attention(q, *cache, **kw, **knobs(v), out_dtype=mx.float32, poison=True)
             mx.eval(out)
             e = fa.rel_err(out, ref)
             ok = bool(mx.all(mx.isfinite(out)).item()) and e < 1e-3
@@ -105,25 +103,26 @@ def shapes_data(B, T, bits=4, G=64, D=128):
     return sets, nbytes, dict(scale=D ** -0.5, bits=bits, group_size=G)
 
 
-def main_kernel_only(q, cache, kw, target):
-    """The frag kernel's launch of kd._launch without the merge kernel (lazy)."""
-    BH = q.shape[0] * cache[0].shape[1]
-    main, _ = kd._get_kernels("cuda", "frag", kd.frag_launch_bounds(BH))
-    return kd.frag_call(main, q, cache, **kw, target_blocks=target)[0][0]
+def main_kernel_only(q, cache, kw, v):
+    """Variant v's frag launch without the merge kernel (lazy)."""
+    keep, mb, target = v
+    main = kx.main_kernel("cuda", "frag", mb)
+    return kx.frag_call(main, q, cache, **kw, target_blocks=target, keep=keep)[0][0]
 
 
-def overheads(shapes, reps=5):
-    """The whole call against its main kernel alone and MLX's floor for a one-kernel op."""
+def overheads(v, shapes, reps=5):
+    """Variant v's whole call (its KEEP and launch bounds, the dispatcher's split target)
+    against its main kernel alone and MLX's floor for a one-kernel op."""
     fa.log("\nwhere a call's time goes (first variant; medians of %d)" % reps)
+    v = (v[0], v[1], None)
     for B, T, bits in shapes:
         sets, _, kw = shapes_data(B, T, bits)
-        target = kd.frag_target_blocks(B * 8)  # timing_sets: 8 kv heads
         full, main = [], []
         for _ in range(reps):
-            full.append(fa.time_batches(lambda i: kd.kivi_decode_attention_cuda(
-                sets[i][0], *sets[i][1], **kw, algo="frag"), len(sets), reps=3)[0])
+            full.append(fa.time_batches(lambda i: kx.attention(
+                sets[i][0], *sets[i][1], **kw, **knobs(v)), len(sets), reps=3)[0])
             main.append(fa.time_batches(lambda i: main_kernel_only(
-                sets[i][0], sets[i][1], kw, target), len(sets), reps=3)[0])
+                sets[i][0], sets[i][1], kw, v), len(sets), reps=3)[0])
         floor = fa.call_floor()
         fa.log(f"  {bits}-bit B={B} T={T}: whole call {statistics.median(full) * 1e6:.1f} us, "
                f"main kernel alone {statistics.median(main) * 1e6:.1f} us, one-kernel floor "
@@ -137,15 +136,12 @@ def time_rounds(variants, shapes, rounds, chained=False):
         times = {v: [] for v in variants}
         for r in range(rounds):
             for v in variants:
-                target = apply(v)
                 if chained:
-                    s, _ = fa.time_chain(lambda q, i: kd.kivi_decode_attention_cuda(
-                        q, *sets[i][1], **kw, algo="frag", target_blocks=target),
-                        len(sets), sets[0][0], reps=3)
+                    s, _ = fa.time_chain(lambda q, i: kx.attention(
+                        q, *sets[i][1], **kw, **knobs(v)), len(sets), sets[0][0], reps=3)
                 else:
-                    s, _ = fa.time_batches(lambda i: kd.kivi_decode_attention_cuda(
-                        sets[i][0], *sets[i][1], **kw, algo="frag", target_blocks=target),
-                        len(sets), reps=3)
+                    s, _ = fa.time_batches(lambda i: kx.attention(
+                        sets[i][0], *sets[i][1], **kw, **knobs(v)), len(sets), reps=3)
                 times[v].append(s)
         base = statistics.median(times[variants[0]])
         fa.log(f"\n{bits}-bit B={B} T={T}: median / min of {rounds} interleaved rounds"
@@ -163,10 +159,8 @@ def profile(variants, shapes, calls):
     for B, T, bits in shapes:
         sets, _, kw = shapes_data(B, T, bits)
         for v in variants:
-            target = apply(v)
             for _ in range(calls):
-                mx.eval(kd.kivi_decode_attention_cuda(sets[0][0], *sets[0][1], **kw,
-                                                      algo="frag", target_blocks=target))
+                mx.eval(kx.attention(sets[0][0], *sets[0][1], **kw, **knobs(v)))
             mx.synchronize()
             fa.log(f"profiled: {bits}-bit B={B} T={T} {label(v)} x {calls}")
         del sets
@@ -240,8 +234,7 @@ def main():
     if args.rounds:
         time_rounds(variants, shapes, args.rounds, args.chained)
     if args.overheads:
-        apply(variants[0])
-        overheads(shapes)
+        overheads(variants[0], shapes)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@
    and stage timings of simt and mma (packed values or packed keys left out).
    --check-algos / --sweep-only narrow the check and the sweep to some kernels.
 
+The kernels run through kernels_extra.py (next to this script): the undispatched mma
+kernel, NaN-poisoned outputs and the sweeps' knobs are there, not in the runtime.
+
 Timing: inputs rotate over enough copies that they do not sit in the 50 MB L2; a batch of
 N calls is built lazily, then evaluated with mx.eval + mx.synchronize around the host
 clock (N chosen so a batch lasts >= 3 ms); warm-up first; median of 7 batches. The table
@@ -29,7 +32,6 @@ is printed last and written as Markdown to $OUT/fused_attention.md when OUT is s
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import statistics
@@ -44,22 +46,19 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import mlx.core as mx  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-# the kernels folder as a package of its own: the device machines have MLX only, not
-# mlx-lm, so the veloxquant_mlx package itself is not importable there
-_spec = importlib.util.spec_from_file_location(
-    "vq_kernels", ROOT / "veloxquant" / "kernels" / "__init__.py",
-    submodule_search_locations=[str(ROOT / "veloxquant" / "kernels")])
-sys.modules["vq_kernels"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sys.modules["vq_kernels"])
-kd = importlib.import_module("vq_kernels.kivi_decode")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# loads the kernels folder as a package of its own (the device machines have MLX only)
+import kernels_extra as kx  # noqa: E402
 
-ALGOS = ("simt", "mma", "folded", "frag")
+kd = kx.kd
+ALGOS = kx.ALGOS
 CHECK_ALGOS = list(ALGOS)  # --check-algos narrows the check
 SWEEP_ALGOS = list(ALGOS)  # --sweep-only narrows the sweep
-FRAG_MIN_BLOCKS_DEFAULT = kd.FRAG_MIN_BLOCKS, kd.FRAG_MIN_BLOCKS_MANY_HEADS
 TABLE_ALGOS = list(ALGOS)  # --table-algos narrows the table (the dispatcher's always runs)
-SWEEP_STAGE_ALGOS = ("simt", "mma")  # kernels with stage-skipping modes
+SWEEP_STAGE_ALGOS = kx.STAGE_ALGOS  # kernels with stage-skipping modes
+#: frag's KEEP for every frag call of the check, table and sweep (--frag-keep; None: the
+#: dispatcher's FRAG_KEEP_OFFSET)
+FRAG_KEEP = None
 ROOFLINE_TBS = 4.3  # H200 copy roofline (TB/s), /work/shared/ARCHITECTURE.md
 L2_BYTES = 50e6
 
@@ -170,18 +169,17 @@ def check(quick: bool):
             log(f"  ERROR preparing {name}: {type(exc).__name__}: {exc}")
             continue
         for algo in CHECK_ALGOS:
-            if not kd.kernel_supports(D, R, bits, G, dtype, chunk, algo=algo):
+            if not kx.supports(D, R, bits, G, dtype, chunk, algo=algo):
                 continue
             if quick and algo != kd.default_algo(D, R, bits, G, dtype) and (
                     bits + G // 32 + R) % 3:
                 continue  # quick: every config for the default kernel, a third for the other
             try:
-                out = kd.kivi_decode_attention_cuda(q, *cache, **kw, chunk=chunk,
-                                                    target_blocks=target, algo=algo,
-                                                    out_dtype=mx.float32, poison=True)
-                nat = kd.kivi_decode_attention_cuda(q, *cache, **kw, chunk=chunk,
-                                                    target_blocks=target, algo=algo,
-                                                    poison=True)
+                out = kx.attention(q, *cache, **kw, chunk=chunk, target_blocks=target,
+                                   algo=algo, keep=FRAG_KEEP, out_dtype=mx.float32,
+                                   poison=True)
+                nat = kx.attention(q, *cache, **kw, chunk=chunk, target_blocks=target,
+                                   algo=algo, keep=FRAG_KEEP, poison=True)
                 mx.eval(out, nat)
                 finite = bool(mx.all(mx.isfinite(out)).item()) and bool(
                     mx.all(mx.isfinite(nat)).item())
@@ -291,7 +289,7 @@ def n_sets_for(bytes_per_set):
 def timing_sets(B, T, bits, G, H=8, R=4, D=128, n_kres=64, n_vres=128):
     """Input sets (queries, KIVI buffers) of one shape for time_batches, enough of them to
     stay out of L2, and the bytes a call must read."""
-    nbytes = kd.packed_bytes_read(B, H, H * R, D, T - n_kres, n_kres, T - n_vres, n_vres,
+    nbytes = kx.packed_bytes_read(B, H, H * R, D, T - n_kres, n_kres, T - n_vres, n_vres,
                                   bits, G)
     sets = []
     for _ in range(n_sets_for(nbytes)):
@@ -326,28 +324,28 @@ def sweep(shapes=((1, 32768), (8, 32768))):
             if algo not in SWEEP_ALGOS:
                 continue
             label = f"{algo} {variant or ''}".strip()
+            min_blocks = None
             if algo == "frag":
                 label = f"frag, {variant} blocks/SM bound"
-                kd.FRAG_MIN_BLOCKS = kd.FRAG_MIN_BLOCKS_MANY_HEADS = variant
-                variant = None
+                min_blocks, variant = variant, None
             try:
                 s, spread = time_batches(
-                    lambda i: kd.kivi_decode_attention_cuda(
+                    lambda i: kx.attention(
                         sets[i][0], *sets[i][1], scale=D ** -0.5, bits=bits, group_size=G,
-                        chunk=chunk, target_blocks=target, variant=variant, algo=algo), ns)
+                        chunk=chunk, target_blocks=target, variant=variant, algo=algo,
+                        keep=FRAG_KEEP, min_blocks=min_blocks), ns)
                 rows.append((B, T, label, chunk, target, s, bytes_set / s / 1e9))
                 log(f"  B={B} T={T:6d} {label} chunk={chunk} target={target}: "
                     f"{s * 1e6:8.1f} us  {bytes_set / s / 1e9:7.0f} GB/s  (spread {spread:.0%})")
             except Exception as exc:
                 log(f"  ERROR {label} chunk={chunk} target={target}: {exc}")
-        kd.FRAG_MIN_BLOCKS, kd.FRAG_MIN_BLOCKS_MANY_HEADS = FRAG_MIN_BLOCKS_DEFAULT
         for algo in [a for a in SWEEP_STAGE_ALGOS if a in SWEEP_ALGOS]:
             for mode, what in ((1, "packed values skipped"), (2, "packed keys skipped")):
                 try:  # stage timing: leave one stage out (outputs meaningless, time only)
                     s, spread = time_batches(
-                        lambda i: kd.kivi_decode_attention_cuda(
+                        lambda i: kx.attention(
                             sets[i][0], *sets[i][1], scale=D ** -0.5, bits=bits,
-                            group_size=G, algo=algo, _mode=mode), ns)
+                            group_size=G, algo=algo, mode=mode), ns)
                     rows.append((B, T, f"{algo}, {what}", "default",
                                  kd.DEFAULT_TARGET_BLOCKS, s, bytes_set / s / 1e9))
                     log(f"  B={B} T={T:6d} {algo} default, {what}: {s * 1e6:8.1f} us")
@@ -392,7 +390,7 @@ def table(quick: bool, contexts=(4096, 32768, 131072), batches=(1, 8)):
                 f"({kvb / t_sdpa / 1e9:.0f} GB/s on fp16 K+V); chained {t_sdpa_c * 1e6:.1f} us")
             for bits in (2, 4, 8):
                 n_kq, n_vq = T - n_kres, T - n_vres
-                pb = kd.packed_bytes_read(B, H, H * R, D, n_kq, n_kres, n_vq, n_vres, bits, G)
+                pb = kx.packed_bytes_read(B, H, H * R, D, n_kq, n_kres, n_vq, n_vres, bits, G)
                 ns = n_sets_for(pb)
                 sets = []
                 for i in range(ns):
@@ -408,17 +406,17 @@ def table(quick: bool, contexts=(4096, 32768, 131072), batches=(1, 8)):
                 for algo in [a for a in ALGOS if a in TABLE_ALGOS or a == default]:
                     try:
                         t_a, spread = time_batches(
-                            lambda i: kd.kivi_decode_attention_cuda(
+                            lambda i: kx.attention(
                                 sets[i][0], *sets[i][1], scale=D ** -0.5, bits=bits,
-                                group_size=G, algo=algo), ns)
+                                group_size=G, algo=algo, keep=FRAG_KEEP), ns)
                     except Exception as exc:
                         log(f"  ERROR {algo} kernel bits={bits} B={B} T={T}: {exc}")
                         t_a, spread = float("nan"), float("nan")
                     try:
                         t_c, _ = time_chain(
-                            lambda q, i: kd.kivi_decode_attention_cuda(
+                            lambda q, i: kx.attention(
                                 q, *sets[i][1], scale=D ** -0.5, bits=bits, group_size=G,
-                                algo=algo), ns, sets[0][0])
+                                algo=algo, keep=FRAG_KEEP), ns, sets[0][0])
                     except Exception as exc:
                         log(f"  ERROR {algo} chained bits={bits} B={B} T={T}: {exc}")
                         t_c = float("nan")
@@ -515,6 +513,7 @@ def cpu_paths(contexts=(4096, 16384), reps=5):
 
 
 def main():
+    global FRAG_KEEP
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--lean", action="store_true")
@@ -532,9 +531,9 @@ def main():
     args = ap.parse_args()
     CHECK_ALGOS[:] = args.check_algos.split(",")
     TABLE_ALGOS[:] = args.table_algos.split(",")
-    if args.frag_keep is not None:
-        kd.FRAG_KEEP_OFFSET = args.frag_keep
-    log(f"frag: FRAG_KEEP_OFFSET={kd.FRAG_KEEP_OFFSET}")
+    FRAG_KEEP = args.frag_keep
+    log(f"frag: KEEP {kd.FRAG_KEEP_OFFSET if FRAG_KEEP is None else FRAG_KEEP} (0 past "
+        f"{kd.FRAG_KEEP_MAX_TILES} tiles a block)")
     if args.sweep_only:
         keep = set(args.sweep_only.split(","))
         SWEEP_ALGOS[:] = [a for a in SWEEP_ALGOS if a in keep]

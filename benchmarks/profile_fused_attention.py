@@ -20,7 +20,7 @@ import mlx.core as mx
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--algo", default="frag")
+    ap.add_argument("--algo", default="frag", choices=fa.ALGOS)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=1)
@@ -33,8 +33,8 @@ def main():
     q = mx.random.normal((B, H * R, 1, D)).astype(mx.float16)
     mx.eval(q, *[a for a in cache if isinstance(a, mx.array)])
     for _ in range(args.calls):
-        mx.eval(fa.kd.kivi_decode_attention_cuda(q, *cache, scale=D ** -0.5, bits=args.bits,
-                                                 group_size=G, algo=args.algo))
+        mx.eval(fa.kx.attention(q, *cache, scale=D ** -0.5, bits=args.bits, group_size=G,
+                                algo=args.algo))
     mx.synchronize()
     print("done", args)
 

@@ -1,9 +1,12 @@
 """Fused KIVI decode attention (veloxquant/kernels/kivi_decode.py).
 
 CPU (CI) checks the two pure-mlx paths; the CUDA and Metal kernels run only where their
-back-end exists and are skipped, with the reason printed, elsewhere. The CUDA source is
-also executed on the CPU through a C++ emulation (each CUDA thread a std::thread), which
-checks its indexing and synchronisation without a GPU.
+back-end exists and are skipped, with the reason printed, elsewhere (their check poisons
+the outputs with NaN through benchmarks/kernels_extra.py). The dispatched CUDA sources
+are also executed on the CPU through a C++ emulation (each CUDA thread a std::thread),
+which checks their indexing and synchronisation without a GPU, with the runtime's own
+launch arguments. What only the benchmarks run (the mma kernel, sweep variants) is tested
+in tests/test_benchmarks_kernels_extra.py, with the helpers of this module.
 
 Tolerances, from the arithmetic:
 * Every path computes in float32 on the same dequantized values (scale * code + bias is
@@ -17,11 +20,13 @@ Tolerances, from the arithmetic:
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +37,20 @@ from veloxquant_mlx.kernels import kivi_decode as kd
 
 UNIT_ROUNDOFF = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-24}
 SUM_EPS = 1e-5
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench_kernels():
+    """benchmarks/kernels_extra.py (its own copy of the kernels package, "vq_kernels", as on
+    the device machines): the mma kernel and the check and sweep knobs."""
+    name = "vq_bench_kernels_extra"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, ROOT / "benchmarks" / "kernels_extra.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def _rel(a, b) -> float:
@@ -274,12 +293,12 @@ def test_invalid_layouts_are_rejected():
 def test_frag_kernel_support_and_dispatch():
     """frag handles float16 caches with head_dim 64 or 128 (its buffers fit in 48 KB of
     static shared memory for every bit width, group and GQA ratio); the dispatcher picks
-    it at 4 and 8 bits, folded at 2, simt for other dtypes."""
+    it at every width (checked on the H200 at 2 bits too: benchmarks/results/frag_2bit.md),
+    simt for other dtypes."""
     for bits, G, R in _GRID:
         assert kd.kernel_supports(128, R, bits, G, mx.float16, algo="frag")
         assert kd._frag_shared_bytes(128, R, bits, G) <= 48 * 1024
-        want = "frag" if bits in (4, 8) else "folded"
-        assert kd.default_algo(128, R, bits, G, mx.float16) == want
+        assert kd.default_algo(128, R, bits, G, mx.float16) == "frag"
         assert kd.default_algo(128, R, bits, G, mx.bfloat16) == "simt"
     assert not kd.kernel_supports(128, 4, 4, 64, mx.bfloat16, algo="frag")
     assert not kd.kernel_supports(256, 4, 4, 64, mx.float16, algo="frag")
@@ -331,19 +350,33 @@ def test_frag_split_target_fits_one_wave_of_its_launch_bounds(BH):
 
 def test_frag_keeps_offsets_only_where_a_block_sums_few_tiles():
     """KEEP's error grows with the tiles a warp sums (1.6e-4 at 128 a warp on the H200 with
-    KEEP 1): past FRAG_KEEP_MAX_TILES a block, the launch takes exact codes (KEEP 0); an
-    explicit keep is taken as given."""
-    def keep_and_tiles(T, BH, keep=None):
+    KEEP 1): past FRAG_KEEP_MAX_TILES a block, the launch takes exact codes (KEEP 0)."""
+    def keep_and_tiles(T, BH):
         ns, params, template, _, _ = kd._frag_launch_args(
             mx.float16, 128, 4, 4, 64, 4, T - 64, 64, T - 128, 128, BH, 0.1,
-            kd.frag_target_blocks(BH), keep=keep)
+            kd.frag_target_blocks(BH))
         return dict(template)["KEEP"], int(params[5].item())
 
     keep, tps = keep_and_tiles(131072, 64)   # batch 8 at 128k: 256 tiles a block
     assert tps <= kd.FRAG_KEEP_MAX_TILES and keep == kd.FRAG_KEEP_OFFSET
     keep, tps = keep_and_tiles(262144, 64)   # 256k: 512 tiles a block
     assert tps > kd.FRAG_KEEP_MAX_TILES and keep == 0
-    assert keep_and_tiles(262144, 64, keep=3)[0] == 3
+
+
+def test_frag_tail_goes_first_only_in_the_tile_blocks():
+    """TAIL_FIRST where tail chunks share a block with tiles (batch 8: no blocks of their
+    own fit in the wave), not where they have blocks of their own or there is no tile."""
+    def plan(n_kq, n_kres, n_vq, n_vres, BH):
+        _, _, template, tail0, ns_tail = kd._frag_launch_args(
+            mx.float16, 128, 4, 4, 64, 4, n_kq, n_kres, n_vq, n_vres, BH, 0.1,
+            kd.frag_target_blocks(BH))
+        return dict(template)["TAIL_FIRST"], tail0, ns_tail
+
+    T = 32768
+    assert plan(T - 64, 64, T - 128, 128, 64) == (True, 0, 8)   # batch 8: 128 tail tokens
+    first, tail0, ns_tail = plan(T - 64, 64, T - 128, 128, 8)    # batch 1
+    assert not first and tail0 > 0 and ns_tail == 8
+    assert plan(0, 100, 0, 100, 64) == (False, 0, 7)            # no tile: all tail
 
 
 def test_kernel_support_matrix():
@@ -352,8 +385,8 @@ def test_kernel_support_matrix():
     assert not kd.kernel_supports(128, 16, 4, 64)   # GQA ratio above 8: pure path
     assert not kd.kernel_supports(96, 4, 4, 32)     # value tiling does not divide 128 threads
     assert not kd.kernel_supports(64, 4, 4, 128)    # group larger than head_dim
-    assert kd.packed_bytes_read(1, 8, 32, 128, 32768, 0, 32768, 0, 4, 64) == (
-        2 * 8 * 32768 * (128 // 2 + 2 * 2 * 2) + 32 * 128 * 2)
+    with pytest.raises(ValueError, match="unknown kernel"):  # the benchmarks' mma included
+        kd.kernel_supports(128, 4, 4, 64, mx.float16, algo="mma")
 
 
 # ----------------------------------------------------------------------------------
@@ -385,9 +418,11 @@ _GPU_CASES = [
 ]
 
 
-def _run_gpu_cases(fn, algos):
-    """Kernel (every output poisoned with NaN first) against the float32 reference, which
-    runs on the CPU: MLX's CUDA float32 matmuls use TF32 by default (MLX_ENABLE_TF32)."""
+def _run_gpu_cases(backend, algos):
+    """Kernel (every output poisoned with NaN first, through benchmarks/kernels_extra.py)
+    against the float32 reference, which runs on the CPU: MLX's CUDA float32 matmuls use
+    TF32 by default (MLX_ENABLE_TF32)."""
+    kx = bench_kernels()
     old = mx.default_device()
     mx.set_default_device(mx.gpu)
     try:
@@ -400,20 +435,25 @@ def _run_gpu_cases(fn, algos):
                                                               *args[1:], **kw))
             for algo in algos:
                 c = None if algo in ("folded", "frag") else chunk  # set by the bits
-                if not kd.kernel_supports(128, R, bits, G, dtype, c, algo=algo):
+                if not kx.supports(128, R, bits, G, dtype, c, algo=algo):
                     continue
                 # simt: float32 throughout; mma: float16 operands (~2^-11 each); frag with
                 # codes keeping their float16 offset: float32 sums ~1024x the codes'
                 tol = 1e-3 if algo == "mma" or (algo == "frag" and kd.FRAG_KEEP_OFFSET > 1) \
                     else 1e-4
-                out = fn(*args, **kw, chunk=c, target_blocks=target, out_dtype=mx.float32,
-                         poison=True, algo=algo)
+                out = kx.attention(*args, **kw, backend=backend, chunk=c,
+                                   target_blocks=target, out_dtype=mx.float32, poison=True,
+                                   algo=algo)
                 o = _f32(out)
                 assert np.isfinite(o).all(), f"{algo}: outputs left unwritten (NaN poison)"
                 assert _rel(o, ref) < tol, (algo, R, bits, G, dtype)
-                nat = fn(*args, **kw, chunk=c, target_blocks=target, algo=algo)
+                nat = kx.attention(*args, **kw, backend=backend, chunk=c,
+                                   target_blocks=target, algo=algo)
                 assert nat.dtype == dtype
                 assert _rel(_f32(nat), ref) <= UNIT_ROUNDOFF[dtype] + tol
+                run = (kd.kivi_decode_attention_cuda(*args, **kw, algo=algo)
+                       if backend == "cuda" else kd.kivi_decode_attention_metal(*args, **kw))
+                assert _rel(_f32(run), ref) <= UNIT_ROUNDOFF[dtype] + tol
             disp = kd.kivi_decode_attention(*args, **kw)
             assert _rel(_f32(disp), ref) <= UNIT_ROUNDOFF[dtype] + 1e-3
     finally:
@@ -425,14 +465,14 @@ def test_cuda_kernel_matches_reference():
         pytest.skip("SKIPPED LOUDLY: MLX's CUDA back-end is not available here "
                     "(mx.cuda.is_available() is False); the fused CUDA kernel is NOT "
                     "exercised. Run benchmarks/fused_attention.py on an NVIDIA GPU.")
-    _run_gpu_cases(kd.kivi_decode_attention_cuda, ("simt", "mma", "folded", "frag"))
+    _run_gpu_cases("cuda", ("simt", "folded", "frag"))
 
 
 def test_metal_kernel_matches_reference():
     if not _metal_available():
         pytest.skip("SKIPPED LOUDLY: no Metal device (mx.metal.is_available() is False); "
                     "the Metal kernel, which has never run on hardware, is NOT exercised.")
-    _run_gpu_cases(kd.kivi_decode_attention_metal, ("simt",))
+    _run_gpu_cases("metal", ("simt",))
 
 
 # ----------------------------------------------------------------------------------
@@ -559,40 +599,35 @@ def _emu_function(name, source, inputs, outputs, template):
     return f"void {name}({', '.join(args)}) {{\n{body}{source}\n}}\n"
 
 
-def _emulate_cuda(args, *, scale, bits, group_size, chunk, target, variant, workdir,
-                  algo="simt", keep=0):
+def runtime_launch(algo, args, *, scale, bits, group_size, chunk, target):
+    """The runtime's (source, splits, threads, params, template) of a dispatched kernel."""
     q, kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = args
     B, Hq, _, D = q.shape
     H = kc.shape[1]
-    nt = kd._NT
+    a = (None, D, Hq // H, bits, group_size, kc.shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
+         scale)
     if algo == "frag":
-        nt = kd.FRAG_NT
-        ns, params, frag_template, _, _ = kd._frag_launch_args(
-            None, D, Hq // H, bits, group_size, kc.shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
-            scale, target, keep=keep)
-        cpb = int(params[5].item())
-    else:
-        ns, cpb = kd._plan(n_kq + n_kres, B * H, chunk, target)
-        params = kd._params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
+        ns, params, template, _, _ = kd._frag_launch_args(*a, target)
+        return kd.CUDA_FRAG_SOURCE, ns, kd.FRAG_NT, params, template
+    source = {"simt": kd.CUDA_SOURCE, "folded": kd.CUDA_FOLDED_SOURCE}[algo]
+    ns, params, template = kd._chunk_launch_args(algo, *a, chunk, target)
+    return source, ns, kd._NT, params, template
+
+
+def emulate_cuda(args, source, ns, nt, params, template, workdir):
+    """Run one launch of the main kernel ``source`` (``ns`` blocks of ``nt`` threads per kv
+    head, its ``params`` and ``template``; T is taken from the queries) and the merge kernel
+    as C++ on the CPU; the attention output (B, Hq, 1, D) in float32."""
+    q, kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = args
+    B, Hq, _, D = q.shape
+    H = kc.shape[1]
     dt = {mx.float16: "float16", mx.float32: "float32"}[q.dtype]
     ins = [("queries", dt, q), ("k_codes", "uint32", kc), ("k_scales", dt, ks),
            ("k_biases", dt, kb), ("k_res", dt, kr), ("v_codes", "uint32", vc),
            ("v_scales", dt, vs), ("v_biases", dt, vb), ("v_res", dt, vr),
            ("params", "int32", params)]
-    if algo == "frag":
-        template = [(k, dt if k == "T" else v) for k, v in frag_template]
-    elif algo == "folded":
-        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
-                    ("GQA", Hq // H), ("CHUNK", chunk), ("NT", kd._NT),
-                    ("KVEC", 4 if kc.shape[3] % 4 == 0 else 1)]
-    else:
-        tw, ku, vu = variant
-        template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
-                    ("GQA", Hq // H), ("CHUNK", chunk), ("NT", kd._NT), ("TW", tw),
-                    ("KUNROLL", ku), ("VUNROLL", vu), ("MODE", 0)]
+    template = [(k, dt if k == "T" else v) for k, v in template]
     src = _EMU_PRELUDE + kd.CUDA_HEADER + kd.CUDA_FOLDED_HEADER + kd.CUDA_FRAG_HEADER
-    source = {"simt": kd.CUDA_SOURCE, "mma": kd.CUDA_MMA_SOURCE,
-              "folded": kd.CUDA_FOLDED_SOURCE, "frag": kd.CUDA_FRAG_SOURCE}[algo]
     src += _emu_function("kmain", source, [(n, d) for n, d, _ in ins],
                          [("o_part", "float32"), ("ml_part", "float32")], template)
     src += _emu_function("kcomb", kd.CUDA_COMBINE_SOURCE,
@@ -629,7 +664,7 @@ def _emulate_cuda(args, *, scale, bits, group_size, chunk, target, variant, work
         pytest.fail("the CUDA source does not compile as C++ in the emulation:\n"
                     + r.stderr[-3000:])
     subprocess.run([exe], check=True, timeout=120)
-    return np.fromfile(out_path, dtype=np.float32).reshape(B, Hq, 1, D), ns, cpb
+    return np.fromfile(out_path, dtype=np.float32).reshape(B, Hq, 1, D)
 
 
 def _gxx_can_emulate() -> bool:
@@ -641,14 +676,18 @@ def _gxx_can_emulate() -> bool:
     return probe.returncode == 0
 
 
+def skip_without_emulation():
+    if not _gxx_can_emulate():
+        pytest.skip("SKIPPED LOUDLY: no g++ with C++20 <barrier> and _Float16: the CUDA "
+                    "source is not emulated on this machine")
+
+
 @pytest.mark.parametrize(
     "algo,R,bits,G,n_kq,n_kres,n_vres,chunk,target,variant",
     [
-        ("simt", 4, 4, 64, 512, 37, 128, 256, 1024, (8, 8, 8)),   # 3 splits, residual last
-        pytest.param("simt", 8, 2, 32, 256, 100, 200, 128, 2, (4, 8, 8),  # chunks per split
-                     marks=pytest.mark.slow),
-        ("mma", 4, 4, 32, 288, 37, 130, 128, 2, (4, 16, 8)),      # super-tile cut by n_kq
-        pytest.param("mma", 3, 2, 64, 256, 19, 77, 512, 1024, (4, 16, 8),  # GQA 3
+        # simt, with the runtime's (TW, KUNROLL, VUNROLL): (8, 8, 8) at GQA 4, (4, 8, 8) at 8
+        ("simt", 4, 4, 64, 512, 37, 128, 256, 1024, None),   # 3 splits, residual last
+        pytest.param("simt", 8, 2, 32, 256, 100, 200, 128, 2, None,  # chunks per split
                      marks=pytest.mark.slow),
         # folded: splits of one chunk; several chunks per split (register prefetch),
         # 4-byte key loads (rows not 16-byte aligned), a chunk shorter than a group
@@ -659,15 +698,15 @@ def _gxx_can_emulate() -> bool:
         pytest.param("folded", 3, 8, 128, 256, 19, 77, 64, 4, None, marks=pytest.mark.slow),
         # frag: several tiles per warp and tail blocks (4-bit G64, residual windows);
         # tiles spanning two key and two value groups (2-bit G64) with GQA 8 (hi and lo
-        # value products); 8-bit with GQA 3; 4-byte key copies; codes keeping their
-        # float16 offset (KEEP 1: those 4 or more bits up their byte; 3: all); with target
-        # 2 one block per kv head owns all 16 tiles and loops over 11 tail chunks
+        # value products); 8-bit with GQA 3; 4-byte key copies; exact codes (KEEP 0, what
+        # runs past FRAG_KEEP_MAX_TILES tiles a block) unless "keep-1" (the runtime's
+        # FRAG_KEEP_OFFSET: the codes 4 or more bits up their byte keep their offset);
+        # with target 2 one block per kv head owns all 16 tiles and loops over 11 tail
+        # chunks
         ("frag", 4, 4, 64, 512, 37, 131, None, 4, None),
         ("frag", 8, 2, 64, 512, 37, 131, None, 4, None),
         ("frag", 3, 8, 32, 256, 37, 100, None, 3, None),
         pytest.param("frag", 4, 4, 32, 256, 37, 40, None, 3, "pad-key-words",
-                     marks=pytest.mark.slow),
-        pytest.param("frag", 1, 2, 128, 256, 5, 5, None, 2, "keep-3",
                      marks=pytest.mark.slow),
         ("frag", 4, 4, 64, 1024, 37, 131, None, 2, "keep-1"),
         ("frag", 4, 4, 64, 0, 37, 37, None, 4, None),   # no tile: every token a tail chunk
@@ -676,40 +715,30 @@ def _gxx_can_emulate() -> bool:
                      marks=pytest.mark.slow),
         pytest.param("frag", 8, 2, 32, 512, 37, 131, None, 4, None,  # four groups a tile
                      marks=pytest.mark.slow),
-        # tail chunks in the tile blocks go first by default; after the tiles on demand
-        pytest.param("frag", 4, 4, 64, 512, 37, 131, None, 4, "tail-last",
-                     marks=pytest.mark.slow),
     ],
 )
 def test_cuda_source_emulated_on_cpu(tmp_path, monkeypatch, algo, R, bits, G, n_kq, n_kres,
                                      n_vres, chunk, target, variant):
-    if not _gxx_can_emulate():
-        pytest.skip("SKIPPED LOUDLY: no g++ with C++20 <barrier> and _Float16: the CUDA "
-                    "source is not emulated on this machine")
+    skip_without_emulation()
     args, _, _ = make_case(B=1, H=2, R=R, bits=bits, G=G, n_kq=n_kq, n_kres=n_kres,
                            n_vres=n_vres, dtype=mx.float16)
     kw = _kw(128, bits, G)
-    keep = 0
+    if variant == "pad-key-words":  # key rows no longer 16-byte aligned: 4-byte copies
+        a = list(args)
+        a[1] = mx.concatenate([a[1], mx.zeros((*a[1].shape[:3], 1), mx.uint32)], -1)
+        assert a[1].shape[3] % 4
+        args = tuple(a)
+    if algo == "frag" and variant != "keep-1":  # the runtime's exact codes
+        monkeypatch.setattr(kd, "FRAG_KEEP_MAX_TILES", 0)
+    launch = runtime_launch(algo, args, **kw, chunk=chunk, target=target)
     if algo == "frag":
-        if variant == "pad-key-words":  # key rows no longer 16-byte aligned: 4-byte copies
-            a = list(args)
-            a[1] = mx.concatenate([a[1], mx.zeros((*a[1].shape[:3], 1), mx.uint32)], -1)
-            assert a[1].shape[3] % 4
-            args = tuple(a)
-        if variant == "tail-last":
-            monkeypatch.setattr(kd, "FRAG_TAIL_FIRST", False)
-        if variant and variant.startswith("keep-"):
-            keep = int(variant.split("-")[1])
-        variant = None
-    out, ns, cpb = _emulate_cuda(args, **kw, chunk=chunk, target=target, variant=variant,
-                                 workdir=str(tmp_path), algo=algo, keep=keep)
+        keep = dict(launch[4])["KEEP"]
+        assert keep == (kd.FRAG_KEEP_OFFSET if variant == "keep-1" else 0)
+    out = emulate_cuda(args, *launch, str(tmp_path))
     assert np.isfinite(out).all(), "emulated kernel left outputs unwritten"
     ref = kd.kivi_decode_attention_reference(args[0].astype(mx.float32), *args[1:], **kw)
-    # simt: float32 throughout; mma: float16 operands (dequantized K/V, q, p), so about
-    # the unit roundoff of float16 on each operand; folded and frag: exact codes, q*s and
-    # p*s as float16 pairs (about 2^-22 each, less where the low part is subnormal); frag
-    # with the 1024 offset kept by every code (KEEP 3): float32 rounding of sums ~1024x
-    # larger than the codes' (2^-24 * 1024 * sum |q s| per product, ~1e-4 here), bounded
-    # by the issue's 1e-3; by the codes at the top of their byte only (KEEP 1): ~2^-22
-    tol = {"simt": 1e-5, "mma": 2e-3, "folded": 1e-4, "frag": 1e-3 if keep > 1 else 1e-4}[algo]
+    # simt: float32 throughout; folded and frag: exact codes, q*s and p*s as float16 pairs
+    # (about 2^-22 each, less where the low part is subnormal); frag with the 1024 offset
+    # kept by the codes at the top of their byte (KEEP 1): ~2^-22 too
+    tol = {"simt": 1e-5, "folded": 1e-4, "frag": 1e-4}[algo]
     assert _rel(out, _f32(ref)) < tol

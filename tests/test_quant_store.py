@@ -137,3 +137,22 @@ def test_codes_pack_in_mx_quantize_order_at_every_width(bits):
     assert mx.array_equal(unpack_codes(words, bits), codes)
     ones, zeros = mx.ones((2, 3, 3)), mx.zeros((2, 3, 3))
     assert mx.array_equal(mx.dequantize(words, ones, zeros, group_size=32, bits=bits), codes.astype(mx.float32))
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6])
+def test_a_lone_part_at_a_width_the_kernels_do_not_take_is_attended(bits):
+    k, v = tokens(320, seed=bits)
+    pk, pv = PackedTokens(GroupAffine(bits, 32, "channel")), PackedTokens(GroupAffine(bits, 32, "token"))
+    pk.append(k)
+    pv.append(v)
+    empty = mx.zeros((0,))
+    q = mx.random.normal((B, H * G, 1, D), key=mx.random.key(1))
+    out = decode_attention(q, [DecodePart(pk.layout(empty), None, pv.layout(empty), None)], scale=D**-0.5)
+    assert mx.allclose(out, reference(q, pk.decode(mx.float32), pv.decode(mx.float32)), atol=1e-4, rtol=1e-4)
+
+
+def test_a_part_of_full_precision_tokens_only_is_attended():
+    k, v = tokens(50, seed=4)
+    q = mx.random.normal((B, H * G, 1, D), key=mx.random.key(2))
+    out = decode_attention(q, [DecodePart(None, k, None, v)], scale=D**-0.5)
+    assert mx.allclose(out, reference(q, k, v), atol=1e-5, rtol=1e-5)

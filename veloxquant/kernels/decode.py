@@ -54,11 +54,14 @@ class DecodePart:
 
     @property
     def affine(self) -> bool:
-        return all(x is None or isinstance(x, AffineLayout) for x in (self.keys, self.values))
+        """Group-affine layouts at a width the fused kernels take (empty ones count)."""
+        layouts = [x for x in (self.keys, self.values) if x is not None]
+        return bool(layouts) and all(
+            isinstance(x, AffineLayout) and x.bits in kd.SUPPORTED_BITS for x in layouts)
 
     @property
     def bits_and_group(self) -> tuple[int, int]:
-        layout = self.keys if self.keys is not None and self.keys.count else self.values
+        layout = self.keys if self.keys is not None and (self.keys.count or self.values is None) else self.values
         return layout.bits, layout.group
 
     def kernel_args(self):

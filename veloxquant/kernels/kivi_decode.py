@@ -33,14 +33,12 @@ Paths
     the transposed per-channel codes) and values (p . V on the per-token codes), plus
     the residual windows, under one joint softmax.
 ``kivi_decode_attention_cuda``
-    a flash-decoding kernel through ``mx.fast.cuda_kernel`` (MLX's CUDA back-end), in
-    four versions: ``algo="frag"`` (tensor cores on the packed words in their stored
-    order, each warp with its own tiles, softmax and copies; float16 caches),
-    ``algo="folded"`` (tensor cores on the raw codes, the affine scales folded into the
-    queries and probabilities, float16 caches), ``algo="simt"`` (CUDA cores, float32
-    throughout) and ``algo="mma"`` (tensor cores on dequantized float16 operands). All
-    four were checked on an H200 against the float32 reference; timings in
-    benchmarks/results/fused_attention.md.
+    a flash-decoding kernel through ``mx.fast.cuda_kernel`` (MLX's CUDA back-end), one of
+    three (:func:`default_algo` picks): ``algo="frag"`` (tensor cores on the packed words
+    in their stored order, each warp with its own tiles, softmax and copies; float16
+    caches), ``algo="folded"`` (tensor cores on the raw codes, the affine scales folded
+    into the queries and probabilities; float16 caches) and ``algo="simt"`` (CUDA cores,
+    float32 throughout). Each was checked on an H200 against the float32 reference.
 ``kivi_decode_attention_metal``
     the twin of the simt kernel through ``mx.fast.metal_kernel``. No Metal hardware was
     available: it is untested on hardware.
@@ -48,13 +46,10 @@ Paths
     the dispatcher: a CUDA kernel on the CUDA back-end (:func:`default_algo`), the Metal
     one on Metal, otherwise the faster pure-mlx path on the CPU (``CPU_DEFAULT_PATH``).
 
-Measured (H200, MLX 0.32.4, fp16, 32 q / 8 kv heads, d 128, group 64, dispatcher
-defaults, run 15 of benchmarks/results/fused_attention.md, chained calls as in decoding):
-4-bit 32k 0.97x the speed of fp16 ``mx.fast.scaled_dot_product_attention`` on the same
-shape at batch 1 (18% of the 4.3 TB/s roofline) and 1.96x at batch 8 (51%); 4-bit 128k
-batch 8 2.10x (58%); at 4k and at batch 1 MLX's host-side cost of a custom-kernel call
-(~12 us) weighs as much as the kernels. They save memory; of the issue's targets at
-4-bit 32k, 50% of the roofline is met at batch 8 only, 3x fp16 SDPA nowhere. See
+Checking and timing live in benchmarks/: fused_attention.py (check against the reference
+with NaN-poisoned outputs, timing table), kernels_extra.py (the undispatched "mma"
+kernel, every tuning knob of the sweeps, stage timings), the timelines; measured tables
+in benchmarks/results/fused_attention.md, the attempts behind the constants here in
 benchmarks/notes/fused_attention.md.
 """
 
@@ -66,12 +61,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .kivi_decode_cuda_src import (
-    CUDA_COMBINE_SOURCE,
-    CUDA_HEADER,
-    CUDA_MMA_SOURCE,
-    CUDA_SOURCE,
-)
+from .kivi_decode_cuda_src import CUDA_COMBINE_SOURCE, CUDA_HEADER, CUDA_SOURCE
 from .kivi_decode_cuda_folded_src import CUDA_FOLDED_HEADER, CUDA_FOLDED_SOURCE
 from .kivi_decode_cuda_frag_src import CUDA_FRAG_HEADER, CUDA_FRAG_SOURCE, cuda_frag_bounds
 from .kivi_decode_metal_src import METAL_COMBINE_SOURCE, METAL_HEADER, METAL_SOURCE
@@ -87,37 +77,33 @@ __all__ = [
     "kivi_decode_attention_metal",
     "kernel_supports",
     "default_algo",
-    "packed_bytes_read",
 ]
 
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
-#: Pure-mlx path used when no GPU kernel applies: "qmm" or "reference". Measured on the
-#: 2-core CPU of the development machines, "qmm" (float32 compute) is 7-20x faster
-#: (benchmarks/notes/fused_attention.md).
+#: Pure-mlx path used when no GPU kernel applies: "qmm" or "reference". On the 2-core CPU
+#: of the development machines "qmm" (float32 compute) is 7-20x faster (notes, "CPU").
 CPU_DEFAULT_PATH = "qmm"
 
 _LOG2E = 1.4426950408889634
 
-# Kernel launch shape. Each block holds 128 threads, walks one or more chunks of
-# ``CHUNK`` tokens of one (batch, kv head) with an online softmax, and writes one
-# partial (m, l, o) per query head; a second tiny kernel merges the partials.
+# Launch shape of the simt and folded kernels: blocks of 128 threads, each walking one or
+# more chunks of CHUNK tokens of one (batch, kv head) with an online softmax and writing
+# one partial (m, l, o) per query head; a second tiny kernel merges the partials.
 _NT = 128
-#: CUDA kernel of the dispatcher for float16 caches: "frag" at the bit widths of
-#: FRAG_DEFAULT_BITS, "folded" at those of FOLDED_DEFAULT_BITS, where they handle the
-#: shape; otherwise "simt" (CUDA cores, float32 throughout). Chosen from the H200 tables
-#: in benchmarks/results/fused_attention.md: at 4 and 8 bits frag beat folded and simt in
-#: every 32k shape of run 7q (4-bit batch 8: 180 vs 293 / 418 us) and runs 7-9 time it
-#: at 1.1-2.1x its predecessors elsewhere; at 2 bits folded stays ahead (frag's 128-token
-#: tile spans two groups of 64, which doubles its products).
+#: The dispatcher's CUDA kernel for float16 caches: "frag" at FRAG_DEFAULT_BITS, "folded"
+#: at FOLDED_DEFAULT_BITS, where they handle the shape; otherwise DEFAULT_CUDA_ALGO. frag
+#: was the fastest at 4 and 8 bits in every 32k shape (runs 7-9 of
+#: benchmarks/results/fused_attention.md) and, chained, at 2 bits too (session 7:
+#: benchmarks/results/frag_2bit.md); folded serves the shapes frag does not take.
 DEFAULT_CUDA_ALGO = "simt"
 FOLDED_DEFAULT_BITS = (2, 4)
-FRAG_DEFAULT_BITS = (4, 8)
+FRAG_DEFAULT_BITS = (2, 4, 8)
+#: simt: tokens per chunk and split target (blocks), from the sweeps of run 3; folded: its
+#: split target, one wave of 6 blocks an SM on the H200's 132, the sweep's best (session 2)
 DEFAULT_CHUNK = 256
 DEFAULT_TARGET_BLOCKS = 1024
-#: folded: one wave of its blocks on an H200 (132 SMs x 6 resident blocks); the best
-#: split target of the sweep in benchmarks/results/fused_attention.md
 FOLDED_TARGET_BLOCKS = 792
 _MAX_GQA = 8
 
@@ -300,8 +286,8 @@ def _get_kernels(backend: str, algo: str = "simt", min_blocks: int = 0):
     key = (backend, algo, min_blocks)
     if key not in _KERNELS:
         if backend == "cuda":
-            source = {"simt": CUDA_SOURCE, "mma": CUDA_MMA_SOURCE,
-                      "folded": CUDA_FOLDED_SOURCE, "frag": CUDA_FRAG_SOURCE}[algo]
+            source = {"simt": CUDA_SOURCE, "folded": CUDA_FOLDED_SOURCE,
+                      "frag": CUDA_FRAG_SOURCE}[algo]
             # MLX caches a compiled kernel by its name (and template): the launch bounds,
             # which are in the header, must be in the name too
             main = mx.fast.cuda_kernel(
@@ -329,16 +315,26 @@ def _get_kernels(backend: str, algo: str = "simt", min_blocks: int = 0):
 
 
 def _default_variant(gqa: int):
-    """(TW, KUNROLL, VUNROLL) of the simt kernel for a GQA ratio (H200 sweep: (8, 8, 8)
-    ran 13% faster than (4, 16, 8) at batch 8, 32k, GQA 4; GQA 8 needs TW=4 to stay
-    near 128 registers)."""
+    """(TW, KUNROLL, VUNROLL) of the simt kernel for a GQA ratio: (8, 8, 8) was the fastest
+    of run 3's sweep; GQA 8 needs TW=4 to stay near 128 registers (notes, v3)."""
     return (8, 8, 8) if gqa <= 4 else (4, 8, 8)
 
 
-def _mma_supports(head_dim, gqa, bits, chunk) -> bool:
-    pack = 32 // bits
-    return (1 <= gqa <= _MAX_GQA and head_dim % 16 == 0 and head_dim % (8 * pack) == 0
-            and chunk % (8 * pack) == 0 and chunk % 16 == 0)
+def _default_chunk(algo: str, bits: int) -> int:
+    """Tokens per chunk of the simt and folded kernels (frag's tile is fixed)."""
+    if algo == "folded":  # 16 packed words per key channel row and chunk at 4 and 8 bits
+        return 64 if bits == 8 else 128
+    return DEFAULT_CHUNK
+
+
+def _simt_supports(head_dim, bits, chunk, tw) -> bool:
+    """Whether the simt kernel's thread tiling fits: TW codes a thread, CHUNK tokens."""
+    per = min(32 // bits, tw)
+    colk = chunk // per
+    if chunk % per or colk > _NT or _NT % colk or head_dim % (_NT // colk):
+        return False
+    colv = head_dim // per
+    return colv <= _NT and _NT % colv == 0
 
 
 def _folded_shared_bytes(head_dim, gqa, bits, group_size, chunk) -> int:
@@ -360,35 +356,19 @@ def _folded_supports(head_dim, gqa, bits, group_size, dtype, chunk) -> bool:
             and _folded_shared_bytes(head_dim, gqa, bits, group_size, chunk) <= 48 * 1024)
 
 
-#: frag: threads per block (two warps, each with its own tiles and buffers), tail tokens
-#: per chunk, which codes keep their float16 offset of 1024 into the products (KEEP of
-#: kivi_decode_cuda_frag_src.py; 1: the codes 4+ bits up their byte, worst error 2.4e-5
-#: on the H200 in the check's shapes, 1.6e-4 at batch 8 and 128k (128 tiles a warp; exact
-#: codes 2.7e-5), 2% less GPU time than exact codes; 2, every key code too, 2% less again,
-#: 2.0e-4 there and up to 3.6e-4 in the check's shapes; 3, every code, 4.5% less than 1,
-#: but its error grows with the tiles a warp sums: 2.3e-3 there, over the bound)
+#: frag: threads per block (two warps, each with its own tiles and buffers) and tail
+#: tokens per chunk
 FRAG_NT = 64
 FRAG_TAIL = 8 * (FRAG_NT // 32)
+#: frag: KEEP of kivi_decode_cuda_frag_src.py (1: the codes 4+ bits up their byte keep their
+#: float16 offset of 1024), 2% less GPU time than exact codes for errors 6x inside the bound
+#: (notes, session 5, "KEEP again"); exact codes (KEEP 0) for blocks of more than
+#: FRAG_KEEP_MAX_TILES tiles, as the error of kept offsets grows with the tiles a warp sums
 FRAG_KEEP_OFFSET = 1
-#: frag: tiles a block may sum with FRAG_KEEP_OFFSET; above, exact codes (KEEP 0). 256
-#: (128 a warp, batch 8 at 128k): KEEP 1's worst error measured there was 1.6e-4, and it
-#: grows with the tiles
 FRAG_KEEP_MAX_TILES = 256
-#: frag: whether tail chunks that share a block with tiles go before them (TAIL_FIRST);
-#: None: wherever they do (the tiles' blocks hold the tail when it has none of its own).
-#: Measured at 4-bit batch 8 (chain_timeline --tail-first 0, main kernel): 4k 22.1 vs 26.9
-#: us, 32k 110.0 vs 128.6, 128k 435.6 vs 455.7
-FRAG_TAIL_FIRST = None
-#: frag's split target (blocks) and launch bounds (resident blocks an SM the compiler must
-#: allow: the register budget), by the kv heads of a call (batch x kv heads): below
-#: FRAG_MANY_HEADS 792 blocks, 6 an SM of the H200's 132 (168 registers); from there 528,
-#: 4 an SM, bounds 4 (up to 255 registers). Measured (benchmarks/chain_timeline.py,
-#: session 5, main-kernel GPU time): with 8 kv heads 792/6 was fastest at 4-bit 32k (22.7
-#: us; 528/4 23.6) and 9% slower than 264 at 128k; with 64, 528 took 9-16% less than 792 at
-#: 4-bit 4k, 32k and 128k and 5% less at 8-bit 32k, and bounds 4 instead of 6 another 9-10%
-#: at 4-bit 32k and 128k. Between 8 and 64 kv heads not measured; other GPUs not at all.
-#: (Session 4's "7 or 8 blocks an SM spill, 1.4-2x slower" is unconfirmed: kernel names
-#: did not carry the bounds then, see the notes' session 5.)
+#: frag's split target (blocks) and launch bounds (resident blocks an SM: the register
+#: budget) by the kv heads of a call (batch x kv heads): 792 and 6 below FRAG_MANY_HEADS,
+#: 528 and 4 from there, measured on the H200 only (notes and results, session 5)
 FRAG_TARGET_BLOCKS = 792
 FRAG_MIN_BLOCKS = 6
 FRAG_TARGET_BLOCKS_MANY_HEADS = 528
@@ -397,7 +377,7 @@ FRAG_MANY_HEADS = 32
 
 
 def frag_target_blocks(BH: int) -> int:
-    """The frag kernel's default split target for a call over ``BH`` kv heads."""
+    """The frag kernel's split target for a call over ``BH`` kv heads."""
     return FRAG_TARGET_BLOCKS_MANY_HEADS if BH >= FRAG_MANY_HEADS else FRAG_TARGET_BLOCKS
 
 
@@ -450,17 +430,17 @@ def _frag_plan(n_kq, n_vq, T, BH, bits, target_blocks):
 
 
 def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n_kres, n_vq,
-                      n_vres, BH, scale, target_blocks, keep=None):
+                      n_vres, BH, scale, target_blocks):
     """What a launch of the frag kernel takes besides its buffers: (blocks per kv head,
     params, template, first block with tail chunks, tail chunks). ``key_words``: the
-    capacity of a key code row (16-byte copies where it is a multiple of 4); ``keep``:
-    KEEP (default FRAG_KEEP_OFFSET, or 0 where a block has more than FRAG_KEEP_MAX_TILES
-    tiles: the error of kept offsets grows with the tiles a warp sums)."""
+    capacity of a key code row (16-byte copies where it is a multiple of 4). KEEP:
+    FRAG_KEEP_OFFSET, or 0 past FRAG_KEEP_MAX_TILES tiles a block; TAIL_FIRST: tail chunks
+    that share a block with tiles go first (4-bit batch 8 main kernel 110.0 against 128.6
+    us at 32k: notes, session 6)."""
     t_fast, ns_tail, ns, tps, tail0 = _frag_plan(n_kq, n_vq, n_kq + n_kres, BH, bits,
                                                  target_blocks)
-    if keep is None:
-        keep = FRAG_KEEP_OFFSET if tps <= FRAG_KEEP_MAX_TILES else 0
-    tail_first = (tail0 == 0 and t_fast > 0) if FRAG_TAIL_FIRST is None else FRAG_TAIL_FIRST
+    keep = FRAG_KEEP_OFFSET if tps <= FRAG_KEEP_MAX_TILES else 0
+    tail_first = tail0 == 0 and t_fast > 0
     params = _params(n_kq, n_kres, n_vq, n_vres, scale, tps, t_fast, ns_tail, tail0)
     template = [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
                 ("GQA", gqa), ("NT", FRAG_NT), ("KVEC", 4 if key_words % 4 == 0 else 1),
@@ -468,61 +448,48 @@ def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n
     return ns, params, template, tail0, ns_tail
 
 
-def frag_call(kernel, queries, cache, *, scale, bits, group_size, target_blocks=None,
-              keep=None, extra_outputs=None, init=None):
-    """A lazy launch of the frag main kernel ``kernel`` (its partials, before the merge):
-    ``cache`` the 12 cache arguments of :func:`kivi_decode_attention`, ``extra_outputs``
-    a function of the blocks per kv head giving (shape, dtype) of outputs after the
-    partials (the timelines' stamps). Returns (outputs, blocks per kv head, first block
-    with tail chunks, tail chunks)."""
-    kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = cache
-    B, Hq, _, D = queries.shape
-    H = kc.shape[1]
-    if target_blocks is None:
-        target_blocks = frag_target_blocks(B * H)
-    ns, params, template, tail0, ns_tail = _frag_launch_args(
-        queries.dtype, D, Hq // H, bits, group_size, kc.shape[3], n_kq, n_kres, n_vq, n_vres,
-        B * H, scale, int(target_blocks), keep)
-    extra = extra_outputs(ns) if extra_outputs else []
-    outs = kernel(
-        inputs=[queries, kc, ks, kb, kr, vc, vs, vb, vr, params],
-        template=template, grid=(ns * FRAG_NT, B * H, 1), threadgroup=(FRAG_NT, 1, 1),
-        output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2), *(s for s, _ in extra)],
-        output_dtypes=[mx.float32, mx.float32, *(d for _, d in extra)], init_value=init)
-    return outs, ns, tail0, ns_tail
+def _chunk_launch_args(algo, dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n_kres,
+                       n_vq, n_vres, BH, scale, chunk, target_blocks):
+    """What a launch of the simt or folded kernel takes besides its buffers: (blocks per
+    kv head, params, template), for ``chunk``-token chunks split over about
+    ``target_blocks`` blocks."""
+    ns, cpb = _plan(n_kq + n_kres, BH, chunk, target_blocks)
+    params = _params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
+    template = [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
+                ("GQA", gqa), ("CHUNK", chunk), ("NT", _NT)]
+    if algo == "folded":
+        # 16-byte copies of key rows only where every row starts 16-byte aligned
+        template.append(("KVEC", 4 if key_words % 4 == 0 else 1))
+    else:
+        tw, kunroll, vunroll = _default_variant(gqa)
+        template += [("TW", tw), ("KUNROLL", kunroll), ("VUNROLL", vunroll), ("MODE", 0)]
+    return ns, params, template
 
 
-def _default_chunk(algo: str, bits: int) -> int:
-    if algo == "folded":  # 16 packed words per key channel row and chunk at 4 and 8 bits
-        return 64 if bits == 8 else 128
-    # mma: a key super-tile is 8 words = 8 * (32 // bits) tokens; keep 4 per chunk
-    return max(DEFAULT_CHUNK, 32 * (32 // bits)) if algo == "mma" else DEFAULT_CHUNK
+def _supports_any(head_dim, gqa, bits, group_size, dtype) -> bool:
+    """What every fused kernel needs."""
+    if bits not in SUPPORTED_BITS or group_size not in SUPPORTED_GROUP_SIZES:
+        return False
+    if dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        return False
+    # head_dim % 32: the CUDA combine kernel owns 32-channel slices
+    return 1 <= gqa <= _MAX_GQA and not head_dim % group_size and head_dim <= 256 \
+        and not head_dim % 32
 
 
 def kernel_supports(head_dim: int, gqa: int, bits: int, group_size: int,
-                    dtype=mx.float16, chunk: Optional[int] = None, tw: int = 4,
-                    algo: str = "simt") -> bool:
+                    dtype=mx.float16, algo: str = "simt") -> bool:
     """Whether a fused kernel handles this shape (else the dispatcher falls back)."""
-    if bits not in SUPPORTED_BITS or group_size not in SUPPORTED_GROUP_SIZES:
-        return False
-    if dtype not in (mx.float16, mx.bfloat16, mx.float32) or tw not in (4, 8):
-        return False
-    # head_dim % 32: the CUDA combine kernel owns 32-channel slices
-    if not 1 <= gqa <= _MAX_GQA or head_dim % group_size or head_dim > 256 or head_dim % 32:
+    if not _supports_any(head_dim, gqa, bits, group_size, dtype):
         return False
     if algo == "frag":
         return _frag_supports(head_dim, gqa, bits, group_size, dtype)
-    chunk = _default_chunk(algo, bits) if chunk is None else chunk
-    if algo == "mma":
-        return _mma_supports(head_dim, gqa, bits, chunk)
+    chunk = _default_chunk(algo, bits)
     if algo == "folded":
         return _folded_supports(head_dim, gqa, bits, group_size, dtype, chunk)
-    per = min(32 // bits, tw)
-    colk = chunk // per
-    if chunk % per or colk > _NT or _NT % colk or head_dim % (_NT // colk):
-        return False
-    colv = head_dim // per
-    return colv <= _NT and _NT % colv == 0
+    if algo != "simt":
+        raise ValueError(f"unknown kernel {algo!r}")
+    return _simt_supports(head_dim, bits, chunk, _default_variant(gqa)[0])
 
 
 def default_algo(head_dim: int, gqa: int, bits: int, group_size: int, dtype) -> Optional[str]:
@@ -536,7 +503,7 @@ def default_algo(head_dim: int, gqa: int, bits: int, group_size: int, dtype) -> 
     if dtype == mx.float16 and bits in FOLDED_DEFAULT_BITS and kernel_supports(
             head_dim, gqa, bits, group_size, dtype, algo="folded"):
         return "folded"
-    if kernel_supports(head_dim, gqa, bits, group_size, dtype, tw=_default_variant(gqa)[0]):
+    if kernel_supports(head_dim, gqa, bits, group_size, dtype):
         return DEFAULT_CUDA_ALGO
     return None
 
@@ -571,46 +538,15 @@ def _nonempty(x, shape, dtype):
     return x
 
 
-def _launch(backend, queries, *cache, scale, bits, group_size, out_dtype=None, poison=False,
-            **options):
-    """The main kernel's launch, then the merge of its partials into the output."""
-    init = float("nan") if poison else None
-    o_part, ml_part = _partials(backend, queries, *cache, scale=scale, bits=bits,
-                                group_size=group_size, init=init, **options)
-    return merge_partials(backend, o_part, ml_part, queries.shape,
-                          queries.dtype if out_dtype is None else out_dtype, init)
-
-
-def decode_partials(backend, queries, *cache, scale, bits, group_size):
-    """The dispatcher's kernel over one layout, before the merge: (o_part, ml_part), the
-    per-split partial softmax states (base-2 max and sum, unnormalised output), which
-    partials of other layouts over other tokens may join (``kernels/decode.py``)."""
-    return _partials(backend, queries, *cache, scale=scale, bits=bits, group_size=group_size)
-
-
-def _partials(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, v_codes,
-              v_scales, v_biases, n_vq, v_res, n_vres, *, scale, bits, group_size,
-              chunk=None, target_blocks=None, variant=None, init=None, algo=None, _mode=0):
-    B, Hq, H, D, T, n_kq, n_kres, n_vq, n_vres = _check_layout(
-        queries, k_codes, k_scales, n_kq, k_res, n_kres, v_codes, v_scales, n_vq,
-        v_res, n_vres, bits, group_size)
-    R = Hq // H
+def _kernel_inputs(queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, v_codes,
+                   v_scales, v_biases, n_vq, v_res, n_vres, bits, group_size):
+    """The checked layout (B, Hq, H, D, T, n_kq, n_kres, n_vq, n_vres) and the 12 cache
+    arguments as the kernels take them: stand-ins for absent or empty buffers, every
+    floating-point buffer in the query dtype."""
+    dims = _check_layout(queries, k_codes, k_scales, n_kq, k_res, n_kres, v_codes, v_scales,
+                         n_vq, v_res, n_vres, bits, group_size)
+    B, _, H, D, _, n_kq, n_kres, n_vq, n_vres = dims
     dt = queries.dtype
-    if algo is None:
-        algo = (default_algo(D, R, bits, group_size, dt) or "simt") if backend == "cuda" \
-            else "simt"
-    # frag's tile is fixed (_frag_tile): it takes no chunk
-    chunk = None if algo == "frag" else (
-        _default_chunk(algo, bits) if chunk is None else int(chunk))
-    if target_blocks is None:
-        target_blocks = {"frag": frag_target_blocks(B * H),
-                         "folded": FOLDED_TARGET_BLOCKS}.get(algo, DEFAULT_TARGET_BLOCKS)
-    target_blocks = int(target_blocks)
-    tw, kunroll, vunroll = _default_variant(R) if variant is None else variant
-    if not kernel_supports(D, R, bits, group_size, dt, chunk, tw, algo):
-        raise ValueError(
-            f"the fused {algo} kernel does not handle head_dim={D}, gqa={R}, bits={bits}, "
-            f"group_size={group_size}, dtype={dt}, chunk={chunk}, tw={tw}")
     pack = 32 // bits
     k_codes = _nonempty(k_codes, (B, H, D, 1), mx.uint32)
     k_scales = _nonempty(k_scales, (B, H, D, 1), dt)
@@ -624,39 +560,66 @@ def _partials(backend, queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres
                       ("v_scales", v_scales), ("v_biases", v_biases), ("v_res", v_res)):
         if arr.dtype != dt:
             raise ValueError(f"{name} has dtype {arr.dtype}, queries {dt}: must match")
-    main, _ = _get_kernels(backend, algo, frag_launch_bounds(B * H))
-    if algo == "frag":
-        if _mode:
-            raise ValueError("the frag kernel has no stage-skipping modes")
-        (o_part, ml_part), _, _, _ = frag_call(
-            main, queries, (k_codes, k_scales, k_biases, n_kq, k_res, n_kres, v_codes,
-                            v_scales, v_biases, n_vq, v_res, n_vres),
-            scale=scale, bits=bits, group_size=group_size, target_blocks=target_blocks,
-            init=init)
-        return o_part, ml_part
-    ns, cpb = _plan(T, B * H, chunk, target_blocks)
-    params = _params(n_kq, n_kres, n_vq, n_vres, scale, cpb)
-    template = [("T", dt), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", D),
-                ("GQA", R), ("CHUNK", chunk), ("NT", _NT)]
-    if algo == "folded":
-        if _mode:
-            raise ValueError("the folded kernel has no stage-skipping modes")
-        # 16-byte copies of key rows only where every row starts 16-byte aligned
-        template.append(("KVEC", 4 if k_codes.shape[3] % 4 == 0 else 1))
-    else:
-        template += [("TW", tw), ("KUNROLL", kunroll), ("VUNROLL", vunroll),
-                     ("MODE", int(_mode))]
-    return tuple(main(
-        inputs=[queries, k_codes, k_scales, k_biases, k_res, v_codes, v_scales, v_biases,
-                v_res, params],
-        template=template,
-        grid=(ns * _NT, B * H, 1), threadgroup=(_NT, 1, 1),
-        output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
+    return dims, (k_codes, k_scales, k_biases, n_kq, k_res, n_kres, v_codes, v_scales,
+                  v_biases, n_vq, v_res, n_vres)
+
+
+def launch_main(kernel, queries, cache, splits, threads, params, template, init=None):
+    """One lazy launch of a main kernel over ``cache`` (the 12 arguments of
+    :func:`_kernel_inputs`): ``splits`` blocks of ``threads`` per kv head; its partials
+    (o_part, ml_part). ``init``: MLX's ``init_value`` of the outputs (None: unset)."""
+    kc, ks, kb, _, kr, _, vc, vs, vb, _, vr, _ = cache
+    B, Hq, _, D = queries.shape
+    return tuple(kernel(
+        inputs=[queries, kc, ks, kb, kr, vc, vs, vb, vr, params],
+        template=template, grid=(splits * threads, B * kc.shape[1], 1),
+        threadgroup=(threads, 1, 1), output_shapes=[(B * Hq, splits, D), (B * Hq, splits, 2)],
         output_dtypes=[mx.float32, mx.float32], init_value=init))
 
 
+def _partials(backend, queries, *cache, scale, bits, group_size, algo=None):
+    """The main kernel's partials (o_part, ml_part) over one layout; ``algo`` None: the
+    dispatcher's."""
+    (B, Hq, H, D, T, n_kq, n_kres, n_vq, n_vres), cache = _kernel_inputs(
+        queries, *cache, bits, group_size)
+    R = Hq // H
+    dt = queries.dtype
+    if algo is None:
+        algo = (default_algo(D, R, bits, group_size, dt) or "simt") if backend == "cuda" \
+            else "simt"
+    if not kernel_supports(D, R, bits, group_size, dt, algo=algo):
+        raise ValueError(
+            f"the fused {algo} kernel does not handle head_dim={D}, gqa={R}, bits={bits}, "
+            f"group_size={group_size}, dtype={dt}")
+    args = (dt, D, R, bits, group_size, cache[0].shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
+            scale)
+    if algo == "frag":
+        main = _get_kernels(backend, algo, frag_launch_bounds(B * H))[0]
+        ns, params, template, _, _ = _frag_launch_args(*args, frag_target_blocks(B * H))
+        return launch_main(main, queries, cache, ns, FRAG_NT, params, template)
+    main = _get_kernels(backend, algo)[0]
+    target = FOLDED_TARGET_BLOCKS if algo == "folded" else DEFAULT_TARGET_BLOCKS
+    ns, params, template = _chunk_launch_args(algo, *args, _default_chunk(algo, bits), target)
+    return launch_main(main, queries, cache, ns, _NT, params, template)
+
+
+def _launch(backend, queries, *cache, scale, bits, group_size, algo=None):
+    """The main kernel's launch, then the merge of its partials into the output."""
+    o_part, ml_part = _partials(backend, queries, *cache, scale=scale, bits=bits,
+                                group_size=group_size, algo=algo)
+    return merge_partials(backend, o_part, ml_part, queries.shape, queries.dtype)
+
+
+def decode_partials(backend, queries, *cache, scale, bits, group_size):
+    """The dispatcher's kernel over one layout, before the merge: (o_part, ml_part), the
+    per-split partial softmax states (base-2 max and sum, unnormalised output), which
+    partials of other layouts over other tokens may join (``kernels/decode.py``)."""
+    return _partials(backend, queries, *cache, scale=scale, bits=bits, group_size=group_size)
+
+
 def merge_partials(backend, o_part, ml_part, out_shape, odt, init=None):
-    """The merge kernel's launch: the splits' partials into the attention output."""
+    """The merge kernel's launch: the splits' partials into the attention output.
+    ``init``: MLX's ``init_value`` of the output (None: unset)."""
     comb = _get_kernels(backend)[1]
     B, Hq, _, D = out_shape
     if backend == "cuda":  # a block per (row, 32-channel slice), 8 warps over the splits
@@ -675,53 +638,41 @@ def merge_partials(backend, o_part, ml_part, out_shape, odt, init=None):
 
 def kivi_decode_attention_cuda(queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres,
                                v_codes, v_scales, v_biases, n_vq, v_res, n_vres, *, scale,
-                               bits, group_size, chunk=None, target_blocks=None,
-                               variant=None, out_dtype=None, poison=False, algo=None,
-                               _mode=0):
+                               bits, group_size, algo=None):
     """Fused flash-decoding kernel on MLX's CUDA back-end.
 
-    Grid: (splits, B * H). A block owns one kv head and a contiguous run of
-    ``chunk``-token chunks; it reads the packed key codes, scales and biases of its
-    tokens once for all ``Hq // H`` query heads of that kv head (GQA without repeating
-    K/V), keeps an online base-2 softmax and a float32 running output, and writes one
-    (max, sum, output) partial per query head; a second kernel merges the partials.
-    Counts travel in a small int32 array and capacities in the shape arguments, so the
-    compiled code depends only on dtype, bits, group size, head_dim, GQA ratio and chunk.
-    ``algo``: "frag" (grid: splits of tiles in one wave, each a block of two warps that
-    walk their own tiles; FRAG_TAIL-token chunks of the full-precision part in blocks of
-    their own where those fit in the wave, else in the tile blocks; see
-    kivi_decode_cuda_frag_src.py and :func:`_frag_plan`), "folded", "mma" (tensor cores: dequantized K/V and q/p
-    rounded to float16 operands, float32 products and sums; fragment rows permuted so each
-    lane dequantizes whole packed words) or "simt" (CUDA cores, float32 throughout);
-    default from :func:`default_algo`. ``variant=(TW, KUNROLL, VUNROLL)`` tunes the simt kernel;
-    ``out_dtype`` the output dtype (float32 to check without the final rounding);
-    ``poison=True`` fills every output with NaN before the kernels run (checking).
+    Grid: (splits, B * H). A block owns one kv head and a contiguous run of tokens; it
+    reads the packed key codes, scales and biases of its tokens once for all ``Hq // H``
+    query heads of that kv head (GQA without repeating K/V), keeps an online base-2
+    softmax and a float32 running output, and writes one (max, sum, output) partial per
+    query head; a second kernel merges the partials. Counts travel in a small int32 array
+    and capacities in the shape arguments, so the compiled code depends only on dtype,
+    bits, group size, head_dim, GQA ratio and the launch constants. ``algo``: "frag"
+    (tiles of packed words on tensor cores, split over blocks in one wave, FRAG_TAIL-token
+    chunks of the full-precision part in blocks of their own where those fit, else in the
+    tile blocks; :func:`_frag_plan`), "folded" or "simt"; default from
+    :func:`default_algo`.
     """
     return _launch("cuda", queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres,
                    v_codes, v_scales, v_biases, n_vq, v_res, n_vres, scale=scale,
-                   bits=bits, group_size=group_size, chunk=chunk,
-                   target_blocks=target_blocks, variant=variant, out_dtype=out_dtype,
-                   poison=poison, algo=algo, _mode=_mode)
+                   bits=bits, group_size=group_size, algo=algo)
 
 
 def kivi_decode_attention_metal(queries, k_codes, k_scales, k_biases, n_kq, k_res,
                                 n_kres, v_codes, v_scales, v_biases, n_vq, v_res, n_vres,
-                                *, scale, bits, group_size, chunk=None, target_blocks=None,
-                                variant=None, out_dtype=None, poison=False, algo="simt"):
+                                *, scale, bits, group_size):
     """Metal twin of the "simt" CUDA kernel (same contract, inputs and algorithm).
 
     UNTESTED ON HARDWARE: no Metal hardware was available when this was written, so
     this source has never been compiled or run on a Metal device. It mirrors the simt
     CUDA kernel line for line (simdgroups of 32 for warps, threadgroup memory for
-    shared memory); there is no Metal twin of the tensor-core ("mma") kernel. Check it
-    against :func:`kivi_decode_attention_reference` (tests/test_kernel_kivi_decode.py
-    does, on a Metal machine) before relying on it.
+    shared memory); there is no Metal twin of the tensor-core kernels. Check it against
+    :func:`kivi_decode_attention_reference` (tests/test_kernel_kivi_decode.py does, on a
+    Metal machine) before relying on it.
     """
     return _launch("metal", queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres,
                    v_codes, v_scales, v_biases, n_vq, v_res, n_vres, scale=scale,
-                   bits=bits, group_size=group_size, chunk=chunk,
-                   target_blocks=target_blocks, variant=variant, out_dtype=out_dtype,
-                   poison=poison, algo=algo)
+                   bits=bits, group_size=group_size, algo="simt")
 
 
 def gpu_backend() -> Optional[str]:
@@ -759,15 +710,9 @@ def kivi_decode_attention(queries, k_codes, k_scales, k_biases, n_kq, k_res, n_k
         if backend is not None:
             H = next(a.shape[1] for a in (k_codes, v_codes, k_res, v_res)
                      if a is not None and a.size)
-            R = queries.shape[1] // H if queries.shape[1] % H == 0 else 0
-            D = queries.shape[3]
-            if backend == "cuda" and R:
-                algo = default_algo(D, R, bits, group_size, queries.dtype)
-                if algo is not None:
-                    return _launch(backend, *args, **kw, algo=algo)
-            elif R and kernel_supports(D, R, bits, group_size, queries.dtype,
-                                       tw=_default_variant(R)[0]):
-                return _launch(backend, *args, **kw, algo="simt")
+            algo = kernel_algo(backend, queries, H, bits, group_size)
+            if algo is not None:
+                return _launch(backend, *args, **kw, algo=algo)
     if _pure_path() == "qmm":
         return kivi_decode_attention_qmm(*args, **kw)
     return kivi_decode_attention_reference(*args, **kw)
@@ -786,39 +731,29 @@ def kernel_algo(backend: str, queries, n_kv_heads: int, bits: int, group_size: i
     gqa, head_dim = queries.shape[1] // n_kv_heads, queries.shape[3]
     if backend == "cuda":
         return default_algo(head_dim, gqa, bits, group_size, queries.dtype)
-    tw = _default_variant(gqa)[0]
-    ok = kernel_supports(head_dim, gqa, bits, group_size, queries.dtype, tw=tw)
+    ok = kernel_supports(head_dim, gqa, bits, group_size, queries.dtype)
     return "simt" if ok else None
 
 
 def affine_key_scores(q, codes, scales, biases, count, bits, group_size):
     """Pure-MLX ``q Kᵀ`` (B, H, R, count), float32, over per-channel packed keys; ``q``
     (B, H, R, D) float32, already scaled. ``quantized_matmul`` on the CPU, a float32
-    dequantization where it has no kernel (a GPU)."""
-    pack = 32 // bits
+    dequantization where it has no kernel (a GPU). Any width mx.quantize packs."""
+    words, groups = count * bits // 32, count // group_size
+    codes, scales, biases = codes[..., :words], scales[..., :groups], biases[..., :groups]
     if _pure_path() == "qmm":
-        return mx.quantized_matmul(q, codes[..., : count // pack], scales[..., : count // group_size],
-                                   biases[..., : count // group_size], transpose=False,
+        return mx.quantized_matmul(q, codes, scales, biases, transpose=False,
                                    group_size=group_size, bits=bits)
-    return q @ _dequant_keys_f32(codes, scales, biases, count, bits, group_size).swapaxes(-1, -2)
+    keys_t = mx.dequantize(codes, scales, biases, group_size=group_size, bits=bits)
+    return q @ keys_t.astype(mx.float32)
 
 
 def affine_value_mix(p, codes, scales, biases, count, bits, group_size):
     """Pure-MLX ``p V`` (B, H, R, D), float32, over per-token packed values; ``p``
-    (B, H, R, count) float32."""
+    (B, H, R, count) float32. Any width mx.quantize packs."""
+    codes, scales, biases = codes[:, :, :count], scales[:, :, :count], biases[:, :, :count]
     if _pure_path() == "qmm":
-        return mx.quantized_matmul(p, codes[:, :, :count], scales[:, :, :count],
-                                   biases[:, :, :count], transpose=False,
+        return mx.quantized_matmul(p, codes, scales, biases, transpose=False,
                                    group_size=group_size, bits=bits)
-    return p @ _dequant_values_f32(codes, scales, biases, count, bits, group_size)
-
-
-def packed_bytes_read(B, H, Hq, D, n_kq, n_kres, n_vq, n_vres, bits, group_size,
-                      itemsize=2) -> int:
-    """Bytes the fused kernel must read: valid codes + scales + biases + residual rows."""
-    pack = 32 // bits
-    kq = B * H * D * (n_kq // pack * 4 + 2 * (n_kq // group_size) * itemsize)
-    vq = B * H * n_vq * (D // pack * 4 + 2 * (D // group_size) * itemsize)
-    res = B * H * (n_kres + n_vres) * D * itemsize
-    q = B * Hq * D * itemsize
-    return kq + vq + res + q
+    values = mx.dequantize(codes, scales, biases, group_size=group_size, bits=bits)
+    return p @ values.astype(mx.float32)

@@ -31,33 +31,25 @@ at once fall on different banks. Tiles cover the tokens whose keys and values ar
 quantized, split evenly over blocks that fit in one wave; the rest (the residual
 windows, and the quantized keys whose values are still in the window) is the "tail":
 chunks of ``TAIL`` tokens in float32 on the CUDA cores, in blocks of their own where
-those fit in the same wave (batch 1), else in the tile blocks (batch 8: tail blocks
-queued behind the tile blocks had held slots for up to ~150 us), before their tiles
-(TAIL_FIRST; after them, the tail added 4.5-17.5 us to a block).
+those fit in the same wave (batch 1), else in the tile blocks (batch 8), before their
+tiles (TAIL_FIRST). Why: benchmarks/notes/fused_attention.md, sessions 4 and 6.
 
 Template constants: T (float16), BITS, GROUP, HEAD_DIM (64 or 128), GQA (<= 8), NT (64:
 two warps), KVEC (4: key rows 16-byte aligned; 1: 4-byte copies), KEEP (which codes keep
 their float16 offset of 1024 into the products: 0 none, exact; 1 the codes 4 or more
 bits up their byte, whose unit is at least 16, so the float32 sums lose ~6 bits of it
-instead of ~10 (none at 8 bits); 2 every key code and the values as in 1; 3 every
-code; over the bound where a warp sums many tiles), TAIL_FIRST (the block's tail chunks
-before its tiles, their partial kept in shared memory). ``params`` adds to the counts of
-the other kernels: tiles per block, the first tail token (a multiple of the tile), the
-number of tail chunks and the first block that takes them. The header of this kernel
-ends with :func:`cuda_frag_bounds` (launch bounds: the register budget).
+instead of ~10 (none at 8 bits); 2 every key code and the values as in 1; 3 every code.
+The dispatcher takes 1, or 0 where a block sums many tiles; 2 and 3 only the benchmarks),
+TAIL_FIRST (the block's tail chunks before its tiles, their partial kept in shared
+memory). ``params`` adds to the counts of the other kernels: tiles per block, the first
+tail token (a multiple of the tile), the number of tail chunks and the first block that
+takes them. The header of this kernel ends with :func:`cuda_frag_bounds` (launch bounds:
+the register budget).
 
-Checked on an H200 against the float32 reference (benchmarks/results/fused_attention.md):
-runs 7-9 (before the tail and split-plan changes of session 4), worst relative error
-2.8e-5; run 11 (session 4's code, KEEP 1), 25 of 25 configurations of the check, worst
-8.0e-5; run 14 (this code: session 5 changed only the split target and launch bounds),
-25 of 25, worst 1.1e-4; run 15 (this code: session 6 moved the tail), 25 of 25, worst
-9.8e-5; the launch bounds of many kv heads (4) over the same shapes and batch 8 at 128k:
-worst 1.7e-4 (benchmarks/frag_variants.py --check --long).
-That check covers every 4- and 8-bit configuration and 2-bit group 64; 2-bit group 32
-ran on the GPU only with this session's code before its last change (the key scales'
-copies; benchmarks/frag_variants.py --check, KEEP 0, 1 and 3), 2-bit group 128 only in
-the CPU emulation of tests/test_kernel_kivi_decode.py. The dispatcher uses folded at 2
-bits.
+Checked on an H200 against the float32 reference: every 4- and 8-bit configuration of
+benchmarks/fused_attention.py's check and 2-bit group 64 (run 15 of
+benchmarks/results/fused_attention.md: 25 of 25, worst 9.8e-5); the other 2-bit groups
+less (benchmarks/notes/fused_attention.md). The dispatcher uses folded at 2 bits.
 """
 
 from .kivi_decode_cuda_src import CUDA_PROLOGUE

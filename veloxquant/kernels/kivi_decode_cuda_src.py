@@ -1,6 +1,8 @@
-"""CUDA sources of the fused KIVI decode attention (see ``kivi_decode.py``).
+"""CUDA sources of the fused KIVI decode attention (see ``kivi_decode.py``): the shared
+header and prologue, the "simt" kernel and the merge kernel.
 
-Used through ``mx.fast.cuda_kernel``; checked and timed on an NVIDIA H200.
+Used through ``mx.fast.cuda_kernel``; checked and timed on an NVIDIA H200. The "mma"
+kernel, never dispatched, is in benchmarks/kernels_extra.py and uses the helpers here.
 """
 
 # ---------------------------------------------------------------------------------
@@ -107,8 +109,9 @@ _STORE_SCORES = """
 
 
 def _online_softmax(scores: str) -> str:
-    """Step 3 of the simt and mma kernels: the online softmax (base 2) of one chunk, a warp
-    per query head, over the chunk's scores in shared array `scores` ([head][CHUNK])."""
+    """Step 3 of the simt kernel (and of benchmarks/kernels_extra.py's mma): the online
+    softmax (base 2) of one chunk, a warp per query head, over the chunk's scores in shared
+    array `scores` ([head][CHUNK])."""
     return r"""
     // ---- 3. online softmax (base 2), one warp per query head
     for (int r = warp; r < GQA; r += NWARP) {{
@@ -167,8 +170,8 @@ CUDA_PROLOGUE = r"""
 # Template constants: T (cache/query dtype), BITS, GROUP, HEAD_DIM, GQA (query heads per
 # kv head, <= 8), CHUNK (tokens per inner step), NT (threads per block, 128), TW (codes
 # per thread and step: 4 or 8), KUNROLL / VUNROLL (unroll of the key channel loop and
-# of the value token loop: loads in flight per thread), MODE (0; 1 and 2 skip the
-# packed values / keys, for timing the stages only).
+# of the value token loop: loads in flight per thread), MODE (0 at run time; 1 and 2 skip
+# the packed values / keys: benchmarks/kernels_extra.py's stage timings).
 # Grid: x = split index (gridDim.x splits), y = b * H + h. Runtime counts come from
 # `params` (int32): n_kq, n_kres, n_vq, n_vres, bits of scale*log2(e), chunks per split;
 # buffer capacities come from the shapes, so neither changes the compiled source.
@@ -360,280 +363,6 @@ CUDA_SOURCE = CUDA_PROLOGUE + r"""
     float v = 0.f;
 #pragma unroll
     for (int s2 = 0; s2 < NSV; ++s2) v += red[s2 * VSTRIDE + (r * CPT + j) * COLV + cv];
-    o_part[((qrow + r) * NS + split) * HEAD_DIM + c] = v;
-  }
-  if (tid < GQA) {
-    ml_part[((qrow + tid) * NS + split) * 2 + 0] = sm_m[tid];
-    ml_part[((qrow + tid) * NS + split) * 2 + 1] = sm_l[tid];
-  }
-"""
-
-# Tensor-core variant (sm_80+). Same inputs, outputs, grid and partials as CUDA_SOURCE.
-# Keys: scores^T (tokens x heads) = deq(K) (tokens x channels) . q^T (channels x heads) with
-# mma.m16n8k16; values: o^T (channels x heads) = deq(V)^T (channels x tokens) . p^T. The
-# fragment rows are permuted so that each lane dequantizes whole packed words: in a key
-# "super-tile" of 8 * PACK tokens, m-tile i row g is token PACK*g + 2i and row g+8 is
-# PACK*g + 2i + 1 (lane group g owns word g of each channel row); values use the same
-# permutation on channels. Dequantization in float32 (fma(scale*2^b, 1+code/2^b, ...)),
-# then rounded to float16 operands (q as a float16 pair, value + residual); products and
-# sums in float32. Template constants
-# as CUDA_SOURCE (TW, KUNROLL, VUNROLL unused).
-CUDA_MMA_SOURCE = CUDA_PROLOGUE + r"""
-  constexpr int PACK = 32 / BITS;
-  constexpr int NWARP = NT / 32;
-  constexpr int ST = 8 * PACK;            // key super-tile: 8 words per channel row
-  constexpr int NST = CHUNK / ST;
-  constexpr int MT = PACK / 2;            // m-tiles per super-tile / per value channel block
-  constexpr int KS = HEAD_DIM / 16;       // key k-steps (16 channels)
-  constexpr int CB = 8 * PACK;            // value channel block (8 words per token row)
-  constexpr int NCB = HEAD_DIM / CB;
-  constexpr int VM = NCB * MT;            // value m-tiles (16 channels each)
-  constexpr int VK = CHUNK / 16;          // value k-steps (16 tokens) per chunk
-  constexpr int DW = HEAD_DIM / PACK;
-  constexpr int DG = HEAD_DIM / GROUP;
-  constexpr float SC2 = (float)(1 << BITS);
-  static_assert(CHUNK % ST == 0 && HEAD_DIM % CB == 0 && GQA <= 8 && NT % 32 == 0, "tiling");
-  static_assert(GROUP % PACK == 0 && HEAD_DIM % GROUP == 0, "grouping");
-
-  __shared__ __align__(16) float sc[GQA * CHUNK];
-  __shared__ __align__(16) float qsm[HEAD_DIM * GQA];
-  __shared__ __align__(16) float ored[NWARP * GQA * HEAD_DIM];
-  __shared__ uint4 qfr[KS * 32];
-  __shared__ float sm_m[GQA];
-  __shared__ float sm_l[GQA];
-  __shared__ float sm_a[GQA];
-
-  const int g = lane >> 2;
-  const int q4 = lane & 3;
-
-  for (int i = tid; i < GQA * HEAD_DIM; i += NT) {
-    const int r = i / HEAD_DIM;
-    const int c = i - r * HEAD_DIM;
-    qsm[c * GQA + r] = vqk_to_f(queries[(qrow + r) * HEAD_DIM + c]) * qscale;
-  }
-  if (tid < GQA) {
-    sm_m[tid] = -vqk_inf();
-    sm_l[tid] = 0.f;
-  }
-  __syncthreads();
-
-  // q^T as B fragments (k = channel, n = head g), constant for the block, kept in shared
-  // memory per lane: {hi, hi, lo, lo}. q is split into a float16 value and its float16
-  // residual (two products): a single rounded q would shift every score of a head the
-  // same way (the largest error term otherwise).
-  if (warp == 0) {
-    for (int s = 0; s < KS; ++s) {
-      const int c = 16 * s + 2 * q4;
-      const bool hv = g < GQA;
-      const float x0 = hv ? qsm[c * GQA + g] : 0.f;
-      const float x1 = hv ? qsm[(c + 1) * GQA + g] : 0.f;
-      const float x8 = hv ? qsm[(c + 8) * GQA + g] : 0.f;
-      const float x9 = hv ? qsm[(c + 9) * GQA + g] : 0.f;
-      qfr[s * 32 + lane] = make_uint4(vqk_h2(x0, x1), vqk_h2(x8, x9), vqk_h2_lo(x0, x1),
-                                      vqk_h2_lo(x8, x9));
-    }
-  }
-  __syncthreads();
-
-  float oacc[VM][4];
-#pragma unroll
-  for (int m = 0; m < VM; ++m)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) oacc[m][e] = 0.f;
-
-  const int n_chunks = (Tn + CHUNK - 1) / CHUNK;
-  const int ch_begin = split * cpb;
-  const int ch_end = min(ch_begin + cpb, n_chunks);
-  for (int chunk = ch_begin; chunk < ch_end; ++chunk) {
-    const int t0 = chunk * CHUNK;
-
-    // ---- 1. quantized keys: one warp per super-tile, all channels
-    if (MODE != 2) {
-      for (int st = warp; st < NST; st += NWARP) {
-        const int tb = t0 + st * ST;
-        if (tb >= n_kq) break;  // warp-uniform
-        const int tw = tb + PACK * g;      // first token of this lane's word
-        const bool quant = tw < n_kq;      // n_kq is a multiple of PACK
-        const int wi = tw / PACK;
-        const int gi = tw / GROUP;
-        float acc[MT][4];
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
-#pragma unroll 2
-        for (int s = 0; s < KS; ++s) {
-          const uint4 qv = qfr[s * 32 + lane];
-          const uint32_t qh[2] = {qv.x, qv.y};
-          const uint32_t qlo[2] = {qv.z, qv.w};
-          uint32_t w[4];
-          float s2[4], b2[4];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const size_t row = (size_t)bh * HEAD_DIM + 16 * s + 2 * q4 + (u & 1) + (u >> 1) * 8;
-            w[u] = quant ? k_codes[row * CKW + wi] : 0u;
-            const float sv = quant ? vqk_to_f(k_scales[row * CKG + gi]) * SC2 : 0.f;
-            const float bv = quant ? vqk_to_f(k_biases[row * CKG + gi]) : 0.f;
-            s2[u] = sv;
-            b2[u] = bv - sv;
-          }
-#pragma unroll
-          for (int i = 0; i < MT; ++i) {
-            uint32_t a[4];
-            a[0] = vqk_h2(vqk_deq<BITS, 0>(w[0] >> (2 * i * BITS), s2[0], b2[0]),
-                          vqk_deq<BITS, 0>(w[1] >> (2 * i * BITS), s2[1], b2[1]));
-            a[1] = vqk_h2(vqk_deq<BITS, 1>(w[0] >> (2 * i * BITS), s2[0], b2[0]),
-                          vqk_deq<BITS, 1>(w[1] >> (2 * i * BITS), s2[1], b2[1]));
-            a[2] = vqk_h2(vqk_deq<BITS, 0>(w[2] >> (2 * i * BITS), s2[2], b2[2]),
-                          vqk_deq<BITS, 0>(w[3] >> (2 * i * BITS), s2[3], b2[3]));
-            a[3] = vqk_h2(vqk_deq<BITS, 1>(w[2] >> (2 * i * BITS), s2[2], b2[2]),
-                          vqk_deq<BITS, 1>(w[3] >> (2 * i * BITS), s2[3], b2[3]));
-            vqk_mma(acc[i], a, qh);
-            vqk_mma(acc[i], a, qlo);
-          }
-        }
-        // C: row g -> token tw + 2i, row g+8 -> tw + 2i + 1; columns 2*q4, 2*q4+1 -> heads
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          const int tl = tw - t0 + 2 * i;
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int hh = 2 * q4 + e;
-            if (hh < GQA) {
-              sc[hh * CHUNK + tl] = acc[i][e];
-              sc[hh * CHUNK + tl + 1] = acc[i][2 + e];
-            }
-          }
-        }
-      }
-    }
-    __syncthreads();
-
-    // ---- 2. mask past the end; residual keys (one warp per token)
-    for (int i = tid; i < GQA * CHUNK; i += NT) {
-      const int loc = i % CHUNK;
-      if (t0 + loc >= Tn) sc[i] = -vqk_inf();
-    }
-    {
-      const int kr_begin = max(t0, n_kq);
-      const int kr_end = min(t0 + CHUNK, Tn);
-""" + _residual_key_scores("qsm[c * GQA + r]", _STORE_SCORES) + r"""    }
-    __syncthreads();
-
-""" + _online_softmax("sc") + r"""    __syncthreads();
-
-    // ---- 4. values: o^T += deq(V)^T . p^T, one warp per 16-token k-step
-    {
-      const float a0 = (2 * q4 < GQA) ? sm_a[2 * q4] : 0.f;
-      const float a1 = (2 * q4 + 1 < GQA) ? sm_a[2 * q4 + 1] : 0.f;
-#pragma unroll
-      for (int m = 0; m < VM; ++m) {
-        oacc[m][0] *= a0;
-        oacc[m][1] *= a1;
-        oacc[m][2] *= a0;
-        oacc[m][3] *= a1;
-      }
-      const int tend = min(CHUNK, Tn - t0);
-      for (int ks = warp; ks * 16 < tend; ks += NWARP) {
-        int tok[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) tok[u] = 16 * ks + 2 * q4 + (u & 1) + (u >> 1) * 8;
-        uint32_t pb[2];
-        {
-          const bool hv = g < GQA;
-          const float* pr = sc + (hv ? g : 0) * CHUNK;
-          pb[0] = vqk_h2(hv ? pr[tok[0]] : 0.f, hv ? pr[tok[1]] : 0.f);
-          pb[1] = vqk_h2(hv ? pr[tok[2]] : 0.f, hv ? pr[tok[3]] : 0.f);
-        }
-        const bool all_quant = t0 + 16 * ks + 16 <= n_vq;  // warp-uniform
-        if (MODE == 1 && all_quant) continue;
-#pragma unroll
-        for (int cb = 0; cb < NCB; ++cb) {
-          const int cw = cb * 8 + g;                 // this lane's word in each token row
-          const int cg = (cb * CB + PACK * g) / GROUP;
-          uint32_t w[4];
-          float s2[4], b2[4];
-          const T* vr[4];
-          bool res[4];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const int t = t0 + tok[u];
-            const bool qv = t < n_vq;
-            res[u] = !qv && t < Tn;
-            const size_t row = (size_t)bh * CV + (size_t)(qv ? t : 0);
-            w[u] = qv ? v_codes[row * DW + cw] : 0u;
-            const float sv = qv ? vqk_to_f(v_scales[row * DG + cg]) * SC2 : 0.f;
-            const float bv = qv ? vqk_to_f(v_biases[row * DG + cg]) : 0.f;
-            s2[u] = sv;
-            b2[u] = bv - sv;
-            vr[u] = v_res + ((size_t)bh * CVR + (size_t)(res[u] ? t - n_vq : 0)) * HEAD_DIM
-                + cb * CB + PACK * g;
-          }
-          if (all_quant) {
-#pragma unroll
-            for (int i = 0; i < MT; ++i) {
-              uint32_t a[4];
-              a[0] = vqk_h2(vqk_deq<BITS, 0>(w[0] >> (2 * i * BITS), s2[0], b2[0]),
-                            vqk_deq<BITS, 0>(w[1] >> (2 * i * BITS), s2[1], b2[1]));
-              a[1] = vqk_h2(vqk_deq<BITS, 1>(w[0] >> (2 * i * BITS), s2[0], b2[0]),
-                            vqk_deq<BITS, 1>(w[1] >> (2 * i * BITS), s2[1], b2[1]));
-              a[2] = vqk_h2(vqk_deq<BITS, 0>(w[2] >> (2 * i * BITS), s2[2], b2[2]),
-                            vqk_deq<BITS, 0>(w[3] >> (2 * i * BITS), s2[3], b2[3]));
-              a[3] = vqk_h2(vqk_deq<BITS, 1>(w[2] >> (2 * i * BITS), s2[2], b2[2]),
-                            vqk_deq<BITS, 1>(w[3] >> (2 * i * BITS), s2[3], b2[3]));
-              vqk_mma(oacc[cb * MT + i], a, pb);
-            }
-          } else {
-#pragma unroll
-            for (int i = 0; i < MT; ++i) {
-              float v[4][2];
-#pragma unroll
-              for (int u = 0; u < 4; ++u) {
-                v[u][0] = vqk_deq<BITS, 0>(w[u] >> (2 * i * BITS), s2[u], b2[u]);
-                v[u][1] = vqk_deq<BITS, 1>(w[u] >> (2 * i * BITS), s2[u], b2[u]);
-                if (res[u]) {
-                  v[u][0] = vqk_to_f(vr[u][2 * i]);
-                  v[u][1] = vqk_to_f(vr[u][2 * i + 1]);
-                }
-              }
-              uint32_t a[4];
-              a[0] = vqk_h2(v[0][0], v[1][0]);
-              a[1] = vqk_h2(v[0][1], v[1][1]);
-              a[2] = vqk_h2(v[2][0], v[3][0]);
-              a[3] = vqk_h2(v[2][1], v[3][1]);
-              vqk_mma(oacc[cb * MT + i], a, pb);
-            }
-          }
-        }
-      }
-    }
-    __syncthreads();
-  }
-
-  // ---- 5. sum the warps' outputs, write this split's partial (m, l, o)
-  // C of value m-tile m = cb*MT + i: row g -> channel cb*CB + PACK*g + 2i, row g+8 -> +1;
-  // columns 2*q4, 2*q4+1 -> heads
-#pragma unroll
-  for (int m = 0; m < VM; ++m) {
-    const int cb = m / MT;
-    const int i = m - cb * MT;
-    const int ch = cb * CB + PACK * g + 2 * i;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int hh = 2 * q4 + e;
-      if (hh < GQA) {
-        ored[(warp * GQA + hh) * HEAD_DIM + ch] = oacc[m][e];
-        ored[(warp * GQA + hh) * HEAD_DIM + ch + 1] = oacc[m][2 + e];
-      }
-    }
-  }
-  __syncthreads();
-  for (int i = tid; i < GQA * HEAD_DIM; i += NT) {
-    float v = 0.f;
-#pragma unroll
-    for (int w2 = 0; w2 < NWARP; ++w2) v += ored[w2 * GQA * HEAD_DIM + i];
-    const int r = i / HEAD_DIM;
-    const int c = i - r * HEAD_DIM;
     o_part[((qrow + r) * NS + split) * HEAD_DIM + c] = v;
   }
   if (tid < GQA) {
