@@ -30,6 +30,7 @@ from .model import (
     Method,
     Paper,
     Spec,
+    field_bounds,
 )
 
 TOP_KEYS = {"config": False, "methods": True}  # key -> required
@@ -55,6 +56,7 @@ FIELD_KEYS = {
     "doc": True,
     "choices": False,
     "range": False,
+    "sweep": False,
 }
 CONFIG_FIELD_KEYS = {**FIELD_KEYS, "used_by": False}
 PAPER_KEYS = {"title": True, "venue": True, "year": True, "arxiv": True}
@@ -134,8 +136,7 @@ def parse_interval(text: Any) -> Interval | None:
         high = None if hi in ("inf", "+inf") else _number(hi)
     except ValueError:
         return None
-    if (low is None and lo_br == "[") or (high is None and hi_br == "]"):
-        return None  # an infinite bound cannot be closed
+    # A closed infinite bound ("[0, inf]") admits that infinity: float fields only (range()).
     if low is not None and high is not None and low > high:
         return None
     return Interval(low, high, lo_br == "[", hi_br == "]", text.strip())
@@ -402,9 +403,36 @@ class _Parser:
                 )
             else:
                 used_by = tuple(ub)
+        sweep, sweep_locs = self.sweep(node, path, ftype, choices, interval)
         if not ok or default is _INVALID:
             return None
-        return Field(name, ftype, default, doc, choices, interval, used_by, where)
+        return Field(
+            name, ftype, default, doc, choices, interval, used_by, sweep, where, sweep_locs
+        )
+
+    def sweep(self, node: CommentedMap, path: str, ftype: FieldType, choices, interval):
+        """``sweep: [v, ...]``: each value valid for the field, no repeats."""
+        if node.get("sweep") is None:
+            return None, ()
+        seq = node["sweep"]
+        at = self.loc(node, "sweep", of="value")
+        if not isinstance(seq, CommentedSeq) or not seq:
+            self.error(at, f"{path}.sweep", f"expected a non-empty list of values, got {_kind(seq)}")
+            return None, ()
+        values, ok = [], True
+        for i, item in enumerate(seq):
+            raw = _plain(item)
+            problem = describe_invalid(raw, ftype, choices, interval)
+            if not problem and any(_same(raw, v) for v in values):
+                problem = "repeats an earlier value"
+            if problem:
+                self.error(self.loc(seq, index=i), f"{path}.sweep[{i}]", f"sweep value {raw!r} {problem}")
+                ok = False
+            values.append(raw)
+        if not ok:
+            return None, ()
+        locs = tuple(self.loc(seq, index=i) for i in range(len(seq)))
+        return tuple(_coerce(v, ftype) for v in values), locs
 
     def choices(self, node: CommentedMap, path: str, ftype: FieldType):
         if node.get("choices") is None:
@@ -445,6 +473,19 @@ class _Parser:
                 f"{path}.range",
                 f"bad interval {node['range']!r}; write e.g. \"[0, 1]\", \"(0, 1]\" or \"[1, inf)\"",
             )
+            return None
+        item = ftype.item if ftype.base == "tuple" else ftype.base
+        infinite = (interval.low is None and interval.low_closed) or (
+            interval.high is None and interval.high_closed
+        )
+        if infinite and item != "float":
+            self.error(
+                at,
+                f"{path}.range",
+                f"{interval.text}: only a float range may include an infinity; "
+                "write the bound open, e.g. \"[1, inf)\"",
+            )
+            return None
         return interval
 
     def value(self, node, key, path, ftype: FieldType, choices, interval):
@@ -454,11 +495,7 @@ class _Parser:
         if problem:
             self.error(at, f"{path}.{key}", f"default {raw!r} {problem}")
             return _INVALID
-        if ftype.base == "tuple" and raw is not None:
-            return tuple(raw)
-        if ftype.base == "float" and isinstance(raw, int):
-            return float(raw)
-        return raw
+        return _coerce(raw, ftype)
 
     def check_list(
         self, node: CommentedMap, path: str, fields: list[Field], declared: list[str]
@@ -555,6 +592,34 @@ class _Parser:
                 if k not in keys:
                     self.error(f.loc, f"config.fields.{f.name}.used_by",
                                f"unknown method '{k}'{did_you_mean(k, keys)}")
+        for m in methods:
+            for f in m.fields:
+                self.sweep_checks(m, f, f"{m.key}.fields.{f.name}", config_fields)
+            for f in config_fields:
+                if m.key in f.used_by:
+                    self.sweep_checks(m, f, f"config.fields.{f.name}", config_fields)
+
+    def sweep_checks(self, m: Method, swept: Field, path: str, config_fields) -> None:
+        """Each sweep value, the method's other fields at their defaults, passes its checks:
+        the bench runs exactly that setting."""
+        if not swept.sweep:
+            return
+        defaults = {f.name: f.default for f in (*m.fields, *config_fields)}
+        for i, (value, at) in enumerate(zip(swept.sweep, swept.sweep_locs)):
+            scope = {**CHECK_FUNCTIONS, **defaults, swept.name: value}
+            for c in m.checks:
+                if swept.name not in c.names or any(n not in scope for n in c.names):
+                    continue
+                try:
+                    holds = eval(c.expr, {"__builtins__": {}}, scope)  # noqa: S307 - spec-authored expression over literal values
+                except Exception as exc:  # noqa: BLE001 - report any failure as a spec error
+                    holds, why = False, f"{c.expr} fails: {exc!r}"
+                else:
+                    why = c.message
+                if not holds:
+                    self.error(at, f"{path}.sweep[{i}]",
+                               f"sweep value {value!r} breaks a check of method '{m.key}' "
+                               f"(its other fields at their defaults): {why}")
 
 
 class _Invalid:
@@ -568,20 +633,37 @@ def describe_invalid(value: Any, ftype: FieldType, choices, interval: Interval |
     """Why ``value`` is not valid for the field, or '' when it is."""
     if value is None:
         return "" if ftype.optional or ftype.base == "any" else f"is not a valid {ftype.annotation} (None not allowed)"
+    items = list(value) if ftype.base == "tuple" and isinstance(value, list) else [value]
+    if ftype.base in ("float", "tuple") and any(isinstance(v, float) and math.isnan(v) for v in items):
+        return "is NaN, which no range admits"
     if not conforms(value, ftype.base, ftype.item, ftype.literals):
         if ftype.base == "literal":
             allowed = ", ".join(repr(v) for v in ftype.literals)
             return f"is not among the Literal's choices ({allowed})"
         return f"is not a valid {ftype.annotation}"
-    items = list(value) if ftype.base == "tuple" else [value]
+    bounds = field_bounds(ftype, choices, interval)
     for v in items:
         if choices is not None and v not in choices:
             allowed = ", ".join(repr(c) for c in choices)
             return f"is not among the choices ({allowed})"
-        if interval is not None and isinstance(v, (int, float)):
-            if isinstance(v, float) and math.isnan(v) or not interval.contains(v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not bounds.contains(v):
+            if interval is not None and not interval.contains(v):
                 return f"is outside the range {interval.text}"
+            return f"is beyond the int limit ({bounds.cap_text})"
     return ""
+
+
+def _coerce(raw: Any, ftype: FieldType) -> Any:
+    """A valid YAML value as the field holds it: lists as tuples, ints as floats."""
+    if ftype.base == "tuple" and raw is not None:
+        return tuple(raw)
+    if ftype.base == "float" and isinstance(raw, int):
+        return float(raw)
+    return raw
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
 
 
 def _kind(value: Any) -> str:

@@ -111,12 +111,18 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def render_all(spec: Spec) -> dict[str, str]:
-    """File name -> content, for every file of ``generated/``. Pure and deterministic."""
+def render_all(spec: Spec, names: tuple[str, ...] = OUTPUTS) -> dict[str, str]:
+    """File name -> content, for every file of ``generated/`` (or ``names``). Pure and
+    deterministic."""
     env = _environment()
     header = HEADER.format(source=spec.source, digest=spec_digest(spec))
     with_options = [m for m in spec.methods if m.class_name is not None]
     all_fields = list(spec.config_fields) + [f for m in with_options for f in m.fields]
+    sweeps = {
+        m.key: [(f.name, f.sweep) for f in m.fields if f.sweep]
+        + [(f.name, f.sweep) for f in spec.config_fields if f.sweep and m.key in f.used_by]
+        for m in spec.methods
+    }
     context = dict(
         spec=spec,
         header=header,
@@ -125,12 +131,13 @@ def render_all(spec: Spec) -> dict[str, str]:
         with_options=with_options,
         config_fields=spec.config_fields,
         fields_by_name={f.name: f for f in all_fields},
+        sweeps=sweeps,
         option_typing=typing_imports([f for m in with_options for f in m.fields]),
         config_typing=sorted(set(typing_imports(all_fields)) | {"Any"}),
         typecheck_source=_typecheck_body(),
     )
     out = {}
-    for name in OUTPUTS:
+    for name in names:
         text = env.get_template(name + ".j2").render(**context)
         if name.endswith(".py"):
             text = black.format_str(text, mode=BLACK_MODE)

@@ -32,9 +32,23 @@ class Profile:
     evicts: bool = False  # attention sees a subset of the tokens, in full precision
     bound_after_decode: bool = True  # stored_length <= budget holds at decode too
     exempt: dict[str, str] = field(default_factory=dict)  # check -> why it cannot be met
+    # Settings laid over ``compressing`` for the kept-positions reference (attention over
+    # the cache == attention over the tokens it keeps, as they came): a merging method
+    # changes kept values on purpose, so that check runs it with merging off.
+    reference: dict[str, Any] = field(default_factory=dict)
 
 
 PROFILES: dict[str, Profile] = {
+    "nestedkv": Profile(
+        # The shared budget, with a window small enough to fit it (nestedkv_budget must
+        # cover nestedkv_n_sink + nestedkv_window): the default head-adaptive split, which
+        # on the tiny models comes out even (48 a head), so the per-head storage bound
+        # holds; uneven splits, padding and nbytes are checked in tests/test_nestedkv.py.
+        compressing={"nestedkv_budget": BUDGET, "nestedkv_window": 16},
+        lossless={"nestedkv_budget": LOSSLESS},
+        evicts=True,
+        bound_after_decode=False,  # prefill-only: decoded tokens are appended
+    ),
     "full": Profile(compressing={}, lossless={}),
     "streaming_llm": Profile(
         compressing={"stream_n_sink": 4, "stream_window_size": BUDGET - 4},
@@ -51,6 +65,60 @@ PROFILES: dict[str, Profile] = {
         lossless={"residual_window": LOSSLESS},
         lossless_tolerance=1e-5,
         exempt={"per_layer_budgets": "no budget: every layer keeps every token, quantized"},
+    ),
+    "age_tiered": Profile(
+        # Tiers at 8/4/2 bits, all three used by the 200-token prompt: recent under 32
+        # tokens, mid up to age 96, old beyond (blocks of 32 tokens).
+        compressing={"age_recent_boundary": 32, "age_mid_boundary": 96, "age_bits_recent": 8,
+                     "age_bits_mid": 4, "age_bits_old": 2, "age_group_size": 32},
+        # 16-bit tiers keep the model's rows; decode attends through the pure-MLX path.
+        lossless={"age_bits_recent": 16, "age_bits_mid": 16, "age_bits_old": 16},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, by age tier"},
+    ),
+    "kitty": Profile(
+        # 32 sinks, blocks of 32 tokens with a quarter of the channels at 4 bits, the rest
+        # and the values at 2 bits: the 200-token prompt quantizes most of its tokens.
+        compressing={"residual_window": 32, "kitty_group_size": 32},
+        # A block beyond the context keeps every token in full precision; decode attends
+        # through the pure-MLX path (not SDPA), so equal to float rounding, not bitwise.
+        lossless={"residual_window": LOSSLESS},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, quantized"},
+    ),
+    "adakv": Profile(
+        # Blocks of 32 tokens flush under the per-head allocation (2/3/4 bits, mean 2.5):
+        # the 200-token prompt quantizes 192 of its tokens, decoding flushes again.
+        compressing={"residual_window": 32},
+        # A window beyond the context keeps every token in full precision; decode attends
+        # through the pure-MLX path (not SDPA), so equal to float rounding, not bitwise.
+        lossless={"residual_window": LOSSLESS},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, quantized"},
+    ),
+    "rocketkv": Profile(
+        # Stage 1 at c = 32 keeps floor(200 / 32^0.5) = 35 tokens, raised to its 4 sinks + 32
+        # window tokens: 36 of the 200-token prompt (the floor is also the budget before a
+        # prompt). At a decode step stage 2 attends only to the tokens of the pages it
+        # chooses, which the reference check (attention over every stored slot) cannot
+        # follow: one page holding every token makes the chosen pages all of them, its exact
+        # path. tests/test_rocketkv.py checks the sparse path by brute force.
+        compressing={"rocketkv_compression_ratio": 32.0, "rocketkv_page_size": LOSSLESS},
+        # c = 1 keeps the whole prompt (C1 = L); one page: every step attends to all of it.
+        lossless={"rocketkv_compression_ratio": 1.0, "rocketkv_page_size": LOSSLESS},
+        evicts=True,
+        bound_after_decode=False,  # stage 2 evicts nothing: the cache grows while decoding
+    ),
+    "cam": Profile(
+        # Merging on (the defaults: sim_weighted, the Bernoulli gate), so the save/load,
+        # copy, trim and server checks run merged values through the cache's state.
+        compressing={"cam_budget": BUDGET},
+        lossless={"cam_budget": LOSSLESS},
+        evicts=True,
+        # An evicted token's value is added to kept ones: attention over the cache is not
+        # attention over the kept tokens as they came, by design. With merging off it is
+        # (the layout, sinks + newest, is the same); tests/test_cam.py checks the merge.
+        reference={"cam_merge": "none"},
     ),
 }
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from veloxquant_mlx.cli import config_from_args, main
+from veloxquant_mlx.cli import config_from_args, main, parse_assignments
 from veloxquant_mlx.registry import METHODS
 
 
@@ -24,8 +24,8 @@ def test_generate_prints_completion_and_measured_memory(capsys):
     captured = capsys.readouterr()
     assert captured.out.strip()  # the completion
     line = captured.err.strip().splitlines()[-1]
-    assert line.startswith("[kv cache] method=streaming_llm:")
-    assert "(68 stored rows/layer)" in line  # 4 sinks + 64 window rows
+    assert line.startswith("[kv cache] method=streaming_llm dtype=float32 tokens=")
+    assert "; 68 rows/layer)" in line  # 4 sinks + 64 window rows
     assert "vs" in line and "for the full cache" in line
 
 
@@ -48,6 +48,6 @@ def test_bad_set_values_get_the_configs_clear_errors(method, sets, message, caps
 
 
 def test_set_values_are_parsed_as_literals():
-    config = config_from_args("svdq", ["svdq_bit_schedule=(8, 4, 0)", "svdq_rank=None"])
-    assert config.svdq_bit_schedule == (8, 4, 0) and config.svdq_rank is None
+    own, options = parse_assignments(["svdq_bit_schedule=(8, 4, 0)", "svdq_rank=None", "kv_bits=4"])
+    assert options == {"svdq_bit_schedule": (8, 4, 0), "svdq_rank": None} and own == {"kv_bits": 4}
     assert config_from_args("snapkv", ["snap_backend=reference"]).snap_backend == "reference"

@@ -80,7 +80,7 @@ def test_add_a_method_regenerate_and_use_it(repo_root, tmp_path):
     assert out["options"] == "ToyOptions(toy_budget=64, toy_n_sink=8)"  # effective values
     assert out["dict"]["options"] == {"toy_budget": 64, "toy_n_sink": 8}
     assert out["errors"] == [
-        "toy_budget=0 is out of range; allowed: int, in [1, inf)",
+        "toy_budget=0 is out of range; allowed: int, in [1, inf), at most 2**31 - 1",
         "toy_budget must exceed toy_n_sink. (got toy_budget=4, toy_n_sink=4)",
     ]
     assert "options=ToyOptions(toy_n_sink=8)" in out["warning"]

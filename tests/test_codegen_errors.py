@@ -221,3 +221,102 @@ def test_all_errors_reported_at_once_and_nothing_written(tmp_path, capsys):
     assert "unknown type 'flaot'" in err and "outside the range" in err and "evicton" in err
     assert "3 errors in the spec; nothing written." in err
     assert not out.exists()
+
+
+# -- sweep: and the bounds of int and float fields ------------------------------------
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [
+        (  # a sweep value of the wrong type, and one outside the choices: each at its column
+            "      choices: [2, 4, 8]\n",
+            '      choices: [2, 4, 8]\n      sweep: [2, "x", 3]\n',
+            [
+                "spec/methods.yaml:8:18: config.fields[0].sweep[1]: sweep value 'x' is not a valid int",
+                "spec/methods.yaml:8:23: config.fields[0].sweep[2]: sweep value 3 is not among the choices (2, 4, 8)",
+            ],
+        ),
+        (  # out of range, past the int cap, repeated
+            '        range: "[1, inf)"\n',
+            '        range: "[1, inf)"\n        sweep: [8, 0, 4294967296, 8]\n',
+            [
+                "spec/methods.yaml:27:20: methods[1].fields[0].sweep[1]: sweep value 0 is outside the range [1, inf)",
+                "spec/methods.yaml:27:23: methods[1].fields[0].sweep[2]: sweep value 4294967296 is beyond "
+                "the int limit (at most 2**31 - 1)",
+                "spec/methods.yaml:27:35: methods[1].fields[0].sweep[3]: sweep value 8 repeats an earlier value",
+            ],
+        ),
+        (  # block style: the item's own line
+            '        range: "[1, inf)"\n',
+            '        range: "[1, inf)"\n        sweep:\n          - 64\n          - -1\n',
+            ["spec/methods.yaml:29:13: methods[1].fields[0].sweep[1]: sweep value -1 is outside the range [1, inf)"],
+        ),
+        (  # not a list
+            '        range: "[1, inf)"\n',
+            '        range: "[1, inf)"\n        sweep: 5\n',
+            ["spec/methods.yaml:27:16: methods[1].fields[0].sweep: expected a non-empty list of values, got int"],
+        ),
+        (  # a value that breaks the method's checks with the other fields at their defaults
+            '        range: "[1, inf)"\n',
+            '        range: "[1, inf)"\n        sweep: [2]\n',
+            ["spec/methods.yaml:27:17: foo.fields.foo_budget.sweep[0]: sweep value 2 breaks a check of "
+             "method 'foo' (its other fields at their defaults): foo_budget must cover the sinks."],
+        ),
+        (  # a config field's sweep is checked against the methods that read it
+            "      choices: [2, 4, 8]\n",
+            "      choices: [2, 4, 8]\n      used_by: [foo]\n      sweep: [2, 8]\n",
+            None,
+        ),
+        (  # an int range cannot include an infinity
+            '        range: "[1, inf)"\n',
+            '        range: "[1, inf]"\n',
+            ['spec/methods.yaml:26:16: methods[1].fields[0].range: [1, inf]: only a float range may '
+             'include an infinity; write the bound open, e.g. "[1, inf)"'],
+        ),
+        (  # NaN is no float value a range admits
+            "        default: 0.5\n",
+            "        default: .nan\n",
+            ["spec/methods.yaml:38:18: methods[1].fields[3].default: default nan is NaN, which no range admits"],
+        ),
+        (  # an int default past the cap of ints whose range is open above
+            "        default: 4\n",
+            "        default: 4294967296\n",
+            ["spec/methods.yaml:29:18: methods[1].fields[1].default: default 4294967296 is beyond the int "
+             "limit (at most 2**31 - 1)"],
+        ),
+    ],
+)
+def test_sweep_and_bounds_errors_are_located(tmp_path, old, new, expected):
+    assert old in VALID
+    text = VALID.replace(old, new, 1)
+    if expected is None:  # kv_bits=2 and 8 pass foo's checks: make one fail
+        text = text.replace('expr: "foo_budget >= foo_n_sink"', 'expr: "foo_budget >= foo_n_sink and kv_bits < 8"')
+        expected = ["spec/methods.yaml:9:18: config.fields.kv_bits.sweep[1]: sweep value 8 breaks a check of "
+                    "method 'foo' (its other fields at their defaults): foo_budget must cover the sinks."]
+    messages = errors_for(tmp_path, text)
+    assert messages == expected
+
+
+def test_sweeps_reach_the_registry_and_floats_may_include_inf(tmp_path):
+    from codegen.render import render_all
+
+    text = (
+        VALID.replace("      choices: [2, 4, 8]\n", "      choices: [2, 4, 8]\n      used_by: [foo]\n      sweep: [4, 8]\n", 1)
+        .replace('        range: "[1, inf)"\n', '        range: "[1, inf)"\n        sweep: [64, 128]\n', 1)
+        .replace('range: "[0, 1]"', 'range: "[0, inf]"')
+    )
+    path = tmp_path / "methods.yaml"
+    path.write_text(text)
+    spec = load_spec(path, "spec/methods.yaml")
+    foo = spec.methods[1]
+    assert foo.fields[0].sweep == (64, 128) and spec.config_fields[0].sweep == (4, 8)
+    rendered = render_all(spec, names=("validators.py", "registry.py"))  # API.md needs snapkv
+    namespace: dict = {}
+    exec(compile(rendered["validators.py"], "validators.py", "exec"), namespace)  # noqa: S102
+    assert namespace["field_problem"]("foo_frac", float("inf")) is None  # "[0, inf]" admits it
+    assert namespace["field_problem"]("foo_budget", 2**31) == "is out of range"
+    assert namespace["field_problem"]("foo_frac", float("nan")) == "is NaN, which no range admits"
+    registry: dict = {"__name__": "registry"}
+    exec(compile(rendered["registry.py"], "registry.py", "exec"), registry)  # noqa: S102
+    # The method's own sweeps first, then the config field's (its used_by names foo).
+    assert registry["METHODS"]["foo"].sweeps == (("foo_budget", (64, 128)), ("kv_bits", (4, 8)))
+    assert registry["METHODS"]["full"].sweeps == ()

@@ -4,14 +4,26 @@ import warnings
 
 import pytest
 
-from veloxquant_mlx import KVCacheConfig, VeloxQuantDeprecationWarning
+import math
+
+from veloxquant_mlx import (
+    KVCacheConfig,
+    UnimplementedMethodWarning,
+    VeloxQuantDeprecationWarning,
+    VeloxQuantWarning,
+    make_prompt_cache,
+    patch_model_kv_cache,
+)
 from veloxquant_mlx.cache.options import (
     H2OOptions,
     KIVIOptions,
+    NestedKVOptions,
     QFiltersOptions,
     SnapKVOptions,
+    StreamingLLMOptions,
     SVDqOptions,
 )
+from veloxquant_mlx.registry import METHODS
 
 
 def test_options_populate_flat_fields_and_read_back():
@@ -115,6 +127,7 @@ def test_bad_assignment_is_rejected_and_leaves_config_unchanged():
         config.kv_bit = 4
 
 
+@pytest.mark.filterwarnings("ignore::veloxquant_mlx.UnimplementedMethodWarning")
 def test_to_dict_from_dict_round_trip():
     config = KVCacheConfig(method="snapkv", options=SnapKVOptions(snap_budget=300), kv_bits=4)
     data = config.to_dict()
@@ -143,3 +156,78 @@ def test_from_dict_rejects_unknown_keys_with_suggestions():
 def test_flat_field_of_another_method_warns_that_it_has_no_effect():
     with pytest.warns(VeloxQuantDeprecationWarning, match="so it has no effect"):
         KVCacheConfig(method="kivi", h2o_budget=64)
+
+
+# -- issue 25 item 4: values that cannot be represented are refused at construction ----
+@pytest.mark.parametrize(
+    "make, pattern",
+    [
+        (lambda: SnapKVOptions(snap_budget=10**30), r"snap_budget=10{30} is out of range; allowed: int, in \[1, inf\), at most 2\*\*31 - 1"),
+        (lambda: StreamingLLMOptions(stream_window_size=2**31), r"stream_window_size=2147483648 is out of range.*at most 2\*\*31 - 1"),
+        (lambda: H2OOptions(h2o_budget=10**30), r"h2o_budget=.* is out of range"),
+        (lambda: KVCacheConfig(method="kivi", residual_window=2**40), r"residual_window=1099511627776 is out of range"),
+        (lambda: SVDqOptions(svdq_bit_schedule=(8, 2**31)), r"svdq_bit_schedule=\(8, 2147483648\) is out of range"),
+        (lambda: NestedKVOptions(nestedkv_beta=math.inf), r"nestedkv_beta=inf is out of range; allowed: float, in \[0, inf\)"),
+        (lambda: NestedKVOptions(nestedkv_beta=-math.inf), r"nestedkv_beta=-inf is out of range"),
+        (lambda: NestedKVOptions(nestedkv_beta=math.nan), r"nestedkv_beta=nan is NaN, which no range admits; allowed: float, in \[0, inf\)"),
+        (lambda: QFiltersOptions(qfilters_min_retention=math.nan), r"qfilters_min_retention=nan is NaN"),
+    ],
+)
+def test_unrepresentable_values_are_refused(make, pattern):
+    with pytest.raises(ValueError, match=pattern) as info:
+        make()
+    assert "must be float, got float" not in str(info.value)
+
+
+def test_the_int_cap_itself_and_large_finite_floats_are_accepted():
+    assert StreamingLLMOptions(stream_window_size=2**31 - 1).stream_window_size == 2**31 - 1
+    assert NestedKVOptions(nestedkv_beta=1e300).nestedkv_beta == 1e300
+
+
+@pytest.mark.parametrize("data", [None, "kivi", 3, ["method", "kivi"]])
+def test_from_dict_of_a_non_dict_says_what_is_expected(data):
+    with pytest.raises(TypeError, match=r"expects a dict with 'method' and 'options' \(e\.g\. \{'method': 'kivi'"):
+        KVCacheConfig.from_dict(data)
+
+
+# -- issue 17 item 1: a method without an implementation -------------------------------
+UNIMPLEMENTED = next(k for k, m in METHODS.items() if not m.implemented)
+
+
+def test_config_of_an_unimplemented_method_warns_but_stays_a_config():
+    with pytest.warns(UnimplementedMethodWarning, match=rf"method '{UNIMPLEMENTED}' has no implementation yet.*implemented: full, ") as record:
+        config = KVCacheConfig(method=UNIMPLEMENTED)
+    assert record.list[0].filename == __file__  # points at the caller
+    assert issubclass(UnimplementedMethodWarning, VeloxQuantWarning) and issubclass(VeloxQuantWarning, UserWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KVCacheConfig(method="snapkv")  # an implemented one is quiet
+        with pytest.raises(UnimplementedMethodWarning):
+            KVCacheConfig.from_dict(config.to_dict())
+
+
+def test_building_caches_for_an_unimplemented_method_is_a_clear_error():
+    from tiny_models import tiny_model
+
+    with pytest.warns(UnimplementedMethodWarning):
+        config = KVCacheConfig(method=UNIMPLEMENTED)
+    model = tiny_model()
+    title = METHODS[UNIMPLEMENTED].title.rstrip(".")
+    for build in (make_prompt_cache, patch_model_kv_cache):
+        with pytest.raises(NotImplementedError) as info:
+            build(model, config)
+        message = str(info.value)
+        assert message.startswith(f"method '{UNIMPLEMENTED}' ({title}) has no implementation yet")
+        assert ".)" not in message and "implemented methods: full, " in message
+
+
+# -- issue 17 item 6: an unknown options key lists every field the method reads ---------
+def test_unknown_options_key_lists_options_and_config_fields_the_method_reads():
+    with pytest.raises(ValueError) as info:
+        KVCacheConfig.from_dict({"method": "kivi", "options": {"snap_budget": 100}})
+    assert str(info.value) == (
+        "'snap_budget' is not a field of KIVIOptions; kivi reads kivi_group_size (KIVIOptions); "
+        "kv_bits, residual_window, fused_attention (config fields)"
+    )
+    with pytest.raises(ValueError, match=r"'kv_bits' is one of KVCacheConfig's own fields, not a field of KIVIOptions"):
+        KVCacheConfig.from_dict({"method": "kivi", "options": {"kv_bits": 4}})

@@ -1,15 +1,18 @@
 """The generated API reference's examples run."""
 
 import doctest
+import warnings
 
 import veloxquant_mlx
 from veloxquant_mlx.cache import config as config_module
 
 
 def test_api_reference_examples_run(repo_root):
-    result = doctest.testfile(
-        str(repo_root / "generated" / "API.md"), module_relative=False, optionflags=doctest.ELLIPSIS
-    )
+    with warnings.catch_warnings():  # most of its configs name methods not implemented yet
+        warnings.simplefilter("ignore", veloxquant_mlx.UnimplementedMethodWarning)
+        result = doctest.testfile(
+            str(repo_root / "generated" / "API.md"), module_relative=False, optionflags=doctest.ELLIPSIS
+        )
     assert result.attempted > 37 * 2 and result.failed == 0
 
 

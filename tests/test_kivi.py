@@ -36,7 +36,8 @@ def test_residual_windows_are_bit_exact(t, chunk):
     feed(cache, keys, values, chunk)
     r = 128
     n_key_res, n_val_res = t % r, min(t, r)
-    assert cache.store.k_res.shape[2] == n_key_res and cache.store.v_res.shape[2] == n_val_res
+    rows = lambda x: 0 if x is None else x.shape[2]  # noqa: E731 - an empty window holds no array
+    assert rows(cache.store.k_res) == n_key_res and rows(cache.store.v_res) == n_val_res
     assert cache.n_quantized_keys == t - n_key_res and cache.n_quantized_values == t - n_val_res
     k_hat, v_hat = cache.dequantized(mx.float16)
     assert k_hat.shape == keys.shape and v_hat.shape == values.shape

@@ -63,3 +63,21 @@ def test_retrieves_a_needle_end_to_end(loaded):
         logits = model(mx.array([[out[-1]]]), cache=cache)[0, -1]
     text = bytes(t for t in out if t < 256).decode("utf-8", "replace")
     assert tasks.score(ex, text), (text, ex.answer)
+
+
+def test_streamed_completion_keeps_its_leading_space(loaded):
+    """Issue 25 item 6: mlx-lm's streaming detokenizer (what generate and the server
+    print) gives the completion exactly, so prompt + completion reads as one decode."""
+    _, tok = loaded
+    prompt = tok.encode("And they departed from")
+    completion = list(" them. And they \u00e9\u4e2d\nsaid ".encode("utf-8"))  # multi-byte too
+    detokenizer = tok.detokenizer
+    detokenizer.reset()
+    streamed = ""
+    for token in completion:
+        detokenizer.add_token(token)
+        streamed += detokenizer.last_segment
+    detokenizer.finalize()
+    streamed += detokenizer.last_segment
+    assert streamed == " them. And they \u00e9\u4e2d\nsaid "
+    assert tok.decode(prompt) + streamed == tok.decode(prompt + completion)

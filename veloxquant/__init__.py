@@ -1,19 +1,34 @@
 """VeloxQuant: KV-cache compression methods for MLX and mlx-lm, behind one config object.
 
+Import it before anything imports MLX (``mlx``, ``mlx_lm``): on Linux it points MLX's CPU
+back-end at an installed OpenBLAS, which only works before MLX is loaded (``_blas.py``).
+
+``REFERENCE_MODEL`` is the folder of the embedded reference model, loadable offline with
+``mlx_lm.load(str(REFERENCE_MODEL))``.
+
 >>> from veloxquant_mlx import KVCacheConfig
 >>> from veloxquant_mlx.cache.options import StreamingLLMOptions
 >>> KVCacheConfig(method="streaming_llm", options=StreamingLLMOptions()).stream_window_size
 512
 """
 
+from pathlib import Path
+
 from ._blas import use_optimized_blas
 
 use_optimized_blas()  # before anything imports mlx (see _blas.py)
 
 from .cache import KVCacheConfig, VeloxQuantDeprecationWarning  # noqa: E402
+from .diagnostics import (  # noqa: E402
+    SlowBLASWarning,
+    UnimplementedMethodWarning,
+    VeloxQuantWarning,
+)
 from .integrations.cache_classes import register_cache_classes  # noqa: E402
 
 register_cache_classes()  # saved prompt caches load after `import veloxquant_mlx` alone
+
+REFERENCE_MODEL = Path(__file__).resolve().parent / "assets" / "reference_model"
 
 # The mlx-lm integration imports mlx-lm (slow); load it on first use.
 _LAZY = {
@@ -24,7 +39,15 @@ _LAZY = {
     "load_prompt_cache": "veloxquant_mlx.integrations.saved",
 }
 
-__all__ = ["KVCacheConfig", "VeloxQuantDeprecationWarning", *_LAZY]
+__all__ = [
+    "KVCacheConfig",
+    "REFERENCE_MODEL",
+    "SlowBLASWarning",
+    "UnimplementedMethodWarning",
+    "VeloxQuantDeprecationWarning",
+    "VeloxQuantWarning",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str):

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import sys
 from pathlib import Path
 
-from ._generated.deprecations import CONFIG_FIELDS
-from .cache.config import KVCacheConfig
-from .registry import METHODS
+from . import REFERENCE_MODEL
+from ._generated.deprecations import CONFIG_FIELD_USERS, CONFIG_FIELDS
+from .cache.config import KVCacheConfig, describe_fields_read
+from .registry import METHODS, implemented_methods
 
-REFERENCE_MODEL = Path(__file__).resolve().parent / "assets" / "reference_model"
+MODEL_HELP = (
+    "a model is a local folder holding config.json and weights (*.safetensors), or a "
+    "Hugging Face hub id such as mlx-community/Qwen3-0.6B-4bit; 'reference' (the default) "
+    "is the embedded reference model"
+)
+DTYPES = ["auto", "float16", "bfloat16", "float32"]
+DTYPE_HELP = (
+    "compute dtype of the model and its KV cache; auto (default): float32 on the CPU "
+    "(MLX's fast CPU path), the model's own dtype on a GPU"
+)
 
 
 class CLIError(Exception):
@@ -27,8 +38,8 @@ def parse_value(text: str):
         return text
 
 
-def config_from_args(method: str, assignments: list[str] | None) -> KVCacheConfig:
-    """``--method M --set FIELD=VALUE ...`` -> a validated KVCacheConfig."""
+def parse_assignments(assignments: list[str] | None) -> tuple[dict, dict]:
+    """``--set F=V ...`` -> (config fields, options fields), values parsed."""
     own, options = {}, {}
     for item in assignments or []:
         name, sep, text = item.partition("=")
@@ -36,14 +47,84 @@ def config_from_args(method: str, assignments: list[str] | None) -> KVCacheConfi
         if not sep or not name:
             raise CLIError(f"--set expects FIELD=VALUE, got {item!r}")
         (own if name in CONFIG_FIELDS else options)[name] = parse_value(text)
+    return own, options
+
+
+def check_method(method: str) -> None:
+    """A known method with an implementation, or a one-line CLIError."""
+    if method not in METHODS:
+        try:
+            KVCacheConfig(method=method)  # its message has the did-you-mean
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
+    if not METHODS[method].implemented:
+        raise CLIError(
+            f"method {method!r} has no implementation yet; implemented: "
+            + ", ".join(implemented_methods())
+        )
+
+
+def build_config(method: str, own: dict, options: dict) -> KVCacheConfig:
+    """A validated config for ``method``; a config field it does not read is an error."""
+    for name in own:
+        if method not in CONFIG_FIELD_USERS[name]:
+            raise CLIError(
+                f"--set {name}: {method} does not read {name}; {describe_fields_read(method)}"
+            )
     try:
         return KVCacheConfig.from_dict({"method": method, "options": options, **own})
     except (ValueError, TypeError) as exc:
         raise CLIError(str(exc)) from None
 
 
+def config_from_args(method: str, assignments: list[str] | None) -> KVCacheConfig:
+    """``--method M --set FIELD=VALUE ...`` -> a validated KVCacheConfig."""
+    check_method(method)
+    return build_config(method, *parse_assignments(assignments))
+
+
 def resolve_model(path_or_id: str | None) -> str:
-    return str(REFERENCE_MODEL) if path_or_id in (None, "reference") else path_or_id
+    """A local model folder (checked) or a hub id; CLIError saying what a model needs."""
+    if path_or_id in (None, "reference"):
+        return str(REFERENCE_MODEL)
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CLIError(f"--model {path_or_id}: not a folder; {MODEL_HELP}")
+        if not (path / "config.json").is_file():
+            raise CLIError(f"--model {path_or_id}: the folder has no config.json; {MODEL_HELP}")
+        if not any(path.glob("*.safetensors")):
+            raise CLIError(
+                f"--model {path_or_id}: the folder has no weights (*.safetensors); {MODEL_HELP}"
+            )
+        return str(path)
+    # A hub id is "owner/name"; anything else that does not exist is a missing folder.
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path_or_id):
+        return path_or_id
+    raise CLIError(f"--model {path_or_id}: model not found (no such folder); {MODEL_HELP}")
+
+
+def load_model(path_or_id: str | None):
+    """(model, tokenizer, config dict) through mlx-lm; any failure is one line."""
+    import mlx_lm
+
+    resolved = resolve_model(path_or_id)
+    try:
+        return mlx_lm.load(resolved, return_config=True)
+    except Exception as exc:  # noqa: BLE001 - hub, network and file errors alike
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CLIError(
+            f"--model {path_or_id}: could not load it ({type(exc).__name__}: {first}); "
+            f"{MODEL_HELP}"
+        ) from None
+
+
+def compute_dtype(name: str):
+    import mlx.core as mx
+
+    if name == "auto":
+        return mx.float32 if mx.default_device() == mx.cpu else None
+    return getattr(mx, name)
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
@@ -64,61 +145,136 @@ def cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate text with a compressed KV cache and report the bytes it kept."""
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise CLIError(f"{name} must be at least 1, got {value}")
+
+
+def full_cache_bytes(model, caches: list, tokens: int) -> tuple[int, int, str]:
+    """What mlx-lm's own caches would keep for ``tokens`` tokens: (bytes, bytes per token,
+    the K/V dtype).
+
+    One token through the model's native caches gives each KVCache layer's row size (K
+    and V: kv heads x head_dim x dtype size); a KVCache holding ``tokens`` rows keeps
+    exactly ``tokens`` of them (its 256-row allocation steps are left out: kept rows
+    against kept rows). A layer the method leaves to its native cache (sliding window,
+    state space) counts that cache's own bytes on both sides.
+    """
     import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    probe = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=probe)
+    per_token, total, dtype = 0, 0, "?"
+    for native, ours in zip(probe, caches):
+        if type(native) is KVCache:
+            row = native.keys[..., :1, :].nbytes + native.values[..., :1, :].nbytes
+            per_token += row
+            total += row * tokens
+            dtype = str(native.keys.dtype).removeprefix("mlx.core.")
+        else:
+            total += ours.nbytes
+    return total, per_token, dtype
+
+
+def _max_positions(model_config: dict) -> tuple[str, int] | None:
+    """(config key, positions) the model was built for, when its config says."""
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        if isinstance(model_config.get(key), int):
+            return key, model_config[key]
+    return None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate a completion with a compressed KV cache, streamed to stdout as it comes;
+    then, on stderr, the bytes the method's cache holds against what the full cache
+    would hold for the same tokens. Ctrl-C stops it, keeping what was generated."""
+    _positive("--max-tokens", args.max_tokens)
+    config = config_from_args(args.method, args.set)
+    resolve_model(args.model)  # a missing model fails before anything is loaded
+
     import mlx_lm
-    from mlx_lm.models.cache import KVCache
 
     from .integrations.mlx_lm import make_prompt_cache
 
-    config = config_from_args(args.method, args.set)
-    model, tokenizer = mlx_lm.load(resolve_model(args.model))
-    cache = make_prompt_cache(model, config)
+    model, tokenizer, model_config = load_model(args.model)
+    dtype = compute_dtype(args.dtype)
+    if dtype is not None:
+        model.set_dtype(dtype)
     prompt = tokenizer.encode(args.prompt)
-    completion, generated = "", []
-    for response in mlx_lm.stream_generate(
-        model, tokenizer, prompt, max_tokens=args.max_tokens, prompt_cache=cache
-    ):
-        completion += response.text
-        generated.append(response.token)
-    print(completion)
+    positions = _max_positions(model_config)
+    if positions is not None and len(prompt) + args.max_tokens > positions[1]:
+        print(
+            f"veloxquant generate: warning: the prompt ({len(prompt)} tokens) plus "
+            f"--max-tokens {args.max_tokens} passes the model's {positions[1]} positions "
+            f"({positions[0]}); tokens beyond them are at positions it never saw",
+            file=sys.stderr, flush=True,
+        )
+    cache = make_prompt_cache(model, config)
+    interrupted = False
+    try:
+        for response in mlx_lm.stream_generate(
+            model, tokenizer, prompt, max_tokens=args.max_tokens, prompt_cache=cache
+        ):
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    print(flush=True)
 
-    # The baseline, measured the same way: the full cache over the same tokens.
-    full = [KVCache() for _ in model.layers]
-    tokens = mx.array(prompt + generated[:-1])
-    for start in range(0, tokens.shape[0], 2048):
-        model(tokens[start : start + 2048][None], cache=full)
-        mx.eval([c.state for c in full])
+    tokens = max(c.offset for c in cache)
     kept = sum(c.nbytes for c in cache)
-    baseline = sum(c.nbytes for c in full)
+    baseline, per_token, dtype_name = full_cache_bytes(model, cache, tokens)
     stored = max(getattr(c, "stored_length", c.offset) for c in cache)
     print(
-        f"[kv cache] method={config.method}: {kept:,} bytes kept for {cache[0].offset} tokens "
-        f"({stored} stored rows/layer) vs {baseline:,} bytes for the full cache "
-        f"({kept / baseline:.3f}x)",
+        ("[interrupted] " if interrupted else "")
+        + f"[kv cache] method={config.method} dtype={dtype_name} tokens={tokens}: "
+        f"kept {kept:,} bytes (every array the method holds; {stored} rows/layer) vs "
+        f"{baseline:,} bytes for the full cache (the same {tokens} rows at {per_token:,} "
+        f"bytes/token, from the shapes; mlx-lm's KVCache allocates 256-row steps beyond "
+        f"them) = {kept / max(1, baseline):.3f}x",
         file=sys.stderr,
     )
-    return 0
+    return 130 if interrupted else 0
+
+
+def _server_model_args(server_args: list[str]) -> list[str]:
+    """mlx-lm's ``--model``: checked like ours, ``reference`` -> the embedded model."""
+    out = list(server_args)
+    for i, arg in enumerate(out):
+        if arg == "--model" and i + 1 < len(out):
+            out[i + 1] = resolve_model(out[i + 1])
+        elif arg.startswith("--model="):
+            out[i] = "--model=" + resolve_model(arg.partition("=")[2])
+    return out
 
 
 def cmd_serve(args: argparse.Namespace, server_args: list[str]) -> int:
-    """Run mlx-lm's server with every loaded model patched to use the method."""
+    """Run mlx-lm's OpenAI-compatible server with every loaded model patched to use the
+    method."""
+    config = config_from_args(args.method, args.set)
+    server_args = _server_model_args(server_args)
+
     import mlx_lm.server as server
 
     from .integrations.mlx_lm import patch_server
 
-    patch_server(server, config_from_args(args.method, args.set))
+    patch_server(server, config)
     sys.argv = ["veloxquant serve", *server_args]
     server.main()
     return 0
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="full", help="method key (see `veloxquant methods`)")
+    p.add_argument(
+        "--method", default="full",
+        help="method key (default: full, no compression); `veloxquant methods` lists them",
+    )
     p.add_argument(
         "--set", action="append", metavar="FIELD=VALUE",
-        help="an options field of the method or a config field (repeatable)",
+        help="a field the method reads: one of its options fields or a config field it "
+             "uses (kivi: kv_bits, residual_window, fused_attention); values are Python "
+             "literals (4, 0.5, True, (8, 4), None) or plain strings; repeatable",
     )
 
 
@@ -128,19 +284,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("methods", help=cmd_methods.__doc__)
+    p = sub.add_parser("methods", help=cmd_methods.__doc__, description=cmd_methods.__doc__)
     p.set_defaults(func=cmd_methods)
 
-    p = sub.add_parser("generate", help=cmd_generate.__doc__)
-    p.add_argument("--model", default=None, help="mlx-lm model path or hub id (default: the embedded reference model)")
+    doc = " ".join(cmd_generate.__doc__.split())
+    p = sub.add_parser("generate", help=doc.split(";")[0], description=doc)
+    p.add_argument(
+        "--model", default=None, metavar="PATH|HUB_ID",
+        help="a local mlx-lm model folder (config.json + *.safetensors) or a Hugging Face "
+             "hub id; default: 'reference', the embedded reference model",
+    )
     _add_method_args(p)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt", required=True, help="the prompt text (required)")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="most tokens to generate, at least 1 (default: 64)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     p.set_defaults(func=cmd_generate)
 
+    doc = " ".join(cmd_serve.__doc__.split())
     p = sub.add_parser(
-        "serve", help=cmd_serve.__doc__,
-        description=cmd_serve.__doc__ + " Arguments after -- go to mlx_lm.server.",
+        "serve", help=doc,
+        description=doc + " Arguments after -- go to mlx_lm.server (its --model may be a "
+        "folder, a hub id or 'reference', the embedded model).",
+        usage="veloxquant serve [--method M] [--set FIELD=VALUE ...] -- [mlx_lm.server args]",
     )
     _add_method_args(p)
     p.set_defaults(func=cmd_serve)
@@ -165,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         print(f"veloxquant {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"veloxquant {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -4,48 +4,85 @@ from __future__ import annotations
 
 import argparse
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
-from .._generated.deprecations import CONFIG_FIELD_USERS, CONFIG_FIELDS
-from .._generated.validators import validate_field
-from ..cache.config import KVCacheConfig
+from .._generated.deprecations import CONFIG_FIELD_USERS
+from ..cache.config import fields_read_by
+from ..cli import CLIError, DTYPE_HELP, DTYPES, build_config, check_method, parse_assignments
 from ..registry import METHODS, implemented_methods
 from .tasks import TASKS
 
-# --sweep: the settings each method is run at (besides its defaults).
-SWEEPS: dict[str, list[dict]] = {
-    "full": [{}],
-    "streaming_llm": [{"stream_window_size": w} for w in (124, 252, 508, 1020)],
-    "snapkv": [{"snap_budget": b} for b in (128, 256, 512, 1024)],
-    "kivi": [{"kv_bits": b} for b in (2, 4, 8)],
+DEFAULT_CONTEXT = 4096
+# --quick: ~3 s a method on 2 CPU cores (reference model, float32), so that 40 methods
+# plus the baseline stay under 3 minutes. 1,024 tokens is the shortest context at which
+# the eviction methods' default budgets (512) still evict half of it.
+QUICK = {
+    "context": 1024,
+    "tasks": ("niah_single", "niah_multikey", "kv_lookup"),
+    "depths": (0.5,),
+    "examples_per_depth": 1,
+    "continuation": 32,
+    "synthetic_decode": 8,
 }
 
+DESCRIPTION = """\
+Memory, quality and speed of every implemented method (or --methods) on one harness,
+each against the full cache in the same run: KV bytes per token (the caches' nbytes),
+peak memory, greedy accuracy on long-context retrieval tasks (needle, multi-key needle,
+key-value lookup, variable tracking), perplexity, KL divergence and top-1 agreement on
+held-out text, and prefill/decode speed as ratios. Writes results.json, table.md and
+pareto.png to --out. Default model: the embedded reference model ('reference').
+--synthetic needs no model: it measures each method's attention error on synthetic
+K/V/Q."""
 
-class BenchError(Exception):
-    pass
+
+class BenchError(CLIError):
+    """A user error of ``veloxquant bench``: one line, exit status 2."""
 
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="memory, quality and speed of every method",
-        description=__doc__ + " Default model: the embedded reference model.",
+        help="memory, quality and speed of every method against the full cache",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="mlx-lm model path or hub id (default: the embedded reference model)")
-    p.add_argument("--methods", default="all", help="'all' (every implemented method) or m1,m2,...")
-    p.add_argument("--context", type=int, default=4096, help="prompt length in tokens (default 4096)")
-    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                   help="an options field (applied to its method) or a config field (applied to all)")
-    p.add_argument("--sweep", action="store_true", help="run each method at several settings")
-    p.add_argument("--quick", action="store_true", help="a smaller workload (about 3 minutes on 2 CPU cores)")
-    p.add_argument("--synthetic", action="store_true", help="no model: attention error on synthetic K/V/Q")
-    p.add_argument("--out", default="bench-out", help="folder for results.json and pareto.png")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
-        help="compute dtype of the model and its KV cache; auto: float32 on the CPU "
-             "(MLX's fast CPU path), the model's own dtype on a GPU",
+        "--model", default=None, metavar="PATH|HUB_ID",
+        help="a local mlx-lm model folder (config.json + *.safetensors) or a Hugging Face "
+             "hub id; default: 'reference', the embedded reference model",
     )
+    p.add_argument("--methods", default="all",
+                   help="'all' (default: every implemented method) or a comma-separated list "
+                        "(m1,m2); the full cache always runs first, as the baseline")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"prompt length in tokens (default: {DEFAULT_CONTEXT}, with "
+                        f"--quick {QUICK['context']}); the full run also uses half of it")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="an options field (applied to the method that has it) or a config "
+                        "field (applied to the benchmarked methods that read it); "
+                        "repeatable")
+    p.add_argument("--sweep", action="store_true",
+                   help="run each method at every setting its spec lists under sweep: "
+                        "(one field at a time); a method without one runs at its defaults")
+    p.add_argument(
+        "--quick", action="store_true",
+        help=f"a bounded workload, one setting per method, about 3 s a method on 2 CPU "
+             f"cores: context {QUICK['context']} tokens, one example each of "
+             f"{', '.join(QUICK['tasks'])} (needle at depth {QUICK['depths'][0]}), "
+             f"{QUICK['continuation']} held-out tokens for perplexity, KL and top-1",
+    )
+    p.add_argument("--synthetic", action="store_true",
+                   help="no model: each method's attention error on synthetic K/V/Q "
+                        "against exact attention")
+    p.add_argument("--out", default="bench-out", metavar="DIR",
+                   help="folder for results.json, table.md and pareto.png "
+                        "(default: bench-out)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="picks the held-out text window and the task examples, and seeds "
+                        "the synthetic tensors (default: 0)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     p.set_defaults(func=cmd_bench)
 
 
@@ -54,62 +91,57 @@ def select_methods(spec: str) -> list[str]:
         return implemented_methods()
     chosen = [m.strip() for m in spec.split(",") if m.strip()]
     for m in chosen:
-        if m not in METHODS:
-            import difflib
-
-            close = difflib.get_close_matches(m, METHODS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise BenchError(f"--methods: unknown method {m!r}{hint}")
-        if not METHODS[m].implemented:
-            raise BenchError(f"--methods: {m!r} has no implementation yet; implemented: "
-                             + ", ".join(implemented_methods()))
+        try:
+            check_method(m)
+        except CLIError as exc:
+            raise BenchError(f"--methods: {exc}") from None
     return chosen
 
 
+def settings_of(config) -> dict:
+    """The effective value of every field the config's method reads."""
+    return {name: getattr(config, name) for name in fields_read_by(config.method)}
+
+
 def method_runs(methods: list[str], assignments: list[str] | None, sweep: bool):
-    """The (label, config, settings) to run: the full baseline first, then each method."""
-    from ..cli import parse_value
+    """The runs: the full baseline first, then each method at its defaults (or --set), or
+    at each value of its spec's sweeps."""
     from .harness import MethodRun
 
-    own, per_field = {}, {}
-    for item in assignments or []:
-        name, sep, text = item.partition("=")
-        if not sep:
-            raise BenchError(f"--set expects FIELD=VALUE, got {item!r}")
-        (own if name in CONFIG_FIELDS else per_field)[name.strip()] = parse_value(text)
-    for name, value in own.items():
-        try:
-            validate_field(name, value)
-        except ValueError as exc:
-            raise BenchError(f"--set {exc}") from None
+    own, per_field = parse_assignments(assignments)
+    runs_methods = ["full"] + [m for m in methods if m != "full"]
     owners = {f: k for k, m in METHODS.items() for f in m.fields}
     for name in per_field:
         if name not in owners:
-            raise BenchError(f"--set: {name!r} is not a field of any method or of the config")
-        if owners[name] not in methods:
-            raise BenchError(f"--set {name}: it belongs to {owners[name]!r}, which is not benchmarked")
+            raise BenchError(f"--set {name}: not a field of any method or of the config")
+        if owners[name] not in runs_methods:
+            raise BenchError(f"--set {name}: a field of {owners[name]}, which is not benchmarked")
+    for name in own:
+        if not any(m in CONFIG_FIELD_USERS[name] for m in runs_methods):
+            readers = ", ".join(CONFIG_FIELD_USERS[name]) or "no method"
+            raise BenchError(f"--set {name}: none of the benchmarked methods reads it "
+                             f"(read by: {readers})")
     runs = []
-    for method in ["full"] + [m for m in methods if m != "full"]:
-        base = {f: v for f, v in per_field.items() if owners[f] == method}
-        variants = SWEEPS.get(method, [{}]) if sweep else [{}]
-        for variant in variants:
-            options = {**base, **{k: v for k, v in variant.items() if k not in CONFIG_FIELDS}}
-            top = {**own, **{k: v for k, v in variant.items() if k in CONFIG_FIELDS}}
+    for method in runs_methods:
+        base_own = {f: v for f, v in own.items() if method in CONFIG_FIELD_USERS[f]}
+        base_options = {f: v for f, v in per_field.items() if owners[f] == method}
+        variants = [{f: v} for f, values in METHODS[method].sweeps for v in values] if sweep else []
+        for variant in variants or [{}]:
+            top = {**base_own, **{k: v for k, v in variant.items() if k in CONFIG_FIELD_USERS}}
+            options = {**base_options, **{k: v for k, v in variant.items() if k not in top}}
             try:
-                config = KVCacheConfig.from_dict({"method": method, "options": options, **top})
-            except (TypeError, ValueError) as exc:
-                raise BenchError(f"{method}: {exc}") from None
-            used = {**options, **{k: v for k, v in top.items() if method in CONFIG_FIELD_USERS[k]}}
-            label = method if not used else method + " " + ",".join(f"{k}={v}" for k, v in used.items())
-            runs.append(MethodRun(label if method != "full" else "full", config, settings=used))
+                config = build_config(method, top, options)
+            except CLIError as exc:
+                raise BenchError(str(exc)) from None
+            chosen = {**base_own, **base_options, **variant}
+            label = method + "".join(f" {k}={v}" for k, v in chosen.items())
+            runs.append(MethodRun(label, config, settings=settings_of(config)))
     return runs
 
 
 def workload_settings(args) -> dict:
     if args.quick:  # variable_tracking is left out: the reference model never learned it
-        return {"contexts": [min(args.context, 2048)], "examples_per_depth": 1, "depths": (0.25, 0.75),
-                "tasks": ("niah_single", "niah_multikey", "kv_lookup"), "continuation": 64,
-                "synthetic_decode": 8}
+        return {"contexts": [args.context], **{k: v for k, v in QUICK.items() if k != "context"}}
     return {"contexts": sorted({args.context // 2, args.context}), "examples_per_depth": 2,
             "depths": (0.1, 0.3, 0.5, 0.7, 0.9), "tasks": TASKS, "continuation": 256,
             "synthetic_decode": 32}
@@ -118,15 +150,19 @@ def workload_settings(args) -> dict:
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from ..cli import resolve_model
     from . import report
 
+    if args.quick and args.sweep:
+        raise BenchError("--quick runs one setting per method; drop --sweep or --quick")
+    if args.context is None:
+        args.context = QUICK["context"] if args.quick else DEFAULT_CONTEXT
+    if args.context < 64:
+        raise BenchError(f"--context must be at least 64 tokens, got {args.context}")
+    methods = select_methods(args.methods)
+    runs = method_runs(methods, args.set, args.sweep)
+    model_name = None if args.synthetic else resolve_model(args.model)
     console = Console(stderr=True)
-    try:
-        methods = select_methods(args.methods)
-        runs = method_runs(methods, args.set, args.sweep)
-    except BenchError as exc:
-        console.print(f"veloxquant bench: error: {exc}")
-        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = workload_settings(args)
@@ -134,45 +170,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.synthetic:
         results = run_synthetic(runs, args, settings, console)
     else:
-        results = run_model(runs, args, settings, console)
+        results = run_model(runs, args, settings, console, model_name)
     report.add_ratios(results, args.synthetic)
-    report.plot(out / "pareto.png", results, args.synthetic)
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    title = report.title(model_name, args.context, date, args.synthetic)
+    report.plot(out / "pareto.png", results, args.synthetic, title)
     payload = {
-        "environment": report.environment(args.seed, None if args.synthetic else _model_name(args)),
+        "environment": report.environment(args.seed, model_name),
+        "date": date,
         "arguments": {k: v for k, v in vars(args).items() if k != "func"},
         "workload": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
         "elapsed_s": time.perf_counter() - started,
         "results": results,
     }
     report.write_json(out / "results.json", payload)
-    report.print_table(results, args.synthetic)
-    print(f"wrote {out / 'results.json'} and {out / 'pareto.png'} "
+    (out / "table.md").write_text(report.markdown_report(results, args.synthetic, title))
+    report.print_table(results, args.synthetic, title=title)
+    print(f"wrote {out / 'results.json'}, {out / 'table.md'} and {out / 'pareto.png'} "
           f"({payload['elapsed_s']:.0f} s)")
     return 0 if all(r["status"] == "ok" for r in results) else 1
-
-
-def _model_name(args) -> str:
-    from ..cli import resolve_model
-
-    return resolve_model(args.model)
 
 
 def run_synthetic(runs, args, settings, console) -> list[dict]:
     from .synthetic import SyntheticSpec, attention_error, make_tensors
 
-    spec = SyntheticSpec(context=args.context if not args.quick else min(args.context, 2048),
-                         decode=settings["synthetic_decode"], seed=args.seed)
+    spec = SyntheticSpec(context=args.context, decode=settings["synthetic_decode"], seed=args.seed)
     tensors = make_tensors(spec)
     results = []
     for run in _progress(console, runs, "synthetic"):
+        started = time.perf_counter()
         row = {"label": run.label, "method": run.config.method, "settings": run.settings,
-               "config": run.config.to_dict()}
+               "config": report_config(run.config)}
         try:
             row.update(attention_error(run.config, spec, tensors), status="ok")
         except Exception as exc:  # noqa: BLE001 - recorded in the table, the run goes on
             row.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+        row["elapsed_s"] = time.perf_counter() - started
         results.append(row)
     return results
+
+
+def report_config(config) -> dict:
+    """The config as results.json records it: only the fields its method reads."""
+    data = config.to_dict()
+    return {k: v for k, v in data.items()
+            if k in ("method", "options") or config.method in CONFIG_FIELD_USERS.get(k, ())}
 
 
 def _progress(console, items, what):
@@ -209,21 +251,13 @@ def build_workload(tokenizer, settings: dict, seed: int):
     )
 
 
-def compute_dtype(name: str):
-    import mlx.core as mx
-
-    if name == "auto":
-        return mx.float32 if mx.default_device() == mx.cpu else None
-    return getattr(mx, name)
-
-
-def run_model(runs, args, settings, console) -> list[dict]:
-    import mlx_lm
+def run_model(runs, args, settings, console, model_name) -> list[dict]:
     from rich.progress import Progress
 
+    from ..cli import compute_dtype, load_model
     from .harness import evaluate
 
-    model, tokenizer = mlx_lm.load(_model_name(args))
+    model, tokenizer, _ = load_model(args.model)
     dtype = compute_dtype(args.dtype)
     if dtype is not None:
         model.set_dtype(dtype)
@@ -235,10 +269,17 @@ def run_model(runs, args, settings, console) -> list[dict]:
         for run in runs:
             progress.update(bar, description=f"bench: {run.label}")
             done = progress.tasks[0].completed
+            started, cpu = time.perf_counter(), time.process_time()
             result, logprobs = evaluate(model, tokenizer, run, work, reference,
                                         tick=lambda: progress.advance(bar))
+            result["config"] = report_config(run.config)
+            # Wall time, and CPU time of all threads: on a shared machine the second
+            # tells what the run costs.
+            result["elapsed_s"] = time.perf_counter() - started
+            result["cpu_s"] = time.process_time() - cpu
             if run.label == "full" and result["status"] == "ok":
                 reference = logprobs
             progress.update(bar, completed=done + per_method)
             results.append(result)
     return results
+

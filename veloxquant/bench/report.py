@@ -12,6 +12,31 @@ from typing import Any
 from .metrics import pareto_front
 
 BASELINE = "full"
+LEGEND = (
+    "bytes/tok: KV bytes kept per token after decoding (all layers); vs full, peak,\n"
+    "prefill, decode: ratios to the full cache in this run; retrieval: accuracy on\n"
+    "the long-context tasks; ppl, KL (nats), top-1: over held-out text, against\n"
+    "the full cache's next-token distributions; settings: the effective value of every\n"
+    "field the method reads."
+)
+SYNTHETIC_LEGEND = (
+    "bytes/token: KV bytes kept per token (all layers); attn rel. error: mean and max\n"
+    "relative error of the decode steps' attention output against exact attention;\n"
+    "settings: the effective value of every field the method reads."
+)
+
+
+def title(model: str | None, context: int, date: str, synthetic: bool) -> str:
+    """``veloxquant bench: <model>, context <n> tokens, <date>``."""
+    if synthetic:
+        what = "synthetic K/V/Q"
+    else:
+        from .. import REFERENCE_MODEL
+
+        what = "reference model" if model == str(REFERENCE_MODEL) else Path(model).name or model
+        if "/" in model and not Path(model).exists():
+            what = model  # a hub id
+    return f"veloxquant bench: {what}, context {context:,} tokens, {date}"
 
 
 def environment(seed: int, model: str | None) -> dict[str, Any]:
@@ -102,48 +127,93 @@ def table_rows(results: list[dict], synthetic: bool) -> tuple[list[str], list[li
 
 
 def _settings(r: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in r.get("settings", {}).items()) or "defaults"
+    return " ".join(f"{k}={v}" for k, v in r.get("settings", {}).items()) or "-"
 
 
-def print_table(results: list[dict], synthetic: bool, console=None) -> None:
+def print_table(results: list[dict], synthetic: bool, console=None, title: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     head, rows = table_rows(results, synthetic)
-    table = Table(title="veloxquant bench" + (" (synthetic)" if synthetic else ""))
+    table = Table(title=title or "veloxquant bench" + (" (synthetic)" if synthetic else ""))
     for i, h in enumerate(head):
-        table.add_column(h, justify="left" if i < 2 or h == "status" else "right", no_wrap=i < 2)
+        table.add_column(h, justify="left" if i < 2 or h == "status" else "right", no_wrap=i != 1)
     for row in rows:
         table.add_row(*row)
     if console is None:  # piped output: wide enough that no column is cut
         console = Console(width=None if sys.stdout.isatty() else 170)
     console.print(table)
-    if not synthetic:
-        print(
-            "bytes/tok: KV bytes kept per token after decoding (all layers); vs full, peak,\n"
-            "prefill, decode: ratios to the full cache in this run; retrieval: accuracy on\n"
-            "the long-context tasks; ppl, KL (nats), top-1: over held-out text, against\n"
-            "the full cache's next-token distributions."
-        )
+    print(SYNTHETIC_LEGEND if synthetic else LEGEND)
 
 
 def markdown_table(results: list[dict], synthetic: bool) -> str:
     head, rows = table_rows(results, synthetic)
+    cell = lambda text: str(text).replace("|", "\\|")  # noqa: E731
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def markdown_report(results: list[dict], synthetic: bool, title: str) -> str:
+    """table.md: the title, the table, what each column means."""
+    legend = (SYNTHETIC_LEGEND if synthetic else LEGEND).replace("\n", " ")
+    return f"# {title}\n\n{markdown_table(results, synthetic)}\n\n{legend}\n"
 
 
 def write_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def plot(path: Path, results: list[dict], synthetic: bool) -> None:
+def _byte_ticks(low: float, high: float) -> list[float]:
+    """At least 4 round byte counts in [low, high]: 1, 2, 5 x 10^k, finer when few fit."""
+    import math
+
+    for mantissas in ((1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)):
+        ticks = [m * 10**e for e in range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
+                 for m in mantissas]
+        ticks = [t for t in ticks if low <= t <= high]
+        if len(ticks) >= 4:
+            return ticks
+    return ticks
+
+
+def _labels(ax, results, xs, ys, fontsize: float = 8) -> None:
+    """Each point's label to its upper right, moved up past labels it would overlap; the
+    y axis grows until the highest label fits under its top."""
+    points_to_px = ax.figure.dpi / 72
+    line, char = 1.25 * fontsize * points_to_px, 0.6 * fontsize * points_to_px
+    points = sorted(zip(results, xs, ys), key=lambda t: (t[2], t[1]))  # bottom up
+    for _ in range(4):
+        placed: list[tuple[float, float, float]] = []  # (left, bottom, right) in pixels
+        for r, x, y in points:
+            px, py = ax.transData.transform((x, y))
+            left, bottom = px + 5 * points_to_px, py + 4 * points_to_px
+            right = left + char * len(r["label"])
+            while any(abs(bottom - b) < line and left < r2 and l2 < right for l2, b, r2 in placed):
+                bottom += line
+            placed.append((left, bottom, right))
+        top = max((b + line for _, b, _ in placed), default=0)
+        axes_top = ax.get_window_extent().y1
+        if top <= axes_top:
+            break
+        _, y_top = ax.transData.inverted().transform((0, top + 2 * line))
+        ax.set_ylim(top=y_top)
+    for (r, x, y), (left, bottom, _) in zip(points, placed):
+        px, py = ax.transData.transform((x, y))
+        moved = bottom - py > line  # a label pushed up keeps a thin line to its point
+        ax.annotate(r["label"], (x, y), textcoords="offset points", fontsize=fontsize,
+                    xytext=((left - px) / points_to_px, (bottom - py) / points_to_px),
+                    arrowprops=dict(arrowstyle="-", color="0.6", lw=0.5, shrinkA=0, shrinkB=3)
+                    if moved else None)
+
+
+def plot(path: Path, results: list[dict], synthetic: bool, title: str | None = None) -> None:
     """Quality against bytes per token; the Pareto frontier drawn and its points ringed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     ok = [r for r in results if r["status"] == "ok"]
     if synthetic:  # lower error is better: the frontier is taken on -error
@@ -157,23 +227,33 @@ def plot(path: Path, results: list[dict], synthetic: bool) -> None:
         ylabel = "retrieval accuracy (higher is better)"
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     ax.scatter(xs, ys, color="tab:blue", zorder=3)
-    for r, x, y in zip(ok, xs, ys):
-        ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     front = pareto_front(list(zip(xs, quality)))
-    if front:
+    if len(front) >= 2:
         ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="tab:red",
                 label="Pareto frontier", zorder=2)
-        ax.scatter([xs[i] for i in front], [ys[i] for i in front], s=120,
-                   facecolors="none", edgecolors="tab:red", zorder=4)
-        ax.legend()
+    if front:
+        ax.scatter([xs[i] for i in front], [ys[i] for i in front], s=120, facecolors="none",
+                   edgecolors="tab:red", zorder=4, label="Pareto-optimal")
+        ax.legend(loc="best", fontsize=8)
     ax.set_xscale("log")
+    if xs:  # room on the right for the labels of the largest points
+        low, high = min(xs) / 1.3, max(xs) * 1.8
+        ax.set_xlim(low, high)
+        ax.xaxis.set_major_locator(FixedLocator(_byte_ticks(low, high)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        ax.xaxis.set_minor_locator(NullLocator())
     if synthetic:
         ax.set_yscale("symlog", linthresh=1e-3)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(bottom=0, top=max(ys, default=1) * 3 + 1e-3)
+    else:
+        ax.set_ylim(-0.05, 1.15)
+    if title:
+        ax.set_title(title, fontsize=10)
     ax.set_xlabel("KV bytes per token (measured nbytes, all layers)")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
+    _labels(ax, ok, xs, ys)  # after the layout: it places them in pixels
     fig.savefig(path)
     plt.close(fig)
     for r in ok:

@@ -64,3 +64,44 @@ class GrowingArray:
     @property
     def nbytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.nbytes
+
+
+class RecentRows(GrowingArray):
+    """The newest rows of a sliding window, written in place: rows join at the end and
+    leave from the front (``pop_front``) without a copy; the rows are moved to the front of
+    the buffer only when a new row would not fit. ``view`` is the rows held."""
+
+    def __init__(self, axis: int = 2, step: int = 256, limit: int | None = None):
+        super().__init__(axis, step, limit)
+        self.start = 0
+
+    @property
+    def held(self) -> int:
+        return self.length - self.start
+
+    def append(self, rows: mx.array) -> None:
+        if self.start and self.length + rows.shape[self.axis] > self.capacity:
+            held = self.held
+            self.buffer[_along(self.axis, 0, held)] = self.buffer[_along(self.axis, self.start, self.length)]
+            self.start, self.length = 0, held
+        super().append(rows)
+
+    def pop_front(self, n: int) -> mx.array:
+        """The ``n`` oldest rows, which leave the window."""
+        rows = self.buffer[_along(self.axis, self.start, self.start + n)]
+        self.start += n
+        return rows
+
+    def view(self) -> mx.array | None:
+        if self.buffer is None or not self.held:
+            return None
+        if self.start == 0:
+            return super().view()
+        return self.buffer[_along(self.axis, self.start, self.length)]
+
+    def reset(self, rows: mx.array | None) -> None:
+        self.start = 0
+        super().reset(rows)
+
+    def truncate(self, length: int) -> None:
+        super().truncate(self.start + length)

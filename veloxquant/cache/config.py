@@ -9,7 +9,10 @@ adds the behaviour the public contract promises:
 - setting a flat per-method field directly works but warns
   (``VeloxQuantDeprecationWarning``), pointing at the caller's line;
 - every value is validated against the spec: wrong types and out-of-range values raise
-  ``ValueError`` naming the field, the value and what is allowed.
+  ``ValueError`` naming the field, the value and what is allowed;
+- a method without an implementation is accepted (configs of every family are the public
+  contract and serialise) with an ``UnimplementedMethodWarning``; building its caches
+  fails.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from typing import Any, Mapping
 
 from .._generated import validators
 from .._generated.config_fields import KVCacheConfigFields
-from .._generated.deprecations import CONFIG_FIELDS, FLAT_FIELDS
-from .._generated.registry import METHODS, OPTIONS_CLASS_TO_METHOD
+from .._generated.deprecations import CONFIG_FIELD_USERS, CONFIG_FIELDS, FLAT_FIELDS
+from .._generated.registry import METHODS, OPTIONS_CLASS_TO_METHOD, implemented_methods
+from ..diagnostics import UnimplementedMethodWarning
 
 _PACKAGE_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
@@ -72,6 +76,37 @@ def _check_method(method: Any) -> None:
         )
 
 
+def fields_read_by(method: str) -> tuple[str, ...]:
+    """Every field ``method`` reads: its options fields, then the config fields whose
+    ``used_by`` names it."""
+    own = tuple(n for n in CONFIG_FIELDS if method in CONFIG_FIELD_USERS[n])
+    return (*METHODS[method].fields, *own)
+
+
+def describe_fields_read(method: str) -> str:
+    """``kivi reads kivi_group_size (KIVIOptions); kv_bits, ... (config fields)``."""
+    info = METHODS[method]
+    own = fields_read_by(method)[len(info.fields) :]
+    parts = []
+    if info.fields:
+        parts.append(f"{', '.join(info.fields)} ({info.options_class_name})")
+    if own:
+        parts.append(f"{', '.join(own)} (config fields)")
+    return f"{method} reads " + ("; ".join(parts) if parts else "no field")
+
+
+def _warn_unimplemented(method: str) -> None:
+    if METHODS[method].implemented:
+        return
+    warnings.warn(
+        f"method {method!r} has no implementation yet: this config validates and "
+        "serialises, but make_prompt_cache and patch_model_kv_cache refuse it; "
+        f"implemented: {', '.join(implemented_methods())}",
+        UnimplementedMethodWarning,
+        stacklevel=_caller_stacklevel(),
+    )
+
+
 def _expected_options(method: str) -> type | None:
     return METHODS[method].options_class
 
@@ -80,8 +115,8 @@ def _expected_options(method: str) -> type | None:
 class KVCacheConfig(KVCacheConfigFields):
     """How the KV cache of a model is compressed: ``method`` plus its ``options``.
 
-    >>> from veloxquant_mlx.cache.options import H2OOptions
-    >>> KVCacheConfig(method="h2o", options=H2OOptions(h2o_budget=1024)).h2o_budget
+    >>> from veloxquant_mlx.cache.options import SnapKVOptions
+    >>> KVCacheConfig(method="snapkv", options=SnapKVOptions(snap_budget=1024)).snap_budget
     1024
 
     When ``method`` is left at ``"full"`` and ``options`` are given, the method is the
@@ -95,6 +130,7 @@ class KVCacheConfig(KVCacheConfigFields):
             if inferred is not None and isinstance(options, METHODS[inferred].options_class):
                 object.__setattr__(self, "method", inferred)
         _check_method(self.method)
+        _warn_unimplemented(self.method)
         for name in CONFIG_FIELDS:
             validators.validate_field(name, getattr(self, name))
         for name in FLAT_FIELDS:
@@ -151,6 +187,7 @@ class KVCacheConfig(KVCacheConfigFields):
             return
         if name == "method":
             _check_method(value)
+            _warn_unimplemented(value)
         elif name in CONFIG_FIELDS or name in FLAT_FIELDS:
             validators.validate_field(name, value)
         else:
@@ -176,6 +213,12 @@ class KVCacheConfig(KVCacheConfigFields):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "KVCacheConfig":
         """Inverse of ``to_dict``; also accepts the legacy flat form (with a warning)."""
+        if not isinstance(data, Mapping):
+            raise TypeError(
+                "KVCacheConfig.from_dict expects a dict with 'method' and 'options' "
+                "(e.g. {'method': 'kivi', 'options': {'kivi_group_size': 32}}), "
+                f"got {type(data).__name__} {data!r}"
+            )
         data = dict(data)
         method = data.pop("method", "full")
         options = data.pop("options", None)
@@ -199,11 +242,18 @@ def _options_from_mapping(method: str, values: Mapping[str, Any]) -> Any:
     cls = METHODS[method].options_class
     allowed = METHODS[method].fields
     for key in values:
+        if key in CONFIG_FIELDS:
+            raise ValueError(
+                f"{key!r} is one of KVCacheConfig's own fields, not a field of "
+                f"{cls.__name__ if cls else repr(method) + ' (no options)'}: give it beside "
+                f"'options' (KVCacheConfig({key}=...)); {describe_fields_read(method)}"
+            )
         if key not in allowed:
             raise ValueError(
                 f"{key!r} is not a field of "
                 f"{cls.__name__ if cls else repr(method) + ' (no options)'}"
-                f"{_did_you_mean(key, allowed)}; allowed: {', '.join(allowed) or 'none'}"
+                f"{_did_you_mean(key, fields_read_by(method))}; "
+                f"{describe_fields_read(method)}"
             )
     if cls is None:
         return None

@@ -65,11 +65,26 @@ class ScoreInputs:
         self.cache = cache
         self.queries = queries  # this update's queries (B, Hq, N, D)
         self.scale = scale
-        self.keys = cache.store.view("keys")
-        self.values = cache.store.view("values")
-        self.positions = cache.store.view("positions")  # (B, Hkv, rows) int32
-        offset = cache.offset
-        self.query_positions = mx.arange(offset - queries.shape[2], offset)
+
+    # Built only when a score or an observer reads them: a decode step that neither scores
+    # nor observes adds no array operation.
+    @cached_property
+    def keys(self) -> mx.array:
+        return self.cache.store.view("keys")
+
+    @cached_property
+    def values(self) -> mx.array:
+        return self.cache.store.view("values")
+
+    @cached_property
+    def positions(self) -> mx.array:
+        """(B, Hkv, rows) int32: the token each slot holds (-1: padding)."""
+        return self.cache.store.view("positions")
+
+    @cached_property
+    def query_positions(self) -> mx.array:
+        offset = self.cache.offset
+        return mx.arange(offset - self.queries.shape[2], offset)
 
     @property
     def n_new(self) -> int:
@@ -211,7 +226,8 @@ class ScoredEvictionCache(CompressedKVCache):
         b, h, n, _ = keys.shape
         if self.schedule.decode_every:  # steady state: the budget plus the steps between scorings
             self.store.set_limit(self.budget + self.schedule.decode_every)
-        positions = mx.broadcast_to(mx.arange(self.offset, self.offset + n, dtype=mx.int32), (b, h, n))
+        positions = (mx.full((b, h, 1), self.offset, mx.int32) if n == 1 else
+                     mx.broadcast_to(mx.arange(self.offset, self.offset + n, dtype=mx.int32), (b, h, n)))
         self.store.write({"keys": keys, "values": values, "positions": positions,
                           **self.new_token_state(keys, values)})
         self.offset += n

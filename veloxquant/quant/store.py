@@ -21,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..cache.buffers import GrowingArray, RecentRows
 from ..kernels.decode import DecodePart, decode_attention
 from .packed import GroupAffine, PackedTokens
 
@@ -33,19 +34,76 @@ class Segment:
     values: PackedTokens
 
 
+VALUE_ROOM = 32  # rows of room past the values' window: its rows move once every 32 steps
+WINDOW_STEP = 32  # the windows grow with what they hold, 32 rows at a time
+
+
 def _rows(x) -> int:
     return 0 if x is None else x.shape[2]
 
 
-class QuantizedKVStore:
+class PackedStore:
+    """What every quantized store shares. A store provides ``commit`` (take new tokens in),
+    ``history`` (every token decoded, in order), ``decode_parts``, ``length``, ``arrays``
+    (what it keeps, by name), ``layout_problems`` and ``problems`` (how a restored state
+    contradicts it), and ``meta``/``restore`` when its layout is more than fixed arrays."""
+
+    def prefill_attention(self, queries, keys, values, *, scale, mask) -> mx.array:
+        """A prompt chunk attends over the decoded history plus itself, then is stored."""
+        old_k, old_v = self.history(keys.dtype)
+        all_k = keys if old_k is None else mx.concatenate([old_k, keys], axis=2)
+        all_v = values if old_v is None else mx.concatenate([old_v, values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
+        self.commit(keys, values)
+        return out
+
+    def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
+        """A decode step: store the token, attend over every part of the packed cache."""
+        self.commit(keys, values)
+        parts = self.decode_parts(mx.zeros((0,), queries.dtype))
+        return decode_attention(queries, parts, scale=scale, use_kernel=use_kernel,
+                                n_kv_heads=keys.shape[1])
+
+    def meta(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, meta: dict[str, Any], arrays: dict[str, Any]) -> None:
+        """Put saved arrays back where ``arrays`` keeps them (by name)."""
+        kept = self.arrays()
+        for name, value in arrays.items():
+            if isinstance(kept.get(name), GrowingArray):
+                kept[name].reset(value)
+            elif name in kept:
+                setattr(self, name, value)
+
+
+class QuantizedKVStore(PackedStore):
     def __init__(self, key_codec: GroupAffine, value_codec: GroupAffine, window: int,
                  key_block: int, step_tokens: int):
         self.window, self.key_block = window, key_block
         self.keys = PackedTokens(key_codec, step_tokens)
         self.values = PackedTokens(value_codec)
-        self.k_res = None  # (B, H, < key_block, D): keys not yet flushed
-        self.v_res = None  # (B, H, <= window, D): the newest values
+        # Full-precision windows, written in place: keys not yet flushed (< key_block), the
+        # newest ``window`` values with VALUE_ROOM rows of room, so a step moves no rows.
+        self.k_win = RecentRows(step=WINDOW_STEP, limit=key_block)
+        self.v_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM)
         self.segments: list[Segment] = []
+
+    @property
+    def k_res(self) -> mx.array | None:
+        return self.k_win.view()
+
+    @k_res.setter
+    def k_res(self, rows) -> None:
+        self.k_win.reset(rows)
+
+    @property
+    def v_res(self) -> mx.array | None:
+        return self.v_win.view()
+
+    @v_res.setter
+    def v_res(self, rows) -> None:
+        self.v_win.reset(rows)
 
     @property
     def length(self) -> int:
@@ -55,6 +113,15 @@ class QuantizedKVStore:
     # -- writing -------------------------------------------------------------------------
     def commit(self, keys: mx.array, values: mx.array) -> None:
         """Take new tokens in; flush what the policy says is old enough."""
+        if keys.shape[2] == 1 and self.window:  # a decode step: rows written in place
+            self.k_win.append(keys)
+            if self.k_win.held == self.key_block:
+                self.keys.append(self.k_win.view())
+                self.k_win.reset(None)
+            self.v_win.append(values)
+            if self.v_win.held > self.window:
+                self.values.append(self.v_win.pop_front(1), one_token=True)
+            return
         k_res = keys if self.k_res is None else mx.concatenate([self.k_res, keys], axis=2)
         n_flush = k_res.shape[2] // self.key_block * self.key_block
         if n_flush:
@@ -84,27 +151,12 @@ class QuantizedKVStore:
             return None, None
         return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
 
-    def prefill_attention(self, queries, keys, values, *, scale, mask) -> mx.array:
-        """A prompt chunk attends over the decoded history plus itself, then is stored."""
-        old_k, old_v = self.history(keys.dtype)
-        all_k = keys if old_k is None else mx.concatenate([old_k, keys], axis=2)
-        all_v = values if old_v is None else mx.concatenate([old_v, values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
-        self.commit(keys, values)
-        return out
-
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         parts = [DecodePart(s.keys.layout(empty), None, s.values.layout(empty), None)
                  for s in self.segments]
         parts.append(DecodePart(self.keys.layout(empty), self.k_res,
                                 self.values.layout(empty), self.v_res))
         return parts
-
-    def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
-        """A decode step: store the token, attend over every part of the packed cache."""
-        self.commit(keys, values)
-        empty = mx.zeros((0,), queries.dtype)
-        return decode_attention(queries, self.decode_parts(empty), scale=scale, use_kernel=use_kernel)
 
     def layout_problems(self, head_dims: tuple[int, int]):
         """(field, found, expected) for packed arrays whose shapes contradict their codecs;
@@ -131,7 +183,7 @@ class QuantizedKVStore:
 
     # -- what is kept ------------------------------------------------------------------------
     def arrays(self) -> dict[str, Any]:
-        out = {**self.keys.arrays("k"), **self.values.arrays("v"), "k_res": self.k_res, "v_res": self.v_res}
+        out = {**self.keys.arrays("k"), **self.values.arrays("v"), "k_res": self.k_win, "v_res": self.v_win}
         for i, s in enumerate(self.segments):
             out.update(s.keys.arrays(f"seg{i}_k"))
             out.update(s.values.arrays(f"seg{i}_v"))

@@ -1,0 +1,271 @@
+"""Keyformer's card invariants, by brute force on synthetic K/V/Q.
+
+Caches are driven the way mlx-lm drives them: update_and_fetch, then attention through
+the cache (the hook's job); the last prompt token comes alone.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache.options import H2OOptions, KeyformerOptions
+from veloxquant_mlx.methods import keyformer as keyformer_module
+from veloxquant_mlx.methods.h2o import H2OCache
+from veloxquant_mlx.methods.keyformer import KeyformerCache, noise_key
+
+HKV, GROUP, D = 2, 3, 16
+SCALE = D**-0.5
+
+
+def synthetic(n, seed=0):
+    k = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed))
+    k = k * mx.random.uniform(0.2, 3.0, (1, HKV, n, 1), key=mx.random.key(seed + 1))
+    v = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed + 2))
+    q = 2.0 * mx.random.normal((1, HKV * GROUP, n, D), key=mx.random.key(seed + 3))
+    return k, v, q
+
+
+def feed(cache, k, v, q, start, stop):
+    keys, values = cache.update_and_fetch(k[:, :, start:stop], v[:, :, start:stop])
+    return cache.attend(q[:, :, start:stop], keys, values, scale=SCALE,
+                        mask="causal" if stop - start > 1 else None)
+
+
+def run(cache, k, v, q, n_prompt, chunk, stop=None, after_each=None):
+    """The prompt but its last token in chunks, then one token at a time up to ``stop``."""
+    start = 0
+    while start < n_prompt - 1:
+        end = min(start + chunk, n_prompt - 1)
+        feed(cache, k, v, q, start, end)
+        start = end
+    for t in range(n_prompt - 1, k.shape[2] if stop is None else stop):
+        feed(cache, k, v, q, t, t + 1)
+        if after_each:
+            after_each(cache, t + 1)
+    return cache
+
+
+def kept_sets(cache):
+    return [set(cache.kept_positions[0, h].tolist()) for h in range(HKV)]
+
+
+def keyformer(noise=True, **options):
+    cache = KeyformerCache(KVCacheConfig(options=KeyformerOptions(**options)))
+    cache.gumbel_noise = noise
+    return cache
+
+
+def _softmax_mass(k, q, n, tau):
+    """sum over queries and a group's heads of softmax(x / tau), causal: (H, n) float32."""
+    qh = q[:, :, :n].reshape(1, HKV, GROUP, n, D)
+    x = (qh * SCALE) @ k[:, :, None, :n].swapaxes(-1, -2)
+    x = mx.where(mx.arange(n)[None] <= mx.arange(n)[:, None], x / tau, -float("inf"))
+    return mx.softmax(x, axis=-1).sum(axis=(2, 3))[0]
+
+
+@pytest.mark.parametrize("chunk,elements", [(1, None), (37, None), (300, None), (300, 3000)])
+def test_without_noise_the_score_is_the_group_summed_softmax_column_sum(chunk, elements, monkeypatch):
+    if elements:  # blocks of 3 queries: the prompt is scored block by block
+        monkeypatch.setattr(keyformer_module, "SCORE_ELEMENTS", elements)
+    n, tau = 150, 0.7
+    k, v, q = synthetic(n, seed=1)
+    cache = keyformer(noise=False, keyformer_budget=512, keyformer_tau=tau)
+    for start in range(0, n, chunk):
+        feed(cache, k, v, q, start, min(n, start + chunk))
+    assert mx.allclose(cache.store.view("score")[0], _softmax_mass(k, q, n, tau), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("noise", [False, True])
+def test_before_any_eviction_each_kv_head_scores_sum_to_group_times_queries(noise, monkeypatch):
+    """Every query head's score row is a softmax over the keys it sees: it sums to one."""
+    monkeypatch.setattr(keyformer_module, "SCORE_ELEMENTS", 2000)  # several blocks per chunk
+    n = 120
+    k, v, q = synthetic(n, seed=2)
+    cache = keyformer(noise=noise, keyformer_budget=512, keyformer_tau_init=0.5,
+                      keyformer_tau_end=3.0, keyformer_anneal_steps=20)
+    run(cache, k, v, q, 80, chunk=33)
+    score = cache.store.view("score")[0]
+    assert mx.allclose(score.sum(-1), mx.full((HKV,), float(GROUP * n)), rtol=1e-5)
+    assert bool((score > 0).all())
+    if noise:  # the noise moved the scores away from the deterministic ones
+        plain = run(keyformer(noise=False, keyformer_budget=512, keyformer_tau_init=0.5,
+                              keyformer_tau_end=3.0, keyformer_anneal_steps=20), k, v, q, 80, chunk=33)
+        assert float(mx.abs(score - plain.store.view("score")[0]).max()) > 0.1
+
+
+def test_without_noise_at_tau_1_the_selection_is_h2os_cumulative_softmax_top_k():
+    """The card's deterministic limit: no noise, tau 1 gives H2O's plain column sums (times
+    the group size, which leaves the ranking alone), so both keep the same tokens."""
+    n, budget, sink, recent = 200, 30, 3, 5
+    k, v, q = synthetic(n, seed=3)
+    kf = keyformer(noise=False, keyformer_budget=budget, keyformer_n_sink=sink, keyformer_recent=recent)
+    h2o = H2OCache(KVCacheConfig(options=H2OOptions(h2o_budget=budget, h2o_n_sink=sink,
+                                                    h2o_grace=recent, h2o_decay=1.0)))
+    checked = []
+
+    def same(cache, seen):
+        feed(h2o, k, v, q, seen - 1, seen)
+        assert kept_sets(cache) == kept_sets(h2o)
+        checked.append(seen)
+
+    start = 0
+    while start < 119:
+        feed(h2o, k, v, q, start, min(start + 40, 119))
+        start += 40
+    run(kf, k, v, q, 120, chunk=40, after_each=same)
+    assert len(checked) == n - 119 and kf.stored_length == budget
+
+
+def _simulate(k, q, n_prompt, chunk, budget, sink, recent, seed, layer, tau, elements):
+    """Naive Keyformer, per head, on the slot layout the cache uses (an evicted token's slot
+    takes the next token; the prompt's end keeps the top tokens in position order). Noise is
+    drawn per block of queries (at most ``elements`` logits) with the documented keys,
+    noise_key(seed, layer, the block's first query position), shape (B, Hkv, G, block
+    queries, slots). Returns the kept positions per head after every step."""
+    kn, qn = np.array(k[0], np.float32), np.array(q[0], np.float32)
+    slots = [[] for _ in range(HKV)]
+    score = [[] for _ in range(HKV)]
+    free = [None] * HKV
+    updates = [(s, min(s + chunk, n_prompt - 1)) for s in range(0, n_prompt - 1, chunk)]
+    updates += [(t, t + 1) for t in range(n_prompt - 1, k.shape[2])]
+    history, in_prompt, steps = [], True, 0
+    for p0, p1 in updates:
+        n = p1 - p0
+        prefill_end, decode = n == 1 and in_prompt, n == 1 and not in_prompt
+        step = steps + 1 if decode else 0
+        for h in range(HKV):
+            new = list(range(p0, p1))
+            if free[h] is not None:
+                slots[h][free[h]] = new.pop(0)
+                score[h][free[h]] = 0.0
+                free[h] = None
+            slots[h] += new
+            score[h] += [0.0] * len(new)
+        rows = len(slots[0])
+        block = max(1, min(256, elements // (HKV * GROUP * rows)))
+        noise = np.concatenate([
+            np.array(mx.random.gumbel((1, HKV, GROUP, min(block, n - b0), rows), key=noise_key(seed, layer, p0 + b0)))
+            for b0 in range(0, n, block)], axis=3)
+        for h in range(HKV):
+            pos = np.array(slots[h])
+            for g in range(GROUP):
+                for i in range(n):
+                    x = qn[h * GROUP + g, p0 + i] @ kn[h, pos].T * SCALE
+                    z = np.where(pos <= p0 + i, (x + noise[0, h, g, i]) / tau(step), -np.inf)
+                    e = np.exp(z - z.max())
+                    for j, f in enumerate(e / e.sum()):
+                        score[h][j] += f
+            if rows > budget and (prefill_end or decode):
+                guarded = [np.inf if (p < sink or p >= p1 - recent) else s for p, s in zip(slots[h], score[h])]
+                if decode:
+                    free[h] = int(np.argmin(guarded))
+                else:
+                    keep = sorted(np.argsort(-np.array(guarded), kind="stable")[:budget])
+                    slots[h], score[h] = [slots[h][j] for j in keep], [score[h][j] for j in keep]
+        if prefill_end or decode:
+            history.append([set(s) - ({s[f]} if f is not None else set()) for s, f in zip(slots, free)])
+        steps = 0 if prefill_end else steps + (1 if decode else 0)
+        in_prompt = n > 1
+    return history
+
+
+@pytest.mark.parametrize("sink,recent,seed,elements", [(0, 0, 0, 2**21), (3, 4, 11, 2**21), (2, 0, -5, 600)])
+def test_accumulated_gumbel_scores_match_a_step_by_step_simulation(sink, recent, seed, elements, monkeypatch):
+    """Noise on, tau annealed from 0.5 to 2 over 12 steps: the cache's kept tokens after the
+    prompt and after every decode step equal the naive simulation's (600 logits a block:
+    prompt chunks are scored a few queries at a time, each block with its own noise)."""
+    monkeypatch.setattr(keyformer_module, "SCORE_ELEMENTS", elements)
+    n_prompt, n, budget, layer = 60, 110, 24, 3
+    k, v, q = synthetic(n, seed=4)
+    opts = dict(keyformer_budget=budget, keyformer_n_sink=sink, keyformer_recent=recent,
+                keyformer_seed=seed, keyformer_tau_init=0.5, keyformer_tau_end=2.0,
+                keyformer_anneal_steps=12)
+    cache = KeyformerCache(KVCacheConfig(options=KeyformerOptions(**opts)), layer=layer)
+    expected = iter(_simulate(k, q, n_prompt, 25, budget, sink, recent, seed, layer, cache.tau, elements))
+    got = []
+    run(cache, k, v, q, n_prompt, chunk=25, after_each=lambda c, seen: got.append(kept_sets(c)))
+    for mine, naive in zip(got, expected):
+        assert mine == naive
+    assert len(got) == n - n_prompt + 1 and cache.stored_length == budget
+
+
+def test_same_seed_same_selection_and_copies_or_reloads_continue_the_same_noise():
+    n_prompt, n = 100, 160
+    k, v, q = synthetic(n, seed=5)
+    opts = dict(keyformer_budget=32, keyformer_n_sink=2, keyformer_tau=1.5)
+    a = run(keyformer(keyformer_seed=7, **opts), k, v, q, n_prompt, chunk=40)
+    b = run(keyformer(keyformer_seed=7, **opts), k, v, q, n_prompt, chunk=40)
+    c = run(keyformer(keyformer_seed=8, **opts), k, v, q, n_prompt, chunk=40)
+    assert kept_sets(a) == kept_sets(b)
+    assert kept_sets(a) != kept_sets(c)
+    # halfway: a deep copy and a state round trip continue exactly as the original does
+    half = run(keyformer(keyformer_seed=7, **opts), k, v, q, n_prompt, chunk=40, stop=130)
+    clone = copy.deepcopy(half)
+    loaded = KeyformerCache.from_state(half.state)
+    for cache in (half, clone, loaded):
+        for t in range(130, n):
+            feed(cache, k, v, q, t, t + 1)
+        assert kept_sets(cache) == kept_sets(a)
+        assert mx.array_equal(cache.store.view("score"), a.store.view("score"))
+
+
+def test_the_noise_depends_on_the_layer():
+    k, v, q = synthetic(140, seed=6)
+    config = KVCacheConfig(options=KeyformerOptions(keyformer_budget=32, keyformer_n_sink=0))
+    sets = [kept_sets(run(KeyformerCache(config, layer=i), k, v, q, 100, chunk=50)) for i in (0, 1)]
+    assert sets[0] != sets[1]
+
+
+def test_the_attention_output_carries_no_noise_and_under_budget_is_exact():
+    n = 90
+    k, v, q = synthetic(n, seed=7)
+    outs = []
+    for seed in (0, 1):
+        cache = keyformer(keyformer_budget=n, keyformer_seed=seed, keyformer_tau=0.3)
+        outs.append(mx.concatenate([feed(cache, k, v, q, 0, 50)] +
+                                   [feed(cache, k, v, q, t, t + 1) for t in range(50, n)], axis=2))
+        assert cache.kept_positions is None and cache.stored_length == n
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mx.arange(n)[None] <= mx.arange(n)[:, None])
+    assert mx.array_equal(outs[0], outs[1])
+    assert mx.allclose(outs[0], ref, atol=1e-5)
+
+
+def test_temperature_schedule():
+    def tau(**o):
+        return keyformer(**o).tau
+
+    t = tau(keyformer_tau_init=1.0, keyformer_tau_end=2.0, keyformer_anneal_steps=10)
+    assert [t(0), t(5), t(10), t(11), t(1000)] == [1.0, 1.5, 2.0, 2.0, 2.0]
+    fixed = tau(keyformer_tau=0.25, keyformer_tau_init=1.0, keyformer_tau_end=2.0, keyformer_anneal_steps=10)
+    assert {fixed(s) for s in (0, 3, 50)} == {0.25}
+    constant = tau(keyformer_tau_init=0.8, keyformer_tau_end=2.0, keyformer_anneal_steps=0)
+    assert {constant(s) for s in (0, 3, 50)} == {0.8}
+
+
+def test_the_decode_step_uses_the_annealed_temperature():
+    """The same tokens and noise, two schedules that differ from step 1 on: the scores agree
+    after the prompt (t = 0: tau_init for both) and differ after one decode step."""
+    k, v, q = synthetic(80, seed=8)
+    opts = dict(keyformer_budget=512, keyformer_tau_init=1.0, keyformer_tau_end=3.0)
+    a, b = keyformer(keyformer_anneal_steps=3, **opts), keyformer(keyformer_anneal_steps=30, **opts)
+    for cache in (a, b):
+        run(cache, k, v, q, 60, chunk=30, stop=60)
+    assert mx.array_equal(a.store.view("score"), b.store.view("score"))
+    for cache in (a, b):
+        feed(cache, k, v, q, 60, 61)
+    diff = mx.abs(a.store.view("score") - b.store.view("score")).max()
+    assert float(diff) > 1e-3  # tau_1 = 1 + 2/3 against 1 + 2/30
+
+
+def test_noise_keys_differ_per_seed_layer_and_step_and_draw_standard_gumbel_noise():
+    keys = {tuple(noise_key(s, l, p).tolist()) for s in (0, 1, -1) for l in (0, 1, 2) for p in (0, 1, 4095)}
+    assert len(keys) == 27
+    assert mx.array_equal(noise_key(-1, 2, 7), noise_key(-1, 2, 7))
+    zeta = mx.random.gumbel((200_000,), key=noise_key(0, 0, 0))
+    assert abs(float(zeta.mean()) - 0.5772) < 0.01  # Euler's constant
+    assert abs(float(zeta.var()) - 3.14159**2 / 6) < 0.03

@@ -1,0 +1,191 @@
+"""Q-Filters: keep the keys that project most on the direction a head's queries share.
+
+A head's queries lie mostly on one side of a dominant direction v, so
+<q, k> ~ <q, v><k, v>: a key's projection on v predicts the attention it draws, with no
+query at hand. Calibration, per query head: an uncentred float32 SVD of its post-RoPE
+queries, Q = U S V^T; v = V[:, 0], oriented so most queries project positively
+(sigma = +1 if more than half of U[:, 0] is positive, else -1). A KV head's filter f is
+the mean of its query heads' sigma v (not renormalised). Score: ``qfilters_sign`` * <k, f>,
+the highest kept (the official filter is stored negated, -sigma v, and scored with
+-<k, filter>: the same ranking). A token's projection never changes (the filter is
+frozen), so it is computed once, in float32, and kept beside the token.
+
+Scores when the prompt is in and at every decode step (freeing the slot of the lowest
+score); the sinks and the ``qfilters_recent`` newest tokens are never evicted (with none,
+a new token that projects below the kept ones is evicted at once). Attention always sees
+every stored token; the score itself needs no query.
+
+Adapted (the paper calibrates offline, on about 3000 queries of generic text): the filter
+is calibrated online, once per layer and sequence, from ``qfilters_calib_tokens`` queries of
+the sequence itself (min(T - n_sink, that)), at an even stride across it, the sinks
+excluded. The queries are never all held: a buffer keeps every s-th one, at most twice
+the calibration count, s doubling as the sequence grows. The filter is fixed at the first
+eviction: the prompt's end when the prompt exceeds the budget, else the first decode step
+over it (whose queries then calibrate too).
+
+Retention check (inferred), run then unless ``qfilters_min_retention`` is None or
+``qfilters_on_low_retention`` is 'ignore': the calibration queries' exact causal attention
+over the stored keys; the mass on the tokens the filter keeps, averaged over the queries
+and the query heads of a KV head, is that head's retention. Below the threshold, 'warn'
+issues a ``LowRetentionWarning`` and 'raise' a ``LowRetentionError`` (before anything is
+evicted), each naming the layer, the worst KV head and its value.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+
+from ..diagnostics import VeloxQuantWarning
+from ..evict.attention import QUERY_BLOCK, attention_weights
+from ..evict.base import Roles, Schedule, ScoredEvictionCache
+from ..evict.select import group_mean, top_k_sorted
+
+
+class _LowRetention:
+    def __init__(self, layer: int, head: int, retention: float, threshold: float, failing: int, heads: int):
+        self.layer, self.head, self.retention, self.threshold = layer, head, retention, threshold
+        super().__init__(
+            f"qfilters layer {layer}, KV head {head}: the tokens the filter keeps hold "
+            f"{retention:.3f} of the calibration queries' attention, below "
+            f"qfilters_min_retention={threshold} ({failing} of {heads} KV heads are below)"
+        )
+
+
+class LowRetentionWarning(_LowRetention, VeloxQuantWarning):
+    """A Q-filter keeps less of its calibration queries' attention than asked for."""
+
+
+class LowRetentionError(_LowRetention, RuntimeError):
+    """``qfilters_on_low_retention='raise'`` and a Q-filter keeps too little attention."""
+
+
+def oriented(u: mx.array, v: mx.array) -> mx.array:
+    """sigma * v, sigma = +1 where more than half of ``u`` (U[:, 0], (..., N)) is positive."""
+    positive = (u > 0).astype(mx.float32).mean(axis=-1, keepdims=True) > 0.5
+    return mx.where(positive, 1.0, -1.0) * v
+
+
+def query_filters(queries: mx.array) -> mx.array:
+    """Unit filter per query head from its queries (B, Hq, N, D): (B, Hq, D), float32."""
+    u, _, vt = mx.linalg.svd(queries.astype(mx.float32), stream=mx.cpu)  # uncentred
+    return oriented(u[..., :, 0], vt[..., 0, :])
+
+
+def retention(queries, q_positions, keys, k_positions, kept, scale) -> mx.array:
+    """Mass the queries' causal attention puts on the ``kept`` keys (B, Hkv, n) bool,
+    averaged over the queries and the query heads of each KV head: (B, Hkv)."""
+    n, total = queries.shape[2], 0.0
+    for start in range(0, n, QUERY_BLOCK):
+        w = attention_weights(queries[:, :, start : start + QUERY_BLOCK], keys, scale,
+                              q_positions[start : start + QUERY_BLOCK], k_positions)  # (B, Hkv, G, N, n)
+        total = total + (w * kept[:, :, None, None, :]).sum(axis=(-1, -2)).mean(axis=2)
+    return total / n
+
+
+def calibration_stride(seen: int, capacity: int) -> int:
+    """The smallest power of two s with ceil(seen / s) <= capacity."""
+    s = 1
+    while -(-seen // s) > capacity:
+        s *= 2
+    return s
+
+
+class QFiltersCache(ScoredEvictionCache):
+    roles = Roles(budget="qfilters_budget", n_sink="qfilters_n_sink", recent="qfilters_recent")
+    schedule = Schedule(prefill_end=True, decode_every=1)
+    token_state = ("proj",)
+
+    def _init_storage(self) -> None:
+        super()._init_storage()
+        self.filter = None  # (B, Hkv, D) float32, once calibrated
+        self.calib = None  # (B, Hq, <= 2 * calib_tokens, D): queries n_sink + j * stride
+
+    # -- calibration queries: every stride-th after the sinks ---------------------------
+    @property
+    def capacity(self) -> int:
+        return 2 * self.options.qfilters_calib_tokens
+
+    def seen(self, offset: int) -> int:
+        return max(0, offset - self.n_sink)
+
+    def observe(self, inputs):
+        if self.filter is not None:
+            return
+        before, after = self.seen(self.offset - inputs.n_new), self.seen(self.offset)
+        if after == before:
+            return
+        old, new = calibration_stride(before, self.capacity), calibration_stride(after, self.capacity)
+        kept = None if self.calib is None else self.calib[:, :, :: new // old]
+        first = -(-before // new) * new  # the first multiple of the stride not yet held
+        if first < after:
+            start = self.n_sink + first - (self.offset - inputs.n_new)
+            fresh = inputs.queries[:, :, start::new]
+            kept = fresh if kept is None else mx.concatenate([kept, fresh], axis=2)
+        self.calib = kept
+
+    # -- the filter, fixed at the first eviction ---------------------------------------
+    def _evict(self, inputs, decode_step):
+        if self.filter is None and self.store.rows > self.budget:
+            self._calibrate(inputs)
+        super()._evict(inputs, decode_step)
+
+    def _calibrate(self, inputs) -> None:
+        b, hkv, _, d = inputs.keys.shape
+        if self.calib is None:  # every token is a sink: nothing to calibrate on, nothing to rank
+            self.filter = mx.zeros((b, hkv, d), mx.float32)
+            return
+        held = self.calib.shape[2]
+        n = min(held, self.options.qfilters_calib_tokens)
+        pick = [i * held // n for i in range(n)]  # an even subset of the held queries
+        queries = self.calib[:, :, mx.array(pick)]
+        filters = group_mean(query_filters(queries), hkv)
+        proj = (inputs.keys.astype(mx.float32) * filters[:, :, None]).sum(axis=-1)
+        options = self.options
+        if options.qfilters_min_retention is not None and options.qfilters_on_low_retention != "ignore":
+            stride = calibration_stride(self.seen(self.offset), self.capacity)
+            q_positions = self.n_sink + stride * mx.array(pick)
+            score = mx.where(self.protected(inputs.positions), float("inf"), options.qfilters_sign * proj)
+            slots = top_k_sorted(score, self.budget)
+            kept = mx.put_along_axis(mx.zeros(proj.shape, mx.bool_), slots, mx.array(True), axis=-1)
+            mass = retention(queries, q_positions, inputs.keys, inputs.positions, kept, inputs.scale)
+            self._check(mass.min(axis=0), options.qfilters_min_retention, options.qfilters_on_low_retention)
+        self.filter, self.calib = filters, None
+        self.store.update("proj", proj)
+
+    def _check(self, per_head: mx.array, threshold: float, action: str) -> None:
+        worst = int(mx.argmin(per_head))
+        value = float(per_head[worst])
+        if value >= threshold:
+            return
+        args = (self.layer, worst, value, threshold, int((per_head < threshold).sum()), per_head.shape[0])
+        if action == "raise":
+            raise LowRetentionError(*args)
+        warnings.warn(LowRetentionWarning(*args), stacklevel=2)
+
+    def new_token_state(self, keys, values):
+        if self.filter is None:
+            return super().new_token_state(keys, values)
+        return {"proj": (keys.astype(mx.float32) * self.filter[:, :, None]).sum(axis=-1)}
+
+    def score(self, inputs):
+        return self.options.qfilters_sign * inputs.state("proj")
+
+    # -- state and trim ------------------------------------------------------------------
+    def _arrays(self):
+        return {**super()._arrays(), "filter": self.filter, "calib": self.calib}
+
+    def _restore_arrays(self, arrays):
+        super()._restore_arrays(arrays)
+        self.filter, self.calib = arrays.get("filter"), arrays.get("calib")
+
+    def is_trimmable(self) -> bool:  # exact while every calibration query is held (stride 1)
+        return super().is_trimmable() and calibration_stride(self.seen(self.offset), self.capacity) == 1
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)
+        if n and self.calib is not None:
+            left = self.seen(self.offset)
+            self.calib = self.calib[:, :, :left] if left else None
+        return n
