@@ -50,8 +50,11 @@ def exempt(method: str, check: str):
         pytest.skip(f"{method} is exempt from {check}: {reason}")
 
 
-def compressing(method, model):
-    return make_prompt_cache(model, config(method, profile(method).compressing))
+def compressing(method, model, reference=False):
+    """The compressing settings; ``reference``: with the profile's settings for the
+    kept-positions reference laid over them (a merging method merges nothing there)."""
+    p = profile(method)
+    return make_prompt_cache(model, config(method, {**p.compressing, **(p.reference if reference else {})}))
 
 
 @pytest.mark.parametrize("method", METHOD_KEYS)
@@ -175,7 +178,7 @@ def _evicting(method):
 def test_chunks_straddling_an_eviction_attend_exactly_the_kept_tokens(method, chunk):
     _evicting(method)
     model = tiny_model("llama")
-    cache = _reference_check(method, model, compressing(method, model), prompt(PROMPT + 8), chunk)
+    cache = _reference_check(method, model, compressing(method, model, reference=True), prompt(PROMPT + 8), chunk)
     assert cache[0].stored_length < cache[0].offset
 
 
@@ -189,7 +192,7 @@ def test_gqa_4_to_1(method):
         out = drive(model, make_prompt_cache(model, config(method, p.lossless)), tokens)
         assert mx.allclose(out, ref, atol=p.lossless_tolerance, rtol=p.lossless_tolerance)
     if issubclass(METHODS[method].load_implementation(), ScoredEvictionCache):
-        _reference_check(method, model, compressing(method, model), tokens, 64)
+        _reference_check(method, model, compressing(method, model, reference=True), tokens, 64)
 
 
 @pytest.fixture
@@ -213,7 +216,7 @@ def test_array_masks(method, array_masks):
         out = drive(model, make_prompt_cache(model, config(method, p.lossless)), tokens)
         assert mx.allclose(out, ref, atol=p.lossless_tolerance, rtol=p.lossless_tolerance)
     if issubclass(METHODS[method].load_implementation(), ScoredEvictionCache):
-        _reference_check(method, model, compressing(method, model), tokens, 64)
+        _reference_check(method, model, compressing(method, model, reference=True), tokens, 64)
 
 
 @pytest.mark.parametrize("method", METHOD_KEYS)
@@ -221,7 +224,7 @@ def test_per_layer_budgets_give_per_layer_lengths(method, array_masks):
     exempt(method, "per_layer_budgets")
     _evicting(method)
     model = tiny_model("llama", num_hidden_layers=3)
-    cache = compressing(method, model)
+    cache = compressing(method, model, reference=True)
     budgets = {0: BUDGET - 8, 1: BUDGET, 2: BUDGET + 16}
     cache[0].context.layer_budgets = budgets
     _reference_check(method, model, cache, prompt(PROMPT + 8), 64)
