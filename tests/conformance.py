@@ -96,6 +96,38 @@ PROFILES: dict[str, Profile] = {
         lossless_tolerance=1e-5,
         exempt={"per_layer_budgets": "no budget: every layer keeps every token, quantized"},
     ),
+    "skvq": Profile(
+        # 4 sinks and a 32-token window around 2-bit keys and values (per token, reordered,
+        # clipped): the 200-token prompt quantizes 164 of its tokens, each decode step one more.
+        compressing={"skvq_window": 32, "skvq_n_sink": 4},
+        # A window beyond the context keeps every token in full precision; decode attends
+        # through the pure-MLX path (not SDPA), so equal to float rounding, not bitwise.
+        lossless={"skvq_window": LOSSLESS},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, quantized"},
+    ),
+    "gear": Profile(
+        # 2-bit backbone, the energy rule, 1% outliers; decode chunks of 32 tokens: the
+        # 200-token prompt is compressed as one chunk of 192 (8 tokens stay exact) and the
+        # 8 decode steps compress a second chunk.
+        compressing={"residual_window": 32},
+        # The rank at its maximum (clipped to min(chunk, head_dim): the residual kept whole)
+        # and the most outliers: every token comes back to float rounding (not bitwise).
+        lossless={"gear_rank": LOSSLESS, "gear_sparse_fraction": 0.1},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, compressed"},
+    ),
+    "kvquant": Profile(
+        # The defaults (3-bit codebooks, 1% outliers, groups of 32, 1 sink) with a refit
+        # every 4 decode steps, so that saved, loaded and copied caches carry several
+        # codebooks: the 200-token prompt quantizes 192 keys and 199 values.
+        compressing={"kvquant_refit_interval": 4},
+        # Sinks beyond the context keep every token in the model's dtype; decode attends
+        # through the pure-MLX path (not SDPA), so equal to float rounding, not bitwise.
+        lossless={"kvquant_n_sink": LOSSLESS},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, quantized"},
+    ),
     "rocketkv": Profile(
         # Stage 1 at c = 32 keeps floor(200 / 32^0.5) = 35 tokens, raised to its 4 sinks + 32
         # window tokens: 36 of the 200-token prompt (the floor is also the budget before a
@@ -109,6 +141,14 @@ PROFILES: dict[str, Profile] = {
         evicts=True,
         bound_after_decode=False,  # stage 2 evicts nothing: the cache grows while decoding
     ),
+    "zipcache": Profile(
+        # Decode blocks of 4 tokens, so that the 8 decode steps re-compress twice: the
+        # 200-token prompt is classified 20% at 4 bits, the rest at 2 bits.
+        compressing={"residual_window": 4},
+        # None: every prompt token is quantized at prefill (hi bits are at most 8).
+        lossless=None,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, quantized"},
+    ),
     "cam": Profile(
         # Merging on (the defaults: sim_weighted, the Bernoulli gate), so the save/load,
         # copy, trim and server checks run merged values through the cache's state.
@@ -119,6 +159,34 @@ PROFILES: dict[str, Profile] = {
         # attention over the kept tokens as they came, by design. With merging off it is
         # (the layout, sinks + newest, is the same); tests/test_cam.py checks the merge.
         reference={"cam_merge": "none"},
+    ),
+    "vecinfer": Profile(
+        # Codebooks fitted from the prompt, small enough (64 key / 16 value centroids) that
+        # the 200-token prompt (3,200 key sub-vectors) has more points than centroids: the
+        # codes are lossy; a 32-token window, so most of the prompt is coded.
+        compressing={"key_codebook_bits": 6, "value_codebook_bits": 4, "residual_length": 32},
+        # A window beyond the context keeps every token in full precision; decode attends
+        # through the pure-MLX path (not SDPA), so equal to float rounding, not bitwise.
+        lossless={"residual_length": LOSSLESS},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, coded"},
+    ),
+    "nsnquant": Profile(
+        # Chunks of 32 tokens: 192 of the 200-token prompt are coded at 2 bits.
+        compressing={"nsn_residual_length": 32},
+        # A chunk beyond the context: every token stays in the full-precision tail.
+        lossless={"nsn_residual_length": LOSSLESS},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, coded"},
+    ),
+    "a2ats": Profile(
+        # Each decode step attends to 8 sinks, a 16-token window and the top 10% of the
+        # rest per query head, picked through 6-bit codes fitted from the prompt.
+        compressing={"a2ats_retrieval_fraction": 0.1, "a2ats_window": 16, "a2ats_codebook_bits": 6},
+        # K covering every candidate: exact attention over every stored row.
+        lossless={"a2ats_retrieval_fraction": 1.0},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every token is kept exactly; only attention is sparse"},
     ),
 }
 

@@ -397,3 +397,134 @@ def test_bad_options_give_the_error_the_spec_defines(method):
         with pytest.raises(ValueError) as info:
             config(method, {name: bad})
         assert f"{name}={bad!r}" in str(info.value) and rule.allowed in str(info.value)
+
+
+# -- batched generation: mlx-lm's BatchGenerator, batch_generate (issue 24) ------------------
+import batching  # noqa: E402
+from veloxquant_mlx.cache import batch as batch_module  # noqa: E402
+
+
+def _batch_mode(method):
+    return batch_module.batch_mode(METHODS[method].load_implementation())
+
+
+def _needs_batching(method):
+    if _batch_mode(method) is None:
+        pytest.skip(f"{method} does not batch (test_methods_that_do_not_batch_refuse_naming_themselves)")
+
+
+def _prompts():
+    return [prompt(n, seed=i + 3).tolist() for i, n in enumerate(batching.PROMPTS)]
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_batched_generation_equals_each_sequence_alone_bit_for_bit(method, monkeypatch):
+    """Prompts of 30-200 tokens (under and over the budget), right-padded prompt chunks,
+    two sequences joining after three steps, all four leaving at different steps, through
+    mlx-lm's BatchGenerator, on a model whose every operation is row-wise (keys, values
+    and queries are bit-for-bit what each sequence computes alone): tokens, log-probs and
+    each finished sequence's extracted cache equal the sequence run alone.
+
+    Per-sequence batching is bit-identical. Packed decode attends once for the batch: a
+    sequence whose slots are followed by padding slots gets its softmax sums from MLX's
+    fused SDPA in other blocks than alone (measured: up to 5e-7 on the CPU back-end), so
+    packed runs are checked to float rounding and must still choose the same tokens and
+    keep the same positions; with packed decode off the same run is bit-identical."""
+    _needs_batching(method)
+    p = profile(method)
+    model, make = batching.rowwise_setup(method, p.compressing)
+    prompts = _prompts()
+    alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, batching.MAX_TOKENS)]
+    modes = set()
+
+    def check(gen):
+        batching.memory_check(gen)
+        modes.update(c.mode for c in batching.batch_caches(gen))
+
+    for pack in ([True, False] if _batch_mode(method) == batch_module.PACKED else [True]):
+        monkeypatch.setattr(batch_module, "PACK_DECODE", pack)
+        modes.clear()
+        got = batching.run_batched(model, prompts, batching.MAX_TOKENS, check=check)
+        exact = "packed" not in modes
+        assert ("packed" in modes) == (pack and _batch_mode(method) == batch_module.PACKED)
+        for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
+            assert tokens == a_tokens
+            for x, y in zip(logprobs, a_logprobs):
+                assert mx.array_equal(x, y) if exact else mx.allclose(x, y, atol=1e-5, rtol=1e-5)
+            batching.assert_same_cache(cache, a_cache, exact=exact)
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_batch_generator_with_an_mlx_lm_model_equals_each_sequence_alone(method):
+    """The same load through a real mlx-lm model (the tiny llama), patched: greedy tokens
+    and kept positions equal the sequences run alone; log-probs and kept arrays to float
+    rounding (the model's matrix products round differently for a right-padded batch
+    chunk than for the sequence's chunk alone, see tests/batching.py)."""
+    _needs_batching(method)
+    model = tiny_model("llama")
+    cfg = config(method, profile(method).compressing)
+    prompts = _prompts()
+    with patched_kv_cache(model, cfg):
+        got = batching.run_batched(model, prompts, batching.MAX_TOKENS, check=batching.memory_check)
+        for (tokens, logprobs, cache), t, m in zip(got, prompts, batching.MAX_TOKENS):
+            a_tokens, a_logprobs, a_cache = batching.run_alone(model, lambda: make_prompt_cache(model, cfg), t, m)
+            assert tokens == a_tokens
+            for x, y in zip(logprobs, a_logprobs):
+                assert mx.allclose(x, y, atol=1e-4, rtol=1e-4), float(mx.abs(x - y).max())
+            batching.assert_same_cache(cache, a_cache, exact=False, atol=1e-4)
+
+
+def _refusal_checked(model, caches, name):
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=2)
+    try:
+        gen.insert([[1, 2, 3], [4, 5]], caches=caches)
+        with pytest.raises(ValueError) as info:
+            gen.next()
+    finally:
+        gen.close()
+    message = str(info.value)
+    assert name in message and "does not support batched generation" in message
+    assert "full" in message.split("use a method that batches:")[1]  # and what does
+    return message
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_methods_that_do_not_batch_refuse_naming_themselves(method):
+    """A method that does not batch has no ``merge`` (mlx-lm's server then serves it one
+    request at a time), and batch_generate / BatchGenerator with a patched model raise a
+    ValueError naming it, never an uncompressed fall-back."""
+    if _batch_mode(method) is not None:
+        pytest.skip(f"{method} batches ({_batch_mode(method)})")
+    model = tiny_model("llama")
+    cfg = KVCacheConfigForTests(method)
+    caches = make_prompt_cache(model, cfg)
+    assert not any(hasattr(c, "merge") for c in caches)
+    with patched_kv_cache(model, cfg):
+        with pytest.raises(ValueError, match=f"method {method!r}"):
+            mlx_lm.batch_generate(model, char_tokenizer(), [[1, 2, 3], [4, 5]], max_tokens=2)
+        _refusal_checked(model, None, f"method {method!r}")
+
+
+def KVCacheConfigForTests(method):
+    from veloxquant_mlx import KVCacheConfig
+
+    try:
+        return config(method, profile(method).compressing)
+    except AssertionError:  # a method without a conformance profile yet: its defaults
+        return KVCacheConfig(method=method)
+
+
+class _FullNotOptedIn(FullCache):
+    """A subclass of a class that batches: batching is never inherited."""
+
+
+def test_a_subclass_of_a_batching_class_does_not_batch():
+    model = tiny_model("llama")
+    cfg = config("full", {})
+    caches = [[_FullNotOptedIn(c.config, c.context, c.layer) for c in make_prompt_cache(model, cfg)]
+              for _ in range(2)]
+    assert batch_module.batch_mode(_FullNotOptedIn) is None and not hasattr(caches[0][0], "merge")
+    assert hasattr(make_prompt_cache(model, cfg)[0], "merge")
+    _refusal_checked(model, caches, "_FullNotOptedIn")

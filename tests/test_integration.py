@@ -113,15 +113,6 @@ def test_save_load_continue_gives_the_same_tokens(method, tmp_path):
     assert mx.allclose(continued, reference, atol=1e-5)
 
 
-def test_batch_generation_refuses_clearly(tokenizer):
-    model = tiny_model("llama")
-    with patched_kv_cache(model, CONFIGS["kivi"]):
-        caches = mlx_make_prompt_cache(model)
-        assert not any(hasattr(c, "merge") for c in caches)  # the server serves one at a time
-        with pytest.raises(ValueError, match="KIVICache.* does not yet support batching"):
-            mlx_lm.batch_generate(model, tokenizer, [[1, 2, 3], [4, 5]], max_tokens=2)
-
-
 def test_prompt_cache_reuse_copy_and_trim():
     """What the server's LRU prompt cache does with caches: deep copies and trims."""
     model = tiny_model("llama")

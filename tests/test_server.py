@@ -10,6 +10,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -67,6 +68,74 @@ def test_serve_keeps_answering_short_then_different_prompts(method, tmp_path):
         assert all(r and r["choices"][0]["finish_reason"] for r in replies), output
         assert replies[0]["choices"][0]["text"] == replies[2]["choices"][0]["text"]  # greedy
         assert f"with KV cache method {method!r}" in output
+        assert "Traceback" not in output, output
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+        log.close()
+
+
+# -- continuous batching under a bounded local load (issue 24) ------------------------------
+LOAD_TEXT = (REFERENCE_MODEL / "heldout_kjv_acts.txt").read_text()
+# Eight prompts of different lengths (bytes, about tokens), eight different answer lengths.
+LOAD = [(LOAD_TEXT[1000 * i : 1000 * i + 40 + 90 * i], 6 + 2 * i) for i in range(8)]
+LOAD_SETTINGS = {"snapkv": ["snap_budget=256"], "kivi": ["residual_window=32"]}
+
+
+def _complete_tokens(port, text, max_tokens, timeout):
+    body = json.dumps({"prompt": text, "max_tokens": max_tokens, "temperature": 0.0}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    reply = json.loads(urllib.request.urlopen(request, timeout=timeout).read())
+    return reply["choices"][0]["text"], reply["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("method", ["snapkv", "kivi"])  # packed decode, per-sequence decode
+def test_serve_batches_eight_concurrent_requests_like_one_at_a_time(method, tmp_path):
+    """Eight requests one at a time, then the same eight at once (each arriving while the
+    earlier ones decode; they finish at different steps), on loopback, against one server
+    with continuous batching on (no prompt cache, so neither round reuses the other's
+    caches): every request is answered, and the greedy answers are equal."""
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w+")
+    sets = [a for s in LOAD_SETTINGS[method] for a in ("--set", s)]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "veloxquant_mlx.cli", "serve", "--method", method, *sets, "--",
+         "--model", str(REFERENCE_MODEL), "--host", "127.0.0.1", "--port", str(port),
+         "--prompt-cache-size", "0"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and server.poll() is None:
+            try:
+                _complete_tokens(port, "Hello", 1, timeout=60)
+                break
+            except OSError:
+                time.sleep(0.3)
+        sequential = [_complete_tokens(port, text, n, timeout=60) for text, n in LOAD]
+        concurrent: dict[int, tuple] = {}
+
+        def ask(i):
+            try:
+                concurrent[i] = _complete_tokens(port, *LOAD[i], timeout=max(5, deadline - time.time()))
+            except Exception as exc:  # reported below
+                concurrent[i] = exc
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(LOAD))]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(timeout=max(1, deadline - time.time()))
+        log.seek(0)
+        output = log.read()
+        assert len(concurrent) == len(LOAD), output
+        assert all(isinstance(r, tuple) and r[1] for r in concurrent.values()), (concurrent, output)
+        assert [concurrent[i] for i in range(len(LOAD))] == sequential, output
+        assert f"with KV cache method {method!r}, continuous batching" in output
         assert "Traceback" not in output, output
     finally:
         server.terminate()

@@ -1,4 +1,4 @@
-"""The ``veloxquant`` command line: methods, generate, serve, bench (see bench/cli.py)."""
+"""The ``veloxquant`` command line: methods, generate, serve, calibrate, bench (see bench/cli.py)."""
 
 from __future__ import annotations
 
@@ -265,6 +265,90 @@ def cmd_serve(args: argparse.Namespace, server_args: list[str]) -> int:
     return 0
 
 
+CALIBRATE_TOKENS = 2048
+CALIBRATE_ITERS = 16
+MIN_CALIBRATION_TOKENS = 16
+
+
+def _calibration_text(path: str | None) -> tuple[str, str]:
+    """(text, its name): ``--text FILE`` or the reference model's held-out book."""
+    if path is None:
+        return (REFERENCE_MODEL / "heldout_kjv_acts.txt").read_text(), "heldout_kjv_acts.txt"
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise CLIError(f"--text {path}: no such file (a UTF-8 text file to collect keys and values from)")
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CLIError(f"--text {path}: cannot be read as UTF-8 text ({type(exc).__name__})") from None
+    return text, file.name
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit a method's codebooks offline: run the model over a text, collect each layer's
+    keys and values, fit, and write a safetensors file that a config points to
+    (calibration_file)."""
+    _positive("--tokens", args.tokens)
+    _positive("--iters", args.iters)
+    check_method(args.method)
+    cls = METHODS[args.method].load_implementation()
+    if not hasattr(cls, "calibrate"):
+        able = [k for k, m in METHODS.items() if m.implemented and hasattr(m.load_implementation(), "calibrate")]
+        raise CLIError(f"--method {args.method}: has no calibration step; methods that have one: "
+                       + ", ".join(able))
+    own, options = parse_assignments(args.set)
+    if "calibration_file" in own:
+        raise CLIError("--set calibration_file: calibrate writes the file that --out names")
+    config = build_config(args.method, own, options)
+    text, text_name = _calibration_text(args.text)
+    resolved = resolve_model(args.model)
+    out = Path(args.out or f"{args.method}-{Path(resolved).name}.safetensors").expanduser()
+    if out.suffix != ".safetensors":
+        raise CLIError(f"--out {args.out}: the file name must end in .safetensors")
+    if not out.parent.is_dir():
+        raise CLIError(f"--out {args.out}: no such folder {str(out.parent)!r}")
+
+    import mlx.core as mx
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .quant.calibration import IDENTITY, collect_kv, model_identity, write_calibration
+
+    model, tokenizer, _ = load_model(args.model)
+    dtype = compute_dtype(args.dtype)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    tokens = tokenizer.encode(text)[: args.tokens]
+    if len(tokens) < MIN_CALIBRATION_TOKENS:
+        raise CLIError(f"--text {args.text or text_name}: {len(tokens)} tokens; calibration needs "
+                       f"at least {MIN_CALIBRATION_TOKENS}")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task(f"keys and values of {len(tokens)} tokens", total=len(tokens))
+        kv = collect_kv(model, mx.array(tokens), progress=lambda done, n: bar.update(task, completed=done))
+        layers = {}
+        for i, (keys, values) in kv.items():
+            task = bar.add_task(f"layer {i} codebooks", total=None)
+
+            def report(name, done, total, task=task, i=i):
+                bar.update(task, description=f"layer {i} {name}", completed=done, total=total)
+
+            layers[i] = cls.calibrate(keys, values, config, iters=args.iters, seed=args.seed, progress=report)
+            mx.eval(layers[i])
+    identity = model_identity(getattr(model, "args", None))
+    metadata = {
+        "method": args.method, **{f: getattr(config, f) for f in cls.calibration_fields},
+        "model": args.model or "reference", **{k: identity[k] for k in IDENTITY if k in identity},
+        "tokens": len(tokens), "text": text_name, "iterations": args.iters, "seed": args.seed,
+    }
+    write_calibration(str(out), layers, metadata)
+    print(f"wrote {out}: {args.method} codebooks for {len(layers)} layers of {metadata['model']} "
+          f"({len(tokens)} tokens of {text_name}); use it with "
+          f"KVCacheConfig(method={args.method!r}, calibration_file={str(out)!r}) or "
+          f"--set calibration_file={out}")
+    return 0
+
+
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--method", default="full",
@@ -310,6 +394,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_method_args(p)
     p.set_defaults(func=cmd_serve)
+
+    doc = " ".join(cmd_calibrate.__doc__.split())
+    p = sub.add_parser("calibrate", help=doc.split(":")[0], description=doc)
+    p.add_argument(
+        "--model", default=None, metavar="PATH|HUB_ID",
+        help="the model to calibrate for: a local mlx-lm model folder or a Hugging Face hub "
+             "id; default: 'reference', the embedded reference model",
+    )
+    p.add_argument("--method", required=True,
+                   help="the method whose codebooks to fit (required; vecinfer has a "
+                        "calibration step)")
+    p.add_argument(
+        "--set", action="append", metavar="FIELD=VALUE",
+        help="a field of the method's options the codebooks depend on (vecinfer: "
+             "key_sub_dim, value_sub_dim, key_codebook_bits, value_codebook_bits); a config "
+             "using the file must have the same values; repeatable",
+    )
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="the safetensors file to write (default: "
+                        "<method>-<model folder name>.safetensors in the current folder)")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="a UTF-8 text file whose keys and values are collected (default: the "
+                        "reference model's held-out text, heldout_kjv_acts.txt)")
+    p.add_argument("--tokens", type=int, default=CALIBRATE_TOKENS,
+                   help=f"tokens of the text used, from its start, at least 1 (default: "
+                        f"{CALIBRATE_TOKENS})")
+    p.add_argument("--iters", type=int, default=CALIBRATE_ITERS,
+                   help=f"most k-means iterations per codebook, at least 1 (default: "
+                        f"{CALIBRATE_ITERS})")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the k-means initialisation and sampling (default: 0)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    p.set_defaults(func=cmd_calibrate)
 
     from .bench.cli import add_bench_parser
 

@@ -8,13 +8,17 @@ keep, round-trip through ``save_prompt_cache``/``load_prompt_cache`` via ``state
 own attention through ``attend``: the integration routes each layer's attention there.
 
 Names mlx-lm duck-types are avoided on purpose: no ``bits`` (it would route attention to
-mlx-lm's quantized path), no ``to_quantized`` (``kv_bits`` would silently replace us),
-no ``merge`` (batching and the server would flatten us into a stock fp16 cache).
+mlx-lm's quantized path), no ``to_quantized`` (``kv_bits`` would silently replace us).
+``merge`` (mlx-lm's batching and the server's continuous batching look for it) exists only
+on classes that opted into batching (``batchable``, see ``cache/batch.py``): it returns
+our own batch cache, never a stock ``BatchKVCache``; on every other class it raises
+AttributeError, so ``hasattr(cache, "merge")`` is False and mlx-lm does not batch it.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import sys
@@ -57,6 +61,22 @@ def _method_mismatch(cls: type, method: str) -> str | None:
     return " or ".join(map(repr, owners)) or "none"
 
 
+class _BatchMerge:
+    """``cache.merge(caches)`` for classes that batch (``cache/batch.py``); AttributeError,
+    naming the method, for the others (so that ``hasattr(cache, "merge")`` is False)."""
+
+    def __get__(self, obj, owner):
+        from .batch import batch_mode, merge
+
+        if batch_mode(owner) is None:
+            method = getattr(getattr(obj, "config", None), "method", None)
+            raise AttributeError(
+                f"{owner.__name__}" + (f" (method {method!r})" if method else "")
+                + " does not batch: it has no merge"
+            )
+        return functools.partial(merge, owner)
+
+
 class CompressedKVCache:
     """Base class: shared bookkeeping, masks, state, and plain attention.
 
@@ -67,6 +87,10 @@ class CompressedKVCache:
     """
 
     requires_attention_hook = False
+    # Batched generation is opt-in per class, never inherited: a class sets ``batchable``
+    # (True or "per_sequence") in its own body, or is listed in cache/batch.py's BATCHABLE;
+    # ``cache.batch.batch_mode(cls)`` says how it batches (None: it does not).
+    merge = _BatchMerge()
 
     def __init__(self, config: KVCacheConfig, context: Any = None, layer: int = 0):
         self.config = config

@@ -340,6 +340,9 @@ class ScoredEvictionCache(CompressedKVCache):
         n = min(n, self.offset)
         self.store.truncate(self.store.rows - n)
         self.offset -= n
+        # A cache is trimmed to be reused for a new prompt (the server's prompt cache,
+        # mlx-lm's rewind): the next single token ends that prompt, it is not a decode step.
+        self.in_prompt = self.in_prompt or n > 0
         if self.window_queries is not None:
             left = self.window_queries.shape[2] - n
             self.window_queries = self.window_queries[:, :, :left] if left > 0 else None

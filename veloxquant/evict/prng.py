@@ -2,8 +2,7 @@
 
 A draw depends only on the seed, the layer and the step's position, never on MLX's
 global seed or on what was drawn before, so a saved, loaded or copied cache draws what
-a fresh one would. The hash is splitmix64's finaliser, the one keyformer's ``noise_key``
-uses (the same keys for the same arguments).
+a fresh one would. The hash is splitmix64's finaliser (keyformer's noise and cam's gate draw from it).
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import importlib
+
 import mlx.nn as nn
 import mlx_lm.models.base as mlx_lm_base
 from mlx_lm.models.cache import KVCache
@@ -102,6 +104,96 @@ def _release_hooks(model: nn.Module) -> None:
             del _HOOKS[mod.__name__]
 
 
+# -- residual-stream observation (SqueezeAttention) -------------------------------------
+# A cache class with ``observes_hidden_states = True`` needs each layer's residual stream
+# before the attention block (the decoder block's input, before its input norm) and after
+# the attention output is added to it. While such a method is in use, every decoder block
+# of ``model.layers`` and its ``self_attn`` get an observing subclass of their own class
+# (same name and module; nothing is added to the model or its parameters): the block's
+# ``__call__`` notes its input, the attention's ``__call__`` then calls
+# ``cache.observe_hidden(block_input, attention_output)`` (after = their sum). A cache
+# without ``observe_hidden`` passes straight through. Unpatching gives the original classes back
+# when the patch put them in; a direct ``make_prompt_cache`` call leaves them (sticky, as
+# the attention hook is).
+
+_OBSERVING: dict[type, type] = {}  # original class -> its observing subclass
+_BLOCK_INPUTS: dict[int, tuple] = {}  # id(attention module) -> (block input, cache), in a call
+
+
+def _block_call(original):
+    def __call__(self, x, *args, **kwargs):
+        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        if not hasattr(cache, "observe_hidden"):
+            return original(self, x, *args, **kwargs)
+        _BLOCK_INPUTS[id(self.self_attn)] = (x, cache)
+        try:
+            return original(self, x, *args, **kwargs)
+        finally:
+            _BLOCK_INPUTS.pop(id(self.self_attn), None)
+
+    return __call__
+
+
+def _attention_call(original):
+    def __call__(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        noted = _BLOCK_INPUTS.pop(id(self), None)
+        if noted is not None:
+            x, cache = noted
+            cache.observe_hidden(x, out)
+        return out
+
+    return __call__
+
+
+def _observed_modules(model: nn.Module) -> list[tuple[Any, Any]]:
+    """(module, wrapper) for each decoder block of ``model.layers`` with a ``self_attn``, and for it."""
+    found = []
+    for block in getattr(model, "layers", None) or []:
+        attn = block.get("self_attn") if isinstance(block, dict) else None
+        if isinstance(attn, nn.Module):
+            found += [(block, _block_call), (attn, _attention_call)]
+    return found
+
+
+def _observing_hidden_states(model: nn.Module) -> bool:
+    return any(hasattr(type(m), "_veloxquant_original") for m, _ in _observed_modules(model))
+
+
+def _observe_hidden_states(model: nn.Module, on: bool) -> None:
+    """Give the model's blocks and attention modules their observing classes, or take them back."""
+    for module, wrapper in _observed_modules(model):
+        cls = type(module)
+        original = cls.__dict__.get("_veloxquant_original")
+        if on and original is None:
+            if cls not in _OBSERVING:
+                _OBSERVING[cls] = type(cls.__name__, (cls,), {
+                    "__call__": wrapper(cls.__call__), "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__, "_veloxquant_original": cls,
+                })
+            module.__class__ = _OBSERVING[cls]
+        elif not on and original is not None:
+            module.__class__ = original
+
+
+def _observers_for(model: nn.Module, cache_class: type, config: KVCacheConfig, sticky: bool) -> None:
+    """Install the observation a cache class asks for; a patch records that it did."""
+    if not getattr(cache_class, "observes_hidden_states", False):
+        return
+    if not _observed_modules(model):
+        raise ValueError(
+            f"method {config.method!r} measures each layer's residual stream around "
+            f"its attention, but the {_architecture(model)!r} model has no decoder blocks "
+            "with a self_attn module in model.layers"
+        )
+    owned = not sticky and not _observing_hidden_states(model)
+    _observe_hidden_states(model, True)
+    if owned:
+        object.__setattr__(model, "_veloxquant_observers", True)
+    elif sticky:  # a direct call: the observation stays, whatever a patch did
+        model.__dict__.pop("_veloxquant_observers", None)
+
+
 def _native_caches(model: nn.Module) -> list[Any]:
     """What mlx-lm would build for this model, ignoring our own patch."""
     native = model.__dict__.get("_veloxquant_native_make_cache")
@@ -148,6 +240,7 @@ def _make_prompt_cache(model: nn.Module, config: KVCacheConfig, sticky: bool) ->
     context = ModelContext(config, len(native), layers, model_args=getattr(model, "args", None))
     if sticky:  # a patched model's hooks are installed (and counted) by the patch
         _install_hooks(model, sticky=True)
+    _observers_for(model, cache_class, config, sticky)
     return [
         cache_class(config, context, i) if i in layers else c for i, c in enumerate(native)
     ]
@@ -208,8 +301,10 @@ def unpatch_model_kv_cache(model: nn.Module) -> nn.Module:
     if "_veloxquant_config" not in model.__dict__:
         return model
     previous = model.__dict__["_veloxquant_previous_make_cache"]
+    if model.__dict__.get("_veloxquant_observers"):
+        _observe_hidden_states(model, False)
     for name in ("_veloxquant_config", "_veloxquant_previous_make_cache",
-                 "_veloxquant_native_make_cache", "make_cache"):
+                 "_veloxquant_native_make_cache", "_veloxquant_observers", "make_cache"):
         model.__dict__.pop(name, None)
     if previous is not None:
         object.__setattr__(model, "make_cache", previous)
@@ -227,11 +322,51 @@ def patched_kv_cache(model: nn.Module, config: KVCacheConfig):
         unpatch_model_kv_cache(model)
 
 
-def patch_server(server_module: Any, config: KVCacheConfig) -> None:
+# -- batched generation ------------------------------------------------------------------
+# mlx-lm's BatchGenerator joins each layer's caches with ``_merge_caches``, which raises a
+# generic "<class> does not yet support batching with history" for a cache without
+# ``merge``. For our caches the error names the method and the methods that batch.
+mlx_lm_generate = importlib.import_module("mlx_lm.generate")  # the module (mlx_lm.generate is a function)
+_ORIGINAL_MERGE_CACHES = getattr(mlx_lm_generate, "_merge_caches", None)
+
+
+def _merge_caches(caches):
+    from ..cache.base import CompressedKVCache
+    from ..cache.batch import refusal
+
+    for cache in caches[0] if caches else ():
+        if isinstance(cache, CompressedKVCache) and not hasattr(cache, "merge"):
+            raise ValueError(refusal(cache))
+    return _ORIGINAL_MERGE_CACHES(caches)
+
+
+if _ORIGINAL_MERGE_CACHES is not None and getattr(_ORIGINAL_MERGE_CACHES, "__module__", "") != __name__:
+    mlx_lm_generate._merge_caches = _merge_caches
+
+
+def batch_refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s caches cannot be batched by mlx-lm (None: they can)."""
+    from mlx_lm.models.cache import make_prompt_cache as mlx_lm_make_prompt_cache
+
+    from ..cache.base import CompressedKVCache
+    from ..cache.batch import refusal
+
+    for cache in mlx_lm_make_prompt_cache(model):
+        if not hasattr(cache, "merge"):
+            if isinstance(cache, CompressedKVCache):
+                return refusal(cache)
+            return f"{type(cache).__name__} layers of this model do not batch in mlx-lm"
+    return None
+
+
+def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = True) -> None:
     """Make ``mlx_lm.server`` patch every model it loads with ``config``.
 
-    Our caches cannot be merged into a batch, so the server serves requests one at a
-    time through ``stream_generate`` (its LRU prompt cache copies and trims ours).
+    When the method batches (``cache/batch.py``) the server batches continuously as it does
+    with mlx-lm's own caches: requests join the batch while others decode and leave when
+    they finish; its LRU prompt cache keeps each finished sequence's (extracted) cache.
+    Otherwise, or with ``batching=False``, it serves requests one at a time through
+    ``stream_generate`` (its LRU prompt cache copies and trims ours).
     """
     provider = server_module.ModelProvider
     original = provider.__dict__.get("_veloxquant_original_load", provider._load)
@@ -239,9 +374,13 @@ def patch_server(server_module: Any, config: KVCacheConfig) -> None:
     def _load(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         patch_model_kv_cache(self.model, config)
-        self.is_batchable = False
+        why = batch_refusal(self.model) if batching else "batching turned off"
+        if self.draft_model is not None:
+            why = why or "speculative decoding (a draft model) is served one request at a time"
+        self.is_batchable = why is None
+        how = "continuous batching" if why is None else f"one request at a time ({why.split(':')[0]})"
         print(
-            f"veloxquant: serving {self.model_key[0]} with KV cache method {config.method!r}",
+            f"veloxquant: serving {self.model_key[0]} with KV cache method {config.method!r}, {how}",
             file=sys.stderr,
             flush=True,
         )

@@ -9,6 +9,8 @@ from ..cache.buffers import GrowingArray
 class FullCache(CompressedKVCache):
     """Stores keys and values as they come, like mlx-lm's ``KVCache`` (same growth)."""
 
+    batchable = True  # packed decode: cache/batch.py's FullPacked
+
     def _init_storage(self) -> None:
         self.keys = GrowingArray()
         self.values = GrowingArray()

@@ -35,23 +35,10 @@ import mlx.core as mx
 
 from ..evict.attention import QUERY_BLOCK
 from ..evict.base import Roles, Schedule, ScoredEvictionCache
+from ..evict.prng import step_key
 
 SCORE_ELEMENTS = 2**21  # logits per scoring block (8 MiB in float32)
-MASK64 = 2**64 - 1
-
-
-def _mix(x: int) -> int:
-    """splitmix64's finaliser: a 64-bit integer hash (distinct inputs, unrelated outputs)."""
-    x = (x + 0x9E3779B97F4A7C15) & MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
-def noise_key(seed: int, layer: int, position: int) -> mx.array:
-    """The PRNG key of the noise of the query block that starts at ``position``: MLX's
-    key of a hash of (seed, layer, position), one array op per block."""
-    return mx.random.key(_mix(_mix(_mix(seed & MASK64) ^ layer) ^ position))
+noise_key = step_key  # the noise of the query block that starts at a position
 
 
 def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, key_at=None) -> mx.array:

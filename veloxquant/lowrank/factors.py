@@ -1,0 +1,63 @@
+"""Low-rank factors ``x ~ A Bᵀ`` of a batch of matrices ``x (..., T, d)``, float32.
+
+- ``power_iteration``: subspace iteration from a seeded Gaussian start (GEAR's repo runs 3
+  loops); ``A = Q`` (T x r, orthonormal) and ``B = xᵀ Q`` (d x r), so ``A Bᵀ = Q Qᵀ x`` is an
+  orthogonal projection of ``x``: its error never exceeds ``‖x‖`` and is Eckart-Young's
+  optimum when r reaches the rank of ``x``. Q is orthonormalised at every loop (GEAR's
+  repo does it at the last loop only; the subspace is the same in exact arithmetic, and
+  float32 keeps the small directions this way).
+- ``svd_factors``: the exact thin SVD through a QR first (``x = Q R``, then the SVD of the
+  small square ``R``), as ``A = U Σ`` and ``B = V``: sliced to r columns, the best rank-r
+  approximation.
+- ``energy_rank``: the smallest r whose singular values hold a fraction of the energy.
+
+MLX runs QR and SVD on the CPU stream only; everything here is float32 there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+POWER_ITERATIONS = 3  # GEAR's run scripts (--loop 3)
+SEED = 0  # the start of every power iteration: the same chunk gives the same factors
+
+
+def power_iteration(x: mx.array, rank: int, iterations: int = POWER_ITERATIONS, seed: int = SEED):
+    """(A, B): (..., T, r) and (..., d, r) with ``A Bᵀ = Q Qᵀ x``; ``rank <= min(T, d)``."""
+    *lead, t, d = x.shape
+    if not 0 < rank <= min(t, d) or iterations < 1:
+        raise ValueError(f"rank={rank} must be in 1..min(T={t}, d={d}); iterations={iterations} >= 1")
+    x = x.astype(mx.float32)
+    p = mx.random.normal((*lead, d, rank), key=mx.random.key(seed))
+    for _ in range(iterations):
+        q, _ = mx.linalg.qr(x @ p, stream=mx.cpu)
+        p = x.swapaxes(-1, -2) @ q
+    return q, p
+
+
+def svd_factors(x: mx.array):
+    """(A, B, sigma): ``A = U Σ`` (..., T, m), ``B = V`` (..., d, m), the singular values
+    (..., m) in decreasing order, m = min(T, d); ``A[..., :r] B[..., :r]ᵀ`` is the best rank r."""
+    x = x.astype(mx.float32)
+    tall = x.shape[-2] >= x.shape[-1]
+    m = x if tall else x.swapaxes(-1, -2)  # (n, k) with n >= k
+    q, r = mx.linalg.qr(m, stream=mx.cpu)
+    u, sigma, vt = mx.linalg.svd(r, stream=mx.cpu)  # r (k, k) = u diag(sigma) vt
+    left, right = q @ u, vt.swapaxes(-1, -2)  # m = left diag(sigma) rightᵀ
+    if not tall:
+        left, right = right, left
+    return left * sigma[..., None, :], right, sigma
+
+
+def energy_rank(sigma: mx.array, fraction: float) -> mx.array:
+    """(...) int32: the smallest r with ``sum(sigma[:r]**2) >= fraction * sum(sigma**2)``."""
+    energy = mx.cumsum(sigma.astype(mx.float32) ** 2, axis=-1)
+    below = (energy < fraction * energy[..., -1:]).sum(axis=-1)
+    return mx.minimum(below + 1, sigma.shape[-1]).astype(mx.int32)
+
+
+def rank_cap(t: int, d: int, fraction: float) -> int:
+    """``max(1, ceil(fraction * min(t, d)))``: the largest rank a rule may choose."""
+    return max(1, math.ceil(fraction * min(t, d) - 1e-9))

@@ -1,0 +1,280 @@
+"""Vector codebooks: product quantization with k-means codebooks, packed indices, lookup tables.
+
+A product-VQ codec cuts each head's vector (D channels) into ``D / s`` sub-vectors of
+``s`` channels and stores, for each, the index of its nearest centroid in one codebook of
+``2**bits`` centroids shared by every sub-vector position (and every head of a layer).
+
+- **k-means** (``kmeans``): seeded (explicit MLX PRNG keys, no global state), initialised
+  with ``k`` distinct data points drawn at random, Lloyd iterations (assign, move each
+  centroid to its members' mean; an empty cluster keeps its centroid) until the
+  assignment stops changing or ``iters`` runs out; at most ``sample`` points are looked
+  at (a seeded sample beyond). With no more points than centroids every point is a
+  centroid. ``progress(done, total)`` is called after each iteration.
+- **Nearest centroid** (``nearest``): exact, ``argmin_c ||c||^2 - 2 x.c`` over blocks of
+  rows, so that no more than ``NEAREST_CHUNK`` distances exist at a time (4,096
+  centroids: 128 rows a block, the fastest block measured on the CPU here).
+- **Packed indices** (``pack_indices``/``unpack_indices``): every width from 1 to 16
+  bits, one little-endian bit stream per token (``affine.pack_codes``' order), padded to
+  whole uint32 words per token: ``index_words(n, bits) = ceil(n * bits / 32)``.
+- **Rotation** (``rotate``): the orthonormal Walsh-Hadamard transform
+  (``mx.hadamard_transform`` scaled by 1/sqrt(D)); at D = 2^k or 12 * 2^k it is
+  symmetric, hence its own inverse, so nothing is stored for it. Other head dims are
+  refused (``check_rotation``): MLX's other sizes (20 * 2^k, 28 * 2^k) are not symmetric
+  and any other size crashes it.
+- **Lookup-table scores** (``lookup_scores``): ``q . k_hat`` for every stored token
+  without forming k_hat: one table ``q_j . C`` per sub-space (R x D x 2^bits products,
+  once per step), then a gather by index and a sum over the sub-spaces (T x D / s reads).
+  ``CodebookKeys`` (``scores``) and ``CodebookValues`` (``mix``: centroids gathered by
+  index) are the ``PackedScores`` parts of ``kernels/decode.py``: the pure-MLX path
+  reads them on every device (no fused kernel reads codebooks).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+MAX_BITS = 16
+NEAREST_CHUNK = 1 << 19  # distances formed at a time by ``nearest``
+Progress = Callable[[int, int], None]
+
+
+# -- packed indices ---------------------------------------------------------------------
+def index_words(n: int, bits: int) -> int:
+    """uint32 words that ``n`` indices of ``bits`` bits take (per token, padded)."""
+    return (n * bits + 31) // 32
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(n: int, bits: int):
+    """Where each of ``n`` indices lies: word, shift, whether it spills into the next word,
+    the next word (clamped) and the right shift of its spilled part (clamped to 31)."""
+    start = mx.arange(n, dtype=mx.uint32) * bits
+    word, shift = start // 32, start % 32
+    spill = (shift + bits) > 32
+    last = index_words(n, bits) - 1
+    nxt = mx.minimum(word + 1, last)
+    back = mx.where(spill, 32 - shift, 31).astype(mx.uint32)
+    return word, shift, spill, nxt, back
+
+
+def pack_indices(codes: mx.array, bits: int) -> mx.array:
+    """(..., n) integers below ``2**bits`` -> (..., index_words(n, bits)) uint32."""
+    if not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"bits={bits}: indices of 1 to {MAX_BITS} bits are packed")
+    codes = codes.astype(mx.uint32)
+    *lead, n = codes.shape
+    w = index_words(n, bits)
+    if 32 % bits == 0:  # whole indices per word
+        per = 32 // bits
+        codes = mx.pad(codes, [(0, 0)] * len(lead) + [(0, w * per - n)])
+        shifts = mx.arange(per, dtype=mx.uint32) * bits
+        return (codes.reshape(*lead, w, per) << shifts).sum(axis=-1).astype(mx.uint32)
+    word, shift, spill, nxt, back = _fields(n, bits)
+    low = codes << shift  # high bits that do not fit drop off
+    high = mx.where(spill, codes >> back, 0).astype(mx.uint32)
+    words = mx.zeros((*lead, w), mx.uint32)
+    return words.at[..., word].add(low).at[..., nxt].add(high)  # disjoint bit fields
+
+
+def unpack_indices(words: mx.array, bits: int, n: int) -> mx.array:
+    """Inverse of ``pack_indices``: (..., W) uint32 -> (..., n) uint32."""
+    mask = (1 << bits) - 1
+    if 32 % bits == 0:
+        per = 32 // bits
+        shifts = mx.arange(per, dtype=mx.uint32) * bits
+        codes = (words[..., None] >> shifts) & mask
+        return codes.reshape(*words.shape[:-1], -1)[..., :n]
+    word, shift, spill, nxt, back = _fields(n, bits)
+    low = mx.take(words, word, axis=-1) >> shift
+    high = mx.where(spill, mx.take(words, nxt, axis=-1) << back, 0)
+    return (low | high) & mask
+
+
+# -- nearest centroid and k-means ---------------------------------------------------------
+def nearest(x: mx.array, centroids: mx.array) -> mx.array:
+    """The index of the nearest centroid (squared Euclidean) of each row of x (..., s):
+    (...,) uint32, exact (ties: the lowest index), in blocks of rows."""
+    *lead, s = x.shape
+    flat = x.reshape(-1, s).astype(mx.float32)
+    c = centroids.astype(mx.float32)
+    ext = mx.concatenate([-2.0 * c, (c * c).sum(axis=-1, keepdims=True)], axis=1).T  # (s+1, K)
+    flat = mx.concatenate([flat, mx.ones((flat.shape[0], 1), mx.float32)], axis=1)
+    rows = max(1, NEAREST_CHUNK // c.shape[0])
+    out = [mx.argmin(flat[i : i + rows] @ ext, axis=-1) for i in range(0, flat.shape[0], rows)]
+    idx = out[0] if len(out) == 1 else mx.concatenate(out)
+    return idx.astype(mx.uint32).reshape(lead)
+
+
+def kmeans(x: mx.array, k: int, *, iters: int, key: mx.array, sample: int | None = None,
+           progress: Progress | None = None) -> mx.array:
+    """``k`` centroids (k, s) float32 of the rows of x (..., s), seeded by ``key``."""
+    s = x.shape[-1]
+    x = x.reshape(-1, s).astype(mx.float32)
+    k_sample, k_init = mx.random.split(key)
+    if sample is not None and x.shape[0] > sample:
+        x = x[mx.random.permutation(x.shape[0], key=k_sample)[:sample]]
+    n = x.shape[0]
+    if n <= k:  # every point a centroid (the rest repeat them)
+        if progress:
+            progress(iters, iters)
+        return x[mx.arange(k) % n]
+    c = x[mx.random.permutation(n, key=k_init)[:k]]
+    ones = mx.ones((n,), mx.float32)
+    previous = None
+    for i in range(iters):
+        idx = nearest(x, c)
+        sums = mx.zeros((k, s), mx.float32).at[idx].add(x)
+        counts = mx.zeros((k,), mx.float32).at[idx].add(ones)
+        c = mx.where(counts[:, None] > 0, sums / mx.maximum(counts, 1.0)[:, None], c)
+        settled = previous is not None and bool(mx.array_equal(idx, previous))
+        mx.eval(c)
+        previous = idx
+        if progress:
+            progress(iters if settled else i + 1, iters)
+        if settled:
+            break
+    return c
+
+
+def relative_error(x: mx.array, x_hat: mx.array) -> float:
+    """||x - x_hat||^2 / ||x||^2 over every element."""
+    x, x_hat = x.astype(mx.float32), x_hat.astype(mx.float32)
+    return float(mx.square(x - x_hat).sum() / mx.square(x).sum())
+
+
+# -- the rotation -------------------------------------------------------------------------
+def rotation_problem(head_dim: int) -> str | None:
+    """Why ``head_dim`` cannot be rotated here (None when it can)."""
+    m = head_dim
+    while m % 2 == 0:
+        m //= 2
+    if m in (1, 3) and (m == 1 or head_dim % 12 == 0):
+        return None
+    return (f"head_dim={head_dim}: the Walsh-Hadamard rotation needs head_dim = 2^k or "
+            f"12 * 2^k (where MLX's transform is its own inverse)")
+
+
+def rotate(x: mx.array) -> mx.array:
+    """x H (orthonormal, symmetric: applying it twice gives x back), float32."""
+    return mx.hadamard_transform(x.astype(mx.float32), scale=x.shape[-1] ** -0.5)
+
+
+# -- lookup-table scoring ------------------------------------------------------------------
+def lookup_scores(q: mx.array, idx: mx.array, centroids: mx.array) -> mx.array:
+    """``q . concat_j C[idx_j]`` for q (B, H, R, D) float32 and indices (B, H, T, n):
+    (B, H, R, T). One table per sub-space, then a gather by index (no key is rebuilt)."""
+    b, h, r, d = q.shape
+    k, s = centroids.shape
+    n = d // s
+    table = q.reshape(b, h, r, n, 1, s) @ centroids.astype(mx.float32).T  # (B,H,R,n,1,K)
+    flat = idx.astype(mx.int32) + mx.arange(n, dtype=mx.int32) * k  # (B, H, T, n)
+    t = flat.shape[2]
+    picked = mx.take_along_axis(table.reshape(b, h, r, n * k), flat.reshape(b, h, 1, t * n), axis=-1)
+    return picked.reshape(b, h, r, t, n).sum(axis=-1)
+
+
+def gather_centroids(idx: mx.array, centroids: mx.array) -> mx.array:
+    """(..., n) indices -> (..., n * s) float32: each sub-vector's centroid."""
+    out = centroids.astype(mx.float32)[idx.astype(mx.int32)]
+    return out.reshape(*idx.shape[:-1], -1)
+
+
+@dataclass(frozen=True, eq=False)
+class ProductVQ:
+    """The codec: x -> (x / scale) H (keys: per-channel smoothing, then the rotation) ->
+    sub-vectors of ``centroids.shape[1]`` channels -> nearest centroid, packed at ``bits``.
+
+    ``scale``: (1 or B, H, 1, D) per-channel divisors, or None; ``rotated``: whether the
+    Hadamard rotation is applied. The centroids are stored as given (their dtype) and
+    every comparison is made against the stored values."""
+
+    centroids: mx.array  # (2**bits, s)
+    bits: int
+    scale: mx.array | None = None
+    rotated: bool = False
+
+    @property
+    def sub_dim(self) -> int:
+        return self.centroids.shape[1]
+
+    def to_code_space(self, x: mx.array) -> mx.array:
+        y = x.astype(mx.float32)
+        if self.scale is not None:
+            y = y / self.scale
+        return rotate(y) if self.rotated else y
+
+    def from_code_space(self, y: mx.array) -> mx.array:
+        x = rotate(y) if self.rotated else y
+        return x * self.scale if self.scale is not None else x
+
+    def query_to_code_space(self, q: mx.array) -> mx.array:
+        """q~ with q~ . y = q . x for x in the model's frame: (q * scale) H."""
+        y = q.astype(mx.float32)
+        if self.scale is not None:
+            y = y * self.scale
+        return rotate(y) if self.rotated else y
+
+    def indices(self, x: mx.array) -> mx.array:
+        """(B, H, T, D) -> (B, H, T, D / s) uint32 nearest-centroid indices."""
+        y = self.to_code_space(x)
+        return nearest(y.reshape(*y.shape[:-1], -1, self.sub_dim), self.centroids)
+
+    def encode(self, x: mx.array) -> mx.array:
+        return pack_indices(self.indices(x), self.bits)
+
+    def decode(self, words: mx.array, head_dim: int, dtype) -> mx.array:
+        idx = unpack_indices(words, self.bits, head_dim // self.sub_dim)
+        return self.from_code_space(gather_centroids(idx, self.centroids)).astype(dtype)
+
+    def words(self, head_dim: int) -> int:
+        return index_words(head_dim // self.sub_dim, self.bits)
+
+
+@dataclass(frozen=True)
+class CodebookKeys:
+    """Product-VQ keys as the pure-MLX decode path reads them (``PackedScores``): the whole
+    index buffer (``count`` valid tokens), scored through lookup tables."""
+
+    words: mx.array  # (B, H, rows, W)
+    count: int
+    codec: ProductVQ
+    head_dim: int
+
+    @property
+    def n_heads(self) -> int:
+        return self.words.shape[1]
+
+    def indices(self) -> mx.array:
+        n = self.head_dim // self.codec.sub_dim
+        return unpack_indices(self.words[:, :, : self.count], self.codec.bits, n)
+
+    def scores(self, q: mx.array) -> mx.array:
+        """float32 q K^T (B, H, R, count): q~ = (q * scale) H against the centroids, once
+        per sub-space, gathered by each token's indices."""
+        return lookup_scores(self.codec.query_to_code_space(q), self.indices(), self.codec.centroids)
+
+
+@dataclass(frozen=True)
+class CodebookValues:
+    """Product-VQ values (no transform) for the pure-MLX path: ``p V`` with V's rows
+    gathered from the centroids by index (the history is never rebuilt in its codec's
+    frame because values have none)."""
+
+    words: mx.array
+    count: int
+    codec: ProductVQ
+    head_dim: int
+
+    @property
+    def n_heads(self) -> int:
+        return self.words.shape[1]
+
+    def mix(self, p: mx.array) -> mx.array:
+        n = self.head_dim // self.codec.sub_dim
+        idx = unpack_indices(self.words[:, :, : self.count], self.codec.bits, n)
+        rows = self.codec.from_code_space(gather_centroids(idx, self.codec.centroids))
+        return p @ rows
