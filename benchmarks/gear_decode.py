@@ -5,7 +5,7 @@
 
 A GEAR store holds a 4k-token history (a prompt in chunks of 2048, decode chunks of 128,
 a few tokens in the buffer) of 8 KV heads x 128 channels, 32 query heads, float32 (the
-CPU's fastest dtype). Per decode call, median over ``--reps`` calls after a warm-up:
+CPU's fastest dtype). Per decode call, median over ``--reps`` interleaved calls after a warm-up:
 
 - **packed**: what a decode step runs (``kernels/decode.decode_attention`` over the
   store's part): the backbone through ``quantized_matmul`` (the CPU's pure path), the
@@ -22,11 +22,10 @@ Both GEAR paths are first checked to agree (max |difference| printed).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import veloxquant_mlx  # noqa: F401  (before mlx: OpenBLAS on Linux)
 import mlx.core as mx  # noqa: E402
+from cpu_timing import timed  # noqa: E402
 
 from veloxquant_mlx import KVCacheConfig  # noqa: E402
 from veloxquant_mlx.cache.options import GEAROptions  # noqa: E402
@@ -58,17 +57,6 @@ def dense(s, q):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5)
 
 
-def timed(fn, *args, reps: int) -> float:
-    for _ in range(3):
-        mx.eval(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        mx.eval(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=4096)
@@ -77,7 +65,7 @@ def main():
     q = mx.random.normal((1, HQ, 1, D), key=mx.random.key(2))
     k = mx.random.normal((1, H, args.context, D))
     v = mx.random.normal((1, H, args.context, D))
-    sdpa = timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5), reps=args.reps)
+    sdpa = timed({"sdpa": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5)}, args.reps)["sdpa"]
     print(f"context {args.context}, {H} KV heads x {D}, {HQ} query heads, float32, CPU; "
           f"fp32 SDPA over dense tokens: {sdpa:.2f} ms")
     print("| setting | rank kept | packed (ms) | dequantize-then-attend (ms) | ratio | max |diff| |")
@@ -87,7 +75,8 @@ def main():
                           ("sparse only (rank 0)", {"gear_rank": 0})]:
         s = store(args.context, **options)
         diff = float(mx.abs(packed(s, q) - dense(s, q)).max())
-        t_packed, t_dense = timed(packed, s, q, reps=args.reps), timed(dense, s, q, reps=args.reps)
+        ms = timed({"packed": lambda: packed(s, q), "dense": lambda: dense(s, q)}, args.reps)
+        t_packed, t_dense = ms["packed"], ms["dense"]
         rank = s.keys.factors.rank if s.keys.factors is not None else 0
         print(f"| {name} | {rank} | {t_packed:.2f} | {t_dense:.2f} | {t_packed / t_dense:.2f} | {diff:.1e} |")
 

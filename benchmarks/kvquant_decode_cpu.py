@@ -25,12 +25,11 @@ interleaved; outputs are checked equal (float32 tolerance). Run:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import veloxquant_mlx  # noqa: F401 - first: it may load OpenBLAS
 
 import mlx.core as mx  # noqa: E402
+from cpu_timing import timed  # noqa: E402
 
 from veloxquant_mlx.evict.rope import Rotary  # noqa: E402
 from veloxquant_mlx.kernels.decode import DecodePart, decode_attention  # noqa: E402
@@ -47,19 +46,6 @@ def make_store(t, bits, rotary, dtype, b=1, h=8, d=128):
     store.commit(k.astype(dtype), v.astype(dtype))
     mx.eval(store.arrays())
     return store
-
-
-def timed(fns, reps):
-    for fn in fns.values():
-        for _ in range(3):
-            mx.eval(fn())
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            mx.eval(fn())
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def main():

@@ -12,19 +12,18 @@ heads over 8 KV heads, head_dim 128: Llama-3-8B's attention shape):
   packed keys and values dequantized (``mx.dequantize``), joined to the sinks and the
   window, one ``scaled_dot_product_attention``, the same two gathers.
 
-Each is timed as the median of ``--reps`` evaluated calls after warm-up; both outputs are
+Each is timed as the median of ``--reps`` evaluated calls after warm-up, interleaved; both outputs are
 checked equal (float32). Run: ``python benchmarks/skvq_decode_cpu.py [--dtype float16]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import veloxquant_mlx  # noqa: F401 - first: it may load OpenBLAS
 
 import mlx.core as mx  # noqa: E402
+from cpu_timing import timed  # noqa: E402
 
 from veloxquant_mlx.quant.clip import CLIP_GRID  # noqa: E402
 from veloxquant_mlx.quant.reorder import RangeOrder, permute_heads  # noqa: E402
@@ -36,17 +35,6 @@ def dequantize_then_attend(store, q, scale):
     k = mx.concatenate([store.sink_k.view(), store.keys.decode(q.dtype), store.k_res], axis=2)
     v = mx.concatenate([store.sink_v.view(), store.values.decode(q.dtype), store.v_res], axis=2)
     return permute_heads(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), store.inv_v)
-
-
-def timed(fn, reps):
-    for _ in range(3):
-        mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main():
@@ -73,7 +61,8 @@ def main():
             packed = lambda: store.attend(q, scale=scale, use_kernel=True, n_kv_heads=h)  # noqa: E731
             deq = lambda: dequantize_then_attend(store, q, scale)  # noqa: E731
             diff = float(mx.abs(packed().astype(mx.float32) - deq().astype(mx.float32)).max())
-            a, c = timed(packed, args.reps), timed(deq, args.reps)
+            ms = timed({"packed": packed, "dequantize": deq}, args.reps)
+            a, c = ms["packed"], ms["dequantize"]
             print(f"| {t} | {bits} | {a:.2f} | {c:.2f} | {a / c:.2f} | {diff:.1e} |")
 
 

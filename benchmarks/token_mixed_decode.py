@@ -6,8 +6,8 @@
 A ``TokenMixedStore`` (``veloxquant_mlx.quant.token_mixed``) holds a prompt of T tokens in
 two classes of channel-separable token-wise codes (20% at 4 bits, 80% at 2 bits, groups of
 32 channels) plus 64 decode tokens waiting in full precision; 8 KV heads, 32 query heads,
-head_dim 128, batch 1 (an 8B-shaped layer). Timed, per decode call (median of 7 batches of
-20 calls, each call evaluated):
+head_dim 128, batch 1 (an 8B-shaped layer). Timed, per decode call (median of ``--reps``
+evaluated calls after a warm-up, the three interleaved):
 
 - ``packed``: what a decode step runs, ``decode_attention`` over the store's parts: per
   class one ``quantized_matmul`` over the packed keys (the channel scales folded into the
@@ -23,16 +23,16 @@ First it checks that ``packed`` equals the float32 reference (relative L2 < 1e-4
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 
 import veloxquant_mlx  # noqa: F401  (before mlx: OpenBLAS on Linux)
-import mlx.core as mx
+import mlx.core as mx  # noqa: E402
+from cpu_timing import timed  # noqa: E402
 
-from veloxquant_mlx.kernels.decode import decode_attention
-from veloxquant_mlx.quant.channel_scaled import TokenGroups
-from veloxquant_mlx.quant.saliency import ProbeSaliency
-from veloxquant_mlx.quant.token_mixed import TokenMixedStore
+from veloxquant_mlx.kernels.decode import decode_attention  # noqa: E402
+from veloxquant_mlx.quant.saliency import ProbeSaliency  # noqa: E402
+from veloxquant_mlx.quant.token_mixed import TokenMixedStore  # noqa: E402
+from veloxquant_mlx.quant.token_rows import TokenGroups  # noqa: E402
 
 H, HQ, D, G = 8, 32, 128, 32
 
@@ -71,21 +71,10 @@ def history(store, q, scale):
     return mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k, v, scale=scale).astype(q.dtype)
 
 
-def timed(fn, store, q, scale, reps=20, batches=7) -> float:
-    for _ in range(3):
-        mx.eval(fn(store, q, scale))
-    times = []
-    for _ in range(batches):
-        start = time.perf_counter()
-        for _ in range(reps):
-            mx.eval(fn(store, q, scale))
-        times.append((time.perf_counter() - start) / reps)
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     scale = D ** -0.5
     print(f"T = {args.tokens} + 64 waiting, {H} KV heads, {HQ} query heads, head_dim {D}, CPU")
@@ -98,7 +87,9 @@ def main():
         got = packed(store, q.astype(mx.float32), scale)
         rel = float(mx.linalg.norm((got - ref).flatten()) / mx.linalg.norm(ref.flatten()))
         assert rel < 1e-4, rel
-        t = [timed(fn, store, q, scale) * 1e3 for fn in (packed, dequant, history)]
+        calls = {fn.__name__: functools.partial(fn, store, q, scale) for fn in (packed, dequant, history)}
+        ms = timed(calls, args.reps)
+        t = [ms[name] for name in ("packed", "dequant", "history")]
         print(f"| {dtype} | {t[0]:.2f} | {t[1]:.2f} | {t[2]:.2f} | {t[0] / t[1]:.2f} |")
 
 

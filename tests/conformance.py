@@ -39,6 +39,16 @@ class Profile:
 
 
 PROFILES: dict[str, Profile] = {
+    "kvzip": Profile(
+        # The suite drives the model the way mlx-lm does, which cannot run KVzip's
+        # reconstruction pass: a prompt over the budget gets the documented (warned)
+        # fall-back, B tokens per head by the last prompt queries. The pass, its global
+        # ranking and its padded per-head budgets are checked in tests/test_kvzip.py.
+        compressing={"kvzip_budget": BUDGET},
+        lossless={"kvzip_budget": LOSSLESS},
+        evicts=True,
+        bound_after_decode=False,  # prefill-only: decoded tokens are appended
+    ),
     "nestedkv": Profile(
         # The shared budget, with a window small enough to fit it (nestedkv_budget must
         # cover nestedkv_n_sink + nestedkv_window): the default head-adaptive split, which
@@ -179,6 +189,23 @@ PROFILES: dict[str, Profile] = {
         lossless_tolerance=1e-5,
         exempt={"per_layer_budgets": "no budget: every layer keeps every token, coded"},
     ),
+    "amc": Profile(
+        # The defaults with adaptive thresholds over an 8-token window: the 200-token
+        # prompt is tiered 20/30/50 per head and chunk, decode tokens by the moving
+        # thresholds, so the heads' tiers come out ragged.
+        compressing={"amc_adaptive_thresholds": True, "amc_threshold_window": 8},
+        # None: every token is quantized (High is 8-bit); amc_k_high=1 is uniform 8-bit.
+        lossless=None,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, tiered"},
+    ),
+    "spectral": Profile(
+        # kv_bits=2 (b_low 2, b_high 3), the card's d_eff (values clamped to 31 at head_dim
+        # 32), QJL on: every token is coded as it comes, at prefill and decode.
+        compressing={"kv_bits": 2},
+        # None: every token is coded (no window, no full-precision setting).
+        lossless=None,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, coded"},
+    ),
     "a2ats": Profile(
         # Each decode step attends to 8 sinks, a 16-token window and the top 10% of the
         # rest per query head, picked through 6-bit codes fitted from the prompt.
@@ -187,6 +214,82 @@ PROFILES: dict[str, Profile] = {
         lossless={"a2ats_retrieval_fraction": 1.0},
         lossless_tolerance=1e-5,
         exempt={"per_layer_budgets": "no budget: every token is kept exactly; only attention is sparse"},
+    ),
+    "cachegen": Profile(
+        # The defaults: 4-bit deltas (5 in the first layer group) from 8-bit anchors, groups
+        # of 32: the 200-token prompt codes 192 tokens, the decode steps a group more.
+        compressing={"cachegen_group_size": 32},
+        # None: every whole group is quantized (8 bits at most).
+        lossless=None,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, quantized"},
+    ),
+    "kvtc": Profile(
+        # 4 sinks, a 32-token window, the middle (164 tokens of the prompt, then one more a
+        # decode step) in a PCA basis fitted per layer at 128 bits a token (of 64 channels).
+        compressing={"residual_window": 32, "kvtc_bit_budget": 128},
+        # A window beyond the context keeps every token in full precision; decode attends
+        # through the pure-MLX path (not SDPA), so equal to float rounding, not bitwise.
+        lossless={"residual_window": LOSSLESS},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, transform-coded"},
+    ),
+    "svdq": Profile(
+        # The default schedule (8, 4, 2, 1, 1, 0, 0, 0) over the per-head key basis holding
+        # 95% of the singular-value mass: the prompt is held exactly until the first decode
+        # step, then 192 of its keys are quantized latents (groups of 32), 16 wait exact.
+        compressing={"svdq_group_size": 32},
+        # Full rank and every group unquantized: K_hat = (K - mu) V Vᵀ + mu = K; decode
+        # attends through the folded query (pure-MLX path), equal to float rounding.
+        lossless={"svdq_rank": LOSSLESS, "svdq_bit_schedule": [16] * 8},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, as latents"},
+    ),
+    "palu": Profile(
+        # One basis per KV head group of the tiny models' 2 KV heads (one head a group),
+        # 4/2-bit latents of keys and values at the energy threshold 0.9.
+        compressing={"palu_n_head_groups": 2},
+        # Full rank, latents unquantized (16 bits), both heads sharing one basis: exact
+        # reconstruction; decode folds the basis into query and mix, to float rounding.
+        lossless={"palu_rank": LOSSLESS, "palu_hi_bit": 16, "palu_lo_bit": 16, "palu_n_head_groups": 1},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, as latents"},
+    ),
+    "anchorkv": Profile(
+        # The 199 prompt tokens before the first decode step compressed then: 16 anchors
+        # (4 window, 8 by score, 4 uniform), the other 183 on them, residuals for the
+        # tokens of highest utility within 10% of the prompt's K+V bytes; decode tokens exact.
+        compressing={"anchorkv_anchor_frac": 0.08, "anchorkv_window": 4, "anchorkv_theta": 0.1},
+        # Every token an anchor: kept exactly; decode through the pure-MLX path.
+        lossless={"anchorkv_anchor_frac": 1.0},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no token is dropped: the budget is bytes, not tokens"},
+    ),
+    "xkv": Profile(
+        # The defaults (energy 0.95, 4-bit latent, pairs of layers): the 199-token prompt is
+        # compressed by one joint SVD per pair at the first decode step.
+        compressing={},
+        # Full rank (capped at min(T, 2*n_kv*d)) and the latent in the model dtype: the
+        # keys come back to float rounding (decode through the pure-MLX path).
+        lossless={"xkv_rank": LOSSLESS, "xkv_latent_bits": 16},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, keys low-rank"},
+    ),
+    "xquant": Profile(
+        # A 32-token window: layer 1 reuses layer 0's 2-bit codes for 192 of the prompt's tokens.
+        compressing={"residual_window": 32},
+        # A window beyond the context keeps every token in full precision.
+        lossless={"residual_window": LOSSLESS},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, quantized"},
+    ),
+    "minicache": Profile(
+        # The tiny models' two layers form the one pair (start 0); at a cosine threshold of
+        # 0 about half of the (token, head) pairs of random weights merge, half are retained.
+        compressing={"minicache_start_frac": 0.0, "minicache_retention_threshold": 0.0},
+        # A threshold above 1 retains every pair: both layers read their own rows.
+        lossless={"minicache_start_frac": 0.0, "minicache_retention_threshold": 2.0},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, merged in depth"},
     ),
 }
 

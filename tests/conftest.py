@@ -13,3 +13,16 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def repo_root() -> Path:
     return ROOT
+
+
+@pytest.fixture
+def unimplemented(monkeypatch) -> str:
+    """A listed method made to look unimplemented: every method of the spec has an
+    implementation now, and the path for one that has none must keep working."""
+    import dataclasses
+
+    from veloxquant_mlx.registry import METHODS
+
+    key = "minicache"
+    monkeypatch.setitem(METHODS, key, dataclasses.replace(METHODS[key], implementation=None))
+    return key

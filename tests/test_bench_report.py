@@ -10,7 +10,6 @@ from veloxquant_mlx.bench import metrics, report
 from veloxquant_mlx.bench.cli import BenchError, method_runs, select_methods
 from veloxquant_mlx.registry import METHODS
 
-UNIMPLEMENTED = next(k for k, m in METHODS.items() if not m.implemented)
 
 
 def test_kl_and_top1_of_identical_distributions():
@@ -72,12 +71,12 @@ def test_ratios_table_json_and_png(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text()) == json.loads(json.dumps(payload))
 
 
-def test_method_selection_and_settings():
+def test_method_selection_and_settings(unimplemented):
     assert select_methods("all")[:1] == ["full"]
     with pytest.raises(BenchError, match=r"--methods: method='kivy' is not a known method \(did you mean 'kivi'\?\)"):
         select_methods("kivy")
-    with pytest.raises(BenchError, match=f"--methods: method '{UNIMPLEMENTED}' has no implementation yet"):
-        select_methods(UNIMPLEMENTED)
+    with pytest.raises(BenchError, match=f"--methods: method '{unimplemented}' has no implementation yet"):
+        select_methods(unimplemented)
     runs = method_runs(["kivi", "snapkv"], ["kv_bits=4", "snap_budget=256"], sweep=False)
     assert [r.label for r in runs] == ["full", "kivi kv_bits=4", "snapkv snap_budget=256"]
     assert runs[1].config.kv_bits == 4 and runs[2].config.snap_budget == 256

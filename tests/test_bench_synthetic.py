@@ -41,6 +41,14 @@ KEEPS_MORE = {
     "rocketkv": 0.9,
     # the exact K/V stay on the device (the paper offloads them) next to the key codes
     "a2ats": 1.1,
+    # keys only: the values stay in full precision (half of full), keys as latents
+    "svdq": 0.65,
+    "xkv": 0.7,
+    # the synthetic harness has one layer: no neighbour to merge with
+    "minicache": 1.0 + 1e-9,
+    # resident codes are one uint8 per kept component (only the saved form is entropy
+    # coded), with the 128-token window and the sinks in full precision
+    "kvtc": 0.7,
 }
 
 

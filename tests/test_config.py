@@ -191,12 +191,9 @@ def test_from_dict_of_a_non_dict_says_what_is_expected(data):
 
 
 # -- issue 17 item 1: a method without an implementation -------------------------------
-UNIMPLEMENTED = next(k for k, m in METHODS.items() if not m.implemented)
-
-
-def test_config_of_an_unimplemented_method_warns_but_stays_a_config():
-    with pytest.warns(UnimplementedMethodWarning, match=rf"method '{UNIMPLEMENTED}' has no implementation yet.*implemented: full, ") as record:
-        config = KVCacheConfig(method=UNIMPLEMENTED)
+def test_config_of_an_unimplemented_method_warns_but_stays_a_config(unimplemented):
+    with pytest.warns(UnimplementedMethodWarning, match=rf"method '{unimplemented}' has no implementation yet.*implemented: full, ") as record:
+        config = KVCacheConfig(method=unimplemented)
     assert record.list[0].filename == __file__  # points at the caller
     assert issubclass(UnimplementedMethodWarning, VeloxQuantWarning) and issubclass(VeloxQuantWarning, UserWarning)
     with warnings.catch_warnings():
@@ -206,18 +203,18 @@ def test_config_of_an_unimplemented_method_warns_but_stays_a_config():
             KVCacheConfig.from_dict(config.to_dict())
 
 
-def test_building_caches_for_an_unimplemented_method_is_a_clear_error():
+def test_building_caches_for_an_unimplemented_method_is_a_clear_error(unimplemented):
     from tiny_models import tiny_model
 
     with pytest.warns(UnimplementedMethodWarning):
-        config = KVCacheConfig(method=UNIMPLEMENTED)
+        config = KVCacheConfig(method=unimplemented)
     model = tiny_model()
-    title = METHODS[UNIMPLEMENTED].title.rstrip(".")
+    title = METHODS[unimplemented].title.rstrip(".")
     for build in (make_prompt_cache, patch_model_kv_cache):
         with pytest.raises(NotImplementedError) as info:
             build(model, config)
         message = str(info.value)
-        assert message.startswith(f"method '{UNIMPLEMENTED}' ({title}) has no implementation yet")
+        assert message.startswith(f"method '{unimplemented}' ({title}) has no implementation yet")
         assert ".)" not in message and "implemented methods: full, " in message
 
 

@@ -528,3 +528,31 @@ def test_a_subclass_of_a_batching_class_does_not_batch():
     assert batch_module.batch_mode(_FullNotOptedIn) is None and not hasattr(caches[0][0], "merge")
     assert hasattr(make_prompt_cache(model, cfg)[0], "merge")
     _refusal_checked(model, caches, "_FullNotOptedIn")
+
+
+class _FullBadOptIn(FullCache):
+    batchable = "packed"  # not a value batch_mode takes
+
+
+class _FullOptedOut(FullCache):
+    batchable = False
+
+
+def test_batchable_takes_true_per_sequence_or_false():
+    """A misspelt opt-in is refused naming the class and the value, never read as True."""
+    with pytest.raises(TypeError, match=r"_FullBadOptIn.batchable='packed': allowed are True"):
+        batch_module.batch_mode(_FullBadOptIn)
+    assert batch_module.batch_mode(_FullOptedOut) is None
+    assert batch_module.batch_mode(FullCache) == batch_module.PACKED
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+def test_a_class_saying_batchable_true_gets_the_packed_layout(method):
+    """``batchable = True`` in a method's body means packed decode: a class whose decode
+    steps the packed layout does not run must say ``"per_sequence"`` (so the one line in
+    its body tells how it batches)."""
+    cls = METHODS[method].load_implementation()
+    if cls.__dict__.get("batchable") is not True:
+        pytest.skip(f"{method}: batchable={cls.__dict__.get('batchable')!r}")
+    assert batch_module.packer_for(cls) is not None
+    assert batch_module.batch_mode(cls) == batch_module.PACKED

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from test_kivi import feed
 from test_methods_exactness import run
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -20,23 +21,12 @@ from veloxquant_mlx.quant.affine import quantize_per_channel, quantize_per_token
 from veloxquant_mlx.quant.error_feedback import RANK_CAP_FRACTION, ErrorFeedback, ErrorFeedbackTokens
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS, AffineLayout, GroupAffine
 from veloxquant_mlx.quant.residual import ResidualScores
-from veloxquant_mlx.quant.sparse import SparseTerm, per_tail
+from veloxquant_mlx.quant.outliers import per_tail
+from veloxquant_mlx.quant.sparse import SparseTerm
 
 
 def gear(window=64, **options):
     return GEARCache(KVCacheConfig(method="gear", options=GEAROptions(**options), residual_window=window), None, 0)
-
-
-def feed(cache, keys, values, chunk):
-    """(B, H, T, D) keys/values through update_and_fetch + attend, ``chunk`` tokens a call."""
-    t, i = keys.shape[2], 0
-    while i < t:
-        n = min(chunk, t - i)
-        k, v = keys[:, :, i : i + n], values[:, :, i : i + n]
-        cache.update_and_fetch(k, v)
-        q = mx.random.normal((k.shape[0], k.shape[1] * 2, n, k.shape[3])).astype(k.dtype)
-        cache.attend(q, k, v, scale=k.shape[3] ** -0.5, mask="causal" if n > 1 else None)
-        i += n
 
 
 def kv(t, d=64, h=2, seed=0, dtype=mx.float32):
@@ -89,20 +79,20 @@ def test_outliers_are_each_vectors_largest_and_smallest_entries_and_come_back_ex
     pos, kept = np.array(sp_k.index.view()), np.zeros(kn.shape, bool)
     start = 0
     for n in (128, 64):
-        k = per_tail(n, sparse)
+        k = per_tail(sparse, n)
         chunk = kn[:, :, start : start + n].transpose(0, 1, 3, 2)  # (B, H, D, n)
         order = np.argsort(chunk, axis=-1)
         expected = np.concatenate([order[..., :k], order[..., n - k :]], axis=-1) + start
         got = pos[..., : 2 * k] if start == 0 else pos[..., -2 * k :]
         assert np.array_equal(np.sort(got, -1), np.sort(expected, -1))
         start += n
-    assert pos.shape[-1] == 2 * per_tail(128, sparse) + 2 * per_tail(64, sparse)
+    assert pos.shape[-1] == 2 * per_tail(sparse, 128) + 2 * per_tail(sparse, 64)
     np.put_along_axis(kept.transpose(0, 1, 3, 2), pos, True, axis=-1)
     # Values: per token over its channels (uint8 channel indices).
     idx = np.array(sp_v.index.view())
-    assert sp_v.index.view().dtype == mx.uint8 and idx.shape == (1, 2, 192, 2 * per_tail(64, sparse))
+    assert sp_v.index.view().dtype == mx.uint8 and idx.shape == (1, 2, 192, 2 * per_tail(sparse, 64))
     order = np.argsort(vn, axis=-1)
-    k = per_tail(64, sparse)
+    k = per_tail(sparse, 64)
     assert np.array_equal(np.sort(idx, -1), np.sort(np.concatenate([order[..., :k], order[..., 64 - k :]], -1), -1))
     v_kept = np.zeros(vn.shape, bool)
     np.put_along_axis(v_kept, idx.astype(np.int64), True, axis=-1)
@@ -117,7 +107,7 @@ def test_outliers_are_each_vectors_largest_and_smallest_entries_and_come_back_ex
 
 
 def test_outliers_per_tail_are_the_ceiling_of_half_the_fraction():
-    assert [per_tail(n, s) for n, s in [(128, 0.01), (2048, 0.01), (64, 0.1), (32, 0.1), (200, 0.01), (128, 0.0)]] \
+    assert [per_tail(s, n) for n, s in [(128, 0.01), (2048, 0.01), (64, 0.1), (32, 0.1), (200, 0.01), (128, 0.0)]] \
         == [1, 11, 4, 2, 1, 0]
 
 
@@ -351,11 +341,11 @@ def test_memory_at_4k_matches_the_cards_formula(rank):
     assert st.keys.count == n and st.k_buf.length == held
     backbone = n * (bits * d / 8 + 4 * d / g)
     factors = n * 2 * r + len(chunks) * d * r * 2
-    key_sparse = sum(d * 2 * per_tail(c, s) for c in chunks) * (2 + 4)  # fp16 deltas, int32 positions
-    value_sparse = n * 2 * per_tail(d, s) * (2 + 1)  # fp16 deltas, uint8 channels
+    key_sparse = sum(d * 2 * per_tail(s, c) for c in chunks) * (2 + 4)  # fp16 deltas, int32 positions
+    value_sparse = n * 2 * per_tail(s, d) * (2 + 1)  # fp16 deltas, uint8 channels
     chunk_index = 2 * n * 4  # int32 per token, keys and values (per layer, not per head)
     exact = h * (2 * backbone + 2 * factors + key_sparse + value_sparse + 2 * held * d * 2) + chunk_index
-    per_token = h * 2 * (bits * d / 8 + 4 * d / g + 2 * r + 2 * per_tail(d, s) * 6) + 8
+    per_token = h * 2 * (bits * d / 8 + 4 * d / g + 2 * r + 2 * per_tail(s, d) * 6) + 8
     room = GROWTH_TOKENS * per_token + h * 2 * CHUNK_STEP * d * r * 2 + h * 2 * block * d * 2
     assert exact <= cache.nbytes <= exact + room, (cache.nbytes, exact)
     card = h * (n * _card_bytes(bits, d, g, s, 4, r, n / len(chunks)) + n * _card_bytes(bits, d, g, s, 1, r, n / len(chunks))

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 
@@ -141,3 +142,42 @@ def test_serve_batches_eight_concurrent_requests_like_one_at_a_time(method, tmp_
         server.terminate()
         server.wait(timeout=20)
         log.close()
+
+
+def test_serve_no_batching_reaches_patch_server_and_stats_line_reports_peak_memory(monkeypatch, capsys):
+    """``veloxquant serve --no-batching`` passes batching=False to patch_server, which then
+    serves a batching method one request at a time; with VELOXQUANT_SERVE_STATS set the
+    serve command prints its peak memory as one JSON line when the server stops."""
+    import mlx_lm.server
+
+    from tiny_models import tiny_model
+    from veloxquant_mlx import KVCacheConfig, cli
+    from veloxquant_mlx.integrations import mlx_lm as integration
+
+    seen = []
+    monkeypatch.setattr(integration, "patch_server", lambda module, config, batching=True: seen.append(batching))
+    monkeypatch.setattr(mlx_lm.server, "main", lambda: None)
+    monkeypatch.setenv(cli.SERVE_STATS_ENV, "1")
+    for flags in (["--no-batching"], []):
+        assert cli.main(["serve", "--method", "snapkv", *flags, "--", "--model", "reference"]) == 0
+    assert seen == [False, True]
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith(cli.SERVE_STATS_PREFIX)]
+    assert len(lines) == 2
+    stats = json.loads(lines[0][len(cli.SERVE_STATS_PREFIX):])
+    assert stats["peak_memory_bytes"] > 0 and stats["max_rss_bytes"] > 0
+
+    class Provider:  # what patch_server wraps in mlx_lm.server
+        model_key, draft_model = ("tiny",), None
+
+        def _load(self):
+            self.model = tiny_model("llama")
+
+    monkeypatch.undo()
+    for batching, expected in ((False, False), (True, True)):
+        provider_class = type("Provider", (Provider,), {"_load": Provider._load})
+        integration.patch_server(SimpleNamespace(ModelProvider=provider_class),
+                                 KVCacheConfig(method="snapkv"), batching=batching)
+        provider = provider_class()
+        provider._load()
+        assert provider.is_batchable is expected
+    assert "one request at a time (batching turned off)" in capsys.readouterr().err

@@ -10,10 +10,10 @@ from veloxquant_mlx.cache.options import SKVQOptions
 from veloxquant_mlx.kernels.decode import DecodePart
 from veloxquant_mlx.methods.skvq import SKVQCache
 from veloxquant_mlx.quant.affine import quantize_per_token
-from veloxquant_mlx.quant.clip import CLIP_GRID, clip_errors, dequantize_rows, quantize_clipped, search_clip
+from veloxquant_mlx.quant.clip import CLIP_GRID, clip_errors, quantize_clipped, search_clip
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS, AffineLayout
 from veloxquant_mlx.quant.reorder import RangeOrder, inverse, is_permutation, permute, permute_heads
-from veloxquant_mlx.quant.token_rows import TokenRows
+from veloxquant_mlx.quant.token_rows import TokenRows, dequantize_rows
 
 
 def feed(cache, keys, values, chunk, gqa=2):

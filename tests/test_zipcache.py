@@ -16,11 +16,12 @@ from veloxquant_mlx.cache.base import CacheStateError
 from veloxquant_mlx.cache.options import ZipCacheOptions
 from veloxquant_mlx.kernels import kivi_decode as kd
 from veloxquant_mlx.methods.zipcache import ZipCacheKVCache
-from veloxquant_mlx.quant.channel_scaled import ChannelScaledRows, TokenGroups, channel_scale
+from veloxquant_mlx.quant.channel_scaled import channel_scale
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
 from veloxquant_mlx.quant.saliency import (
     ProbeSaliency, n_salient, normalized_by_visibility, probe_attention_sums, probe_positions)
 from veloxquant_mlx.quant.token_mixed import TokenMixedStore
+from veloxquant_mlx.quant.token_rows import TokenGroups, TokenRows
 
 
 def zipcache(f=0.2, hi=4, lo=2, group=32, gap=128, quantize_values=True):
@@ -286,7 +287,7 @@ def test_a_decode_step_reads_the_packed_codes_and_decodes_nothing(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a decode step dequantized the history")
 
-    monkeypatch.setattr(ChannelScaledRows, "rows", refuse)
+    monkeypatch.setattr(TokenRows, "rows", refuse)
     monkeypatch.setattr(TokenMixedStore, "history", refuse)
     feed(cache, keys[:, :, 90:], keys[:, :, 90:], 1)
     assert cache.store.k_buf.length == 10 and cache.store.k_buf.capacity == 32  # grown 32 rows at a time

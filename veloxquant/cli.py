@@ -195,7 +195,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import mlx_lm
 
-    from .integrations.mlx_lm import make_prompt_cache
+    from .integrations.mlx_lm import make_prompt_cache, prefill_with_reconstruction, reconstruction_layers
 
     model, tokenizer, model_config = load_model(args.model)
     dtype = compute_dtype(args.dtype)
@@ -211,6 +211,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr, flush=True,
         )
     cache = make_prompt_cache(model, config)
+    if reconstruction_layers(cache) and len(prompt) > 1:  # kvzip: compress the prompt by its pass
+        cost = prefill_with_reconstruction(model, tokenizer, prompt[:-1], cache)
+        print(f"[kv cache] {config.method}: prefill {cost['prefill_s']:.2f} s, reconstruction "
+              f"pass {cost['reconstruction_s']:.2f} s", file=sys.stderr, flush=True)
+        prompt = prompt[-1:]
     interrupted = False
     try:
         for response in mlx_lm.stream_generate(
@@ -249,9 +254,35 @@ def _server_model_args(server_args: list[str]) -> list[str]:
     return out
 
 
+# Set (to anything but "" or "0"), `veloxquant serve` prints SERVE_STATS_PREFIX + one JSON
+# line to stderr when it stops (Ctrl-C / SIGINT): the process's peak MLX memory
+# (mx.get_peak_memory(): every array, weights and caches) and its peak resident set.
+SERVE_STATS_ENV = "VELOXQUANT_SERVE_STATS"
+SERVE_STATS_PREFIX = "veloxquant serve stats: "
+
+
+def print_serve_stats() -> None:
+    """The stats line of SERVE_STATS_ENV (benchmarks/serve_load.py reads it)."""
+    import json
+    import resource
+
+    import mlx.core as mx
+
+    stats = {"peak_memory_bytes": int(mx.get_peak_memory()),
+             "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    print(SERVE_STATS_PREFIX + json.dumps(stats), file=sys.stderr, flush=True)
+
+
+def _serve_stats_wanted() -> bool:
+    import os
+
+    return os.environ.get(SERVE_STATS_ENV, "") not in ("", "0")
+
+
 def cmd_serve(args: argparse.Namespace, server_args: list[str]) -> int:
     """Run mlx-lm's OpenAI-compatible server with every loaded model patched to use the
-    method."""
+    method, batching requests continuously when the method batches (--no-batching: one
+    request at a time)."""
     config = config_from_args(args.method, args.set)
     server_args = _server_model_args(server_args)
 
@@ -259,9 +290,13 @@ def cmd_serve(args: argparse.Namespace, server_args: list[str]) -> int:
 
     from .integrations.mlx_lm import patch_server
 
-    patch_server(server, config)
+    patch_server(server, config, batching=not args.no_batching)
     sys.argv = ["veloxquant serve", *server_args]
-    server.main()
+    try:
+        server.main()
+    finally:
+        if _serve_stats_wanted():
+            print_serve_stats()
     return 0
 
 
@@ -271,7 +306,8 @@ MIN_CALIBRATION_TOKENS = 16
 
 
 def _calibration_text(path: str | None) -> tuple[str, str]:
-    """(text, its name): ``--text FILE`` or the reference model's held-out book."""
+    """(text, its name): ``--text FILE`` or the reference model's held-out book (whose end
+    is used: the bench's default held-out window is its start)."""
     if path is None:
         return (REFERENCE_MODEL / "heldout_kjv_acts.txt").read_text(), "heldout_kjv_acts.txt"
     file = Path(path).expanduser()
@@ -318,7 +354,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     dtype = compute_dtype(args.dtype)
     if dtype is not None:
         model.set_dtype(dtype)
-    tokens = tokenizer.encode(text)[: args.tokens]
+    tokens = tokenizer.encode(text)
+    tokens = tokens[-args.tokens :] if args.text is None else tokens[: args.tokens]
+    text_name += " (its end)" if args.text is None else ""
     if len(tokens) < MIN_CALIBRATION_TOKENS:
         raise CLIError(f"--text {args.text or text_name}: {len(tokens)} tokens; calibration needs "
                        f"at least {MIN_CALIBRATION_TOKENS}")
@@ -390,9 +428,15 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help=doc,
         description=doc + " Arguments after -- go to mlx_lm.server (its --model may be a "
         "folder, a hub id or 'reference', the embedded model).",
-        usage="veloxquant serve [--method M] [--set FIELD=VALUE ...] -- [mlx_lm.server args]",
+        usage="veloxquant serve [--method M] [--set FIELD=VALUE ...] [--no-batching] -- "
+              "[mlx_lm.server args]",
     )
     _add_method_args(p)
+    p.add_argument("--no-batching", action="store_true",
+                   help="serve one request at a time even when the method batches (requests "
+                        "arriving meanwhile wait); default: continuous batching for the methods "
+                        f"that batch. With {SERVE_STATS_ENV}=1 in the environment, the server "
+                        "prints its peak memory when it stops")
     p.set_defaults(func=cmd_serve)
 
     doc = " ".join(cmd_calibrate.__doc__.split())
@@ -416,9 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "<method>-<model folder name>.safetensors in the current folder)")
     p.add_argument("--text", default=None, metavar="FILE",
                    help="a UTF-8 text file whose keys and values are collected (default: the "
-                        "reference model's held-out text, heldout_kjv_acts.txt)")
+                        "reference model's held-out text, heldout_kjv_acts.txt, its end)")
     p.add_argument("--tokens", type=int, default=CALIBRATE_TOKENS,
-                   help=f"tokens of the text used, from its start, at least 1 (default: "
+                   help=f"tokens of the text used, at least 1: from the start of --text, from "
+                        f"the end of the default text (the bench measures its start) (default: "
                         f"{CALIBRATE_TOKENS})")
     p.add_argument("--iters", type=int, default=CALIBRATE_ITERS,
                    help=f"most k-means iterations per codebook, at least 1 (default: "

@@ -7,8 +7,17 @@ import mlx.core as mx
 PREFILL_CHUNK = 2048  # mlx-lm's prefill_step_size
 
 
-def prefill(model, cache, tokens: mx.array, chunk: int = PREFILL_CHUNK) -> mx.array:
-    """Process a prompt in chunks, then its last token alone; return that token's logits."""
+def prefill(model, cache, tokens: mx.array, chunk: int = PREFILL_CHUNK, tokenizer=None) -> mx.array:
+    """Process a prompt in chunks, then its last token alone; return that token's logits.
+
+    A cache that scores by a reconstruction pass (kvzip) gets it, given the ``tokenizer``
+    its probe is written with: all but the last token are the context it compresses.
+    """
+    from ..integrations.mlx_lm import prefill_with_reconstruction, reconstruction_layers
+
+    if tokenizer is not None and tokens.shape[0] > 1 and reconstruction_layers(cache):
+        prefill_with_reconstruction(model, tokenizer, tokens[:-1].tolist(), cache, chunk)
+        tokens = tokens[-1:]
     while tokens.shape[0] > 1:
         n = min(chunk, tokens.shape[0] - 1)
         model(tokens[:n][None], cache=cache)

@@ -88,8 +88,8 @@ class CompressedKVCache:
 
     requires_attention_hook = False
     # Batched generation is opt-in per class, never inherited: a class sets ``batchable``
-    # (True or "per_sequence") in its own body, or is listed in cache/batch.py's BATCHABLE;
-    # ``cache.batch.batch_mode(cls)`` says how it batches (None: it does not).
+    # (True or "per_sequence") in its own body; ``cache.batch.batch_mode(cls)`` says how it
+    # batches (None: it does not).
     merge = _BatchMerge()
 
     def __init__(self, config: KVCacheConfig, context: Any = None, layer: int = 0):

@@ -23,84 +23,61 @@ sequence, an ``mx.array``) for RoPE. ``merge`` on one of our classes returns a
   per sequence (each sequence's budget, its scores over its own slots, its free slot).
   The dense cache (``FullPacked`` here) and the eviction base (``evict/batch.py``) have
   one. Padding sits after a sequence's slots, so attention over a padded row adds exact
-  zeros after the real terms: on the CPU back-end the outputs were bit-identical to the
-  sequence run alone in every check we ran (tests/test_conformance.py).
+  zeros after the real terms; MLX's fused attention still sums a longer row in other
+  blocks, so a sequence followed by padding may round differently from alone (measured:
+  up to 5e-7 on the CPU back-end). The batch conformance tests hold packed runs to float
+  rounding with the same tokens and kept positions, per-sequence runs to bit identity.
 
-Batching is opt-in per method class, never inherited: a class sets ``batchable = True``
-in its own body (packed where its base has a packed layout and the class changes none of
-the base's decode steps, per sequence otherwise) or ``batchable = "per_sequence"``;
-classes whose modules are not ours to edit are listed in ``BATCHABLE`` below. Other
-classes have no ``merge`` (``CompressedKVCache.merge`` raises AttributeError for them),
-so mlx-lm refuses to batch them; our integration replaces mlx-lm's generic message with
-one that names the method and the methods that batch. Nothing ever falls back to an
-uncompressed cache.
+Batching is opt-in per method class, never inherited (a subclass may change what the
+batch layouts rely on): a class says in its own body ``batchable = True`` (packed where
+its base has a packed layout that accepts it, per sequence otherwise) or ``batchable =
+"per_sequence"``. A class without it has no ``merge`` (``CompressedKVCache.merge`` raises
+AttributeError), so mlx-lm does not batch it, and our integration replaces mlx-lm's
+generic refusal with one naming the method and the methods that batch. Nothing ever
+falls back to an uncompressed cache.
+
+The quantized stores (``quant/store.py`` and the stores built on it) batch per sequence
+only. Their decode attends over parts (packed groups, codebook codes, low-rank factors,
+a full-precision window) whose boundaries move at each sequence's own steps: a store
+flushes its window into packed groups when that sequence's window fills, so in a batch
+the parts of different sequences cover different token ranges. A packed layout would
+need per-sequence masks inside every part (the fused kernels' and the ``PackedScores``
+codecs') and flushes for a subset of rows; per sequence, each store's decode runs
+unchanged (bit-identical to alone) and the model's projections and MLPs still run
+batched.
 """
 
 from __future__ import annotations
 
 import copy
-import sys
 import weakref
 from typing import Any
 
 import mlx.core as mx
 
-from .base import _PACKAGE_DIR, AttentionHookMissing, causal_mask
+from .base import CompressedKVCache, causal_mask
 from .buffers import GrowingArray
 
 PACKED, PER_SEQUENCE = "packed", "per_sequence"
 
-# Classes that batch, by "module:qualname", for classes whose modules are not edited here;
-# each one passes the batch conformance tests (tests/test_conformance.py). True: packed
-# decode where the base has it and the class changes none of its decode steps (else per
-# sequence); PER_SEQUENCE: per sequence, for a class whose decode code reads the cache's
-# offset as a number (Keyformer's noise keys: packed, ``offset`` is one per sequence).
-BATCHABLE: dict[str, bool | str] = {
-    # the eviction base
-    "veloxquant_mlx.methods.snapkv:SnapKVCache": True,
-    "veloxquant_mlx.methods.knorm:L2NormCache": True,
-    "veloxquant_mlx.methods.tova:TOVACache": True,
-    "veloxquant_mlx.methods.h2o:H2OCache": True,
-    "veloxquant_mlx.methods.pyramidkv:PyramidKVCache": True,
-    "veloxquant_mlx.methods.squeeze:SqueezeAttentionCache": True,
-    "veloxquant_mlx.methods.curdkv:CurDKVCache": True,
-    # the eviction base, decode steps of their own: per sequence
-    "veloxquant_mlx.methods.chunkkv:ChunkKVCache": True,
-    "veloxquant_mlx.methods.cam:CaMCache": True,
-    "veloxquant_mlx.methods.qfilters:QFiltersCache": True,
-    "veloxquant_mlx.methods.morphkv:MorphKVCache": True,
-    "veloxquant_mlx.methods.nestedkv:NestedKVCache": True,
-    "veloxquant_mlx.methods.rocketkv:RocketKVCache": True,
-    "veloxquant_mlx.methods.keyformer:KeyformerCache": PER_SEQUENCE,
-    # no packed layout: per sequence
-    "veloxquant_mlx.methods.streaming_llm:StreamingLLMCache": PER_SEQUENCE,
-    "veloxquant_mlx.methods.kivi:KIVICache": PER_SEQUENCE,
-    "veloxquant_mlx.methods.kitty:KittyCache": PER_SEQUENCE,
-    "veloxquant_mlx.methods.adakv:AdaKVCache": PER_SEQUENCE,
-    "veloxquant_mlx.methods.age_tiered:AgeTieredKVCache": PER_SEQUENCE,
-    "veloxquant_mlx.methods.skvq:SKVQCache": PER_SEQUENCE,
-    "veloxquant_mlx.methods.kvquant:KVQuantCache": PER_SEQUENCE,
-    "veloxquant_mlx.methods.gear:GEARCache": PER_SEQUENCE,
-    "veloxquant_mlx.methods.zipcache:ZipCacheKVCache": PER_SEQUENCE,
-}
-# Packed decode can be turned off (every decode step then runs per sequence, bit-identical
-# to each sequence alone; packed it is one attention call per layer for the batch).
+# Tests turn packed decode off to check that every decode step, run per sequence, is
+# bit-identical to each sequence alone (packed: one attention call per layer for the batch).
 PACK_DECODE = True
 
 
-def class_key(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
 def batch_mode(cls: type) -> str | None:
-    """PACKED, PER_SEQUENCE, or None (the class does not batch). Never inherited."""
+    """PACKED, PER_SEQUENCE, or None (the class does not batch): ``cls``'s own
+    ``batchable``, never an inherited one."""
     value = cls.__dict__.get("batchable")
-    if value is None:
-        value = BATCHABLE.get(class_key(cls))
-    if not value:
+    if value is None or value is False:
         return None
     if value == PER_SEQUENCE:
         return PER_SEQUENCE
+    if value is not True:
+        raise TypeError(
+            f"{cls.__qualname__}.batchable={value!r}: allowed are True (packed where the base "
+            f"has a packed layout for it), {PER_SEQUENCE!r} or False"
+        )
     return PACKED if packer_for(cls) is not None else PER_SEQUENCE
 
 
@@ -141,35 +118,40 @@ def refusal(cache: Any) -> str:
     return (
         f"method {method!r} ({type(cache).__name__}) does not support batched generation "
         "(mlx-lm's batch_generate, BatchGenerator, the server's continuous batching): its "
-        "algorithm is not checked to batch on VeloxQuant's batch caches, and VeloxQuant never "
-        "falls back to an uncompressed cache. Generate one sequence at a time "
-        "(mlx_lm.generate / stream_generate), or use a method that batches: "
-        + ", ".join(batchable_methods())
+        "class has not opted in (no `batchable`: it is not checked to give each sequence of a "
+        "batch what it gives alone), and VeloxQuant never falls back to an uncompressed cache. "
+        "Generate one sequence at a time (mlx_lm.generate / stream_generate), or use a method "
+        "that batches: " + ", ".join(batchable_methods())
     )
 
 
-# -- copies that keep one context per sequence ------------------------------------------
-# A sequence's layers share one ModelContext. mlx-lm merges and extracts layer by layer
-# (layer 0 first), so a copy made for the first compressed layer is reused by the others.
-_STASHES: dict[str, dict[int, tuple[Any, Any]]] = {"merge": {}, "extract": {}}
+# -- copies: one model context per sequence ----------------------------------------------
+# A sequence's layers share one ModelContext (per-layer budgets, what one layer leaves for
+# the next). Copying each layer's cache on its own would give every layer its own copy of
+# it; mlx-lm merges and extracts layer by layer, layer 0 first, so the copy made for a
+# sequence's first compressed layer is kept here, by the original's id, for its other
+# layers. Merges and extracts keep separate tables, so that neither picks up a copy the
+# other made.
+_CONTEXT_COPIES: dict[str, dict[int, tuple[weakref.ref, Any]]] = {"merge": {}, "extract": {}}
 
 
 def _context_copy(context: Any, layer: int, purpose: str) -> Any:
     if context is None:
         return None
-    stash = _STASHES[purpose]
-    entry = stash.get(id(context))
-    first = not context.compressed_layers or layer == context.compressed_layers[0]
-    if entry is None or first or entry[0]() is not context:
-        for key in [k for k, (ref, _) in stash.items() if ref() is None]:
-            del stash[key]
+    copies = _CONTEXT_COPIES[purpose]
+    entry = copies.get(id(context))
+    first_layer = not context.compressed_layers or layer == context.compressed_layers[0]
+    if entry is None or first_layer or entry[0]() is not context:
+        for key in [k for k, (ref, _) in copies.items() if ref() is None]:
+            del copies[key]
         entry = (weakref.ref(context), copy.deepcopy(context))
-        stash[id(context)] = entry
+        copies[id(context)] = entry
     return entry[1]
 
 
 def copy_single(cache: Any, purpose: str) -> Any:
-    """An independent copy of a single-sequence cache; its layers keep sharing one context."""
+    """An independent copy of a single-sequence cache (``purpose``: "merge" or "extract");
+    the copies of one sequence's layers share one copied context."""
     context = getattr(cache, "context", None)
     memo = {} if context is None else {id(context): _context_copy(context, cache.layer, purpose)}
     return copy.deepcopy(cache, memo)
@@ -178,8 +160,8 @@ def copy_single(cache: Any, purpose: str) -> Any:
 def merge(cls: type, caches: list) -> "BatchCache":
     """``caches[0][i].merge([c[i] for c in caches])``: one batch cache for layer i.
 
-    The caches are copied (a user's prompt caches, which mlx-lm promises not to change);
-    each sequence's layers keep sharing one (copied) model context.
+    The caches are copied (they are a caller's prompt caches, which mlx-lm leaves as they
+    were).
     """
     if batch_mode(cls) is None:
         raise ValueError(refusal(caches[0]))
@@ -189,15 +171,15 @@ def merge(cls: type, caches: list) -> "BatchCache":
                 f"cannot batch a {type(c).__name__} with a {cls.__name__}: every sequence of a "
                 "batch must use the same method"
             )
-    singles = [copy_single(c, "merge") for c in caches]
-    return batch_class(cls)(singles)
+    return batch_class(cls)([copy_single(c, "merge") for c in caches])
 
 
 _BATCH_CLASSES: dict[type, type] = {}
 
 
 def batch_class(cls: type) -> type:
-    """The batch class of a method class (it observes hidden states if the method does)."""
+    """The batch class of a method class: ``BatchCache`` plus, for a method that observes
+    hidden states, ``observe_hidden`` (the integration looks for it by name)."""
     if cls not in _BATCH_CLASSES:
         body = {"cache_class": cls, "__module__": __name__}
         if hasattr(cls, "observe_hidden"):
@@ -205,14 +187,6 @@ def batch_class(cls: type) -> type:
             body["observes_hidden_states"] = getattr(cls, "observes_hidden_states", False)
         _BATCH_CLASSES[cls] = type(f"Batch{cls.__name__}", (BatchCache,), body)
     return _BATCH_CLASSES[cls]
-
-
-def _share_dtypes_deepcopy(obj, memo):
-    clone = type(obj).__new__(type(obj))
-    memo[id(obj)] = clone
-    for name, value in obj.__dict__.items():
-        clone.__dict__[name] = value if isinstance(value, mx.Dtype) else copy.deepcopy(value, memo)
-    return clone
 
 
 class BatchCache:
@@ -224,12 +198,17 @@ class BatchCache:
     def __init__(self, singles: list):
         self.config = singles[0].config
         self.layer = singles[0].layer
-        self.seqs: list | None = list(singles)  # per-sequence layout
-        self.packed = None  # packed layout (FullPacked, EvictionPacked), or None
-        self._lead: list[int] | None = None  # left padding of the next update
-        self._todo: list[int] | None = None  # real tokens still to come (right padding after)
-        self._right: list[int] | None = None  # right padding of the next update (no lengths)
-        self._spans: list[tuple[int, int]] = []  # (first row, real rows) per sequence, last update
+        self.seqs: list | None = list(singles)  # per-sequence layout: one cache per sequence
+        self.packed = None  # packed layout (FullPacked, EvictionPacked); then seqs is None
+        # Padding of the update to come, from ``prepare``: per sequence, padding rows before
+        # its tokens, real tokens still to come in this and later chunks (the rest of each
+        # chunk is padding after them), or padding rows after its tokens.
+        self._left_padding: list[int] | None = None
+        self._tokens_to_come: list[int] | None = None
+        self._right_padding: list[int] | None = None
+        # Per sequence, of the last update: (first real row, real rows), and what its cache
+        # returned (None: no real rows), for ``attend``.
+        self._real_rows: list[tuple[int, int]] = []
         self._fetched: list = []
         self._awaiting_attend = False
 
@@ -244,10 +223,11 @@ class BatchCache:
     # -- positions: what the model feeds RoPE with -------------------------------------------
     @property
     def offset(self) -> mx.array:
-        """(B,) int32: the position of each sequence's next token (minus pending left padding)."""
+        """(B,) int32: each sequence's next position, less pending left padding (so that its
+        first real token gets its own position, as mlx-lm's BatchKVCache does)."""
         if self.packed is not None:
             return self.packed.offset_array
-        lead = self._lead or [0] * len(self.seqs)
+        lead = self._left_padding or [0] * len(self.seqs)
         return mx.array([s.offset - p for s, p in zip(self.seqs, lead)], mx.int32)
 
     @property
@@ -261,96 +241,96 @@ class BatchCache:
         if left_padding is not None:
             if any(s.offset for s in self.seqs):
                 raise ValueError("Left padding can only be added to an empty batch cache")
-            self._lead = [int(p) for p in left_padding]
+            self._left_padding = [int(p) for p in left_padding]
         if lengths is not None:
-            self._todo = [int(n) for n in lengths]
+            self._tokens_to_come = [int(n) for n in lengths]
         elif right_padding is not None and max(right_padding) > 0:
-            self._right = [int(p) for p in right_padding]
+            self._right_padding = [int(p) for p in right_padding]
 
     def finalize(self):
-        """Nothing to roll: padding rows were never stored."""
-        self._todo = self._right = None
+        """Nothing to roll (BatchKVCache moves right padding to the left here): padding rows
+        were never stored."""
+        self._tokens_to_come = self._right_padding = None
 
-    def _take_spans(self, n: int) -> list[tuple[int, int]]:
-        spans = []
+    def _split_rows(self, n: int) -> list[tuple[int, int]]:
+        """(first real row, real rows) of each sequence in an update of ``n`` rows; uses up
+        the left and right padding and counts down the tokens to come."""
+        out = []
         for b in range(len(self.seqs)):
-            lead = self._lead[b] if self._lead else 0
+            lead = self._left_padding[b] if self._left_padding else 0
             real = n - lead
-            if self._todo is not None:
-                real = max(0, min(self._todo[b], real))
-                self._todo[b] -= real
-            elif self._right is not None:
-                real -= self._right[b]
-            spans.append((lead, real))
-        self._lead = self._right = None
-        return spans
+            if self._tokens_to_come is not None:
+                real = max(0, min(self._tokens_to_come[b], real))
+                self._tokens_to_come[b] -= real
+            elif self._right_padding is not None:
+                real -= self._right_padding[b]
+            out.append((lead, real))
+        self._left_padding = self._right_padding = None
+        return out
 
-    # -- the protocol ----------------------------------------------------------------------
-    def _expect_attend(self) -> None:
-        """Attention must come to ``attend`` (as for caches that own attention)."""
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-            frame = frame.f_back
-        if frame is not None:
-            from ..integrations.mlx_lm import hook_caller_module
+    # -- an update, then attention ---------------------------------------------------------
+    # Borrowed, not inherited: a batch cache is no CompressedKVCache (it is never saved,
+    # registered with mlx-lm or merged again). The hook check routes the calling model
+    # module's attention to ``attend``; copies share dtypes, which cannot be copied.
+    _expect_attend = CompressedKVCache._expect_attend
+    __deepcopy__ = CompressedKVCache.__deepcopy__
 
-            hook_caller_module(frame.f_globals, self)
-        if self._awaiting_attend:
-            raise AttentionHookMissing(
-                f"a batch of {self.cache_class.__name__} (method {self.config.method!r}) "
-                "computes attention itself, but the model's attention did not go through the "
-                "VeloxQuant hook"
-            )
-        self._awaiting_attend = True
+    @property
+    def _padding_pending(self) -> bool:
+        return not (self._left_padding is None and self._tokens_to_come is None and self._right_padding is None)
 
     def update_and_fetch(self, keys, values):
+        """A decode step without padding goes to the packed layout when the class has one
+        and every sequence can join it; any other update (a prompt chunk, padded or not)
+        goes to each sequence's cache, its real rows only."""
         self._expect_attend()
         n = keys.shape[2]
-        padded = self._lead is not None or self._todo is not None or self._right is not None
-        if n == 1 and not padded:
+        if n == 1 and not self._padding_pending:
             self._pack()
             if self.packed is not None:
                 return self.packed.update_and_fetch(keys, values)
         self._unpack()
-        self._spans = self._take_spans(n)
+        self._real_rows = self._split_rows(n)
         self._fetched = []
-        for b, (s, (lead, real)) in enumerate(zip(self.seqs, self._spans)):
+        for b, (s, (first, real)) in enumerate(zip(self.seqs, self._real_rows)):
             if real <= 0:
                 self._fetched.append(None)
                 continue
-            rows = slice(lead, lead + real)
+            rows = slice(first, first + real)
             self._fetched.append(s.update_and_fetch(keys[b : b + 1, :, rows], values[b : b + 1, :, rows]))
-        return keys, values  # attention is computed per sequence in ``attend``
+        return keys, values  # not attended: ``attend`` takes each sequence's own rows
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        """Packed: one call for the batch. Per sequence: each cache attends with its own
+        queries, over what it returned, with its own causal mask; padding rows get zeros
+        (mlx-lm discards their outputs)."""
         self._awaiting_attend = False
         if self.packed is not None:
             return self.packed.attend(queries, keys, values, scale=scale, sinks=sinks)
         n = queries.shape[2]
         outs = []
-        for b, (s, (lead, real), fetched) in enumerate(zip(self.seqs, self._spans, self._fetched)):
+        for b, (s, (first, real), fetched) in enumerate(zip(self.seqs, self._real_rows, self._fetched)):
             if fetched is None:
                 outs.append(mx.zeros((1, queries.shape[1], n, values.shape[3]), queries.dtype))
                 continue
             k, v = fetched
-            own = None if real == 1 else causal_mask(real, k.shape[2]) if isinstance(mask, mx.array) else "causal"
-            out = s.attend(queries[b : b + 1, :, lead : lead + real], k, v, scale=scale, mask=own, sinks=sinks)
+            own_mask = None if real == 1 else causal_mask(real, k.shape[2]) if isinstance(mask, mx.array) else "causal"
+            out = s.attend(queries[b : b + 1, :, first : first + real], k, v, scale=scale, mask=own_mask, sinks=sinks)
             if real < n:
-                out = mx.pad(out, [(0, 0), (0, 0), (lead, n - lead - real), (0, 0)])
+                out = mx.pad(out, [(0, 0), (0, 0), (first, n - first - real), (0, 0)])
             outs.append(out)
         self._fetched = []
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
     def _observe_hidden(self, before, attention):
         """Each sequence's cache observes its own rows (methods that observe hidden states)."""
-        if self.packed is not None:
-            spans = [(0, 1)] * self.packed.batch_size
-            seqs = self.packed.shells
+        if self.packed is not None:  # a decode step: one row each; the shells keep the method's state
+            real_rows, seqs = [(0, 1)] * self.packed.batch_size, self.packed.shells
         else:
-            spans, seqs = self._spans, self.seqs
-        for b, (s, (lead, real)) in enumerate(zip(seqs, spans)):
+            real_rows, seqs = self._real_rows, self.seqs
+        for b, (s, (first, real)) in enumerate(zip(seqs, real_rows)):
             if real > 0:
-                rows = slice(lead, lead + real)
+                rows = slice(first, first + real)
                 s.observe_hidden(before[b : b + 1, rows], attention[b : b + 1, rows])
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -371,6 +351,8 @@ class BatchCache:
 
     # -- layouts -----------------------------------------------------------------------------
     def _pack(self) -> None:
+        """Per sequence -> packed, when the class has a packed layout and every sequence is
+        past its prompt (``can_pack``); otherwise the batch stays per sequence."""
         if self.packed is not None or not PACK_DECODE or batch_mode(self.cache_class) != PACKED:
             return
         packer = packer_for(self.cache_class)
@@ -379,6 +361,8 @@ class BatchCache:
             self.seqs = None
 
     def _unpack(self) -> None:
+        """Packed -> per sequence: each sequence's cache gets back its rows, exactly as it
+        would hold them alone (a prompt chunk, ``prepare``, ``trim`` run per sequence)."""
         if self.packed is not None:
             self.seqs = self.packed.unpack()
             self.packed = None
@@ -392,6 +376,7 @@ class BatchCache:
             self.seqs = [self.seqs[i] for i in keep]
 
     def extend(self, other: "BatchCache") -> None:
+        """Sequences join: packed if both batches can be, per sequence otherwise."""
         if type(other) is not type(self):
             raise ValueError(f"cannot extend a {type(self).__name__} with a {type(other).__name__}")
         if self.packed is not None and other.packed is None:
@@ -450,15 +435,21 @@ class BatchCache:
         trimmed = [s.trim(n) for s in self.seqs]
         return trimmed[0] if trimmed else 0
 
-    def __deepcopy__(self, memo):
-        return _share_dtypes_deepcopy(self, memo)
-
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(layer={self.layer}, sequences={self.batch_size}, "
                 f"layout={self.mode}, offsets={self.offsets}, nbytes={self.nbytes})")
 
 
-# -- shared by packed layouts ------------------------------------------------------------------
+# -- packed layouts -----------------------------------------------------------------------
+# A packed layout (``FullPacked`` below, ``evict/batch.py``'s ``EvictionPacked``) provides:
+# ``can_pack(single)`` and ``pack(singles)`` (classmethods), ``unpack()`` (the single caches
+# back, as they would be alone), ``update_and_fetch``, ``attend``, ``make_mask``, ``filter``,
+# ``extend``, ``extract``, ``size``, ``is_trimmable``, ``nbytes``, ``state``, and reads
+# ``batch_size``, ``offsets`` (host ints), ``offset_array`` ((B,) int32) and ``shells``: the
+# sequences' own caches, emptied of rows, which keep their config, context and options
+# (a method's per-sequence settings, what ``extract`` copies). Each layout tracks the
+# capacity each sequence's own buffers would have grown to alone, so that unpacking or
+# extracting gives back byte for byte the cache of the sequence run alone.
 def grown_capacity(capacity: int, length: int, n: int, step: int, limit: int | None) -> int:
     """The capacity ``GrowingArray.append`` leaves after appending ``n`` rows."""
     if length + n <= capacity:
@@ -486,8 +477,8 @@ def single_buffer(block: mx.array, capacity: int, step: int, limit: int | None) 
 
 
 class FullPacked:
-    """The dense cache's packed decode layout: keys and values (B, H, rows, D), each
-    sequence's tokens in slots 0 .. n_b - 1, the rest padding (masked by slot)."""
+    """The dense cache's packed decode layout: keys and values (B, H, rows, D), sequence
+    b's tokens in rows 0 .. lengths[b] - 1, the rows after them padding (masked by row)."""
 
     batch_size = property(lambda self: len(self.shells))
 
@@ -522,11 +513,11 @@ class FullPacked:
         shape = self.shells[0].kv_shape
         if (keys.shape[1], keys.shape[3], values.shape[3]) != (shape[1], shape[2], shape[3]):
             self.shells[0]._check_shape(keys[:1], values[:1])
-        if not self.padded:
+        if not self.padded:  # every sequence ends at the last row: plain appends
             self.keys.append(keys)
             self.values.append(values)
-        else:
-            if max(self.lengths) == self.keys.length:
+        else:  # each new row goes after its own sequence's rows, into its padding
+            if max(self.lengths) == self.keys.length:  # the longest has none left: one more row
                 self.keys.append(mx.zeros_like(keys))
                 self.values.append(mx.zeros_like(values))
             slot = self.length_array.reshape(-1, 1, 1, 1)
@@ -605,9 +596,8 @@ class FullPacked:
     def state(self):
         return [self.keys.view(), self.values.view()]
 
-    def __deepcopy__(self, memo):
-        return _share_dtypes_deepcopy(self, memo)
+    __deepcopy__ = CompressedKVCache.__deepcopy__
 
 
-__all__ = ["BATCHABLE", "BatchCache", "FullPacked", "batch_mode", "batchable_methods", "merge",
-           "refusal"]
+__all__ = ["BatchCache", "FullPacked", "PACKED", "PER_SEQUENCE", "batch_mode", "batchable_methods",
+           "merge", "refusal"]

@@ -34,9 +34,8 @@ from functools import cached_property
 
 import mlx.core as mx
 
-from ..cache.base import CacheStateError
-from ..cache.batch import _share_dtypes_deepcopy, copy_single, grown_capacity, pad_rows, single_buffer
-from ..cache.buffers import GrowingArray
+from ..cache.base import CacheStateError, CompressedKVCache
+from ..cache.batch import copy_single, grown_capacity, pad_rows, single_buffer
 from .attention import attention_weights
 from .base import ScoredEvictionCache, ScoreInputs
 from .layer_budgets import LayerBudgets
@@ -76,6 +75,7 @@ class EvictionPacked:
 
     @staticmethod
     def accepts(cls: type) -> bool:
+        """``cls`` decodes with the base's steps only (the ones reimplemented here)."""
         if cls.window_in_decode:
             return False
         for name in DECODE_STEPS:
@@ -99,6 +99,9 @@ class EvictionPacked:
         grown = first.arrays[self.names[0]]
         self.step = grown.step
         self.shells = singles
+        # Per sequence (host lists): slots held, the capacity and limit its own store would
+        # have, whether its last eviction left a free slot (``free``: which, per head), the
+        # tokens it has seen and its decode steps (its scoring schedule).
         self.rows = [s.store.rows for s in singles]
         self.capacities = [s.store.arrays[self.names[0]].capacity for s in singles]
         self.limits = [s.store.arrays[self.names[0]].limit for s in singles]
@@ -156,16 +159,16 @@ class EvictionPacked:
         if (h, keys.shape[3], values.shape[3]) != (shape[1], shape[2], shape[3]):
             w._check_shape(keys[:1], values[:1])
         every = w.schedule.decode_every
-        if every:  # what each sequence's own store would do: its budget plus the steps between scorings
+        if every:  # each sequence's own store stops growing at its budget plus the steps between scorings
             self.limits = [s.budget + every for s in self.shells]
             self._set_limit()
         positions = mx.broadcast_to(self.offset_array.reshape(b, 1, 1), (b, h, 1))
         new = {"keys": keys, "values": values, "positions": positions, **w.new_token_state(keys, values)}
         rows = store.rows
-        if not any(self.has_free) and all(r == rows for r in self.rows):
+        if not any(self.has_free) and all(r == rows for r in self.rows):  # no padding, no free slot
             for name, grown in store.arrays.items():
                 grown.append(new[name])
-        else:
+        else:  # each sequence writes its free slot, or the slot after its own ones
             if any(not f and r == rows for f, r in zip(self.has_free, self.rows)):
                 for name, grown in store.arrays.items():  # one more row, padding for the others
                     row = new[name]
@@ -324,8 +327,7 @@ class EvictionPacked:
     def state(self):
         return [*(self.store.view(n) for n in self.names), self.free]
 
-    def __deepcopy__(self, memo):
-        return _share_dtypes_deepcopy(self, memo)
+    __deepcopy__ = CompressedKVCache.__deepcopy__  # dtypes shared (they cannot be copied)
 
 
 def _worker(single, store: SlotStore):
@@ -340,4 +342,4 @@ def _worker(single, store: SlotStore):
     return worker
 
 
-__all__ = ["BatchScoreInputs", "EvictionPacked", "GrowingArray"]
+__all__ = ["BatchScoreInputs", "EvictionPacked"]

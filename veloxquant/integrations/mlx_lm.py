@@ -7,6 +7,9 @@
   ``mlx_lm.generate``, ``stream_generate`` and the server build our caches, fresh for
   every generation, and installs the attention hook; ``unpatch_model_kv_cache`` (or the
   ``patched_kv_cache`` context manager) restores the model exactly.
+- ``prefill_with_reconstruction(model, tokenizer, context, cache)``: prefill a context and
+  compress it by the method's extra forward passes (KVzip's repeat-the-context probe),
+  which mlx-lm's generate cannot run; then generate from the cache as usual.
 
 The attention hook replaces the ``scaled_dot_product_attention`` name that each model
 module imported from ``mlx_lm.models.base``. It hands attention to a layer's cache when
@@ -64,6 +67,9 @@ class ModelContext:
     shared: dict[str, Any] = field(default_factory=dict)
     layer_budgets: dict[int, int] = field(default_factory=dict)  # per-layer token budgets
     model_args: Any = None  # the model's ModelArgs (rope_theta, head counts, ...) when known
+    # The prompt cache's layers, by layer index (the model's own caches included): how a
+    # layer reaches its neighbours' caches (cross-layer methods, cache/cross_layer.py).
+    layers: list = field(default_factory=list)
 
 
 def attention_modules(model: nn.Module) -> list[Any]:
@@ -241,9 +247,10 @@ def _make_prompt_cache(model: nn.Module, config: KVCacheConfig, sticky: bool) ->
     if sticky:  # a patched model's hooks are installed (and counted) by the patch
         _install_hooks(model, sticky=True)
     _observers_for(model, cache_class, config, sticky)
-    return [
+    context.layers = [
         cache_class(config, context, i) if i in layers else c for i, c in enumerate(native)
     ]
+    return list(context.layers)
 
 
 def hook_caller_module(caller_globals: dict, cache: Any) -> None:
@@ -389,3 +396,81 @@ def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = Tru
     provider._veloxquant_original_load = original
     provider._load = _load
 
+
+
+# -- scoring passes: extra forward passes a method scores with (KVzip) ------------------------
+# mlx-lm's generate_step prefills the prompt itself and calls the model nothing else, so a
+# method whose scores come from the model re-reading something (KVzip's "repeat the
+# previous context" probe) is driven from here: prefill the context, run the probes through
+# the same caches (each layer scores them and drops their KV again), rank every layer at
+# once, then hand the cache to generate/stream_generate for the question or the last
+# prompt token. A cache layer takes part when its class sets ``scores_by_reconstruction``.
+
+
+def reconstruction_layers(cache: list) -> list:
+    """The layers of a prompt cache that score by a reconstruction pass (empty: none)."""
+    return [c for c in cache if getattr(c, "scores_by_reconstruction", False)]
+
+
+def _other_layers_saved(cache: list, layers: list) -> list:
+    """The model's own layer caches (sliding window, ...), to put back after a probe."""
+    ours = {id(c) for c in layers}
+    return [(c, c.state, getattr(c, "meta_state", None)) for c in cache if id(c) not in ours]
+
+
+def run_reconstruction_pass(model: nn.Module, tokenizer, context_ids: list[int], cache: list) -> None:
+    """Run the method's probes over a prefilled context: each layer keeps its scores in
+    ``reliance`` (B, Hkv, T); the cache holds exactly the context again afterwards."""
+    import mlx.core as mx
+
+    layers = reconstruction_layers(cache)
+    body = getattr(model, "model", model)  # hidden states only: the probes need no logits
+    for start, end, probe in type(layers[0]).probe_chunks_for(tokenizer, context_ids):
+        others = _other_layers_saved(cache, layers)
+        for c in layers:
+            c.begin_probe(start, end)
+        try:
+            mx.eval(body(mx.array(probe)[None], cache=cache), [c.reliance for c in layers])
+        finally:
+            for c in layers:
+                c.end_probe()
+            for c, state, meta in others:
+                c.state = state
+                if meta is not None:
+                    c.meta_state = meta
+
+
+def prefill_with_reconstruction(model: nn.Module, tokenizer, context, cache: list,
+                                prefill_step_size: int = 2048) -> dict:
+    """Prefill ``context`` (text, or token ids) into a fresh ``cache`` and compress it by
+    the method's reconstruction pass; returns the seconds each part took.
+
+    Then continue as usual: ``mlx_lm.stream_generate(model, tokenizer, question,
+    prompt_cache=cache)`` (a deep copy of the cache answers each of several questions).
+    KVzip needs this step; without it a prompt that ends over the budget is compressed
+    by its documented fall-back (which warns). Batch size 1.
+    """
+    import time
+
+    import mlx.core as mx
+
+    layers = reconstruction_layers(cache)
+    if not layers:
+        methods = sorted({getattr(getattr(c, "config", None), "method", type(c).__name__) for c in cache})
+        raise ValueError(f"prefill_with_reconstruction: no layer of this cache scores by a "
+                         f"reconstruction pass (its methods: {methods}); only kvzip does")
+    ids = list(tokenizer.encode(context)) if isinstance(context, str) else [int(t) for t in context]
+    if not ids:
+        raise ValueError("prefill_with_reconstruction: the context is empty")
+    for c in layers:
+        c.begin_reconstruction()
+    start = time.perf_counter()
+    for i in range(0, len(ids), prefill_step_size):
+        model(mx.array(ids[i : i + prefill_step_size])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    prefilled = time.perf_counter()
+    run_reconstruction_pass(model, tokenizer, ids, cache)
+    type(layers[0]).select_globally(layers)
+    mx.eval([c.state for c in cache])
+    done = time.perf_counter()
+    return {"prefill_s": prefilled - start, "reconstruction_s": done - prefilled}

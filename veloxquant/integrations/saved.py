@@ -5,7 +5,9 @@ binds their names) and each cache refuses a state that contradicts its config or
 (``CompressedKVCache.from_state``). It cannot know the model the file will be used with;
 this loader does: it names the file in every error, checks the layer count and each
 layer's KV heads and head_dim against the model, and gives the layers one shared model
-context again, as ``make_prompt_cache`` does.
+context again, as ``make_prompt_cache`` does (its ``layers`` list is how cross-layer
+caches, ``cache/cross_layer.py``, reach each other; mlx-lm's loader already gives them
+back linked, their shared arrays once, in their owner's state).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def load_prompt_cache(path: str, model: Any = None, return_metadata: bool = Fals
                     f"layer {ours[0]}'s {config.to_dict()}"
                 )
         context = ModelContext(config, len(cache), tuple(ours),
-                               model_args=getattr(model, "args", None))
+                               model_args=getattr(model, "args", None), layers=list(cache))
         for i in ours:
             cache[i].context = context
     return (cache, metadata) if return_metadata else cache

@@ -9,7 +9,8 @@
 - ``svd_factors``: the exact thin SVD through a QR first (``x = Q R``, then the SVD of the
   small square ``R``), as ``A = U Σ`` and ``B = V``: sliced to r columns, the best rank-r
   approximation.
-- ``energy_rank``: the smallest r whose singular values hold a fraction of the energy.
+- ``energy_rank``: the smallest r whose singular values hold a fraction of the energy
+  (squared singular values) or of their mass (``power=1``).
 
 MLX runs QR and SVD on the CPU stream only; everything here is float32 there.
 """
@@ -51,9 +52,10 @@ def svd_factors(x: mx.array):
     return left * sigma[..., None, :], right, sigma
 
 
-def energy_rank(sigma: mx.array, fraction: float) -> mx.array:
-    """(...) int32: the smallest r with ``sum(sigma[:r]**2) >= fraction * sum(sigma**2)``."""
-    energy = mx.cumsum(sigma.astype(mx.float32) ** 2, axis=-1)
+def energy_rank(sigma: mx.array, fraction: float, power: int = 2) -> mx.array:
+    """(...) int32: the smallest r with ``sum(sigma[:r]**p) >= fraction * sum(sigma**p)``;
+    ``power`` 2 is the spectral energy, 1 the singular-value mass (SVDq's and Palu's rule)."""
+    energy = mx.cumsum(sigma.astype(mx.float32) ** power, axis=-1)
     below = (energy < fraction * energy[..., -1:]).sum(axis=-1)
     return mx.minimum(below + 1, sigma.shape[-1]).astype(mx.int32)
 

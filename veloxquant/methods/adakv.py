@@ -85,6 +85,7 @@ def allocate_bits(importance: Sequence[float], levels: tuple[int, int, int], tar
 
 class AdaKVCache(QuantizedCache):
     group_field = "adakv_group_size"
+    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
 
     def _init_storage(self) -> None:
         o = self.config.options

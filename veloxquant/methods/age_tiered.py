@@ -36,6 +36,7 @@ from ..quant.tiers import TieredStore
 
 class AgeTieredKVCache(QuantizedCache):
     group_field = "age_group_size"
+    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
 
     def make_store(self):
         o = self.config.options

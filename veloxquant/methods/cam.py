@@ -80,6 +80,7 @@ def merge_gate(a_e: mx.array, mean: mx.array) -> mx.array:
 class CaMCache(ScoredEvictionCache):
     roles = Roles(budget="cam_budget", n_sink="cam_n_sink")
     schedule = Schedule(prefill_end=True, decode_every=1)
+    batchable = "per_sequence"  # its own _evict (merging values), which the packed layout does not run
     gate_seed = 0  # the spec has no seed field: a fixed seed, kept in the saved state
 
     def score(self, inputs):  # recency: the oldest non-sink token leaves first

@@ -64,6 +64,7 @@ def local_share(scores: mx.array, window: int = LOCAL_WINDOW) -> mx.array:
 class CurDKVCache(ScoredEvictionCache):
     roles = Roles(budget="curdkv_budget", n_sink="curdkv_n_sink")
     schedule = Schedule(prefill_end=True)
+    batchable = True  # packed decode: evict/batch.py runs the base's decode steps for the batch
 
     def _init_storage(self) -> None:
         super()._init_storage()

@@ -46,6 +46,7 @@ from ..quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
 
 class GEARCache(QuantizedCache):
     group_field = "gear_group_size"
+    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
 
     def make_store(self):
         o = self.config.options

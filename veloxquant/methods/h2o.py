@@ -21,6 +21,7 @@ from ..evict.base import Roles, Schedule, ScoredEvictionCache
 class H2OCache(ScoredEvictionCache):
     roles = Roles(budget="h2o_budget", n_sink="h2o_n_sink", recent="h2o_grace")
     schedule = Schedule(prefill_end=True, decode_every=1)
+    batchable = True  # packed decode: evict/batch.py runs the base's decode steps for the batch
     token_state = ("mass",)
     state_from_queries = True
 

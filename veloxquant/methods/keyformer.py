@@ -78,6 +78,7 @@ class KeyformerCache(ScoredEvictionCache):
     token_state = ("score",)
     state_from_queries = True
     gumbel_noise = True  # False (tests only): score with softmax(x / tau), no noise
+    batchable = "per_sequence"  # its noise keys take the offset as a number (packed: one per sequence)
 
     def noise_key(self, position: int) -> mx.array:
         return noise_key(self.options.keyformer_seed, self.layer, position)

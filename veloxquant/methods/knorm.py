@@ -18,6 +18,7 @@ from ..evict.base import Roles, Schedule, ScoredEvictionCache
 class L2NormCache(ScoredEvictionCache):
     roles = Roles(budget="knorm_budget", n_sink="knorm_n_sink", recent="knorm_recent")
     schedule = Schedule(prefill_end=True, chunks=True, decode_every=1)
+    batchable = True  # packed decode: evict/batch.py runs the base's decode steps for the batch
     token_state = ("key_norm",)
 
     def new_token_state(self, keys, values):

@@ -9,8 +9,9 @@ A configuration of the streaming store (``quant/streaming_store.py``) over two
   ``make_prompt_cache`` context; de-rotated at their positions before encoding, rotated
   again when read, ``quant/prerope.py``), post-RoPE otherwise (a cache built without a
   context, or a rotary scaling that cannot be undone; the deviation the card allows).
-  Statistics per channel over groups of G = ``kvquant_group_size`` tokens; keys wait in
-  the model's dtype until a block of lcm(G, 32) tokens is whole (G for G = 32, 64, 128);
+  Statistics per channel over groups of G = ``kvquant_group_size`` tokens (any divisor of
+  head_dim; ``quant/groups.py`` names them when one is refused); keys wait in the model's
+  dtype until a block of lcm(G, 32) tokens is whole (G for G = 32, 64, 128);
 - values per token, statistics per group of G channels, each encoded as it comes;
 - per group: outliers out first, then ``o = (M + m) / 2``, ``rho = (M - m) / 2`` over the
   rest (the repo's ``quant_fn_nuq_recon``), ``z = (x - o) / rho``, the index of the nearest
@@ -22,8 +23,9 @@ A configuration of the streaming store (``quant/streaming_store.py``) over two
   ones; inferred, the card says "the same per channel"). Kept exactly: uint16 position and
   the value in the model's dtype (pre-RoPE keys: the de-rotated value, rounded to it);
 - the codebook: fitted on the first tokens a tensor encodes (its non-outlier z, a seeded
-  sample of at most 65536), quantile start then ``kvquant_lloyd_iters`` unweighted Lloyd
-  steps (the paper's offline k-means is Fisher-weighted, which needs gradients: the
+  sample of at most 65536), from the quantile grid (or the uniform one where that fits the
+  sample better: never worse than uniform levels), then ``kvquant_lloyd_iters`` unweighted
+  Lloyd steps (the paper's offline k-means is Fisher-weighted, which needs gradients: the
   deviation), then frozen for later prompt chunks; ``kvquant_refit_interval`` R > 0: every
   R decode steps a warm-started Lloyd on a histogram of what was encoded since the last
   fit gives a new codebook, used by the tokens encoded afterwards (each token or key group
@@ -42,6 +44,7 @@ from __future__ import annotations
 import math
 
 from ..quant.cache import QuantizedCache
+from ..quant.groups import check_divides
 from ..quant.nonuniform import NonUniform, NonUniformTokens
 from ..quant.packed import GROWTH_TOKENS
 from ..quant.prerope import model_rotary
@@ -50,6 +53,7 @@ from ..quant.streaming_store import StreamingStore
 
 class KVQuantCache(QuantizedCache):
     group_field = "kvquant_group_size"
+    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
 
     def make_store(self):
         o, g = self.config.options, self.group
@@ -65,3 +69,7 @@ class KVQuantCache(QuantizedCache):
         return StreamingStore(run("channel", model_rotary(self.context)), run("token"),
                               n_sink=o.kvquant_n_sink, key_block=block, window=0,
                               refit_interval=o.kvquant_refit_interval, step_tokens=step)
+
+    def update_and_fetch(self, keys, values):
+        check_divides(self.group_field, self.group, keys.shape[-1], values.shape[-1])
+        return super().update_and_fetch(keys, values)

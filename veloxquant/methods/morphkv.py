@@ -58,6 +58,7 @@ class MorphKVCache(ScoredEvictionCache):
     roles = Roles(budget="morphkv_budget", n_sink="morphkv_n_sink", recent="morphkv_window",
                   window="morphkv_window")
     schedule = Schedule(prefill_end=True, decode_every=1)
+    batchable = "per_sequence"  # its decode scores read recent queries; the packed layout keeps none
     window_in_decode = True
     fusion = "sum"  # "max": the official max_fused variant (tests only; no field selects it)
 

@@ -149,6 +149,7 @@ class Ensemble:
 class NestedKVCache(ScoredEvictionCache):
     roles = Roles(budget="nestedkv_budget", n_sink="nestedkv_n_sink", recent="nestedkv_window")
     schedule = Schedule(prefill_end=True)
+    batchable = "per_sequence"  # its own _evict and head_budgets, which the packed layout does not run
 
     def ensemble(self, inputs) -> Ensemble:
         """Steps 1-5 over the stored keys (computed once per scoring, shared by the split)."""

@@ -54,6 +54,7 @@ def schedule(n: int | None, layers: int, budget: int, beta: float, n_sink: int =
 class PyramidKVCache(LayerBudgets, SnapKVCache):
     roles = Roles(budget="pyramid_budget", n_sink="pyramid_n_sink")
     resolved_field = "pyramid_resolved_budget"
+    batchable = True  # packed decode: evict/batch.py runs the base's decode steps for the batch
 
     def _init_storage(self):
         super()._init_storage()

@@ -95,6 +95,7 @@ def calibration_stride(seen: int, capacity: int) -> int:
 class QFiltersCache(ScoredEvictionCache):
     roles = Roles(budget="qfilters_budget", n_sink="qfilters_n_sink", recent="qfilters_recent")
     schedule = Schedule(prefill_end=True, decode_every=1)
+    batchable = "per_sequence"  # its own _evict and trim, which the packed layout does not run
     token_state = ("proj",)
 
     def _init_storage(self) -> None:

@@ -54,6 +54,7 @@ from ..quant.sliding_store import SlidingWindowStore
 
 class SKVQCache(QuantizedCache):
     group_field = "skvq_group_size"
+    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
 
     def make_store(self):
         o = self.config.options

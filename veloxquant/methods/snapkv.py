@@ -26,6 +26,7 @@ class SnapKVCache(ScoredEvictionCache):
     roles = Roles(budget="snap_budget", n_sink="snap_n_sink", recent="snap_obs_window",
                   window="snap_obs_window")
     schedule = Schedule(prefill_end=True)
+    batchable = True  # packed decode: evict/batch.py runs the base's decode steps for the batch
 
     def score(self, inputs):
         queries, keys, positions = inputs.window_queries, inputs.keys, inputs.positions

@@ -75,6 +75,7 @@ class SqueezeAttentionCache(LayerBudgets, ScoredEvictionCache):
     roles = Roles(budget="squeeze_budget", n_sink="squeeze_n_sink")
     schedule = Schedule(prefill_end=True, decode_every=1)
     resolved_field = "squeeze_resolved_budget"
+    batchable = True  # packed decode: evict/batch.py runs the base's decode steps for the batch
     observes_hidden_states = True  # the integration calls observe_hidden in every layer
 
     def observe_hidden(self, before, attention):

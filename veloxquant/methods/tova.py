@@ -19,6 +19,7 @@ from ..evict.base import Roles, Schedule, ScoredEvictionCache
 class TOVACache(ScoredEvictionCache):
     roles = Roles(budget="tova_budget", n_sink="tova_n_sink")
     schedule = Schedule(prefill_end=True, decode_every=1)
+    batchable = True  # packed decode: evict/batch.py runs the base's decode steps for the batch
 
     @property
     def logits_dtype(self):

@@ -32,7 +32,8 @@ scores keys in the score domain: ``q~ = (q * lambda) H`` once per step, a table
 are centroids gathered by index (``CodebookValues``); the window is the part's
 full-precision tail. Everything takes the pure-MLX path, on every device: no fused
 kernel reads codebooks (the paper's CUDA kernels are not ported). CPU time of the
-lookup-table scores against dequantize-then-attend: ``benchmarks/vq_decode.py``.
+lookup-table scores against dequantize-then-attend: ``benchmarks/vq_decode_cpu.py``
+(results in ``benchmarks/results/vq_decode_cpu.md``).
 
 ``head_dim`` must be 2^k or 12 * 2^k (the rotation), and divisible by both sub widths.
 """
@@ -52,6 +53,7 @@ ARRAYS = ("key_centroids", "key_scale", "value_centroids")
 class VecInferCache(CodebookCache):
     sub_dim_fields = ("key_sub_dim", "value_sub_dim")
     calibration_fields = ("key_sub_dim", "value_sub_dim", "key_codebook_bits", "value_codebook_bits")
+    batchable = "per_sequence"  # the codebook store has no packed layout; each sequence codes alone
 
     @staticmethod
     def fit_spec(config, *, iters: int, sample: int, seed: int) -> CodebookFit:

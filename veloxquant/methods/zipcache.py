@@ -1,7 +1,8 @@
 """ZipCache: token-level mixed precision from the normalised attention of probe queries.
 
 A configuration of the token-mixed store (``quant/token_mixed.py``) with probe saliency
-(``quant/saliency.py``) and channel-separable token-wise codecs (``quant/channel_scaled.py``):
+(``quant/saliency.py``) and channel-separable token-wise codecs (``quant/channel_scaled.py``,
+``quant/token_rows.py``):
 
 1. **Saliency at prefill.** Of each prompt chunk of n queries, the probes are the newest
    ``n - int(0.95 n)`` and ``int(0.05 n)`` drawn from the earlier ones (the repo's
@@ -53,15 +54,17 @@ channel scales would have to be undone).
 from __future__ import annotations
 
 from ..quant.cache import QuantizedCache
-from ..quant.channel_scaled import TokenGroups, packs
+from ..quant.groups import check_divides
 from ..quant.saliency import ProbeSaliency
 from ..quant.token_mixed import TokenMixedStore
+from ..quant.token_rows import TokenGroups, packs
 
 PROBE_RECENT = PROBE_RANDOM = 0.05  # the repo's probe fractions: newest 5%, 5% drawn earlier
 
 
 class ZipCacheKVCache(QuantizedCache):
     group_field = "zipcache_group_size"
+    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
 
     def make_store(self):
         o = self.config.options
@@ -75,10 +78,7 @@ class ZipCacheKVCache(QuantizedCache):
     def update_and_fetch(self, keys, values):
         d_k, d_v = keys.shape[-1], values.shape[-1]
         o = self.config.options
-        if d_k % self.group or d_v % self.group:
-            allowed = [g for g in range(1, min(d_k, d_v) + 1) if d_k % g == 0 and d_v % g == 0]
-            raise ValueError(f"zipcache_group_size={self.group} must divide head_dim={d_k} "
-                             f"(values: {d_v}); allowed here: {allowed}")
+        check_divides(self.group_field, self.group, d_k, d_v)
         for name in ("zipcache_hi_bits", "zipcache_lo_bits"):
             bits = getattr(o, name)
             if not (packs(d_k, bits) and packs(d_v, bits)):

@@ -10,6 +10,8 @@ algorithm needs it, ``observe``).
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache, causal_mask
@@ -31,8 +33,10 @@ class QuantizedCache(CompressedKVCache):
         self.store = self.make_store()
         self._pending = None
 
-    @property
+    @functools.cached_property
     def group(self) -> int:
+        # read once: ``config.options`` builds and validates the options object, and this
+        # is read at every decode step of every layer
         return getattr(self.config.options, self.group_field)
 
     # -- what is kept -------------------------------------------------------------------------

@@ -20,7 +20,8 @@ centroids; what is stored per value is the centroid's index.
   consecutive indices, word p holding bit p of each, so that unpacking (``unpack_planes``)
   is elementwise at every width (3 and 5 bits included) and fuses into one compiled pass.
 - **Lookup** (``lookup``): ``c[k] = c_0 + sum_j (c_j - c_{j-1}) [k >= j]``, fused
-  elementwise (no gather), with one codebook or one per row (``tables``).
+  elementwise (no gather, slow on the CPU), with one codebook or one per row (``tables``),
+  in passes of at most ``FUSED_STEPS`` steps (what one compiled kernel takes).
 
 The fused passes are compiled for each shape they meet (not shapeless: MLX's shapeless
 kernels here run several times slower); readers hand them whole buffers, whose shapes
@@ -33,6 +34,10 @@ import functools
 
 import mlx.core as mx
 
+# Centroid steps one compiled lookup pass takes: MLX's CPU compile fuses the 7 steps of 3
+# bits into one kernel but not the 15 of 4 bits (measured: 4-bit lookup 4-5x slower than in
+# passes of 7; benchmarks/notes/quantization.md).
+FUSED_STEPS = 7
 FIT_SAMPLES = 1 << 16  # values a fit looks at, at most (a seeded sample beyond)
 HIST_BINS = 256  # bins of a refit histogram over [-1, 1]
 _SHIFTS = mx.arange(32, dtype=mx.uint32)
@@ -65,10 +70,10 @@ def nearest(z: mx.array, centroids: mx.array) -> mx.array:
 
 
 @functools.lru_cache(maxsize=None)
-def _lookup_fn(n: int):
-    def lookup(k, base, *steps):
-        c = base + 0 * k
-        for j, s in enumerate(steps, start=1):
+def _lookup_fn(first: int, n: int):
+    def lookup(k, c, *steps):
+        c = c + 0 * k
+        for j, s in enumerate(steps, start=first):
             c = c + mx.where(k >= j, s, 0.0)
         return c
 
@@ -77,10 +82,15 @@ def _lookup_fn(n: int):
 
 def lookup(codes: mx.array, tables: mx.array) -> mx.array:
     """Centroid values (float32) of float32 ``codes``. ``tables``: one codebook (2^b,), or
-    one per row (..., 2^b), its leading axes (``codes``' rank) broadcast against ``codes``."""
+    one per row (..., 2^b), its leading axes (``codes``' rank) broadcast against ``codes``.
+    At most ``FUSED_STEPS`` steps a pass: one pass up to 3 bits, 3 at 4 bits, 5 at 5."""
     t = tables.astype(mx.float32)
     steps = t[..., 1:] - t[..., :-1]
-    return _lookup_fn(t.shape[-1])(codes, t[..., 0], *[steps[..., j] for j in range(steps.shape[-1])])
+    c = t[..., 0]
+    for first in range(0, steps.shape[-1], FUSED_STEPS):
+        part = [steps[..., j] for j in range(first, min(first + FUSED_STEPS, steps.shape[-1]))]
+        c = _lookup_fn(first + 1, len(part))(codes, c, *part)
+    return c
 
 
 # -- packed indices ---------------------------------------------------------------------------

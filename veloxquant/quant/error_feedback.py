@@ -5,7 +5,7 @@ For a chunk X (B, H, n, D) of keys or values, per (batch, head), in float32:
 
 1. **outliers**: per vector of the backbone's orientation (a key channel across the
    chunk's n tokens, a value token across its D channels) the ``ceil(s * len / 2)``
-   largest and as many smallest entries (``sparse.tail_indices``);
+   largest and as many smallest entries (``outliers.tail_indices``);
 2. **backbone**: those entries replaced by their vector's mean (GEAR's repo), the chunk
    quantized min-max in groups (``GroupAffine``, KIVI's grouping): ``D_hat``;
 3. **low rank**: ``R = X - D_hat``, zero at the outliers, approximated by ``A Bᵀ``
@@ -37,7 +37,8 @@ from ..lowrank.chunked import ChunkedFactors
 from ..lowrank.factors import energy_rank, power_iteration, rank_cap, svd_factors
 from .packed import GroupAffine, PackedTokens
 from .residual import ResidualScores
-from .sparse import SparseTable, channel_index_dtype, per_tail, tail_indices
+from .outliers import per_tail, tail_indices
+from .sparse import SparseTable, channel_index_dtype
 
 RANK_CAP_FRACTION = 0.05  # the card's cap on the energy rule (the paper's ranks: a few %)
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class ErrorFeedback:
         ``offset`` (the chunk's place in its run)."""
         dtype, xf = x.dtype, x.astype(mx.float32)
         vectors = self._vectors(xf)
-        k = per_tail(vectors.shape[-1], self.sparse_fraction)
+        k = per_tail(self.sparse_fraction, vectors.shape[-1])
         index = mask = None
         if k:
             index = tail_indices(vectors, k)
@@ -111,7 +112,7 @@ class ErrorFeedbackTokens:
         self.factors = ChunkedFactors(step_tokens) if codec.rank != 0 else None
         self.sparse = None
         if codec.sparse_fraction > 0:
-            step = step_tokens if not codec.per_channel else 2 * per_tail(step_tokens, codec.sparse_fraction)
+            step = step_tokens if not codec.per_channel else 2 * per_tail(codec.sparse_fraction, step_tokens)
             self.sparse = SparseTable(codec.base.axis, step)
 
     @property

@@ -4,7 +4,9 @@ The outliers of a block are chosen before the block's quantization range is comp
 (so they do not stretch it), stored as (position, value) pairs in the input's dtype and
 written back over the dense reconstruction (``restore_*``): they come back bit for bit.
 A fixed count per vector keeps the table a plain array (no ragged CSR), so its memory is
-``count x (2 + value bytes)`` per vector exactly.
+``count x (2 + value bytes)`` per vector exactly. ``per_tail`` and ``tail_indices`` (how
+many, and which: a vector's k smallest and k largest) serve every such split, GEAR's
+sparse residual (``sparse.py``) too.
 
 - ``split_vectors``: per vector along the last axis (a token's channels), the ``k``
   largest and the ``k`` smallest entries; positions uint16.
@@ -24,13 +26,19 @@ import mlx.core as mx
 
 
 def per_tail(fraction: float, n: int) -> int:
-    """Entries kept per tail of a vector of ``n``: ceil(f * n / 2) (0 when f is 0)."""
-    return math.ceil(fraction * n / 2 - 1e-9) if fraction > 0 else 0
+    """Entries kept per tail of a vector of ``n``: ceil(f * n / 2), at most n / 2 (0 when f is 0)."""
+    return 0 if fraction <= 0 else min(n // 2, math.ceil(fraction * n / 2 - 1e-9))
 
 
-def _positions(order: mx.array, k: int, n: int) -> mx.array:
-    pos = mx.concatenate([order[..., :k], order[..., n - k :]], axis=-1)
-    return pos.astype(mx.uint16 if n <= 1 << 16 else mx.uint32)
+def tail_indices(x: mx.array, k: int) -> mx.array:
+    """(..., 2k) int32: positions of the k smallest then the k largest entries of each row
+    of ``x`` (..., n), in increasing order of value."""
+    order = mx.argsort(x, axis=-1)
+    return mx.concatenate([order[..., :k], order[..., x.shape[-1] - k :]], axis=-1).astype(mx.int32)
+
+
+def _positions(x: mx.array, k: int) -> mx.array:
+    return tail_indices(x, k).astype(mx.uint16 if x.shape[-1] <= 1 << 16 else mx.uint32)
 
 
 def _mask(shape, pos: mx.array) -> mx.array:
@@ -40,8 +48,7 @@ def _mask(shape, pos: mx.array) -> mx.array:
 def split_vectors(x: mx.array, k: int):
     """``x`` (..., n) -> (mask (..., n) of the outliers, positions (..., 2k), values (..., 2k)
     in x's dtype): the k smallest and the k largest entries of each vector."""
-    n = x.shape[-1]
-    pos = _positions(mx.argsort(x.astype(mx.float32), axis=-1), k, n)
+    pos = _positions(x.astype(mx.float32), k)
     return _mask(x.shape, pos), pos, mx.take_along_axis(x, pos.astype(mx.int32), axis=-1)
 
 
@@ -55,7 +62,7 @@ def split_channel_groups(x: mx.array, k: int, group: int, dtype=None):
     spread = s[..., group - 1 - group // 4] - s[..., group // 4]
     spread = mx.maximum(spread, 1e-6 * mx.maximum(mx.abs(median), 1.0))[..., None]
     score = ((g - median[..., None]) / spread).reshape(*lead, n // group, d * group)
-    pos = _positions(mx.argsort(score, axis=-1), group * k, d * group)
+    pos = _positions(score, group * k)
     flat = g.reshape(*lead, n // group, d * group)
     values = mx.take_along_axis(flat, pos.astype(mx.int32), axis=-1).astype(dtype or x.dtype)
     mask = _mask(flat.shape, pos).reshape(*lead, n // group, d, group).swapaxes(-2, -3)

@@ -1,51 +1,139 @@
-"""A quantized store with attention sinks and a flush that never takes the newest key.
+"""Attention sinks for quantized stores, and the quantized stores that keep them.
 
-``SinkQuantizedStore`` is ``QuantizedKVStore`` (``store.py``) with three differences:
+``Sinks`` is what every store with sinks shares (SKVQ's sliding store too): the first
+``n_sink`` tokens of the sequence stay in full precision for good (StreamingLLM's sinks,
+kept as ``sink_k``/``sink_v``), taken off the front of the first chunks, put back in front
+of the history, attended as a decode part of their own (full-precision rows only), and
+checked when a state is restored.
 
-- the first ``n_sink`` tokens of the sequence stay in full precision for good (StreamingLLM's
-  sinks, kept by Kitty), attended as a part of their own (full-precision rows only);
-- keys flush in blocks of ``key_block`` only once the full-precision tail holds more than
-  ``key_block`` keys, so the block flushed never holds the newest token and the tail keeps
-  1..key_block keys (Kitty's ``-L-1:-1`` slice); values slide one token at a time as in
-  the parent, the newest ``window`` exact;
-- the key storage is given, not built from a codec: ``PackedTokens`` or anything with its
-  interface (``count``, ``append``, ``decode``, ``layout``, ``arrays``, ``expected_shapes``,
-  ``codes``/``scales``, ``codec.bits``/``group``; ``plane_problems`` if it keeps more), such
-  as ``promoted.PromotedKeys``.
+``SinkKVStore`` is ``QuantizedKVStore`` (``store.py``) with sinks in front and key storage
+given, not built from a codec: ``PackedTokens`` or anything with its interface (``count``,
+``append``, ``decode``, ``layout``, ``arrays``). Its two flush rules:
+
+- ``SinkQuantizedStore`` (Kitty): keys flush in blocks of ``key_block`` only once the
+  full-precision tail holds more than ``key_block`` keys, so the block flushed never holds
+  the newest token and the tail keeps 1..key_block keys (Kitty's ``-L-1:-1`` slice);
+  values slide one token at a time as in the parent, the newest ``window`` exact; the key
+  storage also has ``expected_shapes``, ``codes``/``scales``, ``codec.bits``/``group``
+  (``plane_problems`` if it keeps more), such as ``promoted.PromotedKeys``;
+- ``StreamingStore`` (``streaming_store.py``, KVQuant): KIVI's rule, a value window that
+  may be 0 (every value encoded as it comes), refits of the codecs.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import mlx.core as mx
 
 from ..cache.buffers import GrowingArray
 from ..kernels.decode import DecodePart
-from .packed import GROWTH_TOKENS, GroupAffine
-from .store import QuantizedKVStore, _rows
+from .packed import GROWTH_TOKENS, GroupAffine, PackedTokens
+from .store import WINDOW_STEP, QuantizedKVStore, _rows
 
 
-class SinkQuantizedStore(QuantizedKVStore):
-    def __init__(self, keys, value_codec: GroupAffine, *, window: int, key_block: int,
-                 n_sink: int, step_tokens: int = GROWTH_TOKENS):
-        # The parent's state, then the key storage given in place of one built from a codec.
-        super().__init__(value_codec, value_codec, window=window, key_block=key_block,
-                         step_tokens=step_tokens)
-        self.keys, self.n_sink = keys, n_sink
-        self.sink_k = GrowingArray(step=max(n_sink, 1), limit=n_sink)
-        self.sink_v = GrowingArray(step=max(n_sink, 1), limit=n_sink)
+class Sinks:
+    """The sinks of a store: ``n_sink``, ``sink_k``, ``sink_v`` and what reads them."""
+
+    def _init_sinks(self, n_sink: int) -> None:
+        self.n_sink = n_sink
+        room = min(max(n_sink, 1), WINDOW_STEP * 8)  # sinks grow with what they hold
+        self.sink_k = GrowingArray(step=room, limit=n_sink)
+        self.sink_v = GrowingArray(step=room, limit=n_sink)
+
+    def _take_sinks(self, keys: mx.array, values: mx.array):
+        """Keep the sequence's first tokens of a chunk as sinks: (the rest, tokens taken)."""
+        n = min(self.n_sink - self.sink_k.length, keys.shape[2])
+        if n <= 0:
+            return keys, values, 0
+        self.sink_k.append(keys[:, :, :n])
+        self.sink_v.append(values[:, :, :n])
+        return keys[:, :, n:], values[:, :, n:], n
+
+    def _with_sinks(self, keys, values, dtype):
+        """``keys``/``values`` (or None) of the tokens after the sinks, the sinks in front."""
+        if not self.sink_k.length:
+            return keys, values
+        sink_k, sink_v = self.sink_k.view().astype(dtype), self.sink_v.view().astype(dtype)
+        if keys is None:
+            return sink_k, sink_v
+        return mx.concatenate([sink_k, keys], axis=2), mx.concatenate([sink_v, values], axis=2)
+
+    def _sink_parts(self) -> list[DecodePart]:
+        if not self.sink_k.length:
+            return []
+        return [DecodePart(None, self.sink_k.view(), None, self.sink_v.view())]
+
+    def _sink_arrays(self) -> dict[str, GrowingArray]:
+        return {"sink_k": self.sink_k, "sink_v": self.sink_v}
+
+    def _sink_layout_problems(self, head_dims: tuple[int, int]):
+        for rows, name, dim in ((self.sink_k, "sink keys", head_dims[0]), (self.sink_v, "sink values", head_dims[1])):
+            if rows.buffer is not None and rows.buffer.shape[3] != dim:
+                yield f"{name} head_dim", rows.buffer.shape[3], dim
+
+    def _sink_problems(self, offset: int):
+        n_sink = self.sink_k.length
+        if n_sink != min(offset, self.n_sink) or self.sink_v.length != n_sink:
+            yield "sink tokens", f"{n_sink} keys / {self.sink_v.length} values", f"min(offset {offset}, {self.n_sink})"
+
+
+class SinkKVStore(Sinks, QuantizedKVStore):
+    """``QuantizedKVStore`` after the sinks, with the key (and maybe value) storage given."""
+
+    def __init__(self, keys, values, *, window: int, key_block: int, n_sink: int,
+                 step_tokens: int = GROWTH_TOKENS):
+        # The parent's windows and segments; its packed storage is replaced by what is given.
+        placeholder = GroupAffine(8, 32, "token")
+        super().__init__(placeholder, placeholder, window=window, key_block=key_block, step_tokens=step_tokens)
+        self.keys, self.values = keys, values
+        self._init_sinks(n_sink)
 
     @property
     def length(self) -> int:
         return self.sink_k.length + super().length
 
+    def history(self, dtype):
+        return self._with_sinks(*super().history(dtype), dtype)
+
+    def decode_parts(self, empty: mx.array) -> list[DecodePart]:
+        return self._sink_parts() + super().decode_parts(empty)
+
+    def arrays(self) -> dict[str, Any]:
+        return {**super().arrays(), **self._sink_arrays()}
+
+    def key_tail(self, rest: int) -> tuple[int, int, str]:
+        """Full-precision keys the flush rule leaves after ``rest`` tokens past the sinks:
+        (fewest, most, the rule in words)."""
+        return 0, self.key_block - 1, f"fewer than the key block {self.key_block}"
+
+    def problems(self, offset: int):
+        """(field, found, expected) for each way the stored tokens contradict the policy."""
+        yield from self._sink_problems(offset)
+        rest = max(0, offset - self.n_sink)
+        n_kq, n_vq = self.keys.count, self.values.count
+        k_res, v_res = _rows(self.k_res), _rows(self.v_res)
+        low, high, rule = self.key_tail(rest)
+        if n_kq % self.key_block:
+            yield "quantized keys", n_kq, f"a multiple of the key block {self.key_block}"
+        if not low <= k_res <= high:
+            yield "full-precision keys", k_res, rule
+        if v_res != min(rest, self.window):
+            yield "full-precision values", v_res, f"min({rest} tokens past the sinks, window {self.window})"
+        if n_kq + k_res != rest or n_vq + v_res != rest:
+            yield "tokens stored", f"{n_kq + k_res} keys / {n_vq + v_res} values past the sinks", f"{rest}"
+
+
+class SinkQuantizedStore(SinkKVStore):
+    def __init__(self, keys, value_codec: GroupAffine, *, window: int, key_block: int,
+                 n_sink: int, step_tokens: int = GROWTH_TOKENS):
+        super().__init__(keys, PackedTokens(value_codec), window=window, key_block=key_block, n_sink=n_sink,
+                         step_tokens=step_tokens)
+
     def commit(self, keys: mx.array, values: mx.array) -> None:
-        n = min(self.n_sink - self.sink_k.length, keys.shape[2])
-        if n > 0:  # the sequence's first tokens: sinks
-            self.sink_k.append(keys[:, :, :n])
-            self.sink_v.append(values[:, :, :n])
-            if n == keys.shape[2]:
-                return
-            keys, values = keys[:, :, n:], values[:, :, n:]
+        keys, values, _ = self._take_sinks(keys, values)
+        if not keys.shape[2]:
+            return
         k_res = keys if self.k_res is None else mx.concatenate([self.k_res, keys], axis=2)
         n_flush = (k_res.shape[2] - 1) // self.key_block * self.key_block  # the newest stays
         if n_flush:
@@ -59,45 +147,11 @@ class SinkQuantizedStore(QuantizedKVStore):
             v_res = mx.contiguous(v_res[:, :, n_old:])
         self.v_res = v_res
 
-    def history(self, dtype):
-        keys, values = super().history(dtype)
-        if not self.sink_k.length:
-            return keys, values
-        sink_k, sink_v = self.sink_k.view().astype(dtype), self.sink_v.view().astype(dtype)
-        if keys is None:
-            return sink_k, sink_v
-        return mx.concatenate([sink_k, keys], axis=2), mx.concatenate([sink_v, values], axis=2)
+    def key_tail(self, rest: int) -> tuple[int, int, str]:
+        return (1 if rest else 0), min(rest, self.key_block), f"1..{self.key_block} once past the sinks"
 
-    def decode_parts(self, empty: mx.array) -> list[DecodePart]:
-        parts = []
-        if self.sink_k.length:
-            parts.append(DecodePart(None, self.sink_k.view(), None, self.sink_v.view()))
-        return parts + super().decode_parts(empty)
-
-    # -- a restored state must agree with the policy ------------------------------------------
     def layout_problems(self, head_dims: tuple[int, int]):
         """(field, found, expected) for arrays whose shapes contradict their codecs."""
         yield from super().layout_problems(head_dims)
         yield from getattr(self.keys, "plane_problems", lambda d: ())(head_dims[0])
-        for rows, name, dim in ((self.sink_k, "sink keys", head_dims[0]), (self.sink_v, "sink values", head_dims[1])):
-            if rows.buffer is not None and rows.buffer.shape[3] != dim:
-                yield f"{name} head_dim", rows.buffer.shape[3], dim
-
-    def problems(self, offset: int):
-        """(field, found, expected) for each way the stored tokens contradict the policy."""
-        n_sink, rest = self.sink_k.length, max(0, offset - self.n_sink)
-        n_kq, n_vq = self.keys.count, self.values.count
-        k_res, v_res = _rows(self.k_res), _rows(self.v_res)
-        if n_sink != min(offset, self.n_sink) or self.sink_v.length != n_sink:
-            yield "sink tokens", f"{n_sink} keys / {self.sink_v.length} values", f"min(offset {offset}, {self.n_sink})"
-        if n_kq % self.key_block:
-            yield "quantized keys", n_kq, f"a multiple of the key block {self.key_block}"
-        if not (1 if rest else 0) <= k_res <= min(rest, self.key_block):
-            yield "full-precision keys", k_res, f"1..{self.key_block} once past the sinks"
-        if v_res != min(rest, self.window):
-            yield "full-precision values", v_res, f"min({rest} tokens past the sinks, window {self.window})"
-        if n_kq + k_res != rest or n_vq + v_res != rest:
-            yield "tokens stored", f"{n_kq + k_res} keys / {n_vq + v_res} values past the sinks", f"{rest}"
-
-    def arrays(self):
-        return {**super().arrays(), "sink_k": self.sink_k, "sink_v": self.sink_v}
+        yield from self._sink_layout_problems(head_dims)

@@ -3,7 +3,8 @@ in a channel order and with clip ratios fitted once from the first tokens it qua
 
 Layout of one layer (the sequence's tokens in order):
 
-- the first ``n_sink`` tokens, keys and values in full precision for good;
+- the first ``n_sink`` tokens, keys and values in full precision for good (``Sinks`` of
+  ``sink_store.py``);
 - packed rows: keys *and* values per token (groups of ``group`` channels of one token),
   clipped (``quant/clip.py``), each a ``ClippedTokens`` run;
 - the newest ``window`` tokens in full precision, keys and values alike: a step's token
@@ -25,6 +26,9 @@ over the parts, and takes the output back through the inverse of the value order
 more gathers, and attention itself never un-permutes the history. ``history`` (prefill
 chunks, tests) gives every token back in the model's order.
 
+It is a ``QuantizedKVStore`` for its windows, its packed runs' shape checks and what it
+keeps; the flush, the reading and the policy checks are its own.
+
 Decode parts: the sinks (full-precision rows only), then the packed rows with the window
 as their full-precision tails. Packed values are an ``AffineLayout`` (axis "token": the
 value layout of the fused kernels); packed keys, per token, are ``TokenRows``
@@ -39,13 +43,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..cache.buffers import GrowingArray, RecentRows
+from ..cache.buffers import RecentRows
 from ..kernels.decode import DecodePart, decode_attention
 from .affine import SUPPORTED_BITS
 from .clip import ClippedTokens, search_clip
-from .packed import GROWTH_TOKENS
+from .packed import GROWTH_TOKENS, GroupAffine
 from .reorder import PAIRINGS, RangeOrder, inverse, is_permutation, permute, permute_heads
-from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, _rows
+from .sink_store import Sinks
+from .store import VALUE_ROOM, WINDOW_STEP, QuantizedKVStore
 from .token_rows import TokenRows
 
 
@@ -53,40 +58,25 @@ def _cat(old, new):
     return new if old is None else mx.concatenate([old, new], axis=2)
 
 
-class SlidingWindowStore(PackedStore):
+class SlidingWindowStore(Sinks, QuantizedKVStore):
     def __init__(self, *, key_bits: int, value_bits: int, group: int, window: int, n_sink: int,
                  key_order: RangeOrder | None, value_order: RangeOrder | None,
                  clip_grid: tuple[float, ...], step_tokens: int = GROWTH_TOKENS,
                  capacity: int | None = None):
-        self.group, self.window, self.n_sink = group, window, n_sink
+        # The parent's state (per-token keys: no key blocks), then the storage of this store.
+        placeholder = GroupAffine(8, 32, "token")
+        super().__init__(placeholder, placeholder, window=window, key_block=1, step_tokens=step_tokens)
+        self.group = group
         self.key_order, self.value_order, self.clip_grid = key_order, value_order, tuple(clip_grid)
         room = None if capacity is None else max(capacity - n_sink - window, 0)
         self.keys = ClippedTokens(key_bits, group, step_tokens, room)
         self.values = ClippedTokens(value_bits, group, step_tokens, room)
-        self.sink_k = GrowingArray(step=max(n_sink, 1), limit=n_sink)
-        self.sink_v = GrowingArray(step=max(n_sink, 1), limit=n_sink)
-        # The window, written in place, VALUE_ROOM rows of room so a step moves no rows.
+        self._init_sinks(n_sink)
+        # Keys slide with the values: the window, written in place, VALUE_ROOM rows of room.
         self.k_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM)
-        self.v_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM)
         # Fitted at the first quantization: orders (B, H, 1, D) uint32, clip ratios (B, H).
         self.perm_k = self.perm_v = self.inv_v = None
         self.alpha_k = self.alpha_v = None
-
-    @property
-    def k_res(self) -> mx.array | None:
-        return self.k_win.view()
-
-    @k_res.setter
-    def k_res(self, rows) -> None:
-        self.k_win.reset(rows)
-
-    @property
-    def v_res(self) -> mx.array | None:
-        return self.v_win.view()
-
-    @v_res.setter
-    def v_res(self, rows) -> None:
-        self.v_win.reset(rows)
 
     @property
     def fitted(self) -> bool:
@@ -100,13 +90,9 @@ class SlidingWindowStore(PackedStore):
     def commit(self, keys: mx.array, values: mx.array) -> None:
         """Take new tokens (model order) in: sinks first, then the window, whose oldest
         tokens beyond ``window`` are quantized."""
-        n = min(self.n_sink - self.sink_k.length, keys.shape[2])
-        if n > 0:
-            self.sink_k.append(keys[:, :, :n])
-            self.sink_v.append(values[:, :, :n])
-            if n == keys.shape[2]:
-                return
-            keys, values = keys[:, :, n:], values[:, :, n:]
+        keys, values, _ = self._take_sinks(keys, values)
+        if not keys.shape[2]:
+            return
         if self.perm_k is not None:
             keys = permute(keys, self.perm_k)
         if self.perm_v is not None:
@@ -155,10 +141,10 @@ class SlidingWindowStore(PackedStore):
         """Every stored token in ``dtype``, in order and in the model's channel order
         (transient: prefill chunks and tests)."""
         rows = []
-        for sink, packed, win in ((self.sink_k, self.keys, self.k_res), (self.sink_v, self.values, self.v_res)):
-            parts = [x.astype(dtype) for x in (sink.view(), packed.decode(dtype), win) if x is not None]
+        for packed, win in ((self.keys, self.k_res), (self.values, self.v_res)):
+            parts = [x.astype(dtype) for x in (packed.decode(dtype), win) if x is not None]
             rows.append(None if not parts else parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
-        keys, values = rows
+        keys, values = self._with_sinks(*rows, dtype)
         if keys is not None and self.perm_k is not None:
             keys = permute(keys, inverse(self.perm_k))
         if values is not None and self.inv_v is not None:
@@ -167,9 +153,7 @@ class SlidingWindowStore(PackedStore):
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         """Sinks, then packed rows with the window as tails (the reordered space)."""
-        parts = []
-        if self.sink_k.length:
-            parts.append(DecodePart(None, self.sink_k.view(), None, self.sink_v.view()))
+        parts = self._sink_parts()
         values = self.values.layout(empty)
         if values.bits not in SUPPORTED_BITS:  # 7 bits: no shared reader takes the layout
             values = TokenRows(values)
@@ -190,10 +174,8 @@ class SlidingWindowStore(PackedStore):
 
     # -- what is kept ------------------------------------------------------------------------
     def arrays(self) -> dict[str, Any]:
-        return {**self.keys.arrays("k"), **self.values.arrays("v"), "k_res": self.k_win,
-                "v_res": self.v_win, "sink_k": self.sink_k, "sink_v": self.sink_v,
-                "perm_k": self.perm_k, "perm_v": self.perm_v, "inv_v": self.inv_v,
-                "alpha_k": self.alpha_k, "alpha_v": self.alpha_v}
+        return {**super().arrays(), **self._sink_arrays(), "perm_k": self.perm_k, "perm_v": self.perm_v,
+                "inv_v": self.inv_v, "alpha_k": self.alpha_k, "alpha_v": self.alpha_v}
 
     def meta(self) -> dict[str, Any]:
         """The rotary pairing of a key order not fitted yet travels with a saved state."""
@@ -208,15 +190,9 @@ class SlidingWindowStore(PackedStore):
     # -- a restored state must agree with the policy ------------------------------------------
     def layout_problems(self, head_dims: tuple[int, int]):
         """(field, found, expected) for arrays whose shapes contradict their codecs."""
-        for packed, name, dim in ((self.keys, "key", head_dims[0]), (self.values, "value", head_dims[1])):
-            expected = packed.expected_shapes(dim)
-            found = tuple(packed.codes.view().shape[2:]), tuple(packed.scales.view().shape[2:])
-            if packed.codes.buffer is not None and found != expected:
-                c = packed.codec
-                yield f"{name} codes and scales", found, f"{expected} ({c.bits}-bit codes, groups of {c.group})"
-        rows = ((self.sink_k, "sink keys", 0), (self.sink_v, "sink values", 1),
-                (self.k_win, "window keys", 0), (self.v_win, "window values", 1))
-        for kept, name, i in rows:
+        yield from super().layout_problems(head_dims)
+        yield from self._sink_layout_problems(head_dims)
+        for kept, name, i in ((self.k_win, "window keys", 0), (self.v_win, "window values", 1)):
             if kept.buffer is not None and kept.buffer.shape[3] != head_dims[i]:
                 yield f"{name} head_dim", kept.buffer.shape[3], head_dims[i]
         for perm, name, i in ((self.perm_k, "key order", 0), (self.perm_v, "value order", 1),
@@ -226,9 +202,8 @@ class SlidingWindowStore(PackedStore):
 
     def problems(self, offset: int):
         """(field, found, expected) for each way the stored tokens contradict the policy."""
-        n_sink, rest = self.sink_k.length, max(0, offset - self.n_sink)
-        if n_sink != min(offset, self.n_sink) or self.sink_v.length != n_sink:
-            yield "sink tokens", f"{n_sink} keys / {self.sink_v.length} values", f"min(offset {offset}, {self.n_sink})"
+        yield from self._sink_problems(offset)
+        rest = max(0, offset - self.n_sink)
         win = min(rest, self.window)
         if self.k_win.held != win or self.v_win.held != win:
             yield "full-precision tokens", f"{self.k_win.held} keys / {self.v_win.held} values", \

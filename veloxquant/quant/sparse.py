@@ -10,7 +10,7 @@ its index, so that dense + table is exact there:
 - "channel": ``delta``/``index`` (B, H, D, K), growing along the last axis (a block of n
   tokens adds its k entries per channel; K is their sum over blocks).
 
-``tail_indices`` picks a vector's k largest and k smallest entries (GEAR's outliers).
+``outliers.tail_indices`` picks a vector's k largest and k smallest entries (GEAR's outliers).
 ``SparseTerm`` adds the table to decode scores (``q Kᵀ``) and mixes (``p V``) from its
 few entries: a gather of the queries (probabilities) at the entries' channels (tokens),
 a product, and a scatter-add into the scores (output), O(entries), no dense matrix.
@@ -18,24 +18,11 @@ a product, and a scatter-add into the scores (output), O(entries), no dense matr
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..cache.buffers import GrowingArray
-
-
-def per_tail(n: int, fraction: float) -> int:
-    """Entries kept at each tail of a vector of n: ``ceil(fraction * n / 2)`` (0 for 0)."""
-    return 0 if fraction <= 0 else min(n // 2, math.ceil(fraction * n / 2 - 1e-9))
-
-
-def tail_indices(x: mx.array, k: int) -> mx.array:
-    """(..., 2k) int32: positions of the k smallest then the k largest entries of each row
-    of ``x`` (..., n), in increasing order of value."""
-    order = mx.argsort(x, axis=-1)
-    return mx.concatenate([order[..., :k], order[..., x.shape[-1] - k :]], axis=-1).astype(mx.int32)
 
 
 def channel_index_dtype(head_dim: int):

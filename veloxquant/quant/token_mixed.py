@@ -22,7 +22,7 @@ decode step writes its token into the buffer, then attends over two parts merged
 log-sum-exp (``kernels/decode.py``): the hi class with the buffer as its full-precision
 tail, and the lo class. The softmax does not depend on the order of the keys, so the
 classes are attended as stored. Their keys are per-token rows, which the fused kernels
-(per-channel keys) do not read: both parts are ``PackedScores`` (``ChannelScaledRows``)
+(per-channel keys) do not read: both parts are ``PackedScores`` (``token_rows.TokenRows``)
 on the pure-MLX path on every device, one pass over the packed codes each; a step
 dequantizes nothing. The block-scoring step (one in ``block``) scores the history once
 more for the softmax's normaliser.
@@ -36,10 +36,11 @@ import mlx.core as mx
 
 from ..cache.buffers import GrowingArray
 from ..kernels.decode import DecodePart, decode_attention
-from .channel_scaled import ChannelScaledRows, PlainRows, TokenGroups, channel_scale
+from .channel_scaled import channel_scale
 from .packed import GROWTH_TOKENS, PackedTokens
 from .saliency import n_salient, salient_split
 from .store import WINDOW_STEP, PackedStore
+from .token_rows import PlainRows, TokenGroups, TokenRows
 
 
 class TokenClass:
@@ -73,10 +74,10 @@ class TokenClass:
         return keys, (self.values.decode(mx.float32) * v_channel[:, :, None]).astype(dtype)
 
     def readers(self, empty, k_channel, v_channel):
-        keys = ChannelScaledRows(self.keys.layout(empty), k_channel)
+        keys = TokenRows(self.keys.layout(empty), k_channel)
         if self.values is None:
             return keys, PlainRows(self.raw_values.buffer, self.raw_values.length)
-        return keys, ChannelScaledRows(self.values.layout(empty), v_channel)
+        return keys, TokenRows(self.values.layout(empty), v_channel)
 
     def arrays(self, prefix: str) -> dict[str, GrowingArray]:
         out = self.keys.arrays(f"{prefix}_k")

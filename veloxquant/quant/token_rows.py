@@ -1,36 +1,127 @@
-"""Per-token group-affine rows as the pure-MLX decode path reads them, keys included.
+"""Per-token group-affine rows at any width and group: the codec, and how decode reads them.
 
-The fused decode kernels read keys per channel (groups along the tokens of one channel,
-KIVI's layout) and values per token. A method that quantizes keys per token too (groups
-along head_dim: SKVQ) hands its keys as ``TokenRows``, the ``PackedScores`` protocol of
-``kernels/decode.py``: ``scores(q)`` is ``q Kᵀ`` straight on the packed rows, one
-``quantized_matmul`` (transpose=True: the rows are a quantized weight matrix) on the CPU,
-a float32 dequantization where it has no kernel (a GPU, as ``affine_key_scores`` does);
-``mix(p)`` the same for values at a width the shared readers do not take (7 bits: unpacked
-by hand). Whole buffers with spare room are passed; only ``count`` rows are read.
+Min-max quantization of each token in groups of ``group`` channels (along head_dim) at any
+width 1-8 and any group that divides head_dim, ``quant/affine.py``'s arithmetic and code
+order (one little-endian bit stream, ``mx.quantize``'s order), so MLX's routines read the
+codes where MLX has them (widths 1-6 and 8, groups 32/64/128) and the same is done by hand
+elsewhere (7 bits, other groups):
+
+- ``quantize_rows``: codes, scales and minima (in the input's dtype), optionally with a
+  clip ratio alpha per (batch row, KV head) that scales each group's minimum and maximum
+  towards 0 (SKVQ's clipping, ``quant/clip.py``); without one, ``affine.quantize``'s codes
+  bit for bit. ``dequantize_rows`` is its inverse;
+- ``TokenGroups``: that codec in the ``GroupAffine`` interface, so ``PackedTokens`` stores it;
+- ``TokenRows``: such rows as the pure-MLX decode path reads them (the ``PackedScores``
+  protocol of ``kernels/decode.py``), as keys (``scores``) or values (``mix``), in one pass
+  over the packed form: ``q Kᵀ`` one ``quantized_matmul`` (transpose=True: the rows are a
+  quantized weight matrix) on the CPU, ``p V`` another; where MLX has no routine for the
+  width or group, or no kernel for these shapes (a GPU), the valid rows are dequantized in
+  float32 and multiplied. The fused kernels read keys per channel only, so per-token keys
+  (SKVQ, ZipCache) always come here. With a per-channel scale ``c`` (ZipCache's
+  channel-separable rows ``x / c``, ``quant/channel_scaled.py``) the scale is folded into
+  the query (``(q * c) K'ᵀ``) and the output (``(p V') * c``);
+- ``PlainRows``: full-precision rows in the same protocol (values kept unquantized).
+
+Whole buffers with spare room are passed; only ``count`` rows are read.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..kernels import kivi_decode as kd
-from .affine import SUPPORTED_BITS
-from .clip import dequantize_rows
+from .affine import _MIN_SCALE, SUPPORTED_BITS, pack_codes, unpack_codes
 from .packed import AffineLayout
 
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
+MLX_GROUPS = (32, 64, 128)  # the group sizes mx.dequantize / mx.quantized_matmul take
 
-def _quantized_matmul_here(bits: int) -> bool:
-    return bits in SUPPORTED_BITS and kd.CPU_DEFAULT_PATH == "qmm" and mx.default_device() == mx.cpu
+
+def packs(head_dim: int, bits: int) -> bool:
+    """Whether rows of ``head_dim`` codes of ``bits`` bits fill whole uint32 words the
+    way ``pack_codes`` lays them out."""
+    return head_dim % (32 // bits) == 0 if 32 % bits == 0 else head_dim % 32 == 0
+
+
+def _mlx_has(bits: int, group: int) -> bool:
+    return bits in SUPPORTED_BITS and group in MLX_GROUPS
+
+
+def quantize_rows(x: mx.array, group: int, bits: int, alpha: mx.array | None = None):
+    """(B, H, T, D) rows -> codes (B, H, T, D*bits/32), scales and minima (B, H, T, D/group);
+    ``alpha`` (B, H): the clip ratio of each (batch row, KV head), None for none."""
+    if bits not in WIDTHS:
+        raise ValueError(f"bits={bits} is not supported; allowed: {WIDTHS}")
+    *lead, n = x.shape
+    if n % group or not packs(n, bits):
+        raise ValueError(f"{n} channels per row: need a multiple of group={group} that {bits}-bit codes pack")
+    groups = x.reshape(*lead, n // group, group).astype(mx.float32)
+    low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
+    if alpha is not None:
+        a = alpha.astype(mx.float32).reshape(*alpha.shape, *([1] * (len(lead) - alpha.ndim + 2)))
+        low, high = low * a, high * a
+    levels = (1 << bits) - 1
+    scale = mx.maximum((high - low) / levels, _MIN_SCALE).astype(x.dtype)
+    low = low.astype(x.dtype)
+    codes = mx.clip(mx.round((groups - low.astype(mx.float32)) / scale.astype(mx.float32)), 0, levels)
+    return pack_codes(codes.reshape(x.shape), bits), scale.squeeze(-1), low.squeeze(-1)
+
+
+def dequantize_rows(codes, scales, minima, group: int, bits: int, dtype=None) -> mx.array:
+    """Inverse of ``quantize_rows`` (any width and group), along the last axis; in the
+    scales' dtype, or ``dtype`` (float32: not rounded to the scales' dtype on the way)."""
+    if _mlx_has(bits, group):
+        if dtype is not None and dtype == mx.float32:
+            scales, minima = scales.astype(mx.float32), minima.astype(mx.float32)
+        out = mx.dequantize(codes, scales, minima, group_size=group, bits=bits)
+    else:
+        q = unpack_codes(codes, bits).astype(mx.float32).reshape(*scales.shape, group)
+        out = q * scales[..., None].astype(mx.float32) + minima[..., None].astype(mx.float32)
+        out = out.reshape(*codes.shape[:-1], -1).astype(scales.dtype if dtype is None else dtype)
+    return out if dtype is None else out.astype(dtype)
+
+
+@dataclass(frozen=True)
+class TokenGroups:
+    """Min-max quantization of each token in groups of ``group`` channels at ``bits``."""
+
+    bits: int
+    group: int
+    axis: str = "token"  # the GroupAffine interface: PackedTokens lays tokens along axis 2
+
+    @property
+    def append_axis(self) -> int:
+        return 2
+
+    def encode(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return quantize_rows(x, self.group, self.bits)
+
+    def encode_one(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """``encode`` of one token as one compiled graph (a decode step's host time)."""
+        return compiled_quantizer(self.group, self.bits)(x)
+
+    def decode(self, codes, scales, biases, dtype=None) -> mx.array:
+        return dequantize_rows(codes, scales, biases, self.group, self.bits, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_quantizer(group: int, bits: int, clipped: bool = False):
+    """``quantize_rows`` at (group, bits) as one compiled graph of (x) or, clipped, (x, alpha)."""
+    if clipped:
+        return mx.compile(lambda x, alpha: quantize_rows(x, group, bits, alpha))
+    return mx.compile(lambda x: quantize_rows(x, group, bits))
 
 
 @dataclass(frozen=True)
 class TokenRows:
-    """A per-token ``AffineLayout`` (axis "token") read as keys (``scores``) or values (``mix``)."""
+    """Per-token rows (``layout``: an ``AffineLayout`` of axis "token", whole buffers,
+    ``count`` valid rows) of ``x / c``, ``channel`` c (B, H, D) float32 or None (plain rows)."""
 
     layout: AffineLayout
+    channel: mx.array | None = None
 
     @property
     def count(self) -> int:
@@ -41,24 +132,51 @@ class TokenRows:
         return self.layout.codes.shape[1]
 
     def _valid(self):
-        n, x = self.layout.count, self.layout
+        x, n = self.layout, self.layout.count
         return x.codes[:, :, :n], x.scales[:, :, :n], x.biases[:, :, :n]
 
+    def _qmm(self) -> bool:
+        x = self.layout
+        return _mlx_has(x.bits, x.group) and kd._pure_path() == "qmm"
+
     def rows(self) -> mx.array:
-        """The valid rows (B, H, count, D), float32 (transient)."""
+        """The valid rows ``x / c`` (B, H, count, D) in float32 (transient)."""
         x = self.layout
         return dequantize_rows(*self._valid(), x.group, x.bits, mx.float32)
 
     def scores(self, q: mx.array) -> mx.array:
         """float32 ``q Kᵀ`` (B, H, R, count) for scaled float32 queries (B, H, R, D)."""
+        if self.channel is not None:
+            q = q * self.channel[:, :, None, :]
         x = self.layout
-        if _quantized_matmul_here(x.bits):
+        if self._qmm():
             return mx.quantized_matmul(q, *self._valid(), transpose=True, group_size=x.group, bits=x.bits)
         return q @ self.rows().swapaxes(-1, -2)
 
     def mix(self, p: mx.array) -> mx.array:
         """float32 ``p V`` (B, H, R, D) for probabilities (B, H, R, count)."""
         x = self.layout
-        if _quantized_matmul_here(x.bits):
-            return mx.quantized_matmul(p, *self._valid(), transpose=False, group_size=x.group, bits=x.bits)
-        return p @ self.rows()
+        if self._qmm():
+            out = mx.quantized_matmul(p, *self._valid(), transpose=False, group_size=x.group, bits=x.bits)
+        else:
+            out = p @ self.rows()
+        return out if self.channel is None else out * self.channel[:, :, None, :]
+
+
+@dataclass(frozen=True)
+class PlainRows:
+    """Full-precision rows (B, H, capacity, D) of which ``count`` are valid, in the
+    ``PackedScores`` protocol (values kept unquantized beside quantized keys)."""
+
+    rows: mx.array
+    count: int
+
+    @property
+    def n_heads(self) -> int:
+        return self.rows.shape[1]
+
+    def scores(self, q: mx.array) -> mx.array:
+        return q @ self.rows[:, :, : self.count].astype(mx.float32).swapaxes(-1, -2)
+
+    def mix(self, p: mx.array) -> mx.array:
+        return p @ self.rows[:, :, : self.count].astype(mx.float32)

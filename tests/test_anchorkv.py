@@ -1,0 +1,173 @@
+"""AnchorKV: every token kept (anchors and the window exactly), exact with every token an
+anchor, residuals orthogonal to their anchors, anchors chosen by window/score/seed, the
+byte budget, more budget never worse, decode over the anchor form against attention over
+the reconstruction, decode tokens exact, memory, and the residual codec's levels."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from test_kivi import feed
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache.options import AnchorKVOptions
+from veloxquant_mlx.lowrank.anchors import AnchorPart
+from veloxquant_mlx.methods.anchorkv import AnchorKVCache, _assign, compress
+from veloxquant_mlx.quant.lloyd_max import RotatedGaussian, gaussian_levels
+
+
+def anchorkv(**options):
+    return AnchorKVCache(KVCacheConfig(method="anchorkv", options=AnchorKVOptions(**options)), None, 0)
+
+
+def kv(t, d=32, h=2, seed=0):
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=(1, h, 8, d))  # tokens near a few directions, as real keys are
+    pick = rng.integers(0, 8, size=(1, h, t))
+    k = np.take_along_axis(base, pick[..., None], axis=2) * rng.normal(1, 0.3, size=(1, h, t, 1))
+    k = k + 0.3 * rng.normal(size=(1, h, t, d))
+    v = rng.normal(size=(1, h, t, d))
+    return mx.array(k, mx.float32), mx.array(v, mx.float32)
+
+
+def compressed(n_prompt=300, n_decode=3, **options):
+    keys, values = kv(n_prompt + n_decode)
+    cache = anchorkv(**options)
+    feed(cache, keys[:, :, :n_prompt], values[:, :, :n_prompt], 128)
+    feed(cache, keys[:, :, n_prompt:], values[:, :, n_prompt:], 1)
+    return cache, keys, values
+
+
+def in_prompt_order(cache, keys, values):
+    """The stored prompt rows put back in prompt order (the cache keeps no positions; the
+    compression returns them to its caller)."""
+    s = cache.store.part.count
+    part, positions = compress(keys[:, :, :s], values[:, :, :s], cache.config.options, cache.store.codec)
+    assert all(mx.array_equal(a, b) for a, b in zip(part.arrays().values(), cache.store.part.arrays().values()))
+    k_hat, v_hat = part.dense(cache.store.codec)
+    back = mx.argsort(positions, axis=-1)[..., None]
+    return mx.take_along_axis(k_hat, back, axis=2), mx.take_along_axis(v_hat, back, axis=2), positions
+
+
+def test_every_token_is_kept_and_decode_tokens_are_exact():
+    cache, keys, values = compressed(anchorkv_window=8, anchorkv_anchor_frac=0.05)
+    assert cache.stored_length == cache.offset == 303 and cache.store.part.count == 300
+    assert mx.array_equal(cache.store.k_tail.view(), keys[:, :, 300:])
+    assert mx.array_equal(cache.store.v_tail.view(), values[:, :, 300:])
+    k_hat, v_hat = cache.dequantized(mx.float32)
+    assert k_hat.shape == keys.shape and v_hat.shape == values.shape
+
+
+def test_anchors_are_exact_the_window_first_then_by_score_then_seeded():
+    cache, keys, values = compressed(anchorkv_window=8, anchorkv_anchor_frac=0.1, anchorkv_rho=0.5)
+    part = cache.store.part
+    assert part.anchor_k.shape[2] == 30  # round(300 * 0.1)
+    k_hat, v_hat, positions = in_prompt_order(cache, keys, values)
+    pos = np.array(positions[..., :30])
+    prompt = np.array(keys[:, :, :300])
+    assert np.array_equal(np.array(part.anchor_k), np.take_along_axis(prompt, pos[..., None], axis=2))
+    assert mx.array_equal(k_hat[:, :, 292:], keys[:, :, 292:300])  # the window, bit-exact
+    assert mx.array_equal(v_hat[:, :, 292:], values[:, :, 292:300])
+    # scores: mean attention of the last 8 keys (as queries, causal) over every token
+    q = prompt[:, :, 292:]
+    logits = q @ prompt.swapaxes(-1, -2) / math.sqrt(32)
+    logits = np.where(np.arange(300) <= np.arange(292, 300)[:, None], logits, -np.inf)
+    alpha = np.exp(logits - logits.max(-1, keepdims=True))
+    score = (alpha / alpha.sum(-1, keepdims=True)).mean(axis=2)
+    window = set(range(292, 300))
+    for h in range(2):
+        chosen = set(pos[0, h].tolist())
+        ranked = [p for p in np.argsort(-score[0, h]) if p not in window][:11]  # round(0.5 * 22)
+        assert window <= chosen and set(ranked) <= chosen
+    other = compressed(anchorkv_window=8, anchorkv_anchor_frac=0.1, anchorkv_rho=0.5, anchorkv_seed=7)[0]
+    again = compressed(anchorkv_window=8, anchorkv_anchor_frac=0.1, anchorkv_rho=0.5)[0]
+    assert all(mx.array_equal(a, b) for a, b in zip(again.store.part.arrays().values(), part.arrays().values()))
+    assert not mx.array_equal(other.store.part.anchor_k, part.anchor_k)  # the uniform picks move
+
+
+def test_every_token_an_anchor_is_exact():
+    cache, keys, values = compressed(anchorkv_anchor_frac=1.0)
+    k_hat, v_hat = cache.dequantized(mx.float32)
+    assert mx.array_equal(k_hat, keys) and mx.array_equal(v_hat, values)  # anchors, in order
+
+
+def test_a_residual_is_orthogonal_to_its_anchor_up_to_the_stored_coefficient():
+    keys, _ = kv(200)
+    anchors, x = keys[:, :, :10], keys[:, :, 10:]
+    ref, gamma, res = _assign(x, anchors)
+    chosen = mx.take_along_axis(anchors, ref[..., None].astype(mx.int32), axis=2)
+    cos = (x[..., None, :] * anchors[:, :, None]).sum(-1) / (
+        mx.linalg.norm(x, axis=-1)[..., None] * mx.linalg.norm(anchors, axis=-1)[:, :, None])
+    assert mx.array_equal(ref, mx.argmax(mx.abs(cos), axis=-1))
+    exact = (x * chosen).sum(-1) / (chosen * chosen).sum(-1)
+    inner = (res * chosen).sum(-1)
+    assert mx.allclose(inner, (exact - gamma.astype(mx.float32)) * (chosen * chosen).sum(-1), atol=1e-4)
+    assert float(mx.abs(inner).max()) < 1e-2 * float((chosen * chosen).sum(-1).max())
+    assert bool((gamma < 0).any())  # |cos| picks anti-aligned anchors too
+
+
+def part_bytes(part: AnchorPart) -> int:
+    return sum(a.nbytes for a in part.arrays().values())
+
+
+@pytest.mark.parametrize("theta", [0.05, 0.1, 0.3])
+def test_stored_bytes_meet_the_budget_and_the_formula(theta):
+    cache, _, _ = compressed(anchorkv_theta=theta, anchorkv_window=8, anchorkv_anchor_frac=0.02, anchorkv_residual_bits=2)
+    part, s, d, h = cache.store.part, 300, 32, 2
+    k, m = 6, 294
+    n_k, n_v = part.key_codes.shape[2], part.value_codes.shape[2]
+    words = d * 2 // 32
+    formula = h * (k * 2 * d * 4 + m * (1 + 4 + 2) + 4 * k + n_k * (4 * words + 2) + n_v * (4 * words + 2 + 2))
+    assert part_bytes(part) == formula
+    assert part_bytes(part) <= theta * s * 2 * d * 4 * h  # θ of the prompt's float32 K+V
+    base = h * (k * 2 * d * 4 + m * 7 + 4 * k)
+    # the budget is used: what is left is less than one more residual (each priced with a
+    # position, which key residuals do not store)
+    if n_v < m:
+        assert theta * s * 2 * d * 4 * h - part_bytes(part) < h * (4 * words + 4 + n_k * 2)
+        assert n_v - n_k in (0, 1) and n_k > 0 and base < part_bytes(part)
+    else:  # every token has both residuals: the budget cannot all be spent
+        assert n_k == n_v == m
+
+
+def test_below_the_base_cost_no_residual_is_kept():
+    cache, _, _ = compressed(anchorkv_theta=0.02, anchorkv_anchor_frac=0.02)
+    assert cache.store.part.key_codes.shape[2] == cache.store.part.value_codes.shape[2] == 0
+
+
+def test_more_budget_never_reconstructs_worse():
+    errors = []
+    for theta in (0.02, 0.05, 0.1, 0.2, 0.5, 1.0):
+        cache, keys, values = compressed(anchorkv_theta=theta, anchorkv_anchor_frac=0.02, anchorkv_window=4)
+        k_hat, v_hat, _ = in_prompt_order(cache, keys, values)
+        errors.append(float(((k_hat - keys[:, :, :300]) ** 2).sum() + ((v_hat - values[:, :, :300]) ** 2).sum()))
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 0.5 * errors[0]
+
+
+def test_decode_over_the_anchor_form_equals_attention_over_the_reconstruction():
+    cache, keys, values = compressed(anchorkv_theta=0.2, anchorkv_window=4, anchorkv_anchor_frac=0.05)
+    part = cache.store.part
+    assert part.key_codes.shape[2] > 0 and part.value_codes.shape[2] > 0
+    k_hat, v_hat = cache.dequantized(mx.float32)
+    for gqa in (1, 2):
+        q = mx.random.normal((1, 2 * gqa, 1, 32), key=mx.random.key(gqa))
+        ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=32**-0.5)
+        assert mx.allclose(cache._decode_attention(q, 32**-0.5), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_the_residual_codec_levels_and_its_reads():
+    assert np.allclose(gaussian_levels(2), [-1.5104, -0.4528, 0.4528, 1.5104], atol=1e-4)
+    assert np.allclose(gaussian_levels(1), [-math.sqrt(2 / math.pi), math.sqrt(2 / math.pi)], atol=1e-6)
+    r = mx.random.normal((4, 50, 128), key=mx.random.key(0))
+    errors = []
+    for bits in (1, 2, 3, 4, 8):
+        codec = RotatedGaussian(bits, 42)
+        codes, scales = codec.encode(r)
+        r_hat = codec.decode(codes, scales)
+        errors.append(float(((r - r_hat) ** 2).sum() / (r**2).sum()))
+        q = mx.random.normal((4, 1, 128), key=mx.random.key(1))
+        folded = (codec.rotate(q) * codec.coordinates(codes, scales)).sum(-1)
+        assert mx.allclose(folded, (q * r_hat).sum(-1), atol=1e-4)
+    assert errors == sorted(errors, reverse=True)
+    assert abs(errors[1] - 0.1175) < 0.01 and errors[-1] < 1e-3  # Lloyd-Max MSE of a Gaussian at 2 bits

@@ -1,0 +1,138 @@
+"""MiniCache: never merges across the threshold, the card's invariants (identical and
+parallel rows exact, norms kept, t = 0 / 1 give either layer, threshold > 1 exact, layers
+below the start and an odd last layer exact, per-step merging equals merging at once),
+decode over merged rows in place, and memory."""
+
+import mlx.core as mx
+import pytest
+
+from cross_layer_util import feed, kv, layered, reference_attention
+from veloxquant_mlx.cache.slerp import MergedRows
+
+T, DECODE = 120, 6
+
+
+def _noisy(x0, i):
+    """Layer 1 as layer 0 plus noise of its channels' size: cosines spread over (0, 1)."""
+    size = mx.sqrt((x0 * x0).mean(axis=-2, keepdims=True))
+    return x0 + 1.2 * mx.random.normal(x0.shape, key=mx.random.key(7)) * size
+
+
+def _run(related=_noisy, n_layers=2, chunks=(64, 1), **options):
+    options = {"minicache_start_frac": 0.0, **options}
+    caches = layered("minicache", n_layers, **options)
+    ks, vs = kv(T + DECODE, n_layers, related=related)
+    feed(caches, ks, vs, chunks[0], stop=T)
+    outs = feed(caches, ks, vs, chunks[1], start=T)
+    return caches, ks, vs, outs
+
+
+def _rebuilt(cache, x):
+    return cache.merged(x).dense(mx.float32)
+
+
+def _cos(a, b):
+    return (a * b).sum(-1) / (mx.linalg.norm(a, axis=-1) * mx.linalg.norm(b, axis=-1))
+
+
+@pytest.mark.parametrize("threshold", [0.35, 0.5, 0.8])
+def test_pairs_below_the_threshold_are_kept_apart_and_only_those(threshold):
+    caches, ks, vs, _ = _run(minicache_retention_threshold=threshold)
+    first, second = caches
+    for x, a, b in (("k", ks[0], ks[1]), ("v", vs[0], vs[1])):
+        cos = _cos(a, b)  # (1, H, T)
+        where = getattr(second, f"ret_{x}_where").view()
+        kept = mx.zeros(cos.shape, mx.bool_).reshape(-1, cos.shape[-1])
+        kept[where[:, 0], where[:, 1]] = True
+        kept = kept.reshape(cos.shape)
+        assert 0 < int(kept.sum()) < kept.size  # both kinds occur
+        assert mx.array_equal(kept, cos < threshold)
+        x1, x2 = _rebuilt(first, x), _rebuilt(second, x)
+        assert mx.allclose(mx.where(kept[..., None], x1, a), a, atol=1e-5)  # retained: originals
+        assert mx.allclose(mx.where(kept[..., None], x2, b), b, atol=1e-5)
+        merged = ~kept
+        assert mx.allclose(mx.linalg.norm(x1, axis=-1), mx.linalg.norm(a, axis=-1), rtol=1e-5)  # norms kept
+        assert mx.allclose(mx.linalg.norm(x2, axis=-1), mx.linalg.norm(b, axis=-1), rtol=1e-5)
+        same = mx.abs(_cos(x1, x2) - 1) < 1e-5  # a merged pair shares one direction
+        assert mx.all(same | kept)
+        assert not mx.allclose(mx.where(merged[..., None], x2, 0), mx.where(merged[..., None], b, 0), atol=1e-3)
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_identical_or_parallel_rows_merge_exactly(scale):
+    caches, ks, vs, _ = _run(related=lambda x0, i: x0 * scale, minicache_retention_threshold=-1.0)
+    for layer, c in enumerate(caches):
+        assert getattr(caches[1], "ret_k_where").length == 0  # everything merged
+        assert mx.allclose(_rebuilt(c, "k"), ks[layer], atol=1e-4, rtol=1e-5)
+        assert mx.allclose(_rebuilt(c, "v"), vs[layer], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t, exact_layer", [(0.0, 0), (1.0, 1)])
+def test_slerp_t_at_either_end_gives_that_layers_direction(t, exact_layer):
+    caches, ks, vs, _ = _run(minicache_retention_threshold=-1.0, minicache_slerp_t=t)
+    c = caches[exact_layer]
+    assert mx.allclose(_rebuilt(c, "k"), ks[exact_layer], atol=1e-4, rtol=1e-5)
+    other = caches[1 - exact_layer]
+    assert not mx.allclose(_rebuilt(other, "k"), ks[1 - exact_layer], atol=1e-2)
+
+
+def test_a_threshold_above_one_retains_everything_and_attention_is_exact():
+    caches, ks, vs, outs = _run(minicache_retention_threshold=1.5)
+    for i in range(2):
+        for step, out in enumerate(outs[i]):
+            n = T + step + 1
+            q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5 + T + step + 100 * i))
+            assert mx.allclose(out, reference_attention(q, ks[i][:, :, :n], vs[i][:, :, :n], 32 ** -0.5),
+                               atol=1e-5)
+
+
+def test_layers_below_the_start_and_an_odd_last_layer_are_left_exact():
+    caches, ks, vs, _ = _run(n_layers=5, minicache_start_frac=0.4)  # S = 2: pair (2, 3)
+    assert [c.role for c in caches] == ["alone", "alone", "first", "second", "alone"]
+    for i in (0, 1, 4):
+        assert mx.array_equal(caches[i].keys.view(), ks[i]) and mx.array_equal(caches[i].values.view(), vs[i])
+        assert not caches[i].shared.arrays()
+    assert caches[3].n_merged == T + DECODE and caches[2].pending_k is None
+
+
+def test_merging_step_by_step_equals_merging_the_whole_run_at_once():
+    step, _, _, _ = _run(chunks=(64, 1), minicache_retention_threshold=0.5)
+    once, _, _, _ = _run(chunks=(T, DECODE), minicache_retention_threshold=0.5)
+    for name in ("e_k", "e_v"):
+        assert mx.allclose(step[1].shared[name].view(), once[1].shared[name].view(), atol=1e-6)
+    for name in ("ret_k_where", "ret_v_where"):
+        a, b = getattr(step[1], name).view(), getattr(once[1], name).view()
+        assert mx.array_equal(mx.sort(a[:, 0] * 10000 + a[:, 1]), mx.sort(b[:, 0] * 10000 + b[:, 1]))
+
+
+def test_decode_reads_the_merged_rows_in_place_as_the_rebuilt_history():
+    caches, *_ = _run(minicache_retention_threshold=0.5)
+    for c in caches:
+        rows = c.merged("k")
+        assert isinstance(rows, MergedRows) and (rows.where is None) == (c.role == "first")
+        q = mx.random.normal((1, 2, 2, 32))
+        dense = rows.dense(mx.float32)
+        assert mx.allclose(rows.scores(q), q @ dense.swapaxes(-1, -2), atol=1e-4)
+        p = mx.softmax(mx.random.normal((1, 2, 2, rows.count)), axis=-1)
+        assert mx.allclose(rows.mix(p), p @ dense, atol=1e-5)
+
+
+def test_memory_of_a_pair_is_the_card_formula_within_the_growth_step():
+    t = 600
+    caches = layered("minicache", 2, minicache_start_frac=0.0, minicache_retention_threshold=0.5)
+    ks, vs = kv(t, 2, related=_noisy)
+    feed(caches, ks, vs, 200)
+    h, d, s = 2, 32, 4
+    n_ret = sum(getattr(caches[1], f"ret_{x}_where").length for x in ("k", "v"))
+    formula = 2 * h * t * (d * s + 2 * s) + n_ret * (d * s + 8)  # e + m1 + m2 per tensor; retained
+    room = 2 * h * 256 * (d * s + 2 * s) + 2 * 256 * (d * s + 8)
+    total = caches[0].nbytes + caches[1].nbytes
+    assert formula <= total <= formula + room
+    assert caches[0].nbytes == sum(g.nbytes for g in (caches[0].m_k, caches[0].m_v))
+
+
+def test_pairs_beyond_minicache_max_ctx_are_refused_naming_the_field():
+    caches = layered("minicache", 2, minicache_start_frac=0.0, minicache_max_ctx=100)
+    ks, vs = kv(T, 2)
+    with pytest.raises(ValueError, match="minicache_max_ctx=100"):
+        feed(caches, ks, vs, 64)

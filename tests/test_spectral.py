@@ -1,0 +1,247 @@
+"""SpectralQuant: Lloyd-Max codebooks of a Gaussian, an orthonormal eigenbasis, the bit
+split and memory of the card, decode over the packed rows equal to attention over the
+reconstruction without QJL and to the explicit QJL formula with it (pre-RoPE keys
+included), and the QJL estimator's bias and variance against the math."""
+
+import math
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+from test_kivi import feed
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache.options import SpectralQuantOptions
+from veloxquant_mlx.evict.rope import Rotary, derotate
+from veloxquant_mlx.methods.spectral import SKETCH_SEED, SpectralQuantCache
+from veloxquant_mlx.quant import codebook as cb
+from veloxquant_mlx.quant.bitfields import pack_fields, row_words, unpack_fields
+from veloxquant_mlx.quant.eigen_store import EigenCodec, EigenTokens, gaussian_codebook
+from veloxquant_mlx.quant.packed import GROWTH_TOKENS
+
+ROPE = Rotary(10000.0)
+
+
+def spectral(context=None, bits=2, layer=0, **options):
+    config = KVCacheConfig(method="spectral", kv_bits=bits, options=SpectralQuantOptions(**options))
+    return SpectralQuantCache(config, context, layer)
+
+
+def rotary_context():
+    return SimpleNamespace(model_args=SimpleNamespace(rope_theta=ROPE.base))
+
+
+def structured(t, d=64, h=2, seed=0, energy=(8.0, 4.0, 3.0, 2.0), tail=0.3):
+    """Rows with a few strong directions (a random orthonormal frame per head) over a weak
+    isotropic tail: the spectral structure SpectralQuant expects of keys."""
+    scales = mx.concatenate([mx.array(energy), mx.full((d - len(energy),), tail)])
+    g = mx.random.normal((1, h, t, d), key=mx.random.key(seed)) * scales
+    frame, _ = mx.linalg.qr(mx.random.normal((h, d, d), key=mx.random.key(seed + 100)), stream=mx.cpu)
+    return g @ frame.swapaxes(-1, -2)
+
+
+def attention(q, k, v, scale):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None)
+
+
+# -- codebooks, bit fields, basis ---------------------------------------------------------------
+def test_gaussian_codebooks_are_the_lloyd_max_quantizers():
+    """Max (1960): 1 bit +-0.7979, 2 bits +-0.4528 / +-1.5104, 3 bits outermost +-2.152."""
+    assert mx.allclose(gaussian_codebook(1), mx.array([-0.7979, 0.7979]), atol=2e-3)
+    assert mx.allclose(gaussian_codebook(2), mx.array([-1.5104, -0.4528, 0.4528, 1.5104]), atol=2e-3)
+    three = gaussian_codebook(3)
+    assert abs(float(three[-1]) - 2.152) < 3e-3 and abs(float(three[4]) - 0.2451) < 2e-3
+    x = mx.random.normal((400_000,), key=mx.random.key(0))
+    for bits in (6, 8):  # at high rates the error is Panter-Dite's 2.72 / 4^b
+        book = gaussian_codebook(bits)
+        mse = float(mx.square(x - book[cb.nearest(x, book)]).mean())
+        assert abs(mse / (2.72 * 4.0 ** -bits) - 1) < 0.05, (bits, mse)
+
+
+def test_bit_fields_round_trip_at_mixed_widths():
+    key = mx.random.key(1)
+    fields = [(mx.random.randint(0, 1 << b, (3, 5, n), key=mx.random.key(b * 7 + n)), b)
+              for n, b in ((4, 3), (60, 2), (4, 1))]
+    words = pack_fields(fields)
+    assert words.shape == (3, 5, row_words(((4, 3), (60, 2), (4, 1)))) == (3, 5, 5)
+    for (codes, _), back in zip(fields, unpack_fields(words, ((4, 3), (60, 2), (4, 1)))):
+        assert mx.array_equal(codes.astype(mx.float32), back)
+    del key
+
+
+def test_the_basis_is_orthonormal_and_eight_bits_reconstruct_within_one_percent():
+    """A spectrum whose semantic directions are within a factor 2 of each other: one σ per
+    block then covers them (a steeper one clips the strongest, by the card's design). An
+    8-bit Lloyd-Max code of a Gaussian alone leaves 0.65% (SNR 43.8 dB), one σ for the
+    whole block a little more: the card's "< 1e-2" with that margin."""
+    k = structured(200, energy=(2.0, 1.8, 1.6, 1.4), tail=0.5)
+    v = structured(200, seed=5, energy=(1.2, 1.1, 1.0, 1.0), tail=0.8)
+    cache = spectral(bits=8)
+    feed(cache, k, v, 200)
+    basis = cache.store.keys.basis
+    assert mx.allclose(basis.swapaxes(-1, -2) @ basis, mx.eye(64), atol=1e-5)
+    k_hat, v_hat = cache.dequantized(mx.float32)
+    for x, x_hat in ((k, k_hat), (v, v_hat)):
+        assert float(mx.linalg.norm((x - x_hat).flatten()) / mx.linalg.norm(x.flatten())) < 1.5e-2
+        ratio = mx.linalg.norm(x_hat, axis=-1) / mx.linalg.norm(x, axis=-1)  # norms kept
+        assert float(mx.abs(ratio - 1).mean()) < 5e-3  # (a clipped outlier coordinate costs more)
+
+
+@pytest.mark.parametrize("bits, d, d_eff, key, qjl, expected", [
+    (3, 128, 4, True, True, 420), (3, 128, 50, False, False, 450),  # the card's example
+    (3, 128, 4, True, False, 4 * 3 + 124 * 3 + 16), (2, 128, 4, True, True, 4 * 3 + 124 * 2 + 32),
+    (2, 32, 50, False, False, 31 * 2 + 1 * 1 + 16),  # e clamped to 31: b_low = round(2 - 31/32) = 1
+])
+def test_bit_split_and_bits_per_row_follow_the_card(bits, d, d_eff, key, qjl, expected):
+    codec = EigenCodec(bits, d_eff, key=key, qjl=qjl)
+    e, head, tail = codec.widths(d)
+    low = max(1, math.floor(bits - min(d_eff, d - 1) / d + 0.5))
+    assert (e, tail) == (min(d_eff, d - 1), low) and head == (low if key else low + 1)
+    code_bits = sum(n * b for n, b in codec.layout(d))
+    assert code_bits + 16 * codec.n_norms == expected
+
+
+def test_nbytes_after_a_long_prompt_is_the_card_formula_plus_word_padding_and_the_bases():
+    t, d, h = 600, 64, 2
+    cache = spectral(bits=2)
+    feed(cache, structured(t), structured(t, seed=3), 256)
+    rows = -(-t // GROWTH_TOKENS) * GROWTH_TOKENS
+    k_codec, v_codec = EigenCodec(2, 4, True, True), EigenCodec(2, 50, False, False)
+    per_row = 4 * row_words(k_codec.layout(d)) + 2 * 2 + 4 * row_words(v_codec.layout(d)) + 2
+    side = h * (2 * d * d * 4 + 2 * 2 * 4) + 4 * 4 * 4  # bases, sigmas (float32), the 4 x 4 sketch
+    assert cache.nbytes == rows * h * per_row + side
+    card_bits = (4 * 3 + 60 * 2 + 32) + (50 * 3 + 14 * 2 + 16)  # b = 2: b_low 2, b_high 3
+    assert rows * h * per_row - t * h * card_bits / 8 < (GROWTH_TOKENS + t * 2 * 4 / 8) * h * per_row
+
+
+# -- attention ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("context", [None, rotary_context()], ids=["post-rope", "pre-rope"])
+def test_without_qjl_decode_equals_attention_over_the_reconstruction(context):
+    k, v = structured(150), structured(150, seed=9)
+    cache = spectral(context, spectral_apply_qjl=False)
+    feed(cache, k[:, :, :140], v[:, :, :140], 64)
+    feed(cache, k[:, :, 140:], v[:, :, 140:], 1)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(2))
+    k_hat, v_hat = cache.dequantized(mx.float32)
+    assert k_hat.shape[2] == 150
+    want = attention(q, k_hat, v_hat, 0.125)
+    assert mx.allclose(cache._decode_attention(q, 0.125), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("context", [None, rotary_context()], ids=["post-rope", "pre-rope"])
+def test_with_qjl_decode_is_the_softmax_of_the_corrected_scores(context):
+    """The cache's scores equal ``q k_hat + sqrt(pi/2)/e ||r|| (S q_sem) . sign(S r)``,
+    computed here from the original keys (de-rotated for pre-RoPE), not from the codes."""
+    t, d = 96, 64
+    k, v = structured(t), structured(t, seed=9)
+    cache = spectral(context, layer=3)
+    feed(cache, k, v, 64)
+    keys = cache.store.keys
+    k_hat, v_hat = cache.dequantized(mx.float32)
+    pre = derotate(k, mx.arange(t), ROPE) if context else k
+    pre_hat = derotate(k_hat, mx.arange(t), ROPE) if context else k_hat
+    basis, e = keys.basis, 4
+    r_sem = ((pre - pre_hat) @ basis)[..., :e]
+    signs = mx.where(r_sem @ keys.sketch.T >= 0, 1.0, -1.0)
+    q = mx.random.normal((1, 2, 1, d), key=mx.random.key(4)) * 0.125
+    q_frames = derotate(mx.broadcast_to(q, (1, 2, t, d)), mx.arange(t), ROPE) if context else q
+    q_sem = (q_frames @ basis)[..., :e] @ keys.sketch.T  # (1, 2, t or 1, e)
+    corr = math.sqrt(math.pi / 2) / e * mx.linalg.norm(r_sem, axis=-1) * (q_sem * signs).sum(-1)
+    scores = (q @ k_hat.swapaxes(-1, -2))[:, :, 0] + corr
+    want = mx.softmax(scores, axis=-1)[:, :, None] @ v_hat
+    got = cache._decode_attention(q / 0.125, 0.125)
+    assert mx.allclose(got, want, atol=2e-4), float(mx.abs(got - want).max())
+    assert not mx.allclose(got, attention(q / 0.125, k_hat, v_hat, 0.125), atol=1e-3)  # QJL did something
+
+
+def test_with_qjl_a_later_prompt_chunk_attends_with_the_corrected_scores_over_the_history():
+    """A chunk after the first: the history through the decode reader's corrected scores,
+    the chunk itself exact and causal, one softmax (not SDPA over the reconstruction)."""
+    k, v = structured(80), structured(80, seed=9)
+    cache = spectral()
+    feed(cache, k[:, :, :72], v[:, :, :72], 40)
+    q = mx.random.normal((1, 4, 8, 64), key=mx.random.key(5))
+    history = cache.store.keys.reader().scores(q.reshape(1, 2, 16, 64) * 0.125)  # (1, 2, 16, 72)
+    _, v_hat = cache.dequantized(mx.float32)
+    own = (q.reshape(1, 2, 16, 64) * 0.125) @ k[:, :, 72:].swapaxes(-1, -2)
+    causal = mx.tile(mx.tril(mx.ones((8, 8), mx.bool_)), (2, 1))
+    p = mx.softmax(mx.concatenate([history, mx.where(causal, own, -mx.inf)], axis=-1), axis=-1)
+    want = (p @ mx.concatenate([v_hat, v[:, :, 72:]], axis=2)).reshape(1, 4, 8, 64)
+    cache.update_and_fetch(k[:, :, 72:], v[:, :, 72:])
+    got = cache.attend(q, k[:, :, 72:], v[:, :, 72:], scale=0.125, mask="causal")
+    assert mx.allclose(got, want, atol=1e-5)
+    k_hat, _ = cache.dequantized(mx.float32)
+    sdpa = mx.fast.scaled_dot_product_attention(q, mx.concatenate([k_hat[:, :, :72], k[:, :, 72:]], axis=2),
+                                                mx.concatenate([v_hat, v[:, :, 72:]], axis=2), scale=0.125, mask="causal")
+    assert not mx.allclose(got, sdpa, atol=1e-3)
+
+
+# -- the QJL estimator ------------------------------------------------------------------------
+def _estimates(keys, q, seeds):
+    """Per sketch seed: the QJL correction of each token's score, and the true q_sem . r_sem."""
+    out = []
+    for seed in seeds:
+        run = EigenTokens(EigenCodec(2, 4, key=True, qjl=True), seed=seed)
+        run.append(keys)
+        reader = run.reader()
+        out.append(reader.scores(q) - reader.scores(q, qjl=False))
+    k_hat = run.decode(mx.float32)
+    truth = (((keys - k_hat) @ run.basis)[..., :4] * (q @ run.basis)[..., :4]).sum(-1)
+    return mx.stack(out)[:, :, :, 0], truth[:, :, None] if truth.ndim == 3 else truth, run
+
+
+def test_qjl_is_unbiased_over_sketches_and_its_variance_is_the_formula():
+    """Over S, E[correction] = q_sem . r_sem (the bias of q . k_hat gone, within 4 standard
+    errors), and E[(correction - truth)^2] = (pi/2 ||q_sem||^2 ||r_sem||^2 - (q_sem . r_sem)^2) / e
+    (the variance of e sign projections): measured within 15%."""
+    keys = structured(40, h=1, seed=11)
+    q = mx.random.normal((1, 1, 1, 64), key=mx.random.key(12)) * 0.5
+    est, _, run = _estimates(keys, q, range(300))
+    k_hat = run.decode(mx.float32)
+    r_sem = ((keys - k_hat) @ run.basis)[..., :4]
+    q_sem = (q @ run.basis)[..., :4]
+    truth = (r_sem * q_sem).sum(-1)[:, :, None, :][:, :, 0]  # (1, 1, 40)
+    mean, sd = est.mean(axis=0), mx.sqrt(est.var(axis=0))
+    assert float(mx.abs(mean - truth).max() / (sd.max() / math.sqrt(300))) < 4.5
+    assert float(mx.abs(truth).mean()) > 10 * float(mx.abs(mean - truth).mean())  # bias removed
+    variance = (math.pi / 2 * (q_sem ** 2).sum(-1) * (r_sem ** 2).sum(-1) - truth ** 2) / 4
+    measured = ((est - truth) ** 2).mean(axis=0)
+    assert abs(float(measured.mean() / variance.mean()) - 1) < 0.15
+
+
+def test_qjl_lowers_the_score_error_where_the_query_follows_the_residual_and_not_elsewhere():
+    """One sketch of e = 4 signs beats leaving the residual out when cos^2(q_sem, r_sem) >
+    pi / (2 (e + 1)) = 0.31 (from the variance above), the card's regime; for queries
+    independent of the residual (cos^2 about 1/e) it costs about pi/2 - 1/e times more."""
+    keys = structured(200, h=1, seed=21)
+    run = EigenTokens(EigenCodec(2, 4, key=True, qjl=True), seed=SKETCH_SEED)
+    run.append(keys)
+    k_hat = run.decode(mx.float32)
+    r = keys - k_hat
+    r_sem_dir = (r @ run.basis[..., :4]) @ run.basis[..., :4].swapaxes(-1, -2)  # residual in the subspace
+    aligned = r_sem_dir / mx.linalg.norm(r_sem_dir, axis=-1, keepdims=True)  # one query per token
+    reader = run.reader()
+    with_qjl = mx.diagonal(reader.scores(aligned), axis1=-2, axis2=-1)
+    without = mx.diagonal(reader.scores(aligned, qjl=False), axis1=-2, axis2=-1)
+    truth = (aligned * keys).sum(-1)
+    assert float(((with_qjl - truth) ** 2).mean()) < 0.6 * float(((without - truth) ** 2).mean())
+    q = mx.random.normal((1, 1, 64, 64), key=mx.random.key(22))
+    q = (q @ run.basis[..., :4]) @ run.basis[..., :4].swapaxes(-1, -2)  # independent, in the subspace
+    truth = q @ keys.swapaxes(-1, -2)
+    ratio = float(((reader.scores(q) - truth) ** 2).mean() / ((reader.scores(q, qjl=False) - truth) ** 2).mean())
+    assert 1.0 < ratio < 2.0, ratio  # about pi/2 - 1/4 = 1.32
+
+
+def test_encoding_is_deterministic_given_the_layer_and_differs_across_layers():
+    k, v = structured(50), structured(50, seed=2)
+    a, b, c = spectral(layer=1), spectral(layer=1), spectral(layer=2)
+    for cache in (a, b, c):
+        feed(cache, k, v, 50)
+    assert mx.array_equal(a.store.keys.words.view(), b.store.keys.words.view())
+    assert not mx.array_equal(a.store.keys.sketch, c.store.keys.sketch)
+
+
+def test_value_d_eff_is_clamped_below_head_dim():
+    cache = spectral()
+    feed(cache, structured(40, d=32), structured(40, d=32, seed=1), 40)
+    assert cache.store.values.codec.widths(32)[0] == 31

@@ -1,0 +1,210 @@
+"""VecInfer: the dual transform is lossless, codes index the nearest centroid, decode scores
+keys through q-centroid lookup tables (equal to scoring the dequantized keys, without
+rebuilding them), the window is exact, and nbytes against the card's memory formula."""
+
+import mlx.core as mx
+import pytest
+
+from tiny_models import prompt, tiny_model
+from test_methods_exactness import run
+from veloxquant_mlx import KVCacheConfig, make_prompt_cache
+from veloxquant_mlx.cache.options import VecInferOptions
+from veloxquant_mlx.methods.vecinfer import VecInferCache
+from veloxquant_mlx.quant import vq
+from veloxquant_mlx.quant.packed import GROWTH_TOKENS
+from veloxquant_mlx.quant.store import VALUE_ROOM
+from veloxquant_mlx.quant.vq import (CodebookKeys, ProductVQ, index_words, kmeans, pack_indices, relative_error,
+                                     unpack_indices)
+from veloxquant_mlx.quant.vq_store import CodebookFit, smoothing_factors
+
+SMALL = dict(key_codebook_bits=6, value_codebook_bits=4)  # fits from a short prompt are lossy
+
+
+def vecinfer(**options):
+    return VecInferCache(KVCacheConfig(method="vecinfer", options=VecInferOptions(**options)), None, 0)
+
+
+def kv(t, d=128, h=2, seed=0, dtype=mx.float32):
+    # a few large key channels: the outliers the smoothing is for
+    k = mx.random.normal((1, h, t, d), key=mx.random.key(seed)) * mx.where(mx.arange(d) % 37 == 0, 12.0, 1.0)
+    v = mx.random.normal((1, h, t, d), key=mx.random.key(seed + 1))
+    return k.astype(dtype), v.astype(dtype)
+
+
+def feed(cache, keys, values, chunk, seed=5):
+    """Keys/values through update_and_fetch + attend, ``chunk`` tokens a call; the outputs."""
+    outs, t, i = [], keys.shape[2], 0
+    while i < t:
+        n = min(chunk, t - i)
+        k, v = keys[:, :, i : i + n], values[:, :, i : i + n]
+        cache.update_and_fetch(k, v)
+        q = mx.random.normal((k.shape[0], k.shape[1] * 2, n, k.shape[3]), key=mx.random.key(seed + i)).astype(k.dtype)
+        outs.append(cache.attend(q, k, v, scale=k.shape[3] ** -0.5, mask="causal" if n > 1 else None))
+        i += n
+    return outs
+
+
+def sq_dist(x, centroids):
+    """(..., s) x (K, s) -> (..., K) squared distances, formed directly."""
+    return mx.square(x[..., None, :].astype(mx.float32) - centroids.astype(mx.float32)).sum(-1)
+
+
+def assert_nearest(x, idx, centroids):
+    """Each index points at a centroid no farther than the nearest (float32 rounding)."""
+    d = sq_dist(x, centroids)
+    chosen = mx.take_along_axis(d, idx.astype(mx.int32)[..., None], axis=-1)[..., 0]
+    best = d.min(axis=-1)
+    slack = 1e-5 * (mx.square(x).sum(-1) + 1)
+    assert bool(mx.all(chosen <= best + slack)), float((chosen - best).max())
+    assert float((idx == d.argmin(axis=-1)).mean()) > 0.999  # exact ties aside, the same index
+
+
+def test_indices_pack_into_one_little_endian_bit_stream_and_unpack_at_every_width():
+    for bits in range(1, 17):
+        for n in (1, 7, 32, 45):
+            idx = mx.random.randint(0, 1 << bits, (2, 3, n), key=mx.random.key(bits * 100 + n)).astype(mx.uint32)
+            words = pack_indices(idx, bits)
+            assert words.shape == (2, 3, index_words(n, bits)) and words.dtype == mx.uint32
+            assert mx.array_equal(unpack_indices(words, bits, n), idx), (bits, n)
+    words = pack_indices(mx.array([0xABC, 0x123, 0xFFF]), 12)  # the layout itself
+    assert words.tolist() == [0xABC | 0x123 << 12 | 0xFF << 24, 0xF]
+
+
+def test_the_dual_transform_is_lossless_and_keeps_query_key_products():
+    keys, _ = kv(64)
+    codec = ProductVQ(mx.zeros((16, 4)), 4, smoothing_factors(keys), rotated=True)
+    y = codec.to_code_space(keys)
+    assert float(mx.abs(codec.from_code_space(y) - keys).max()) < 1e-5 * float(mx.abs(keys).max())
+    q = mx.random.normal((1, 2, 3, 128), key=mx.random.key(9))
+    exact = q @ keys.swapaxes(-1, -2)
+    moved = codec.query_to_code_space(q) @ y.swapaxes(-1, -2)
+    assert mx.allclose(moved, exact, atol=1e-4, rtol=1e-5)
+    # lambda_c = sqrt(max_t |K[t, c]|) per KV head, floored
+    lam = mx.sqrt(mx.abs(keys).max(axis=2, keepdims=True))
+    assert mx.allclose(codec.scale, mx.maximum(lam, 1e-4))
+
+
+def test_codes_index_the_nearest_centroid_of_keys_in_the_smoothed_rotated_frame_and_of_raw_values():
+    keys, values = kv(300)
+    cache = vecinfer(residual_length=32, **SMALL)
+    feed(cache, keys[:, :, :200], values[:, :, :200], 200)
+    feed(cache, keys[:, :, 200:], values[:, :, 200:], 1)
+    s = cache.store
+    assert s.count == 300 - 32 and s.fitted_from == "prompt"
+    kc, vc = s.key_codec, s.value_codec
+    k_idx = unpack_indices(s.k_codes.view(), kc.bits, 128 // 4)
+    v_idx = unpack_indices(s.v_codes.view(), vc.bits, 128 // 8)
+    k_sub = kc.to_code_space(keys[:, :, :268]).reshape(1, 2, 268, 32, 4)
+    assert_nearest(k_sub, k_idx, kc.centroids)
+    assert_nearest(values[:, :, :268].reshape(1, 2, 268, 16, 8), v_idx, vc.centroids)
+
+
+def test_lookup_table_scores_equal_the_scores_of_the_dequantized_keys():
+    keys, values = kv(300)
+    cache = vecinfer(residual_length=16, key_codebook_bits=12, value_codebook_bits=8)
+    cache.store.install(*CodebookFit(4, 12, 8, 8, iters=1, sample=2, seed=0).fit(keys, values), "calibration")
+    feed(cache, keys, values, 300)
+    s = cache.store
+    k_hat = s.key_codec.decode(s.k_codes.view(), 128, mx.float32)
+    q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(3))  # 4 query heads a KV head
+    lut = CodebookKeys(s.k_codes.buffer, s.count, s.key_codec, 128).scores(q)
+    ref = q @ k_hat.swapaxes(-1, -2)
+    assert lut.shape == (1, 2, 4, 284)
+    assert mx.allclose(lut, ref, atol=1e-4, rtol=1e-4), float(mx.abs(lut - ref).max())
+    # and the scores are of the right keys: against the exact keys the codes are lossy
+    assert float(mx.abs(lut - q @ keys[:, :, :284].swapaxes(-1, -2)).max()) > 1e-2
+
+
+def test_a_decode_step_scores_keys_through_lookup_tables_never_rebuilding_the_history(monkeypatch):
+    keys, values = kv(200)
+    cache = vecinfer(residual_length=16, **SMALL)
+    feed(cache, keys[:, :, :199], values[:, :, :199], 199)
+    calls = []
+    real = vq.lookup_scores
+
+    def refuse(*a, **k):
+        raise AssertionError("a decode step decoded the coded history")
+
+    monkeypatch.setattr(ProductVQ, "decode", refuse)
+    monkeypatch.setattr(vq, "lookup_scores", lambda *a: calls.append(a[1].shape) or real(*a))
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(4))
+    k, v = keys[:, :, 199:], values[:, :, 199:]
+    cache.update_and_fetch(k, v)
+    out = cache.attend(q, k, v, scale=128**-0.5, mask=None)
+    assert calls == [(1, 2, 184, 32)]  # one table lookup over the 184 coded tokens' 32 sub-spaces
+    monkeypatch.undo()
+    all_k, all_v = cache.dequantized(mx.float32)
+    ref = mx.fast.scaled_dot_product_attention(q, all_k, all_v, scale=128**-0.5)
+    assert mx.allclose(out, ref, atol=1e-5, rtol=1e-4), float(mx.abs(out - ref).max())
+
+
+def test_window_tokens_are_exact_and_coded_tokens_are_offset_minus_window():
+    keys, values = kv(150, dtype=mx.float16)
+    cache = vecinfer(residual_length=40, **SMALL)
+    feed(cache, keys[:, :, :100], values[:, :, :100], 50)
+    feed(cache, keys[:, :, 100:], values[:, :, 100:], 1)
+    assert cache.store.count == cache.offset - 40 == 110
+    k_hat, v_hat = cache.dequantized(mx.float16)
+    assert mx.array_equal(k_hat[:, :, 110:], keys[:, :, 110:]) and mx.array_equal(v_hat[:, :, 110:], values[:, :, 110:])
+    assert relative_error(keys[:, :, :110], k_hat[:, :, :110]) > 1e-3  # the rest is coded
+
+
+def test_with_codebooks_given_the_codes_do_not_depend_on_how_the_prompt_came():
+    keys, values = kv(160)
+    fit = CodebookFit(4, 6, 8, 4, iters=4, sample=8, seed=0)
+    codecs = fit.fit(keys, values)
+    states = []
+    for chunk, decode_from in ((160, 160), (37, 160), (64, 100)):
+        cache = vecinfer(residual_length=24, **SMALL)
+        cache.store.install(*codecs, "calibration")
+        feed(cache, keys[:, :, :decode_from], values[:, :, :decode_from], chunk)
+        feed(cache, keys[:, :, decode_from:], values[:, :, decode_from:], 1)
+        states.append((cache.store.k_codes.view(), cache.store.v_codes.view(), cache.store.k_win.view()))
+    for other in states[1:]:
+        assert all(mx.array_equal(a, b) for a, b in zip(states[0], other))
+
+
+def test_kmeans_codebooks_on_gaussian_data_reach_the_cards_error_and_more_bits_do_not_hurt():
+    x = mx.random.normal((40000, 8), key=mx.random.key(0))
+    test = mx.random.normal((10000, 8), key=mx.random.key(1))
+    errors = []
+    for bits in (4, 6, 8):
+        c = kmeans(x, 1 << bits, iters=12, key=mx.random.key(2))
+        errors.append(relative_error(test, c[vq.nearest(test, c)]))
+    assert errors[2] < 0.40  # card: ~0.33 for 8-dim, 256 centroids
+    assert errors[0] > errors[1] > errors[2]
+
+
+def test_nbytes_after_a_long_prompt_matches_the_cards_memory_formula():
+    h, d, t, window = 2, 128, 1500, 128
+    keys, values = kv(t, h=h, dtype=mx.float16)
+    cache = vecinfer(residual_length=window, key_codebook_bits=10)  # 10-bit keys / 4, 8-bit values / 8
+    feed(cache, keys[:, :, :1400], values[:, :, :1400], 1400)
+    feed(cache, keys[:, :, 1400:], values[:, :, 1400:], 1)
+    per_token = h * ((d // 4) * 10 // 8 + (d // 8) * 8 // 8)  # 56 B a head: 40 key + 16 value
+    codebooks = (1 << 10) * 4 * 2 + (1 << 8) * 8 * 2  # float16 centroids
+    smoothing = h * d * 4  # float32 here (the card counts float16)
+    fp_window = window * h * 4 * d  # K + V rows, float16
+    formula = (t - window) * per_token + fp_window + codebooks + smoothing
+    slack = GROWTH_TOKENS * per_token + VALUE_ROOM * h * 4 * d  # code rows grown ahead, the window's room
+    assert formula <= cache.nbytes <= formula + slack, (cache.nbytes, formula)
+
+
+def test_fields_that_do_not_fit_the_head_are_refused_naming_them():
+    keys, values = kv(8, d=96)
+    with pytest.raises(ValueError, match="key_sub_dim=5 must divide head_dim=96"):
+        vecinfer(key_sub_dim=5).update_and_fetch(keys, values)
+    with pytest.raises(ValueError, match="head_dim=80"):
+        vecinfer(key_sub_dim=4).update_and_fetch(*kv(8, d=80))
+
+
+def test_the_model_decodes_equal_to_the_full_cache_when_the_window_covers_the_context():
+    model = tiny_model("llama")
+    tokens = prompt(120)
+    ref = run(model, make_prompt_cache(model, KVCacheConfig(method="full")), tokens, chunk=50, decode=8)
+    config = KVCacheConfig(method="vecinfer", options=VecInferOptions(residual_length=200, **SMALL))
+    out = run(model, make_prompt_cache(model, config), tokens, chunk=50, decode=8)
+    assert mx.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    lossy = KVCacheConfig(method="vecinfer", options=VecInferOptions(residual_length=16, **SMALL))
+    out = run(model, make_prompt_cache(model, lossy), tokens, chunk=50, decode=8)
+    assert not mx.allclose(out, ref, atol=1e-3, rtol=1e-3)

@@ -1,0 +1,130 @@
+"""xKV: the card's invariants (full rank exact, Eckart-Young against per-layer SVDs, one
+latent object for the group, G = 1 is a per-layer SVD, decode tokens and values exact),
+the folded decode scores, the rank rule, the timing of the group's SVD, and memory."""
+
+import math
+
+import mlx.core as mx
+import pytest
+
+from cross_layer_util import feed, kv, layered, reference_attention
+from veloxquant_mlx.lowrank.factors import svd_factors
+from veloxquant_mlx.lowrank.shared_latent import LatentCodec, joint_factors, packing_unit
+
+T, DECODE = 150, 5
+
+
+def _rel(a, b):
+    return float(mx.linalg.norm((a - b).reshape(-1)) / mx.linalg.norm(b.reshape(-1)))
+
+
+def _run(n_layers=2, **options):
+    caches = layered("xkv", n_layers, **options)
+    ks, vs = kv(T + DECODE, n_layers)
+    feed(caches, ks, vs, 64, stop=T)
+    outs = feed(caches, ks, vs, 1, start=T)
+    return caches, ks, vs, outs
+
+
+def test_full_rank_in_the_model_dtype_is_exact_to_float_precision():
+    caches, ks, vs, outs = _run(xkv_rank=4096, xkv_latent_bits=16)
+    for i, c in enumerate(caches):
+        assert c.n_latent == T and c.b.shape == (1, 128, 64)  # rank capped at 2 layers x 64
+        assert _rel(c.latent_keys().reconstruct(mx.float32), ks[i][:, :, :T]) < 1e-5
+        for step in range(1, DECODE):  # steps after the group's SVD read the latent
+            n = T + step + 1
+            q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5 + T + step + 100 * i))
+            want = reference_attention(q, ks[i][:, :, :n], vs[i][:, :, :n], 32 ** -0.5)
+            assert mx.allclose(outs[i][step], want, atol=1e-5), float(mx.abs(outs[i][step] - want).max())
+
+
+def test_the_joint_svd_is_no_worse_than_per_layer_svds_of_a_share_of_the_rank():
+    ks, _ = kv(T, 2, related=lambda k0, i: k0 * 0.5 + mx.random.normal(k0.shape, key=mx.random.key(3)))
+    for r in (8, 32, 64):
+        a, bs, _ = joint_factors(ks, r, 1.0)
+        joint = sum(float(((a @ b - _cols(k)) ** 2).sum()) for b, k in zip(bs, ks))
+        apart = 0.0
+        for k in ks:
+            a1, b1, _ = joint_factors([k], r // 2, 1.0)
+            apart += float(((a1 @ b1[0] - _cols(k)) ** 2).sum())
+        assert joint <= apart * (1 + 1e-5)
+
+
+def _cols(k):
+    return k.transpose(0, 2, 1, 3).reshape(k.shape[0], k.shape[2], -1)
+
+
+def test_group_size_one_is_the_per_layer_truncated_svd():
+    ks, _ = kv(T, 1)
+    a, bs, r = joint_factors(ks, 16, 1.0)
+    u_s, v, _ = svd_factors(_cols(ks[0]))
+    assert r == 16
+    assert mx.allclose(a @ bs[0], u_s[..., :16] @ v[..., :16].swapaxes(-1, -2), atol=1e-4)
+    caches = layered("xkv", 3, xkv_group_size=1)
+    assert [c.layer_group for c in caches] == [(0,), (1,), (2,)]
+
+
+def test_members_share_the_owners_latent_and_keep_decode_tokens_and_values_exact():
+    caches, ks, vs, _ = _run(n_layers=3)  # groups (0, 1) and (2,)
+    assert caches[1].latent_keys().kept is caches[0].shared.items
+    assert not caches[1].shared.items and caches[2].shared.items
+    for i, c in enumerate(caches):
+        assert mx.array_equal(c.keys.view(), ks[i][:, :, T:])  # decoded after the SVD: exact
+        assert mx.array_equal(c.values.view(), vs[i])  # values untouched
+
+
+def test_the_first_layer_attends_over_exact_keys_until_the_last_member_runs_the_svd():
+    caches = layered("xkv", 2)
+    ks, vs = kv(T + 1, 2)
+    feed(caches, ks, vs, 64, stop=T)
+    first, second = caches
+    first.update_and_fetch(ks[0][:, :, T:], vs[0][:, :, T:])
+    q = mx.random.normal((1, 4, 1, 32))
+    out = first.attend(q, None, None, scale=32 ** -0.5, mask=None)
+    assert first.n_latent == 0  # its group's prompt is not done: its own exact keys
+    assert mx.allclose(out, reference_attention(q, ks[0], vs[0], 32 ** -0.5), atol=1e-6)
+    second.update_and_fetch(ks[1][:, :, T:], vs[1][:, :, T:])  # the group's event
+    assert (first.n_latent, second.n_latent, first.keys.length, second.keys.length) == (T, T, 1, 1)
+
+
+def test_decode_scores_fold_the_queries_into_the_quantized_latent():
+    caches, *_ = _run(xkv_rank=24, xkv_latent_bits=4)
+    lat = caches[1].latent_keys()
+    assert lat.kept["latent_codes"] is not None and lat.kept["latent_tail"].shape[2] == T % 32
+    q = mx.random.normal((1, 2, 2, 32))
+    want = q @ lat.reconstruct(mx.float32).swapaxes(-1, -2)
+    assert mx.allclose(lat.scores(q), want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_energy_rule_picks_the_smallest_rank_holding_the_fraction():
+    ks, _ = kv(T, 2)
+    _, _, sigma = svd_factors(mx.concatenate([_cols(k) for k in ks], axis=-1))
+    energy = mx.cumsum(sigma[0] ** 2) / (sigma[0] ** 2).sum()
+    for fraction in (0.5, 0.9, 0.99):
+        _, _, r = joint_factors(ks, None, fraction)
+        assert float(energy[r - 1]) >= fraction - 1e-6 and (r == 1 or float(energy[r - 2]) < fraction)
+
+
+def test_a_prompt_beyond_xkv_max_ctx_is_refused_naming_the_field():
+    caches = layered("xkv", 2, xkv_max_ctx=100)
+    ks, vs = kv(T, 2)
+    with pytest.raises(ValueError, match="xkv_max_ctx=100"):
+        feed(caches, ks, vs, 64, stop=T)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_memory_after_a_long_prompt_is_the_card_formula_within_the_growth_step(group):
+    t, n_layers, rank, bits, gq = 1000, 2, 16, 4, 32
+    caches = layered("xkv", n_layers, xkv_group_size=group, xkv_rank=rank, xkv_latent_bits=bits)
+    ks, vs = kv(t + 3, n_layers)
+    feed(caches, ks, vs, 256, stop=t)
+    feed(caches, ks, vs, 1, start=t)
+    h, d, s = 2, 32, 4  # float32 model
+    n_q = t // packing_unit(gq) * packing_unit(gq)
+    latent = rank * (n_q * bits / 8 + 2 * s * n_q / gq + s * (t - n_q))  # per group
+    per_layer = rank * h * d * s + (t + 3) * h * d * s + 3 * h * d * s  # B_l, values, decoded keys
+    formula = latent * math.ceil(n_layers / group) + per_layer * n_layers
+    growth = n_layers * 2 * 256 * h * d * s  # the values' and decoded keys' room
+    total = sum(c.nbytes for c in caches)
+    assert formula <= total <= formula + growth
+    assert LatentCodec(bits, gq).decode(caches[0].shared.items, mx.float32).shape == (1, t, rank)

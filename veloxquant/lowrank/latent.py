@@ -1,0 +1,502 @@
+"""Tokens kept as latent coordinates on a basis fitted from the prompt, quantized channel
+segment by channel segment, read at decode through the basis (never a dense history).
+
+**Basis.** Per batch row and group of g KV heads (SVDq: g = 1; Palu: g heads side by
+side), ``X (T, n = g*d)``: the mean ``μ`` (n,) and the first r right singular vectors
+``V_r`` (n, r) of ``X - μ``, from an exact SVD (``factors.svd_factors``; rows are padded
+with zeros up to n, so the basis is complete whatever the number of tokens and r = n
+reconstructs exactly). A token's latent is ``l = (x - μ) V_r``, its reconstruction
+``x_hat = l_hat V_rᵀ + μ``. The rank is given (clipped to n), or the smallest r whose
+singular values hold ``fraction`` of their mass ``Σσ`` (linear σ, SVDq's adaptation;
+``energy_rank(power=1)``), the largest over the layer's groups and batch rows, so that
+one r serves the layer.
+
+**Latents** (``LatentTokens``): per channel, min-max over token groups of ``group``
+tokens (``GroupAffine`` "channel"), in contiguous channel segments of their own widths,
+largest σ first (``Segment``): 0 bits keeps nothing (the channel reads as 0), 1-6 and 8
+are packed, 16 or more keep the channel unquantized in the model's dtype. New latents
+wait in full precision until a whole group of tokens is there, then every segment
+flushes that block.
+
+**Decode** (``FoldedKeys``, ``FoldedValues``: ``PackedScores`` of ``kernels/decode.py``).
+With ``V^(h)`` the d rows of ``V_r`` that belong to KV head h of its group:
+
+- keys: ``q K_hatᵀ = (q V^(h)) L_hatᵀ + q.μ_h``: the query is folded into the latent
+  space once per step (r numbers), then scored against the packed latents segment by
+  segment (``quantized_matmul`` on the CPU) and the full-precision latents;
+- values: ``p V_hat = (p L_hat) V^(h)ᵀ + (Σp) μ_h``: the mix runs over the packed latents
+  (r numbers per query) and is lifted back to head_dim once.
+
+Both are exact rewritings of attention over the reconstruction (float rounding apart):
+O(T r) per query head instead of O(T d) plus the reconstruction. Keys are the
+post-RoPE keys mlx-lm hands the cache, so no rotation stands between query and latent;
+Palu's paper factors pre-RoPE keys and rotates each reconstructed key in a fused kernel,
+which this fold cannot do (a per-token rotation does not commute with ``V^(h)``).
+
+``LatentStore`` holds a layer: the prompt's keys and values wait exactly (``pending``)
+until the first single-token step, when the bases are fitted on every token held (the
+whole prompt, however mlx-lm chunked it) and everything is encoded; later tokens, prompt
+chunks included, are projected onto the fixed bases as they come. Values are latent
+(their own basis and segments) or kept exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from ..cache.buffers import GrowingArray
+from ..kernels import kivi_decode as kd
+from ..kernels.decode import DecodePart
+from ..quant.affine import SUPPORTED_BITS
+from ..quant.cache import QuantizedCache
+from ..quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
+from ..quant.store import WINDOW_STEP, PackedStore
+from .factors import energy_rank, svd_factors
+
+UNQUANTIZED_BITS = 16  # widths from here on keep a channel in the model's dtype
+
+
+def width_problem(bits: int) -> str | None:
+    """Why a latent channel cannot be stored at ``bits`` (None when it can)."""
+    if bits == 0 or bits in SUPPORTED_BITS or bits >= UNQUANTIZED_BITS:
+        return None
+    return (f"width {bits} is not stored here; allowed: 0 (the channels are dropped), "
+            f"{', '.join(map(str, SUPPORTED_BITS))} (packed), {UNQUANTIZED_BITS} or more (unquantized)")
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int
+    stop: int
+    bits: int
+
+
+def split_channels(rank: int, schedule) -> list[Segment]:
+    """``rank`` channels cut into ``len(schedule)`` contiguous near-equal segments (the
+    first ``rank mod len`` one channel longer), each at its width; empty ones left out."""
+    n = len(schedule)
+    out, start = [], 0
+    for i, bits in enumerate(schedule):
+        stop = start + rank // n + (1 if i < rank % n else 0)
+        if stop > start:
+            out.append(Segment(start, stop, int(bits)))
+        start = stop
+    return out
+
+
+def fit_basis(x: mx.array, rank: int | None, fraction: float):
+    """(mean (B, G, 1, n), basis (B, G, n, r)) of ``x`` (B, G, T, n), float32."""
+    x = x.astype(mx.float32)
+    mean = x.mean(axis=2, keepdims=True)
+    centred = x - mean
+    n = x.shape[-1]
+    if centred.shape[2] < n:
+        centred = mx.pad(centred, [(0, 0), (0, 0), (0, n - centred.shape[2]), (0, 0)])
+    _, basis, sigma = svd_factors(centred)
+    r = min(rank, n) if rank is not None else int(energy_rank(sigma, fraction, power=1).max())
+    return mean, mx.contiguous(basis[..., :r])
+
+
+class LatentTokens:
+    """A growing run of latents (B, G, T, r) in channel segments."""
+
+    def __init__(self, segments: list[Segment], group: int, step_tokens: int, lead: tuple[int, int]):
+        self.segments, self.lead = segments, lead  # lead: (B, G)
+        self.group = group
+        self.rank = segments[-1].stop if segments else 0
+        self.packed = {i: PackedTokens(GroupAffine(s.bits, group, "channel"), step_tokens)
+                       for i, s in enumerate(segments) if 0 < s.bits < UNQUANTIZED_BITS}
+        self.exact = {i: GrowingArray(axis=2, step=step_tokens)
+                      for i, s in enumerate(segments) if s.bits >= UNQUANTIZED_BITS}
+        self.buf = GrowingArray(axis=2, step=WINDOW_STEP, limit=group)
+        self.flushed = 0  # tokens in the segments (a multiple of the group)
+
+    @property
+    def count(self) -> int:
+        return self.flushed + self.buf.length
+
+    def append(self, latents: mx.array) -> None:
+        """Latents (B, G, n, r), in the dtype to keep; whole groups flush at once."""
+        if latents.shape[2] == 1:  # a decode step: in place, a block once a group is there
+            self.buf.append(latents)
+            if self.buf.length == self.group:
+                self._flush(self.buf.view())
+                self.buf.reset(None)
+            return
+        old = self.buf.view()
+        x = latents if old is None else mx.concatenate([old, latents], axis=2)
+        n = x.shape[2] // self.group * self.group
+        if n:
+            self._flush(x[:, :, :n])
+        self.buf.reset(mx.contiguous(x[:, :, n:]) if x.shape[2] > n else None)
+
+    def _flush(self, block: mx.array) -> None:
+        for i, s in enumerate(self.segments):
+            part = block[..., s.start:s.stop]
+            if i in self.packed:
+                self.packed[i].append(part)
+            elif i in self.exact:
+                self.exact[i].append(part)
+        self.flushed += block.shape[2]
+
+    # -- reading ---------------------------------------------------------------------------
+    def dense(self) -> mx.array:
+        """Every latent (B, G, count, r), float32, 0 in dropped channels (transient)."""
+        cols = []
+        for i, s in enumerate(self.segments):
+            if i in self.packed:
+                cols.append(self.packed[i].decode(mx.float32))
+            elif i in self.exact:
+                cols.append(self.exact[i].view().astype(mx.float32))
+            else:
+                cols.append(None)
+        parts = []
+        if self.flushed:
+            parts.append(mx.concatenate([c if c is not None else mx.zeros((*self.lead, self.flushed, s.stop - s.start))
+                                         for c, s in zip(cols, self.segments)], axis=-1))
+        if self.buf.length:
+            parts.append(self.buf.view().astype(mx.float32))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+    def scores(self, qf: mx.array) -> mx.array:
+        """(B, G, R, count) float32 ``qf Lᵀ`` for folded float32 queries (B, G, R, r)."""
+        out = []
+        if self.flushed:
+            s = None
+            for i, seg in enumerate(self.segments):
+                q = qf[..., seg.start:seg.stop]
+                if i in self.packed:
+                    p = self.packed[i]
+                    t = kd.affine_key_scores(q, p.codes.buffer, p.scales.buffer, p.biases.buffer,
+                                             self.flushed, seg.bits, self.group)
+                elif i in self.exact:
+                    t = q @ self.exact[i].view().astype(mx.float32).swapaxes(-1, -2)
+                else:
+                    continue
+                s = t if s is None else s + t
+            out.append(s if s is not None else mx.zeros((*qf.shape[:3], self.flushed)))
+        if self.buf.length:
+            out.append(qf @ self.buf.view().astype(mx.float32).swapaxes(-1, -2))
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
+
+    def mix(self, p: mx.array) -> mx.array:
+        """(B, G, R, r) float32 ``p L`` for float32 weights (B, G, R, count)."""
+        out = None
+        if self.flushed:
+            pq = p[..., :self.flushed]
+            cols = []
+            for i, seg in enumerate(self.segments):
+                if i in self.packed:
+                    c = self.packed[i]
+                    words, groups = self.flushed * seg.bits // 32, self.flushed // self.group
+                    cols.append(_channel_mix(pq, c.codes.buffer[..., :words], c.scales.buffer[..., :groups],
+                                             c.biases.buffer[..., :groups], seg.bits, self.group))
+                elif i in self.exact:
+                    cols.append(pq @ self.exact[i].view().astype(mx.float32))
+                else:
+                    cols.append(mx.zeros((*p.shape[:3], seg.stop - seg.start)))
+            out = cols[0] if len(cols) == 1 else mx.concatenate(cols, axis=-1)
+        if self.buf.length:
+            b = p[..., self.flushed:] @ self.buf.view().astype(mx.float32)
+            out = b if out is None else out + b
+        return out
+
+    # -- what is kept --------------------------------------------------------------------------
+    def arrays(self, prefix: str) -> dict[str, GrowingArray]:
+        out = {f"{prefix}_buf": self.buf}
+        for i, p in self.packed.items():
+            out.update(p.arrays(f"{prefix}{i}"))
+        for i, g in self.exact.items():
+            out[f"{prefix}{i}_exact"] = g
+        return out
+
+    def restore(self, prefix: str, arrays: dict[str, Any], flushed: int) -> None:
+        for name, kept in self.arrays(prefix).items():
+            kept.reset(arrays.get(name))
+        self.flushed = flushed
+
+    def problems(self, name: str):
+        """(field, found, expected) where the segments contradict the token count."""
+        if self.flushed % self.group:
+            yield f"{name} latents in groups", self.flushed, f"a multiple of the group {self.group}"
+        if self.buf.length >= self.group:
+            yield f"{name} buffered latents", self.buf.length, f"fewer than the group {self.group}"
+        for i, seg in enumerate(self.segments):
+            if i in self.packed:
+                found = self.packed[i].count if self.packed[i].scales.buffer is not None else 0
+                width = self.packed[i].codes.view()
+                channels = None if width is None else width.shape[2]
+            elif i in self.exact:
+                found = self.exact[i].length
+                channels = None if self.exact[i].buffer is None else self.exact[i].buffer.shape[3]
+            else:
+                continue
+            if found != self.flushed:
+                yield f"{name} latent segment {i} tokens", found, self.flushed
+            elif channels is not None and channels != seg.stop - seg.start:
+                yield f"{name} latent segment {i} channels", channels, seg.stop - seg.start
+
+
+def _channel_mix(p, codes, scales, biases, bits, group):
+    """``p L`` over per-channel packed latents L (channels, tokens): (B, G, R, channels)."""
+    if kd._pure_path() == "qmm":
+        return mx.quantized_matmul(p, codes, scales, biases, transpose=True, group_size=group, bits=bits)
+    latents_t = mx.dequantize(codes, scales, biases, group_size=group, bits=bits)
+    return p @ latents_t.astype(mx.float32).swapaxes(-1, -2)
+
+
+def _per_head(basis: mx.array, mean: mx.array, g: int):
+    """The basis rows and mean of each KV head: (B, H, d, r) and (B, H, 1, d)."""
+    b, groups, n, r = basis.shape
+    d = n // g
+    return basis.reshape(b, groups * g, d, r), mean.reshape(b, groups, 1, g, d).swapaxes(2, 3).reshape(b, groups * g, 1, d)
+
+
+@dataclass(frozen=True)
+class FoldedKeys:
+    """Keys ``L_hat V^(h)ᵀ + μ_h`` scored through the query folded onto the basis."""
+
+    latents: LatentTokens
+    basis: mx.array  # (B, G, g*d, r)
+    mean: mx.array  # (B, G, 1, g*d)
+    heads_per_group: int
+
+    @property
+    def count(self) -> int:
+        return self.latents.count
+
+    @property
+    def n_heads(self) -> int:
+        return self.basis.shape[1] * self.heads_per_group
+
+    def scores(self, q: mx.array) -> mx.array:
+        b, h, rq, _ = q.shape
+        g = self.heads_per_group
+        basis, mean = _per_head(self.basis, self.mean, g)
+        qf = (q @ basis).reshape(b, h // g, g * rq, -1)  # (B, G, g*R, r)
+        s = self.latents.scores(qf).reshape(b, h, rq, -1)
+        return s + (q * mean).sum(axis=-1, keepdims=True)
+
+
+@dataclass(frozen=True)
+class FoldedValues:
+    """Values ``L_hat V^(h)ᵀ + μ_h`` mixed in the latent space, lifted once."""
+
+    latents: LatentTokens
+    basis: mx.array
+    mean: mx.array
+    heads_per_group: int
+
+    @property
+    def count(self) -> int:
+        return self.latents.count
+
+    @property
+    def n_heads(self) -> int:
+        return self.basis.shape[1] * self.heads_per_group
+
+    def mix(self, p: mx.array) -> mx.array:
+        b, h, rq, t = p.shape
+        g = self.heads_per_group
+        basis, mean = _per_head(self.basis, self.mean, g)
+        pl = self.latents.mix(p.reshape(b, h // g, g * rq, t)).reshape(b, h, rq, -1)
+        return pl @ basis.swapaxes(-1, -2) + p.sum(axis=-1, keepdims=True) * mean
+
+
+@dataclass(frozen=True)
+class LatentCodec:
+    """How one tensor (keys or values) is kept: the rank rule and the segments' widths."""
+
+    rank: int | None
+    fraction: float
+    segments: Callable[[int], list[Segment]]  # rank -> segments
+
+
+class Latent:
+    """One tensor of a layer in latent form: its basis, mean and ``LatentTokens``."""
+
+    def __init__(self, codec: LatentCodec, group: int, step_tokens: int):
+        self.codec, self.group, self.step = codec, group, step_tokens
+        self.basis = self.mean = None
+        self.tokens: LatentTokens | None = None
+
+    def fit(self, x: mx.array) -> None:
+        """Fit the basis on ``x`` (B, G, T, n)."""
+        mean, basis = fit_basis(x, self.codec.rank, self.codec.fraction)
+        self.install(mean.astype(x.dtype), basis.astype(x.dtype))
+
+    def install(self, mean, basis) -> None:
+        self.mean, self.basis = mean, basis
+        self.tokens = LatentTokens(self.codec.segments(basis.shape[-1]), self.group, self.step,
+                                   tuple(basis.shape[:2]))
+
+    def append(self, x: mx.array) -> None:
+        """Project ``x`` (B, G, n, g*d) onto the basis and keep its latents."""
+        xf = x.astype(mx.float32) - self.mean.astype(mx.float32)
+        self.tokens.append((xf @ self.basis.astype(mx.float32)).astype(x.dtype))
+
+    def dense(self) -> mx.array:
+        """The reconstruction (B, G, count, n), float32 (transient)."""
+        return self.tokens.dense() @ self.basis.astype(mx.float32).swapaxes(-1, -2) + self.mean.astype(mx.float32)
+
+    def arrays(self, prefix: str) -> dict[str, Any]:
+        out = {f"{prefix}_basis": self.basis, f"{prefix}_mean": self.mean}
+        if self.tokens is not None:
+            out.update(self.tokens.arrays(prefix))
+        return out
+
+
+def _group(x: mx.array, g: int) -> mx.array:
+    """(B, H, T, d) -> (B, H/g, T, g*d): a group's heads side by side."""
+    b, h, t, d = x.shape
+    return x.reshape(b, h // g, g, t, d).swapaxes(2, 3).reshape(b, h // g, t, g * d)
+
+
+def _ungroup(x: mx.array, g: int) -> mx.array:
+    b, groups, t, n = x.shape
+    return x.reshape(b, groups, t, g, n // g).swapaxes(2, 3).reshape(b, groups * g, t, n // g)
+
+
+class LatentStore(PackedStore):
+    """A layer's keys (always) and values (``value_codec``, or kept exactly) in latent form.
+
+    ``n_groups``: head groups sharing a basis (None: one per KV head)."""
+
+    def __init__(self, key_codec: LatentCodec, value_codec: LatentCodec | None, *, group: int,
+                 n_groups: int | None = None):
+        self.n_groups = n_groups
+        self.heads_per_group: int | None = None
+        step = max(GROWTH_TOKENS, group)
+        self.keys = Latent(key_codec, group, step)
+        self.values = Latent(value_codec, group, step) if value_codec is not None else None
+        self.v_exact = GrowingArray(axis=2, step=GROWTH_TOKENS) if value_codec is None else None
+        self.k_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)
+        self.v_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)
+
+    @property
+    def fitted(self) -> bool:
+        return self.keys.basis is not None
+
+    @property
+    def length(self) -> int:
+        return self.keys.tokens.count if self.fitted else self.k_pend.length
+
+    # -- writing ---------------------------------------------------------------------------
+    def commit(self, keys: mx.array, values: mx.array) -> None:
+        if self.heads_per_group is None:
+            self.heads_per_group = 1 if self.n_groups is None else keys.shape[1] // self.n_groups
+        if not self.fitted:
+            self.k_pend.append(keys)
+            self.v_pend.append(values)
+            if keys.shape[2] == 1:  # the first decode step: the whole prompt is here
+                self._fit()
+            return
+        self._encode(keys, values)
+
+    def _fit(self) -> None:
+        keys, values = self.k_pend.view(), self.v_pend.view()
+        g = self.heads_per_group
+        self.keys.fit(_group(keys, g))
+        if self.values is not None:
+            self.values.fit(_group(values, g))
+        self.k_pend.reset(None)
+        self.v_pend.reset(None)
+        self._encode(keys, values)
+
+    def _encode(self, keys, values) -> None:
+        g = self.heads_per_group
+        self.keys.append(_group(keys, g))
+        if self.values is not None:
+            self.values.append(_group(values, g))
+        else:
+            self.v_exact.append(values)
+
+    # -- reading ---------------------------------------------------------------------------
+    def history(self, dtype):
+        if not self.length:
+            return None, None
+        if not self.fitted:
+            return self.k_pend.view().astype(dtype), self.v_pend.view().astype(dtype)
+        g = self.heads_per_group
+        k = _ungroup(self.keys.dense(), g).astype(dtype)
+        v = (_ungroup(self.values.dense(), g) if self.values is not None else self.v_exact.view()).astype(dtype)
+        return k, v
+
+    def decode_parts(self, empty: mx.array) -> list[DecodePart]:
+        if not self.fitted:
+            return [DecodePart(None, self.k_pend.view(), None, self.v_pend.view())]
+        g = self.heads_per_group
+        keys = FoldedKeys(self.keys.tokens, self.keys.basis, self.keys.mean, g)
+        if self.values is None:
+            return [DecodePart(keys, None, None, self.v_exact.view())]
+        values = FoldedValues(self.values.tokens, self.values.basis, self.values.mean, g)
+        return [DecodePart(keys, None, values, None)]
+
+    # -- what is kept, and checks of a restored state ------------------------------------------
+    def arrays(self) -> dict[str, Any]:
+        out = {"k_pend": self.k_pend, "v_pend": self.v_pend, **self.keys.arrays("k")}
+        if self.values is not None:
+            out.update(self.values.arrays("v"))
+        else:
+            out["v_exact"] = self.v_exact
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        return {"latent": json.dumps({
+            "heads_per_group": self.heads_per_group,
+            "flushed": [x.tokens.flushed if x is not None and x.tokens is not None else 0
+                        for x in (self.keys, self.values)]})}
+
+    def restore(self, meta: dict[str, Any], arrays: dict[str, Any]) -> None:
+        saved = json.loads(meta.get("latent") or "{}")
+        self.heads_per_group = saved.get("heads_per_group")
+        self.k_pend.reset(arrays.get("k_pend"))
+        self.v_pend.reset(arrays.get("v_pend"))
+        if self.v_exact is not None:
+            self.v_exact.reset(arrays.get("v_exact"))
+        for latent, prefix, flushed in zip((self.keys, self.values), "kv", saved.get("flushed", [0, 0])):
+            if latent is not None and arrays.get(f"{prefix}_basis") is not None:
+                latent.install(arrays[f"{prefix}_mean"], arrays[f"{prefix}_basis"])
+                latent.tokens.restore(prefix, arrays, int(flushed))
+
+    def layout_problems(self, head_dims: tuple[int, int]):
+        g = self.heads_per_group or 1
+        for latent, name, d in ((self.keys, "key", head_dims[0]), (self.values, "value", head_dims[1])):
+            if latent is None or latent.basis is None:
+                continue
+            n, r = latent.basis.shape[2:]
+            if n != g * d or latent.mean.shape[-1] != n:
+                yield f"{name} basis rows (heads per group x head_dim)", n, f"{g} x {d}"
+            elif latent.tokens.rank != r:
+                yield f"{name} latent channels", latent.tokens.rank, f"the basis rank {r}"
+
+    def problems(self, offset: int):
+        if self.fitted and (self.k_pend.length or self.v_pend.length):
+            yield "pending tokens", self.k_pend.length, "none once the bases are fitted"
+        if self.length != offset:
+            yield "tokens stored", self.length, f"the offset {offset}"
+        if not self.fitted:
+            if self.v_pend.length != self.k_pend.length:
+                yield "pending values", self.v_pend.length, f"{self.k_pend.length}, as many as keys"
+            return
+        yield from self.keys.tokens.problems("key")
+        n_values = self.values.tokens.count if self.values is not None else self.v_exact.length
+        if n_values != self.length:
+            yield "values stored", n_values, f"{self.length}, as many as keys"
+        if self.values is not None:
+            yield from self.values.tokens.problems("value")
+
+
+class LatentCache(QuantizedCache):
+    """The ``QuantizedCache`` of a latent method: its group is a run of tokens, so head_dim
+    is not checked against it (``QuantizedCache`` would)."""
+
+    group_field = ""
+
+    @property
+    def group(self) -> int:
+        return 1

@@ -1,0 +1,44 @@
+"""SVDq: keys as latent channels on a per-head SVD basis, quantized by a bit schedule.
+
+A configuration of the latent store (``lowrank/latent.py``), per layer and KV head:
+
+- **basis**, fitted once on the whole prompt at the first decode step (the card's
+  "per-sequence prefill SVD"; the paper fits offline): the mean ``μ`` and the first r right
+  singular vectors ``V_r`` of ``K - μ``. r = ``svdq_rank`` (clipped to head_dim), or the
+  smallest r holding ``svdq_energy_threshold`` of the singular-value mass ``Σσ`` (linear
+  σ, the adaptation's rule), the largest over the layer's heads;
+- **latents** ``L = (K - μ) V_r``: the r channels cut into ``len(svdq_bit_schedule)``
+  contiguous near-equal groups, largest σ first, group i quantized per channel at
+  ``svdq_bit_schedule[i]`` bits, min-max over ``svdq_group_size`` tokens; 0 bits stores
+  nothing (the channels read as 0), 16 or more keeps them unquantized. The newest latents
+  (fewer than a group) wait in full precision;
+- **values**: exact, in the model's dtype.
+
+Keys are the post-RoPE keys mlx-lm gives (SVDqOptions has no rotary field; the card
+notes pre-RoPE keys are more low-rank). Until the first decode step the prompt is held
+exactly and attends exactly. A decode step attends over the latents with the query
+folded onto the basis, ``q Kᵀ = (q V_r) L_hatᵀ + q.μ``, never a rebuilt key history.
+
+Key memory per token and head: ``Σ_g n_g b_g / 8 + Σ_{b_g > 0} n_g * 2 s / G`` bytes
+(scale and minimum per channel and token group, s bytes each in the model's dtype), plus
+the basis ``(d r + d) s`` per head once; values ``d s``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..lowrank.latent import LatentCache, LatentCodec, LatentStore, split_channels, width_problem
+
+
+class SVDqCache(LatentCache):
+    def make_store(self):
+        o = self.config.options
+        schedule = tuple(int(b) for b in o.svdq_bit_schedule)
+        problems = [width_problem(b) for b in schedule if width_problem(b)]
+        if not schedule or problems:
+            raise ValueError(f"svdq_bit_schedule={tuple(o.svdq_bit_schedule)!r}: "
+                             + (problems[0] if problems else "needs at least one group"))
+        keys = LatentCodec(o.svdq_rank, o.svdq_energy_threshold,
+                           functools.partial(split_channels, schedule=schedule))
+        return LatentStore(keys, None, group=o.svdq_group_size)

@@ -1,0 +1,143 @@
+"""xKV: one SVD shared by a group of neighbouring layers' keys (arXiv 2503.18893).
+
+Layers are grouped ``xkv_group_size`` at a time, in order (the last group may be
+shorter). What is kept:
+
+- by the group's first layer (its owner, ``cache/cross_layer.py``), once for the group:
+  the token latent ``A = U_r S_r`` of the joint SVD of ``X = [K_1 | ... | K_G]`` (heads
+  side by side along the channels), quantized per latent channel to ``xkv_latent_bits``
+  in groups of ``xkv_group_quant_size`` tokens, its last tokens short of a packing unit
+  in the model dtype (``lowrank/shared_latent.py``; 16 bits keeps all of it so);
+- by every layer: its rows of the basis ``B_l = V_r[cols(l)]ᵀ`` (r x n_kv*d, model
+  dtype), the keys that came after the SVD exact, and every value exact (xKV's values
+  are not compressed here: the options carry no value rank).
+
+When: mlx-lm calls layers 0..L-1 in order for each chunk, so the SVD waits for the
+group's last layer. A layer's prompt ends at its first single-token update; the group's
+last member, at its own, takes every member's exact prompt keys, runs the SVD with rank
+``xkv_rank`` (capped at min(T, G*n_kv*d)) or the smallest holding
+``xkv_energy_threshold`` of the squared singular values (largest over the batch), puts
+the latent in the owner and each member's ``B_l`` in it, and the members drop their
+exact prompt keys. Until then every layer attends over its own exact keys (the first
+members do so for that first decode step too), as xKV's prefill attends with the
+original keys. Decode tokens are appended exact, as in the reference code; a later
+prompt (a follow-up turn) is appended exact too: one SVD per cache, over the first
+prompt. ``xkv_max_ctx`` bounds the exact prompt keys held for the SVD: a longer first
+prompt is refused, naming the field.
+
+Attention: a decode step scores the latent without rebuilding keys, ``q·k_t = (B_lᵀq)·a_t``
+(``LatentKeys``), plus the exact keys, in one softmax (``kernels/decode.py``, pure-MLX
+path); a prompt chunk attends over the rebuilt keys plus its own.
+
+Adapted: keys are post-RoPE (mlx-lm hands them so; every layer rotates token t by the
+same angle, so the group stays aligned, at a higher rank than pre-RoPE keys); the latent
+is quantized (the paper keeps it in fp16); no selective reconstruction.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..cache.base import CompressedKVCache, causal_mask
+from ..cache.buffers import GrowingArray
+from ..cache.cross_layer import CrossLayer, consecutive_groups
+from ..kernels.decode import DecodePart, decode_attention
+from ..lowrank.shared_latent import LatentCodec, LatentKeys, joint_factors
+
+
+class XKVCache(CrossLayer, CompressedKVCache):
+    requires_attention_hook = True
+
+    def layer_groups(self, compressed, n_layers):
+        return consecutive_groups(compressed, self.config.options.xkv_group_size)
+
+    @property
+    def codec(self) -> LatentCodec:
+        o = self.config.options
+        return LatentCodec(o.xkv_latent_bits, o.xkv_group_quant_size)
+
+    def _init_storage(self) -> None:
+        self._init_cross_layer()
+        self.keys = GrowingArray()  # exact keys: the prompt until the SVD, then what follows
+        self.values = GrowingArray()
+        self.b = None  # (B, r, n_kv*d): this layer's rows of the group's basis
+        self.n_latent = 0  # tokens the shared latent stands for
+
+    # -- the protocol ---------------------------------------------------------------------------
+    def update_and_fetch(self, keys, values):
+        self._expect_attend()
+        self._check_shape(keys, values)
+        n, limit = keys.shape[2], self.config.options.xkv_max_ctx
+        if not self.n_latent and not self.prompts_done and self.offset + n > limit:
+            raise ValueError(
+                f"xkv_max_ctx={limit}: layer {self.layer} would hold {self.offset + n} exact "
+                f"prompt keys for its group's SVD; allowed: at most xkv_max_ctx (raise it)")
+        self._note_update(n)  # the group's SVD, when this update completes its prompt
+        self.keys.append(keys)
+        self.values.append(values)
+        self.offset += n
+        return keys, values
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        self._awaiting_attend = False
+        if sinks is not None:
+            raise NotImplementedError("method 'xkv' does not support attention sinks")
+        latent = self.latent_keys()
+        if queries.shape[2] == 1 and latent is not None:
+            part = DecodePart(latent, self.keys.view(), None, self.values.view())
+            return decode_attention(queries, [part], scale=scale, use_kernel=False)
+        k = self.keys.view()
+        if latent is not None:
+            k = mx.concatenate([latent.reconstruct(k.dtype), k], axis=2)
+        if isinstance(mask, mx.array):
+            mask = causal_mask(queries.shape[2], k.shape[2])
+        return mx.fast.scaled_dot_product_attention(queries, k, self.values.view(), scale=scale, mask=mask)
+
+    def latent_keys(self) -> LatentKeys | None:
+        if not self.n_latent:
+            return None
+        return LatentKeys(self.codec, self.group_shared.items, self.b, self.n_latent, self.kv_shape[1])
+
+    def on_group_prefill_done(self, members, end) -> None:
+        if not end or any(m.n_latent for m in members):
+            return  # one SVD per cache, over its first prompt
+        o = self.config.options
+        dtype = self.keys.view().dtype
+        a, bs, _ = joint_factors([m.keys.view()[:, :, :end] for m in members],
+                                 o.xkv_rank, o.xkv_energy_threshold)
+        self.owner.shared.items.update(self.codec.encode(a, dtype))
+        for m, b in zip(members, bs):
+            rest = m.keys.view()[:, :, end:]
+            m.keys.reset(mx.contiguous(rest) if rest.shape[2] else None)
+            m.b, m.n_latent = b.astype(dtype), end
+
+    # -- what is kept ------------------------------------------------------------------------------
+    @property
+    def stored_length(self) -> int:
+        return self.n_latent + self.keys.length
+
+    def _arrays(self):
+        return {"keys": self.keys, "values": self.values, "b": self.b, **self.shared.arrays()}
+
+    def _restore_arrays(self, arrays) -> None:
+        super()._restore_arrays(self.shared.restore(arrays))
+
+    def _meta(self):
+        return {**super()._meta(), "n_latent": self.n_latent}
+
+    def _restore_meta(self, meta) -> None:
+        self.n_latent = int(meta.get("n_latent", 0))
+        super()._restore_meta(meta)
+
+    def _state_problems(self):
+        if self.values.length != self.offset:
+            yield "value rows", self.values.length, f"the offset {self.offset}"
+        if self.n_latent + self.keys.length != self.offset:
+            yield "tokens stored", f"{self.n_latent} in the latent + {self.keys.length} exact", f"the offset {self.offset}"
+        if self.n_latent and self.b is None:
+            yield "basis rows b", None, f"an array (the latent holds {self.n_latent} tokens)"
+        if self.is_owner and self.n_latent:
+            held = LatentKeys(self.codec, self.shared.items, self.b, 0, 0)
+            latent = held.codec.decode(held.kept, mx.float32)
+            if latent.shape[1:] != (self.n_latent, self.b.shape[1]):
+                yield "shared latent (tokens, rank)", latent.shape[1:], (self.n_latent, self.b.shape[1])
