@@ -10,6 +10,11 @@ names what is missing, never return garbage: a large logit error is flagged.
 
     python benchmarks/cuda_paths.py                    # every implemented method
     python benchmarks/cuda_paths.py --methods kivi gear --prompt 700 --decode 8
+    python benchmarks/cuda_paths.py --forced --methods skvq   # both fed the CPU's tokens
+
+On a random model the top two logits can be close (skvq's first step: 2.6e-2 of the
+logit scale apart in float32), so without ``--forced`` a 1e-2 difference can flip one
+greedy token and every later step then differs by the logits' whole scale.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ SHAPE = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=128)
 
 
-def run(model, tokens, cfg, decode, chunk, stream):
+def run(model, tokens, cfg, decode, chunk, stream, forced=None):
     with mx.stream(stream):
         cache = make_prompt_cache(model, cfg)
         logits = None
@@ -47,7 +52,7 @@ def run(model, tokens, cfg, decode, chunk, stream):
             logits = model(y[None], cache=cache)[:, -1].astype(mx.float32)
             mx.eval(logits)
             out.append(logits)
-            y = mx.argmax(logits, axis=-1)
+            y = mx.argmax(logits, axis=-1) if forced is None else forced[len(out) - 1 : len(out)]
         return mx.concatenate(out, axis=0)
 
 
@@ -57,6 +62,9 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=400)
     ap.add_argument("--decode", type=int, default=6)
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--forced", action="store_true",
+                    help="feed the device run the CPU run's greedy tokens (teacher forcing): each "
+                         "step's logit error alone, not compounded by an earlier flipped token")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                     help="the model's and caches' dtype, on both devices")
     args = ap.parse_args()
@@ -82,7 +90,8 @@ def main() -> int:
             t0 = time.perf_counter()
             try:
                 reference = run(model_cpu, tokens, config(method, s), args.decode, args.chunk, mx.cpu)
-                got = run(model_gpu, tokens, config(method, s), args.decode, args.chunk, gpu)
+                forced = mx.argmax(reference, axis=-1) if args.forced else None
+                got = run(model_gpu, tokens, config(method, s), args.decode, args.chunk, gpu, forced)
                 err = float(mx.abs(got - reference).max() / mx.abs(reference).max())
                 same = int((mx.argmax(got, -1) == mx.argmax(reference, -1)).sum())
                 status = "ok" if err < 0.05 else "LARGE ERROR"

@@ -63,6 +63,9 @@ METHODS = {
     "knorm": KVCacheConfig(options=L2NormOptions()),
     "tova": KVCacheConfig(options=TOVAOptions()),
     "h2o": KVCacheConfig(options=H2OOptions()),
+    "kitty": KVCacheConfig(method="kitty"),
+    "age_tiered": KVCacheConfig(method="age_tiered"),
+    "adakv": KVCacheConfig(method="adakv"),
 }
 
 

@@ -21,15 +21,12 @@ Both GEAR paths are first checked to agree (max |difference| printed).
 
 from __future__ import annotations
 
-import argparse
-
 import veloxquant_mlx  # noqa: F401  (before mlx: OpenBLAS on Linux)
 import mlx.core as mx  # noqa: E402
-from cpu_timing import timed  # noqa: E402
+from cpu_timing import context_arguments, fill_store, packed_against_dense, print_sdpa_floor  # noqa: E402
 
 from veloxquant_mlx import KVCacheConfig  # noqa: E402
 from veloxquant_mlx.cache.options import GEAROptions  # noqa: E402
-from veloxquant_mlx.kernels.decode import decode_attention  # noqa: E402
 from veloxquant_mlx.methods.gear import GEARCache  # noqa: E402
 
 H, HQ, D = 8, 32, 128
@@ -37,45 +34,22 @@ H, HQ, D = 8, 32, 128
 
 def store(context: int, **options):
     cache = GEARCache(KVCacheConfig(method="gear", options=GEAROptions(**options), residual_window=128), None, 0)
-    keys = mx.random.normal((1, H, context, D), key=mx.random.key(0)) * (1 + mx.arange(D) % 7)
-    values = mx.random.normal((1, H, context, D), key=mx.random.key(1))
-    n_prompt = context - 200
-    for i in range(0, n_prompt, 2048):
-        cache.store.commit(keys[:, :, i : min(i + 2048, n_prompt)], values[:, :, i : min(i + 2048, n_prompt)])
-    for i in range(n_prompt, context):
-        cache.store.commit(keys[:, :, i : i + 1], values[:, :, i : i + 1])
+    fill_store(cache.store, context, H, D)
     mx.eval([g.buffer for g in cache.store.arrays().values() if g.buffer is not None])
     return cache.store
 
 
-def packed(s, q):
-    return decode_attention(q, s.decode_parts(mx.zeros((0,), q.dtype)), scale=D**-0.5, n_kv_heads=H)
-
-
-def dense(s, q):
-    k, v = s.history(mx.float32)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5)
-
-
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--reps", type=int, default=20)
-    args = parser.parse_args()
+    args = context_arguments()
     q = mx.random.normal((1, HQ, 1, D), key=mx.random.key(2))
-    k = mx.random.normal((1, H, args.context, D))
-    v = mx.random.normal((1, H, args.context, D))
-    sdpa = timed({"sdpa": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5)}, args.reps)["sdpa"]
-    print(f"context {args.context}, {H} KV heads x {D}, {HQ} query heads, float32, CPU; "
-          f"fp32 SDPA over dense tokens: {sdpa:.2f} ms")
+    print_sdpa_floor(q, args.context, H, args.reps)
     print("| setting | rank kept | packed (ms) | dequantize-then-attend (ms) | ratio | max |diff| |")
     print("|---|---|---|---|---|---|")
     for name, options in [("defaults (energy rule, s=0.01)", {}), ("gear_rank=4", {"gear_rank": 4}),
                           ("gear_rank=4, 4-bit", {"gear_rank": 4, "gear_bits": 4}),
                           ("sparse only (rank 0)", {"gear_rank": 0})]:
         s = store(args.context, **options)
-        diff = float(mx.abs(packed(s, q) - dense(s, q)).max())
-        ms = timed({"packed": lambda: packed(s, q), "dense": lambda: dense(s, q)}, args.reps)
+        diff, ms = packed_against_dense(s, q, n_kv_heads=H, reps=args.reps)
         t_packed, t_dense = ms["packed"], ms["dense"]
         rank = s.keys.factors.rank if s.keys.factors is not None else 0
         print(f"| {name} | {rank} | {t_packed:.2f} | {t_dense:.2f} | {t_packed / t_dense:.2f} | {diff:.1e} |")

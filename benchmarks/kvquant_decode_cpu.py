@@ -29,10 +29,9 @@ import argparse
 import veloxquant_mlx  # noqa: F401 - first: it may load OpenBLAS
 
 import mlx.core as mx  # noqa: E402
-from cpu_timing import timed  # noqa: E402
+from cpu_timing import assert_agree, decode_candidates, timed  # noqa: E402
 
 from veloxquant_mlx.evict.rope import Rotary  # noqa: E402
-from veloxquant_mlx.kernels.decode import DecodePart, decode_attention  # noqa: E402
 from veloxquant_mlx.quant.nonuniform import NonUniform, NonUniformTokens  # noqa: E402
 from veloxquant_mlx.quant.streaming_store import StreamingStore  # noqa: E402
 
@@ -65,24 +64,9 @@ def main():
         for bits in args.bits:
             store = make_store(t, bits, rotary, dtype)
             q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(3)).astype(dtype)
-            empty = mx.zeros((0,), dtype)
-
-            def packed():
-                return decode_attention(q, store.decode_parts(empty), scale=scale, use_kernel=False,
-                                        n_kv_heads=8)
-
-            def sdpa():
-                k, v = store.history(dtype)
-                return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
-
-            def pure():
-                k, v = store.history(dtype)
-                return decode_attention(q, [DecodePart(None, k, None, v)], scale=scale, use_kernel=False)
-
-            a, b, c = (f().astype(mx.float32) for f in (packed, sdpa, pure))
-            assert mx.allclose(a, b, atol=2e-3, rtol=2e-3) and mx.allclose(a, c, atol=2e-3, rtol=2e-3), \
-                (float(mx.abs(a - b).max()), float(mx.abs(a - c).max()))
-            ms = timed({"packed": packed, "sdpa": sdpa, "pure": pure}, args.reps)
+            calls = decode_candidates(store, q, scale=scale, dtype=dtype, n_kv_heads=8)
+            assert_agree(calls, 2e-3)
+            ms = timed(calls, args.reps)
             print(f"| {t} | {bits} | {'pre' if rotary else 'post'}-RoPE | {ms['packed']:.1f} | {ms['sdpa']:.1f} | "
                   f"{ms['pure']:.1f} | {ms['packed'] / ms['sdpa']:.2f} | {ms['packed'] / ms['pure']:.2f} |")
 

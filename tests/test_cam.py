@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conformance import config
+from feeding import feed, prompt_then_steps, synthetic_kvq
 from test_conformance import _reference_check, drive
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -29,31 +30,11 @@ MODES = ["uniform", "sim_weighted"]
 
 
 def synthetic(n, seed=0):
-    k = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed))
-    v = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed + 1))
-    q = 1.5 * mx.random.normal((1, HKV * GROUP, n, D), key=mx.random.key(seed + 2))
-    return k, v, q
-
-
-def feed(cache, k, v, q, start, stop):
-    keys, values = cache.update_and_fetch(k[:, :, start:stop], v[:, :, start:stop])
-    return cache.attend(q[:, :, start:stop], keys, values, scale=SCALE,
-                        mask="causal" if stop - start > 1 else None)
+    return synthetic_kvq(n, HKV, GROUP, D, q_scale=1.5, seed=seed)
 
 
 def run(cache, k, v, q, n_prompt, chunk=25, stop=None, after_each=None):
-    """The prompt but its last token in chunks, then one token at a time up to ``stop``;
-    returns the outputs of the single-token calls."""
-    start, outs = 0, []
-    while start < n_prompt - 1:
-        end = min(start + chunk, n_prompt - 1)
-        feed(cache, k, v, q, start, end)
-        start = end
-    for t in range(n_prompt - 1, k.shape[2] if stop is None else stop):
-        outs.append(feed(cache, k, v, q, t, t + 1))
-        if after_each:
-            after_each(cache, t + 1)
-    return outs
+    return prompt_then_steps(cache, k, v, q, n_prompt, chunk, stop, after_each, keep_outputs=True)
 
 
 def cam(**options):

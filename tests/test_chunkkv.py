@@ -9,6 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from feeding import feed, run_prompt, synthetic_kvq
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.options import ChunkKVOptions
@@ -20,23 +21,7 @@ SCALE = D**-0.5
 
 
 def synthetic(n, seed=0, batch=1):
-    k = mx.random.normal((batch, HKV, n, D), key=mx.random.key(seed))
-    v = mx.random.normal((batch, HKV, n, D), key=mx.random.key(seed + 1))
-    q = 2.0 * mx.random.normal((batch, HKV * GROUP, n, D), key=mx.random.key(seed + 2))
-    return k, v, q
-
-
-def feed(cache, k, v, q, start, stop):
-    keys, values = cache.update_and_fetch(k[:, :, start:stop], v[:, :, start:stop])
-    return cache.attend(q[:, :, start:stop], keys, values, scale=SCALE,
-                        mask="causal" if stop - start > 1 else None)
-
-
-def run_prompt(cache, k, v, q, n, chunk=64):
-    """The prompt in chunks, its last token alone (the prefill's end)."""
-    for start in range(0, n - 1, chunk):
-        feed(cache, k, v, q, start, min(start + chunk, n - 1))
-    return feed(cache, k, v, q, n - 1, n)
+    return synthetic_kvq(n, HKV, GROUP, D, q_scale=2.0, seed=seed, batch=batch)
 
 
 def window_attention(k, q, n, batch=0):

@@ -15,6 +15,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from feeding import feed, run_prompt
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.options import CurDKVOptions
@@ -33,18 +34,6 @@ def synthetic(n, seed=0):
     v = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed + 2)) * mx.linspace(0.5, 2.0, D)
     q = mx.random.normal((1, HKV * GROUP, n, D), key=mx.random.key(seed + 3))
     return k, v, q
-
-
-def feed(cache, k, v, q, start, stop):
-    keys, values = cache.update_and_fetch(k[:, :, start:stop], v[:, :, start:stop])
-    return cache.attend(q[:, :, start:stop], keys, values, scale=SCALE,
-                        mask="causal" if stop - start > 1 else None)
-
-
-def run_prompt(cache, k, v, q, n, chunk=64):
-    for start in range(0, n - 1, chunk):
-        feed(cache, k, v, q, start, min(start + chunk, n - 1))
-    return feed(cache, k, v, q, n - 1, n)
 
 
 def config(**kw):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from feeding import feed, prompt_then_steps, synthetic_kvq
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import H2OOptions, L2NormOptions, TOVAOptions
 from veloxquant_mlx.methods.h2o import H2OCache
@@ -21,30 +22,11 @@ SCALE = D**-0.5
 
 def synthetic(n, seed=0):
     """Keys with very different norms per token, values, queries: (1, H, n, D) each."""
-    k = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed))
-    k = k * mx.random.uniform(0.2, 3.0, (1, HKV, n, 1), key=mx.random.key(seed + 1))
-    v = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed + 2))
-    q = mx.random.normal((1, HKV * GROUP, n, D), key=mx.random.key(seed + 3))
-    return k, v, q
-
-
-def feed(cache, k, v, q, start, stop):
-    """Tokens [start, stop) as one update (a chunk, or a step when stop == start + 1)."""
-    keys, values = cache.update_and_fetch(k[:, :, start:stop], v[:, :, start:stop])
-    return cache.attend(q[:, :, start:stop], keys, values, scale=SCALE,
-                        mask="causal" if stop - start > 1 else None)
+    return synthetic_kvq(n, HKV, GROUP, D, norm_range=(0.2, 3.0), seed=seed)
 
 
 def prompt_then_decode(cache, k, v, q, n_prompt, chunk, after_each=None):
-    start = 0
-    while start < n_prompt - 1:
-        stop = min(start + chunk, n_prompt - 1)
-        feed(cache, k, v, q, start, stop)
-        start = stop
-    for t in range(n_prompt - 1, k.shape[2]):
-        feed(cache, k, v, q, t, t + 1)
-        if after_each:
-            after_each(cache, t + 1)
+    prompt_then_steps(cache, k, v, q, n_prompt, chunk, after_each=after_each)
 
 
 def kept_sets(cache):

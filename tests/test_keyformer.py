@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from feeding import feed, prompt_then_steps, synthetic_kvq
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import H2OOptions, KeyformerOptions
 from veloxquant_mlx.methods import keyformer as keyformer_module
@@ -23,30 +24,12 @@ SCALE = D**-0.5
 
 
 def synthetic(n, seed=0):
-    k = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed))
-    k = k * mx.random.uniform(0.2, 3.0, (1, HKV, n, 1), key=mx.random.key(seed + 1))
-    v = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed + 2))
-    q = 2.0 * mx.random.normal((1, HKV * GROUP, n, D), key=mx.random.key(seed + 3))
-    return k, v, q
-
-
-def feed(cache, k, v, q, start, stop):
-    keys, values = cache.update_and_fetch(k[:, :, start:stop], v[:, :, start:stop])
-    return cache.attend(q[:, :, start:stop], keys, values, scale=SCALE,
-                        mask="causal" if stop - start > 1 else None)
+    return synthetic_kvq(n, HKV, GROUP, D, q_scale=2.0, norm_range=(0.2, 3.0), seed=seed)
 
 
 def run(cache, k, v, q, n_prompt, chunk, stop=None, after_each=None):
-    """The prompt but its last token in chunks, then one token at a time up to ``stop``."""
-    start = 0
-    while start < n_prompt - 1:
-        end = min(start + chunk, n_prompt - 1)
-        feed(cache, k, v, q, start, end)
-        start = end
-    for t in range(n_prompt - 1, k.shape[2] if stop is None else stop):
-        feed(cache, k, v, q, t, t + 1)
-        if after_each:
-            after_each(cache, t + 1)
+    """``prompt_then_steps``; the cache."""
+    prompt_then_steps(cache, k, v, q, n_prompt, chunk, stop, after_each)
     return cache
 
 

@@ -1,9 +1,12 @@
 """Kitty: the card's invariants (top-|K| channels per block and head, widths, f=0 and f=1,
 sinks and tails exact, no lookahead), the two-plane storage, decode attention and memory."""
 
+import functools
+
 import mlx.core as mx
 import pytest
 
+from feeding import feed_chunks
 from test_methods_exactness import run
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -16,21 +19,13 @@ from veloxquant_mlx.quant.packed import GROWTH_TOKENS, AffineLayout
 from veloxquant_mlx.quant.promoted import PromotedChannels, PromotedKeys, PromotedScores
 
 
+# queries from MLX's global generator, as these tests always drew them
+feed = functools.partial(feed_chunks, seed=None)
+
+
 def kitty(f=0.25, hi=4, lo=2, group=32, block=128, **kw):
     options = KittyOptions(kitty_hi_fraction=f, kitty_hi_bit=hi, kitty_lo_bit=lo, kitty_group_size=group)
     return KittyCache(KVCacheConfig(method="kitty", options=options, residual_window=block, **kw), None, 0)
-
-
-def feed(cache, keys, values, chunk):
-    """Push (B, H, T, D) keys/values through update_and_fetch + attend, chunk by chunk."""
-    t, i = keys.shape[2], 0
-    while i < t:
-        n = min(chunk, t - i)
-        k, v = keys[:, :, i : i + n], values[:, :, i : i + n]
-        cache.update_and_fetch(k, v)
-        q = mx.random.normal((k.shape[0], k.shape[1] * 2, n, k.shape[3])).astype(k.dtype)
-        cache.attend(q, k, v, scale=k.shape[3] ** -0.5, mask="causal" if n > 1 else None)
-        i += n
 
 
 def outliers(shape, channels, seed, size=8.0):

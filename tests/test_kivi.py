@@ -1,8 +1,11 @@
 """KIVI: exact residual windows, bounded error on quantized tokens, real memory savings."""
 
+import functools
+
 import mlx.core as mx
 import pytest
 
+from feeding import feed_chunks
 from test_methods_exactness import run
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -10,16 +13,8 @@ from veloxquant_mlx.cache.options import KIVIOptions
 from veloxquant_mlx.methods.kivi import KIVICache
 
 
-def feed(cache, keys, values, chunk):
-    """Push (B, H, T, D) keys/values through update_and_fetch + attend, chunk by chunk."""
-    t, i = keys.shape[2], 0
-    while i < t:
-        n = min(chunk, t - i)
-        k, v = keys[:, :, i : i + n], values[:, :, i : i + n]
-        cache.update_and_fetch(k, v)
-        q = mx.random.normal((k.shape[0], k.shape[1] * 2, n, k.shape[3])).astype(k.dtype)
-        cache.attend(q, k, v, scale=k.shape[3] ** -0.5, mask="causal" if n > 1 else None)
-        i += n
+# queries from MLX's global generator, as these tests always drew them
+feed = functools.partial(feed_chunks, seed=None)
 
 
 def kivi(bits=2, group=32, residual=128, **kw):

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from feeding import feed, synthetic_kvq
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import MorphKVOptions
 from veloxquant_mlx.evict.base import ScoreInputs
@@ -23,17 +24,7 @@ SCALE = D**-0.5
 
 
 def synthetic(n, group=3, seed=0):
-    k = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed))
-    k = k * mx.random.uniform(0.2, 3.0, (1, HKV, n, 1), key=mx.random.key(seed + 1))
-    v = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed + 2))
-    q = 1.5 * mx.random.normal((1, HKV * group, n, D), key=mx.random.key(seed + 3))
-    return k, v, q
-
-
-def feed(cache, k, v, q, start, stop):
-    keys, values = cache.update_and_fetch(k[:, :, start:stop], v[:, :, start:stop])
-    return cache.attend(q[:, :, start:stop], keys, values, scale=SCALE,
-                        mask="causal" if stop - start > 1 else None)
+    return synthetic_kvq(n, HKV, group, D, q_scale=1.5, norm_range=(0.2, 3.0), seed=seed)
 
 
 def morph(fusion="sum", **options):

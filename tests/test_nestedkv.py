@@ -15,6 +15,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import conformance
+from feeding import feed, run_prompt
 from test_conformance import _reference_check, drive
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -36,18 +37,6 @@ def synthetic(n, seed=0, batch=1):
     v = mx.random.normal((batch, HKV, n, D), key=mx.random.key(seed + 2))
     q = mx.random.normal((batch, HKV * GROUP, n, D), key=mx.random.key(seed + 3))
     return k, v, q
-
-
-def feed(cache, k, v, q, start, stop):
-    keys, values = cache.update_and_fetch(k[:, :, start:stop], v[:, :, start:stop])
-    return cache.attend(q[:, :, start:stop], keys, values, scale=SCALE,
-                        mask="causal" if stop - start > 1 else None)
-
-
-def run_prompt(cache, k, v, q, n, chunk=64, start=0):
-    for s in range(start, n - 1, chunk):
-        feed(cache, k, v, q, s, min(s + chunk, n - 1))
-    return feed(cache, k, v, q, n - 1, n)
 
 
 def make(**kw):

@@ -8,6 +8,7 @@ import math
 import mlx.core as mx
 import pytest
 
+from feeding import feed_chunks
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.buffers import GrowingArray
 from veloxquant_mlx.cache.options import NSNQuantOptions
@@ -27,18 +28,6 @@ def card_data(t, d=128, h=2, seed=0, dtype=mx.float32):
     x = mx.random.normal((1, h, t, d), key=mx.random.key(seed))
     x = x * mx.where(mx.arange(d) < 3, 8.0, 1.0) + mx.where((mx.arange(d) >= 3) & (mx.arange(d) < 5), 4.0, 0.0)
     return x.astype(dtype)
-
-
-def feed(cache, keys, values, chunk, seed=5):
-    outs, t, i = [], keys.shape[2], 0
-    while i < t:
-        n = min(chunk, t - i)
-        k, v = keys[:, :, i : i + n], values[:, :, i : i + n]
-        cache.update_and_fetch(k, v)
-        q = mx.random.normal((k.shape[0], k.shape[1] * 2, n, k.shape[3]), key=mx.random.key(seed + i)).astype(k.dtype)
-        outs.append(cache.attend(q, k, v, scale=k.shape[3] ** -0.5, mask="causal" if n > 1 else None))
-        i += n
-    return outs
 
 
 def test_nsn_normalises_shifts_normalises_and_its_inverse_is_exact_before_vq():
@@ -65,7 +54,7 @@ def test_the_universal_codebook_is_reproducible_from_its_seed_and_differs_with_a
     assert float(universal_codebook(1, 16, 8, 1234).min()) < 0  # 1 bit: signed centroids
     keys = card_data(64)
     cache = nsnquant(nsn_residual_length=32, nsn_codebook_size=16, nsn_seed=99)
-    feed(cache, keys, keys, 64)
+    feed_chunks(cache, keys, keys, 64)
     assert mx.array_equal(cache.store.arrays()["codebook"], c)  # the cache's is its seed's
 
 
@@ -92,13 +81,13 @@ def test_codes_index_the_nearest_centroid_and_two_bits_keep_every_sign(bits):
 def test_relative_error_on_the_cards_data_is_within_its_bound_and_scale_invariant(bits, bound):
     x = card_data(512, seed=3)
     cache = nsnquant(nsn_bits=bits, nsn_residual_length=64)
-    feed(cache, x, x, 512)
+    feed_chunks(cache, x, x, 512)
     k_hat, _ = cache.dequantized(mx.float32)
     err = relative_error(x, k_hat)
     assert err < bound, err
     assert err > 0.01  # really coded
     scaled = nsnquant(nsn_bits=bits, nsn_residual_length=64)
-    feed(scaled, 4 * x, 4 * x, 512)  # a power of two: s1 takes it exactly
+    feed_chunks(scaled, 4 * x, 4 * x, 512)  # a power of two: s1 takes it exactly
     assert mx.allclose(scaled.dequantized(mx.float32)[0], 4 * k_hat, rtol=1e-5, atol=1e-5)
 
 
@@ -107,8 +96,8 @@ def test_the_coded_frontier_is_a_multiple_of_r_and_the_state_does_not_depend_on_
     states = []
     for chunk, decode_from in ((150, 150), (100, 100), (13, 60), (1, 0)):
         cache = nsnquant(nsn_residual_length=32)
-        feed(cache, keys[:, :, :decode_from], values[:, :, :decode_from], chunk)
-        feed(cache, keys[:, :, decode_from:], values[:, :, decode_from:], 1)
+        feed_chunks(cache, keys[:, :, :decode_from], values[:, :, :decode_from], chunk)
+        feed_chunks(cache, keys[:, :, decode_from:], values[:, :, decode_from:], 1)
         s = cache.store
         assert (s.keys.count, s.k_tail.length) == (128, 22)
         states.append({n: (a.view() if isinstance(a, GrowingArray) else a) for n, a in s.arrays().items()})
@@ -123,7 +112,7 @@ def test_the_coded_frontier_is_a_multiple_of_r_and_the_state_does_not_depend_on_
 def test_decode_read_from_the_codes_equals_attention_over_the_dequantized_history(bits, monkeypatch):
     keys, values = card_data(200), card_data(200, seed=7)
     cache = nsnquant(nsn_bits=bits, nsn_residual_length=32)
-    feed(cache, keys[:, :, :199], values[:, :, :199], 199)
+    feed_chunks(cache, keys[:, :, :199], values[:, :, :199], 199)
     t = cache.store.keys
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(2))
     k_hat = t.decode(mx.float32)
@@ -148,8 +137,8 @@ def test_nbytes_after_a_long_prompt_matches_the_cards_memory_formula(bits):
     h, d, r, t = 2, 128, 64, 1300
     x = card_data(t, dtype=mx.float16)
     cache = nsnquant(nsn_bits=bits, nsn_residual_length=r)
-    feed(cache, x[:, :, :1200], x[:, :, :1200], 1200)
-    feed(cache, x[:, :, 1200:], x[:, :, 1200:], 1)
+    feed_chunks(cache, x[:, :, :1200], x[:, :, :1200], 1200)
+    feed_chunks(cache, x[:, :, 1200:], x[:, :, 1200:], 1)
     coded = t // r * r
     per_token = (d // 8) * 8 // 8 + (bits == 2) * 8 * (d // 8) // 8 + 4  # indices (+ signs), s1 and s2
     assert per_token == (36 if bits == 2 else 20)
@@ -163,7 +152,7 @@ def test_nbytes_after_a_long_prompt_matches_the_cards_memory_formula(bits):
 def test_a_context_beyond_nsn_max_ctx_is_refused_naming_the_field():
     cache = nsnquant(nsn_residual_length=16, nsn_max_ctx=40, nsn_codebook_size=16)
     x = card_data(48)
-    feed(cache, x[:, :, :40], x[:, :, :40], 40)
+    feed_chunks(cache, x[:, :, :40], x[:, :, :40], 40)
     with pytest.raises(ValueError, match="nsn_max_ctx=40"):
         cache.update_and_fetch(x[:, :, 40:41], x[:, :, 40:41])
     with pytest.raises(ValueError, match="nsn_subvector_dim=5 must divide head_dim=128"):

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from feeding import feed, prompt_then_steps
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import QFiltersOptions
 from veloxquant_mlx.methods import qfilters as qfilters_module
@@ -49,22 +50,9 @@ def synthetic(n, seed=0, along=4.0, positive=0.95):
     return to(k), to(v), to(q.reshape(HKV * GROUP, n, D)), e
 
 
-def feed(cache, k, v, q, start, stop):
-    keys, values = cache.update_and_fetch(k[:, :, start:stop], v[:, :, start:stop])
-    return cache.attend(q[:, :, start:stop], keys, values, scale=SCALE,
-                        mask="causal" if stop - start > 1 else None)
-
-
 def run(cache, k, v, q, n_prompt, chunk, stop=None, after_each=None):
-    start = 0
-    while start < n_prompt - 1:
-        end = min(start + chunk, n_prompt - 1)
-        feed(cache, k, v, q, start, end)
-        start = end
-    for t in range(n_prompt - 1, k.shape[2] if stop is None else stop):
-        feed(cache, k, v, q, t, t + 1)
-        if after_each:
-            after_each(cache, t + 1)
+    """``prompt_then_steps``; the cache."""
+    prompt_then_steps(cache, k, v, q, n_prompt, chunk, stop, after_each)
     return cache
 
 

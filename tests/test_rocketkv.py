@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from feeding import feed, run_prompt, synthetic_kvq
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.options import RocketKVOptions, SnapKVOptions
@@ -27,23 +28,7 @@ SCALE = D**-0.5
 
 
 def synthetic(n, group=3, seed=0):
-    k = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed))
-    k = k * mx.random.uniform(0.2, 3.0, (1, HKV, n, 1), key=mx.random.key(seed + 1))
-    v = mx.random.normal((1, HKV, n, D), key=mx.random.key(seed + 2))
-    q = 1.5 * mx.random.normal((1, HKV * group, n, D), key=mx.random.key(seed + 3))
-    return k, v, q
-
-
-def feed(cache, k, v, q, start, stop):
-    keys, values = cache.update_and_fetch(k[:, :, start:stop], v[:, :, start:stop])
-    return cache.attend(q[:, :, start:stop], keys, values, scale=SCALE,
-                        mask="causal" if stop - start > 1 else None)
-
-
-def prefill(cache, k, v, q, n_prompt, chunk=64):
-    for start in range(0, n_prompt - 1, chunk):
-        feed(cache, k, v, q, start, min(start + chunk, n_prompt - 1))
-    return feed(cache, k, v, q, n_prompt - 1, n_prompt)
+    return synthetic_kvq(n, HKV, group, D, q_scale=1.5, norm_range=(0.2, 3.0), seed=seed)
 
 
 def rocket(**options):
@@ -109,7 +94,7 @@ def test_stage1_keeps_the_max_pooled_window_vote_then_decode_evicts_nothing(rati
     k, v, q = synthetic(340, group=group, seed=int(ratio))
     kn, qn = np.array(k[0], dtype=np.float64), np.array(q[0], dtype=np.float64)
     cache = rocket(rocketkv_compression_ratio=ratio, rocketkv_obs_window=window, rocketkv_n_sink=sink)
-    prefill(cache, k, v, q, n_prompt, chunk)
+    run_prompt(cache, k, v, q, n_prompt, chunk)
     c1 = max(capacity(n_prompt, ratio), sink + window)
     assert cache.stored_length == c1 == cache.budget
     kept = kept_lists(cache)
@@ -148,7 +133,7 @@ def _check_pages(cache):
 def test_page_min_and_max_bound_every_key_of_their_page_as_tokens_arrive():
     k, v, q = synthetic(260, seed=2)
     cache = rocket(rocketkv_compression_ratio=16.0, rocketkv_page_size=3)
-    prefill(cache, k, v, q, 200)
+    run_prompt(cache, k, v, q, 200)
     assert cache.stored_length % 3  # the last page is partial: decode tokens fill it, then open one
     _check_pages(cache)
     for t in range(200, 260):
@@ -161,7 +146,7 @@ def test_page_min_and_max_bound_every_key_of_their_page_as_tokens_arrive():
 def test_trimming_an_uncompressed_cache_rebuilds_its_pages():
     k, v, q = synthetic(120, seed=5)
     cache = rocket(rocketkv_compression_ratio=1.0, rocketkv_page_size=4)  # c = 1: nothing evicted
-    prefill(cache, k, v, q, 90)
+    run_prompt(cache, k, v, q, 90)
     for t in range(90, 95):
         feed(cache, k, v, q, t, t + 1)
     assert cache.is_trimmable() and cache.trim(7) == 7 and cache.offset == 88
@@ -174,7 +159,7 @@ def test_trimming_an_uncompressed_cache_rebuilds_its_pages():
 def test_single_token_pages_are_the_keys_themselves():
     k, v, q = synthetic(220, seed=3)
     cache = rocket(rocketkv_compression_ratio=16.0, rocketkv_page_size=1)
-    prefill(cache, k, v, q, 200)
+    run_prompt(cache, k, v, q, 200)
     feed(cache, k, v, q, 200, 201)
     assert cache.pages.buffer is None and cache.nbytes == sum(a.nbytes for a in cache.store.arrays.values())
 
@@ -219,7 +204,7 @@ def test_a_step_attends_to_the_tokens_of_the_pages_with_the_best_approximate_sco
     k, v, q = synthetic(n, group=group, seed=6)
     kn, vn, qn = (np.array(a[0], dtype=np.float64) for a in (k, v, q))
     cache = rocket(**options)
-    prefill(cache, k, v, q, n_prompt)
+    run_prompt(cache, k, v, q, n_prompt)
     if "rocketkv_page_size" in options:
         assert cache.plan[0] == options["rocketkv_page_size"]
     if "rocketkv_head_topk1" in options:
@@ -239,7 +224,7 @@ def test_a_step_attends_to_the_tokens_of_the_pages_with_the_best_approximate_sco
 def test_when_k_covers_every_page_a_step_is_exact_attention_over_every_kept_token():
     k, v, q = synthetic(240, seed=8)
     cache = rocket(rocketkv_compression_ratio=8.0, rocketkv_page_size=4096)  # one page
-    prefill(cache, k, v, q, 200)
+    run_prompt(cache, k, v, q, 200)
     for t in range(200, 240):
         keys, values = cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
         assert cache.chosen_pages(q[:, :, t : t + 1], keys) is None
@@ -248,7 +233,7 @@ def test_when_k_covers_every_page_a_step_is_exact_attention_over_every_kept_toke
         assert mx.array_equal(out, dense)
     # the gather itself: every page, in any order, the partial last one masked, is the same
     cache = rocket(rocketkv_compression_ratio=8.0, rocketkv_page_size=5)
-    prefill(cache, k, v, q, 200)
+    run_prompt(cache, k, v, q, 200)
     keys, values = cache.update_and_fetch(k[:, :, 200:201], v[:, :, 200:201])
     n_pages = -(-keys.shape[2] // 5)
     assert keys.shape[2] % 5
@@ -264,7 +249,7 @@ def test_single_token_pages_and_every_dim_rank_like_the_true_logits():
     tokens are the top-k2 by q . k (oracle top-k)."""
     k, v, q = synthetic(230, group=1, seed=10)
     cache = rocket(rocketkv_compression_ratio=8.0, rocketkv_page_size=1, rocketkv_head_topk1=D)
-    prefill(cache, k, v, q, 200)
+    run_prompt(cache, k, v, q, 200)
     k2 = cache.plan[2]
     for t in range(200, 230):
         keys, values = cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
@@ -278,7 +263,7 @@ def test_single_token_pages_and_every_dim_rank_like_the_true_logits():
 def test_the_page_proxy_bounds_the_partial_logit_of_every_token_of_the_page():
     k, v, q = synthetic(260, group=1, seed=12)
     cache = rocket(rocketkv_compression_ratio=16.0, rocketkv_page_size=4, rocketkv_head_topk1=6)
-    prefill(cache, k, v, q, 200)
+    run_prompt(cache, k, v, q, 200)
     for t in range(200, 260):
         keys, values = cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
         query = q[:, :, t : t + 1]

@@ -1,9 +1,12 @@
 """SKVQ: a channel order undone on read, a searched clip ratio, exact sinks and window,
 per-token codes that never change, attention in the reordered space, real memory."""
 
+import functools
+
 import mlx.core as mx
 import pytest
 
+from feeding import feed_chunks
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.options import SKVQOptions
@@ -16,16 +19,8 @@ from veloxquant_mlx.quant.reorder import RangeOrder, inverse, is_permutation, pe
 from veloxquant_mlx.quant.token_rows import TokenRows, dequantize_rows
 
 
-def feed(cache, keys, values, chunk, gqa=2):
-    """Push (B, H, T, D) keys/values through update_and_fetch + attend, chunk by chunk."""
-    t, i = keys.shape[2], 0
-    while i < t:
-        n = min(chunk, t - i)
-        k, v = keys[:, :, i : i + n], values[:, :, i : i + n]
-        cache.update_and_fetch(k, v)
-        q = mx.random.normal((k.shape[0], k.shape[1] * gqa, n, k.shape[3])).astype(k.dtype)
-        cache.attend(q, k, v, scale=k.shape[3] ** -0.5, mask="causal" if n > 1 else None)
-        i += n
+# queries from MLX's global generator, as these tests always drew them
+feed = functools.partial(feed_chunks, seed=None)
 
 
 def skvq(**kw):

@@ -5,6 +5,7 @@ rebuilding them), the window is exact, and nbytes against the card's memory form
 import mlx.core as mx
 import pytest
 
+from feeding import feed_chunks
 from tiny_models import prompt, tiny_model
 from test_methods_exactness import run
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -29,19 +30,6 @@ def kv(t, d=128, h=2, seed=0, dtype=mx.float32):
     k = mx.random.normal((1, h, t, d), key=mx.random.key(seed)) * mx.where(mx.arange(d) % 37 == 0, 12.0, 1.0)
     v = mx.random.normal((1, h, t, d), key=mx.random.key(seed + 1))
     return k.astype(dtype), v.astype(dtype)
-
-
-def feed(cache, keys, values, chunk, seed=5):
-    """Keys/values through update_and_fetch + attend, ``chunk`` tokens a call; the outputs."""
-    outs, t, i = [], keys.shape[2], 0
-    while i < t:
-        n = min(chunk, t - i)
-        k, v = keys[:, :, i : i + n], values[:, :, i : i + n]
-        cache.update_and_fetch(k, v)
-        q = mx.random.normal((k.shape[0], k.shape[1] * 2, n, k.shape[3]), key=mx.random.key(seed + i)).astype(k.dtype)
-        outs.append(cache.attend(q, k, v, scale=k.shape[3] ** -0.5, mask="causal" if n > 1 else None))
-        i += n
-    return outs
 
 
 def sq_dist(x, centroids):
@@ -87,8 +75,8 @@ def test_the_dual_transform_is_lossless_and_keeps_query_key_products():
 def test_codes_index_the_nearest_centroid_of_keys_in_the_smoothed_rotated_frame_and_of_raw_values():
     keys, values = kv(300)
     cache = vecinfer(residual_length=32, **SMALL)
-    feed(cache, keys[:, :, :200], values[:, :, :200], 200)
-    feed(cache, keys[:, :, 200:], values[:, :, 200:], 1)
+    feed_chunks(cache, keys[:, :, :200], values[:, :, :200], 200)
+    feed_chunks(cache, keys[:, :, 200:], values[:, :, 200:], 1)
     s = cache.store
     assert s.count == 300 - 32 and s.fitted_from == "prompt"
     kc, vc = s.key_codec, s.value_codec
@@ -103,7 +91,7 @@ def test_lookup_table_scores_equal_the_scores_of_the_dequantized_keys():
     keys, values = kv(300)
     cache = vecinfer(residual_length=16, key_codebook_bits=12, value_codebook_bits=8)
     cache.store.install(*CodebookFit(4, 12, 8, 8, iters=1, sample=2, seed=0).fit(keys, values), "calibration")
-    feed(cache, keys, values, 300)
+    feed_chunks(cache, keys, values, 300)
     s = cache.store
     k_hat = s.key_codec.decode(s.k_codes.view(), 128, mx.float32)
     q = mx.random.normal((1, 2, 4, 128), key=mx.random.key(3))  # 4 query heads a KV head
@@ -118,7 +106,7 @@ def test_lookup_table_scores_equal_the_scores_of_the_dequantized_keys():
 def test_a_decode_step_scores_keys_through_lookup_tables_never_rebuilding_the_history(monkeypatch):
     keys, values = kv(200)
     cache = vecinfer(residual_length=16, **SMALL)
-    feed(cache, keys[:, :, :199], values[:, :, :199], 199)
+    feed_chunks(cache, keys[:, :, :199], values[:, :, :199], 199)
     calls = []
     real = vq.lookup_scores
 
@@ -141,8 +129,8 @@ def test_a_decode_step_scores_keys_through_lookup_tables_never_rebuilding_the_hi
 def test_window_tokens_are_exact_and_coded_tokens_are_offset_minus_window():
     keys, values = kv(150, dtype=mx.float16)
     cache = vecinfer(residual_length=40, **SMALL)
-    feed(cache, keys[:, :, :100], values[:, :, :100], 50)
-    feed(cache, keys[:, :, 100:], values[:, :, 100:], 1)
+    feed_chunks(cache, keys[:, :, :100], values[:, :, :100], 50)
+    feed_chunks(cache, keys[:, :, 100:], values[:, :, 100:], 1)
     assert cache.store.count == cache.offset - 40 == 110
     k_hat, v_hat = cache.dequantized(mx.float16)
     assert mx.array_equal(k_hat[:, :, 110:], keys[:, :, 110:]) and mx.array_equal(v_hat[:, :, 110:], values[:, :, 110:])
@@ -157,8 +145,8 @@ def test_with_codebooks_given_the_codes_do_not_depend_on_how_the_prompt_came():
     for chunk, decode_from in ((160, 160), (37, 160), (64, 100)):
         cache = vecinfer(residual_length=24, **SMALL)
         cache.store.install(*codecs, "calibration")
-        feed(cache, keys[:, :, :decode_from], values[:, :, :decode_from], chunk)
-        feed(cache, keys[:, :, decode_from:], values[:, :, decode_from:], 1)
+        feed_chunks(cache, keys[:, :, :decode_from], values[:, :, :decode_from], chunk)
+        feed_chunks(cache, keys[:, :, decode_from:], values[:, :, decode_from:], 1)
         states.append((cache.store.k_codes.view(), cache.store.v_codes.view(), cache.store.k_win.view()))
     for other in states[1:]:
         assert all(mx.array_equal(a, b) for a, b in zip(states[0], other))
@@ -179,8 +167,8 @@ def test_nbytes_after_a_long_prompt_matches_the_cards_memory_formula():
     h, d, t, window = 2, 128, 1500, 128
     keys, values = kv(t, h=h, dtype=mx.float16)
     cache = vecinfer(residual_length=window, key_codebook_bits=10)  # 10-bit keys / 4, 8-bit values / 8
-    feed(cache, keys[:, :, :1400], values[:, :, :1400], 1400)
-    feed(cache, keys[:, :, 1400:], values[:, :, 1400:], 1)
+    feed_chunks(cache, keys[:, :, :1400], values[:, :, :1400], 1400)
+    feed_chunks(cache, keys[:, :, 1400:], values[:, :, 1400:], 1)
     per_token = h * ((d // 4) * 10 // 8 + (d // 8) * 8 // 8)  # 56 B a head: 40 key + 16 value
     codebooks = (1 << 10) * 4 * 2 + (1 << 8) * 8 * 2  # float16 centroids
     smoothing = h * d * 4  # float32 here (the card counts float16)

@@ -14,8 +14,8 @@ from ..registry import METHODS, implemented_methods
 from .tasks import TASKS
 
 DEFAULT_CONTEXT = 4096
-# --quick: ~3 s a method on 2 CPU cores (reference model, float32), so that 40 methods
-# plus the baseline stay under 3 minutes. 1,024 tokens is the shortest context at which
+# --quick: a median of 6 CPU-seconds a method (reference model, float32; 38 methods and
+# the baseline took 223 s on 2 cores, benchmarks/results/bench-quick.md). 1,024 tokens is the shortest context at which
 # the eviction methods' default budgets (512) still evict half of it.
 QUICK = {
     "context": 1024,
@@ -68,8 +68,8 @@ def add_bench_parser(sub) -> None:
                         "(one field at a time); a method without one runs at its defaults")
     p.add_argument(
         "--quick", action="store_true",
-        help=f"a bounded workload, one setting per method, about 3 s a method on 2 CPU "
-             f"cores: context {QUICK['context']} tokens, one example each of "
+        help=f"a bounded workload, one setting per method, a few seconds a method on 2 "
+             f"CPU cores: context {QUICK['context']} tokens, one example each of "
              f"{', '.join(QUICK['tasks'])} (needle at depth {QUICK['depths'][0]}), "
              f"{QUICK['continuation']} held-out tokens for perplexity, KL and top-1",
     )

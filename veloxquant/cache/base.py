@@ -165,6 +165,28 @@ class CompressedKVCache:
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )
 
+    def _own_attention_begins(self, sinks) -> None:
+        """For a cache that computes attention itself: the hook's call has come, and the
+        model's learned sink logits are refused (that attention has no term for them)."""
+        self._awaiting_attend = False
+        if sinks is not None:
+            raise NotImplementedError(
+                f"method {self.config.method!r} does not support attention sinks (the model's "
+                "learned sink logits) yet")
+
+    def _stash_chunk(self, keys: mx.array, values: mx.array):
+        """The end of ``update_and_fetch`` for a cache that stores a chunk only once it has
+        attended: the chunk waits for ``attend`` (``_take_chunk``)."""
+        self._pending = (keys, values)
+        self.offset += keys.shape[2]
+        return keys, values
+
+    def _take_chunk(self, sinks) -> tuple[mx.array, mx.array]:
+        """The chunk ``_stash_chunk`` kept, as the cache's own attention begins."""
+        self._own_attention_begins(sinks)
+        chunk, self._pending = self._pending, None
+        return chunk
+
     def _expect_attend(self) -> None:
         """Called by hook-dependent caches at each update: attention must come to us.
 

@@ -449,7 +449,8 @@ class BatchCache:
 # sequences' own caches, emptied of rows, which keep their config, context and options
 # (a method's per-sequence settings, what ``extract`` copies). Each layout tracks the
 # capacity each sequence's own buffers would have grown to alone, so that unpacking or
-# extracting gives back byte for byte the cache of the sequence run alone.
+# extracting gives back byte for byte the cache of the sequence run alone. ``PackedLayout``
+# derives ``batch_size``, ``extract`` and ``unpack`` from ``shells`` and ``_single``.
 def grown_capacity(capacity: int, length: int, n: int, step: int, limit: int | None) -> int:
     """The capacity ``GrowingArray.append`` leaves after appending ``n`` rows."""
     if length + n <= capacity:
@@ -476,11 +477,22 @@ def single_buffer(block: mx.array, capacity: int, step: int, limit: int | None) 
     return grown
 
 
-class FullPacked:
-    """The dense cache's packed decode layout: keys and values (B, H, rows, D), sequence
-    b's tokens in rows 0 .. lengths[b] - 1, the rows after them padding (masked by row)."""
+class PackedLayout:
+    """What every packed layout derives from ``shells`` and ``_single(i, shell)`` (sequence
+    i's rows put into ``shell``, returned): the batch size, ``extract`` and ``unpack``."""
 
     batch_size = property(lambda self: len(self.shells))
+
+    def extract(self, i: int):
+        return self._single(i, copy_single(self.shells[i], "extract"))
+
+    def unpack(self) -> list:
+        return [self._single(i, s) for i, s in enumerate(self.shells)]
+
+
+class FullPacked(PackedLayout):
+    """The dense cache's packed decode layout: keys and values (B, H, rows, D), sequence
+    b's tokens in rows 0 .. lengths[b] - 1, the rows after them padding (masked by row)."""
 
     @staticmethod
     def can_pack(single) -> bool:
@@ -576,12 +588,6 @@ class FullPacked:
         shell.offset = self.offsets[b]
         return shell
 
-    def extract(self, b: int):
-        return self._single(b, copy_single(self.shells[b], "extract"))
-
-    def unpack(self) -> list:
-        return [self._single(b, s) for b, s in enumerate(self.shells)]
-
     def is_trimmable(self) -> bool:
         return True
 
@@ -599,5 +605,5 @@ class FullPacked:
     __deepcopy__ = CompressedKVCache.__deepcopy__
 
 
-__all__ = ["BatchCache", "FullPacked", "PACKED", "PER_SEQUENCE", "batch_mode", "batchable_methods",
+__all__ = ["BatchCache", "FullPacked", "PACKED", "PackedLayout", "PER_SEQUENCE", "batch_mode", "batchable_methods",
            "merge", "refusal"]

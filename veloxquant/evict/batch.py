@@ -35,7 +35,7 @@ from functools import cached_property
 import mlx.core as mx
 
 from ..cache.base import CacheStateError, CompressedKVCache
-from ..cache.batch import copy_single, grown_capacity, pad_rows, single_buffer
+from ..cache.batch import PackedLayout, grown_capacity, pad_rows, single_buffer
 from .attention import attention_weights
 from .base import ScoredEvictionCache, ScoreInputs
 from .layer_budgets import LayerBudgets
@@ -70,7 +70,7 @@ class BatchScoreInputs(ScoreInputs):
         return weights[:, :, :, 0]
 
 
-class EvictionPacked:
+class EvictionPacked(PackedLayout):
     """Decode steps of a batch of one eviction method's sequences, in one slot store."""
 
     @staticmethod
@@ -132,10 +132,6 @@ class EvictionPacked:
     @property
     def store(self) -> SlotStore:
         return self.worker.store
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.shells)
 
     @property
     def padded(self) -> bool:
@@ -298,12 +294,6 @@ class EvictionPacked:
         cache.offset = self.offsets[i]
         cache.decode_steps = self.decode_steps[i]
         return cache
-
-    def extract(self, i: int):
-        return self._single(i, copy_single(self.shells[i], "extract"))
-
-    def unpack(self) -> list:
-        return [self._single(i, s) for i, s in enumerate(self.shells)]
 
     def is_trimmable(self) -> bool:
         cls = type(self.worker)

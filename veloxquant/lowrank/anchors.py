@@ -42,7 +42,7 @@ import mlx.core as mx
 from ..cache.buffers import GrowingArray
 from ..kernels.decode import DecodePart
 from ..quant.lloyd_max import RotatedGaussian
-from ..quant.store import WINDOW_STEP, PackedStore
+from ..quant.store import WINDOW_STEP, PackedStore, joined_history
 
 
 def index_dtype(n: int):
@@ -91,7 +91,9 @@ class AnchorPart:
 
 
 @dataclass(frozen=True)
-class AnchorKeys:
+class _AnchorReader:
+    """The compressed prompt as the pure-MLX decode path reads it (``PackedScores``)."""
+
     part: AnchorPart
     codec: RotatedGaussian
 
@@ -103,6 +105,8 @@ class AnchorKeys:
     def n_heads(self) -> int:
         return self.part.anchor_k.shape[1]
 
+
+class AnchorKeys(_AnchorReader):
     def scores(self, q: mx.array) -> mx.array:
         p = self.part
         a = q @ p.anchor_k.astype(mx.float32).swapaxes(-1, -2)  # (B, H, R, k)
@@ -115,19 +119,7 @@ class AnchorKeys:
         return mx.concatenate([a, s], axis=-1)
 
 
-@dataclass(frozen=True)
-class AnchorValues:
-    part: AnchorPart
-    codec: RotatedGaussian
-
-    @property
-    def count(self) -> int:
-        return self.part.count
-
-    @property
-    def n_heads(self) -> int:
-        return self.part.anchor_v.shape[1]
-
+class AnchorValues(_AnchorReader):
     def mix(self, w: mx.array) -> mx.array:
         p = self.part
         k = p.anchor_v.shape[2]
@@ -178,12 +170,7 @@ class AnchorStore(PackedStore):
             k, v = self.part.dense(self.codec)
             parts_k.append(k.astype(dtype))
             parts_v.append(v.astype(dtype))
-        if self.k_tail.length:
-            parts_k.append(self.k_tail.view().astype(dtype))
-            parts_v.append(self.v_tail.view().astype(dtype))
-        if not parts_k:
-            return None, None
-        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+        return joined_history(parts_k, parts_v, self.k_tail.view(), self.v_tail.view(), dtype)
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         if self.part is None:

@@ -257,8 +257,8 @@ def _per_head(basis: mx.array, mean: mx.array, g: int):
 
 
 @dataclass(frozen=True)
-class FoldedKeys:
-    """Keys ``L_hat V^(h)ᵀ + μ_h`` scored through the query folded onto the basis."""
+class _Folded:
+    """Tokens ``L_hat V^(h)ᵀ + μ_h`` of one tensor, read in the latent space (``PackedScores``)."""
 
     latents: LatentTokens
     basis: mx.array  # (B, G, g*d, r)
@@ -273,6 +273,10 @@ class FoldedKeys:
     def n_heads(self) -> int:
         return self.basis.shape[1] * self.heads_per_group
 
+
+class FoldedKeys(_Folded):
+    """Keys scored through the query folded onto the basis."""
+
     def scores(self, q: mx.array) -> mx.array:
         b, h, rq, _ = q.shape
         g = self.heads_per_group
@@ -282,22 +286,8 @@ class FoldedKeys:
         return s + (q * mean).sum(axis=-1, keepdims=True)
 
 
-@dataclass(frozen=True)
-class FoldedValues:
-    """Values ``L_hat V^(h)ᵀ + μ_h`` mixed in the latent space, lifted once."""
-
-    latents: LatentTokens
-    basis: mx.array
-    mean: mx.array
-    heads_per_group: int
-
-    @property
-    def count(self) -> int:
-        return self.latents.count
-
-    @property
-    def n_heads(self) -> int:
-        return self.basis.shape[1] * self.heads_per_group
+class FoldedValues(_Folded):
+    """Values mixed in the latent space, lifted once."""
 
     def mix(self, p: mx.array) -> mx.array:
         b, h, rq, t = p.shape

@@ -117,17 +117,10 @@ class A2ATSCache(CompressedKVCache):
         self._check_shape(keys, values)
         if self.store is None:
             self.store = self._make_store(keys.shape[-1])
-        self._pending = (keys, values)
-        self.offset += keys.shape[2]
-        return keys, values
+        return self._stash_chunk(keys, values)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        self._awaiting_attend = False
-        if sinks is not None:
-            raise NotImplementedError(f"method {self.config.method!r} does not support attention "
-                                      "sinks (the model's learned sink logits) yet")
-        chunk_k, chunk_v = self._pending
-        self._pending = None
+        chunk_k, chunk_v = self._take_chunk(sinks)
         self.store.append(chunk_k, chunk_v)
         n = queries.shape[2]
         if n == 1:

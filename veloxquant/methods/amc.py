@@ -158,12 +158,7 @@ class AMCCache(QuantizedCache):
 
     # -- the protocol ----------------------------------------------------------------------
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        self._awaiting_attend = False
-        k, v = self._pending
-        self._pending = None
-        if sinks is not None:
-            raise NotImplementedError("method 'amc' does not support attention sinks (the model's "
-                                      "learned sink logits) yet")
+        k, v = self._take_chunk(sinks)
         if self.store is None:
             self._build(k.shape[-1])
         if self.mu is None:

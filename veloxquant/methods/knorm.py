@@ -6,6 +6,12 @@ than budget + one chunk), and each decode step frees the slot of the worst token
 A token's norm never changes (RoPE is a rotation), so it is computed once, in float32,
 when the token arrives, and kept beside it. Adapted: an absolute budget with protected
 sinks and recent tokens instead of the paper's keep ratio; every layer is compressed.
+
+Ties: a token id seen twice gives the first layer two keys of one norm (RoPE rotates
+them), equal up to the last bits of the rotation, which differ between back-ends. Norms
+are compared rounded to 16 significant bits (2^-16 relative), and among equal rounded
+norms the later token is kept: the score is the rank in that order, so every device
+keeps the same tokens.
 """
 
 from __future__ import annotations
@@ -25,5 +31,9 @@ class L2NormCache(ScoredEvictionCache):
         return {"key_norm": mx.sqrt(mx.square(keys.astype(mx.float32)).sum(axis=-1))}
 
     def score(self, inputs):
-        norms = inputs.state("key_norm")
-        return -norms if self.options.knorm_keep == "low" else norms
+        bits = (inputs.state("key_norm").view(mx.uint32) + (1 << 7)) >> 8  # norms >= 0: bits ascend
+        if self.options.knorm_keep == "high":
+            bits = (1 << 24) - bits
+        later = (1 << 31) - 1 - inputs.positions.astype(mx.int64)
+        order = mx.argsort((bits.astype(mx.int64) << 32) + later, axis=-1)  # best first
+        return -mx.argsort(order, axis=-1).astype(mx.float32)

@@ -100,9 +100,7 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
         return keys, values
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        self._awaiting_attend = False
-        if sinks is not None:
-            raise NotImplementedError("method 'minicache' does not support attention sinks")
+        self._own_attention_begins(sinks)
         role = self.role
         if role == "alone":
             tail_k, tail_v, merged = self.keys.view(), self.values.view(), (None, None)

@@ -79,9 +79,7 @@ class XKVCache(CrossLayer, CompressedKVCache):
         return keys, values
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        self._awaiting_attend = False
-        if sinks is not None:
-            raise NotImplementedError("method 'xkv' does not support attention sinks")
+        self._own_attention_begins(sinks)
         latent = self.latent_keys()
         if queries.shape[2] == 1 and latent is not None:
             part = DecodePart(latent, self.keys.view(), None, self.values.view())

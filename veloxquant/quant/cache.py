@@ -77,18 +77,10 @@ class QuantizedCache(CompressedKVCache):
                 f"{self.group_field}={self.group} must divide head_dim={d_k} (values: {d_v}); "
                 f"allowed here: {[g for g in (32, 64, 128) if d_k % g == 0 and d_v % g == 0] or 'none'}"
             )
-        self._pending = (keys, values)
-        self.offset += keys.shape[2]
-        return keys, values
+        return self._stash_chunk(keys, values)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        self._awaiting_attend = False
-        chunk_k, chunk_v = self._pending
-        self._pending = None
-        if sinks is not None:
-            raise NotImplementedError(
-                f"method {self.config.method!r} does not support attention sinks (the model's "
-                "learned sink logits) yet")
+        chunk_k, chunk_v = self._take_chunk(sinks)
         self.observe(chunk_k, chunk_v, queries.shape[2])
         if queries.shape[2] == 1:
             return self.store.decode_attention(queries, chunk_k, chunk_v, scale=scale,

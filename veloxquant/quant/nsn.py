@@ -45,7 +45,7 @@ import mlx.core as mx
 from ..cache.buffers import GrowingArray
 from ..kernels.decode import DecodePart
 from .packed import GROWTH_TOKENS
-from .store import WINDOW_STEP, PackedStore
+from .store import WINDOW_STEP, PackedStore, joined_history
 from .vq import gather_centroids, index_words, kmeans, lookup_scores, nearest, pack_indices, rotate, unpack_indices
 
 UNIVERSAL_SAMPLES = 1 << 16  # N(0, I) samples the universal codebook is fitted on (at least 16 a centroid)
@@ -170,8 +170,8 @@ class NSNTokens:
 
 
 @dataclass(frozen=True)
-class NSNKeys:
-    """Coded keys for the pure-MLX decode path (``PackedScores``)."""
+class _NSNReader:
+    """Coded tokens for the pure-MLX decode path (``PackedScores``)."""
 
     tokens: NSNTokens
     head_dim: int
@@ -183,6 +183,10 @@ class NSNKeys:
     @property
     def n_heads(self) -> int:
         return self.tokens.norms.buffer.shape[1]
+
+
+class NSNKeys(_NSNReader):
+    """Coded keys: ``q K_hatᵀ`` from the codes, the query rotated once."""
 
     def scores(self, q: mx.array) -> mx.array:
         t, n = self.tokens, self.count
@@ -200,20 +204,8 @@ class NSNKeys:
         return s1 * (s2 * main + shift)
 
 
-@dataclass(frozen=True)
-class NSNValues:
-    """Coded values for the pure-MLX decode path: ``p X_hat`` with one rotation per step."""
-
-    tokens: NSNTokens
-    head_dim: int
-
-    @property
-    def count(self) -> int:
-        return self.tokens.count
-
-    @property
-    def n_heads(self) -> int:
-        return self.tokens.norms.buffer.shape[1]
+class NSNValues(_NSNReader):
+    """Coded values: ``p X_hat`` with one rotation per step."""
 
     def mix(self, p: mx.array) -> mx.array:
         t = self.tokens
@@ -264,12 +256,7 @@ class NSNStore(PackedStore):
         if self.keys.count:
             parts_k.append(self.keys.decode(dtype))
             parts_v.append(self.values.decode(dtype))
-        if self.k_tail.length:
-            parts_k.append(self.k_tail.view().astype(dtype))
-            parts_v.append(self.v_tail.view().astype(dtype))
-        if not parts_k:
-            return None, None
-        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+        return joined_history(parts_k, parts_v, self.k_tail.view(), self.v_tail.view(), dtype)
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         keys = values = None

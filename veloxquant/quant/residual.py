@@ -40,14 +40,10 @@ class ResidualScores:
         """Keys: float32 ``q Kᵀ`` (B, H, R, count) for scaled float32 queries."""
         b = self.base
         s = kd.affine_key_scores(q, b.codes, b.scales, b.biases, b.count, b.bits, b.group)
-        for term in self.terms:
-            s = s + term.scores(q)
-        return s
+        return sum((term.scores(q) for term in self.terms), s)
 
     def mix(self, p: mx.array) -> mx.array:
         """Values: float32 ``p V`` (B, H, R, D) for float32 probabilities (B, H, R, count)."""
         b = self.base
         o = kd.affine_value_mix(p, b.codes, b.scales, b.biases, b.count, b.bits, b.group)
-        for term in self.terms:
-            o = o + term.mix(p)
-        return o
+        return sum((term.mix(p) for term in self.terms), o)

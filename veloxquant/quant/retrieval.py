@@ -9,7 +9,7 @@ taken in (``frame``: e.g. keys rotated back to pre-RoPE). A decode step:
    newest ``window``) through lookup tables: ``q~ . C[idx]`` (``vq.lookup_scores``) with
    the query in the same frame;
 2. the top ``k`` candidates per query head (``k = floor(fraction * tokens)``, at most the
-   candidates), their union over the query heads of each KV head (a fixed-size set of
+   candidates; ties at the k-th score to the latest tokens), their union over the query heads of each KV head (a fixed-size set of
    ``gqa * k`` indices per KV head, repeats masked);
 3. exact attention over the sinks, the chosen tokens (gathered from the exact rows) and
    the window. With ``k`` covering every candidate this is exact attention over every
@@ -38,6 +38,22 @@ from .vq import index_words, kmeans, lookup_scores, nearest, pack_indices, unpac
 
 FIT_ITERS = 10  # Lloyd iterations of a codebook fitted from the prompt
 FIT_SAMPLE = 16  # points per centroid it looks at, at most
+
+
+def top_k_ties_to_latest(scores: mx.array, k: int) -> mx.array:
+    """Indices (..., k), in no order, of the ``k`` largest scores along the last axis; among
+    scores equal to the k-th largest, the latest indices. Tokens with one code have equal
+    scores to the bit, and ``argpartition`` leaves the choice among them to the back-end
+    (the CPU takes the earliest): this way every device attends to the same tokens."""
+    n = scores.shape[-1]
+    kth = -mx.partition(-scores, kth=k - 1, axis=-1)[..., k - 1 : k]
+    above, tied = scores > kth, scores == kth
+    need = k - above.sum(axis=-1, keepdims=True)
+    take = above | (tied & (mx.cumsum(tied, axis=-1, reverse=True) <= need))
+    position = mx.arange(n, dtype=mx.int32)
+    return mx.argpartition(mx.where(take, position, n + position), kth=k - 1, axis=-1)[..., :k]
+
+
 EPS = 1e-6  # added to the metric's diagonal before its Cholesky factor
 
 
@@ -144,7 +160,7 @@ class RetrievalStore:
         q = self.frame(queries, mx.array([position - self.query_offset])).reshape(b, h, hq // h, d)
         idx = unpack_indices(self.codes.buffer[:, :, first:stop], self.bits, d // self.sub_dim)
         approx = lookup_scores(q, idx, self.centroids)  # (B, H, gqa, candidates)
-        top = mx.argpartition(-approx, kth=k - 1, axis=-1)[..., :k]
+        top = top_k_ties_to_latest(approx, k)
         union = mx.sort(top.reshape(b, h, -1), axis=-1)
         repeat = mx.concatenate([mx.zeros((b, h, 1), mx.bool_), union[..., 1:] == union[..., :-1]], axis=-1)
         return union + first, repeat

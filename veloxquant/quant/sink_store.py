@@ -132,20 +132,11 @@ class SinkQuantizedStore(SinkKVStore):
 
     def commit(self, keys: mx.array, values: mx.array) -> None:
         keys, values, _ = self._take_sinks(keys, values)
-        if not keys.shape[2]:
-            return
-        k_res = keys if self.k_res is None else mx.concatenate([self.k_res, keys], axis=2)
-        n_flush = (k_res.shape[2] - 1) // self.key_block * self.key_block  # the newest stays
-        if n_flush:
-            self.keys.append(k_res[:, :, :n_flush])
-            k_res = mx.contiguous(k_res[:, :, n_flush:])
-        self.k_res = k_res
-        v_res = values if self.v_res is None else mx.concatenate([self.v_res, values], axis=2)
-        n_old = v_res.shape[2] - self.window
-        if n_old > 0:
-            self.values.append(v_res[:, :, :n_old])
-            v_res = mx.contiguous(v_res[:, :, n_old:])
-        self.v_res = v_res
+        if keys.shape[2]:  # never the parent's decode path: its flush rule is KIVI's
+            self._append_rows(keys, values)
+
+    def _keys_to_flush(self, n_exact: int) -> int:
+        return (n_exact - 1) // self.key_block * self.key_block  # the newest stays
 
     def key_tail(self, rest: int) -> tuple[int, int, str]:
         return (1 if rest else 0), min(rest, self.key_block), f"1..{self.key_block} once past the sinks"

@@ -42,6 +42,25 @@ def _rows(x) -> int:
     return 0 if x is None else x.shape[2]
 
 
+def joined_history(parts_k: list, parts_v: list, tail_k, tail_v, dtype):
+    """What ``history`` returns: the decoded runs of keys and of values (in order), then
+    the full-precision tails (None, or rows: an empty one is left out), each joined along
+    the tokens; (None, None) when nothing is stored."""
+    if _rows(tail_k):
+        parts_k = parts_k + [tail_k.astype(dtype)]
+    if _rows(tail_v):
+        parts_v = parts_v + [tail_v.astype(dtype)]
+    if not parts_k:
+        return None, None
+    return _joined(parts_k), _joined(parts_v)
+
+
+def _joined(parts: list):
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
 class PackedStore:
     """What every quantized store shares. A store provides ``commit`` (take new tokens in),
     ``history`` (every token decoded, in order), ``decode_parts``, ``length``, ``arrays``
@@ -122,8 +141,16 @@ class QuantizedKVStore(PackedStore):
             if self.v_win.held > self.window:
                 self.values.append(self.v_win.pop_front(1), one_token=True)
             return
+        self._append_rows(keys, values)
+
+    def _keys_to_flush(self, n_exact: int) -> int:
+        """How many of ``n_exact`` full-precision keys (oldest first) the flush rule packs."""
+        return n_exact // self.key_block * self.key_block
+
+    def _append_rows(self, keys: mx.array, values: mx.array) -> None:
+        """Tokens joined to the windows by concatenation, then flushed by the rules."""
         k_res = keys if self.k_res is None else mx.concatenate([self.k_res, keys], axis=2)
-        n_flush = k_res.shape[2] // self.key_block * self.key_block
+        n_flush = self._keys_to_flush(k_res.shape[2])
         if n_flush:
             self.keys.append(k_res[:, :, :n_flush])
             k_res = mx.contiguous(k_res[:, :, n_flush:])  # no view pinning the old block
@@ -145,11 +172,7 @@ class QuantizedKVStore(PackedStore):
                 parts_k.append(keys.decode(dtype))
             if values.count:
                 parts_v.append(values.decode(dtype))
-        parts_k += [] if self.k_res is None else [self.k_res.astype(dtype)]
-        parts_v += [] if self.v_res is None else [self.v_res.astype(dtype)]
-        if not parts_k:
-            return None, None
-        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+        return joined_history(parts_k, parts_v, self.k_res, self.v_res, dtype)
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         parts = [DecodePart(s.keys.layout(empty), None, s.values.layout(empty), None)

@@ -41,7 +41,7 @@ from ..cache.buffers import GrowingArray
 from ..kernels.decode import DecodePart
 from .affine import packed_length
 from .packed import GROWTH_TOKENS, GroupAffine, PackedTokens
-from .store import PackedStore, Segment
+from .store import PackedStore, Segment, joined_history
 
 FULL_PRECISION_BITS = 16  # a tier of this width (or more) stores the model's rows
 
@@ -232,12 +232,7 @@ class TieredStore(PackedStore):
         tiers = [t for t in self.tiers if t.keys.count]
         parts_k = [t.keys.decode(dtype) for t in tiers]
         parts_v = [t.values.decode(dtype) for t in tiers]
-        if self.k_tail.length:
-            parts_k.append(self.k_tail.view().astype(dtype))
-            parts_v.append(self.v_tail.view().astype(dtype))
-        if not parts_k:
-            return None, None
-        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+        return joined_history(parts_k, parts_v, self.k_tail.view(), self.v_tail.view(), dtype)
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         """One part per non-empty tier, oldest first; the tail joins the youngest."""

@@ -39,7 +39,7 @@ from ..kernels.decode import DecodePart, decode_attention
 from .channel_scaled import channel_scale
 from .packed import GROWTH_TOKENS, PackedTokens
 from .saliency import n_salient, salient_split
-from .store import WINDOW_STEP, PackedStore
+from .store import WINDOW_STEP, PackedStore, joined_history
 from .token_rows import PlainRows, TokenGroups, TokenRows
 
 
@@ -206,14 +206,7 @@ class TokenMixedStore(PackedStore):
                 k, v = _gather(k, source), _gather(v, source)
             parts_k.append(k)
             parts_v.append(v)
-        if self.k_buf.length:
-            parts_k.append(self.k_buf.view().astype(dtype))
-            parts_v.append(self.v_buf.view().astype(dtype))
-        if not parts_k:
-            return None, None
-        if len(parts_k) == 1:
-            return parts_k[0], parts_v[0]
-        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+        return joined_history(parts_k, parts_v, self.k_buf.view(), self.v_buf.view(), dtype)
 
     def decode_parts(self, empty) -> list[DecodePart]:
         """The hi class with the buffer as its tail, then the lo class (empty ones left out)."""

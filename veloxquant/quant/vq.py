@@ -251,9 +251,9 @@ class ProductVQ:
 
 
 @dataclass(frozen=True)
-class CodebookKeys:
-    """Product-VQ keys as the pure-MLX decode path reads them (``PackedScores``): the whole
-    index buffer (``count`` valid tokens), scored through lookup tables."""
+class _CodebookRows:
+    """Product-VQ tokens as the pure-MLX decode path reads them (``PackedScores``): the
+    whole index buffer, ``count`` valid tokens."""
 
     words: mx.array  # (B, H, rows, W)
     count: int
@@ -268,29 +268,20 @@ class CodebookKeys:
         n = self.head_dim // self.codec.sub_dim
         return unpack_indices(self.words[:, :, : self.count], self.codec.bits, n)
 
+
+class CodebookKeys(_CodebookRows):
+    """Keys, scored through lookup tables."""
+
     def scores(self, q: mx.array) -> mx.array:
         """float32 q K^T (B, H, R, count): q~ = (q * scale) H against the centroids, once
         per sub-space, gathered by each token's indices."""
         return lookup_scores(self.codec.query_to_code_space(q), self.indices(), self.codec.centroids)
 
 
-@dataclass(frozen=True)
-class CodebookValues:
-    """Product-VQ values (no transform) for the pure-MLX path: ``p V`` with V's rows
-    gathered from the centroids by index (the history is never rebuilt in its codec's
-    frame because values have none)."""
-
-    words: mx.array
-    count: int
-    codec: ProductVQ
-    head_dim: int
-
-    @property
-    def n_heads(self) -> int:
-        return self.words.shape[1]
+class CodebookValues(_CodebookRows):
+    """Values (no transform): ``p V`` with V's rows gathered from the centroids by index
+    (the history is never rebuilt in its codec's frame because values have none)."""
 
     def mix(self, p: mx.array) -> mx.array:
-        n = self.head_dim // self.codec.sub_dim
-        idx = unpack_indices(self.words[:, :, : self.count], self.codec.bits, n)
-        rows = self.codec.from_code_space(gather_centroids(idx, self.codec.centroids))
+        rows = self.codec.from_code_space(gather_centroids(self.indices(), self.codec.centroids))
         return p @ rows

@@ -35,7 +35,7 @@ from ..cache.buffers import GrowingArray, RecentRows
 from ..kernels.decode import DecodePart
 from .cache import QuantizedCache
 from .packed import GROWTH_TOKENS
-from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, _rows
+from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, _rows, joined_history
 from .vq import CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, rotation_problem
 
 SMOOTH_FLOOR = 1e-4  # smallest per-channel smoothing factor
@@ -151,14 +151,7 @@ class CodebookStore(PackedStore):
             d_k, d_v = self.dims
             parts_k.append(self.key_codec.decode(self.k_codes.view(), d_k, dtype))
             parts_v.append(self.value_codec.decode(self.v_codes.view(), d_v, dtype))
-        if self.k_win.held:
-            parts_k.append(self.k_win.view().astype(dtype))
-            parts_v.append(self.v_win.view().astype(dtype))
-        if not parts_k:
-            return None, None
-        if len(parts_k) == 1:
-            return parts_k[0], parts_v[0]
-        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+        return joined_history(parts_k, parts_v, self.k_win.view(), self.v_win.view(), dtype)
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         keys = values = None
