@@ -700,7 +700,8 @@ def kivi_decode_attention(queries, k_codes, k_scales, k_biases, n_kq, k_res, n_k
     :func:`kivi_decode_attention_metal` (untested on hardware); otherwise, or with
     ``use_kernel=False``, or for a shape the kernels do not handle (GQA ratio above 8,
     head_dim not a multiple of the group or above 256, ...): the pure-mlx path named
-    by ``CPU_DEFAULT_PATH``.
+    by ``CPU_DEFAULT_PATH``. A GPU launch's plan is kept for the next call with the same
+    shapes and counts (:class:`_StepPlan`: the other layers of a decode step).
     """
     args = (queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres, v_codes, v_scales,
             v_biases, n_vq, v_res, n_vres)
@@ -708,14 +709,106 @@ def kivi_decode_attention(queries, k_codes, k_scales, k_biases, n_kq, k_res, n_k
     if use_kernel:
         backend = gpu_backend()
         if backend is not None:
-            H = next(a.shape[1] for a in (k_codes, v_codes, k_res, v_res)
-                     if a is not None and a.size)
-            algo = kernel_algo(backend, queries, H, bits, group_size)
-            if algo is not None:
-                return _launch(backend, *args, **kw, algo=algo)
+            plan = _step_plan(backend, args, bits, group_size, scale)
+            if plan is not None:
+                return plan.launch(args)
     if _pure_path() == "qmm":
         return kivi_decode_attention_qmm(*args, **kw)
     return kivi_decode_attention_reference(*args, **kw)
+
+
+class _StepPlan:
+    """The dispatcher's two launches for one layout, everything but the buffers worked out:
+    what :func:`_launch` computes per call (checks, kernel choice, split plan, params,
+    templates, stand-ins for absent buffers), kept for the next call with the same shapes
+    and counts (the other layers of a decode step: their counts are equal)."""
+
+    __slots__ = ("main", "comb", "kernel_keys", "standins", "params", "main_kw", "comb_kw")
+
+    def __init__(self, backend, algo, queries, cache, scale, bits, group_size):
+        (B, Hq, H, D, _, *_counts), full = _kernel_inputs(queries, *cache, bits, group_size)
+        R, dt = Hq // H, queries.dtype
+        if not kernel_supports(D, R, bits, group_size, dt, algo=algo):
+            raise ValueError(
+                f"the fused {algo} kernel does not handle head_dim={D}, gqa={R}, bits={bits}, "
+                f"group_size={group_size}, dtype={dt}")
+        n_kq, n_kres, n_vq, n_vres = full[3], full[5], full[9], full[11]
+        a = (dt, D, R, bits, group_size, full[0].shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
+             scale)
+        main_key = (backend, algo, frag_launch_bounds(B * H) if algo == "frag" else 0)
+        self.main = _get_kernels(*main_key)[0]
+        if algo == "frag":
+            ns, params, template, _, _ = _frag_launch_args(*a, frag_target_blocks(B * H))
+            threads = FRAG_NT
+        else:
+            target = FOLDED_TARGET_BLOCKS if algo == "folded" else DEFAULT_TARGET_BLOCKS
+            ns, params, template = _chunk_launch_args(algo, *a, _default_chunk(algo, bits), target)
+            threads = _NT
+        # the stand-ins _kernel_inputs made for absent or empty buffers (position -> array)
+        self.standins = {i: full[i] for i in (0, 1, 2, 4, 6, 7, 8, 10) if full[i] is not cache[i]}
+        self.params = params
+        self.main_kw = dict(template=template, grid=(ns * threads, B * full[0].shape[1], 1),
+                            threadgroup=(threads, 1, 1),
+                            output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
+                            output_dtypes=[mx.float32, mx.float32], init_value=None)
+        self.comb = _get_kernels(backend)[1]
+        self.kernel_keys = main_key, (backend, "simt", 0)
+        out_shape = queries.shape
+        if backend == "cuda":
+            comb_template = [("OT", dt), ("HEAD_DIM", D)]
+            comb_grid, comb_group = (B * Hq * 256, D // 32, 1), (256, 1, 1)
+        else:
+            ng = max(1, 256 // D)
+            comb_template = [("OT", dt), ("HEAD_DIM", D), ("NG", ng)]
+            comb_grid, comb_group = (B * Hq * D * ng, 1, 1), (D * ng, 1, 1)
+        self.comb_kw = dict(template=comb_template, grid=comb_grid, threadgroup=comb_group,
+                            output_shapes=[out_shape], output_dtypes=[dt], init_value=None)
+
+    def current(self) -> bool:
+        """Whether its kernels are still those ``_get_kernels`` gives (not replaced)."""
+        main, comb = (_KERNELS.get(k, (None, None)) for k in self.kernel_keys)
+        return main[0] is self.main and comb[1] is self.comb
+
+    def launch(self, args):
+        """The same two launches as :func:`_launch` (main kernel, then the merge)."""
+        q, kc, ks, kb, _, kr, _, vc, vs, vb, _, vr, _ = args
+        bufs = [kc, ks, kb, None, kr, None, vc, vs, vb, None, vr]
+        for i, x in self.standins.items():
+            bufs[i] = x
+        o_part, ml_part = self.main(
+            inputs=[q, bufs[0], bufs[1], bufs[2], bufs[4], bufs[6], bufs[7], bufs[8], bufs[10],
+                    self.params], **self.main_kw)
+        (out,) = self.comb(inputs=[o_part, ml_part], **self.comb_kw)
+        return out
+
+
+_STEP_PLANS: "OrderedDict[tuple, Optional[_StepPlan]]" = OrderedDict()
+
+
+def _spec(x):
+    return None if x is None else (x.shape, x.dtype)
+
+
+def _step_plan(backend, args, bits, group_size, scale) -> Optional[_StepPlan]:
+    """The cached :class:`_StepPlan` of a dispatched launch, None where no kernel applies
+    (the dispatcher then falls back). Keyed by everything the plan reads: backend, shapes
+    and dtypes of the buffers, counts, bits, group and scale; rebuilt where ``_KERNELS``
+    no longer holds its kernels; not keyed by the module's tuning constants (whoever
+    changes those clears ``_STEP_PLANS``)."""
+    q, kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = args
+    key = (backend, q.shape, q.dtype, _spec(kc), _spec(ks), _spec(kb), _spec(kr), _spec(vc),
+           _spec(vs), _spec(vb), _spec(vr), n_kq, n_kres, n_vq, n_vres, bits, group_size,
+           float(scale))
+    plan = _STEP_PLANS.get(key, False)
+    if plan is None or (plan and plan.current()):
+        return plan
+    H = next(a.shape[1] for a in (kc, vc, kr, vr) if a is not None and a.size)
+    algo = kernel_algo(backend, q, H, bits, group_size)
+    plan = None if algo is None else _StepPlan(backend, algo, q, args[1:], scale, bits, group_size)
+    _STEP_PLANS[key] = plan
+    if len(_STEP_PLANS) > 64:
+        _STEP_PLANS.popitem(last=False)
+    return plan
 
 
 def _pure_path() -> str:

@@ -16,6 +16,7 @@ at a decode step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,13 @@ WINDOW_STEP = 32  # the windows grow with what they hold, 32 rows at a time
 
 def _rows(x) -> int:
     return 0 if x is None else x.shape[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _empty(dtype) -> mx.array:
+    """The stand-in of an absent packed buffer, made once (never written: a graph node less
+    a layer and step)."""
+    return mx.zeros((0,), dtype)
 
 
 def joined_history(parts_k: list, parts_v: list, tail_k, tail_v, dtype):
@@ -79,7 +87,7 @@ class PackedStore:
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
         """A decode step: store the token, attend over every part of the packed cache."""
         self.commit(keys, values)
-        parts = self.decode_parts(mx.zeros((0,), queries.dtype))
+        parts = self.decode_parts(_empty(queries.dtype))
         return decode_attention(queries, parts, scale=scale, use_kernel=use_kernel,
                                 n_kv_heads=keys.shape[1])
 
