@@ -577,9 +577,10 @@ def launch_main(kernel, queries, cache, splits, threads, params, template, init=
         output_dtypes=[mx.float32, mx.float32], init_value=init))
 
 
-def _partials(backend, queries, *cache, scale, bits, group_size, algo=None):
-    """The main kernel's partials (o_part, ml_part) over one layout; ``algo`` None: the
-    dispatcher's."""
+def _main_plan(backend, queries, cache, scale, bits, group_size, algo=None):
+    """What a main kernel's launch over one layout needs besides the buffers: (kernel,
+    splits, threads, params, template, the kernel's cache arguments, kernel key);
+    ``algo`` None: the dispatcher's."""
     (B, Hq, H, D, T, n_kq, n_kres, n_vq, n_vres), cache = _kernel_inputs(
         queries, *cache, bits, group_size)
     R = Hq // H
@@ -594,13 +595,21 @@ def _partials(backend, queries, *cache, scale, bits, group_size, algo=None):
     args = (dt, D, R, bits, group_size, cache[0].shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
             scale)
     if algo == "frag":
-        main = _get_kernels(backend, algo, frag_launch_bounds(B * H))[0]
+        key = (backend, algo, frag_launch_bounds(B * H))
         ns, params, template, _, _ = _frag_launch_args(*args, frag_target_blocks(B * H))
-        return launch_main(main, queries, cache, ns, FRAG_NT, params, template)
-    main = _get_kernels(backend, algo)[0]
+        return _get_kernels(*key)[0], ns, FRAG_NT, params, template, cache, key
+    key = (backend, algo, 0)
     target = FOLDED_TARGET_BLOCKS if algo == "folded" else DEFAULT_TARGET_BLOCKS
     ns, params, template = _chunk_launch_args(algo, *args, _default_chunk(algo, bits), target)
-    return launch_main(main, queries, cache, ns, _NT, params, template)
+    return _get_kernels(backend, algo)[0], ns, _NT, params, template, cache, key
+
+
+def _partials(backend, queries, *cache, scale, bits, group_size, algo=None):
+    """The main kernel's partials (o_part, ml_part) over one layout; ``algo`` None: the
+    dispatcher's."""
+    main, ns, threads, params, template, cache, _ = _main_plan(
+        backend, queries, cache, scale, bits, group_size, algo)
+    return launch_main(main, queries, cache, ns, threads, params, template)
 
 
 def _launch(backend, queries, *cache, scale, bits, group_size, algo=None):
@@ -620,20 +629,23 @@ def decode_partials(backend, queries, *cache, scale, bits, group_size):
 def merge_partials(backend, o_part, ml_part, out_shape, odt, init=None):
     """The merge kernel's launch: the splits' partials into the attention output.
     ``init``: MLX's ``init_value`` of the output (None: unset)."""
-    comb = _get_kernels(backend)[1]
+    (out,) = _get_kernels(backend)[1](inputs=[o_part, ml_part],
+                                      **_merge_launch(backend, out_shape, odt, init))
+    return out
+
+
+def _merge_launch(backend, out_shape, odt, init=None) -> dict:
+    """The merge kernel's launch arguments besides its inputs."""
     B, Hq, _, D = out_shape
     if backend == "cuda":  # a block per (row, 32-channel slice), 8 warps over the splits
-        comb_template = [("OT", odt), ("HEAD_DIM", D)]
-        comb_grid, comb_group = (B * Hq * 256, D // 32, 1), (256, 1, 1)
+        template = [("OT", odt), ("HEAD_DIM", D)]
+        grid, group = (B * Hq * 256, D // 32, 1), (256, 1, 1)
     else:
         ng = max(1, 256 // D)
-        comb_template = [("OT", odt), ("HEAD_DIM", D), ("NG", ng)]
-        comb_grid, comb_group = (B * Hq * D * ng, 1, 1), (D * ng, 1, 1)
-    (out,) = comb(
-        inputs=[o_part, ml_part], template=comb_template, grid=comb_grid,
-        threadgroup=comb_group, output_shapes=[out_shape], output_dtypes=[odt],
-        init_value=init)
-    return out
+        template = [("OT", odt), ("HEAD_DIM", D), ("NG", ng)]
+        grid, group = (B * Hq * D * ng, 1, 1), (D * ng, 1, 1)
+    return dict(template=template, grid=grid, threadgroup=group, output_shapes=[out_shape],
+                output_dtypes=[odt], init_value=init)
 
 
 def kivi_decode_attention_cuda(queries, k_codes, k_scales, k_biases, n_kq, k_res, n_kres,
@@ -726,43 +738,18 @@ class _StepPlan:
     __slots__ = ("main", "comb", "kernel_keys", "standins", "params", "main_kw", "comb_kw")
 
     def __init__(self, backend, algo, queries, cache, scale, bits, group_size):
-        (B, Hq, H, D, _, *_counts), full = _kernel_inputs(queries, *cache, bits, group_size)
-        R, dt = Hq // H, queries.dtype
-        if not kernel_supports(D, R, bits, group_size, dt, algo=algo):
-            raise ValueError(
-                f"the fused {algo} kernel does not handle head_dim={D}, gqa={R}, bits={bits}, "
-                f"group_size={group_size}, dtype={dt}")
-        n_kq, n_kres, n_vq, n_vres = full[3], full[5], full[9], full[11]
-        a = (dt, D, R, bits, group_size, full[0].shape[3], n_kq, n_kres, n_vq, n_vres, B * H,
-             scale)
-        main_key = (backend, algo, frag_launch_bounds(B * H) if algo == "frag" else 0)
-        self.main = _get_kernels(*main_key)[0]
-        if algo == "frag":
-            ns, params, template, _, _ = _frag_launch_args(*a, frag_target_blocks(B * H))
-            threads = FRAG_NT
-        else:
-            target = FOLDED_TARGET_BLOCKS if algo == "folded" else DEFAULT_TARGET_BLOCKS
-            ns, params, template = _chunk_launch_args(algo, *a, _default_chunk(algo, bits), target)
-            threads = _NT
+        self.main, ns, threads, self.params, template, full, main_key = _main_plan(
+            backend, queries, cache, scale, bits, group_size, algo)
+        B, Hq, _, D = queries.shape
         # the stand-ins _kernel_inputs made for absent or empty buffers (position -> array)
         self.standins = {i: full[i] for i in (0, 1, 2, 4, 6, 7, 8, 10) if full[i] is not cache[i]}
-        self.params = params
         self.main_kw = dict(template=template, grid=(ns * threads, B * full[0].shape[1], 1),
                             threadgroup=(threads, 1, 1),
                             output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
                             output_dtypes=[mx.float32, mx.float32], init_value=None)
         self.comb = _get_kernels(backend)[1]
         self.kernel_keys = main_key, (backend, "simt", 0)
-        out_shape = queries.shape
-        if backend == "cuda":
-            comb_template = [("OT", dt), ("HEAD_DIM", D)]
-            comb_grid, comb_group = (B * Hq * 256, D // 32, 1), (256, 1, 1)
-        else:
-            ng = max(1, 256 // D)
-            comb_template = [("OT", dt), ("HEAD_DIM", D), ("NG", ng)]
-            comb_grid, comb_group = (B * Hq * D * ng, 1, 1), (D * ng, 1, 1)
-        self.comb_kw = dict(template=comb_template, grid=comb_grid, threadgroup=comb_group,
-                            output_shapes=[out_shape], output_dtypes=[dt], init_value=None)
+        self.comb_kw = _merge_launch(backend, queries.shape, queries.dtype)
 
     def current(self) -> bool:
         """Whether its kernels are still those ``_get_kernels`` gives (not replaced)."""
