@@ -1,6 +1,6 @@
 """KVQuant decode attention on the CPU: the packed path against dequantize-then-attend.
 
-One layer's store (``quant/streaming_store.py`` over ``quant/nonuniform.py``, KVQuant's
+One layer's store (``methods/kvquant/streaming_store.py`` over ``methods/kvquant/nonuniform.py``, KVQuant's
 defaults: 1 sink, groups of 32, 1% outliers) filled with T random fp16 tokens (keys with
 a few large channels), codebooks fitted on them, then one decode query (B=1, 32 query
 heads over 8 KV heads, head_dim 128: Llama-3-8B's attention shape):
@@ -31,9 +31,9 @@ import veloxquant_mlx  # noqa: F401 - first: it may load OpenBLAS
 import mlx.core as mx  # noqa: E402
 from cpu_timing import assert_agree, decode_candidates, timed  # noqa: E402
 
-from veloxquant_mlx.evict.rope import Rotary  # noqa: E402
-from veloxquant_mlx.quant.nonuniform import NonUniform, NonUniformTokens  # noqa: E402
-from veloxquant_mlx.quant.streaming_store import StreamingStore  # noqa: E402
+from veloxquant_mlx.cache.rope import Rotary  # noqa: E402
+from veloxquant_mlx.methods.kvquant.nonuniform import NonUniform, NonUniformTokens  # noqa: E402
+from veloxquant_mlx.methods.kvquant.streaming_store import StreamingStore  # noqa: E402
 
 
 def make_store(t, bits, rotary, dtype, b=1, h=8, d=128):

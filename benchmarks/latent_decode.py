@@ -12,7 +12,7 @@ calls after a warm-up:
 - **latent**: what a decode step runs (``kernels/decode.decode_attention`` over the
   store's part): svdq and palu score through the query folded onto the basis and mix in
   the latent space (``lowrank/latent.py``); anchorkv scores anchors, gathers them per
-  token and adds the coded residuals (``lowrank/anchors.py``);
+  token and adds the coded residuals (``methods/anchorkv/anchors.py``);
 - **reconstruct-then-attend**: the history rebuilt dense (``store.history``), then
   ``scaled_dot_product_attention``;
 - **fp32 SDPA** over as many dense tokens, for reference.

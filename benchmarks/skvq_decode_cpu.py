@@ -1,6 +1,6 @@
 """SKVQ decode attention on the CPU: the packed path against dequantize-then-attend.
 
-One layer's store (``quant/sliding_store.py``, SKVQ's defaults: 5 sinks, a 128-token
+One layer's store (``methods/skvq/sliding_store.py``, SKVQ's defaults: 5 sinks, a 128-token
 window, groups of 32) filled with T random tokens, then one decode query (B=1, 32 query
 heads over 8 KV heads, head_dim 128: Llama-3-8B's attention shape):
 
@@ -25,9 +25,9 @@ import veloxquant_mlx  # noqa: F401 - first: it may load OpenBLAS
 import mlx.core as mx  # noqa: E402
 from cpu_timing import timed  # noqa: E402
 
-from veloxquant_mlx.quant.clip import CLIP_GRID  # noqa: E402
-from veloxquant_mlx.quant.reorder import RangeOrder, permute_heads  # noqa: E402
-from veloxquant_mlx.quant.sliding_store import SlidingWindowStore  # noqa: E402
+from veloxquant_mlx.methods.skvq.clip import CLIP_GRID  # noqa: E402
+from veloxquant_mlx.methods.skvq.reorder import RangeOrder, permute_heads  # noqa: E402
+from veloxquant_mlx.methods.skvq.sliding_store import SlidingWindowStore  # noqa: E402
 
 
 def dequantize_then_attend(store, q, scale):

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/token_mixed_decode.py            # 4k tokens, float32 and float16
     .venv/bin/python benchmarks/token_mixed_decode.py --tokens 16384
 
-A ``TokenMixedStore`` (``veloxquant_mlx.quant.token_mixed``) holds a prompt of T tokens in
+A ``TokenMixedStore`` (``veloxquant_mlx.methods.zipcache.token_mixed``) holds a prompt of T tokens in
 two classes of channel-separable token-wise codes (20% at 4 bits, 80% at 2 bits, groups of
 32 channels) plus 64 decode tokens waiting in full precision; 8 KV heads, 32 query heads,
 head_dim 128, batch 1 (an 8B-shaped layer). Timed, per decode call (median of ``--reps``
@@ -31,7 +31,7 @@ from cpu_timing import timed  # noqa: E402
 
 from veloxquant_mlx.kernels.decode import decode_attention  # noqa: E402
 from veloxquant_mlx.quant.saliency import ProbeSaliency  # noqa: E402
-from veloxquant_mlx.quant.token_mixed import TokenMixedStore  # noqa: E402
+from veloxquant_mlx.methods.zipcache.token_mixed import TokenMixedStore  # noqa: E402
 from veloxquant_mlx.quant.token_rows import TokenGroups  # noqa: E402
 
 H, HQ, D, G = 8, 32, 128, 32

@@ -173,7 +173,7 @@ class _RowwiseArgs:
 
 def rowwise_setup(method, settings):
     """A RowwiseModel whose ``make_cache`` builds ``method``'s caches (one context each)."""
-    from veloxquant_mlx.integrations.mlx_lm import ModelContext
+    from veloxquant_mlx.cache.context import ModelContext
     from veloxquant_mlx.registry import METHODS
 
     from conformance import config

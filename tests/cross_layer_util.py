@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from veloxquant_mlx import KVCacheConfig
-from veloxquant_mlx.integrations.mlx_lm import ModelContext
+from veloxquant_mlx.cache.context import ModelContext
 from veloxquant_mlx.registry import METHODS
 
 

@@ -76,3 +76,15 @@ def feed_chunks(cache, keys, values, chunk, gqa=2, seed=5) -> None:
         q = mx.random.normal(shape) if seed is None else mx.random.normal(shape, key=mx.random.key(seed + i))
         cache.attend(q.astype(k.dtype), k, v, scale=k.shape[3] ** -0.5, mask="causal" if n > 1 else None)
         i += n
+
+
+def stored_decode_attention(cache, queries, scale):
+    """A quantized cache's decode attention over what it stores, adding no token (the
+    check of a store against attention over its dequantized tokens)."""
+    from veloxquant_mlx.kernels.decode import decode_attention
+
+    store, n_kv = cache.store, cache.kv_shape[1] if cache.kv_shape else None
+    if hasattr(store, "attend"):  # a store that transforms queries and outputs itself
+        return store.attend(queries, scale=scale, use_kernel=cache.use_kernel, n_kv_heads=n_kv)
+    parts = store.decode_parts(mx.zeros((0,), queries.dtype))
+    return decode_attention(queries, parts, scale=scale, use_kernel=cache.use_kernel, n_kv_heads=n_kv)

@@ -10,9 +10,9 @@ from test_methods_exactness import run
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.options import A2ATSOptions
-from veloxquant_mlx.methods.a2ats import N_SINK, A2ATSCache
+from veloxquant_mlx.methods.a2ats.cache import N_SINK, A2ATSCache
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
-from veloxquant_mlx.quant.retrieval import metric_factor
+from veloxquant_mlx.methods.a2ats.retrieval import metric_factor
 from veloxquant_mlx.quant.vq import lookup_scores, unpack_indices
 
 BASE = 10000.0

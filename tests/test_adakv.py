@@ -10,9 +10,10 @@ from test_kivi import feed
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.buffers import GrowingArray
 from veloxquant_mlx.cache.options import AdaKVOptions
-from veloxquant_mlx.methods.adakv import AdaKVCache, allocate_bits
-from veloxquant_mlx.quant.heads import AffineCodecs, HeadWiseStore, RecentNorms
+from veloxquant_mlx.methods.adakv.cache import AdaKVCache, allocate_bits
+from veloxquant_mlx.methods.adakv.heads import AffineCodecs, HeadWiseStore, RecentNorms
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS, AffineLayout
+from feeding import stored_decode_attention
 
 LEVELS = (2, 3, 4)
 
@@ -213,7 +214,7 @@ def test_decode_attention_over_epochs_matches_the_dequantized_reference():
     served = {p.keys.bits: p.affine for p in parts[:-1]}  # the kernels read 2 and 4 bits, not 3
     assert served == {2: True, 3: False, 4: True} and all(isinstance(p.keys, AffineLayout) for p in parts[:-1])
     q = mx.random.normal((1, 2 * h, 1, d))
-    out = cache._decode_attention(q, d**-0.5)
+    out = stored_decode_attention(cache, q, d**-0.5)
     k_hat, v_hat = cache.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=d**-0.5)
     assert mx.allclose(out, ref, atol=1e-5, rtol=1e-5)

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-import veloxquant_mlx.quant.tiers as tiers_module
+import veloxquant_mlx.methods.age_tiered.tiers as tiers_module
 from veloxquant_mlx.kernels.decode import decode_attention
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -16,7 +16,8 @@ from veloxquant_mlx.quant.affine import (
     quantize_per_token,
 )
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS, AffineLayout
-from veloxquant_mlx.quant.tiers import TieredStore
+from veloxquant_mlx.methods.age_tiered.tiers import TieredStore
+from feeding import stored_decode_attention
 
 
 def options(r=32, m=96, bits=(8, 4, 2), g=32):
@@ -242,7 +243,7 @@ def test_decode_through_the_model_matches_the_dequantized_reference():
     q = mx.random.normal((1, 4, 1, 32))
     k_hat, v_hat = c0.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=32**-0.5)
-    assert mx.allclose(c0._decode_attention(q, 32**-0.5), ref, atol=1e-5)
+    assert mx.allclose(stored_decode_attention(c0, q, 32**-0.5), ref, atol=1e-5)
 
 
 def test_group_size_must_divide_head_dim():

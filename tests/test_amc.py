@@ -12,11 +12,12 @@ import pytest
 from test_kivi import feed
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import AMCOptions
-from veloxquant_mlx.lowrank.projection import pca_basis
-from veloxquant_mlx.methods.amc import AMCCache, low_rank, thresholds
+from veloxquant_mlx.methods.amc.projection import pca_basis
+from veloxquant_mlx.methods.amc.cache import AMCCache, low_rank, thresholds
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
 from veloxquant_mlx.quant.saliency import probe_attention_sums
 from veloxquant_mlx.quant.token_rows import TokenGroups
+from feeding import stored_decode_attention
 
 
 def amc(**options):
@@ -151,7 +152,7 @@ def test_decode_over_the_ragged_tiers_equals_attention_over_the_reconstruction()
     q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(11))
     k_hat, v_hat = cache.dequantized(mx.float32)
     want = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=0.125, mask=None)
-    assert mx.allclose(cache._decode_attention(q, 0.125), want, atol=1e-5)
+    assert mx.allclose(stored_decode_attention(cache, q, 0.125), want, atol=1e-5)
     assert rel(k_hat, k) < 0.5  # the tokens are in order, each near its original
 
 

@@ -12,9 +12,10 @@ import pytest
 from test_kivi import feed
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import AnchorKVOptions
-from veloxquant_mlx.lowrank.anchors import AnchorPart
-from veloxquant_mlx.methods.anchorkv import AnchorKVCache, _assign, compress
-from veloxquant_mlx.quant.lloyd_max import RotatedGaussian, gaussian_levels
+from veloxquant_mlx.methods.anchorkv.anchors import AnchorPart
+from veloxquant_mlx.methods.anchorkv.cache import AnchorKVCache, _assign, compress
+from veloxquant_mlx.methods.anchorkv.lloyd_max import RotatedGaussian, gaussian_levels
+from feeding import stored_decode_attention
 
 
 def anchorkv(**options):
@@ -153,7 +154,7 @@ def test_decode_over_the_anchor_form_equals_attention_over_the_reconstruction():
     for gqa in (1, 2):
         q = mx.random.normal((1, 2 * gqa, 1, 32), key=mx.random.key(gqa))
         ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=32**-0.5)
-        assert mx.allclose(cache._decode_attention(q, 32**-0.5), ref, atol=1e-5, rtol=1e-4)
+        assert mx.allclose(stored_decode_attention(cache, q, 32**-0.5), ref, atol=1e-5, rtol=1e-4)
 
 
 def test_the_residual_codec_levels_and_its_reads():

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.bench.harness import MethodRun, Workload, evaluate
 from veloxquant_mlx.bench.tasks import load_default_filler, make_examples
-from veloxquant_mlx.cli import REFERENCE_MODEL
+from veloxquant_mlx.reference import REFERENCE_MODEL
 from veloxquant_mlx.methods.full import FullCache
 
 

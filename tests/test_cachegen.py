@@ -12,9 +12,10 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from conformance import config
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import make_prompt_cache
-from veloxquant_mlx.methods.cachegen import _lanes, layer_bits
+from veloxquant_mlx.methods.cachegen.cache import _lanes, layer_bits
 from veloxquant_mlx.quant import entropy
-from veloxquant_mlx.quant.delta import AnchoredCodec, AnchoredTokens, dequantize_symmetric
+from veloxquant_mlx.methods.cachegen.delta import AnchoredCodec, AnchoredTokens, dequantize_symmetric
+from feeding import stored_decode_attention
 
 B, H, T, D, G = 1, 2, 256, 64, 32
 
@@ -171,4 +172,4 @@ def test_decode_attends_over_the_reconstructed_history():
     q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
     k, v = c.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=32**-0.5)
-    assert mx.allclose(c._decode_attention(q, 32**-0.5), ref, atol=1e-5, rtol=1e-5)
+    assert mx.allclose(stored_decode_attention(c, q, 32**-0.5), ref, atol=1e-5, rtol=1e-5)

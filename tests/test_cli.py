@@ -2,7 +2,8 @@
 
 import pytest
 
-from veloxquant_mlx.cli import config_from_args, main, parse_assignments
+from veloxquant_mlx.cli import main
+from veloxquant_mlx.cli_common import config_from_args, parse_assignments
 from veloxquant_mlx.registry import METHODS
 
 

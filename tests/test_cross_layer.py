@@ -15,7 +15,7 @@ from test_conformance import drive
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, load_prompt_cache, make_prompt_cache
 from veloxquant_mlx.cache.cross_layer import CrossLayer, CrossLayerError, consecutive_groups
-from veloxquant_mlx.integrations.mlx_lm import ModelContext
+from veloxquant_mlx.cache.context import ModelContext
 from veloxquant_mlx.methods.full import FullCache
 
 SETTINGS = {  # compressing settings of each cross-layer method, on 4-layer tiny models

@@ -20,7 +20,7 @@ from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.options import CurDKVOptions
 from veloxquant_mlx.evict.base import ScoreInputs
-from veloxquant_mlx.evict.rope import Rotary, derotate
+from veloxquant_mlx.cache.rope import Rotary, derotate
 from veloxquant_mlx.methods.curdkv import CurDKVCache, leverage_scores, local_share
 
 HKV, GROUP, D = 2, 2, 16

@@ -14,15 +14,16 @@ from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.options import GEAROptions
 from veloxquant_mlx.kernels import kivi_decode as kd
-from veloxquant_mlx.lowrank.chunked import CHUNK_STEP, ChunkedFactors, LowRankTerm
+from veloxquant_mlx.methods.gear.chunked import CHUNK_STEP, ChunkedFactors, LowRankTerm
 from veloxquant_mlx.lowrank.factors import energy_rank, power_iteration, rank_cap, svd_factors
 from veloxquant_mlx.methods.gear import GEARCache
 from veloxquant_mlx.quant.affine import quantize_per_channel, quantize_per_token
-from veloxquant_mlx.quant.error_feedback import RANK_CAP_FRACTION, ErrorFeedback, ErrorFeedbackTokens
+from veloxquant_mlx.methods.gear.error_feedback import RANK_CAP_FRACTION, ErrorFeedback, ErrorFeedbackTokens
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS, AffineLayout, GroupAffine
 from veloxquant_mlx.quant.residual import ResidualScores
 from veloxquant_mlx.quant.outliers import per_tail
-from veloxquant_mlx.quant.sparse import SparseTerm
+from veloxquant_mlx.methods.gear.sparse import SparseTerm
+from feeding import stored_decode_attention
 
 
 def gear(window=64, **options):
@@ -263,7 +264,7 @@ def test_decode_attention_matches_attention_over_the_reconstructed_cache(options
     c = cache[0]
     assert c.store.keys.count == 288 and c.store.k_buf.length == 15  # prompt chunks 128, 128, 32
     q = mx.random.normal((1, 4, 1, 32))
-    out = c._decode_attention(q, 32**-0.5)
+    out = stored_decode_attention(c, q, 32**-0.5)
     k_hat, v_hat = c.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=32**-0.5)
     assert mx.allclose(out, ref, atol=1e-5), float(mx.abs(out - ref).max())

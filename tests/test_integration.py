@@ -22,7 +22,9 @@ from veloxquant_mlx import (
 )
 from veloxquant_mlx.cache.base import AttentionHookMissing
 from veloxquant_mlx.cache.options import KIVIOptions, SnapKVOptions, StreamingLLMOptions
-from veloxquant_mlx.integrations.mlx_lm import _ORIGINAL_SDPA, ModelContext
+from veloxquant_mlx.cache import attention_hook
+from veloxquant_mlx.cache.attention_hook import ORIGINAL_SDPA
+from veloxquant_mlx.cache.context import ModelContext
 from veloxquant_mlx.methods.snapkv import SnapKVCache
 
 CONFIGS = {
@@ -64,7 +66,7 @@ def test_unpatch_restores_bit_identical_behaviour(method, tokenizer):
     before = mlx_lm.generate(model, tokenizer, TEXT, max_tokens=16, sampler=sampler)
     logits_before = model(prompt(50)[None])
     patch_model_kv_cache(model, CONFIGS[method])
-    assert llama_module.scaled_dot_product_attention is not _ORIGINAL_SDPA
+    assert llama_module.scaled_dot_product_attention is not ORIGINAL_SDPA
     mlx_lm.generate(model, tokenizer, TEXT, max_tokens=4)
     unpatch_model_kv_cache(model)
     assert set(model.__dict__) == before_attrs
@@ -79,11 +81,11 @@ def test_unpatch_removes_the_hook_when_no_model_needs_it():
     from veloxquant_mlx.integrations import mlx_lm as integration
 
     model = tiny_model("qwen3")
-    was_sticky = "mlx_lm.models.qwen3" in integration._HOOKS
+    was_sticky = "mlx_lm.models.qwen3" in attention_hook.HOOKS
     with patched_kv_cache(model, CONFIGS["kivi"]):
-        assert qwen3_module.scaled_dot_product_attention is integration._hooked_sdpa
+        assert qwen3_module.scaled_dot_product_attention is attention_hook.hooked_sdpa
     if not was_sticky:
-        assert qwen3_module.scaled_dot_product_attention is _ORIGINAL_SDPA
+        assert qwen3_module.scaled_dot_product_attention is ORIGINAL_SDPA
 
 
 @pytest.mark.parametrize("method", CONFIGS)

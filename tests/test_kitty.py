@@ -6,17 +6,17 @@ import functools
 import mlx.core as mx
 import pytest
 
-from feeding import feed_chunks
+from feeding import feed_chunks, stored_decode_attention
 from test_methods_exactness import run
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.buffers import GrowingArray
 from veloxquant_mlx.cache.options import KittyOptions
 from veloxquant_mlx.kernels import kivi_decode as kd
-from veloxquant_mlx.methods.kitty import N_SINK, KittyCache
+from veloxquant_mlx.methods.kitty.cache import N_SINK, KittyCache
 from veloxquant_mlx.quant.affine import dequantize_per_channel, quantize_per_channel, quantize_per_token
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS, AffineLayout
-from veloxquant_mlx.quant.promoted import PromotedChannels, PromotedKeys, PromotedScores
+from veloxquant_mlx.methods.kitty.promoted import PromotedChannels, PromotedKeys, PromotedScores
 
 
 # queries from MLX's global generator, as these tests always drew them
@@ -186,7 +186,7 @@ def test_decode_attention_matches_the_dequantized_reference(lo, hi, f, pure_path
     c = cache[0]
     assert c.store.keys.count >= 3 * 64 and c.store.values.count > 0
     q = mx.random.normal((1, 4, 1, 32))
-    out = c._decode_attention(q, 32**-0.5)
+    out = stored_decode_attention(c, q, 32**-0.5)
     k_hat, v_hat = c.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=32**-0.5)
     assert mx.allclose(out, ref, atol=1e-5), float(mx.abs(out - ref).max())

@@ -5,7 +5,7 @@ import functools
 import mlx.core as mx
 import pytest
 
-from feeding import feed_chunks
+from feeding import feed_chunks, stored_decode_attention
 from test_methods_exactness import run
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -117,7 +117,7 @@ def test_decode_attention_matches_dequantized_reference():
     run(model, cache, tokens, chunk=128, decode=3)
     c = cache[0]
     q = mx.random.normal((1, 4, 1, 32))
-    out = c._decode_attention(q, 32**-0.5)
+    out = stored_decode_attention(c, q, 32**-0.5)
     k_hat, v_hat = c.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=32**-0.5)
     assert mx.allclose(out, ref, atol=1e-5)

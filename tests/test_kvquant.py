@@ -13,12 +13,13 @@ from test_methods_exactness import run
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.options import KVQuantOptions
-from veloxquant_mlx.evict.rope import Rotary
+from veloxquant_mlx.cache.rope import Rotary
 from veloxquant_mlx.methods.kvquant import KVQuantCache
 from veloxquant_mlx.quant import codebook as cb
-from veloxquant_mlx.quant.nonuniform import NonUniform
+from veloxquant_mlx.methods.kvquant.nonuniform import NonUniform
 from veloxquant_mlx.quant.outliers import per_tail
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
+from feeding import stored_decode_attention
 
 ROPE_BASE = 10000.0
 
@@ -280,7 +281,7 @@ def test_decode_attention_matches_attention_over_the_reconstructed_cache(rope, r
     q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(20))
     k_hat, v_hat = cache.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=0.125)
-    out = cache._decode_attention(q, 0.125)
+    out = stored_decode_attention(cache, q, 0.125)
     assert mx.allclose(out, ref, atol=2e-5, rtol=1e-4), float(mx.abs(out - ref).max())
 
 

@@ -13,10 +13,11 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from conformance import config
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import make_prompt_cache
-from veloxquant_mlx.evict.rope import Rotary
+from veloxquant_mlx.cache.rope import Rotary
 from veloxquant_mlx.quant import entropy
-from veloxquant_mlx.quant.allocation import allocate, uniform_distortion
-from veloxquant_mlx.quant.transform import _rotate, fit_codec
+from veloxquant_mlx.methods.kvtc.allocation import allocate, uniform_distortion
+from veloxquant_mlx.methods.kvtc.transform import _rotate, fit_codec
+from feeding import stored_decode_attention
 
 CHOICES = (0, 1, 2, 3, 4, 6, 8)
 rng = np.random.default_rng(0)
@@ -104,7 +105,7 @@ def test_decode_attends_over_the_reconstructed_history():
     q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
     k, v = c.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=32**-0.5)
-    assert mx.allclose(c._decode_attention(q, 32**-0.5), ref, atol=1e-5, rtol=1e-5)
+    assert mx.allclose(stored_decode_attention(c, q, 32**-0.5), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_resident_and_stored_bytes_follow_the_memory_formula():

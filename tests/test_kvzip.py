@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache as
 from tiny_models import char_tokenizer, prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.integrations.mlx_lm import prefill_with_reconstruction, run_reconstruction_pass
-from veloxquant_mlx.methods import kvzip
+from veloxquant_mlx.methods.kvzip import cache as kvzip
 
 D = 32  # the tiny models' head_dim
 

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from cross_layer_util import feed, kv, layered, reference_attention
-from veloxquant_mlx.cache.slerp import MergedRows
+from veloxquant_mlx.methods.minicache.slerp import MergedRows
 
 T, DECODE = 120, 6
 

@@ -13,8 +13,8 @@ from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.buffers import GrowingArray
 from veloxquant_mlx.cache.options import NSNQuantOptions
 from veloxquant_mlx.methods.nsnquant import NSNQuantCache
-from veloxquant_mlx.quant import nsn as nsn_module
-from veloxquant_mlx.quant.nsn import NSNCodec, NSNKeys, NSNValues, nsn, nsn_inverse, universal_codebook
+from veloxquant_mlx.methods.nsnquant import nsn as nsn_module
+from veloxquant_mlx.methods.nsnquant.nsn import NSNCodec, NSNKeys, NSNValues, nsn, nsn_inverse, universal_codebook
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
 from veloxquant_mlx.quant.vq import relative_error, unpack_indices
 

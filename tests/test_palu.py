@@ -13,6 +13,7 @@ from test_svdq import kv, prompt_then_decode, rel_err
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import PALUOptions
 from veloxquant_mlx.methods.palu import PALUCache
+from feeding import stored_decode_attention
 
 
 def palu(**options):
@@ -50,7 +51,7 @@ def test_folded_query_attention_equals_attention_over_the_reconstruction():
     for gqa in (1, 3):
         q = mx.random.normal((1, 4 * gqa, 1, 32), key=mx.random.key(gqa))
         ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=32**-0.5)
-        assert mx.allclose(cache._decode_attention(q, 32**-0.5), ref, atol=1e-5, rtol=1e-4)
+        assert mx.allclose(stored_decode_attention(cache, q, 32**-0.5), ref, atol=1e-5, rtol=1e-4)
     assert 0.01 < rel_err(k_hat, keys) < 0.8
     # the parts' own scores and mixes are q K_hatᵀ and p V_hat themselves (the mean term
     # included, which a lone part's softmax would not notice but a merge with others does)

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import PyramidKVOptions, SnapKVOptions
-from veloxquant_mlx.integrations.mlx_lm import ModelContext
+from veloxquant_mlx.cache.context import ModelContext
 from veloxquant_mlx.methods.pyramidkv import WINDOW, PyramidKVCache, schedule
 from veloxquant_mlx.methods.snapkv import SnapKVCache
 

@@ -19,8 +19,8 @@ from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.options import RocketKVOptions, SnapKVOptions
 from veloxquant_mlx.evict.base import ScoreInputs
-from veloxquant_mlx.evict.window_vote import window_vote
-from veloxquant_mlx.methods.rocketkv import RocketKVCache, approximate_logits, capacity, stage2_plan
+from veloxquant_mlx.methods.rocketkv.window_vote import window_vote
+from veloxquant_mlx.methods.rocketkv.cache import RocketKVCache, approximate_logits, capacity, stage2_plan
 from veloxquant_mlx.methods.snapkv import SnapKVCache
 
 HKV, D = 2, 16

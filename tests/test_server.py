@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from veloxquant_mlx.cli import REFERENCE_MODEL
+from veloxquant_mlx.reference import REFERENCE_MODEL
 from veloxquant_mlx.registry import implemented_methods
 
 # Small budgets, so that the longer prompts evict or quantize and the short ones do not.

@@ -6,16 +6,16 @@ import functools
 import mlx.core as mx
 import pytest
 
-from feeding import feed_chunks
+from feeding import feed_chunks, stored_decode_attention
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cache.options import SKVQOptions
 from veloxquant_mlx.kernels.decode import DecodePart
 from veloxquant_mlx.methods.skvq import SKVQCache
 from veloxquant_mlx.quant.affine import quantize_per_token
-from veloxquant_mlx.quant.clip import CLIP_GRID, clip_errors, quantize_clipped, search_clip
+from veloxquant_mlx.methods.skvq.clip import CLIP_GRID, clip_errors, quantize_clipped, search_clip
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS, AffineLayout
-from veloxquant_mlx.quant.reorder import RangeOrder, inverse, is_permutation, permute, permute_heads
+from veloxquant_mlx.methods.skvq.reorder import RangeOrder, inverse, is_permutation, permute, permute_heads
 from veloxquant_mlx.quant.token_rows import TokenRows, dequantize_rows
 
 
@@ -114,7 +114,7 @@ def test_attention_in_the_reordered_space_equals_attention_without_reordering_wh
             identity = mx.broadcast_to(mx.arange(64), s.perm_k.shape)
             assert not mx.array_equal(s.perm_k, identity) and not mx.array_equal(s.perm_v, identity)
             assert not mx.array_equal(s.k_res, keys[:, :, -24:])  # stored reordered
-        outs[reorder] = cache._decode_attention(q, 64**-0.5)
+        outs[reorder] = stored_decode_attention(cache, q, 64**-0.5)
     ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=64**-0.5)
     assert mx.allclose(outs[True], outs[False], atol=1e-5, rtol=1e-5)
     assert mx.allclose(outs[True], ref, atol=1e-5, rtol=1e-5)
@@ -269,7 +269,7 @@ def test_decode_attention_matches_the_dequantized_reference(bits, path, monkeypa
     q = mx.random.normal((1, 8, 1, 64))
     k_hat, v_hat = cache.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=0.125)
-    assert mx.allclose(cache._decode_attention(q, 0.125), ref, atol=1e-5, rtol=1e-5)
+    assert mx.allclose(stored_decode_attention(cache, q, 0.125), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_token_rows_read_the_packed_form_as_keys_and_values():
@@ -296,7 +296,7 @@ def test_which_parts_the_fused_kernel_could_serve():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_fused_attention_option_reaches_the_decode_entry_point(fused, monkeypatch):
-    import veloxquant_mlx.quant.sliding_store as ss
+    import veloxquant_mlx.methods.skvq.sliding_store as ss
 
     seen, real = [], ss.decode_attention
     monkeypatch.setattr(ss, "decode_attention", lambda *a, **kw: seen.append(kw["use_kernel"]) or real(*a, **kw))
@@ -316,7 +316,7 @@ def test_decode_through_the_model_matches_the_dequantized_reference():
     q = mx.random.normal((1, 4, 1, 32))
     k_hat, v_hat = c.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=32**-0.5)
-    assert c.n_quantized == 125 - 21 and mx.allclose(c._decode_attention(q, 32**-0.5), ref, atol=1e-5)
+    assert c.n_quantized == 125 - 21 and mx.allclose(stored_decode_attention(c, q, 32**-0.5), ref, atol=1e-5)
 
 
 def test_the_key_order_pairs_what_the_models_rope_rotates_together():

@@ -12,12 +12,13 @@ import pytest
 from test_kivi import feed
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import SpectralQuantOptions
-from veloxquant_mlx.evict.rope import Rotary, derotate
-from veloxquant_mlx.methods.spectral import SKETCH_SEED, SpectralQuantCache
+from veloxquant_mlx.cache.rope import Rotary, derotate
+from veloxquant_mlx.methods.spectral.cache import SKETCH_SEED, SpectralQuantCache
 from veloxquant_mlx.quant import codebook as cb
-from veloxquant_mlx.quant.bitfields import pack_fields, row_words, unpack_fields
-from veloxquant_mlx.quant.eigen_store import EigenCodec, EigenTokens, gaussian_codebook
+from veloxquant_mlx.methods.spectral.bitfields import pack_fields, row_words, unpack_fields
+from veloxquant_mlx.methods.spectral.eigen_store import EigenCodec, EigenTokens, gaussian_codebook
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
+from feeding import stored_decode_attention
 
 ROPE = Rotary(10000.0)
 
@@ -125,7 +126,7 @@ def test_without_qjl_decode_equals_attention_over_the_reconstruction(context):
     k_hat, v_hat = cache.dequantized(mx.float32)
     assert k_hat.shape[2] == 150
     want = attention(q, k_hat, v_hat, 0.125)
-    assert mx.allclose(cache._decode_attention(q, 0.125), want, atol=1e-5, rtol=1e-5)
+    assert mx.allclose(stored_decode_attention(cache, q, 0.125), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("context", [None, rotary_context()], ids=["post-rope", "pre-rope"])
@@ -149,7 +150,7 @@ def test_with_qjl_decode_is_the_softmax_of_the_corrected_scores(context):
     corr = math.sqrt(math.pi / 2) / e * mx.linalg.norm(r_sem, axis=-1) * (q_sem * signs).sum(-1)
     scores = (q @ k_hat.swapaxes(-1, -2))[:, :, 0] + corr
     want = mx.softmax(scores, axis=-1)[:, :, None] @ v_hat
-    got = cache._decode_attention(q / 0.125, 0.125)
+    got = stored_decode_attention(cache, q / 0.125, 0.125)
     assert mx.allclose(got, want, atol=2e-4), float(mx.abs(got - want).max())
     assert not mx.allclose(got, attention(q / 0.125, k_hat, v_hat, 0.125), atol=1e-3)  # QJL did something
 

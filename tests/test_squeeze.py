@@ -18,7 +18,7 @@ from conformance import config
 from tiny_models import char_tokenizer, prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache, patch_model_kv_cache, unpatch_model_kv_cache
 from veloxquant_mlx.cache.options import SqueezeAttentionOptions
-from veloxquant_mlx.integrations.mlx_lm import ModelContext
+from veloxquant_mlx.cache.context import ModelContext
 from veloxquant_mlx.methods.squeeze import SqueezeAttentionCache, squeeze_budgets, three_means
 
 HKV, GROUP, D, MODEL_DIM = 2, 2, 16, 24

@@ -14,7 +14,7 @@ import numpy as np
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import L2NormOptions
 from veloxquant_mlx.methods.knorm import L2NormCache
-from veloxquant_mlx.quant.retrieval import RetrievalStore, top_k_ties_to_latest
+from veloxquant_mlx.methods.a2ats.retrieval import RetrievalStore, top_k_ties_to_latest
 
 H, D = 2, 16
 

@@ -9,7 +9,7 @@ import pytest
 
 from cross_layer_util import feed, kv, layered, reference_attention
 from veloxquant_mlx.lowrank.factors import svd_factors
-from veloxquant_mlx.lowrank.shared_latent import LatentCodec, joint_factors, packing_unit
+from veloxquant_mlx.lowrank.shared_latent import SharedLatentCodec, joint_factors, packing_unit
 
 T, DECODE = 150, 5
 
@@ -127,4 +127,4 @@ def test_memory_after_a_long_prompt_is_the_card_formula_within_the_growth_step(g
     growth = n_layers * 2 * 256 * h * d * s  # the values' and decoded keys' room
     total = sum(c.nbytes for c in caches)
     assert formula <= total <= formula + growth
-    assert LatentCodec(bits, gq).decode(caches[0].shared.items, mx.float32).shape == (1, t, rank)
+    assert SharedLatentCodec(bits, gq).decode(caches[0].shared.items, mx.float32).shape == (1, t, rank)

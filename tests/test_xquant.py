@@ -10,6 +10,7 @@ from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.methods.kivi import KIVICache
 from veloxquant_mlx.quant.packed import AffineLayout
 from veloxquant_mlx.quant.residual import ResidualScores
+from feeding import stored_decode_attention
 
 T, DECODE = 150, 40
 
@@ -77,7 +78,7 @@ def test_decode_over_the_borrowed_layout_equals_attention_over_the_dequantized_h
     assert isinstance(layout, AffineLayout if residual == 0 else ResidualScores)
     k_hat, v_hat = caches[1].dequantized(mx.float32)
     q = mx.random.normal((1, 4, 1, 32))
-    got = caches[1]._decode_attention(q, 32 ** -0.5)
+    got = stored_decode_attention(caches[1], q, 32 ** -0.5)
     assert mx.allclose(got, reference_attention(q, k_hat, v_hat, 32 ** -0.5), atol=1e-5)
 
 

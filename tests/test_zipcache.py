@@ -16,12 +16,13 @@ from veloxquant_mlx.cache.base import CacheStateError
 from veloxquant_mlx.cache.options import ZipCacheOptions
 from veloxquant_mlx.kernels import kivi_decode as kd
 from veloxquant_mlx.methods.zipcache import ZipCacheKVCache
-from veloxquant_mlx.quant.channel_scaled import channel_scale
+from veloxquant_mlx.methods.zipcache.channel_scaled import channel_scale
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
 from veloxquant_mlx.quant.saliency import (
     ProbeSaliency, n_salient, normalized_by_visibility, probe_attention_sums, probe_positions)
-from veloxquant_mlx.quant.token_mixed import TokenMixedStore
+from veloxquant_mlx.methods.zipcache.token_mixed import TokenMixedStore
 from veloxquant_mlx.quant.token_rows import TokenGroups, TokenRows
+from feeding import stored_decode_attention
 
 
 def zipcache(f=0.2, hi=4, lo=2, group=32, gap=128, quantize_values=True):
@@ -276,7 +277,7 @@ def test_decode_attention_matches_the_dequantized_reference(hi, lo, group, quant
     q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(21))
     k_hat, v_hat = cache.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=0.125)
-    assert mx.allclose(cache._decode_attention(q, 0.125), ref, atol=2e-5, rtol=1e-4)
+    assert mx.allclose(stored_decode_attention(cache, q, 0.125), ref, atol=2e-5, rtol=1e-4)
 
 
 def test_a_decode_step_reads_the_packed_codes_and_decodes_nothing(monkeypatch):

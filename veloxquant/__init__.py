@@ -12,8 +12,6 @@ back-end at an installed OpenBLAS, which only works before MLX is loaded (``_bla
 512
 """
 
-from pathlib import Path
-
 from ._blas import use_optimized_blas
 
 use_optimized_blas()  # before anything imports mlx (see _blas.py)
@@ -28,7 +26,7 @@ from .integrations.cache_classes import register_cache_classes  # noqa: E402
 
 register_cache_classes()  # saved prompt caches load after `import veloxquant_mlx` alone
 
-REFERENCE_MODEL = Path(__file__).resolve().parent / "assets" / "reference_model"
+from .reference import REFERENCE_MODEL  # noqa: E402
 
 # The mlx-lm integration imports mlx-lm (slow); load it on first use.
 _LAZY = {

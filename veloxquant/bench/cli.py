@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .._generated.deprecations import CONFIG_FIELD_USERS
 from ..cache.config import fields_read_by
-from ..cli import CLIError, DTYPE_HELP, DTYPES, build_config, check_method, parse_assignments
+from ..cli_common import CLIError, DTYPE_HELP, DTYPES, build_config, check_method, parse_assignments
 from ..registry import METHODS, implemented_methods
 from .tasks import TASKS
 
@@ -150,7 +150,7 @@ def workload_settings(args) -> dict:
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..cli import resolve_model
+    from ..cli_common import resolve_model
     from . import report
 
     if args.quick and args.sweep:
@@ -254,7 +254,7 @@ def build_workload(tokenizer, settings: dict, seed: int):
 def run_model(runs, args, settings, console, model_name) -> list[dict]:
     from rich.progress import Progress
 
-    from ..cli import compute_dtype, load_model
+    from ..cli_common import compute_dtype, load_model
     from .harness import evaluate
 
     model, tokenizer, _ = load_model(args.model)

@@ -31,7 +31,7 @@ def title(model: str | None, context: int, date: str, synthetic: bool) -> str:
     if synthetic:
         what = "synthetic K/V/Q"
     else:
-        from .. import REFERENCE_MODEL
+        from ..reference import REFERENCE_MODEL
 
         what = "reference model" if model == str(REFERENCE_MODEL) else Path(model).name or model
         if "/" in model and not Path(model).exists():

@@ -199,7 +199,7 @@ class CompressedKVCache:
         while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
             frame = frame.f_back
         if frame is not None:
-            from ..integrations.mlx_lm import hook_caller_module
+            from .attention_hook import hook_caller_module
 
             hook_caller_module(frame.f_globals, self)
         if self._awaiting_attend:

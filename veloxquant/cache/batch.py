@@ -24,8 +24,8 @@ sequence, an ``mx.array``) for RoPE. ``merge`` on one of our classes returns a
   The dense cache (``FullPacked`` here) and the eviction base (``evict/batch.py``) have
   one. Padding sits after a sequence's slots, so attention over a padded row adds exact
   zeros after the real terms; MLX's fused attention still sums a longer row in other
-  blocks, so a sequence followed by padding may round differently from alone (measured:
-  up to 5e-7 on the CPU back-end). The batch conformance tests hold packed runs to float
+  blocks, so a sequence followed by padding may round differently from alone (by float
+  rounding). The batch conformance tests hold packed runs to float
   rounding with the same tokens and kept positions, per-sequence runs to bit identity.
 
 Batching is opt-in per method class, never inherited (a subclass may change what the
@@ -60,11 +60,6 @@ from .buffers import GrowingArray
 
 PACKED, PER_SEQUENCE = "packed", "per_sequence"
 
-# Tests turn packed decode off to check that every decode step, run per sequence, is
-# bit-identical to each sequence alone (packed: one attention call per layer for the batch).
-PACK_DECODE = True
-
-
 def batch_mode(cls: type) -> str | None:
     """PACKED, PER_SEQUENCE, or None (the class does not batch): ``cls``'s own
     ``batchable``, never an inherited one."""
@@ -82,17 +77,10 @@ def batch_mode(cls: type) -> str | None:
 
 
 def packer_for(cls: type):
-    """The packed layout of ``cls``'s base, when ``cls`` changes none of its decode steps."""
-    from ..evict.base import ScoredEvictionCache
-    from ..methods.full import FullCache
-
-    if cls is FullCache:
-        return FullPacked
-    if issubclass(cls, ScoredEvictionCache):
-        from ..evict.batch import EvictionPacked
-
-        return EvictionPacked if EvictionPacked.accepts(cls) else None
-    return None
+    """The packed layout of ``cls``'s base, when ``cls`` changes none of its decode steps
+    (the class's ``packed_layout()``, which the bases with a packed layout define)."""
+    layout = getattr(cls, "packed_layout", None)
+    return layout() if layout is not None else None
 
 
 def batchable_methods() -> list[str]:
@@ -353,7 +341,7 @@ class BatchCache:
     def _pack(self) -> None:
         """Per sequence -> packed, when the class has a packed layout and every sequence is
         past its prompt (``can_pack``); otherwise the batch stays per sequence."""
-        if self.packed is not None or not PACK_DECODE or batch_mode(self.cache_class) != PACKED:
+        if self.packed is not None or batch_mode(self.cache_class) != PACKED:
             return
         packer = packer_for(self.cache_class)
         if all(packer.can_pack(s) for s in self.seqs):
@@ -490,120 +478,5 @@ class PackedLayout:
         return [self._single(i, s) for i, s in enumerate(self.shells)]
 
 
-class FullPacked(PackedLayout):
-    """The dense cache's packed decode layout: keys and values (B, H, rows, D), sequence
-    b's tokens in rows 0 .. lengths[b] - 1, the rows after them padding (masked by row)."""
-
-    @staticmethod
-    def can_pack(single) -> bool:
-        return single.keys.buffer is not None
-
-    @classmethod
-    def pack(cls, singles) -> "FullPacked":
-        self = cls.__new__(cls)
-        self.shells = singles
-        self.lengths = [s.keys.length for s in singles]
-        self.capacities = [s.keys.capacity for s in singles]
-        self.offsets = [s.offset for s in singles]
-        room = max(self.capacities)
-        step = singles[0].keys.step
-        self.keys, self.values = GrowingArray(step=step), GrowingArray(step=step)
-        self.keys.buffer = mx.concatenate([pad_rows(s.keys.view(), room) for s in singles])
-        self.values.buffer = mx.concatenate([pad_rows(s.values.view(), room) for s in singles])
-        self.keys.length = self.values.length = max(self.lengths)
-        for s in singles:  # the shells keep their config, context and layer; not their rows
-            s.keys, s.values = GrowingArray(), GrowingArray()
-        self._sync()
-        return self
-
-    def _sync(self) -> None:
-        self.offset_array = mx.array(self.offsets, mx.int32)
-        self.length_array = mx.array(self.lengths, mx.int32)
-        self.padded = len(set(self.lengths)) > 1
-
-    def update_and_fetch(self, keys, values):
-        shape = self.shells[0].kv_shape
-        if (keys.shape[1], keys.shape[3], values.shape[3]) != (shape[1], shape[2], shape[3]):
-            self.shells[0]._check_shape(keys[:1], values[:1])
-        if not self.padded:  # every sequence ends at the last row: plain appends
-            self.keys.append(keys)
-            self.values.append(values)
-        else:  # each new row goes after its own sequence's rows, into its padding
-            if max(self.lengths) == self.keys.length:  # the longest has none left: one more row
-                self.keys.append(mx.zeros_like(keys))
-                self.values.append(mx.zeros_like(values))
-            slot = self.length_array.reshape(-1, 1, 1, 1)
-            for grown, rows in ((self.keys, keys), (self.values, values)):
-                index = mx.broadcast_to(slot, (*rows.shape[:3], 1))
-                grown.buffer = mx.put_along_axis(grown.buffer, index, rows, axis=2)
-        step = self.keys.step
-        self.capacities = [grown_capacity(c, n, 1, step, None) for c, n in zip(self.capacities, self.lengths)]
-        self.lengths = [n + 1 for n in self.lengths]
-        self.offsets = [o + 1 for o in self.offsets]
-        self.offset_array = self.offset_array + 1
-        self.length_array = self.length_array + 1
-        return self.keys.view(), self.values.view()
-
-    def _visible(self, rows: int) -> mx.array | None:
-        if not self.padded:
-            return None
-        return (mx.arange(rows)[None] < self.length_array[:, None])[:, None, None, :]
-
-    def attend(self, queries, keys, values, *, scale, sinks=None):
-        mask = self._visible(keys.shape[2])
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-
-    def make_mask(self, N, return_array):
-        if N == 1 and not (return_array or self.padded):
-            return None
-        rows = self.keys.length + N
-        visible = mx.arange(rows)[None] < (self.length_array + N)[:, None]
-        return visible[:, None, None, :] & causal_mask(N, rows)[None, None]
-
-    def filter(self, keep: list[int]) -> None:
-        index = mx.array(keep, mx.int32)
-        self.shells = [self.shells[i] for i in keep]
-        for name in ("lengths", "capacities", "offsets"):
-            setattr(self, name, [getattr(self, name)[i] for i in keep])
-        for grown in (self.keys, self.values):
-            grown.buffer = grown.buffer[index]
-            grown.length = max(self.lengths)
-        self._sync()
-
-    def extend(self, other: "FullPacked") -> None:
-        rows = max(self.keys.capacity, other.keys.capacity)
-        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
-            mine.buffer = mx.concatenate([pad_rows(mine.buffer, rows), pad_rows(theirs.buffer, rows)])
-            mine.length = max(mine.length, theirs.length)
-        self.shells += other.shells
-        self.lengths += other.lengths
-        self.capacities += other.capacities
-        self.offsets += other.offsets
-        self._sync()
-
-    def _single(self, b: int, shell):
-        n, cap = self.lengths[b], self.capacities[b]
-        shell.keys = single_buffer(self.keys.buffer[b : b + 1, :, :n], cap, self.keys.step, None)
-        shell.values = single_buffer(self.values.buffer[b : b + 1, :, :n], cap, self.keys.step, None)
-        shell.offset = self.offsets[b]
-        return shell
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def size(self) -> int:
-        return max(self.lengths)
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + self.offset_array.nbytes + self.length_array.nbytes
-
-    @property
-    def state(self):
-        return [self.keys.view(), self.values.view()]
-
-    __deepcopy__ = CompressedKVCache.__deepcopy__
-
-
-__all__ = ["BatchCache", "FullPacked", "PACKED", "PackedLayout", "PER_SEQUENCE", "batch_mode", "batchable_methods",
+__all__ = ["BatchCache", "PACKED", "PackedLayout", "PER_SEQUENCE", "batch_mode", "batchable_methods",
            "merge", "refusal"]

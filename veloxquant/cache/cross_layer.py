@@ -2,7 +2,7 @@
 
 Methods whose layers share or merge what they keep (xkv, xquant, minicache) build on
 ``CrossLayer``, a mixin for a ``CompressedKVCache``. The one object shared by the layers
-of a prompt cache is its ``ModelContext`` (``integrations/mlx_lm.py``); its ``layers`` list
+of a prompt cache is its ``ModelContext`` (``cache/context.py``); its ``layers`` list
 is the prompt cache itself. What the mixin gives a layer:
 
 - **Groups.** The method says how its layers group (``layer_groups``: disjoint runs of
@@ -222,7 +222,7 @@ class CrossLayer:
 
 def _assemble(cache, link: dict):
     """The context that the layers restored with ``link``'s id share (see the module doc)."""
-    from ..integrations.mlx_lm import ModelContext
+    from .context import ModelContext
 
     ctx = _ASSEMBLING.get(link["id"])
     if ctx is None or ctx.layers[cache.layer] is not None or ctx.config != cache.config:

@@ -53,13 +53,3 @@ def attention_mass(
         mass = weights.sum(axis=3).mean(axis=2)
         total = mass if total is None else total + mass
     return total
-
-
-def window_attention_mass(queries, keys, scale, dtype=mx.float32) -> mx.array:
-    """Attention the last ``w`` queries pay each of the ``n`` keys, in token order (SnapKV).
-
-    queries (B, Hq, w, D) at positions n - w .. n - 1; keys (B, Hkv, n, D) at 0 .. n - 1.
-    """
-    n, w = keys.shape[2], queries.shape[2]
-    positions = mx.broadcast_to(mx.arange(n), (keys.shape[0], keys.shape[1], n))
-    return attention_mass(queries, keys, scale, mx.arange(n - w, n), positions, dtype=dtype)

@@ -127,6 +127,12 @@ class ScoredEvictionCache(CompressedKVCache):
     logits_dtype = mx.float32  # dtype of the score's logits matmul (the softmax is float32)
     window_in_decode = False  # keep the last ``window`` queries at decode steps too
 
+    @classmethod
+    def packed_layout(cls):
+        from .batch import EvictionPacked  # evict/batch.py imports this module
+
+        return EvictionPacked if EvictionPacked.accepts(cls) else None
+
     def _init_storage(self) -> None:
         self.options = self.config.options
         self.store = SlotStore(("keys", "values", "positions", *self.token_state))

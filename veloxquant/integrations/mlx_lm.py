@@ -21,55 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import importlib
 
 import mlx.nn as nn
-import mlx_lm.models.base as mlx_lm_base
 from mlx_lm.models.cache import KVCache
 
+from ..cache.attention_hook import HOOKS, ORIGINAL_SDPA, Hook, hooked_sdpa
 from ..cache.config import KVCacheConfig
+from ..cache.context import ModelContext
 from ..registry import METHODS
-
-_ORIGINAL_SDPA = mlx_lm_base.scaled_dot_product_attention
-
-
-def _hooked_sdpa(queries, keys, values, cache=None, **kwargs):
-    attend = getattr(cache, "attend", None)
-    if attend is None:
-        return _ORIGINAL_SDPA(queries, keys, values, cache=cache, **kwargs)
-    return attend(queries, keys, values, **kwargs)
-
-
-@dataclass
-class _Hook:
-    module: Any
-    patched_models: int = 0
-    sticky: bool = False  # installed by a direct make_prompt_cache call: stays
-
-
-_HOOKS: dict[str, _Hook] = {}
-
-
-@dataclass
-class ModelContext:
-    """State shared by the layers of one prompt cache (one per ``make_prompt_cache``).
-
-    Methods that coordinate across layers (per-layer budgets, layers sharing or merging
-    their caches) keep that state here, never in globals.
-    """
-
-    config: KVCacheConfig
-    n_layers: int
-    compressed_layers: tuple[int, ...]
-    shared: dict[str, Any] = field(default_factory=dict)
-    layer_budgets: dict[int, int] = field(default_factory=dict)  # per-layer token budgets
-    model_args: Any = None  # the model's ModelArgs (rope_theta, head counts, ...) when known
-    # The prompt cache's layers, by layer index (the model's own caches included): how a
-    # layer reaches its neighbours' caches (cross-layer methods, cache/cross_layer.py).
-    layers: list = field(default_factory=list)
 
 
 def attention_modules(model: nn.Module) -> list[Any]:
@@ -80,7 +42,7 @@ def attention_modules(model: nn.Module) -> list[Any]:
         mod = sys.modules.get(name)
         if mod is not None and name not in found:
             fn = getattr(mod, "scaled_dot_product_attention", None)
-            if fn is _ORIGINAL_SDPA or fn is _hooked_sdpa:
+            if fn is ORIGINAL_SDPA or fn is hooked_sdpa:
                 found[name] = mod
     return list(found.values())
 
@@ -91,8 +53,8 @@ def _architecture(model: nn.Module) -> str:
 
 def _install_hooks(model: nn.Module, sticky: bool) -> None:
     for mod in attention_modules(model):
-        hook = _HOOKS.setdefault(mod.__name__, _Hook(mod))
-        mod.scaled_dot_product_attention = _hooked_sdpa
+        hook = HOOKS.setdefault(mod.__name__, Hook(mod))
+        mod.scaled_dot_product_attention = hooked_sdpa
         if sticky:
             hook.sticky = True
         else:
@@ -101,13 +63,13 @@ def _install_hooks(model: nn.Module, sticky: bool) -> None:
 
 def _release_hooks(model: nn.Module) -> None:
     for mod in attention_modules(model):
-        hook = _HOOKS.get(mod.__name__)
+        hook = HOOKS.get(mod.__name__)
         if hook is None:
             continue
         hook.patched_models = max(0, hook.patched_models - 1)
         if hook.patched_models == 0 and not hook.sticky:
-            mod.scaled_dot_product_attention = _ORIGINAL_SDPA
-            del _HOOKS[mod.__name__]
+            mod.scaled_dot_product_attention = ORIGINAL_SDPA
+            del HOOKS[mod.__name__]
 
 
 # -- residual-stream observation (SqueezeAttention) -------------------------------------
@@ -253,32 +215,6 @@ def _make_prompt_cache(model: nn.Module, config: KVCacheConfig, sticky: bool) ->
     return list(context.layers)
 
 
-def hook_caller_module(caller_globals: dict, cache: Any) -> None:
-    """Route the attention of the model module that updated ``cache`` to the cache.
-
-    Called by caches that own attention, from ``update_and_fetch``: a cache loaded with
-    ``load_prompt_cache`` and used with a model nobody patched gets the hook here,
-    before the model computes anything with it. An mlx-lm model module that does not
-    call mlx-lm's shared attention function cannot use such a cache and is refused.
-    """
-    module_name = caller_globals.get("__name__", "")
-    fn = caller_globals.get("scaled_dot_product_attention")
-    if fn is _hooked_sdpa:
-        return
-    if fn is _ORIGINAL_SDPA:
-        module = sys.modules[module_name]
-        _HOOKS.setdefault(module_name, _Hook(module)).sticky = True
-        module.scaled_dot_product_attention = _hooked_sdpa
-    elif module_name.startswith("mlx_lm.models."):
-        from ..cache.base import AttentionHookMissing
-
-        raise AttentionHookMissing(
-            f"{type(cache).__name__} (method {cache.config.method!r}) computes attention "
-            f"itself, but {module_name} computes attention inline instead of calling "
-            "mlx-lm's scaled_dot_product_attention, so it cannot use this method"
-        )
-
-
 def patch_model_kv_cache(model: nn.Module, config: KVCacheConfig) -> nn.Module:
     """Make every mlx-lm generation with ``model`` use ``config``'s caches.
 
@@ -395,7 +331,6 @@ def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = Tru
 
     provider._veloxquant_original_load = original
     provider._load = _load
-
 
 
 # -- scoring passes: extra forward passes a method scores with (KVzip) ------------------------

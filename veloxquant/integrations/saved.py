@@ -31,7 +31,7 @@ def _model_kv_shape(model) -> tuple[int, int] | None:
 
 def load_prompt_cache(path: str, model: Any = None, return_metadata: bool = False):
     """Load a saved prompt cache; with ``model``, refuse one made for another model."""
-    from .mlx_lm import ModelContext
+    from ..cache.context import ModelContext
 
     try:
         cache, metadata = _mlx_lm_load(str(path), return_metadata=True)

@@ -107,7 +107,7 @@ def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True
     o_part, ml_part = mx.concatenate(o_parts, axis=1), mx.concatenate(ml_parts, axis=1)
     if backend is not None:
         return kd.merge_partials(backend, o_part, ml_part, queries.shape, queries.dtype)
-    return merge_partials(o_part, ml_part, queries.shape, queries.dtype)
+    return merge_partials_mlx(o_part, ml_part, queries.shape, queries.dtype)
 
 
 def _kv_heads(part: DecodePart) -> int:
@@ -165,7 +165,7 @@ def _pure_partials(queries, part: DecodePart, scale):
     return o.reshape(b * hq, 1, d), ml.reshape(b * hq, 1, 2)
 
 
-def merge_partials(o_part, ml_part, out_shape, dtype) -> mx.array:
+def merge_partials_mlx(o_part, ml_part, out_shape, dtype) -> mx.array:
     """The pure-MLX twin of the merge kernel: partials (B*Hq, S, ·) into (B, Hq, 1, D)."""
     m, l = ml_part[..., 0], ml_part[..., 1]
     top = m.max(axis=1, keepdims=True)

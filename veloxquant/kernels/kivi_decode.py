@@ -82,8 +82,8 @@ __all__ = [
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
-#: Pure-mlx path used when no GPU kernel applies: "qmm" or "reference". On the 2-core CPU
-#: of the development machines "qmm" (float32 compute) is 7-20x faster (notes, "CPU").
+#: Pure-mlx path used when no GPU kernel applies: "qmm" or "reference" (why "qmm":
+#: benchmarks/notes/kernel_constants.md).
 CPU_DEFAULT_PATH = "qmm"
 
 _LOG2E = 1.4426950408889634
@@ -93,15 +93,14 @@ _LOG2E = 1.4426950408889634
 # one partial (m, l, o) per query head; a second tiny kernel merges the partials.
 _NT = 128
 #: The dispatcher's CUDA kernel for float16 caches: "frag" at FRAG_DEFAULT_BITS, "folded"
-#: at FOLDED_DEFAULT_BITS, where they handle the shape; otherwise DEFAULT_CUDA_ALGO. frag
-#: was the fastest at 4 and 8 bits in every 32k shape (runs 7-9 of
-#: benchmarks/results/fused_attention.md) and, chained, at 2 bits too (session 7:
-#: benchmarks/results/frag_2bit.md); folded serves the shapes frag does not take.
+#: at FOLDED_DEFAULT_BITS, where they handle the shape; otherwise DEFAULT_CUDA_ALGO
+#: (folded serves the shapes frag does not take). How these were chosen:
+#: benchmarks/notes/kernel_constants.md.
 DEFAULT_CUDA_ALGO = "simt"
 FOLDED_DEFAULT_BITS = (2, 4)
 FRAG_DEFAULT_BITS = (2, 4, 8)
-#: simt: tokens per chunk and split target (blocks), from the sweeps of run 3; folded: its
-#: split target, one wave of 6 blocks an SM on the H200's 132, the sweep's best (session 2)
+#: simt: tokens per chunk and split target (blocks); folded: its split target, one wave of
+#: 6 blocks an SM on a 132-SM GPU
 DEFAULT_CHUNK = 256
 DEFAULT_TARGET_BLOCKS = 1024
 FOLDED_TARGET_BLOCKS = 792
@@ -361,14 +360,14 @@ def _folded_supports(head_dim, gqa, bits, group_size, dtype, chunk) -> bool:
 FRAG_NT = 64
 FRAG_TAIL = 8 * (FRAG_NT // 32)
 #: frag: KEEP of kivi_decode_cuda_frag_src.py (1: the codes 4+ bits up their byte keep their
-#: float16 offset of 1024), 2% less GPU time than exact codes for errors 6x inside the bound
-#: (notes, session 5, "KEEP again"); exact codes (KEEP 0) for blocks of more than
-#: FRAG_KEEP_MAX_TILES tiles, as the error of kept offsets grows with the tiles a warp sums
+#: float16 offset of 1024: less GPU time, errors well inside the bound); exact codes
+#: (KEEP 0) for blocks of more than FRAG_KEEP_MAX_TILES tiles, as the error of kept
+#: offsets grows with the tiles a warp sums
 FRAG_KEEP_OFFSET = 1
 FRAG_KEEP_MAX_TILES = 256
 #: frag's split target (blocks) and launch bounds (resident blocks an SM: the register
 #: budget) by the kv heads of a call (batch x kv heads): 792 and 6 below FRAG_MANY_HEADS,
-#: 528 and 4 from there, measured on the H200 only (notes and results, session 5)
+#: 528 and 4 from there (tuned on an H200 only: benchmarks/notes/kernel_constants.md)
 FRAG_TARGET_BLOCKS = 792
 FRAG_MIN_BLOCKS = 6
 FRAG_TARGET_BLOCKS_MANY_HEADS = 528
@@ -435,8 +434,7 @@ def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n
     params, template, first block with tail chunks, tail chunks). ``key_words``: the
     capacity of a key code row (16-byte copies where it is a multiple of 4). KEEP:
     FRAG_KEEP_OFFSET, or 0 past FRAG_KEEP_MAX_TILES tiles a block; TAIL_FIRST: tail chunks
-    that share a block with tiles go first (4-bit batch 8 main kernel 110.0 against 128.6
-    us at 32k: notes, session 6)."""
+    that share a block with tiles go first (shorter at batch 8)."""
     t_fast, ns_tail, ns, tps, tail0 = _frag_plan(n_kq, n_vq, n_kq + n_kres, BH, bits,
                                                  target_blocks)
     keep = FRAG_KEEP_OFFSET if tps <= FRAG_KEEP_MAX_TILES else 0

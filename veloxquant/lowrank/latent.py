@@ -13,7 +13,7 @@ one r serves the layer.
 
 **Latents** (``LatentTokens``): per channel, min-max over token groups of ``group``
 tokens (``GroupAffine`` "channel"), in contiguous channel segments of their own widths,
-largest σ first (``Segment``): 0 bits keeps nothing (the channel reads as 0), 1-6 and 8
+largest σ first (``ChannelSegment``): 0 bits keeps nothing (the channel reads as 0), 1-6 and 8
 are packed, 16 or more keep the channel unquantized in the model's dtype. New latents
 wait in full precision until a whole group of tokens is there, then every segment
 flushes that block.
@@ -69,13 +69,13 @@ def width_problem(bits: int) -> str | None:
 
 
 @dataclass(frozen=True)
-class Segment:
+class ChannelSegment:
     start: int
     stop: int
     bits: int
 
 
-def split_channels(rank: int, schedule) -> list[Segment]:
+def split_channels(rank: int, schedule) -> list[ChannelSegment]:
     """``rank`` channels cut into ``len(schedule)`` contiguous near-equal segments (the
     first ``rank mod len`` one channel longer), each at its width; empty ones left out."""
     n = len(schedule)
@@ -83,7 +83,7 @@ def split_channels(rank: int, schedule) -> list[Segment]:
     for i, bits in enumerate(schedule):
         stop = start + rank // n + (1 if i < rank % n else 0)
         if stop > start:
-            out.append(Segment(start, stop, int(bits)))
+            out.append(ChannelSegment(start, stop, int(bits)))
         start = stop
     return out
 
@@ -104,7 +104,7 @@ def fit_basis(x: mx.array, rank: int | None, fraction: float):
 class LatentTokens:
     """A growing run of latents (B, G, T, r) in channel segments."""
 
-    def __init__(self, segments: list[Segment], group: int, step_tokens: int, lead: tuple[int, int]):
+    def __init__(self, segments: list[ChannelSegment], group: int, step_tokens: int, lead: tuple[int, int]):
         self.segments, self.lead = segments, lead  # lead: (B, G)
         self.group = group
         self.rank = segments[-1].stop if segments else 0
@@ -303,7 +303,7 @@ class LatentCodec:
 
     rank: int | None
     fraction: float
-    segments: Callable[[int], list[Segment]]  # rank -> segments
+    segments: Callable[[int], list[ChannelSegment]]  # rank -> segments
 
 
 class Latent:

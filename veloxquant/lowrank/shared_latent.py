@@ -54,7 +54,7 @@ def packing_unit(group: int) -> int:
 
 
 @dataclass(frozen=True)
-class LatentCodec:
+class SharedLatentCodec:
     bits: int  # 1-6, 8, or DENSE_BITS
     group: int  # tokens per scale/zero of one latent channel
 
@@ -85,8 +85,8 @@ class LatentKeys:
     """Keys of one layer as the shared latent times its ``b`` (B, r, H*d): the
     ``PackedScores`` of kernels/decode.py (keys only: xKV leaves values alone)."""
 
-    codec: LatentCodec
-    kept: dict  # the owner's latent arrays (LatentCodec.encode)
+    codec: SharedLatentCodec
+    kept: dict  # the owner's latent arrays (SharedLatentCodec.encode)
     b: mx.array
     count: int
     n_heads: int

@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from ..cache.options import CurDKVOptions
 from ..evict.base import Roles, Schedule, ScoredEvictionCache
-from ..evict.rope import Rotary, derotate
+from ..cache.rope import Rotary, derotate
 
 LOCAL_WINDOW = 16  # tokens per local normalisation window (the card's constant)
 RECENT = 32  # the prompt's last tokens (its question) are kept, like SnapKV's window

@@ -35,12 +35,12 @@ from __future__ import annotations
 import functools
 import math
 
-from ..lowrank.latent import LatentCache, LatentCodec, LatentStore, Segment
+from ..lowrank.latent import ChannelSegment, LatentCache, LatentCodec, LatentStore
 
 
-def hi_lo_segments(rank: int, fraction: float, hi: int, lo: int) -> list[Segment]:
+def hi_lo_segments(rank: int, fraction: float, hi: int, lo: int) -> list[ChannelSegment]:
     r_hi = math.floor(fraction * rank)
-    return [s for s in (Segment(0, r_hi, hi), Segment(r_hi, rank, lo)) if s.stop > s.start]
+    return [s for s in (ChannelSegment(0, r_hi, hi), ChannelSegment(r_hi, rank, lo)) if s.stop > s.start]
 
 
 class PALUCache(LatentCache):

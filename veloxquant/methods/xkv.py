@@ -42,7 +42,7 @@ from ..cache.base import CompressedKVCache, causal_mask
 from ..cache.buffers import GrowingArray
 from ..cache.cross_layer import CrossLayer, consecutive_groups
 from ..kernels.decode import DecodePart, decode_attention
-from ..lowrank.shared_latent import LatentCodec, LatentKeys, joint_factors
+from ..lowrank.shared_latent import SharedLatentCodec, LatentKeys, joint_factors
 
 
 class XKVCache(CrossLayer, CompressedKVCache):
@@ -52,9 +52,9 @@ class XKVCache(CrossLayer, CompressedKVCache):
         return consecutive_groups(compressed, self.config.options.xkv_group_size)
 
     @property
-    def codec(self) -> LatentCodec:
+    def codec(self) -> SharedLatentCodec:
         o = self.config.options
-        return LatentCodec(o.xkv_latent_bits, o.xkv_group_quant_size)
+        return SharedLatentCodec(o.xkv_latent_bits, o.xkv_group_quant_size)
 
     def _init_storage(self) -> None:
         self._init_cross_layer()

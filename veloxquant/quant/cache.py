@@ -15,7 +15,6 @@ import functools
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache, causal_mask
-from ..kernels.decode import decode_attention
 
 
 class QuantizedCache(CompressedKVCache):
@@ -88,9 +87,3 @@ class QuantizedCache(CompressedKVCache):
         if isinstance(mask, mx.array):  # an array mask sized for layer 0: rebuild
             mask = causal_mask(queries.shape[2], self.store.length + queries.shape[2])
         return self.store.prefill_attention(queries, chunk_k, chunk_v, scale=scale, mask=mask)
-
-    def _decode_attention(self, queries, scale):
-        """Decode attention over what is stored (tests: against the dequantized reference)."""
-        parts = self.store.decode_parts(mx.zeros((0,), queries.dtype))
-        return decode_attention(queries, parts, scale=scale, use_kernel=self.use_kernel,
-                                n_kv_heads=self.kv_shape[1] if self.kv_shape else None)

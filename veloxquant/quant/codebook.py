@@ -35,8 +35,7 @@ import functools
 import mlx.core as mx
 
 # Centroid steps one compiled lookup pass takes: MLX's CPU compile fuses the 7 steps of 3
-# bits into one kernel but not the 15 of 4 bits (measured: 4-bit lookup 4-5x slower than in
-# passes of 7; benchmarks/notes/quantization.md).
+# bits into one kernel but not the 15 of 4 bits (benchmarks/notes/quantization.md).
 FUSED_STEPS = 7
 FIT_SAMPLES = 1 << 16  # values a fit looks at, at most (a seeded sample beyond)
 HIST_BINS = 256  # bins of a refit histogram over [-1, 1]

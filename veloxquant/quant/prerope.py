@@ -2,7 +2,7 @@
 
 mlx-lm hands caches post-RoPE keys. A codec that wants pre-RoPE keys (KVQuant: per-channel
 structure survives there, RoPE mixes each channel pair by position) takes the model's
-rotary settings (``evict/rope.py``'s ``Rotary``), de-rotates a run of keys at their
+rotary settings (``cache/rope.py``'s ``Rotary``), de-rotates a run of keys at their
 positions before encoding and rotates the decoded run again (here in the per-channel
 layout, ``(..., D, n)``). Both use the same angles ``position * w_i`` in float32, so the
 round trip is the identity to float rounding whatever the model's exact rotary is.
@@ -22,7 +22,7 @@ import functools
 
 import mlx.core as mx
 
-from ..evict.rope import Rotary, derotate
+from ..cache.rope import Rotary, derotate
 
 
 def model_rotary(context) -> Rotary | None:

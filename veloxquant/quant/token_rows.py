@@ -8,7 +8,7 @@ elsewhere (7 bits, other groups):
 
 - ``quantize_rows``: codes, scales and minima (in the input's dtype), optionally with a
   clip ratio alpha per (batch row, KV head) that scales each group's minimum and maximum
-  towards 0 (SKVQ's clipping, ``quant/clip.py``); without one, ``affine.quantize``'s codes
+  towards 0 (SKVQ's clipping, ``methods/skvq/clip.py``); without one, ``affine.quantize``'s codes
   bit for bit. ``dequantize_rows`` is its inverse;
 - ``TokenGroups``: that codec in the ``GroupAffine`` interface, so ``PackedTokens`` stores it;
 - ``TokenRows``: such rows as the pure-MLX decode path reads them (the ``PackedScores``
@@ -18,7 +18,7 @@ elsewhere (7 bits, other groups):
   width or group, or no kernel for these shapes (a GPU), the valid rows are dequantized in
   float32 and multiplied. The fused kernels read keys per channel only, so per-token keys
   (SKVQ, ZipCache) always come here. With a per-channel scale ``c`` (ZipCache's
-  channel-separable rows ``x / c``, ``quant/channel_scaled.py``) the scale is folded into
+  channel-separable rows ``x / c``, ``methods/zipcache/channel_scaled.py``) the scale is folded into
   the query (``(q * c) K'ᵀ``) and the output (``(p V') * c``);
 - ``PlainRows``: full-precision rows in the same protocol (values kept unquantized).
 

@@ -12,7 +12,7 @@ A product-VQ codec cuts each head's vector (D channels) into ``D / s`` sub-vecto
   centroid. ``progress(done, total)`` is called after each iteration.
 - **Nearest centroid** (``nearest``): exact, ``argmin_c ||c||^2 - 2 x.c`` over blocks of
   rows, so that no more than ``NEAREST_CHUNK`` distances exist at a time (4,096
-  centroids: 128 rows a block, the fastest block measured on the CPU here).
+  centroids: 128 rows a block).
 - **Packed indices** (``pack_indices``/``unpack_indices``): every width from 1 to 16
   bits, one little-endian bit stream per token (``affine.pack_codes``' order), padded to
   whole uint32 words per token: ``index_words(n, bits) = ceil(n * bits / 32)``. Unpacking

@@ -35,7 +35,7 @@ from ..cache.buffers import GrowingArray, RecentRows
 from ..kernels.decode import DecodePart
 from .cache import QuantizedCache
 from .packed import GROWTH_TOKENS
-from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, _rows, joined_history
+from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, joined_history
 from .vq import CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, rotation_problem
 
 SMOOTH_FLOOR = 1e-4  # smallest per-channel smoothing factor

@@ -1,0 +1,5 @@
+"""adakv: the cache and the helpers only it uses."""
+
+from .cache import AdaKVCache
+
+__all__ = ["AdaKVCache"]

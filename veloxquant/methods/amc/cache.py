@@ -1,0 +1,217 @@
+"""AMC (adapted; no paper found): per-token tiers of rank and precision, by saliency.
+
+Everything here is the card's proposal, inferred from the field names. A configuration of
+the tiered-rows store (``methods/amc/token_tiers.py``), per layer and KV head:
+
+- **Saliency** ``s_int(t) = Σ_c (k_tc - μ_c)² / σ_c²`` (post-RoPE keys, as they arrive),
+  μ and σ² per channel from the first prompt chunk stored; ``amc_calib_variance`` (a float
+  in the options, not the card's per-channel array) replaces σ² by one variance for every
+  channel, so the channels weigh equally (its value only scales saliency, which ranks and
+  thresholds in the same units do not see). With ``amc_use_query_saliency``, a prompt
+  chunk's ``s = (1 - α) rank(s_int) + α rank(s_q)`` (ranks over the chunk, in [0, 1];
+  α = ``amc_query_alpha``), s_q the attention its last ``amc_threshold_window`` queries pay
+  each token, summed over the GQA group (``quant/saliency.py``); otherwise s = s_int and α
+  has no effect.
+- **Tiers**: of a prompt chunk of n tokens, per head the ``round(k_high n)`` most salient
+  are High, the next ``round(k_mid n)`` Mid, the rest Low (exact counts). The first chunk
+  sets the thresholds θ_high, θ_mid: the smallest s in High, in High + Mid (+inf for an
+  empty tier, -inf when the tiers above take every token).
+- **Decode**: the new token's s is its s_int, or, with query saliency (whose query part
+  a new token does not have yet), the fraction of the last ``amc_threshold_window``
+  tokens' s_int below its own (the rank scale of the blend). High if s >= θ_high, Mid if
+  s >= θ_mid, else Low; then (after the tier is set) its s joins the window and, with
+  ``amc_adaptive_thresholds``, ``θ <- (1 - γ) θ + γ θ'``, θ' the same thresholds over the
+  window (γ = ``amc_gamma``; windows under 2 tokens leave θ alone). Tiers are final.
+- **Treatments** (named constants below): High 8-bit, Mid 4-bit min-max per token in
+  groups of G = ``amc_group_size`` channels; Low: the coefficients on the head's top
+  ``r`` principal directions (``RANK_DIVISOR``: r = d/4, raised to a multiple of 16 so
+  2-bit rows fill words; PCA of the first chunk's post-RoPE keys, and values, with their
+  means; float16, counted), 2-bit in groups of gcd(G, r). A value takes its key's tier.
+
+Attention: a prompt chunk over the decoded history plus itself; a decode step over the
+three tiers (``MaskedRows``: each head reads its own rows), pure MLX on every device.
+The cache always owns attention (its tiers are packed), so the attention hook is in place
+whether or not query saliency is on. No setting is lossless (High is 8-bit);
+``amc_k_high=1`` is uniform 8-bit quantization.
+Memory per token and head (K and V each): ``d b/8 + 4 d/G`` bytes at b = 8 and 4, and
+``r/4 + 4 r/g`` for Low; one uint8 tier flag; per head the bases and means (float16), the
+saliency statistics, thresholds and window (float32); tiers grow 256 rows at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ...cache.base import causal_mask
+from ...kernels.decode import decode_attention
+from .projection import pca_basis
+from ...quant.cache import QuantizedCache
+from ...quant.token_rows import TokenGroups
+from ...quant.saliency import n_salient, probe_attention_sums
+from .token_tiers import TieredRowsStore
+
+HIGH_BITS, MID_BITS, LOW_BITS = 8, 4, 2
+RANK_DIVISOR = 4  # Low keeps d / 4 principal directions
+VARIANCE_FLOOR = 1e-6  # of a head's largest channel variance
+
+
+def low_rank(d: int) -> int:
+    return min(d, -(-max(d // RANK_DIVISOR, 16) // 16) * 16)
+
+
+def ranks(s: mx.array) -> mx.array:
+    """Ranks of s along the last axis scaled into [0, 1]."""
+    n = s.shape[-1]
+    return mx.argsort(mx.argsort(s, axis=-1), axis=-1).astype(mx.float32) / max(n - 1, 1)
+
+
+def thresholds(s: mx.array, k_high: float, k_mid: float) -> mx.array:
+    """(θ_high, θ_mid) (B, H, 2) of saliencies (B, H, n): the smallest of the top
+    round(k_high n), and of the top round(k_high n) + round(k_mid n)."""
+    n = s.shape[-1]
+    top = -mx.sort(-s, axis=-1)
+    n_hi = n_salient(k_high, n)
+    out = []
+    for k in (n_hi, n_hi + min(n - n_hi, n_salient(k_mid, n))):
+        out.append(mx.full(s.shape[:2], math.inf) if k == 0 else
+                   mx.full(s.shape[:2], -math.inf) if k == n else top[..., k - 1])
+    return mx.stack(out, axis=-1)
+
+
+class AMCCache(QuantizedCache):
+    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    group_field = "amc_group_size"
+
+    def make_store(self):
+        self.mu = self.var = self.theta = self.window = self.window_int = None
+        self.seen = self.at = 0
+        return None  # built at the first tokens: the low tier's width needs head_dim
+
+    def _build(self, d: int) -> None:
+        g, r = self.group, low_rank(d)
+        codecs = [TokenGroups(HIGH_BITS, g), TokenGroups(MID_BITS, g), TokenGroups(LOW_BITS, math.gcd(g, r))]
+        self.store = TieredRowsStore(codecs, codecs)
+
+    # -- saliency ------------------------------------------------------------------------
+    def _fit(self, keys: mx.array, values: mx.array) -> None:
+        k = keys.astype(mx.float32)
+        self.mu = k.mean(axis=2)
+        calib = self.config.options.amc_calib_variance
+        if calib is None:
+            var = k.var(axis=2)
+            self.var = mx.maximum(var, VARIANCE_FLOOR * var.max(axis=-1, keepdims=True) + 1e-30)
+        else:
+            self.var = mx.full(self.mu.shape, float(calib))
+        r = low_rank(keys.shape[-1])
+        self.store.projections[2] = tuple(a.astype(mx.float16) for a in (*pca_basis(keys, r), *pca_basis(values, r)))
+
+    def _intrinsic(self, keys: mx.array) -> mx.array:
+        dev = keys.astype(mx.float32) - self.mu[:, :, None]
+        return (dev * dev / self.var[:, :, None]).sum(axis=-1)
+
+    def _remember(self, s: mx.array, s_int: mx.array) -> None:
+        """The newest saliencies (B, H, n) join the window (a ring of threshold_window)."""
+        w = self.config.options.amc_threshold_window
+        if self.window is None:
+            self.window = mx.zeros((*s.shape[:2], w), mx.float32)
+            self.window_int = mx.zeros_like(self.window) if self.config.options.amc_use_query_saliency else None
+        m = min(s.shape[-1], w)
+        slots = (self.at + mx.arange(m)) % w
+        self.window[..., slots] = s[..., -m:]
+        if self.window_int is not None:
+            self.window_int[..., slots] = s_int[..., -m:]
+        self.at, self.seen = (self.at + m) % w, min(self.seen + m, w)
+
+    def _chunk_tiers(self, queries, all_keys, keys, scale):
+        o, n = self.config.options, keys.shape[2]
+        s_int = self._intrinsic(keys)
+        s = s_int
+        if o.amc_use_query_saliency:
+            m, start = min(o.amc_threshold_window, n), all_keys.shape[2] - n
+            probes = mx.arange(n - m, n)
+            s_q = probe_attention_sums(queries[:, :, probes], all_keys, scale, probes + start)[..., start:]
+            s = (1 - o.amc_query_alpha) * ranks(s_int) + o.amc_query_alpha * ranks(s_q)
+        n_hi = n_salient(o.amc_k_high, n)
+        n_mid = min(n - n_hi, n_salient(o.amc_k_mid, n))
+        place = mx.argsort(mx.argsort(-s, axis=-1), axis=-1)  # 0: the most salient
+        tiers = mx.where(place < n_hi, 0, mx.where(place < n_hi + n_mid, 1, 2)).astype(mx.uint8)
+        if self.theta is None:
+            self.theta = thresholds(s, o.amc_k_high, o.amc_k_mid)
+        self._remember(s, s_int)
+        return tiers, [n_hi, n_mid, n - n_hi - n_mid]
+
+    def _step_tiers(self, keys):
+        o = self.config.options
+        s_int = self._intrinsic(keys)  # (B, H, 1)
+        s = s_int
+        if self.window_int is not None:
+            s = (self.window_int[..., : self.seen] < s_int).astype(mx.float32).mean(axis=-1, keepdims=True)
+        tiers = mx.where(s >= self.theta[..., :1], 0, mx.where(s >= self.theta[..., 1:], 1, 2)).astype(mx.uint8)
+        self._remember(s, s_int)
+        if o.amc_adaptive_thresholds and self.seen >= 2:
+            new = thresholds(self.window[..., : self.seen], o.amc_k_high, o.amc_k_mid)
+            self.theta = new if o.amc_gamma == 1 else mx.where(
+                new == self.theta, self.theta, (1 - o.amc_gamma) * self.theta + o.amc_gamma * new)
+        return tiers, [1, 1, 1]
+
+    # -- the protocol ----------------------------------------------------------------------
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        k, v = self._take_chunk(sinks)
+        if self.store is None:
+            self._build(k.shape[-1])
+        if self.mu is None:
+            self._fit(k, v)
+        if queries.shape[2] == 1 and k.shape[2] == 1:
+            tiers, most = self._step_tiers(k)
+            self.store.commit(k, v, tiers, most)
+            return decode_attention(queries, self.store.decode_parts(None), scale=scale, use_kernel=False,
+                                    n_kv_heads=k.shape[1])
+        old_k, old_v = self.store.history(k.dtype)
+        all_k = k if old_k is None else mx.concatenate([old_k, k], axis=2)
+        all_v = v if old_v is None else mx.concatenate([old_v, v], axis=2)
+        if isinstance(mask, mx.array):
+            mask = causal_mask(queries.shape[2], all_k.shape[2])
+        out = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
+        tiers, most = self._chunk_tiers(queries, all_k, k, scale)
+        self.store.commit(k, v, tiers, most)
+        return out
+
+    # -- what is kept ------------------------------------------------------------------------
+    @property
+    def stored_length(self) -> int:
+        return 0 if self.store is None else self.store.length
+
+    def dequantized(self, dtype):
+        return (None, None) if self.store is None else self.store.history(dtype)
+
+    def _arrays(self):
+        own = {"mu": self.mu, "var": self.var, "theta": self.theta, "window": self.window,
+               "window_int": self.window_int}
+        if self.store is None:
+            return own
+        return {**self.store.arrays(), **own}
+
+    def _meta(self):
+        return {"window_seen": self.seen, "window_at": self.at}
+
+    def _restore_meta(self, meta) -> None:
+        arrays = self.__dict__.pop("_saved_arrays", {})
+        for name in ("mu", "var", "theta", "window", "window_int"):
+            setattr(self, name, arrays.pop(name, None))
+        self.seen, self.at = int(meta.get("window_seen", 0)), int(meta.get("window_at", 0))
+        if arrays:
+            self._build(self.kv_shape[2] if self.kv_shape else arrays["tier2_k_basis"].shape[2])
+            self.store.restore(meta, arrays)
+
+    def _layout_problems(self):
+        if self.kv_shape is not None and self.store is not None:
+            yield from self.store.layout_problems(self.kv_shape[2:])
+
+    def _state_problems(self):
+        if self.store is None:
+            if self.offset:
+                yield "tokens stored", 0, f"the offset {self.offset}"
+            return
+        yield from self.store.problems(self.offset)

@@ -1,0 +1,236 @@
+"""Tiers chosen per token and KV head: each tier a codec, each head its own count of rows.
+
+A token's tier may differ from head to head, and at a decode step one head's token goes
+to one tier, another head's to another, so a tier's heads hold different numbers of
+rows. ``RaggedTier`` keeps one codec's rows per (batch, head) at their own count
+(``counts`` (B, H)), in arrival order, in buffers of ``capacity`` rows shared by the
+heads and grown ``step`` rows at a time. A write gathers the rows each head takes
+(a prompt chunk: the same number per head; a decode step: one row, which a head that
+does not take it writes past its count) and writes them after its own run. Rows past a
+head's count are masked out
+of its scores (``MaskedRows``), so readers run over the whole buffer and the host never
+waits for the counts except when a buffer may be full (``bound``: an upper bound of the
+largest count, refreshed then).
+
+``TieredRowsStore`` holds keys and values in such tiers (the value of a token in its
+key's tier), the tier of every token and head in position order (uint8 ``flags``, which
+put the history back in order), and optional projections per tier (a low tier kept as
+coefficients on a basis, ``methods/amc/projection.py``). Every token is coded as it arrives
+(no window). A prompt chunk attends over the decoded history plus itself; a decode step
+over one part per non-empty tier, merged by log-sum-exp, on the pure-MLX path (per-token
+rows: ``TokenRows``, ``quantized_matmul`` over the packed codes on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ...cache.buffers import GrowingArray
+from ...kernels.decode import DecodePart
+from .projection import ProjectedRows
+from ...quant.token_rows import TokenGroups, TokenRows
+from ...quant.packed import GROWTH_TOKENS, AffineLayout
+from ...quant.store import PackedStore
+
+MASKED = -1e30  # the score of a row a head does not hold: finite, so an empty head's
+# partial softmax state stays a number (its weight in the merge is 2^-inf = 0)
+
+
+class RaggedTier:
+    """Rows of one ``TokenGroups`` codec, each (batch, head) with its own count."""
+
+    def __init__(self, codec: TokenGroups, step: int = GROWTH_TOKENS):
+        self.codec, self.step = codec, step
+        self.codes = self.scales = self.biases = self.counts = None
+        self.bound = 0  # host-side: no head holds more rows than this
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.codes is None else self.codes.shape[2]
+
+    def _room(self, n: int) -> None:
+        if self.bound + n <= self.capacity:
+            return
+        self.bound = int(self.counts.max())
+        grow = -(-(self.bound + n - self.capacity) // self.step) * self.step
+        if self.bound + n > self.capacity:
+            pad = lambda a: mx.pad(a, [(0, 0), (0, 0), (0, grow), (0, 0)])  # noqa: E731
+            self.codes, self.scales, self.biases = pad(self.codes), pad(self.scales), pad(self.biases)
+
+    def write(self, rows: mx.array, take: mx.array, most: int) -> None:
+        """Rows (B, H, n, ·); ``take`` (B, H, n) bool: the rows each head keeps, in order;
+        ``most``: no head takes more (host-side: the room a write needs). A head that
+        takes fewer writes its last slots past its count, where nothing reads them."""
+        b, h, n = take.shape
+        if self.counts is None:
+            self.counts = mx.zeros((b, h), mx.int32)
+        if most < n:  # each head's taken rows first, in order
+            pick = mx.argsort(mx.where(take, 0, n) + mx.arange(n), axis=-1)[..., :most]
+            rows = mx.take_along_axis(rows, pick[..., None], axis=2)
+            take = mx.take_along_axis(take, pick, axis=-1)
+        codes, scales, biases = self.codec.encode(rows)
+        if self.codes is None:
+            self.codes, self.scales, self.biases = (mx.zeros((b, h, 0, a.shape[-1]), a.dtype)
+                                                    for a in (codes, scales, biases))
+        self._room(most)
+        pos = self.counts[..., None] + mx.arange(most)
+        bi, hi = mx.arange(b).reshape(b, 1, 1), mx.arange(h).reshape(1, h, 1)
+        self.codes[bi, hi, pos] = codes
+        self.scales[bi, hi, pos] = scales
+        self.biases[bi, hi, pos] = biases
+        self.counts = self.counts + take.astype(mx.int32).sum(axis=-1)
+        self.bound += most
+
+    def layout(self) -> AffineLayout:
+        c = self.codec
+        return AffineLayout(self.codes, self.scales, self.biases, self.capacity, c.bits, c.group, "token")
+
+    def rows(self) -> mx.array:
+        """Every buffered row (B, H, capacity, ·), float32 (transient)."""
+        return self.codec.decode(self.codes, self.scales, self.biases, mx.float32)
+
+
+class MaskedRows:
+    """A reader over a tier's whole buffer whose rows past each head's count score MASKED."""
+
+    def __init__(self, inner, counts: mx.array, capacity: int):
+        self.inner, self.counts, self.count = inner, counts, capacity
+
+    @property
+    def n_heads(self) -> int:
+        return self.counts.shape[1]
+
+    def scores(self, q: mx.array) -> mx.array:
+        valid = mx.arange(self.count) < self.counts[..., None]
+        return mx.where(valid[:, :, None], self.inner.scores(q), MASKED)
+
+    def mix(self, p: mx.array) -> mx.array:
+        return self.inner.mix(p)
+
+
+class TieredRowsStore(PackedStore):
+    """Keys and values in ``len(codecs)`` ragged tiers; ``projections[tier]``: the
+    (mean, basis) pairs of keys and values for a tier kept as coefficients (in the dtype
+    they are kept in, cast to float32 where they are used)."""
+
+    def __init__(self, key_codecs, value_codecs, step: int = GROWTH_TOKENS):
+        self.k_tiers = [RaggedTier(c, step) for c in key_codecs]
+        self.v_tiers = [RaggedTier(c, step) for c in value_codecs]
+        self.flags = GrowingArray(axis=2, step=step)  # (B, H, n) uint8 tier ids
+        self.projections: dict[int, tuple[mx.array, mx.array, mx.array, mx.array]] = {}
+
+    @property
+    def length(self) -> int:
+        return self.flags.length
+
+    def _coefficients(self, tier: int, x: mx.array, which: int) -> mx.array:
+        if tier not in self.projections:
+            return x
+        mean, basis = (a.astype(mx.float32) for a in self.projections[tier][2 * which : 2 * which + 2])
+        return ((x.astype(mx.float32) - mean[:, :, None]) @ basis).astype(x.dtype)  # scales in x's dtype
+
+    def commit(self, keys: mx.array, values: mx.array, tiers: mx.array, most: list[int]) -> None:
+        """Tokens (B, H, n, D) with their tiers (B, H, n) uint8; ``most[t]``: at most this
+        many of them in tier t for any head."""
+        for t, (kt, vt) in enumerate(zip(self.k_tiers, self.v_tiers)):
+            if most[t]:
+                take = tiers == t
+                kt.write(self._coefficients(t, keys, 0), take, most[t])
+                vt.write(self._coefficients(t, values, 1), take, most[t])
+        self.flags.append(tiers.astype(mx.uint8))
+
+    def _readers(self, t: int):
+        kt, vt = self.k_tiers[t], self.v_tiers[t]
+        keys, values = TokenRows(kt.layout()), TokenRows(vt.layout())
+        if t in self.projections:
+            k_mean, k_basis, v_mean, v_basis = (a.astype(mx.float32) for a in self.projections[t])
+            keys, values = ProjectedRows(keys, k_basis, k_mean), ProjectedRows(values, v_basis, v_mean)
+        return MaskedRows(keys, kt.counts, kt.capacity), values
+
+    def decode_parts(self, empty) -> list[DecodePart]:
+        return [DecodePart(*self._reader_pair(t)) for t in range(len(self.k_tiers)) if self.k_tiers[t].capacity]
+
+    def _reader_pair(self, t):
+        keys, values = self._readers(t)
+        return keys, None, values, None
+
+    def _decoded(self, t: int, which: int) -> mx.array:
+        tier = (self.k_tiers, self.v_tiers)[which][t]
+        rows = tier.rows()
+        if t in self.projections:
+            mean, basis = (a.astype(mx.float32) for a in self.projections[t][2 * which : 2 * which + 2])
+            rows = rows @ basis.swapaxes(-1, -2) + mean[:, :, None]
+        return rows
+
+    def history(self, dtype):
+        """Every token in position order, decoded (transient: prefill chunks and tests)."""
+        if not self.length:
+            return None, None
+        flags = self.flags.view().astype(mx.int32)
+        out = []
+        for which in (0, 1):
+            parts, source, start = [], mx.zeros(flags.shape, mx.int32), 0
+            for t, tier in enumerate((self.k_tiers, self.v_tiers)[which]):
+                if not tier.capacity:
+                    continue
+                parts.append(self._decoded(t, which))
+                mine = flags == t
+                source = mx.where(mine, start + mx.cumsum(mine.astype(mx.int32), axis=-1) - 1, source)
+                start += tier.capacity
+            rows = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+            out.append(mx.take_along_axis(rows, source[..., None], axis=2).astype(dtype))
+        return out[0], out[1]
+
+    # -- what is kept -------------------------------------------------------------------------
+    def arrays(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"flags": self.flags}
+        for name, tiers in (("k", self.k_tiers), ("v", self.v_tiers)):
+            for t, tier in enumerate(tiers):
+                for field in ("codes", "scales", "biases", "counts"):
+                    out[f"{name}{t}_{field}"] = getattr(tier, field)
+        for t, arrays in self.projections.items():
+            for field, a in zip(("k_mean", "k_basis", "v_mean", "v_basis"), arrays):
+                out[f"tier{t}_{field}"] = a
+        return out
+
+    def restore(self, meta, arrays) -> None:
+        for key, value in arrays.items():
+            if key == "flags":
+                self.flags.reset(value)
+            elif key.startswith("tier"):
+                t, field = int(key[4 : key.index("_")]), key[key.index("_") + 1 :]
+                got = list(self.projections.get(t, (None,) * 4))
+                got[("k_mean", "k_basis", "v_mean", "v_basis").index(field)] = value
+                self.projections[t] = tuple(got)
+            elif key[0] in "kv" and key[1:2].isdigit():
+                tier = (self.k_tiers if key[0] == "k" else self.v_tiers)[int(key[1 : key.index("_")])]
+                setattr(tier, key[key.index("_") + 1 :], value)
+        for tier in self.k_tiers + self.v_tiers:
+            tier.bound = tier.capacity
+
+    def layout_problems(self, head_dims):
+        for name, tiers, dim in (("key", self.k_tiers, head_dims[0]), ("value", self.v_tiers, head_dims[1])):
+            for t, tier in enumerate(tiers):
+                if tier.codes is None:
+                    continue
+                width = self.projections[t][1].shape[-1] if t in self.projections else dim
+                c = tier.codec
+                want = (width * c.bits // 32, width // c.group)
+                if (tier.codes.shape[-1], tier.scales.shape[-1]) != want:
+                    yield (f"tier {t} {name} codes and scales per row", (tier.codes.shape[-1], tier.scales.shape[-1]),
+                           f"{want} ({c.bits}-bit codes of {width} values, groups of {c.group})")
+
+    def problems(self, offset: int):
+        if self.length != offset:
+            yield "tokens stored", self.length, f"the offset {offset}"
+        if not self.length:
+            return
+        flags = self.flags.view()
+        for t, (kt, vt) in enumerate(zip(self.k_tiers, self.v_tiers)):
+            flagged = (flags == t).astype(mx.int32).sum(axis=-1)
+            for name, tier in (("key", kt), ("value", vt)):
+                held = mx.zeros(flagged.shape, mx.int32) if tier.counts is None else tier.counts
+                if not bool(mx.all(held == flagged)) or (tier.counts is not None and int(held.max()) > tier.capacity):
+                    yield f"tier {t} {name} rows per head", held.tolist(), f"the tokens flagged {t}: {flagged.tolist()}"

@@ -1,0 +1,134 @@
+"""CacheGen: anchor/delta coding, depth-scheduled bit widths, per-channel entropy coding.
+
+Per layer, keys and values alike (``methods/cachegen/delta.py``):
+
+- **bits**: ``cachegen_resolved_bits`` when set; otherwise the depth schedule, the layers
+  split into ``cachegen_layer_groups`` contiguous groups, the first getting
+  ``cachegen_bits + 1`` (capped at 8), the rest ``cachegen_bits`` (the released codec's
+  32/16/16 bins ~ 5/4/4 bits; inferred). One group means no schedule: ``cachegen_bits``
+  everywhere. A cache built without a model context (no layer count) uses
+  ``cachegen_bits``. The width used is ``resolved_bits`` on the cache (the options are
+  frozen: they are not rewritten) and is saved with it.
+- **anchors and deltas** (``cachegen_use_delta``): tokens in groups of G =
+  ``cachegen_group_size`` consecutive tokens (the anchor spacing, inferred equal to the
+  scale group); the group's first token quantized at 8 bits, every other token as its
+  delta from the reconstructed anchor. Without delta coding every token is coded directly.
+- **quantization**: symmetric, per token per G channels, float16 scales (the released
+  code scales per token over all H*d channels: per-group scales are the card's adaptation).
+- **streaming**: a prompt chunk encodes its whole groups of G tokens, the rest (and decode
+  tokens) wait in full precision until a group is whole (``quant/chunk_store.py``).
+- **entropy coding** (``quant/entropy.py``, rANS): the symbols of each (layer, K/V) coded
+  with one frequency table per channel (head x dim; ``cachegen_per_channel``) or one
+  pooled table, built from the symbols coded (the released code's per-chunk CDFs; the
+  whole history is one chunk here); anchors with one pooled table (a per-channel table of
+  255 entries would outweigh the 1/G of tokens it codes). Zero counts need no smoothing:
+  the table is the data's own.
+
+What stays resident (``nbytes``): the fixed-length codes, packed at the layer's width
+(the anchor's zero delta included), float16 scales, anchor codes and scales, the
+full-precision tail. What is saved (``state``, ``stored_nbytes``): the coded streams and
+their uint16 tables, the scales, the anchors' streams, the tail (``quant/coded_cache.py``).
+Attention never reads a stream: a prompt chunk attends over the reconstructed history plus
+itself, a decode step over the resident codes reconstructed (``AnchoredScores``, the
+pure-MLX path on every device) and the tail, merged in one softmax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...quant import entropy
+from ...quant.chunk_store import ChunkedStore
+from ...quant.coded_cache import EntropyCodedCache, from_numpy, to_numpy
+from .delta import ANCHOR_BITS, AnchoredCodec, AnchoredTokens, qmax
+from ...quant.packed import GROWTH_TOKENS
+
+
+def layer_bits(options, layer: int, n_layers: int | None) -> int:
+    """The layer's width: the explicit override, else the depth schedule."""
+    if options.cachegen_resolved_bits is not None:
+        return options.cachegen_resolved_bits
+    groups, bits = options.cachegen_layer_groups, options.cachegen_bits
+    if n_layers is None or groups == 1:
+        return bits
+    return min(8, bits + 1) if layer * groups // n_layers == 0 else bits
+
+
+def _lanes(x: np.ndarray) -> np.ndarray:
+    """(B, H, n, D) -> (H*D, B*n): one lane per channel, its symbols along the tokens."""
+    b, h, n, d = x.shape
+    return x.transpose(1, 3, 0, 2).reshape(h * d, b * n)
+
+
+def _from_lanes(x: np.ndarray, b: int, h: int, d: int) -> np.ndarray:
+    return x.reshape(h, d, b, -1).transpose(2, 0, 3, 1)
+
+
+class CacheGenCache(EntropyCodedCache):
+    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    group_field = "cachegen_group_size"
+
+    def make_store(self, bits: int | None = None):
+        o = self.config.options
+        self.resolved_bits = bits or layer_bits(o, self.layer, getattr(self.context, "n_layers", None))
+        codec = AnchoredCodec(self.resolved_bits, self.group, o.cachegen_use_delta)
+        step = max(GROWTH_TOKENS, self.group)
+        return ChunkedStore(AnchoredTokens(codec, step), AnchoredTokens(codec, step),
+                            block=self.group, group=self.group, step_tokens=step)
+
+    def _meta(self):
+        return {**super()._meta(), "bits": self.resolved_bits}
+
+    # -- the saved form ------------------------------------------------------------------
+    def stored_arrays(self):
+        s = self.store
+        out = {"k_buf": s.k_buf.view(), "v_buf": s.v_buf.view()}
+        for prefix, run in (("k", s.keys), ("v", s.values)):
+            if run.count:
+                out.update(self._coded(prefix, run))
+        return {k: v for k, v in out.items() if v is not None}
+
+    def _coded(self, prefix: str, run: AnchoredTokens):
+        c, pooled = run.codec, not self.config.options.cachegen_per_channel
+        codes, scales, a_codes, a_scales = run.unpacked()
+        sym = to_numpy(codes)
+        if c.use_delta:  # the anchors' zero deltas are not coded
+            b, h, n, d = sym.shape
+            sym = sym.reshape(b, h, n // c.group, c.group, d)[:, :, :, 1:].reshape(b, h, -1, d)
+        stream, table = entropy.pack(_lanes(sym), 2 * qmax(c.bits) + 1, pooled=pooled)
+        out = {f"{prefix}_scales": scales, f"{prefix}_stream": from_numpy(stream),
+               f"{prefix}_table": from_numpy(table)}
+        if c.use_delta:
+            stream, table = entropy.pack(_lanes(to_numpy(a_codes)), 2 * qmax(ANCHOR_BITS) + 1, pooled=True)
+            out.update({f"{prefix}_anchor_scales": a_scales, f"{prefix}_anchor_stream": from_numpy(stream),
+                        f"{prefix}_anchor_table": from_numpy(table)})
+        return out
+
+    def restore_stored(self, meta, arrays):
+        self.store = self.make_store(int(meta["bits"]))
+        self.store.k_buf.reset(arrays.get("k_buf"))
+        self.store.v_buf.reset(arrays.get("v_buf"))
+        if self.kv_shape is None:
+            return
+        b, h, d_k, d_v = self.kv_shape
+        pooled = not self.config.options.cachegen_per_channel
+        for prefix, run, d in (("k", self.store.keys, d_k), ("v", self.store.values, d_v)):
+            if f"{prefix}_scales" not in arrays:
+                continue
+            c, scales = run.codec, arrays[f"{prefix}_scales"]
+            n = scales.shape[2]
+            n_coded = n // c.group * (c.group - 1) if c.use_delta else n
+            lanes = entropy.unpack(to_numpy(arrays[f"{prefix}_stream"]), to_numpy(arrays[f"{prefix}_table"]),
+                                   b * n_coded, 2 * qmax(c.bits) + 1, h * d, pooled=pooled)
+            sym = _from_lanes(lanes, b, h, d)
+            anchors = None
+            if c.use_delta:
+                full = np.full((b, h, n // c.group, c.group, d), qmax(c.bits), np.int64)
+                full[:, :, :, 1:] = sym.reshape(b, h, n // c.group, c.group - 1, d)
+                sym = full.reshape(b, h, n, d)
+                a = entropy.unpack(to_numpy(arrays[f"{prefix}_anchor_stream"]),
+                                   to_numpy(arrays[f"{prefix}_anchor_table"]), b * (n // c.group),
+                                   2 * qmax(ANCHOR_BITS) + 1, h * d, pooled=True)
+                anchors = from_numpy(_from_lanes(a, b, h, d).astype(np.uint32))
+            run.put(from_numpy(sym.astype(np.uint32)), scales, anchors,
+                    arrays.get(f"{prefix}_anchor_scales"), exact=True)

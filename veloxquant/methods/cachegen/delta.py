@@ -1,0 +1,171 @@
+"""Symmetric group quantization, and runs of tokens coded as deltas from an anchor token.
+
+``quantize_symmetric``: per token, per group of ``group`` channels, ``s = max|g| / qmax``
+with ``qmax = 2**(bits-1) - 1``, ``q = clip(round(g / s), -qmax, qmax)``; codes are kept
+offset by ``qmax`` (``[0, 2 qmax]``, ``2**bits - 1`` symbols) and ``s`` in float16,
+rounded before the codes are computed against it, so ``|x - x_hat| <= s / 2`` (the clip
+can only take off the float16 rounding of the group's largest element). Zero-centred
+data (deltas) is what the symmetric grid suits.
+
+``AnchoredTokens`` keeps a growing run of tokens in whole anchor groups of ``group``
+consecutive tokens (CacheGen): token 0 of a group is the anchor, quantized at
+``ANCHOR_BITS``; every token of the group is then ``bits``-bit coded as its delta from the
+**reconstructed** anchor (the anchor's own delta is zero), so errors do not drift along
+the group. With ``use_delta=False`` every token is coded directly. What is kept: codes
+packed at ``bits`` per symbol (uint32 words), float16 scales, and the anchors' 8-bit
+codes and scales. Attention reads ``AnchoredScores`` (the ``PackedScores`` protocol of
+``kernels/decode.py``): the run reconstructed in float32 (transient), then one matrix
+product; the pure-MLX path on every device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ...cache.buffers import GrowingArray
+from ...quant.affine import pack_codes, unpack_codes
+
+ANCHOR_BITS = 8
+_MIN_SCALE = 2.0**-20  # an all-zero group: codes at zero, reconstructed exactly
+
+
+def qmax(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def quantize_symmetric(x: mx.array, bits: int, group: int) -> tuple[mx.array, mx.array]:
+    """(..., D) -> codes (..., D) uint32 in [0, 2 qmax], float16 scales (..., D / group)."""
+    m = qmax(bits)
+    g = x.astype(mx.float32).reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    s = mx.maximum(mx.abs(g).max(axis=-1, keepdims=True) / m, _MIN_SCALE).astype(mx.float16)
+    q = mx.clip(mx.round(g / s.astype(mx.float32)), -m, m) + m
+    return q.reshape(x.shape).astype(mx.uint32), s.squeeze(-1)
+
+
+def dequantize_symmetric(codes: mx.array, scales: mx.array, bits: int) -> mx.array:
+    """float32 (..., D) from codes (..., D) and scales (..., D / group)."""
+    d, n_groups = codes.shape[-1], scales.shape[-1]
+    q = codes.astype(mx.float32) - qmax(bits)
+    g = q.reshape(*codes.shape[:-1], n_groups, d // n_groups) * scales.astype(mx.float32)[..., None]
+    return g.reshape(codes.shape)
+
+
+@dataclass(frozen=True)
+class AnchoredCodec:
+    bits: int  # bits per delta (or direct) symbol
+    group: int  # channels per scale, and tokens per anchor group
+    use_delta: bool
+
+
+class AnchoredTokens:
+    """A growing run of whole anchor groups in one ``AnchoredCodec`` (the interface of
+    ``PackedTokens``: count, append, decode, layout, arrays, expected_shapes)."""
+
+    def __init__(self, codec: AnchoredCodec, step_tokens: int):
+        self.codec = codec
+        self.codes = GrowingArray(axis=2, step=step_tokens)
+        self.scales = GrowingArray(axis=2, step=step_tokens)
+        anchor_step = max(1, step_tokens // codec.group)
+        self.anchor_codes = GrowingArray(axis=2, step=anchor_step) if codec.use_delta else None
+        self.anchor_scales = GrowingArray(axis=2, step=anchor_step) if codec.use_delta else None
+
+    @property
+    def count(self) -> int:
+        return self.codes.length
+
+    def encode(self, x: mx.array):
+        """(B, H, n, D), n a multiple of the group -> (codes, scales, anchor codes, anchor
+        scales), codes unpacked; anchors None without delta coding."""
+        c = self.codec
+        if not c.use_delta:
+            return (*quantize_symmetric(x, c.bits, c.group), None, None)
+        b, h, n, d = x.shape
+        groups = x.astype(mx.float32).reshape(b, h, n // c.group, c.group, d)
+        a_codes, a_scales = quantize_symmetric(groups[:, :, :, 0], ANCHOR_BITS, c.group)
+        anchor = dequantize_symmetric(a_codes, a_scales, ANCHOR_BITS)[:, :, :, None]
+        first = (mx.arange(c.group) == 0)[:, None]  # the anchor's own delta is zero
+        deltas = mx.where(first, 0.0, groups - anchor).reshape(b, h, n, d)
+        return (*quantize_symmetric(deltas, c.bits, c.group), a_codes, a_scales)
+
+    def append(self, x: mx.array) -> None:
+        self.put(*self.encode(x))
+
+    def put(self, codes, scales, anchor_codes=None, anchor_scales=None, exact=False) -> None:
+        """Keep computed (unpacked) codes after the tokens already kept; ``exact``: replace
+        what is kept by them, exactly sized (a restored state)."""
+        keep = (lambda g, x: g.reset(x)) if exact else (lambda g, x: g.append(x))
+        keep(self.codes, pack_codes(codes, self.codec.bits))
+        keep(self.scales, scales)
+        if self.codec.use_delta:
+            keep(self.anchor_codes, pack_codes(anchor_codes, ANCHOR_BITS))
+            keep(self.anchor_scales, anchor_scales)
+
+    def unpacked(self):
+        """(codes, scales, anchor codes, anchor scales) of the whole run, codes unpacked."""
+        c = self.codec
+        codes = unpack_codes(self.codes.view(), c.bits)
+        if not c.use_delta:
+            return codes, self.scales.view(), None, None
+        return codes, self.scales.view(), unpack_codes(self.anchor_codes.view(), ANCHOR_BITS), self.anchor_scales.view()
+
+    def dense(self) -> mx.array | None:
+        """Every kept token reconstructed, float32 (B, H, count, D)."""
+        if not self.count:
+            return None
+        return reconstruct(self.codec, self.codes.view(), self.scales.view(),
+                           *((self.anchor_codes.view(), self.anchor_scales.view()) if self.codec.use_delta else ()))
+
+    def decode(self, dtype) -> mx.array | None:
+        x = self.dense()
+        return None if x is None else x.astype(dtype)
+
+    def layout(self, empty: mx.array) -> "AnchoredScores":
+        views = (self.codes.view(), self.scales.view())
+        if self.codec.use_delta:
+            views += (self.anchor_codes.view(), self.anchor_scales.view())
+        return AnchoredScores(self.codec, self.count, views)
+
+    def expected_shapes(self, head_dim: int):
+        c, n = self.codec, self.count
+        return (n, head_dim * c.bits // 32), (n, head_dim // c.group)
+
+    def problems(self, head_dim: int):
+        if self.codec.use_delta and self.anchor_codes.length * self.codec.group != self.count:
+            yield "anchors", self.anchor_codes.length, f"one per {self.codec.group} of the {self.count} tokens"
+
+    def arrays(self, prefix: str) -> dict:
+        out = {f"{prefix}_codes": self.codes, f"{prefix}_scales": self.scales}
+        if self.codec.use_delta:
+            out.update({f"{prefix}_anchor_codes": self.anchor_codes, f"{prefix}_anchor_scales": self.anchor_scales})
+        return out
+
+
+def reconstruct(codec: AnchoredCodec, codes, scales, anchor_codes=None, anchor_scales=None) -> mx.array:
+    """float32 (B, H, n, D) from packed codes (and anchors)."""
+    x = dequantize_symmetric(unpack_codes(codes, codec.bits), scales, codec.bits)
+    if anchor_codes is None:
+        return x
+    b, h, n, d = x.shape
+    anchor = dequantize_symmetric(unpack_codes(anchor_codes, ANCHOR_BITS), anchor_scales, ANCHOR_BITS)
+    return (x.reshape(b, h, n // codec.group, codec.group, d) + anchor[:, :, :, None]).reshape(b, h, n, d)
+
+
+@dataclass(frozen=True)
+class AnchoredScores:
+    """A run's keys or values as decode attention reads them (``PackedScores``)."""
+
+    codec: AnchoredCodec
+    count: int
+    views: tuple
+
+    @property
+    def n_heads(self) -> int:
+        return self.views[0].shape[1]
+
+    def scores(self, q: mx.array) -> mx.array:
+        return q @ reconstruct(self.codec, *self.views).swapaxes(-1, -2)
+
+    def mix(self, p: mx.array) -> mx.array:
+        return p @ reconstruct(self.codec, *self.views)

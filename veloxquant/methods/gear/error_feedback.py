@@ -1,0 +1,178 @@
+"""Error feedback on a group-affine backbone: sparse outliers, the quantized rest, and a
+low-rank residual (GEAR's codec), for a growing run of chunks.
+
+For a chunk X (B, H, n, D) of keys or values, per (batch, head), in float32:
+
+1. **outliers**: per vector of the backbone's orientation (a key channel across the
+   chunk's n tokens, a value token across its D channels) the ``ceil(s * len / 2)``
+   largest and as many smallest entries (``outliers.tail_indices``);
+2. **backbone**: those entries replaced by their vector's mean (GEAR's repo), the chunk
+   quantized min-max in groups (``GroupAffine``, KIVI's grouping): ``D_hat``;
+3. **low rank**: ``R = X - D_hat``, zero at the outliers, approximated by ``A Bᵀ``
+   (``lowrank/factors.py``): a fixed rank by power iteration, or, with no rank given, the
+   energy rule over an exact SVD (the smallest rank holding ``energy`` of R's spectral
+   energy, the largest over the chunk's heads, capped at ``ceil(RANK_CAP_FRACTION *
+   min(n, D))``: a quantization residual is nearly white and would otherwise take
+   almost every rank);
+4. **sparse**: at the outliers, ``delta = X - D_hat - A Bᵀ`` (with A and B as kept), so
+   they come back exactly (to the rounding of ``delta`` in the model dtype). GEAR's repo
+   restores the outliers before adding the low-rank term, so they come back off by L
+   there; the storage is the same.
+
+``x_hat = D_hat + A Bᵀ + scatter(delta)``. ``ErrorFeedbackTokens`` keeps the backbone as
+``PackedTokens`` (what the fused kernel reads), the factors as ``ChunkedFactors``
+(``methods/gear/chunked.py``) and the outliers as a ``SparseTable`` (``sparse.py``); decode
+reads them as ``ResidualScores`` (``residual.py``). With rank 0 and no outliers it is the
+backbone alone, bit for bit, and its layout is the plain ``AffineLayout``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .chunked import ChunkedFactors
+from ...lowrank.factors import energy_rank, power_iteration, rank_cap, svd_factors
+from ...quant.packed import GroupAffine, PackedTokens
+from ...quant.residual import ResidualScores
+from ...quant.outliers import per_tail, tail_indices
+from .sparse import SparseTable, channel_index_dtype
+
+RANK_CAP_FRACTION = 0.05  # the card's cap on the energy rule (the paper's ranks: a few %)
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ErrorFeedback:
+    base: GroupAffine
+    rank: int | None  # fixed rank (power iteration), 0 for none, None for the energy rule
+    energy: float
+    sparse_fraction: float
+
+    @property
+    def per_channel(self) -> bool:
+        return self.base.axis == "channel"
+
+    def _vectors(self, x: mx.array) -> mx.array:
+        """(B, H, rows, len): the vectors whose outliers are kept, as rows."""
+        return x.swapaxes(-1, -2) if self.per_channel else x
+
+    def factors(self, residual: mx.array):
+        """(A, B) float32 of the chunk's residual (B, H, n, D), or None."""
+        n, d = residual.shape[-2:]
+        if self.rank is not None:
+            rank = min(self.rank, n, d)
+            return power_iteration(residual, rank) if rank else None
+        a, b, sigma = svd_factors(residual)
+        need, cap = int(energy_rank(sigma, self.energy).max()), rank_cap(n, d, RANK_CAP_FRACTION)
+        if need > cap:
+            logger.debug("energy %.3g needs rank %d of a %dx%d chunk: capped at %d", self.energy, need, n, d, cap)
+        rank = min(need, cap)
+        return a[..., :rank], b[..., :rank]
+
+    def encode(self, x: mx.array, offset: int = 0):
+        """A chunk (B, H, n, D) -> backbone (codes, scales, biases), factors (A, B) or None,
+        outliers (delta, index) or None; token positions of per-channel outliers count from
+        ``offset`` (the chunk's place in its run)."""
+        dtype, xf = x.dtype, x.astype(mx.float32)
+        vectors = self._vectors(xf)
+        k = per_tail(self.sparse_fraction, vectors.shape[-1])
+        index = mask = None
+        if k:
+            index = tail_indices(vectors, k)
+            mask = mx.put_along_axis(mx.zeros(vectors.shape, mx.bool_), index, mx.array(True), axis=-1)
+            vectors = mx.where(mask, vectors.mean(axis=-1, keepdims=True), vectors)
+            mask = self._vectors(mask)  # back in the chunk's layout
+        codes, scales, biases = self.base.encode(self._vectors(vectors).astype(dtype))
+        approx = self.base.decode(codes, scales, biases, mx.float32)
+        factors = None
+        if self.rank != 0:
+            residual = xf - approx
+            factors = self.factors(residual if mask is None else mx.where(mask, 0.0, residual))
+        if factors is not None:
+            factors = tuple(f.astype(dtype) for f in factors)
+            approx = approx + factors[0].astype(mx.float32) @ factors[1].astype(mx.float32).swapaxes(-1, -2)
+        outliers = None
+        if k:
+            delta = mx.take_along_axis(self._vectors(xf - approx), index, axis=-1).astype(dtype)
+            where = (index + offset) if self.per_channel else index.astype(channel_index_dtype(x.shape[-1]))
+            outliers = delta, where
+        return (codes, scales, biases), factors, outliers
+
+
+class ErrorFeedbackTokens:
+    """A growing run of chunks in one ``ErrorFeedback`` codec (the ``PackedTokens``
+    interface: ``count``, ``append``, ``decode``, ``layout``, ``arrays``, ``expected_shapes``)."""
+
+    def __init__(self, codec: ErrorFeedback, step_tokens: int):
+        self.codec = codec
+        self.base = PackedTokens(codec.base, step_tokens)
+        self.factors = ChunkedFactors(step_tokens) if codec.rank != 0 else None
+        self.sparse = None
+        if codec.sparse_fraction > 0:
+            step = step_tokens if not codec.per_channel else 2 * per_tail(codec.sparse_fraction, step_tokens)
+            self.sparse = SparseTable(codec.base.axis, step)
+
+    @property
+    def count(self) -> int:
+        return self.base.count
+
+    def head_dim(self) -> int:
+        codes, c = self.base.codes.buffer, self.codec.base
+        return codes.shape[2] if c.axis == "channel" else codes.shape[3] * 32 // c.bits
+
+    def append(self, x: mx.array) -> None:
+        """Encode the chunk ``x`` (B, H, n, D) and keep it after the tokens already kept."""
+        backbone, factors, outliers = self.codec.encode(x, offset=self.count)
+        for kept, part in zip((self.base.codes, self.base.scales, self.base.biases), backbone):
+            kept.append(part)
+        if factors is not None:
+            self.factors.append(*factors)
+        if outliers is not None:
+            self.sparse.append(*outliers)
+
+    def _terms(self) -> tuple:
+        terms = []
+        if self.factors is not None and self.factors.count:
+            terms.append(self.factors.term())
+        if self.sparse is not None and self.sparse.entries:
+            terms.append(self.sparse.term(self.head_dim(), self.count))
+        return tuple(terms)
+
+    def decode(self, dtype) -> mx.array | None:
+        """The valid tokens (B, H, count, D) in ``dtype`` (transient: prefill and tests)."""
+        if not self.count:
+            return None
+        x = self.base.decode(mx.float32)
+        if self.factors is not None:
+            x = x + self.factors.dense()
+        if self.sparse is not None and self.sparse.entries:
+            x = x + self.sparse.term(x.shape[-1], self.count).dense()
+        return x.astype(dtype)
+
+    def layout(self, empty: mx.array):
+        """The backbone's ``AffineLayout`` when nothing else is kept, else ``ResidualScores``."""
+        base = self.base.layout(empty)
+        if self.factors is None and self.sparse is None:
+            return base
+        return ResidualScores(base, self._terms())
+
+    def expected_shapes(self, head_dim: int):
+        return self.base.expected_shapes(head_dim)
+
+    def problems(self, head_dim: int):
+        """(field, found, expected) where the factors or outliers contradict the backbone."""
+        if self.factors is not None:
+            yield from self.factors.problems(head_dim, self.count)
+        if self.sparse is not None:
+            yield from self.sparse.problems(head_dim, self.count)
+
+    def arrays(self, prefix: str) -> dict:
+        out = dict(self.base.arrays(prefix))
+        if self.factors is not None:
+            out.update(self.factors.arrays(prefix))
+        if self.sparse is not None:
+            out.update(self.sparse.arrays(prefix))
+        return out

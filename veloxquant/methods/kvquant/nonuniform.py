@@ -1,0 +1,298 @@
+"""Non-uniform quantization with a dense-and-sparse split: codebook indices plus exact outliers.
+
+``NonUniform`` is a codec in the ``GroupAffine`` mould (per token or per channel groups):
+per group of ``group`` entries (one token's channels, or one channel's tokens) the
+outliers are set aside first (``quant/outliers.py``), then the group's offset and range
+over the rest, ``o = (M + m) / 2`` and ``rho = (M - m) / 2`` (stored in the input's dtype),
+normalize it to ``z = (x - o) / rho`` in [-1, 1], and each z is stored as the index of its
+nearest centroid in the tensor's codebook (``quant/codebook.py``; packed bit planes, any
+width). ``x_hat = c[idx] * rho + o``, the outliers written back exactly.
+
+``NonUniformTokens`` keeps one codec's output for a growing run of tokens (grown buffers,
+the ``PackedTokens`` interface): codes, offsets, ranges, outlier positions and values, and
+its codebooks. The codebook is fitted (``codebook.fit``: quantile start, Lloyd) on the
+non-outlier z of the first tokens it encodes, then frozen; with ``refits`` each encode
+also adds its z to a histogram, and ``refit()`` runs warm-started Lloyd on it and appends
+a new codebook that only tokens encoded afterwards use: every token (per channel: every
+group) keeps the id of its codebook, old indices are never read with new centroids.
+Keys may be kept pre-RoPE (``quant/prerope.py``): de-rotated at their positions before
+encoding, rotated again when read.
+
+Reading: ``NonUniformScores`` (the ``PackedScores`` protocol of ``kernels/decode.py``)
+is the one pass a decode step makes over the packed run: indices unpacked and looked up in
+the codebook, scaled and offset per group (two fused elementwise passes), the outlier
+table scattered over that tile, then ``q K^T`` or ``p V`` as one matrix product. It reads
+the packed form directly: the history is never decoded into the model's dtype, nor
+concatenated with the other parts. No fused GPU kernel reads codebooks, so this is the
+pure-MLX path on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ...cache.buffers import GrowingArray
+from ...quant import codebook as cb
+from ...quant.outliers import per_tail, restore_channel_groups, restore_vectors, split_channel_groups, split_vectors
+from ...quant.packed import GROWTH_TOKENS
+from ...quant.prerope import from_pre_rope_channels, to_pre_rope
+
+
+@dataclass(frozen=True)
+class NonUniform:
+    """``bits``-bit codebook indices in groups of ``group`` along ``axis`` ("token": a token's
+    channels; "channel": a channel's tokens, stored transposed); a ``fraction`` of the
+    entries are outliers: ``per_tail(f, D)`` per tail per token (per channel: ``group``
+    times that per group of tokens); ``iters`` Lloyd steps per fit."""
+
+    bits: int
+    group: int
+    axis: str
+    fraction: float
+    iters: int
+
+    @property
+    def append_axis(self) -> int:
+        return -1 if self.axis == "channel" else 2
+
+    def per_tail(self, head_dim: int) -> int:
+        return per_tail(self.fraction, head_dim)
+
+    def outliers_per_unit(self, head_dim: int) -> int:
+        """Outliers per token (axis "token") or per group of tokens (axis "channel")."""
+        return 2 * self.per_tail(head_dim) * (self.group if self.axis == "channel" else 1)
+
+    def prepare(self, x: mx.array, dtype):
+        """(B, H, n, D) -> z (groups, float32), weights (1: fit on it), offsets, ranges (in
+        ``dtype``), outlier positions and values. z is (B, H, n, D/g, g) per token and
+        (B, H, D, n/g, g) per channel."""
+        g, k = self.group, self.per_tail(x.shape[-1])
+        x = x.swapaxes(-1, -2) if self.axis == "channel" else x
+        mask = pos = val = None
+        if k:
+            if self.axis == "channel":
+                mask, pos, val = split_channel_groups(x, k, g, dtype)
+            else:
+                mask, pos, val = split_vectors(x, k)
+        groups = x.astype(mx.float32).reshape(*x.shape[:-1], x.shape[-1] // g, g)
+        if mask is None:
+            low, high, weights = groups.min(axis=-1), groups.max(axis=-1), mx.ones(groups.shape)
+        else:
+            mask = mask.reshape(groups.shape)
+            low = mx.where(mask, mx.inf, groups).min(axis=-1)
+            high = mx.where(mask, -mx.inf, groups).max(axis=-1)
+            low, high = mx.where(low > high, 0.0, low), mx.where(low > high, 0.0, high)
+            weights = (~mask).astype(mx.float32)
+        offsets, ranges = ((high + low) / 2).astype(dtype), ((high - low) / 2).astype(dtype)
+        o, r = offsets.astype(mx.float32)[..., None], ranges.astype(mx.float32)[..., None]
+        z = mx.clip(mx.where(r > 0, (groups - o) / mx.where(r > 0, r, 1.0), 0.0), -1.0, 1.0)
+        return z, weights, offsets, ranges, pos, val
+
+    def assign(self, z: mx.array, centroids: mx.array) -> mx.array:
+        """Bit planes of the nearest-centroid indices: (B, H, n, bits, W) per token,
+        (B, H, D, bits, n/32) per channel."""
+        idx = cb.nearest(z, centroids)
+        return cb.pack_planes(idx.reshape(*idx.shape[:-2], -1), self.bits)
+
+    def encode(self, x: mx.array, centroids: mx.array, dtype):
+        z, weights, offsets, ranges, pos, val = self.prepare(x, dtype)
+        return self.assign(z, centroids), offsets, ranges, pos, val, z, weights
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_encode(codec: NonUniform, dtype):
+    """``encode`` of one token (values at a decode step), one compiled graph."""
+    return mx.compile(lambda x, centroids: codec.encode(x, centroids, dtype))
+
+
+class NonUniformTokens:
+    """A growing run of tokens in one ``NonUniform`` codec, with its codebooks."""
+
+    def __init__(self, codec: NonUniform, *, refits: bool = False, rotary=None, start: int = 0,
+                 step_tokens: int = GROWTH_TOKENS):
+        self.codec, self.rotary, self.start = codec, rotary, start
+        g, ax = codec.group, codec.append_axis
+        channel = codec.axis == "channel"
+        self.codes = GrowingArray(axis=ax, step=step_tokens // 32 if channel else step_tokens)
+        self.offsets = GrowingArray(axis=ax, step=step_tokens // g if channel else step_tokens)
+        self.ranges = GrowingArray(axis=ax, step=step_tokens // g if channel else step_tokens)
+        unit_step = step_tokens // g if channel else step_tokens
+        self.out_pos = GrowingArray(axis=2, step=unit_step)
+        self.out_val = GrowingArray(axis=2, step=unit_step)
+        self.books = GrowingArray(axis=0, step=1)  # (codebooks, 2^bits) float32
+        self.book_ids = GrowingArray(axis=0, step=unit_step) if refits else None
+        self.hist = GrowingArray(axis=0, step=2) if refits else None  # codebook.histogram
+
+    @property
+    def count(self) -> int:
+        if self.codec.axis == "channel":
+            return self.offsets.length * self.codec.group
+        return self.codes.length
+
+    @property
+    def centroids(self) -> mx.array:
+        """The codebook new tokens are encoded with."""
+        return self.books.buffer[self.books.length - 1]
+
+    # -- writing ---------------------------------------------------------------------------
+    def append(self, x: mx.array, one_token: bool = False) -> None:
+        """Encode ``x`` (B, H, n, D) after the tokens kept (per channel: n a multiple of 32
+        and of the group); the first call fits the codebook on its own data."""
+        c, dtype = self.codec, x.dtype
+        if self.rotary is not None:
+            x = to_pre_rope(x, self.start + self.count, self.rotary)
+        if not self.books.length:
+            z, weights, offsets, ranges, pos, val = c.prepare(x, dtype)
+            self.books.append(cb.fit(z, c.bits, c.iters, weights)[None])
+            codes = c.assign(z, self.centroids)
+        elif one_token:
+            codes, offsets, ranges, pos, val, z, weights = _compiled_encode(c, dtype)(x, self.centroids)
+            self._observe(z, weights)
+        else:
+            codes, offsets, ranges, pos, val, z, weights = c.encode(x, self.centroids, dtype)
+            self._observe(z, weights)
+        self.codes.append(codes)
+        self.offsets.append(offsets)
+        self.ranges.append(ranges)
+        if pos is not None:
+            self.out_pos.append(pos)
+            self.out_val.append(val)
+        if self.book_ids is not None:
+            units = offsets.shape[-1] if c.axis == "channel" else offsets.shape[2]
+            self.book_ids.append(mx.full((units,), self.books.length - 1, mx.int32))
+
+    def _observe(self, z, weights) -> None:
+        if self.hist is not None:
+            seen = cb.histogram(z, weights)
+            self.hist.reset(seen if self.hist.buffer is None else self.hist.buffer + seen)
+
+    def refit(self) -> None:
+        """Warm-started Lloyd on what was encoded since the last fit: a new codebook for
+        the tokens encoded from now on (nothing seen, or no Lloyd steps: no new codebook)."""
+        if self.hist is None or self.hist.buffer is None or not self.codec.iters:
+            return
+        if float(self.hist.buffer[0].sum()) == 0:
+            return
+        self.books.append(cb.refit(self.hist.buffer, self.centroids, self.codec.iters)[None])
+        self.hist.reset(mx.zeros_like(self.hist.buffer))
+
+    # -- reading ------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Tokens every buffer has room for: what readers compute over, so that the shapes
+        of their compiled passes change only when the buffers grow (rows past ``count`` are
+        zeros and come out as zeros)."""
+        g = self.codec.group
+        if self.codec.axis == "channel":
+            rooms = [self.codes.capacity * 32, self.offsets.capacity * g, self.ranges.capacity * g]
+            units = [a.capacity * g for a in (self.out_pos, self.book_ids) if a is not None and a.buffer is not None]
+        else:
+            rooms = [self.codes.capacity, self.offsets.capacity, self.ranges.capacity]
+            units = [a.capacity for a in (self.out_pos, self.book_ids) if a is not None and a.buffer is not None]
+        return min(rooms + units)
+
+    def dense(self) -> mx.array:
+        """float32 reconstruction of ``capacity`` tokens in the storage layout: (B, H, n, D)
+        per token, (B, H, D, n) per channel (post-RoPE again for pre-RoPE keys)."""
+        c, g, n = self.codec, self.codec.group, self.capacity
+        channel = c.axis == "channel"
+        units = n // g if channel else n
+        if channel:
+            codes = cb.unpack_planes(self.codes.buffer[..., : n // 32])  # (B, H, D, n)
+            offsets, ranges = self.offsets.buffer[..., :units], self.ranges.buffer[..., :units]
+            shape = (*codes.shape[:-1], units, g)
+        else:
+            d = self.offsets.buffer.shape[-1] * g
+            codes = cb.unpack_planes(self.codes.buffer[:, :, :n])  # (B, H, n, 32 W)
+            codes = codes if codes.shape[-1] == d else codes[..., :d]
+            offsets, ranges = self.offsets.buffer[:, :, :n], self.ranges.buffer[:, :, :n]
+            shape = (*codes.shape[:-1], d // g, g)
+        x = cb.lookup(codes.reshape(shape), self._tables(units, channel))
+        x = (x * ranges[..., None] + offsets[..., None]).reshape(codes.shape)
+        if self.out_pos.buffer is not None:
+            pos, val = self.out_pos.buffer[:, :, :units], self.out_val.buffer[:, :, :units]
+            x = restore_channel_groups(x, pos, val, g) if channel else restore_vectors(x, pos, val)
+        if self.rotary is not None:
+            x = from_pre_rope_channels(x, self.start, self.rotary)
+        return x
+
+    def _tables(self, units: int, channel: bool) -> mx.array:
+        if self.books.length == 1 or self.book_ids is None:
+            return self.books.buffer[0]
+        tables = self.books.buffer[self.book_ids.buffer[:units]]  # (units, 2^b)
+        return tables.reshape(1, 1, 1, units, 1, -1) if channel else tables.reshape(1, 1, units, 1, 1, -1)
+
+    def decode(self, dtype) -> mx.array | None:
+        """The valid tokens (B, H, count, D) in ``dtype`` (transient: prefill chunks and tests)."""
+        if not self.count:
+            return None
+        x, n = self.dense(), self.count
+        x = x[..., :n].swapaxes(-1, -2) if self.codec.axis == "channel" else x[:, :, :n]
+        return x.astype(dtype)
+
+    def layout(self, empty: mx.array) -> "NonUniformScores":
+        return NonUniformScores(self, self.count)
+
+    # -- what is kept -------------------------------------------------------------------------
+    def arrays(self, prefix: str) -> dict[str, GrowingArray]:
+        out = {f"{prefix}_{name}": getattr(self, name) for name in
+               ("codes", "offsets", "ranges", "out_pos", "out_val", "books")}
+        if self.book_ids is not None:
+            out.update({f"{prefix}_book_ids": self.book_ids, f"{prefix}_hist": self.hist})
+        return out
+
+    def problems(self, name: str, head_dim: int):
+        """(field, found, expected) where the kept arrays contradict the codec or each other."""
+        c, n = self.codec, self.count
+        channel = c.axis == "channel"
+        units = n // c.group if channel else n
+
+        def shape(g: GrowingArray):
+            return None if g.buffer is None else tuple(g.view().shape[2:])
+
+        want_codes = (head_dim, c.bits, n // 32) if channel else (n, c.bits, cb.plane_words(head_dim))
+        want_ranges = (head_dim, units) if channel else (n, head_dim // c.group)
+        k = c.per_tail(head_dim)
+        want_out = (units, c.outliers_per_unit(head_dim)) if k else None
+        for g, label, want in ((self.codes, "codes", want_codes), (self.ranges, "ranges", want_ranges),
+                               (self.offsets, "offsets", want_ranges), (self.out_pos, "outlier positions", want_out),
+                               (self.out_val, "outlier values", want_out)):
+            if shape(g) != want and (n or shape(g)):
+                yield f"{name} {label} (trailing dims)", shape(g), f"{want} ({c.bits}-bit, groups of {c.group})"
+        if n and (self.books.length < 1 or self.books.view().shape[1:] != (1 << c.bits,)):
+            yield f"{name} codebooks", None if self.books.buffer is None else tuple(self.books.view().shape), \
+                f"at least one of {1 << c.bits} centroids"
+        if self.book_ids is not None and n:
+            ids = self.book_ids.view()
+            if self.book_ids.length != units:
+                yield f"{name} codebook ids", self.book_ids.length, f"one per {'group' if channel else 'token'}: {units}"
+            elif int(ids.max()) >= self.books.length:
+                yield f"{name} codebook id", int(ids.max()), f"below the {self.books.length} codebooks kept"
+        if k and n and int(self.out_pos.view().max()) >= (head_dim * c.group if channel else head_dim):
+            yield f"{name} outlier position", int(self.out_pos.view().max()), "inside its vector"
+
+
+@dataclass(frozen=True)
+class NonUniformScores:
+    """A ``NonUniformTokens`` run as the pure-MLX decode path reads it (``PackedScores``)."""
+
+    tokens: NonUniformTokens
+    count: int
+
+    @property
+    def n_heads(self) -> int:
+        return self.tokens.codes.buffer.shape[1]
+
+    def scores(self, q: mx.array) -> mx.array:
+        """float32 ``q K^T`` (B, H, R, count) over per-channel keys."""
+        return (q @ self.tokens.dense())[..., : self.count]
+
+    def mix(self, p: mx.array) -> mx.array:
+        """float32 ``p V`` (B, H, R, D) over per-token values (p padded to the capacity)."""
+        room = self.tokens.capacity - self.count
+        if room:
+            p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, room)])
+        return p @ self.tokens.dense()

@@ -1,0 +1,169 @@
+"""Transform coding of a run of tokens: a PCA basis, per-component bit widths, scalar codes.
+
+``fit_codec`` takes rows ``(n, p)`` (a token's heads concatenated, ``p = H * d``), in
+float32: mean ``μ``, covariance ``(X - μ)ᵀ(X - μ) / n``, its eigenpairs by decreasing
+eigenvalue ``λ`` (clamped at 0), the widths ``b_i`` by dynamic programming under the
+budget (``allocation.py``), and keeps the components that get bits (the rest are dropped:
+no basis column, no code). Component i is coded by a uniform quantizer over
+``[-β √λ_i, β √λ_i]``: ``q = clip(round(y / Δ_i + c_i), 0, 2**b_i - 1)`` with
+``c_i = (2**b_i - 1) / 2``, ``ŷ = (q - c_i) Δ_i``; ``x̂ = μ + V ŷ``.
+
+What is kept: ``μ`` and the kept columns of ``V`` in float16 (encoding and decoding both
+use the rounded ones, so a saved and reloaded codec decodes the same codes to the same
+rows), the widths (uint8) and steps (float32), and per token one code per kept component
+(uint8, uint16 past 8 bits).
+
+``TransformTokens`` is a growing run of such tokens. Keys are coded pre-RoPE when the
+model's rotary settings are known (``cache/rope.py``: rotated back at their positions,
+``start`` onwards, before coding; rotated again when read). ``TransformScores`` is what
+decode attention reads (``kernels/decode.py``'s ``PackedScores``, the pure-MLX path):
+keys reconstructed and rotated (float32, transient) for ``q Kᵀ``; values mixed in the
+transform domain, ``p V̂ = ((p Ŷ) Vᵀ) + (Σ p) μ``, with no dense values at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ...cache.buffers import GrowingArray
+from ...cache.rope import Rotary, derotate
+from .allocation import allocate, uniform_distortion, uniform_step
+
+
+@dataclass(frozen=True)
+class TransformCodec:
+    mean: mx.array  # (p,) float16
+    basis: mx.array  # (p, k) float16, the kept components by decreasing variance
+    bits: mx.array  # (k,) uint8
+    step: mx.array  # (k,) float32
+
+    @property
+    def code_dtype(self):
+        return mx.uint16 if self.bits.size and int(self.bits.max()) > 8 else mx.uint8
+
+    def _grid(self):
+        top = (mx.array(1, mx.int32) << self.bits.astype(mx.int32)) - 1
+        return top.astype(mx.float32), top.astype(mx.float32) / 2
+
+    def encode(self, x: mx.array) -> mx.array:
+        """(..., p) float32 -> (..., k) codes."""
+        top, center = self._grid()
+        y = (x - self.mean.astype(mx.float32)) @ self.basis.astype(mx.float32)
+        return mx.clip(mx.round(y / self.step + center), 0, top).astype(self.code_dtype)
+
+    def coefficients(self, codes: mx.array) -> mx.array:
+        return (codes.astype(mx.float32) - self._grid()[1]) * self.step
+
+    def decode(self, codes: mx.array) -> mx.array:
+        """(..., k) codes -> (..., p) float32."""
+        return self.coefficients(codes) @ self.basis.astype(mx.float32).T + self.mean.astype(mx.float32)
+
+
+def fit_codec(x: mx.array, budget: int, choices, beta: float) -> tuple[TransformCodec, np.ndarray, np.ndarray]:
+    """The codec of rows ``x`` (n, p); also every eigenvalue (descending) and every
+    component's width (for checks)."""
+    rows = np.asarray(x.astype(mx.float32), dtype=np.float64)
+    mean = rows.mean(axis=0)
+    centred = rows - mean
+    lam, vecs = np.linalg.eigh(centred.T @ centred / rows.shape[0])
+    lam, vecs = np.maximum(lam[::-1], 0.0), vecs[:, ::-1]
+    bits = allocate(uniform_distortion(lam, choices, beta), choices, budget)
+    keep = bits > 0
+    codec = TransformCodec(
+        mx.array(mean.astype(np.float16)), mx.array(np.ascontiguousarray(vecs[:, keep]).astype(np.float16)),
+        mx.array(bits[keep].astype(np.uint8)), mx.array(uniform_step(lam[keep], bits[keep], beta).astype(np.float32)))
+    return codec, lam, bits
+
+
+def _rotate(keys: mx.array, start: int, rotary: Rotary | None, inverse: bool) -> mx.array:
+    """Keys (B, H, n, d) at positions start.. rotated back (inverse) or forward, float32."""
+    if rotary is None:
+        return keys.astype(mx.float32)
+    positions = mx.arange(start, start + keys.shape[2])
+    return derotate(keys, positions if inverse else -positions, rotary)  # -angle: RoPE itself
+
+
+class TransformTokens:
+    """A growing run of tokens in one ``TransformCodec`` (fitted on first use)."""
+
+    def __init__(self, step_tokens: int, rotary: Rotary | None = None, start: int = 0):
+        self.codec: TransformCodec | None = None
+        self.codes = GrowingArray(axis=1, step=step_tokens)  # (B, T, k)
+        self.rotary, self.start = rotary, start
+        self.heads: tuple[int, int] | None = None  # (H, d)
+
+    @property
+    def count(self) -> int:
+        return self.codes.length
+
+    def _rows(self, x: mx.array, first: int) -> mx.array:
+        """(B, H, n, d) -> (B, n, H*d) float32, pre-RoPE where the rotary is known."""
+        b, h, n, d = x.shape
+        self.heads = (h, d)
+        return _rotate(x, first, self.rotary, inverse=True).transpose(0, 2, 1, 3).reshape(b, n, h * d)
+
+    def fit(self, x: mx.array, budget: int, choices, beta: float):
+        """Fit the codec on ``x`` (B, H, n, d), the tokens at positions ``start``..."""
+        rows = self._rows(x, self.start)
+        self.codec, lam, bits = fit_codec(rows.reshape(-1, rows.shape[-1]), budget, choices, beta)
+        return lam, bits
+
+    def append(self, x: mx.array) -> None:
+        self.codes.append(self.codec.encode(self._rows(x, self.start + self.count)))
+
+    def dense(self) -> mx.array | None:
+        """Every kept token reconstructed (B, H, T, d), float32, post-RoPE again."""
+        if not self.count:
+            return None
+        return _reconstruct(self.codec, self.codes.view(), self.heads, self.rotary, self.start)
+
+    def decode(self, dtype) -> mx.array | None:
+        x = self.dense()
+        return None if x is None else x.astype(dtype)
+
+    def layout(self, empty: mx.array) -> "TransformScores":
+        return TransformScores(self.codec, self.codes.view(), self.count, self.heads, self.rotary, self.start)
+
+    def arrays(self, prefix: str) -> dict:
+        out = {f"{prefix}_codes": self.codes}
+        if self.codec is not None:
+            c = self.codec
+            out.update({f"{prefix}_mean": c.mean, f"{prefix}_basis": c.basis, f"{prefix}_bits": c.bits,
+                        f"{prefix}_step": c.step})
+        return out
+
+
+def _reconstruct(codec, codes, heads, rotary, start) -> mx.array:
+    b, t, _ = codes.shape
+    h, d = heads
+    x = codec.decode(codes).reshape(b, t, h, d).transpose(0, 2, 1, 3)
+    return _rotate(x, start, rotary, inverse=False)
+
+
+@dataclass(frozen=True)
+class TransformScores:
+    """Keys or values of a ``TransformTokens`` run as decode attention reads them."""
+
+    codec: TransformCodec
+    codes: mx.array  # (B, T, k)
+    count: int
+    heads: tuple[int, int]
+    rotary: Rotary | None
+    start: int
+
+    @property
+    def n_heads(self) -> int:
+        return self.heads[0]
+
+    def scores(self, q: mx.array) -> mx.array:
+        return q @ _reconstruct(self.codec, self.codes, self.heads, self.rotary, self.start).swapaxes(-1, -2)
+
+    def mix(self, p: mx.array) -> mx.array:
+        h, d = self.heads
+        y = self.codec.coefficients(self.codes)[:, None]  # (B, 1, T, k)
+        w = self.codec.basis.astype(mx.float32).reshape(h, d, -1)  # (H, d, k)
+        mean = self.codec.mean.astype(mx.float32).reshape(1, h, 1, d)
+        return (p @ y) @ w.swapaxes(-1, -2) + p.sum(axis=-1, keepdims=True) * mean

@@ -1,0 +1,197 @@
+"""MiniCache: adjacent layers' keys and values merged in depth (arXiv 2405.14366).
+
+From layer ``floor(minicache_start_frac * n_layers)`` on, the compressed layers pair up
+in order, (S, S+1), (S+2, S+3), ... (``minicache_group_size``: 2, the only size SLERP
+defines); an odd last layer and the layers below S stay exact. For each token and KV
+head, keys and values separately, the pair's rows become one unit direction by SLERP at
+``minicache_slerp_t`` and each layer keeps its own magnitude (``methods/minicache/slerp.py``); a
+pair whose cosine is below ``minicache_retention_threshold`` is retained, both
+originals kept (the first layer's as its direction slot, the second's as a difference,
+with its index). What is kept:
+
+- the pair's second (deeper) layer, the owner (as in the paper's Fig. 3, the merged cache
+  is stored at layer l): the merged directions of the pair (shared: counted and saved
+  once, with it), its magnitudes, its retained differences and their indices;
+- the first layer: its magnitudes, and its new rows until the second layer merges them.
+
+When: mlx-lm runs layer l-1 before layer l in every forward pass. Layer l-1 attends over
+the merged history plus its own exact new rows and holds them; layer l attends over the
+merged history plus its exact new rows, then merges the pair's new rows (reading layer
+l-1's, ``take_pending``). So a prompt chunk's and a decode token's own step are exact
+in both layers (prefill attention is exact in the paper) and later steps read the merged
+form. Merging is per token: merging step by step equals merging the whole run at once.
+
+Attention reads the merged rows in place (``MergedRows``: ``m_t (q·e_t)`` plus the
+retained differences) at a decode step; a prompt chunk attends over the rebuilt history.
+
+Adapted: a cosine threshold replaces the paper's min-max-normalised angular gamma rule;
+merged states are not quantized (the paper's 5.02x adds 4-bit quantization).
+``minicache_max_ctx`` bounds a pair's merged tokens: a paired layer refuses to grow past
+it, naming the field. Which pairs are retained is read on the host at each merge.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ...cache.base import CompressedKVCache, causal_mask
+from ...cache.buffers import GrowingArray
+from ...cache.cross_layer import CrossLayer, CrossLayerError, consecutive_groups
+from .slerp import MergedRows, norms, retained_entries, slerp_merge
+from ...kernels.decode import DecodePart, decode_attention
+
+_TENSORS = ("k", "v")
+
+
+def _cat(a, b):
+    return b if a is None else mx.concatenate([a, b], axis=2)
+
+
+class MiniCacheCache(CrossLayer, CompressedKVCache):
+    requires_attention_hook = True
+    owner_position = -1  # the deeper layer merges and keeps the merged directions
+
+    def layer_groups(self, compressed, n_layers):
+        o = self.config.options
+        start = math.floor(o.minicache_start_frac * n_layers)
+        size = o.minicache_group_size
+        return [g for g in consecutive_groups(compressed, size, start) if len(g) == size]
+
+    @property
+    def role(self) -> str:
+        group = self.layer_group
+        return "alone" if len(group) == 1 else "first" if group[0] == self.layer else "second"
+
+    def _init_storage(self) -> None:
+        self._init_cross_layer()
+        self.keys, self.values = GrowingArray(), GrowingArray()  # layers left alone: exact
+        self.pending_k = self.pending_v = None  # a first layer's rows not merged yet
+        self.m_k, self.m_v = GrowingArray(axis=2), GrowingArray(axis=2)  # own magnitudes
+        for x in _TENSORS:  # a second layer's retained pairs: (b*H + h, token), x - m e
+            setattr(self, f"ret_{x}_where", GrowingArray(axis=0))
+            setattr(self, f"ret_{x}_delta", GrowingArray(axis=0))
+        for x in _TENSORS:  # a second layer's (the owner's) merged directions of the pair
+            self.shared[f"e_{x}"] = GrowingArray()
+        self._new = None
+
+    # -- the protocol ---------------------------------------------------------------------------
+    def update_and_fetch(self, keys, values):
+        self._expect_attend()
+        self._check_shape(keys, values)
+        n, role = keys.shape[2], self.role
+        limit = self.config.options.minicache_max_ctx
+        if role != "alone" and self.offset + n > limit:
+            raise ValueError(
+                f"minicache_max_ctx={limit}: layer {self.layer}'s pair would merge "
+                f"{self.offset + n} tokens; allowed: at most minicache_max_ctx (raise it)")
+        self._note_update(n)
+        if role == "alone":
+            self.keys.append(keys)
+            self.values.append(values)
+        elif role == "first":
+            self.m_k.append(norms(keys))
+            self.m_v.append(norms(values))
+            self.pending_k, self.pending_v = _cat(self.pending_k, keys), _cat(self.pending_v, values)
+        else:
+            self._new = (keys, values)
+        self.offset += n
+        return keys, values
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        self._own_attention_begins(sinks)
+        role = self.role
+        if role == "alone":
+            tail_k, tail_v, merged = self.keys.view(), self.values.view(), (None, None)
+        else:
+            tail_k, tail_v = (self.pending_k, self.pending_v) if role == "first" else self._new
+            merged = self.merged("k"), self.merged("v")
+        if queries.shape[2] == 1 and merged[0] is not None:
+            out = decode_attention(queries, [DecodePart(merged[0], tail_k, merged[1], tail_v)],
+                                   scale=scale, use_kernel=False)
+        else:
+            k, v = tail_k, tail_v
+            if merged[0] is not None:
+                k = mx.concatenate([merged[0].dense(k.dtype), k], axis=2)
+                v = mx.concatenate([merged[1].dense(v.dtype), v], axis=2)
+            if isinstance(mask, mx.array):
+                mask = causal_mask(queries.shape[2], k.shape[2])
+            out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+        if role == "second":
+            self._merge(*self._new)
+            self._new = None
+        return out
+
+    # -- the pair -----------------------------------------------------------------------------------
+    @property
+    def n_merged(self) -> int:
+        return self.group_shared["e_k"].length
+
+    def merged(self, x: str) -> MergedRows | None:
+        """This layer's merged history of keys (``x="k"``) or values, read in place."""
+        count = self.n_merged
+        if not count:
+            return None
+        m = getattr(self, f"m_{x}").buffer
+        if self.role == "first":
+            return MergedRows(self.group_shared[f"e_{x}"].buffer, m, count)
+        where, delta = getattr(self, f"ret_{x}_where"), getattr(self, f"ret_{x}_delta")
+        return MergedRows(self.shared[f"e_{x}"].buffer, m, count, where.view(), delta.view())
+
+    def take_pending(self, start: int, n: int):
+        """The first layer's rows of tokens [start, start + n), which leave it (merged)."""
+        held = 0 if self.pending_k is None else self.pending_k.shape[2]
+        if self.offset - held != start or held < n:
+            raise CrossLayerError(
+                f"layer {self.layer} holds unmerged rows of tokens [{self.offset - held}, "
+                f"{self.offset}), its pair's next layer merges [{start}, {start + n}): layers "
+                "must be updated in order, each once per forward pass")
+        rows = self.pending_k[:, :, :n], self.pending_v[:, :, :n]
+        rest = held > n
+        self.pending_k = mx.contiguous(self.pending_k[:, :, n:]) if rest else None
+        self.pending_v = mx.contiguous(self.pending_v[:, :, n:]) if rest else None
+        return rows
+
+    def _merge(self, keys, values) -> None:
+        o = self.config.options
+        start = self.n_merged
+        first = self.member(self.layer_group[0])
+        for x, own, theirs in zip(_TENSORS, (keys, values), first.take_pending(start, keys.shape[2])):
+            e, m, retained, delta = slerp_merge(theirs, own, o.minicache_slerp_t,
+                                                o.minicache_retention_threshold)
+            self.shared[f"e_{x}"].append(e)
+            getattr(self, f"m_{x}").append(m)
+            where, rows = retained_entries(retained, delta, start)
+            if where is not None:
+                getattr(self, f"ret_{x}_where").append(where)
+                getattr(self, f"ret_{x}_delta").append(rows)
+
+    # -- what is kept ----------------------------------------------------------------------------------
+    @property
+    def stored_length(self) -> int:
+        return self.keys.length if self.role == "alone" else self.m_k.length
+
+    def _arrays(self):
+        out = {"keys": self.keys, "values": self.values, "pending_k": self.pending_k,
+               "pending_v": self.pending_v, "m_k": self.m_k, "m_v": self.m_v}
+        for x in _TENSORS:
+            out[f"ret_{x}_where"] = getattr(self, f"ret_{x}_where")
+            out[f"ret_{x}_delta"] = getattr(self, f"ret_{x}_delta")
+        return {**out, **self.shared.arrays()}
+
+    def _restore_arrays(self, arrays) -> None:
+        super()._restore_arrays(self.shared.restore(arrays))
+
+    def _state_problems(self):
+        role = self.role
+        stored = self.keys.length if role == "alone" else self.m_k.length
+        if stored != self.offset or (role == "alone" and self.values.length != self.offset):
+            yield "tokens stored", stored, f"the offset {self.offset}"
+        if role == "second":  # restored after the first layer of its pair
+            first = self.member(self.layer_group[0])
+            held = 0 if first.pending_k is None else first.pending_k.shape[2]
+            if self.n_merged != self.offset:
+                yield "merged tokens", self.n_merged, f"the offset {self.offset}"
+            elif first.offset - held != self.n_merged:
+                yield "unmerged rows of the layer before", held, f"{first.offset - self.n_merged}"

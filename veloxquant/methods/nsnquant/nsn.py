@@ -1,0 +1,307 @@
+"""Normalize-shift-normalize (NSN) vector quantization with one universal codebook.
+
+A chunk X (R tokens x D channels, one KV head) is one unit:
+
+1. **N**: ``s1_t = ||x_t|| / sqrt(D)``, ``x' = x / s1``;
+2. **S**: ``o = mean_t x'_t`` (the chunk's own channel mean), ``x'' = x' - o``;
+3. **N**: ``s2_t = ||x''_t|| / sqrt(D)``, ``z = x'' / s2`` (every token of norm sqrt(D),
+   about zero mean per channel);
+4. **rotation**: ``y = z H`` (orthonormal Walsh-Hadamard), so y is close to N(0, I).
+
+y is cut into sub-vectors of ``s`` channels, each stored as the index of a centroid of
+one **universal codebook** built from seeded N(0, I_s) samples by k-means
+(``universal_codebook``: explicit MLX PRNG keys from the seed, so the same seed gives the
+same codebook, and no calibration data): at 2 bits the codebook is fitted on |samples|
+(the positive orthant) and each sub-vector keeps its signs (s bits) plus the index of the
+centroid nearest to its magnitudes; at 1 bit the codebook is fitted on the samples and
+only the index is kept. Euclidean k-means: no renormalisation after lookup is needed.
+
+Metadata are float16: s1 and s2 per token, o per chunk; the transform uses their rounded
+values, so that ``s1 (s2 z + o) == x`` holds to float32 rounding before VQ. Decoding is
+``x_hat = s1 (s2 y_hat H + o)``.
+
+``NSNStore`` keeps a layer's keys and values this way: the newest ``N mod R`` tokens in
+full precision (a tail, written in place), every complete chunk coded once, when its R-th
+token comes; the coded frontier is always a multiple of R, whatever the chunking.
+
+Decode attention reads the codes without rebuilding the history (``NSNKeys``,
+``NSNValues``: the ``PackedScores`` parts, the pure-MLX path on every device):
+``q . x_hat_t = s1_t (s2_t (q H) . y_hat_t + q . o_c)``, so the query is rotated once and
+the per-chunk means are scored once per chunk; ``p X_hat = (sum_t p_t s1_t s2_t y_hat_t) H
++ sum_c (sum_{t in c} p_t s1_t) o_c``, one rotation per step. At 1 bit the keys' y_hat
+scores go through lookup tables (``vq.lookup_scores``); at 2 bits the signs differ per
+token, so the centroids are gathered by index and signed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from ...cache.buffers import GrowingArray
+from ...kernels.decode import DecodePart
+from ...quant.packed import GROWTH_TOKENS
+from ...quant.store import WINDOW_STEP, PackedStore, joined_history
+from ...quant.vq import gather_centroids, index_words, kmeans, lookup_scores, nearest, pack_indices, rotate, unpack_indices
+
+UNIVERSAL_SAMPLES = 1 << 16  # N(0, I) samples the universal codebook is fitted on (at least 16 a centroid)
+UNIVERSAL_ITERS = 20  # its Lloyd iterations, at most
+NORM_FLOOR = 1e-4  # smallest s1, s2 (a zero token stays zero)
+
+
+def _half(x: mx.array) -> mx.array:
+    return x.astype(mx.float16).astype(mx.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def universal_codebook(bits: int, size: int, sub_dim: int, seed: int) -> mx.array:
+    """(size, sub_dim) float32 centroids of seeded N(0, I) samples (|samples| at 2 bits)."""
+    k_samples, k_fit = mx.random.split(mx.random.key(seed))
+    x = mx.random.normal((max(UNIVERSAL_SAMPLES, 16 * size), sub_dim), key=k_samples)
+    codebook = kmeans(mx.abs(x) if bits == 2 else x, size, iters=UNIVERSAL_ITERS, key=k_fit)
+    mx.eval(codebook)
+    return codebook
+
+
+def nsn(x: mx.array):
+    """Chunks x (..., R, D) -> (y, s1, s2, o): y (..., R, D) float32 rotated, s1 and s2
+    (..., R, 1) and o (..., 1, D), float16 values in float32."""
+    x = x.astype(mx.float32)
+    root_d = math.sqrt(x.shape[-1])
+    s1 = _half(mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True) / root_d, NORM_FLOOR))
+    x1 = x / s1
+    o = _half(x1.mean(axis=-2, keepdims=True))
+    x2 = x1 - o
+    s2 = _half(mx.maximum(mx.linalg.norm(x2, axis=-1, keepdims=True) / root_d, NORM_FLOOR))
+    return rotate(x2 / s2), s1, s2, o
+
+
+def nsn_inverse(y: mx.array, s1: mx.array, s2: mx.array, o: mx.array) -> mx.array:
+    return s1 * (s2 * rotate(y) + o)
+
+
+@dataclass(frozen=True, eq=False)
+class NSNCodec:
+    """VQ of NSN-transformed rows with ``codebook`` (size, s); ``bits`` 2: signs + magnitude
+    index, 1: signed index."""
+
+    codebook: mx.array
+    bits: int
+
+    @property
+    def index_bits(self) -> int:
+        return self.codebook.shape[0].bit_length() - 1
+
+    @property
+    def sub_dim(self) -> int:
+        return self.codebook.shape[1]
+
+    def encode(self, y: mx.array):
+        """Rotated rows y (..., D) -> (index words, sign words or None)."""
+        sub = y.reshape(*y.shape[:-1], -1, self.sub_dim)
+        if self.bits == 1:
+            return pack_indices(nearest(sub, self.codebook), self.index_bits), None
+        idx = nearest(mx.abs(sub), self.codebook)
+        return pack_indices(idx, self.index_bits), pack_indices(y < 0, 1)
+
+    def y_hat(self, idx_words: mx.array, sign_words: mx.array | None, head_dim: int) -> mx.array:
+        """The rows' reconstruction in the rotated frame, float32 (..., D)."""
+        idx = unpack_indices(idx_words, self.index_bits, head_dim // self.sub_dim)
+        y = gather_centroids(idx, self.codebook)
+        if sign_words is None:
+            return y
+        negative = unpack_indices(sign_words, 1, head_dim).astype(mx.bool_)
+        return mx.where(negative, -y, y)
+
+    def words(self, head_dim: int) -> tuple[int, int]:
+        """uint32 words a token takes: indices, signs."""
+        return index_words(head_dim // self.sub_dim, self.index_bits), (index_words(head_dim, 1) if self.bits == 2 else 0)
+
+
+class NSNTokens:
+    """One tensor's (keys' or values') coded chunks: index and sign words and the two norms
+    per token, the mean per chunk, in growing buffers (capped at ``limit`` tokens)."""
+
+    def __init__(self, codec: NSNCodec, chunk: int, limit: int):
+        self.codec, self.chunk = codec, chunk
+        self.idx = GrowingArray(axis=2, step=GROWTH_TOKENS, limit=limit)
+        self.sign = GrowingArray(axis=2, step=GROWTH_TOKENS, limit=limit)
+        self.norms = GrowingArray(axis=2, step=GROWTH_TOKENS, limit=limit)
+        self.mean = GrowingArray(axis=2, step=max(1, GROWTH_TOKENS // chunk), limit=-(-limit // chunk))
+
+    @property
+    def count(self) -> int:
+        return self.norms.length
+
+    def append(self, x: mx.array) -> None:
+        """Code whole chunks x (B, H, n * chunk, D)."""
+        b, h, t, d = x.shape
+        y, s1, s2, o = nsn(x.reshape(b, h, t // self.chunk, self.chunk, d))
+        idx, sign = self.codec.encode(y.reshape(b, h, t, d))
+        self.idx.append(idx)
+        if sign is not None:
+            self.sign.append(sign)
+        self.norms.append(mx.concatenate([s1, s2], axis=-1).reshape(b, h, t, 2).astype(mx.float16))
+        self.mean.append(o.reshape(b, h, t // self.chunk, d).astype(mx.float16))
+
+    def parts(self, head_dim: int):
+        """(y_hat (B, H, T, D), s1 (B, H, 1, T), s2, means (B, H, chunks, D)) of the
+        ``count`` coded tokens, float32."""
+        n = self.count
+        sign = self.sign.buffer[:, :, :n] if self.codec.bits == 2 else None
+        y = self.codec.y_hat(self.idx.buffer[:, :, :n], sign, head_dim)
+        norms = self.norms.buffer[:, :, :n].astype(mx.float32).swapaxes(-1, -2)  # (B, H, 2, T)
+        means = self.mean.buffer[:, :, : n // self.chunk].astype(mx.float32)
+        return y, norms[:, :, :1], norms[:, :, 1:], means
+
+    def decode(self, dtype) -> mx.array:
+        y, s1, s2, means = self.parts(self.mean.buffer.shape[-1])
+        b, h, t, d = y.shape
+        o = mx.repeat(means, self.chunk, axis=2)
+        return (s1.swapaxes(-1, -2) * (s2.swapaxes(-1, -2) * rotate(y) + o)).astype(dtype)
+
+    def arrays(self, prefix: str) -> dict[str, GrowingArray]:
+        return {f"{prefix}_idx": self.idx, f"{prefix}_sign": self.sign, f"{prefix}_norms": self.norms,
+                f"{prefix}_mean": self.mean}
+
+
+@dataclass(frozen=True)
+class _NSNReader:
+    """Coded tokens for the pure-MLX decode path (``PackedScores``)."""
+
+    tokens: NSNTokens
+    head_dim: int
+
+    @property
+    def count(self) -> int:
+        return self.tokens.count
+
+    @property
+    def n_heads(self) -> int:
+        return self.tokens.norms.buffer.shape[1]
+
+
+class NSNKeys(_NSNReader):
+    """Coded keys: ``q K_hatᵀ`` from the codes, the query rotated once."""
+
+    def scores(self, q: mx.array) -> mx.array:
+        t, n = self.tokens, self.count
+        qh = rotate(q)
+        if t.codec.bits == 1:  # no per-token signs: lookup tables
+            idx = unpack_indices(t.idx.buffer[:, :, :n], t.codec.index_bits, self.head_dim // t.codec.sub_dim)
+            main = lookup_scores(qh, idx, t.codec.codebook)
+            norms = t.norms.buffer[:, :, :n].astype(mx.float32).swapaxes(-1, -2)
+            s1, s2 = norms[:, :, :1], norms[:, :, 1:]
+            means = t.mean.buffer[:, :, : n // t.chunk].astype(mx.float32)
+        else:
+            y, s1, s2, means = t.parts(self.head_dim)
+            main = qh @ y.swapaxes(-1, -2)
+        shift = mx.repeat(q @ means.swapaxes(-1, -2), t.chunk, axis=-1)  # q . o_c, per token
+        return s1 * (s2 * main + shift)
+
+
+class NSNValues(_NSNReader):
+    """Coded values: ``p X_hat`` with one rotation per step."""
+
+    def mix(self, p: mx.array) -> mx.array:
+        t = self.tokens
+        y, s1, s2, means = t.parts(self.head_dim)
+        w = p * s1  # (B, H, R, T)
+        b, h, r, n = w.shape
+        per_chunk = w.reshape(b, h, r, n // t.chunk, t.chunk).sum(axis=-1)
+        return rotate((w * s2) @ y) + per_chunk @ means
+
+
+class NSNStore(PackedStore):
+    """Keys and values NSN-coded in chunks of ``chunk`` tokens, the incomplete chunk in
+    full precision; at most ``limit`` tokens (the buffers stop growing there)."""
+
+    def __init__(self, codec: NSNCodec, chunk: int, limit: int):
+        self.chunk, self.limit = chunk, limit
+        self.keys = NSNTokens(codec, chunk, limit)  # one universal codebook for keys and values
+        self.values = NSNTokens(codec, chunk, limit)
+        self.k_tail = GrowingArray(step=min(WINDOW_STEP, chunk), limit=chunk)
+        self.v_tail = GrowingArray(step=min(WINDOW_STEP, chunk), limit=chunk)
+        self.dims: tuple[int, int] | None = None
+        self.codebook_shape = tuple(codec.codebook.shape)  # what the options ask for
+
+    @property
+    def length(self) -> int:
+        return self.keys.count + self.k_tail.length
+
+    def commit(self, keys: mx.array, values: mx.array) -> None:
+        self.dims = self.dims or (keys.shape[-1], values.shape[-1])
+        n = keys.shape[2]
+        if self.k_tail.length + n < self.chunk:  # the chunk is not complete: rows in place
+            self.k_tail.append(keys)
+            self.v_tail.append(values)
+            return
+        k = keys if not self.k_tail.length else mx.concatenate([self.k_tail.view(), keys], axis=2)
+        v = values if not self.v_tail.length else mx.concatenate([self.v_tail.view(), values], axis=2)
+        whole = k.shape[2] // self.chunk * self.chunk
+        self.keys.append(k[:, :, :whole])
+        self.values.append(v[:, :, :whole])
+        self.k_tail.truncate(0)
+        self.v_tail.truncate(0)
+        if whole < k.shape[2]:
+            self.k_tail.append(k[:, :, whole:])
+            self.v_tail.append(v[:, :, whole:])
+
+    def history(self, dtype):
+        parts_k, parts_v = [], []
+        if self.keys.count:
+            parts_k.append(self.keys.decode(dtype))
+            parts_v.append(self.values.decode(dtype))
+        return joined_history(parts_k, parts_v, self.k_tail.view(), self.v_tail.view(), dtype)
+
+    def decode_parts(self, empty: mx.array) -> list[DecodePart]:
+        keys = values = None
+        if self.keys.count:
+            keys, values = NSNKeys(self.keys, self.dims[0]), NSNValues(self.values, self.dims[1])
+        tail = lambda g: g.view() if g.length else None  # noqa: E731
+        return [DecodePart(keys, tail(self.k_tail), values, tail(self.v_tail))]
+
+    # -- checks of a restored state ---------------------------------------------------------
+    def layout_problems(self, head_dims: tuple[int, int]):
+        found = tuple(self.keys.codec.codebook.shape)
+        if found != self.codebook_shape:
+            yield "universal codebook (size, sub-vector width)", found, self.codebook_shape
+        for tokens, name, d in ((self.keys, "key", head_dims[0]), (self.values, "value", head_dims[1])):
+            words, signs = tokens.codec.words(d)
+            for g, label, want in ((tokens.idx, "index words", words), (tokens.sign, "sign words", signs),
+                                   (tokens.norms, "norms", 2), (tokens.mean, "chunk means' head_dim", d)):
+                if g.buffer is not None and g.buffer.shape[3] != want:
+                    yield f"{name} {label} per token", g.buffer.shape[3], want
+
+    def problems(self, offset: int):
+        n_k, n_v, tail = self.keys.count, self.values.count, self.k_tail.length
+        if n_k != n_v or tail != self.v_tail.length:
+            yield "stored tokens", f"{n_k}+{tail} keys / {n_v}+{self.v_tail.length} values", "as many values as keys"
+        if n_k % self.chunk or tail >= self.chunk:
+            yield "coded tokens", n_k, f"a multiple of the chunk {self.chunk}, fewer than {self.chunk} in the tail"
+        for tokens, name in ((self.keys, "key"), (self.values, "value")):
+            if tokens.mean.length * self.chunk != tokens.count or tokens.idx.length != tokens.count:
+                yield f"{name} chunk means", tokens.mean.length, f"{tokens.count // self.chunk} for {tokens.count} coded tokens"
+        if n_k + tail != offset:
+            yield "tokens stored", n_k + tail, f"the offset {offset}"
+
+    # -- what is kept ------------------------------------------------------------------------
+    def arrays(self) -> dict[str, Any]:
+        return {**self.keys.arrays("k"), **self.values.arrays("v"), "k_tail": self.k_tail,
+                "v_tail": self.v_tail, "codebook": self.keys.codec.codebook}
+
+    def meta(self) -> dict[str, Any]:
+        return {"head_dims": "" if self.dims is None else f"{self.dims[0]},{self.dims[1]}"}
+
+    def restore(self, meta: dict[str, Any], arrays: dict[str, Any]) -> None:
+        dims = meta.get("head_dims") or ""
+        self.dims = tuple(int(d) for d in dims.split(",")) if dims else None
+        for name, kept in self.arrays().items():
+            if isinstance(kept, GrowingArray):
+                kept.reset(arrays.get(name))
+        if arrays.get("codebook") is not None:  # the saved codebook (the seed's, as saved)
+            self.keys.codec = self.values.codec = NSNCodec(arrays["codebook"], self.keys.codec.bits)

@@ -1,0 +1,5 @@
+"""skvq: the cache and the helpers only it uses."""
+
+from .cache import SKVQCache
+
+__all__ = ["SKVQCache"]

@@ -1,0 +1,227 @@
+"""A store of per-token rows between attention sinks and a sliding full-precision window,
+in a channel order and with clip ratios fitted once from the first tokens it quantizes.
+
+Layout of one layer (the sequence's tokens in order):
+
+- the first ``n_sink`` tokens, keys and values in full precision for good (``Sinks`` of
+  ``sink_store.py``);
+- packed rows: keys *and* values per token (groups of ``group`` channels of one token),
+  clipped (``methods/skvq/clip.py``), each a ``ClippedTokens`` run;
+- the newest ``window`` tokens in full precision, keys and values alike: a step's token
+  joins the window and the oldest one leaves it, quantized (SKVQ's sliding window; no key
+  blocks, since per-token keys need no group of tokens).
+
+Fitting: when tokens are first about to be quantized, every full-precision row past the
+sinks (the window plus the new chunk) fits, per (batch row, KV head), the channel order of
+keys and of values (``key_order``/``value_order``, ``methods/skvq/reorder.py``; None keeps the
+model's order) and then, on the reordered rows, the clip ratio of keys and of values
+(``search_clip`` over ``clip_grid``; a grid of one value is a fixed ratio). Both are then
+frozen: later chunks and decode steps use them as they are, and what is packed never
+changes.
+
+Channel space: once fitted, everything kept (sinks, packed rows, window) is in the
+reordered order; a new token is permuted as it comes in (one gather), the sinks and the
+window once at the fit. A decode step permutes the queries through the key order, attends
+over the parts, and takes the output back through the inverse of the value order: two
+more gathers, and attention itself never un-permutes the history. ``history`` (prefill
+chunks, tests) gives every token back in the model's order.
+
+It is a ``QuantizedKVStore`` for its windows, its packed runs' shape checks and what it
+keeps; the flush, the reading and the policy checks are its own.
+
+Decode parts: the sinks (full-precision rows only), then the packed rows with the window
+as their full-precision tails. Packed values are an ``AffineLayout`` (axis "token": the
+value layout of the fused kernels); packed keys, per token, are ``TokenRows``
+(``quant/token_rows.py``), read by the pure-MLX path on every device: the kernels read keys
+per channel only. ``capacity`` (None: unbounded) caps the packed rows' room at
+``capacity - n_sink - window`` tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ...cache.buffers import RecentRows
+from ...kernels.decode import DecodePart, decode_attention
+from ...quant.affine import SUPPORTED_BITS
+from .clip import ClippedTokens, search_clip
+from ...quant.packed import GROWTH_TOKENS, GroupAffine
+from .reorder import PAIRINGS, RangeOrder, inverse, is_permutation, permute, permute_heads
+from ...quant.sink_store import Sinks
+from ...quant.store import VALUE_ROOM, WINDOW_STEP, QuantizedKVStore
+from ...quant.token_rows import TokenRows
+
+
+def _cat(old, new):
+    return new if old is None else mx.concatenate([old, new], axis=2)
+
+
+class SlidingWindowStore(Sinks, QuantizedKVStore):
+    def __init__(self, *, key_bits: int, value_bits: int, group: int, window: int, n_sink: int,
+                 key_order: RangeOrder | None, value_order: RangeOrder | None,
+                 clip_grid: tuple[float, ...], step_tokens: int = GROWTH_TOKENS,
+                 capacity: int | None = None):
+        # The parent's state (per-token keys: no key blocks), then the storage of this store.
+        placeholder = GroupAffine(8, 32, "token")
+        super().__init__(placeholder, placeholder, window=window, key_block=1, step_tokens=step_tokens)
+        self.group = group
+        self.key_order, self.value_order, self.clip_grid = key_order, value_order, tuple(clip_grid)
+        room = None if capacity is None else max(capacity - n_sink - window, 0)
+        self.keys = ClippedTokens(key_bits, group, step_tokens, room)
+        self.values = ClippedTokens(value_bits, group, step_tokens, room)
+        self._init_sinks(n_sink)
+        # Keys slide with the values: the window, written in place, VALUE_ROOM rows of room.
+        self.k_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM)
+        # Fitted at the first quantization: orders (B, H, 1, D) uint32, clip ratios (B, H).
+        self.perm_k = self.perm_v = self.inv_v = None
+        self.alpha_k = self.alpha_v = None
+
+    @property
+    def fitted(self) -> bool:
+        return self.alpha_k is not None
+
+    @property
+    def length(self) -> int:
+        return self.sink_k.length + self.keys.count + self.k_win.held
+
+    # -- writing -------------------------------------------------------------------------
+    def commit(self, keys: mx.array, values: mx.array) -> None:
+        """Take new tokens (model order) in: sinks first, then the window, whose oldest
+        tokens beyond ``window`` are quantized."""
+        keys, values, _ = self._take_sinks(keys, values)
+        if not keys.shape[2]:
+            return
+        if self.perm_k is not None:
+            keys = permute(keys, self.perm_k)
+        if self.perm_v is not None:
+            values = permute(values, self.perm_v)
+        if keys.shape[2] == 1 and self.window and (self.fitted or self.k_win.held < self.window):
+            self.k_win.append(keys)  # a decode step: rows written in place
+            self.v_win.append(values)
+            if self.k_win.held > self.window:
+                self._pack(self.k_win.pop_front(1), self.v_win.pop_front(1), one_token=True)
+            return
+        k_all, v_all = _cat(self.k_res, keys), _cat(self.v_res, values)
+        n_old = k_all.shape[2] - self.window
+        if n_old > 0:
+            if not self.fitted:
+                k_all, v_all = self._fit(k_all, v_all)
+            self._pack(k_all[:, :, :n_old], v_all[:, :, :n_old], one_token=n_old == 1)
+            keep = n_old < k_all.shape[2]
+            k_all = mx.contiguous(k_all[:, :, n_old:]) if keep else None
+            v_all = mx.contiguous(v_all[:, :, n_old:]) if keep else None
+        self.k_res, self.v_res = k_all, v_all
+
+    def _fit(self, keys: mx.array, values: mx.array):
+        """Orders and clip ratios from the full-precision rows past the sinks (model order);
+        returns those rows reordered, after reordering the sinks in place."""
+        if self.key_order is not None:
+            self.perm_k = self.key_order.fit(keys)
+            keys = permute(keys, self.perm_k)
+            if self.sink_k.length:
+                self.sink_k.reset(permute(self.sink_k.view(), self.perm_k))
+        if self.value_order is not None:
+            self.perm_v = self.value_order.fit(values)
+            self.inv_v = inverse(self.perm_v)
+            values = permute(values, self.perm_v)
+            if self.sink_v.length:
+                self.sink_v.reset(permute(self.sink_v.view(), self.perm_v))
+        self.alpha_k = search_clip(keys, self.group, self.keys.codec.bits, self.clip_grid)
+        self.alpha_v = search_clip(values, self.group, self.values.codec.bits, self.clip_grid)
+        return keys, values
+
+    def _pack(self, keys, values, one_token: bool) -> None:
+        self.keys.append(keys, self.alpha_k, one_token)
+        self.values.append(values, self.alpha_v, one_token)
+
+    # -- reading --------------------------------------------------------------------------
+    def history(self, dtype) -> tuple[mx.array | None, mx.array | None]:
+        """Every stored token in ``dtype``, in order and in the model's channel order
+        (transient: prefill chunks and tests)."""
+        rows = []
+        for packed, win in ((self.keys, self.k_res), (self.values, self.v_res)):
+            parts = [x.astype(dtype) for x in (packed.decode(dtype), win) if x is not None]
+            rows.append(None if not parts else parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
+        keys, values = self._with_sinks(*rows, dtype)
+        if keys is not None and self.perm_k is not None:
+            keys = permute(keys, inverse(self.perm_k))
+        if values is not None and self.inv_v is not None:
+            values = permute(values, self.inv_v)
+        return keys, values
+
+    def decode_parts(self, empty: mx.array) -> list[DecodePart]:
+        """Sinks, then packed rows with the window as tails (the reordered space)."""
+        parts = self._sink_parts()
+        values = self.values.layout(empty)
+        if values.bits not in SUPPORTED_BITS:  # 7 bits: no shared reader takes the layout
+            values = TokenRows(values)
+        parts.append(DecodePart(TokenRows(self.keys.layout(empty)), self.k_res, values, self.v_res))
+        return parts
+
+    def attend(self, queries, *, scale, use_kernel, n_kv_heads=None) -> mx.array:
+        """Decode attention over what is stored: queries through the key order, the output
+        back through the inverse of the value order."""
+        q = queries if self.perm_k is None else permute_heads(queries, self.perm_k)
+        out = decode_attention(q, self.decode_parts(mx.zeros((0,), queries.dtype)), scale=scale,
+                               use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+        return out if self.inv_v is None else permute_heads(out, self.inv_v)
+
+    def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
+        self.commit(keys, values)
+        return self.attend(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=keys.shape[1])
+
+    # -- what is kept ------------------------------------------------------------------------
+    def arrays(self) -> dict[str, Any]:
+        return {**super().arrays(), **self._sink_arrays(), "perm_k": self.perm_k, "perm_v": self.perm_v,
+                "inv_v": self.inv_v, "alpha_k": self.alpha_k, "alpha_v": self.alpha_v}
+
+    def meta(self) -> dict[str, Any]:
+        """The rotary pairing of a key order not fitted yet travels with a saved state."""
+        return {"key_pairs": "" if self.key_order is None else (self.key_order.pairs or "none")}
+
+    def restore(self, meta: dict[str, Any], arrays: dict[str, Any]) -> None:
+        pairs = meta.get("key_pairs", "")
+        if self.key_order is not None and pairs in PAIRINGS + ("none",):
+            self.key_order = RangeOrder(None if pairs == "none" else pairs)
+        super().restore(meta, arrays)
+
+    # -- a restored state must agree with the policy ------------------------------------------
+    def layout_problems(self, head_dims: tuple[int, int]):
+        """(field, found, expected) for arrays whose shapes contradict their codecs."""
+        yield from super().layout_problems(head_dims)
+        yield from self._sink_layout_problems(head_dims)
+        for kept, name, i in ((self.k_win, "window keys", 0), (self.v_win, "window values", 1)):
+            if kept.buffer is not None and kept.buffer.shape[3] != head_dims[i]:
+                yield f"{name} head_dim", kept.buffer.shape[3], head_dims[i]
+        for perm, name, i in ((self.perm_k, "key order", 0), (self.perm_v, "value order", 1),
+                              (self.inv_v, "inverse value order", 1)):
+            if perm is not None and (perm.ndim != 4 or perm.shape[2:] != (1, head_dims[i]) or not is_permutation(perm)):
+                yield name, tuple(perm.shape), f"a permutation of {head_dims[i]} channels per (batch, head)"
+
+    def problems(self, offset: int):
+        """(field, found, expected) for each way the stored tokens contradict the policy."""
+        yield from self._sink_problems(offset)
+        rest = max(0, offset - self.n_sink)
+        win = min(rest, self.window)
+        if self.k_win.held != win or self.v_win.held != win:
+            yield "full-precision tokens", f"{self.k_win.held} keys / {self.v_win.held} values", \
+                f"min({rest} tokens past the sinks, window {self.window})"
+        n_kq, n_vq = self.keys.count, self.values.count
+        if n_kq != rest - win or n_vq != rest - win:
+            yield "quantized tokens", f"{n_kq} keys / {n_vq} values", f"{rest - win}"
+        fitted = bool(n_kq)
+        for found, name, wanted in ((self.alpha_k, "key clip ratio", fitted), (self.alpha_v, "value clip ratio", fitted),
+                                    (self.perm_k, "key order", fitted and self.key_order is not None),
+                                    (self.perm_v, "value order", fitted and self.value_order is not None),
+                                    (self.inv_v, "inverse value order", fitted and self.value_order is not None)):
+            if (found is not None) != wanted:
+                yield name, "present" if found is not None else "absent", \
+                    "present once tokens are quantized" if wanted else "absent"
+        for alpha, name in ((self.alpha_k, "key clip ratio"), (self.alpha_v, "value clip ratio")):
+            if alpha is not None and not bool(mx.all(mx.any(alpha[..., None] == mx.array(self.clip_grid), axis=-1))):
+                yield name, alpha.tolist(), f"values of the grid {self.clip_grid}"
+        if self.perm_v is not None and self.inv_v is not None and self.perm_v.shape == self.inv_v.shape and \
+                not bool(mx.all(permute(self.perm_v, self.inv_v) == mx.arange(self.perm_v.shape[-1]))):
+            yield "inverse value order", "not the inverse of the value order", "its inverse"

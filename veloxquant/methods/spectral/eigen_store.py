@@ -1,0 +1,336 @@
+"""Per-head eigenbasis codes: a rotation into the basis of the vectors' second moment,
+Lloyd-Max codes per coordinate, and an optional 1-bit QJL sketch of the key residual.
+
+**Basis** (``eigenbasis``), per (batch, KV head): the eigenvectors of ``C = x~ᵀx~ / n`` over
+the unit vectors ``x~ = x / ‖x‖`` of the first run encoded, by decreasing eigenvalue
+``λ`` (clamped at 0), then frozen. Keys may be de-rotated to their pre-RoPE form first
+(``quant/prerope.py``), where the basis is sharper.
+
+**Codes** (``EigenCodec``): ``z = Vᵀ(x / ‖x‖)``; the first ``e`` coordinates (the semantic
+subspace) take the ``head_bits`` Lloyd-Max codebook of ``N(0, σ_head²)``, the others the
+``tail_bits`` codebook of ``N(0, σ_tail²)``, with ``σ_head² = mean λ[:e]`` and
+``σ_tail² = mean λ[e:]`` (floored at ``SIGMA_FLOOR σ_head``). The codebooks are the
+Lloyd-Max quantizers of a unit Gaussian (``gaussian_codebook``: ``quant/codebook.py``'s
+weighted Lloyd on the density), computed once per width, scaled by σ. A row
+keeps its codes as one bit stream (``methods/spectral/bitfields.py``) and ‖x‖ in float16.
+
+**QJL** (keys, ``qjl``): the residual's semantic part ``r = (‖x‖ z - ‖x‖^ ẑ)[:e]`` (in the
+basis, so ``Vᵀ(x - x̂)`` restricted to it) is sketched as ``sign(S r)`` (e bits, S the
+top-left e x e block of a seeded Gaussian d x d matrix, sign(0) = +1) and ``‖r‖`` (float16).
+The score adds ``sqrt(π/2) / e · ‖r‖ · (S q_sem) · sign(S r)``, an unbiased estimate of
+``q_sem · r`` (q_sem: the query in the same frame, its first e coordinates).
+
+**Reading** (``EigenScores``, the ``PackedScores`` protocol): values and post-RoPE keys are
+read in the rotated frame, ``q Kᵀ = (q V)(‖k‖ ẑ)ᵀ`` and ``p V = (p (‖v‖ ẑ)) Vᵀ``: the codes
+are looked up, never rotated back row by row. Pre-RoPE keys cannot be: RoPE turns each
+position by its own angle, so the keys are rotated back out of the basis (one
+(D x D) product over the history) and RoPE applied again at their positions, and the QJL
+directions ``V[:, :e] Sᵀ`` are turned to each position (e rows a token) instead of the query.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ...cache.buffers import GrowingArray
+from ...kernels.decode import DecodePart
+from ...quant import codebook as cb
+from .bitfields import pack_fields, row_words, unpack_fields
+from ...quant.packed import GROWTH_TOKENS
+from ...quant.prerope import from_pre_rope_channels, to_pre_rope
+from ...quant.store import PackedStore
+
+RANGE_SIGMAS = 6.0  # the quadrature range, in σ (the repo starts its search on ±3.5σ; wider keeps the tails)
+GRID_POINTS = 16384  # quadrature points of the Gaussian density over that range
+LLOYD_ITERS = 200  # (a tenth of them from 6 bits on)
+SIGMA_FLOOR = 1e-4  # σ_tail >= this fraction of σ_head
+QJL_SCALE = math.sqrt(math.pi / 2)
+
+
+@functools.lru_cache(maxsize=None)
+def gaussian_codebook(bits: int) -> mx.array:
+    """The 2^bits Lloyd-Max centroids of N(0, 1) (sorted, in units of σ): codebook.py's
+    weighted Lloyd on the density. Started at the high-resolution optimum (point density
+    ~ p^(1/3): the quantiles of N(0, 3)), it has little left to do, even at 9 bits: the
+    mean squared error is within 1% of Panter-Dite's 2.72 / 4^b from 6 bits on."""
+    x = mx.linspace(-1.0, 1.0, GRID_POINTS)  # in units of RANGE_SIGMAS σ: codebook.py's range
+    weights = mx.exp(-0.5 * mx.square(x * RANGE_SIGMAS))
+    n = 1 << bits
+    start = math.sqrt(6) * mx.erfinv(2 * (mx.arange(n, dtype=mx.float32) + 0.5) / n - 1) / RANGE_SIGMAS
+    iters = LLOYD_ITERS if bits <= 5 else LLOYD_ITERS // 10
+    centroids = cb.lloyd(x, weights, mx.clip(start, -1.0, 1.0), iters) * RANGE_SIGMAS
+    mx.eval(centroids)
+    return centroids
+
+
+def eigenbasis(x: mx.array) -> tuple[mx.array, mx.array]:
+    """(V, λ) of the unit rows of ``x`` (B, H, n, D): V (B, H, D, D) with the eigenvectors
+    as columns, λ (B, H, D) decreasing, both float32."""
+    x = x.astype(mx.float32)
+    unit = x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
+    second = unit.swapaxes(-1, -2) @ unit / x.shape[2]
+    w, v = mx.linalg.eigh(second, stream=mx.cpu)
+    return v[..., ::-1], mx.maximum(w[..., ::-1], 0.0)
+
+
+@dataclass(frozen=True)
+class EigenCodec:
+    """Eigen-coordinates at ``bits`` (the average budget b): ``e = min(d_eff, d - 1)``
+    semantic coordinates, ``b_low = max(1, round(b - e/d))`` bits for the tail and
+    ``b_low + 1`` for the semantic ones, one of which is the QJL sign for keys
+    (``key``): keys carry ``b_low`` bits there, with or without the sketch."""
+
+    bits: int
+    d_eff: int
+    key: bool
+    qjl: bool
+
+    def widths(self, d: int) -> tuple[int, int, int]:
+        """(e, semantic bits, tail bits) at head_dim d."""
+        e = min(self.d_eff, d - 1)
+        low = max(1, math.floor(self.bits - e / d + 0.5))
+        return e, low if self.key else low + 1, low
+
+    def layout(self, d: int) -> tuple[tuple[int, int], ...]:
+        e, head, tail = self.widths(d)
+        return ((e, head), (d - e, tail)) + (((e, 1),) if self.qjl else ())
+
+    @property
+    def n_norms(self) -> int:
+        return 2 if self.qjl else 1
+
+    def sigmas(self, eigenvalues: mx.array, d: int) -> mx.array:
+        e = self.widths(d)[0]
+        head = mx.maximum(mx.sqrt(eigenvalues[..., :e].mean(axis=-1)), 1e-12)
+        tail = mx.maximum(mx.sqrt(eigenvalues[..., e:].mean(axis=-1)), SIGMA_FLOOR * head)
+        return mx.stack([head, tail], axis=-1)  # (B, H, 2)
+
+    def encode(self, x, basis, sigma, sketch):
+        """float32 rows (B, H, n, D) -> (words (B, H, n, W) uint32, norms (B, H, n, 1|2) float16)."""
+        d = x.shape[-1]
+        e, head_bits, tail_bits = self.widths(d)
+        norm = mx.linalg.norm(x, axis=-1, keepdims=True)
+        norm16 = norm.astype(mx.float16)
+        z = (x / mx.maximum(norm, 1e-30)) @ basis
+        s = sigma[:, :, None, :]
+        head = cb.nearest(z[..., :e] / s[..., :1], gaussian_codebook(head_bits))
+        tail = cb.nearest(z[..., e:] / s[..., 1:], gaussian_codebook(tail_bits))
+        fields, norms = [(head, head_bits), (tail, tail_bits)], [norm16]
+        if self.qjl:
+            z_head = gaussian_codebook(head_bits)[head] * s[..., :1]
+            residual = norm * z[..., :e] - norm16.astype(mx.float32) * z_head
+            fields.append((residual @ sketch.T >= 0, 1))
+            norms.append(mx.linalg.norm(residual, axis=-1, keepdims=True).astype(mx.float16))
+        return pack_fields(fields), mx.concatenate(norms, axis=-1) if self.qjl else norm16
+
+
+class EigenTokens:
+    """A growing run of rows in one ``EigenCodec``, with its frozen basis (fitted on the
+    first rows it encodes) and, for pre-RoPE keys, the model's rotary settings."""
+
+    def __init__(self, codec: EigenCodec, *, rotary=None, seed: int = 0, step_tokens: int = GROWTH_TOKENS):
+        self.codec, self.rotary, self.seed = codec, rotary, seed
+        self.words = GrowingArray(axis=2, step=step_tokens)
+        self.norms = GrowingArray(axis=2, step=step_tokens)
+        self.basis: mx.array | None = None  # (B, H, D, D) float32
+        self.sigma: mx.array | None = None  # (B, H, 2) float32
+        self.sketch: mx.array | None = None  # (e, e) float32 (QJL only)
+
+    @property
+    def count(self) -> int:
+        return self.words.length
+
+    @property
+    def dim(self) -> int:
+        return self.basis.shape[-1]
+
+    def fit(self, x: mx.array) -> None:
+        d = x.shape[-1]
+        self.basis, eigenvalues = eigenbasis(x)
+        self.sigma = self.codec.sigmas(eigenvalues, d)
+        if self.codec.qjl:
+            e = self.codec.widths(d)[0]
+            self.sketch = mx.random.normal((d, d), key=mx.random.key(self.seed))[:e, :e]
+
+    def append(self, x: mx.array) -> None:
+        """Encode rows (B, H, n, D) after those kept (the first call fits the basis)."""
+        x = to_pre_rope(x, self.count, self.rotary) if self.rotary is not None else x.astype(mx.float32)
+        if self.basis is None:
+            self.fit(x)
+        words, norms = self.codec.encode(x, self.basis, self.sigma, self.sketch)
+        self.words.append(words)
+        self.norms.append(norms)
+
+    def coordinates(self):
+        """The codes of every buffered row (spare room included: zero norms, zero rows)."""
+        return _coordinates(self.codec, self.dim, self.words.buffer, self.norms.buffer, self.sigma)
+
+    def decode(self, dtype) -> mx.array | None:
+        """The valid rows (B, H, count, D) in ``dtype``, post-RoPE again for keys (transient)."""
+        if not self.count:
+            return None
+        scaled = self.coordinates()[0][:, :, : self.count]
+        if self.rotary is None:
+            return (scaled @ self.basis.swapaxes(-1, -2)).astype(dtype)
+        rows_t = from_pre_rope_channels(self.basis @ scaled.swapaxes(-1, -2), 0, self.rotary)
+        return rows_t.swapaxes(-1, -2).astype(dtype)
+
+    def reader(self) -> "EigenScores":
+        return EigenScores(self, self.count)
+
+    def arrays(self, prefix: str):
+        out = {f"{prefix}_words": self.words, f"{prefix}_norms": self.norms,
+               f"{prefix}_basis": self.basis, f"{prefix}_sigma": self.sigma}
+        if self.codec.qjl:
+            out[f"{prefix}_sketch"] = self.sketch
+        return out
+
+    def problems(self, name: str, head_dim: int):
+        """(field, found, expected) where the kept arrays contradict the codec or each other."""
+        if self.words.buffer is None and self.basis is None:
+            return
+        if self.basis is None or self.sigma is None:
+            yield f"{name} eigenbasis", "missing", "saved with the coded rows"
+            return
+        e = self.codec.widths(head_dim)[0]
+        found = (tuple(self.basis.shape[2:]), tuple(self.sigma.shape[2:]))
+        if found != ((head_dim, head_dim), (2,)):
+            yield f"{name} basis and sigmas (trailing dims)", found, ((head_dim, head_dim), (2,))
+        if self.words.buffer is not None:
+            want = (row_words(self.codec.layout(head_dim)), self.codec.n_norms)
+            got = (self.words.buffer.shape[-1], self.norms.buffer.shape[-1] if self.norms.buffer is not None else None)
+            if got != want:
+                yield f"{name} words and norms per row", got, f"{want} ({self.codec.layout(head_dim)} bit fields)"
+        if self.codec.qjl and (self.sketch is None or tuple(self.sketch.shape) != (e, e)):
+            yield f"{name} QJL sketch", None if self.sketch is None else tuple(self.sketch.shape), (e, e)
+
+
+def _coordinates(codec: EigenCodec, d: int, words, norms, sigma):
+    e, head_bits, tail_bits = codec.widths(d)
+    fields = unpack_fields(words, codec.layout(d))
+    s = sigma[:, :, None, :]
+    # a gather, not codebook.lookup's fused steps: tables of up to 512 centroids
+    z = mx.concatenate([gaussian_codebook(head_bits)[fields[0].astype(mx.uint32)] * s[..., :1],
+                        gaussian_codebook(tail_bits)[fields[1].astype(mx.uint32)] * s[..., 1:]], axis=-1)
+    scaled = z * norms[..., :1].astype(mx.float32)
+    if not codec.qjl:
+        return scaled, None, None
+    return scaled, 2 * fields[2] - 1, norms[..., 1:2].astype(mx.float32)
+
+
+@dataclass(frozen=True)
+class EigenScores:
+    """An ``EigenTokens`` run as the pure-MLX decode path reads it (``PackedScores``)."""
+
+    tokens: EigenTokens
+    count: int
+
+    @property
+    def n_heads(self) -> int:
+        return self.tokens.words.buffer.shape[1]
+
+    def scores(self, q: mx.array, qjl: bool = True) -> mx.array:
+        """float32 ``q Kᵀ`` (B, H, R, count) for scaled float32 queries (B, H, R, D), with
+        the QJL correction when the codec keeps one (``qjl=False``: without it)."""
+        t = self.tokens
+        scaled, signs, rho = t.coordinates()
+        basis = t.basis
+        if t.rotary is None:
+            s = (q @ basis) @ scaled.swapaxes(-1, -2)
+        else:
+            s = q @ from_pre_rope_channels(basis @ scaled.swapaxes(-1, -2), 0, t.rotary)
+        if signs is not None and qjl:
+            e = signs.shape[-1]
+            directions = basis[..., :e] @ t.sketch.T  # (B, H, D, e): S q_sem = directionsᵀ q
+            if t.rotary is None:
+                corr = (q @ directions) @ signs.swapaxes(-1, -2)
+            else:  # each token's directions turned to its position
+                b, h, d, cap = *directions.shape[:3], scaled.shape[2]
+                turned = mx.broadcast_to(directions.swapaxes(-1, -2)[..., None], (b, h, e, d, cap))
+                turned = from_pre_rope_channels(turned, 0, t.rotary)  # (B, H, e, D, cap)
+                corr = ((q[:, :, None] @ turned) * signs.transpose(0, 1, 3, 2)[:, :, :, None]).sum(axis=2)
+            s = s + (QJL_SCALE / e) * corr * rho.swapaxes(-1, -2)
+        return s[..., : self.count]
+
+    def mix(self, p: mx.array) -> mx.array:
+        """float32 ``p V`` (B, H, R, D) for probabilities (B, H, R, count)."""
+        t = self.tokens
+        room = t.words.capacity - self.count
+        if room:
+            p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, room)])
+        return (p @ t.coordinates()[0]) @ t.basis.swapaxes(-1, -2)
+
+
+class EigenStore(PackedStore):
+    """Keys and values, each an ``EigenTokens`` run; every token coded as it comes (no
+    window). With a key sketch a prompt chunk after the first attends over the history
+    with the QJL-corrected scores too (the store owns that softmax); otherwise over the
+    decoded history, as every quantized store does."""
+
+    def __init__(self, keys: EigenTokens, values: EigenTokens):
+        self.keys, self.values = keys, values
+
+    @property
+    def length(self) -> int:
+        return self.keys.count
+
+    def commit(self, keys: mx.array, values: mx.array) -> None:
+        self.keys.append(keys)
+        self.values.append(values)
+
+    def history(self, dtype):
+        return self.keys.decode(dtype), self.values.decode(dtype)
+
+    def decode_parts(self, empty) -> list[DecodePart]:
+        if not self.keys.count:
+            return []
+        return [DecodePart(self.keys.reader(), None, self.values.reader(), None)]
+
+    def prefill_attention(self, queries, keys, values, *, scale, mask) -> mx.array:
+        if not self.keys.count or not self.keys.codec.qjl:
+            return super().prefill_attention(queries, keys, values, scale=scale, mask=mask)
+        b, hq, n, d = queries.shape
+        h = keys.shape[1]
+        q = queries.astype(mx.float32).reshape(b, h, hq // h * n, d) * scale
+        old = self.keys.reader().scores(q)
+        new = q @ keys.astype(mx.float32).swapaxes(-1, -2)
+        if mask is not None:  # causal within the chunk (array masks arrive rebuilt as causal)
+            causal = mx.tile(mx.arange(n)[:, None] >= mx.arange(n)[None], (hq // h, 1))
+            new = mx.where(causal, new, -mx.inf)
+        p = mx.softmax(mx.concatenate([old, new], axis=-1), axis=-1, precise=True)
+        t = old.shape[-1]
+        out = self.values.reader().mix(p[..., :t]) + p[..., t:] @ values.astype(mx.float32)
+        self.commit(keys, values)
+        return out.reshape(b, hq, n, values.shape[-1]).astype(queries.dtype)
+
+    # -- what is kept ---------------------------------------------------------------------
+    def arrays(self):
+        return {**self.keys.arrays("k"), **self.values.arrays("v")}
+
+    def meta(self):
+        return {"rotary": self.keys.rotary.to_json() if self.keys.rotary is not None else "none"}
+
+    def restore(self, meta, arrays) -> None:
+        from ...cache.rope import Rotary
+
+        if meta.get("rotary", "none") != "none":
+            self.keys.rotary = Rotary.from_json(meta["rotary"])
+        for prefix, run in (("k", self.keys), ("v", self.values)):
+            for field in ("words", "norms"):
+                if f"{prefix}_{field}" in arrays:
+                    getattr(run, field).reset(arrays[f"{prefix}_{field}"])
+            for field in ("basis", "sigma", "sketch"):
+                if f"{prefix}_{field}" in arrays:
+                    setattr(run, field, arrays[f"{prefix}_{field}"])
+
+    def layout_problems(self, head_dims):
+        yield from self.keys.problems("key", head_dims[0])
+        yield from self.values.problems("value", head_dims[1])
+
+    def problems(self, offset: int):
+        if self.keys.count != offset or self.values.count != offset:
+            yield "tokens stored", f"{self.keys.count} keys / {self.values.count} values", f"the offset {offset}"

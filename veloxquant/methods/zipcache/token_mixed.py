@@ -1,0 +1,272 @@
+"""Precision by token: a quantized store whose tokens are split between two classes.
+
+Every token of every KV head belongs to one class, ``hi`` or ``lo``, each a codec over
+the rows ``x / c`` (``methods/zipcache/channel_scaled.py``: channel-separable token-wise
+quantization; the per-channel scales ``c`` of keys and of values, per layer and KV head,
+are computed from the first tokens compressed and then frozen, and stored). The classes
+are decided per (batch, KV head) by a **saliency** (``quant/saliency.py``): of a span of
+n tokens, the ``n_salient(fraction, n)`` most salient go to ``hi``, the others to ``lo``,
+so every head holds the same number of each, but not the same tokens.
+
+Layout: each class keeps its tokens of each head in arrival order in one growing packed
+store (``PackedTokens``: keys and values in the same order; values in full precision when
+``quantize_values`` is off), with one uint8 flag per token and head in position order
+(1: hi) that puts them back in order (``history``). New decode tokens wait in full
+precision in a buffer (written in place) until ``block`` have come; then the block is
+scored with the current query and compressed (re-compression of decode blocks); a prompt
+chunk compresses the buffer and itself at once, scored by its probe queries.
+
+Attention. A prompt chunk attends over the history decoded in position order plus
+itself (one float32 softmax per query: SDPA); the same keys give the probes' weights. A
+decode step writes its token into the buffer, then attends over two parts merged by
+log-sum-exp (``kernels/decode.py``): the hi class with the buffer as its full-precision
+tail, and the lo class. The softmax does not depend on the order of the keys, so the
+classes are attended as stored. Their keys are per-token rows, which the fused kernels
+(per-channel keys) do not read: both parts are ``PackedScores`` (``token_rows.TokenRows``)
+on the pure-MLX path on every device, one pass over the packed codes each; a step
+dequantizes nothing. The block-scoring step (one in ``block``) scores the history once
+more for the softmax's normaliser.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ...cache.buffers import GrowingArray
+from ...kernels.decode import DecodePart, decode_attention
+from .channel_scaled import channel_scale
+from ...quant.packed import GROWTH_TOKENS, PackedTokens
+from ...quant.saliency import n_salient, salient_split
+from ...quant.store import WINDOW_STEP, PackedStore, joined_history
+from ...quant.token_rows import PlainRows, TokenGroups, TokenRows
+
+
+class TokenClass:
+    """The tokens of one precision class: keys (and values) of each head in arrival order."""
+
+    def __init__(self, codec: TokenGroups, quantize_values: bool, step_tokens: int = GROWTH_TOKENS):
+        self.keys = PackedTokens(codec, step_tokens)
+        self.values = PackedTokens(codec, step_tokens) if quantize_values else None
+        self.raw_values = None if quantize_values else GrowingArray(axis=2, step=step_tokens)
+
+    @property
+    def count(self) -> int:
+        return self.keys.count
+
+    @property
+    def value_count(self) -> int:
+        return self.values.count if self.values is not None else self.raw_values.length
+
+    def append(self, keys, values, k_channel, v_channel) -> None:
+        self.keys.append((keys.astype(mx.float32) / k_channel[:, :, None]).astype(keys.dtype))
+        if self.values is not None:
+            self.values.append((values.astype(mx.float32) / v_channel[:, :, None]).astype(values.dtype))
+        else:
+            self.raw_values.append(values)
+
+    def decode(self, k_channel, v_channel, dtype) -> tuple[mx.array, mx.array]:
+        """Keys and values (B, H, count, D) in ``dtype``, class order (transient)."""
+        keys = (self.keys.decode(mx.float32) * k_channel[:, :, None]).astype(dtype)
+        if self.values is None:
+            return keys, self.raw_values.view().astype(dtype)
+        return keys, (self.values.decode(mx.float32) * v_channel[:, :, None]).astype(dtype)
+
+    def readers(self, empty, k_channel, v_channel):
+        keys = TokenRows(self.keys.layout(empty), k_channel)
+        if self.values is None:
+            return keys, PlainRows(self.raw_values.buffer, self.raw_values.length)
+        return keys, TokenRows(self.values.layout(empty), v_channel)
+
+    def arrays(self, prefix: str) -> dict[str, GrowingArray]:
+        out = self.keys.arrays(f"{prefix}_k")
+        if self.values is not None:
+            out.update(self.values.arrays(f"{prefix}_v"))
+        else:
+            out[f"{prefix}_v_rows"] = self.raw_values
+        return out
+
+
+def _gather(x: mx.array, index: mx.array) -> mx.array:
+    return mx.take_along_axis(x, index[..., None], axis=2)
+
+
+class TokenMixedStore(PackedStore):
+    """Two precision classes (``hi``, ``lo`` codecs) chosen per token and KV head by
+    ``saliency`` (``prefill(queries, keys, scale, first)`` and ``decode(logits, n)``:
+    scores of the tokens to compress), ``fraction`` of each span at hi; decode tokens wait
+    in full precision until ``block`` have come."""
+
+    def __init__(self, hi: TokenGroups, lo: TokenGroups, fraction: float, block: int,
+                 saliency, quantize_values: bool = True, step_tokens: int = GROWTH_TOKENS):
+        self.fraction, self.block, self.saliency = fraction, block, saliency
+        self.quantize_values = quantize_values
+        self.hi = TokenClass(hi, quantize_values, step_tokens)
+        self.lo = TokenClass(lo, quantize_values, step_tokens)
+        self.flags = GrowingArray(axis=2, step=step_tokens)  # (B, H, n) uint8, 1: hi
+        self.k_channel: mx.array | None = None  # (B, H, D) float32, frozen at the first span
+        self.v_channel: mx.array | None = None
+        room = min(block, WINDOW_STEP)
+        self.k_buf = GrowingArray(axis=2, step=room, limit=block)
+        self.v_buf = GrowingArray(axis=2, step=room, limit=block)
+
+    @property
+    def compressed(self) -> int:
+        return self.flags.length
+
+    @property
+    def length(self) -> int:
+        return self.compressed + self.k_buf.length
+
+    # -- writing ----------------------------------------------------------------------
+    def commit(self, keys: mx.array, values: mx.array) -> None:
+        """Take new tokens into the full-precision buffer (they are classified and
+        compressed by the attention calls, which have the queries)."""
+        self.k_buf.append(keys)
+        self.v_buf.append(values)
+
+    def compress(self, keys: mx.array, values: mx.array, scores: mx.array | None) -> None:
+        """Store a span of tokens (B, H, n, D) by class: the ``n_salient`` largest
+        ``scores`` (B, H, n) of each head at hi (scores are not read when one class
+        takes every token)."""
+        n = keys.shape[2]
+        n_hi = n_salient(self.fraction, n)
+        if self.k_channel is None:
+            self.k_channel = channel_scale(keys)
+            self.v_channel = channel_scale(values) if self.quantize_values else None
+        if 0 < n_hi < n:
+            hi, lo = salient_split(scores, n_hi)
+            flags = mx.put_along_axis(mx.zeros(keys.shape[:3], mx.uint8), hi, mx.array(1, mx.uint8), axis=-1)
+            self.hi.append(_gather(keys, hi), _gather(values, hi), self.k_channel, self.v_channel)
+            self.lo.append(_gather(keys, lo), _gather(values, lo), self.k_channel, self.v_channel)
+        else:
+            (self.hi if n_hi else self.lo).append(keys, values, self.k_channel, self.v_channel)
+            flags = mx.full(keys.shape[:3], 1 if n_hi else 0, mx.uint8)
+        self.flags.append(flags)
+
+    def _flush_block(self, queries: mx.array, scale: float) -> None:
+        """The buffer is full: score it with the current query, compress it."""
+        keys, values = self.k_buf.view(), self.v_buf.view()
+        n = keys.shape[2]
+        scores = None
+        if 0 < n_salient(self.fraction, n) < n:
+            b, h, d = keys.shape[0], keys.shape[1], queries.shape[-1]
+            q = queries.astype(mx.float32).reshape(b, h, -1, d) * scale
+            logits = [k.scores(q) for cls in (self.hi, self.lo) if cls.count
+                      for k in [cls.readers(None, self.k_channel, self.v_channel)[0]]]
+            logits.append(q @ keys.astype(mx.float32).swapaxes(-1, -2))
+            scores = self.saliency.decode(mx.concatenate(logits, axis=-1), n)
+        self.compress(keys, values, scores)
+        self.k_buf.truncate(0)
+        self.v_buf.truncate(0)
+
+    # -- attention --------------------------------------------------------------------------
+    def prefill_attention(self, queries, keys, values, *, scale, mask) -> mx.array:
+        """A prompt chunk attends over the history (in order) plus itself; then the
+        buffer and the chunk are compressed, scored by the chunk's probe queries."""
+        first = self.compressed
+        old_k, old_v = self.history(keys.dtype)
+        all_k = keys if old_k is None else mx.concatenate([old_k, keys], axis=2)
+        all_v = values if old_v is None else mx.concatenate([old_v, values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
+        n = all_k.shape[2] - first
+        scores = None
+        if 0 < n_salient(self.fraction, n) < n:
+            scores = self.saliency.prefill(queries, all_k, scale, first)
+        self.compress(all_k[:, :, first:], all_v[:, :, first:], scores)
+        self.k_buf.truncate(0)
+        self.v_buf.truncate(0)
+        return out
+
+    def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
+        """A decode step: the token joins the buffer, attention over the classes and the
+        buffer; a full buffer is then scored and compressed."""
+        self.commit(keys, values)
+        parts = self.decode_parts(None)
+        out = decode_attention(queries, parts, scale=scale, use_kernel=use_kernel,
+                               n_kv_heads=keys.shape[1])
+        if self.k_buf.length >= self.block:
+            self._flush_block(queries, scale)
+        return out
+
+    # -- reading ----------------------------------------------------------------------------
+    def history(self, dtype) -> tuple[mx.array | None, mx.array | None]:
+        """Every stored token in ``dtype``, in position order (transient: prefill chunks
+        and tests): the classes put back where their flags say, then the buffer."""
+        parts_k, parts_v = [], []
+        classes = [c for c in (self.hi, self.lo) if c.count]
+        if classes:
+            decoded = [c.decode(self.k_channel, self.v_channel, dtype) for c in classes]
+            k = mx.concatenate([x[0] for x in decoded], axis=2) if len(decoded) > 1 else decoded[0][0]
+            v = mx.concatenate([x[1] for x in decoded], axis=2) if len(decoded) > 1 else decoded[0][1]
+            if len(decoded) > 1:  # the k-th flagged token is the k-th hi one, and so on
+                hi = self.flags.view().astype(mx.int32)
+                source = mx.where(hi > 0, mx.cumsum(hi, axis=-1) - 1, self.hi.count + mx.cumsum(1 - hi, axis=-1) - 1)
+                k, v = _gather(k, source), _gather(v, source)
+            parts_k.append(k)
+            parts_v.append(v)
+        return joined_history(parts_k, parts_v, self.k_buf.view(), self.v_buf.view(), dtype)
+
+    def decode_parts(self, empty) -> list[DecodePart]:
+        """The hi class with the buffer as its tail, then the lo class (empty ones left out)."""
+        tail_k = self.k_buf.view() if self.k_buf.length else None
+        tail_v = self.v_buf.view() if self.k_buf.length else None
+        parts = []
+        for cls in (self.hi, self.lo):
+            if cls.count or cls is self.hi:
+                keys, values = cls.readers(empty, self.k_channel, self.v_channel) if cls.count else (None, None)
+                parts.append(DecodePart(keys, tail_k, values, tail_v))
+                tail_k = tail_v = None
+        return [p for p in parts if p.length]
+
+    # -- checks of a restored state ------------------------------------------------------------
+    def layout_problems(self, head_dims: tuple[int, int]):
+        """(field, found, expected) for stored arrays whose shapes contradict their codecs."""
+        for name, cls in (("hi", self.hi), ("lo", self.lo)):
+            stores = [(cls.keys, "key", head_dims[0])]
+            if cls.values is not None:
+                stores.append((cls.values, "value", head_dims[1]))
+            for packed, what, dim in stores:
+                if packed.codes.buffer is None:
+                    continue
+                found = tuple(packed.codes.view().shape[2:]), tuple(packed.scales.view().shape[2:])
+                expected = packed.expected_shapes(dim)
+                if found != expected:
+                    c = packed.codec
+                    yield (f"{name}-class {what} codes and scales", found,
+                           f"{expected} ({c.bits}-bit codes, groups of {c.group})")
+        for rows, what, dim in ((self.k_buf, "keys", head_dims[0]), (self.v_buf, "values", head_dims[1]),
+                                (self.hi.raw_values, "hi-class values", head_dims[1]),
+                                (self.lo.raw_values, "lo-class values", head_dims[1])):
+            if rows is not None and rows.buffer is not None and rows.buffer.shape[3] != dim:
+                yield f"full-precision {what}' head_dim", rows.buffer.shape[3], dim
+        for scale, what, dim in ((self.k_channel, "key", head_dims[0]), (self.v_channel, "value", head_dims[1])):
+            if scale is not None and scale.shape[-1] != dim:
+                yield f"{what} channel scales' head_dim", scale.shape[-1], dim
+
+    def problems(self, offset: int):
+        """(field, found, expected) for each way the stored tokens contradict the policy."""
+        if self.length != offset:
+            yield "tokens stored", self.length, f"the offset {offset}"
+        for name, cls in (("hi", self.hi), ("lo", self.lo)):
+            if cls.value_count != cls.count:
+                yield f"{name}-class tokens", f"{cls.count} keys / {cls.value_count} values", "as many values as keys"
+        if self.hi.count + self.lo.count != self.compressed:
+            yield ("compressed tokens", f"{self.hi.count} hi + {self.lo.count} lo",
+                   f"the {self.compressed} tokens flagged")
+        elif self.compressed:
+            per_head = self.flags.view().astype(mx.int32).sum(axis=-1)
+            if not bool(mx.all(per_head == self.hi.count)):
+                yield "hi flags per head", per_head.tolist(), f"{self.hi.count} in every head"
+            if self.k_channel is None or (self.quantize_values and self.v_channel is None):
+                yield "channel scales", "missing", "saved with the compressed tokens"
+        if self.k_buf.length != self.v_buf.length or self.k_buf.length >= self.block:
+            yield ("full-precision buffer", f"{self.k_buf.length} keys / {self.v_buf.length} values",
+                   f"as many values as keys, fewer than the block {self.block}")
+
+    # -- what is kept ----------------------------------------------------------------------------
+    def arrays(self) -> dict[str, Any]:
+        return {**self.hi.arrays("hi"), **self.lo.arrays("lo"), "flags": self.flags,
+                "k_channel": self.k_channel, "v_channel": self.v_channel,
+                "k_buf": self.k_buf, "v_buf": self.v_buf}
