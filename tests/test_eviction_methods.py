@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 
 from feeding import feed, prompt_then_steps, synthetic_kvq
+from paper_rule import no_recent_floor  # noqa: F401  (a fixture)
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import H2OOptions, L2NormOptions, TOVAOptions
 from veloxquant_mlx.methods.h2o import H2OCache
@@ -35,6 +36,7 @@ def kept_sets(cache):
 
 # -- knorm ------------------------------------------------------------------------------
 @pytest.mark.parametrize("keep", ["low", "high"])
+@pytest.mark.usefixtures("no_recent_floor")
 def test_knorm_kept_norms_beat_every_evicted_candidate(keep):
     n, budget, sink, recent = 300, 40, 4, 6
     k, v, q = synthetic(n)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from feeding import feed, prompt_then_steps, synthetic_kvq
+from paper_rule import no_recent_floor  # noqa: F401  (a fixture)
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import H2OOptions, KeyformerOptions
 from veloxquant_mlx.methods import keyformer as keyformer_module
@@ -81,6 +82,7 @@ def test_before_any_eviction_each_kv_head_scores_sum_to_group_times_queries(nois
         assert float(mx.abs(score - plain.store.view("score")[0]).max()) > 0.1
 
 
+@pytest.mark.usefixtures("no_recent_floor")
 def test_without_noise_at_tau_1_the_selection_is_h2os_cumulative_softmax_top_k():
     """The card's deterministic limit: no noise, tau 1 gives H2O's plain column sums (times
     the group size, which leaves the ranking alone), so both keep the same tokens."""
@@ -157,6 +159,7 @@ def _simulate(k, q, n_prompt, chunk, budget, sink, recent, seed, layer, tau, ele
     return history
 
 
+@pytest.mark.usefixtures("no_recent_floor")
 @pytest.mark.parametrize("sink,recent,seed,elements", [(0, 0, 0, 2**21), (3, 4, 11, 2**21), (2, 0, -5, 600)])
 def test_accumulated_gumbel_scores_match_a_step_by_step_simulation(sink, recent, seed, elements, monkeypatch):
     """Noise on, tau annealed from 0.5 to 2 over 12 steps: the cache's kept tokens after the

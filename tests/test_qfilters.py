@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from feeding import feed, prompt_then_steps
+from paper_rule import no_recent_floor  # noqa: F401  (a fixture)
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import QFiltersOptions
 from veloxquant_mlx.methods import qfilters as qfilters_module
@@ -102,6 +103,7 @@ def test_the_sign_fix_makes_the_filter_independent_of_the_svds_sign():
 
 
 @pytest.mark.parametrize("recent", [0, 6])
+@pytest.mark.usefixtures("no_recent_floor")
 def test_the_filter_finds_the_shared_query_direction_and_the_top_projections_are_kept(recent):
     n_prompt, budget, sink = 160, 40, 4
     k, v, q, e = synthetic(n_prompt, seed=2)
@@ -151,6 +153,7 @@ def test_the_calibration_buffer_stays_within_twice_calib_tokens():
     assert cache.filter is None and cache.stored_length == 700
 
 
+@pytest.mark.usefixtures("no_recent_floor")
 @pytest.mark.parametrize("sign", [1, -1])
 @pytest.mark.parametrize("recent", [0, 5])
 def test_each_decode_step_frees_the_slot_of_the_lowest_score(sign, recent):
@@ -170,6 +173,7 @@ def test_each_decode_step_frees_the_slot_of_the_lowest_score(sign, recent):
             assert kept == (before[h] | {t}) - {victim}
 
 
+@pytest.mark.usefixtures("no_recent_floor")
 def test_sign_minus_one_keeps_the_bottom_projections_with_the_same_filter():
     n_prompt, budget, sink = 120, 30, 2
     k, v, q, _ = synthetic(n_prompt, seed=6)
@@ -202,6 +206,7 @@ def _retention_by_hand(k, q, positions, kept, n):
 
 
 @pytest.mark.parametrize("action", ["warn", "raise", "ignore", None])
+@pytest.mark.usefixtures("no_recent_floor")
 def test_the_retention_check_fires_when_the_kept_tokens_miss_the_attention(action):
     """sign -1 keeps the keys the queries attend to least: its retention is low, sign +1's
     high; each measured as the card says (numpy), and acted on as asked."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
+from paper_rule import no_recent_floor  # noqa: F401  (a fixture)
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import L2NormOptions
 from veloxquant_mlx.methods.knorm import L2NormCache
@@ -47,6 +49,7 @@ def test_knorm_keeps_the_later_tokens_among_norms_equal_up_to_the_last_bits():
     assert kept_a == kept_b == [list(range(24, 48))] * H
 
 
+@pytest.mark.usefixtures("no_recent_floor")
 def test_knorm_still_orders_norms_that_differ_beyond_the_rounding():
     # Norms apart by 1e-3 relative are not ties: the lowest are kept, early or late.
     scale = 1.0 + 1e-3 * np.arange(40, dtype=np.float32)[::-1].copy()

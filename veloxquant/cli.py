@@ -21,6 +21,11 @@ from .cli_common import (
 from .reference import REFERENCE_MODEL
 from .registry import METHODS
 
+# A status note that starts so says the method saves no memory (or none over a simpler
+# method) at its defaults; `veloxquant methods` lists those notes under the table.
+NO_SAVING_NOTE = "Saves no"
+
+
 def cmd_methods(args: argparse.Namespace) -> int:
     """List every method with its family, status and whether it is implemented."""
     rows = [("method", "options class", "family", "status", "implemented")]
@@ -36,6 +41,12 @@ def cmd_methods(args: argparse.Namespace) -> int:
             print("  ".join("-" * w for w in widths))
     done = sum(info.implemented for info in METHODS.values())
     print(f"\n{len(METHODS)} methods, {done} implemented")
+    caveats = [(key, info.status_note) for key, info in METHODS.items()
+               if (info.status_note or "").startswith(NO_SAVING_NOTE)]
+    if caveats:
+        print("\nNo memory saved at the defaults, or none over a simpler method (status notes):")
+        for key, note in caveats:
+            print(f"  {key}: {note.split('; ')[0].split('. ')[0]}")
     return 0
 
 

@@ -17,6 +17,12 @@ by slot reuse, trim and state. A method subclass declares:
 
 Attention always runs over every stored token plus the new ones (``budget + 1`` at a
 decode step); eviction follows it, as in H2O, TOVA and SnapKV.
+
+A method may set ``recent_floor``: its recent window is then never smaller than that (nor
+than a quarter of the budget), whatever its option says. A method whose score favours
+tokens many queries have seen, or ignores queries, needs one: with no recent window it
+evicts the prompt's last tokens and each generated token the moment it arrives, and the
+text degenerates.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from ..cache.base import CompressedKVCache, causal_mask
 from .attention import attention_mass, attention_weights
 from .select import top_k_sorted
 from .store import SlotStore
+
+RECENT_FLOOR = 32  # newest tokens kept by a method that sets recent_floor, at least
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,7 @@ class ScoredEvictionCache(CompressedKVCache):
     state_from_queries = False  # token_state accumulates what queries paid: trim is inexact
     logits_dtype = mx.float32  # dtype of the score's logits matmul (the softmax is float32)
     window_in_decode = False  # keep the last ``window`` queries at decode steps too
+    recent_floor = 0  # the recent window is at least min(this, budget // 4)
 
     @classmethod
     def packed_layout(cls):
@@ -159,7 +168,7 @@ class ScoredEvictionCache(CompressedKVCache):
 
     @property
     def recent(self) -> int:
-        return self._option("recent")
+        return max(self._option("recent"), min(self.recent_floor, self.budget // 4))
 
     @property
     def window(self) -> int:

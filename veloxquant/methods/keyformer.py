@@ -7,9 +7,11 @@ the real logits q.k * scale, causal by position, and zeta ~ Gumbel(0, 1) i.i.d. 
 sequence, query head, query and key, added to the logits before dividing by tau. Noise
 and temperature only score: the layer's output is the plain softmax over the stored
 tokens. Scores when the prompt is in (keeping the top ``keyformer_budget``) and at every
-decode step (freeing the slot of the lowest S); the sinks and the ``keyformer_recent``
-newest tokens are never evicted (with none, a new token, scored by its own attention
-alone, is mostly the one evicted). An evicted token's S leaves with it; a new token starts
+decode step (freeing the slot of the lowest S); the sinks and the newest tokens are never
+evicted: the ``keyformer_recent`` newest, and at least ``RECENT_FLOOR`` (``recent_floor``,
+at most a quarter of the budget) in place of the paper's recent share of the cache, since
+with none, as at the contract's default of 0, a new token, scored by its own attention
+alone, is mostly the one evicted and the text degenerates. An evicted token's S leaves with it; a new token starts
 from its own contribution. The prompt's queries are scored in blocks (``gumbel_mass``).
 
 Temperature at step t (0 for the prompt, then 1, 2, ... for the decode steps after it):
@@ -34,7 +36,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..evict.attention import QUERY_BLOCK
-from ..evict.base import Roles, Schedule, ScoredEvictionCache
+from ..evict.base import RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 from ..evict.prng import step_key
 
 SCORE_ELEMENTS = 2**21  # logits per scoring block (8 MiB in float32)
@@ -76,6 +78,7 @@ class KeyformerCache(ScoredEvictionCache):
     roles = Roles(budget="keyformer_budget", n_sink="keyformer_n_sink", recent="keyformer_recent")
     schedule = Schedule(prefill_end=True, decode_every=1)
     token_state = ("score",)
+    recent_floor = RECENT_FLOOR  # the contract's default recent window is 0 (module docstring)
     state_from_queries = True
     gumbel_noise = True  # False (tests only): score with softmax(x / tau), no noise
     batchable = "per_sequence"  # its noise keys take the offset as a number (packed: one per sequence)

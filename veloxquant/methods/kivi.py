@@ -7,6 +7,9 @@ channels of one token, the newest R exact, the window sliding one token per step
 config's ``residual_window`` and the bit width its ``kv_bits`` (KIVIOptions holds only the
 group size). A prefill chunk attends over the decoded history plus itself, as KIVI's own
 prefill does; a decode step over the packed history, through the fused kernel on a GPU.
+As in the official decode, a step attends first (its key and value exact, in the windows)
+and flushes after: the step that fills a key block reads those R keys exact, then packs
+them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class KIVICache(QuantizedCache):
         return QuantizedKVStore(
             GroupAffine(bits, self.group, "channel"), GroupAffine(bits, self.group, "token"),
             window=residual, key_block=flush, step_tokens=max(GROWTH_TOKENS, flush),
+            attend_then_flush=True,
         )
 
     @property

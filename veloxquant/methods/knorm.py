@@ -5,7 +5,10 @@ then the cache keeps its ``knorm_budget`` best tokens (a long prompt never holds
 than budget + one chunk), and each decode step frees the slot of the worst token.
 A token's norm never changes (RoPE is a rotation), so it is computed once, in float32,
 when the token arrives, and kept beside it. Adapted: an absolute budget with protected
-sinks and recent tokens instead of the paper's keep ratio; every layer is compressed.
+sinks and recent tokens instead of the paper's keep ratio; every layer is compressed. The
+recent window is at least ``RECENT_FLOOR`` tokens (``recent_floor``, at most a quarter of
+the budget) whatever ``knorm_recent`` says: the contract's default, 0, would evict each
+new token as it arrives whenever its norm is above the kept ones', and the text degenerates.
 
 Ties: a token id seen twice gives the first layer two keys of one norm (RoPE rotates
 them), equal up to the last bits of the rotation, which differ between back-ends. Norms
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..evict.base import Roles, Schedule, ScoredEvictionCache
+from ..evict.base import RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 
 
 class L2NormCache(ScoredEvictionCache):
@@ -26,6 +29,7 @@ class L2NormCache(ScoredEvictionCache):
     schedule = Schedule(prefill_end=True, chunks=True, decode_every=1)
     batchable = True  # packed decode: evict/batch.py runs the base's decode steps for the batch
     token_state = ("key_norm",)
+    recent_floor = RECENT_FLOOR  # the contract's default recent window is 0 (module docstring)
 
     def new_token_state(self, keys, values):
         return {"key_norm": mx.sqrt(mx.square(keys.astype(mx.float32)).sum(axis=-1))}

@@ -11,8 +11,10 @@ the highest kept (the official filter is stored negated, -sigma v, and scored wi
 frozen), so it is computed once, in float32, and kept beside the token.
 
 Scores when the prompt is in and at every decode step (freeing the slot of the lowest
-score); the sinks and the ``qfilters_recent`` newest tokens are never evicted (with none,
-a new token that projects below the kept ones is evicted at once). Attention always sees
+score); the sinks and the newest tokens are never evicted: the ``qfilters_recent`` newest,
+and at least ``RECENT_FLOOR`` (``recent_floor``, at most a quarter of the budget), since
+with none, as at the contract's default of 0, a new token that projects below the kept
+ones is evicted at once and the text degenerates. Attention always sees
 every stored token; the score itself needs no query.
 
 Adapted (the paper calibrates offline, on about 3000 queries of generic text): the filter
@@ -39,7 +41,7 @@ import mlx.core as mx
 
 from ..diagnostics import VeloxQuantWarning
 from ..evict.attention import QUERY_BLOCK, attention_weights
-from ..evict.base import Roles, Schedule, ScoredEvictionCache
+from ..evict.base import RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 from ..evict.select import group_mean, top_k_sorted
 
 
@@ -97,6 +99,7 @@ class QFiltersCache(ScoredEvictionCache):
     schedule = Schedule(prefill_end=True, decode_every=1)
     batchable = "per_sequence"  # its own _evict and trim, which the packed layout does not run
     token_state = ("proj",)
+    recent_floor = RECENT_FLOOR  # the contract's default recent window is 0 (module docstring)
 
     def _init_storage(self) -> None:
         super()._init_storage()

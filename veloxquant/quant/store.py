@@ -105,9 +105,15 @@ class PackedStore:
 
 
 class QuantizedKVStore(PackedStore):
+    """``attend_then_flush``: a decode step attends over the windows with its new rows in
+    them (``key_block`` keys, ``window + 1`` values at most), then flushes what is due, as
+    KIVI's official decode does; otherwise it flushes first, and the step's own key may be
+    read quantized."""
+
     def __init__(self, key_codec: GroupAffine, value_codec: GroupAffine, window: int,
-                 key_block: int, step_tokens: int):
+                 key_block: int, step_tokens: int, attend_then_flush: bool = False):
         self.window, self.key_block = window, key_block
+        self.attend_then_flush = attend_then_flush
         self.keys = PackedTokens(key_codec, step_tokens)
         self.values = PackedTokens(value_codec)
         # Full-precision windows, written in place: keys not yet flushed (< key_block), the
@@ -142,14 +148,28 @@ class QuantizedKVStore(PackedStore):
         """Take new tokens in; flush what the policy says is old enough."""
         if keys.shape[2] == 1 and self.window:  # a decode step: rows written in place
             self.k_win.append(keys)
-            if self.k_win.held == self.key_block:
-                self.keys.append(self.k_win.view())
-                self.k_win.reset(None)
             self.v_win.append(values)
-            if self.v_win.held > self.window:
-                self.values.append(self.v_win.pop_front(1), one_token=True)
+            self._flush_windows()
             return
         self._append_rows(keys, values)
+
+    def _flush_windows(self) -> None:
+        """After a decode step's rows: a full key block, and the value past the window."""
+        if self.k_win.held == self.key_block:
+            self.keys.append(self.k_win.view())
+            self.k_win.reset(None)
+        if self.v_win.held > self.window:
+            self.values.append(self.v_win.pop_front(1), one_token=True)
+
+    def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
+        if not (self.attend_then_flush and self.window):
+            return super().decode_attention(queries, keys, values, scale=scale, use_kernel=use_kernel)
+        self.k_win.append(keys)
+        self.v_win.append(values)
+        out = decode_attention(queries, self.decode_parts(_empty(queries.dtype)), scale=scale,
+                               use_kernel=use_kernel, n_kv_heads=keys.shape[1])
+        self._flush_windows()
+        return out
 
     def _keys_to_flush(self, n_exact: int) -> int:
         """How many of ``n_exact`` full-precision keys (oldest first) the flush rule packs."""

@@ -55,7 +55,8 @@ class XQuantCache(CrossLayer, QuantizedCache):
         keys = GroupAffine(o.xquant_base_bits, self.group, "channel")
         values = GroupAffine(o.xquant_base_bits, self.group, "token")
         if self.is_owner:
-            return QuantizedKVStore(keys, values, window=window, key_block=block, step_tokens=step)
+            return QuantizedKVStore(keys, values, window=window, key_block=block, step_tokens=step,
+                                    attend_then_flush=True)  # KIVI's decode order
         bits = o.xquant_residual_bits
 
         def residual(axis):
@@ -63,7 +64,7 @@ class XQuantCache(CrossLayer, QuantizedCache):
 
         return BorrowedStore(BorrowedCodes(keys, residual("channel"), self._anchor_keys, step),
                              BorrowedCodes(values, residual("token"), self._anchor_values, step),
-                             window=window, key_block=block, step_tokens=step)
+                             window=window, key_block=block, step_tokens=step, attend_then_flush=True)
 
     def _anchor_keys(self):
         return self.owner.store.keys

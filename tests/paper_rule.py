@@ -1,0 +1,19 @@
+"""Replays of a paper's eviction rule with the recent window its options give, no floor.
+
+Keyformer, Q-Filters and L2Norm keep at least ``RECENT_FLOOR`` newest tokens whatever
+their ``*_recent`` option says (``recent_floor``); the papers' rules have no such floor.
+Tests that replay a rule step by step use this fixture to check the rule alone;
+tests/test_default_recent_window.py checks the floor.
+"""
+
+import pytest
+
+from veloxquant_mlx.methods.keyformer import KeyformerCache
+from veloxquant_mlx.methods.knorm import L2NormCache
+from veloxquant_mlx.methods.qfilters import QFiltersCache
+
+
+@pytest.fixture
+def no_recent_floor(monkeypatch):
+    for cls in (KeyformerCache, L2NormCache, QFiltersCache):
+        monkeypatch.setattr(cls, "recent_floor", 0)
