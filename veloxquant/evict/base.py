@@ -127,7 +127,9 @@ class ScoredEvictionCache(CompressedKVCache):
     state_from_queries = False  # token_state accumulates what queries paid: trim is inexact
     logits_dtype = mx.float32  # dtype of the score's logits matmul (the softmax is float32)
     window_in_decode = False  # keep the last ``window`` queries at decode steps too
-    keeps_whole_budget = True  # an eviction keeps exactly ``budget`` tokens (not whole chunks below it)
+    # The kept count follows from the budget and the schedule (false where an eviction keeps
+    # whole chunks below the budget, or the budget moves with the offset).
+    kept_count_follows_budget = True
 
     def _init_storage(self) -> None:
         self.options = self.config.options
@@ -341,7 +343,7 @@ class ScoredEvictionCache(CompressedKVCache):
         positions = self.store.view("positions")
         if positions is None or not positions.size:
             return
-        held = positions if self.padded else mx.where(positions < 0, mx.iinfo(mx.int32).max, positions)
+        held = mx.where(positions < 0, mx.iinfo(mx.int32).max, positions) if self.padded else positions
         low, newest = int(held.min()), int(positions.max())
         if low < 0 or newest >= self.offset:
             yield "kept positions", f"[{low}, {newest}]", f"within [0, offset {self.offset})"
@@ -361,13 +363,15 @@ class ScoredEvictionCache(CompressedKVCache):
         that a decode step's eviction leaves it in until the next write)."""
         if self.recent:  # protected from every eviction
             return True
+        if self.padded:  # per-head choices (kvzip's pass among them) may drop it in a head
+            return False
         if self.in_prompt:  # a prompt chunk is appended; only chunk scoring may drop it
             return not self.schedule.chunks
-        return self.decode_steps > 0 and not self.padded
+        return self.decode_steps > 0
 
     def _expected_kept(self) -> int | None:
         """Tokens kept per head after the last update, where the schedule fixes it."""
-        if self.in_prompt or self.padded or not self.keeps_whole_budget:
+        if self.in_prompt or self.padded or not self.kept_count_follows_budget:
             return None
         if self.schedule.decode_every:  # evicts down to the budget at every scoring
             return min(self.budget, self.offset) if self.schedule.decode_every == 1 else None
