@@ -35,6 +35,7 @@ _LAZY = {
     "unpatch_model_kv_cache": "veloxquant_mlx.integrations.mlx_lm",
     "patched_kv_cache": "veloxquant_mlx.integrations.mlx_lm",
     "load_prompt_cache": "veloxquant_mlx.integrations.saved",
+    "save_prompt_cache": "veloxquant_mlx.integrations.saved",
 }
 
 __all__ = [

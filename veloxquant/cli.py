@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -106,6 +107,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dtype = compute_dtype(args.dtype)
     if dtype is not None:
         model.set_dtype(dtype)
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # undecodable argv bytes arrive as lone surrogates
+        bad = args.prompt[exc.start].encode("utf-8", "surrogateescape")
+        raise CLIError(f"--prompt is not UTF-8 text: byte 0x{bad.hex()} at character {exc.start}") from None
     prompt = tokenizer.encode(args.prompt)
     positions = _max_positions(model_config)
     if positions is not None and len(prompt) + args.max_tokens > positions[1]:
@@ -115,14 +121,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"({positions[0]}); tokens beyond them are at positions it never saw",
             file=sys.stderr, flush=True,
         )
-    cache = make_prompt_cache(model, config)
-    if reconstruction_layers(cache) and len(prompt) > 1:  # kvzip: compress the prompt by its pass
-        cost = prefill_with_reconstruction(model, tokenizer, prompt[:-1], cache)
-        print(f"[kv cache] {config.method}: prefill {cost['prefill_s']:.2f} s, reconstruction "
-              f"pass {cost['reconstruction_s']:.2f} s", file=sys.stderr, flush=True)
-        prompt = prompt[-1:]
     interrupted = False
-    try:
+    try:  # a config the model cannot take, or a context past a method's limit, fails in here
+        cache = make_prompt_cache(model, config)
+        if reconstruction_layers(cache) and len(prompt) > 1:  # kvzip: compress the prompt by its pass
+            cost = prefill_with_reconstruction(model, tokenizer, prompt[:-1], cache)
+            print(f"[kv cache] {config.method}: prefill {cost['prefill_s']:.2f} s, reconstruction "
+                  f"pass {cost['reconstruction_s']:.2f} s", file=sys.stderr, flush=True)
+            prompt = prompt[-1:]
         for response in mlx_lm.stream_generate(
             model, tokenizer, prompt, max_tokens=args.max_tokens, prompt_cache=cache
         ):
@@ -130,6 +136,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     except KeyboardInterrupt:
         interrupted = True
+    except (ValueError, NotImplementedError) as exc:
+        raise CLIError(f"method {config.method!r}: {exc}".replace("\n", " ")) from None
     print(flush=True)
 
     tokens = max(c.offset for c in cache)
@@ -401,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"veloxquant {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -87,6 +87,9 @@ class CompressedKVCache:
     """
 
     requires_attention_hook = False
+    # Whether tokens leave the cache (eviction): a cache that keeps every token must hold
+    # exactly ``offset`` of them, which is how a saved state's offset is checked.
+    evicts_tokens = False
     # Batched generation is opt-in per class, never inherited: a class sets ``batchable``
     # (True or "per_sequence") in its own body; ``cache.batch.batch_mode(cls)`` says how it
     # batches (None: it does not).
@@ -293,8 +296,14 @@ class CompressedKVCache:
         self.offset = int(meta["offset"])
         shape = json.loads(meta.get("kv_shape", "null"))
         self.kv_shape = None if shape is None else tuple(shape)
-        self._restore_arrays(state.get("arrays") or {})
-        self._restore_meta(meta)
+        try:
+            self._restore_arrays(state.get("arrays") or {})
+            self._restore_meta(meta)
+        except KeyError as exc:  # a file with an array or a meta field cut out
+            raise CacheStateError(
+                f"saved cache, layer {self.layer} ({type(self).__name__}, method "
+                f"{self.config.method!r}): {exc.args[0]!r} is missing, expected in the file"
+            ) from None
 
     def _restore_arrays(self, arrays: dict[str, Any]) -> None:
         """Put saved arrays back where ``_arrays`` found them (by attribute name)."""
@@ -314,7 +323,8 @@ class CompressedKVCache:
         config or itself, naming the field and both values."""
         obj = cls.__new__(cls)
         obj.state = state
-        problems = [*obj._layout_problems(), *obj._offset_problems(), *obj._state_problems()]
+        problems = [*obj._layout_problems(), *obj._offset_problems(), *obj._state_problems(),
+                    *obj._unevicted_offset_problems()]
         if problems:
             field, found, expected = problems[0]
             raise CacheStateError(
@@ -328,6 +338,10 @@ class CompressedKVCache:
             yield "offset", self.offset, "a token count >= 0"
         elif self.stored_length > self.offset:
             yield "offset", self.offset, f">= the {self.stored_length} tokens stored"
+
+    def _unevicted_offset_problems(self):
+        if not self.evicts_tokens and 0 <= self.stored_length != self.offset:
+            yield "offset", self.offset, f"the {self.stored_length} tokens stored (this method keeps every token)"
 
     def __repr__(self) -> str:
         return (

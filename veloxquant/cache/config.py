@@ -159,6 +159,9 @@ class KVCacheConfig(KVCacheConfigFields):
             return
         if value is None:
             return
+        expected = _expected_options(self.method)
+        if expected is not None and isinstance(value, expected):  # all rules first: all or nothing
+            self._validate_active(**{n: getattr(value, n) for n in METHODS[self.method].fields})
         self._apply_options(value, only_defaults=False)
         self._validate_active()
 
@@ -176,9 +179,11 @@ class KVCacheConfig(KVCacheConfigFields):
             if not only_defaults or getattr(self, name) == _DEFAULTS[name]:
                 object.__setattr__(self, name, value)
 
-    def _validate_active(self) -> None:
-        names = (*METHODS[self.method].fields, *CONFIG_FIELDS)
-        validators.validate_values(self.method, {n: getattr(self, n) for n in names})
+    def _validate_active(self, **changes: Any) -> None:
+        """The active method's rules over the current values, or over them with ``changes``."""
+        method = changes.get("method", self.method)
+        names = (*METHODS[method].fields, *CONFIG_FIELDS)
+        validators.validate_values(method, {n: changes.get(n, getattr(self, n)) for n in names})
 
     # -- assignment after construction ------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
@@ -195,12 +200,11 @@ class KVCacheConfig(KVCacheConfigFields):
                 f"KVCacheConfig has no field {name!r}"
                 f"{_did_you_mean(name, _DEFAULTS)}"
             )
+        if not (name in FLAT_FIELDS and FLAT_FIELDS[name][0] != self.method):
+            self._validate_active(**{name: value})  # before assigning: a refusal changes nothing
         if name in FLAT_FIELDS:
             _warn_flat(name, value, self.method)
         object.__setattr__(self, name, value)
-        if name in FLAT_FIELDS and FLAT_FIELDS[name][0] != self.method:
-            return
-        self._validate_active()
 
     # -- serialisation -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

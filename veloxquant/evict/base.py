@@ -128,12 +128,16 @@ class ScoredEvictionCache(CompressedKVCache):
     """Keeps at most ``budget`` tokens per layer and KV head, chosen by the method's score."""
 
     requires_attention_hook = True
+    evicts_tokens = True
     roles: Roles
     schedule: Schedule = Schedule()
     token_state: tuple[str, ...] = ()
     state_from_queries = False  # token_state accumulates what queries paid: trim is inexact
     logits_dtype = mx.float32  # dtype of the score's logits matmul (the softmax is float32)
     window_in_decode = False  # keep the last ``window`` queries at decode steps too
+    # The kept count follows from the budget and the schedule (false where an eviction keeps
+    # whole chunks below the budget, or the budget moves with the offset).
+    kept_count_follows_budget = True
     recent_floor = 0  # the recent window is at least min(this, budget // 4)
 
     @classmethod
@@ -344,6 +348,50 @@ class ScoredEvictionCache(CompressedKVCache):
             kept = self.store.view("positions")
             self.store.update("positions", mx.where(rank < per_head[..., None], kept, -1))
         self.padded = True
+
+    # -- a saved state must agree with itself and its config --------------------------------
+    def _state_problems(self):
+        rows = {name: grown.length for name, grown in self.store.arrays.items()}
+        if len(set(rows.values())) > 1:
+            yield "rows of the kept arrays", rows, "one slot count for all"
+            return
+        positions = self.store.view("positions")
+        if positions is None or not positions.size:
+            return
+        held = mx.where(positions < 0, mx.iinfo(mx.int32).max, positions) if self.padded else positions
+        low, newest = int(held.min()), int(positions.max())
+        if low < 0 or newest >= self.offset:
+            yield "kept positions", f"[{low}, {newest}]", f"within [0, offset {self.offset})"
+            return
+        if self.store.free is not None and not 0 <= int(self.store.free.max()) < self.store.rows:
+            yield "free slot", int(self.store.free.max()), f"a slot below {self.store.rows}"
+        if self._newest_token_held() and newest != self.offset - 1:
+            yield "offset", self.offset, f"{newest + 1}, one past the newest token held (position {newest})"
+        expected = self._expected_kept()
+        if expected is not None and self.stored_length != expected:
+            yield "stored tokens", self.stored_length, (
+                f"{expected} for budget {self.budget} at offset {self.offset} "
+                f"({self.decode_steps} decode steps since the prompt)")
+
+    def _newest_token_held(self) -> bool:
+        """Whether the last update's token is still in a slot (kept, or in the free slot
+        that a decode step's eviction leaves it in until the next write)."""
+        if self.recent:  # protected from every eviction
+            return True
+        if self.padded:  # per-head choices (kvzip's pass among them) may drop it in a head
+            return False
+        if self.in_prompt:  # a prompt chunk is appended; only chunk scoring may drop it
+            return not self.schedule.chunks
+        return self.decode_steps > 0
+
+    def _expected_kept(self) -> int | None:
+        """Tokens kept per head after the last update, where the schedule fixes it."""
+        if self.in_prompt or self.padded or not self.kept_count_follows_budget:
+            return None
+        if self.schedule.decode_every:  # evicts down to the budget at every scoring
+            return min(self.budget, self.offset) if self.schedule.decode_every == 1 else None
+        prompt = self.offset - self.decode_steps  # evicted once at the prompt's end, then appends
+        return min(self.budget, prompt) + self.decode_steps
 
     # -- trim: exact only while nothing was evicted ------------------------------------------
     def is_trimmable(self) -> bool:

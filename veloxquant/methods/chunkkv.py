@@ -45,6 +45,7 @@ SCORES = {"attn_mass": window_attention}
 class ChunkKVCache(ScoredEvictionCache):
     roles = Roles(budget="chunkkv_budget", n_sink="chunkkv_n_sink")
     schedule = Schedule(prefill_end=True)
+    kept_count_follows_budget = False  # whole chunks: up to a chunk below the budget
     batchable = "per_sequence"  # its own _evict (whole chunks), which the packed layout does not run
 
     def _init_storage(self) -> None:

@@ -17,6 +17,7 @@ from ..cache.buffers import GrowingArray
 
 class StreamingLLMCache(CompressedKVCache):
     batchable = "per_sequence"  # no packed layout for its sinks + window buffers
+    evicts_tokens = True
     def _init_storage(self) -> None:
         options = self.config.options
         self.n_sink, self.window = options.stream_n_sink, options.stream_window_size

@@ -94,6 +94,7 @@ class RocketKVCache(ScoredEvictionCache):
     roles = Roles(budget="rocketkv_compression_ratio", n_sink="rocketkv_n_sink",
                   recent="rocketkv_obs_window", window="rocketkv_obs_window")
     schedule = Schedule(prefill_end=True)
+    kept_count_follows_budget = False  # the budget is a ratio of the tokens seen
     batchable = "per_sequence"  # its own decode steps (sparse attention), not the packed layout's
 
     def _init_storage(self) -> None:
