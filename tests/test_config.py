@@ -73,10 +73,11 @@ def test_explicit_flat_value_wins_over_options_default_only_fields_populated():
 def test_no_warning_for_plain_use():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        config = KVCacheConfig(method="snapkv", options=SnapKVOptions(snap_budget=256), kv_bits=4)
+        config = KVCacheConfig(method="snapkv", options=SnapKVOptions(snap_budget=256))
         config.options = SnapKVOptions(snap_budget=128)
-        config.kv_bits = 2
-    assert config.snap_budget == 128
+        kivi = KVCacheConfig(method="kivi", kv_bits=4)  # snapkv reads no kv_bits: it would warn
+        kivi.kv_bits = 2
+    assert config.snap_budget == 128 and kivi.kv_bits == 2
 
 
 def test_method_inferred_from_options():

@@ -15,5 +15,10 @@ class UnimplementedMethodWarning(VeloxQuantWarning):
     serialises, but no cache can be built from it."""
 
 
+class UnreadFieldWarning(VeloxQuantWarning):
+    """A config field was given that the config's method does not read: it has no effect
+    (``veloxquant generate --set`` refuses such a field)."""
+
+
 class SlowBLASWarning(VeloxQuantWarning):
     """MLX's CPU back-end is left on the reference BLAS (matrix products ~30x slower)."""

@@ -8,6 +8,9 @@ adds the behaviour the public contract promises:
 - ``config.options`` is rebuilt from the flat fields, so it always shows effective values;
 - setting a flat per-method field directly works but warns
   (``VeloxQuantDeprecationWarning``), pointing at the caller's line;
+- a config field the method does not read (``kv_bits`` for kitty) given at a value
+  other than its default warns (``UnreadFieldWarning``): it would change nothing, and
+  ``veloxquant generate --set`` refuses it;
 - every value is validated against the spec: wrong types and out-of-range values raise
   ``ValueError`` naming the field, the value and what is allowed;
 - a method without an implementation is accepted (configs of every family are the public
@@ -28,7 +31,7 @@ from .._generated import validators
 from .._generated.config_fields import KVCacheConfigFields
 from .._generated.deprecations import CONFIG_FIELD_USERS, CONFIG_FIELDS, FLAT_FIELDS
 from .._generated.registry import METHODS, OPTIONS_CLASS_TO_METHOD, implemented_methods
-from ..diagnostics import UnimplementedMethodWarning
+from ..diagnostics import UnimplementedMethodWarning, UnreadFieldWarning
 
 _PACKAGE_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
@@ -66,6 +69,17 @@ def _warn_flat(name: str, value: Any, active_method: str) -> None:
     if method != active_method:
         message += f" (the config's method is {active_method!r}, so it has no effect)"
     warnings.warn(message, VeloxQuantDeprecationWarning, stacklevel=_caller_stacklevel())
+
+
+def _warn_unread(name: str, value: Any, method: str) -> None:
+    """Warn when config field ``name`` holds a value of its own that ``method`` ignores."""
+    if name in CONFIG_FIELD_USERS and method not in CONFIG_FIELD_USERS[name] and value != _DEFAULTS[name]:
+        warnings.warn(
+            f"KVCacheConfig.{name}={value!r} has no effect: {method} does not read {name}; "
+            f"{describe_fields_read(method)}",
+            UnreadFieldWarning,
+            stacklevel=_caller_stacklevel(),
+        )
 
 
 def _check_method(method: Any) -> None:
@@ -133,6 +147,7 @@ class KVCacheConfig(KVCacheConfigFields):
         _warn_unimplemented(self.method)
         for name in CONFIG_FIELDS:
             validators.validate_field(name, getattr(self, name))
+            _warn_unread(name, getattr(self, name), self.method)
         for name in FLAT_FIELDS:
             value = getattr(self, name)
             if value != _DEFAULTS[name]:
@@ -204,6 +219,8 @@ class KVCacheConfig(KVCacheConfigFields):
             self._validate_active(**{name: value})  # before assigning: a refusal changes nothing
         if name in FLAT_FIELDS:
             _warn_flat(name, value, self.method)
+        if name in CONFIG_FIELDS:
+            _warn_unread(name, value, self.method)
         object.__setattr__(self, name, value)
 
     # -- serialisation -----------------------------------------------------------

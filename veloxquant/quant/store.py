@@ -213,9 +213,11 @@ class QuantizedKVStore(PackedStore):
         """(field, found, expected) for packed arrays whose shapes contradict their codecs;
         ``head_dims``: the key and value head_dim they must have."""
         for packed, name, dim in ((self.keys, "key", head_dims[0]), (self.values, "value", head_dims[1])):
+            if packed.codes.buffer is None:  # nothing flushed yet: every token is in the windows
+                continue
             expected = packed.expected_shapes(dim)
             found = tuple(packed.codes.view().shape[2:]), tuple(packed.scales.view().shape[2:])
-            if packed.codes.buffer is not None and found != expected:
+            if found != expected:
                 c = packed.codec
                 yield f"{name} codes and scales", found, f"{expected} ({c.bits}-bit codes, groups of {c.group})"
 

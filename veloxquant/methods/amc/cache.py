@@ -3,8 +3,13 @@
 Everything here is the card's proposal, inferred from the field names. A configuration of
 the tiered-rows store (``methods/amc/token_tiers.py``), per layer and KV head:
 
-- **Saliency** ``s_int(t) = Σ_c (k_tc - μ_c)² / σ_c²`` (post-RoPE keys, as they arrive),
-  μ and σ² per channel from the first prompt chunk stored; ``amc_calib_variance`` (a float
+- **Saliency** ``s_int(t) = Σ_c (k_tc - μ_c)² / σ_c²`` over pre-RoPE keys (the cache
+  rotates each key back at its position when it knows the model's rotary settings,
+  ``quant/prerope.py``; post-RoPE keys otherwise): RoPE turns a low-frequency channel
+  pair further with every position, so post-RoPE statistics of the prompt call every
+  generated key atypical (most of them went to High). μ and σ² per channel from the
+  first ``FIT_TOKENS`` tokens or more (the first prompt chunk, or, after a shorter
+  one, the stored tokens once that many exist); ``amc_calib_variance`` (a float
   in the options, not the card's per-channel array) replaces σ² by one variance for every
   channel, so the channels weigh equally (its value only scales saliency, which ranks and
   thresholds in the same units do not see). With ``amc_use_query_saliency``, a prompt
@@ -13,9 +18,11 @@ the tiered-rows store (``methods/amc/token_tiers.py``), per layer and KV head:
   each token, summed over the GQA group (``quant/saliency.py``); otherwise s = s_int and α
   has no effect.
 - **Tiers**: of a prompt chunk of n tokens, per head the ``round(k_high n)`` most salient
-  are High, the next ``round(k_mid n)`` Mid, the rest Low (exact counts). The first chunk
-  sets the thresholds θ_high, θ_mid: the smallest s in High, in High + Mid (+inf for an
-  empty tier, -inf when the tiers above take every token).
+  are High, the next ``round(k_mid n)`` Mid, the rest Low (exact counts). The tokens of
+  the fit set the thresholds θ_high, θ_mid: the smallest s in High, in High + Mid (+inf
+  for an empty tier, -inf when the tiers above take every token). Tokens that arrive
+  before the fit (a prompt shorter than ``FIT_TOKENS``) are High: no statistics or basis
+  exist yet to rank or project them.
 - **Decode**: the new token's s is its s_int, or, with query saliency (whose query part
   a new token does not have yet), the fraction of the last ``amc_threshold_window``
   tokens' s_int below its own (the rank scale of the blend). High if s >= θ_high, Mid if
@@ -45,16 +52,19 @@ import math
 import mlx.core as mx
 
 from ...cache.base import causal_mask
+from ...cache.rope import Rotary
 from ...kernels.decode import decode_attention
-from .projection import pca_basis
 from ...quant.cache import QuantizedCache
-from ...quant.token_rows import TokenGroups
+from ...quant.prerope import model_rotary, to_pre_rope
 from ...quant.saliency import n_salient, probe_attention_sums
+from ...quant.token_rows import TokenGroups
+from .projection import pca_basis
 from .token_tiers import TieredRowsStore
 
 HIGH_BITS, MID_BITS, LOW_BITS = 8, 4, 2
 RANK_DIVISOR = 4  # Low keeps d / 4 principal directions
 VARIANCE_FLOOR = 1e-6  # of a head's largest channel variance
+FIT_TOKENS = 64  # the fewest tokens whose statistics, quantiles and basis the tiers may follow
 
 
 def low_rank(d: int) -> int:
@@ -87,6 +97,7 @@ class AMCCache(QuantizedCache):
     def make_store(self):
         self.mu = self.var = self.theta = self.window = self.window_int = None
         self.seen = self.at = 0
+        self.rotary = model_rotary(self.context)
         return None  # built at the first tokens: the low tier's width needs head_dim
 
     def _build(self, d: int) -> None:
@@ -95,8 +106,12 @@ class AMCCache(QuantizedCache):
         self.store = TieredRowsStore(codecs, codecs)
 
     # -- saliency ------------------------------------------------------------------------
-    def _fit(self, keys: mx.array, values: mx.array) -> None:
-        k = keys.astype(mx.float32)
+    def _unrotated(self, keys: mx.array, start: int) -> mx.array:
+        """What saliency reads: the keys (at positions start..) before RoPE, if known."""
+        return keys if self.rotary is None else to_pre_rope(keys, start, self.rotary)
+
+    def _fit(self, keys: mx.array, values: mx.array, start: int = 0) -> None:
+        k = self._unrotated(keys, start).astype(mx.float32)
         self.mu = k.mean(axis=2)
         calib = self.config.options.amc_calib_variance
         if calib is None:
@@ -106,6 +121,20 @@ class AMCCache(QuantizedCache):
             self.var = mx.full(self.mu.shape, float(calib))
         r = low_rank(keys.shape[-1])
         self.store.projections[2] = tuple(a.astype(mx.float16) for a in (*pca_basis(keys, r), *pca_basis(values, r)))
+
+    def _fit_with_history(self, keys: mx.array, values: mx.array) -> None:
+        """The fit over the tokens stored before it (all High, in their decoded form) and
+        the new ones; the stored tokens' saliencies fill the window and, at a decode step,
+        set the thresholds (a prompt chunk sets them from its own, as a first chunk does)."""
+        o = self.config.options
+        old_k, old_v = self.store.history(mx.float32)
+        self._fit(mx.concatenate([old_k, keys.astype(mx.float32)], axis=2),
+                  mx.concatenate([old_v, values.astype(mx.float32)], axis=2))
+        s_int = self._intrinsic(self._unrotated(old_k, 0))
+        s = ranks(s_int) if o.amc_use_query_saliency else s_int
+        if keys.shape[2] == 1:
+            self.theta = thresholds(s, o.amc_k_high, o.amc_k_mid)
+        self._remember(s, s_int)
 
     def _intrinsic(self, keys: mx.array) -> mx.array:
         dev = keys.astype(mx.float32) - self.mu[:, :, None]
@@ -126,7 +155,7 @@ class AMCCache(QuantizedCache):
 
     def _chunk_tiers(self, queries, all_keys, keys, scale):
         o, n = self.config.options, keys.shape[2]
-        s_int = self._intrinsic(keys)
+        s_int = self._intrinsic(self._unrotated(keys, all_keys.shape[2] - n))
         s = s_int
         if o.amc_use_query_saliency:
             m, start = min(o.amc_threshold_window, n), all_keys.shape[2] - n
@@ -142,9 +171,9 @@ class AMCCache(QuantizedCache):
         self._remember(s, s_int)
         return tiers, [n_hi, n_mid, n - n_hi - n_mid]
 
-    def _step_tiers(self, keys):
+    def _step_tiers(self, keys, start: int):
         o = self.config.options
-        s_int = self._intrinsic(keys)  # (B, H, 1)
+        s_int = self._intrinsic(self._unrotated(keys, start))  # (B, H, 1)
         s = s_int
         if self.window_int is not None:
             s = (self.window_int[..., : self.seen] < s_int).astype(mx.float32).mean(axis=-1, keepdims=True)
@@ -156,15 +185,24 @@ class AMCCache(QuantizedCache):
                 new == self.theta, self.theta, (1 - o.amc_gamma) * self.theta + o.amc_gamma * new)
         return tiers, [1, 1, 1]
 
+    @staticmethod
+    def _all_high(keys):
+        """The tiers of tokens that arrive before the fit."""
+        return mx.zeros((*keys.shape[:2], keys.shape[2]), mx.uint8), [keys.shape[2], 0, 0]
+
     # -- the protocol ----------------------------------------------------------------------
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         k, v = self._take_chunk(sinks)
         if self.store is None:
             self._build(k.shape[-1])
-        if self.mu is None:
-            self._fit(k, v)
-        if queries.shape[2] == 1 and k.shape[2] == 1:
-            tiers, most = self._step_tiers(k)
+        start, n = self.store.length, k.shape[2]
+        if self.mu is None and start + n >= FIT_TOKENS:
+            if start:
+                self._fit_with_history(k, v)
+            else:
+                self._fit(k, v)
+        if queries.shape[2] == 1 and n == 1:
+            tiers, most = self._step_tiers(k, start) if self.mu is not None else self._all_high(k)
             self.store.commit(k, v, tiers, most)
             return decode_attention(queries, self.store.decode_parts(None), scale=scale, use_kernel=False,
                                     n_kv_heads=k.shape[1])
@@ -174,7 +212,7 @@ class AMCCache(QuantizedCache):
         if isinstance(mask, mx.array):
             mask = causal_mask(queries.shape[2], all_k.shape[2])
         out = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
-        tiers, most = self._chunk_tiers(queries, all_k, k, scale)
+        tiers, most = self._chunk_tiers(queries, all_k, k, scale) if self.mu is not None else self._all_high(k)
         self.store.commit(k, v, tiers, most)
         return out
 
@@ -194,13 +232,16 @@ class AMCCache(QuantizedCache):
         return {**self.store.arrays(), **own}
 
     def _meta(self):
-        return {"window_seen": self.seen, "window_at": self.at}
+        return {"window_seen": self.seen, "window_at": self.at,
+                "rotary": "none" if self.rotary is None else self.rotary.to_json()}
 
     def _restore_meta(self, meta) -> None:
         arrays = self.__dict__.pop("_saved_arrays", {})
         for name in ("mu", "var", "theta", "window", "window_int"):
             setattr(self, name, arrays.pop(name, None))
         self.seen, self.at = int(meta.get("window_seen", 0)), int(meta.get("window_at", 0))
+        rotary = meta.get("rotary", "none")  # as saved, whatever this process's context says
+        self.rotary = None if rotary == "none" else Rotary.from_json(rotary)
         if arrays:
             self._build(self.kv_shape[2] if self.kv_shape else arrays["tier2_k_basis"].shape[2])
             self.store.restore(meta, arrays)
