@@ -50,6 +50,14 @@ def parse_assignments(assignments: list[str] | None) -> tuple[dict, dict]:
     return own, options
 
 
+def method_key(name: str) -> str:
+    """The method key ``name`` spells in any letter case (``KIVI`` -> ``kivi``); other names
+    unchanged, for check_method to refuse with its did-you-mean."""
+    if name in METHODS:
+        return name
+    return next((key for key in METHODS if key.lower() == name.strip().lower()), name)
+
+
 def check_method(method: str) -> None:
     """A known method with an implementation, or a one-line CLIError."""
     if method not in METHODS:
@@ -244,14 +252,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _server_model_args(server_args: list[str]) -> list[str]:
-    """mlx-lm's ``--model``: checked like ours, ``reference`` -> the embedded model."""
+    """mlx-lm's ``--model``: checked like ours, ``reference`` -> the embedded model; absent,
+    the embedded model (mlx-lm's server would start without one and answer every request
+    with a 404 about a None path)."""
     out = list(server_args)
+    given = False
     for i, arg in enumerate(out):
         if arg == "--model" and i + 1 < len(out):
             out[i + 1] = resolve_model(out[i + 1])
+            given = True
         elif arg.startswith("--model="):
             out[i] = "--model=" + resolve_model(arg.partition("=")[2])
-    return out
+            given = True
+    return out if given else ["--model", resolve_model(None), *out]
 
 
 # Set (to anything but "" or "0"), `veloxquant serve` prints SERVE_STATS_PREFIX + one JSON
@@ -389,7 +402,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--method", default="full",
+        "--method", default="full", type=method_key,
         help="method key (default: full, no compression); `veloxquant methods` lists them",
     )
     p.add_argument(
@@ -427,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help=doc,
         description=doc + " Arguments after -- go to mlx_lm.server (its --model may be a "
-        "folder, a hub id or 'reference', the embedded model).",
+        "folder, a hub id or 'reference', the embedded model, which is the default).",
         usage="veloxquant serve [--method M] [--set FIELD=VALUE ...] [--no-batching] -- "
               "[mlx_lm.server args]",
     )
@@ -446,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model to calibrate for: a local mlx-lm model folder or a Hugging Face hub "
              "id; default: 'reference', the embedded reference model",
     )
-    p.add_argument("--method", required=True,
+    p.add_argument("--method", required=True, type=method_key,
                    help="the method whose codebooks to fit (required; vecinfer has a "
                         "calibration step)")
     p.add_argument(

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from .._generated.deprecations import CONFIG_FIELD_USERS
 from ..cache.config import fields_read_by
-from ..cli import CLIError, DTYPE_HELP, DTYPES, build_config, check_method, parse_assignments
+from ..cli import (CLIError, DTYPE_HELP, DTYPES, build_config, check_method, method_key,
+                   parse_assignments)
 from ..registry import METHODS, implemented_methods
 from .tasks import TASKS
 
@@ -94,7 +95,7 @@ def add_bench_parser(sub) -> None:
 def select_methods(spec: str) -> list[str]:
     if spec == "all":
         return implemented_methods()
-    chosen = [m.strip() for m in spec.split(",") if m.strip()]
+    chosen = [method_key(m.strip()) for m in spec.split(",") if m.strip()]
     for m in chosen:
         try:
             check_method(m)

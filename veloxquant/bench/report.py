@@ -153,15 +153,49 @@ def print_table(results: list[dict], synthetic: bool, console=None, title: str |
     from rich.table import Table
 
     head, rows = table_rows(results, synthetic)
-    table = Table(title=title or "veloxquant bench" + (" (synthetic)" if synthetic else ""))
-    for i, h in enumerate(head):
-        table.add_column(h, justify="left" if i < 2 or h == "status" else "right", no_wrap=i != 1)
-    for row in rows:
-        table.add_row(*row)
+    title = title or "veloxquant bench" + (" (synthetic)" if synthetic else "")
     if console is None:  # piped output: wide enough that no column is cut
         console = Console(width=None if sys.stdout.isatty() else 170)
-    console.print(table)
+    for columns in _column_groups(head, rows, console.width):
+        table = Table(title=title)
+        title = None
+        for i in columns:
+            text = head[i] in _TEXT_COLUMNS
+            table.add_column(head[i], justify="left" if i == 0 or text else "right",
+                             no_wrap=not text, overflow="fold",
+                             min_width=None if text else _width(head, rows, i))
+        for row in rows:
+            table.add_row(*(row[i] for i in columns))
+        console.print(table)
     print(SYNTHETIC_LEGEND if synthetic else LEGEND)
+
+
+_TEXT_COLUMNS = ("settings", "status")
+_TEXT_MIN_WIDTH = 30
+
+
+def _width(head, rows, i) -> int:
+    return max(len(head[i]), *(len(row[i]) for row in rows)) if rows else len(head[i])
+
+
+def _column_groups(head, rows, width: int) -> list[list[int]]:
+    """The columns of each table to print: all in one where they fit in ``width``; else
+    the numbers in tables that fit, each led by the method, then the method with its
+    settings and status, which wrap: no number is cut and no column dropped."""
+    cost = lambda i: _width(head, rows, i) + 3  # noqa: E731 - padding and a border
+    # the text columns wrap: in one table, they need room for a few words a line
+    wrapped = sum(min(cost(i), _TEXT_MIN_WIDTH) for i in range(len(head)) if head[i] in _TEXT_COLUMNS)
+    if 1 + wrapped + sum(cost(i) for i in range(len(head)) if head[i] not in _TEXT_COLUMNS) <= width:
+        return [list(range(len(head)))]
+    numbers = [i for i in range(1, len(head)) if head[i] not in _TEXT_COLUMNS]
+    groups, current = [], [0]
+    for i in numbers:
+        if len(current) > 1 and 1 + sum(cost(j) for j in current + [i]) > width:
+            groups.append(current)
+            current = [0]
+        current.append(i)
+    groups.append(current)
+    return groups + [[0] + [i for i in range(1, len(head)) if head[i] in _TEXT_COLUMNS]]
 
 
 def markdown_table(results: list[dict], synthetic: bool) -> str:
