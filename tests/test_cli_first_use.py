@@ -85,3 +85,38 @@ def test_a_wide_terminal_keeps_one_table():
     buffer = io.StringIO()
     report.print_table(_results(), False, console=Console(width=200, file=buffer), title="t")
     assert buffer.getvalue().count("┏") == 1
+
+
+def _one_error_line(capsys, command):
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"veloxquant {command}: error: "), err
+    return err
+
+
+def test_generate_with_a_missing_calibration_file_is_one_line(capsys, tmp_path):
+    missing = tmp_path / "none.safetensors"
+    assert main(["generate", "--method", "vecinfer", "--set", f"calibration_file={missing}",
+                 "--prompt", "hi", "--max-tokens", "1"]) == 2
+    assert f"calibration_file='{missing}': no such file" in _one_error_line(capsys, "generate")
+
+
+def test_generate_with_a_calibration_file_for_other_settings_is_one_line(capsys, tmp_path):
+    made = tmp_path / "vecinfer.safetensors"
+    assert main(["calibrate", "--method", "vecinfer", "--set", "key_sub_dim=4", "--tokens", "32",
+                 "--iters", "1", "--out", str(made)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--method", "vecinfer", "--set", f"calibration_file={made}",
+                 "--set", "key_sub_dim=8", "--prompt", "hi", "--max-tokens", "1"]) == 2
+    assert "key_sub_dim is 4 in the file" in _one_error_line(capsys, "generate")
+
+
+@pytest.mark.parametrize("command", [
+    ["generate", "--prompt", "hi", "--max-tokens", "1"],
+    ["calibrate", "--tokens", "32", "--iters", "1", "--out", "unused.safetensors"],
+])
+def test_a_sub_dim_that_does_not_divide_head_dim_is_one_line(capsys, command):
+    assert main(command[:1] + ["--method", "vecinfer", "--set", "key_sub_dim=3"] + command[1:]) == 2
+    assert _one_error_line(capsys, command[0]).endswith(
+        "error: --set key_sub_dim=3 must divide head_dim=128; allowed here: "
+        "1, 2, 4, 8, 16, 32, 64, 128")

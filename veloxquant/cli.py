@@ -204,6 +204,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import mlx_lm
 
     from .integrations.mlx_lm import make_prompt_cache, prefill_with_reconstruction, reconstruction_layers
+    from .quant.calibration import CalibrationError
 
     model, tokenizer, model_config = load_model(args.model)
     dtype = compute_dtype(args.dtype)
@@ -218,7 +219,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"({positions[0]}); tokens beyond them are at positions it never saw",
             file=sys.stderr, flush=True,
         )
-    cache = make_prompt_cache(model, config)
+    check_config_for_model(config, model)
+    try:  # a calibration file is read (and checked against the model) here...
+        cache = make_prompt_cache(model, config)
+    except CalibrationError as exc:
+        raise CLIError(str(exc)) from None
     if reconstruction_layers(cache) and len(prompt) > 1:  # kvzip: compress the prompt by its pass
         cost = prefill_with_reconstruction(model, tokenizer, prompt[:-1], cache)
         print(f"[kv cache] {config.method}: prefill {cost['prefill_s']:.2f} s, reconstruction "
@@ -233,6 +238,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     except KeyboardInterrupt:
         interrupted = True
+    except CalibrationError as exc:  # ...and against the keys' shapes at the first chunk
+        print(flush=True)
+        raise CLIError(str(exc)) from None
     print(flush=True)
 
     tokens = max(c.offset for c in cache)
@@ -249,6 +257,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 130 if interrupted else 0
+
+
+def check_config_for_model(config: KVCacheConfig, model) -> None:
+    """What only the model's shapes can refuse, refused before any work (a method whose
+    sub-vectors must divide head_dim: vecinfer, nsnquant)."""
+    problem_of = getattr(METHODS[config.method].load_implementation(), "sub_dim_problem", None)
+    args = getattr(model, "args", None)
+    if problem_of is None or args is None:
+        return
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    problem = problem_of(config, head_dim, head_dim)
+    if problem:
+        raise CLIError(f"--set {problem}")
 
 
 def _server_model_args(server_args: list[str]) -> list[str]:
@@ -364,6 +385,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .quant.calibration import IDENTITY, collect_kv, model_identity, write_calibration
 
     model, tokenizer, _ = load_model(args.model)
+    check_config_for_model(config, model)
     dtype = compute_dtype(args.dtype)
     if dtype is not None:
         model.set_dtype(dtype)
