@@ -120,3 +120,28 @@ def test_a_sub_dim_that_does_not_divide_head_dim_is_one_line(capsys, command):
     assert _one_error_line(capsys, command[0]).endswith(
         "error: --set key_sub_dim=3 must divide head_dim=128; allowed here: "
         "1, 2, 4, 8, 16, 32, 64, 128")
+
+
+def test_listing_models_without_a_hub_cache_answers_the_served_model(monkeypatch):
+    import io as _io
+    from types import SimpleNamespace
+
+    from huggingface_hub.errors import CacheNotFound
+
+    from veloxquant_mlx import KVCacheConfig
+    from veloxquant_mlx.integrations.mlx_lm import patch_server
+
+    def no_cache(*args, **kwargs):
+        raise CacheNotFound("Cache directory not found: /nowhere", "/nowhere")
+    monkeypatch.setattr(mlx_lm.server, "scan_cache_dir", no_cache)
+    monkeypatch.setattr(mlx_lm.server.ModelProvider, "_load", mlx_lm.server.ModelProvider._load)
+    patch_server(mlx_lm.server, KVCacheConfig())
+    handler = SimpleNamespace(
+        path="/v1/models", created=0, wfile=_io.BytesIO(),
+        response_generator=SimpleNamespace(cli_args=SimpleNamespace(model=str(REFERENCE_MODEL))),
+        _set_completion_headers=lambda status: None, end_headers=lambda: None)
+    mlx_lm.server.APIHandler.handle_models_request(handler)
+    import json
+    listed = json.loads(handler.wfile.getvalue())
+    assert listed == {"object": "list", "data": [
+        {"id": str(REFERENCE_MODEL.resolve()), "object": "model", "created": 0}]}
