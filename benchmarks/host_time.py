@@ -76,15 +76,17 @@ class _StubKernel:
 @contextlib.contextmanager
 def stubbed_gpu_path():
     """The dispatcher believes it runs on CUDA; kernel launches return zeros."""
-    saved = kd.gpu_backend, mx.fast.cuda_kernel, dict(kd._KERNELS)
+    saved = kd.gpu_backend, mx.fast.cuda_kernel, dict(kd._KERNELS), kd.kernel_self_check
     kd.gpu_backend = lambda: "cuda"
     mx.fast.cuda_kernel = lambda **_: _StubKernel()
+    kd.kernel_self_check = lambda *key: True  # the stubs' zeros would fail the self-check
     kd._KERNELS.clear()
     kd._STEP_PLANS.clear()
     try:
         yield
     finally:
         kd.gpu_backend, mx.fast.cuda_kernel = saved[:2]
+        kd.kernel_self_check = saved[3]
         kd._KERNELS.clear()
         kd._KERNELS.update(saved[2])
         kd._STEP_PLANS.clear()

@@ -315,7 +315,7 @@ def _check_figure(fig):
 
 def test_pareto_plot_has_a_title_true_legend_readable_ticks_and_unclipped_labels(capsys, tmp_path, captured_figures):
     for methods in ("kivi,snapkv,streaming_llm", "full"):  # a frontier of several points, then of one
-        code, _, _ = run_cli(capsys, "bench", "--quick", "--synthetic", "--methods", methods, "--out", str(tmp_path))
+        code, _, _ = run_cli(capsys, "bench", "--quick", "--synthetic", "--methods", methods, "--out", str(tmp_path), "--force")
         assert code == 0
     assert len(captured_figures) == 2
     for fig in captured_figures:

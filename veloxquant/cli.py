@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from .cache.config import KVCacheConfig
 from .cli_common import (
     DTYPE_HELP,
     DTYPES,
@@ -14,6 +15,7 @@ from .cli_common import (
     build_config,
     check_method,
     compute_dtype,
+    method_key,
     config_from_args,
     load_model,
     parse_assignments,
@@ -102,6 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import mlx_lm
 
     from .integrations.mlx_lm import make_prompt_cache, prefill_with_reconstruction, reconstruction_layers
+    from .methods.vecinfer.calibration import CalibrationError
 
     model, tokenizer, model_config = load_model(args.model)
     dtype = compute_dtype(args.dtype)
@@ -121,6 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"({positions[0]}); tokens beyond them are at positions it never saw",
             file=sys.stderr, flush=True,
         )
+    check_config_for_model(config, model)
     interrupted = False
     try:  # a config the model cannot take, or a context past a method's limit, fails in here
         cache = make_prompt_cache(model, config)
@@ -136,6 +140,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     except KeyboardInterrupt:
         interrupted = True
+    except CalibrationError as exc:  # a calibration file checked against the model and keys
+        print(flush=True)
+        raise CLIError(str(exc)) from None
     except (ValueError, NotImplementedError) as exc:
         raise CLIError(f"method {config.method!r}: {exc}".replace("\n", " ")) from None
     print(flush=True)
@@ -156,15 +163,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
+def check_config_for_model(config: KVCacheConfig, model) -> None:
+    """What only the model's shapes can refuse, refused before any work (a method whose
+    sub-vectors must divide head_dim: vecinfer, nsnquant)."""
+    problem_of = getattr(METHODS[config.method].load_implementation(), "sub_dim_problem", None)
+    args = getattr(model, "args", None)
+    if problem_of is None or args is None:
+        return
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    problem = problem_of(config, head_dim, head_dim)
+    if problem:
+        raise CLIError(f"--set {problem}")
+
+
 def _server_model_args(server_args: list[str]) -> list[str]:
-    """mlx-lm's ``--model``: checked like ours, ``reference`` -> the embedded model."""
+    """mlx-lm's ``--model``: checked like ours, ``reference`` -> the embedded model; absent,
+    the embedded model (mlx-lm's server would start without one and answer every request
+    with a 404 about a None path)."""
     out = list(server_args)
+    given = False
     for i, arg in enumerate(out):
         if arg == "--model" and i + 1 < len(out):
             out[i + 1] = resolve_model(out[i + 1])
+            given = True
         elif arg.startswith("--model="):
             out[i] = "--model=" + resolve_model(arg.partition("=")[2])
-    return out
+            given = True
+    return out if given else ["--model", resolve_model(None), *out]
 
 
 # Set (to anything but "" or "0"), `veloxquant serve` prints SERVE_STATS_PREFIX + one JSON
@@ -264,6 +289,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .methods.vecinfer.calibration import IDENTITY, collect_kv, model_identity, write_calibration
 
     model, tokenizer, _ = load_model(args.model)
+    check_config_for_model(config, model)
     dtype = compute_dtype(args.dtype)
     if dtype is not None:
         model.set_dtype(dtype)
@@ -302,7 +328,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--method", default="full",
+        "--method", default="full", type=method_key,
         help="method key (default: full, no compression); `veloxquant methods` lists them",
     )
     p.add_argument(
@@ -340,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help=doc,
         description=doc + " Arguments after -- go to mlx_lm.server (its --model may be a "
-        "folder, a hub id or 'reference', the embedded model).",
+        "folder, a hub id or 'reference', the embedded model, which is the default).",
         usage="veloxquant serve [--method M] [--set FIELD=VALUE ...] [--no-batching] -- "
               "[mlx_lm.server args]",
     )
@@ -359,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model to calibrate for: a local mlx-lm model folder or a Hugging Face hub "
              "id; default: 'reference', the embedded reference model",
     )
-    p.add_argument("--method", required=True,
+    p.add_argument("--method", required=True, type=method_key,
                    help="the method whose codebooks to fit (required; vecinfer has a "
                         "calibration step)")
     p.add_argument(

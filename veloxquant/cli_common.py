@@ -49,6 +49,14 @@ def parse_assignments(assignments: list[str] | None) -> tuple[dict, dict]:
     return own, options
 
 
+def method_key(name: str) -> str:
+    """The method key ``name`` spells in any letter case (``KIVI`` -> ``kivi``); other names
+    unchanged, for check_method to refuse with its did-you-mean."""
+    if name in METHODS:
+        return name
+    return next((key for key in METHODS if key.lower() == name.strip().lower()), name)
+
+
 def check_method(method: str) -> None:
     """A known method with an implementation, or a one-line CLIError."""
     if method not in METHODS:

@@ -3,11 +3,13 @@
 Every figure of a method is measured the same way as the full cache's, in the same run,
 so the report can give ratios: memory from the caches' ``nbytes`` and
 ``mx.get_peak_memory``, quality from greedy answers to retrieval tasks and from the
-next-token distributions over held-out text, speed from wall-clock prefill and decode.
+next-token distributions over held-out text, speed from wall-clock prefill and decode
+timed in rounds that alternate the full cache and the method (:func:`interleaved_speed`).
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 import traceback
@@ -55,6 +57,7 @@ def held_out_text(model, run: MethodRun, work: Workload, tokenizer=None) -> tupl
     next-token log-probabilities the quality metrics compare. The prefill time includes
     a method's reconstruction pass (kvzip), run when ``tokenizer`` is given.
     """
+    gc.collect()  # the previous run's caches, so that they are not freed during this one
     mx.clear_cache()
     mx.reset_peak_memory()
     active = mx.get_active_memory()
@@ -78,11 +81,55 @@ def held_out_text(model, run: MethodRun, work: Workload, tokenizer=None) -> tupl
         "kv_bytes_decode": _kv_bytes(cache),
         "bytes_per_token_prefill": bytes_prefill / n,
         "bytes_per_token_decode": _kv_bytes(cache) / total,
-        "peak_bytes": mx.get_peak_memory() - active,
+        # above what was in use before the run; memory freed during the run (arrays of
+        # earlier runs) could otherwise make it negative
+        "peak_bytes": max(0, mx.get_peak_memory() - active),
         "prefill_tokens_per_s": n / prefill_s,
         "decode_tokens_per_s": 1.0 / statistics.median(steps),
     }
     return figures, logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+SPEED_ROUNDS = 3
+SPEED_DECODE_STEPS = 32
+
+
+def timed_pass(model, run: MethodRun, work: Workload, tokenizer=None,
+               decode_steps: int = SPEED_DECODE_STEPS) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s from the median step) of one pass over the
+    held-out text: the prefix, then up to ``decode_steps`` tokens of its continuation."""
+    cache = run.cache(model)
+    start = time.perf_counter()
+    prefill(model, cache, mx.array(work.prefix), tokenizer=tokenizer)
+    prefill_s = time.perf_counter() - start
+    steps = []
+    for token in work.continuation[: max(1, decode_steps)]:
+        start = time.perf_counter()
+        mx.eval(step(model, cache, token))
+        steps.append(time.perf_counter() - start)
+    return len(work.prefix) / prefill_s, 1.0 / statistics.median(steps)
+
+
+def interleaved_speed(model, run: MethodRun, baseline: MethodRun, work: Workload,
+                      tokenizer=None, rounds: int = SPEED_ROUNDS) -> dict:
+    """Prefill and decode speed of ``run`` as ratios to ``baseline``'s, timed in ``rounds``
+    rounds of (baseline pass, method pass): a load that comes and goes on a shared machine
+    weighs on both passes of a round alike, and the spread of the rounds' ratios shows
+    what it left. The median ratio and the (lowest, highest) of the rounds."""
+    prefill_ratios, decode_ratios = [], []
+    for _ in range(rounds):
+        base_prefill, base_decode = timed_pass(model, baseline, work, tokenizer)
+        own_prefill, own_decode = timed_pass(model, run, work, tokenizer)
+        prefill_ratios.append(own_prefill / base_prefill)
+        decode_ratios.append(own_decode / base_decode)
+    return {
+        "rounds": rounds,
+        "decode_steps": min(SPEED_DECODE_STEPS, len(work.continuation)),
+        "prefill_speed": statistics.median(prefill_ratios),
+        "prefill_speed_range": [min(prefill_ratios), max(prefill_ratios)],
+        "decode_speed": statistics.median(decode_ratios),
+        "decode_speed_range": [min(decode_ratios), max(decode_ratios)],
+    }
 
 
 def answer(model, tokenizer, run: MethodRun, example: Example) -> str:

@@ -13,11 +13,14 @@ from .metrics import pareto_front
 
 BASELINE = "full"
 LEGEND = (
-    "bytes/tok: KV bytes kept per token after decoding (all layers); vs full, peak,\n"
-    "prefill, decode: ratios to the full cache in this run; retrieval: accuracy on\n"
-    "the long-context tasks; ppl, KL (nats), top-1: over held-out text, against\n"
-    "the full cache's next-token distributions; settings: the effective value of every\n"
-    "field the method reads."
+    "bytes/tok: KV bytes kept per token after decoding (all layers); vs full, peak:\n"
+    "ratios to the full cache in this run (peak: memory above what was in use before\n"
+    "the run); prefill, decode: speed as a ratio to the full cache's, the median over\n"
+    "rounds that each time the full cache then the method on the same text (wall\n"
+    "clock; decode: the median step), with the lowest and highest round in brackets;\n"
+    "retrieval: accuracy on the long-context tasks; ppl, KL (nats), top-1: over\n"
+    "held-out text, against the full cache's next-token distributions; settings: the\n"
+    "effective value of every field the method reads."
 )
 SYNTHETIC_LEGEND = (
     "bytes/token: KV bytes kept per token (all layers); attn rel. error: mean and max\n"
@@ -81,10 +84,17 @@ def add_ratios(results: list[dict], synthetic: bool) -> None:
         r["ratios"] = {
             "bytes_per_token_prefill": m["bytes_per_token_prefill"] / b["bytes_per_token_prefill"],
             "bytes_per_token_decode": m["bytes_per_token_decode"] / b["bytes_per_token_decode"],
-            "peak_memory": m["peak_bytes"] / b["peak_bytes"],
-            "prefill_speed": m["prefill_tokens_per_s"] / b["prefill_tokens_per_s"],
-            "decode_speed": m["decode_tokens_per_s"] / b["decode_tokens_per_s"],
+            "peak_memory": m["peak_bytes"] / b["peak_bytes"] if b["peak_bytes"] > 0 else None,
         }
+        # speed only from rounds timed alternately with the full cache (harness.
+        # interleaved_speed): single passes minutes apart did not reproduce under load
+        if r is base:
+            r["ratios"].update(prefill_speed=1.0, decode_speed=1.0)
+        elif "speed_rounds" in r:
+            rounds = r["speed_rounds"]
+            r["ratios"].update(
+                {k: rounds[k] for k in ("prefill_speed", "prefill_speed_range",
+                                        "decode_speed", "decode_speed_range")})
 
 
 def table_rows(results: list[dict], synthetic: bool) -> tuple[list[str], list[list[str]]]:
@@ -119,11 +129,19 @@ def table_rows(results: list[dict], synthetic: bool) -> tuple[list[str], list[li
             f(q["perplexity"], ".3f"),
             f(q.get("kl_mean"), ".4f"),
             f(q.get("top1_agreement"), ".3f"),
-            f(ratios.get("prefill_speed"), ".2f") + "x",
-            f(ratios.get("decode_speed"), ".2f") + "x",
+            _speed(ratios, "prefill_speed"),
+            _speed(ratios, "decode_speed"),
             "ok",
         ])
     return head, rows
+
+
+def _speed(ratios: dict, key: str) -> str:
+    """``0.93x (0.88-1.02)``: the median ratio and the range of the rounds."""
+    if ratios.get(key) is None:
+        return "-"
+    spread = ratios.get(key + "_range")
+    return f"{ratios[key]:.2f}x" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
 
 
 def _settings(r: dict) -> str:
@@ -135,15 +153,49 @@ def print_table(results: list[dict], synthetic: bool, console=None, title: str |
     from rich.table import Table
 
     head, rows = table_rows(results, synthetic)
-    table = Table(title=title or "veloxquant bench" + (" (synthetic)" if synthetic else ""))
-    for i, h in enumerate(head):
-        table.add_column(h, justify="left" if i < 2 or h == "status" else "right", no_wrap=i != 1)
-    for row in rows:
-        table.add_row(*row)
+    title = title or "veloxquant bench" + (" (synthetic)" if synthetic else "")
     if console is None:  # piped output: wide enough that no column is cut
         console = Console(width=None if sys.stdout.isatty() else 170)
-    console.print(table)
+    for columns in _column_groups(head, rows, console.width):
+        table = Table(title=title)
+        title = None
+        for i in columns:
+            text = head[i] in _TEXT_COLUMNS
+            table.add_column(head[i], justify="left" if i == 0 or text else "right",
+                             no_wrap=not text, overflow="fold",
+                             min_width=None if text else _width(head, rows, i))
+        for row in rows:
+            table.add_row(*(row[i] for i in columns))
+        console.print(table)
     print(SYNTHETIC_LEGEND if synthetic else LEGEND)
+
+
+_TEXT_COLUMNS = ("settings", "status")
+_TEXT_MIN_WIDTH = 30
+
+
+def _width(head, rows, i) -> int:
+    return max(len(head[i]), *(len(row[i]) for row in rows)) if rows else len(head[i])
+
+
+def _column_groups(head, rows, width: int) -> list[list[int]]:
+    """The columns of each table to print: all in one where they fit in ``width``; else
+    the numbers in tables that fit, each led by the method, then the method with its
+    settings and status, which wrap: no number is cut and no column dropped."""
+    cost = lambda i: _width(head, rows, i) + 3  # noqa: E731 - padding and a border
+    # the text columns wrap: in one table, they need room for a few words a line
+    wrapped = sum(min(cost(i), _TEXT_MIN_WIDTH) for i in range(len(head)) if head[i] in _TEXT_COLUMNS)
+    if 1 + wrapped + sum(cost(i) for i in range(len(head)) if head[i] not in _TEXT_COLUMNS) <= width:
+        return [list(range(len(head)))]
+    numbers = [i for i in range(1, len(head)) if head[i] not in _TEXT_COLUMNS]
+    groups, current = [], [0]
+    for i in numbers:
+        if len(current) > 1 and 1 + sum(cost(j) for j in current + [i]) > width:
+            groups.append(current)
+            current = [0]
+        current.append(i)
+    groups.append(current)
+    return groups + [[0] + [i for i in range(1, len(head)) if head[i] in _TEXT_COLUMNS]]
 
 
 def markdown_table(results: list[dict], synthetic: bool) -> str:
@@ -161,7 +213,10 @@ def markdown_report(results: list[dict], synthetic: bool, title: str) -> str:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+    """Written whole or not at all: an interrupt during the write leaves the last file."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+    partial.replace(path)
 
 
 def _byte_ticks(low: float, high: float) -> list[float]:

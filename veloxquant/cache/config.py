@@ -45,8 +45,9 @@ class VeloxQuantDeprecationWarning(DeprecationWarning):
 
 
 def _did_you_mean(word: str, candidates) -> str:
-    close = difflib.get_close_matches(str(word), list(candidates), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    by_lower = {str(c).lower(): c for c in candidates}  # "KIVY" is as close to "kivi" as "kivy"
+    close = difflib.get_close_matches(str(word).lower(), list(by_lower), n=1)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
 
 
 def _caller_stacklevel() -> int:

@@ -331,6 +331,28 @@ def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = Tru
 
     provider._veloxquant_original_load = original
     provider._load = _load
+    _tolerate_missing_hub_cache(server_module)
+
+
+def _tolerate_missing_hub_cache(server_module: Any) -> None:
+    """``GET /v1/models`` lists the models in the Hugging Face cache; where there is no such
+    cache (a machine that never downloaded one) mlx-lm's scan raised and the server logged
+    a traceback for each request. No cache lists no downloaded models."""
+    scan = getattr(server_module, "scan_cache_dir", None)
+    if scan is None or getattr(scan, "_veloxquant_tolerant", False):
+        return
+    from types import SimpleNamespace
+
+    from huggingface_hub.errors import CacheNotFound
+
+    def scan_cache_dir(*args, **kwargs):
+        try:
+            return scan(*args, **kwargs)
+        except CacheNotFound:
+            return SimpleNamespace(repos=frozenset(), size_on_disk=0, warnings=[])
+
+    scan_cache_dir._veloxquant_tolerant = True
+    server_module.scan_cache_dir = scan_cache_dir
 
 
 # -- scoring passes: extra forward passes a method scores with (KVzip) ------------------------

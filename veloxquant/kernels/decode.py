@@ -91,10 +91,12 @@ def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True
     gqa = queries.shape[1] // n_kv_heads
     backend = kd.gpu_backend() if use_kernel else None
     o_parts, ml_parts = [], []
+    kernel_ran = False
     for p in parts:
         q = queries if p.heads is None else _head_queries(queries, p.heads, gqa)
         algo = backend and p.affine and kd.kernel_algo(backend, q, _kv_heads(p), *p.bits_and_group)
         if algo:
+            kernel_ran = True
             bits, group = p.bits_and_group
             o, ml = kd.decode_partials(backend, q, *p.kernel_args(), scale=scale, bits=bits,
                                        group_size=group)
@@ -105,7 +107,8 @@ def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True
         o_parts.append(o)
         ml_parts.append(ml)
     o_part, ml_part = mx.concatenate(o_parts, axis=1), mx.concatenate(ml_parts, axis=1)
-    if backend is not None:
+    # the merge kernel passed its self-check together with a main kernel that ran here
+    if kernel_ran:
         return kd.merge_partials(backend, o_part, ml_part, queries.shape, queries.dtype)
     return merge_partials_mlx(o_part, ml_part, queries.shape, queries.dtype)
 

@@ -56,6 +56,7 @@ benchmarks/notes/fused_attention.md.
 from __future__ import annotations
 
 import struct
+import warnings
 from collections import OrderedDict
 from typing import Optional
 
@@ -803,14 +804,83 @@ def _pure_path() -> str:
 
 
 def kernel_algo(backend: str, queries, n_kv_heads: int, bits: int, group_size: int):
-    """The kernel the dispatcher runs for this shape on ``backend``, or None."""
+    """The kernel the dispatcher runs for this shape on ``backend``, or None (no kernel
+    takes the shape, or the kernel failed its self-check: :func:`kernel_self_check`)."""
     if queries.shape[1] % n_kv_heads:
         return None
     gqa, head_dim = queries.shape[1] // n_kv_heads, queries.shape[3]
     if backend == "cuda":
-        return default_algo(head_dim, gqa, bits, group_size, queries.dtype)
-    ok = kernel_supports(head_dim, gqa, bits, group_size, queries.dtype)
-    return "simt" if ok else None
+        algo = default_algo(head_dim, gqa, bits, group_size, queries.dtype)
+    else:
+        algo = "simt" if kernel_supports(head_dim, gqa, bits, group_size, queries.dtype) \
+            else None
+    if algo is None or not kernel_self_check(backend, algo, head_dim, gqa, bits, group_size,
+                                             queries.dtype):
+        return None
+    return algo
+
+
+#: (backend, algo, head_dim, gqa, bits, group_size, dtype) -> None where the kernel matched
+#: its reference, else what went wrong; filled once per process by kernel_self_check
+_SELF_CHECKS: dict = {}
+#: counts of the self-check's cache: a quantized part of several frag tiles at every width
+#: plus a residual window each, keys and values split at different tokens
+_CHECK_COUNTS = (256, 5, 257, 4)
+
+
+def kernel_self_check(backend, algo, head_dim, gqa, bits, group_size, dtype) -> bool:
+    """Whether the fused kernel ``algo`` agrees with :func:`kivi_decode_attention_reference`
+    on a small random cache of this shape class; checked once per process and shape class,
+    at its first use. Neither the Metal twin nor every CUDA build has been run on every
+    device, and a wrong kernel would give wrong text silently: on a mismatch (or an error
+    compiling or running it) this warns once, naming the kernel and the error, and the
+    dispatcher then takes the pure-MLX path for that shape class."""
+    key = (backend, algo, head_dim, gqa, bits, group_size, dtype)
+    if key not in _SELF_CHECKS:
+        problem = _self_check_problem(*key)
+        _SELF_CHECKS[key] = problem
+        if problem is not None:
+            warnings.warn(
+                f"veloxquant: the fused {backend} decode kernel '{algo}' (head_dim={head_dim}, "
+                f"gqa={gqa}, bits={bits}, group_size={group_size}, dtype={dtype}) failed its "
+                f"self-check against the pure-MLX reference: {problem}; attention for this "
+                "shape uses the reference path instead", RuntimeWarning, stacklevel=2)
+    return _SELF_CHECKS[key] is None
+
+
+def _self_check_tolerance(dtype) -> float:
+    """Relative error allowed: the output's rounding plus the kernels' own (tensor-core
+    float16 operands, TF32, a different summation order), with a margin of 4; a wrong
+    kernel is off by order 1 or not finite."""
+    unit_roundoff = {mx.float16: 2.0 ** -11, mx.bfloat16: 2.0 ** -8}.get(dtype, 2.0 ** -24)
+    return 4 * (unit_roundoff + 1e-3)
+
+
+def _self_check_problem(backend, algo, head_dim, gqa, bits, group_size, dtype):
+    n_kq, n_kres, n_vq, n_vres = _CHECK_COUNTS
+    n_kv_heads, tokens = 2, n_kq + n_kres
+    kq, kk, kv = mx.random.split(mx.random.key(0), 3)  # own keys: global RNG untouched
+    queries = mx.random.normal((1, n_kv_heads * gqa, 1, head_dim), key=kq).astype(dtype)
+    keys = mx.random.normal((1, n_kv_heads, tokens, head_dim), key=kk).astype(dtype)
+    values = mx.random.normal((1, n_kv_heads, tokens, head_dim), key=kv).astype(dtype)
+    k_codes, k_scales, k_biases = mx.quantize(
+        keys[:, :, :n_kq].swapaxes(-1, -2), group_size=group_size, bits=bits)
+    v_codes, v_scales, v_biases = mx.quantize(values[:, :, :n_vq], group_size=group_size,
+                                              bits=bits)
+    args = (queries, k_codes, k_scales, k_biases, n_kq, keys[:, :, n_kq:], n_kres, v_codes,
+            v_scales, v_biases, n_vq, values[:, :, n_vq:], n_vres)
+    kw = dict(scale=head_dim ** -0.5, bits=bits, group_size=group_size)
+    try:
+        out = _launch(backend, *args, **kw, algo=algo).astype(mx.float32)
+        ref = kivi_decode_attention_reference(*args, **kw).astype(mx.float32)
+        # the check's one host sync: once per process and shape class, at first use
+        error = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
+    except Exception as exc:  # a kernel that does not compile or launch fails its check
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    tolerance = _self_check_tolerance(dtype)
+    if not error <= tolerance:  # NaN fails too
+        return f"max relative error {error:.3g} (allowed {tolerance:.3g})"
+    return None
 
 
 def affine_key_scores(q, codes, scales, biases, count, bits, group_size):

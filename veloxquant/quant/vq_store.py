@@ -223,13 +223,21 @@ class CodebookCache(QuantizedCache):
     def group(self) -> int:  # no group-affine codec: any head_dim passes QuantizedCache's check
         return 1
 
-    def update_and_fetch(self, keys, values):
-        d_k, d_v = keys.shape[-1], values.shape[-1]
-        for name, d in zip(self.sub_dim_fields, (d_k, d_v)):
-            sub = getattr(self.config.options, name)
+    @classmethod
+    def sub_dim_problem(cls, config, d_k: int, d_v: int) -> str | None:
+        """Why the sub-vector fields do not fit these key and value head_dims, or None."""
+        for name, d in zip(cls.sub_dim_fields, (d_k, d_v)):
+            sub = getattr(config.options, name)
             if d % sub:
                 allowed = ", ".join(str(s) for s in range(1, d + 1) if d % s == 0)
-                raise ValueError(f"{name}={sub} must divide head_dim={d}; allowed here: {allowed}")
+                return f"{name}={sub} must divide head_dim={d}; allowed here: {allowed}"
+        return None
+
+    def update_and_fetch(self, keys, values):
+        d_k, d_v = keys.shape[-1], values.shape[-1]
+        problem = self.sub_dim_problem(self.config, d_k, d_v)
+        if problem:
+            raise ValueError(problem)
         problem = rotation_problem(d_k) if self.rotates else None
         if problem:
             raise ValueError(f"method {self.config.method!r}: {problem}")
