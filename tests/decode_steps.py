@@ -5,6 +5,7 @@ node count of one steady-state step's graph."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import sys
@@ -111,9 +112,97 @@ def decode_overlapped(model, cache, token, steps: int):
     return y
 
 
-def host_reads_while_decoding(method: str, steps: int = 40) -> list[HostRead]:
-    model, cache, token = prefilled(method)
-    token = decode_overlapped(model, cache, token, WARMUP)
+def host_reads_while_decoding(method: str) -> list[HostRead]:
+    """Host reads made from package code in 40 overlapped decode steps after the warm-up."""
+    return decode_guards(method)[0]
+
+
+# -- graph size ------------------------------------------------------------------------------
+def cache_arrays(cache) -> list[mx.array]:
+    """Every MLX array reachable from the caches' attributes (their context included:
+    state shared across layers lives there), each once."""
+    found, seen = [], set()
+
+    def walk(obj):
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), type)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, mx.array):
+            found.append(obj)
+        elif isinstance(obj, GrowingArray):
+            walk(obj.buffer)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple, set)):
+            for v in obj:
+                walk(v)
+        elif hasattr(obj, "__dict__") and not callable(obj):
+            for k, v in vars(obj).items():
+                if k != "config":
+                    walk(v)
+        elif hasattr(obj, "__slots__"):
+            for k in obj.__slots__:
+                walk(getattr(obj, k, None))
+
+    walk(list(cache))
+    return found
+
+
+def graph_nodes(outputs) -> int:
+    """Operations not yet evaluated in the graph of ``outputs`` (evaluated arrays are
+    leaves), counted in ``mx.export_to_dot``'s output."""
+    outputs = [a for a in outputs if isinstance(a, mx.array)]
+    if not outputs:
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "step.dot")
+        mx.export_to_dot(path, *outputs)
+        return sum(1 for line in open(path) if "shape=rectangle" in line)
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    method: str
+    layers: int
+    nodes: int  # median over the measured steps, the whole model
+    largest: int  # the largest measured step (a flush or a refit, if one fell in)
+    pending: tuple[int, ...]  # cache operations left unevaluated by generate_step's loop
+
+    @property
+    def per_layer(self) -> float:
+        return self.nodes / self.layers
+
+    @property
+    def grows(self) -> bool:
+        return all(b > a for a, b in zip(self.pending, self.pending[1:]))
+
+
+def step_graph(method: str) -> StepGraph:
+    return decode_guards(method)[1]
+
+
+@functools.lru_cache(maxsize=None)
+def decode_guards(method: str, steps: int = 7, apart: int = 10, arch: str = "llama"):
+    """One prefill for both guards: the host reads of ``4 * apart`` overlapped decode steps
+    (after ``WARMUP``), what they leave unevaluated in the caches every ``apart`` steps,
+    then the graph of ``steps`` steady-state steps, each built from an evaluated state (its
+    outputs: the next token, its log-probabilities and every cache array it leaves
+    unevaluated; the median is the step's size)."""
+    model, cache, token = prefilled(method, arch)
+    y = decode_overlapped(model, cache, token, WARMUP)
+    pending = []
     with recording_host_reads() as reads:
-        decode_overlapped(model, cache, token, steps)
-    return reads
+        for block in range(4):
+            y = decode_overlapped(model, cache, y, apart)
+            y.item()
+            if block:
+                pending.append(graph_nodes(cache_arrays(cache)))
+    counts = []
+    for _ in range(steps):
+        mx.eval(y, cache_arrays(cache))
+        y, logprobs = step(model, cache, y)
+        counts.append(graph_nodes([y, logprobs, *cache_arrays(cache)]))
+    mx.eval(y, cache_arrays(cache))
+    graph = StepGraph(method, len(model.layers), sorted(counts)[len(counts) // 2], max(counts), tuple(pending))
+    return list(reads), graph
