@@ -46,12 +46,7 @@ GRAPH_BOUND = 1.3
 # Cache state that generate_step's loop never evaluates (it is not in the logits' graph),
 # so its lazy graph lengthens step after step: the arrays, as found.
 GROWING_LAZY_STATE = {
-    "snapkv": "the eviction base's positions (a slot write per step, read only when scoring)",
-    "pyramidkv": "the eviction base's positions",
-    "chunkkv": "the eviction base's positions",
-    "kvzip": "the eviction base's positions",
-    "curdkv": "the eviction base's positions",
-    "rocketkv": "the eviction base's positions and rocketkv's pages",
+    "rocketkv": "its pages and the positions its own attention leaves unevaluated",
     "zipcache": "the store's flags",
     "amc": "theta, the threshold window, the value tiers' counts and the store's flags",
     "adakv": "the key-norm ring and the importance between flushes",
