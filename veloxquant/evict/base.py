@@ -276,7 +276,12 @@ class ScoredEvictionCache(CompressedKVCache):
         if prefill_end and not self.window_in_decode:
             self.window_queries = None
         self.in_prompt = n > 1
-        return out
+        # generate_step evaluates only the logits: a slot write attention did not read
+        # (positions, token state) would stay lazy and chain onto the next step's.
+        written = [g.buffer for g in self.store.arrays.values() if g.buffer is not None]
+        if self.store.free is not None:
+            written.append(self.store.free)
+        return mx.depends(out, written)
 
     def _padding_mask(self, queries) -> mx.array:
         """Causal by position, padding (position -1) hidden: (B, Hq, N, rows)."""

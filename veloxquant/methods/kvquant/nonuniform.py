@@ -125,6 +125,10 @@ class NonUniformTokens:
         self.books = GrowingArray(axis=0, step=1)  # (codebooks, 2^bits) float32
         self.book_ids = GrowingArray(axis=0, step=unit_step) if refits else None
         self.hist = GrowingArray(axis=0, step=2) if refits else None  # codebook.histogram
+        # Whether encodes have reached the histogram since the last fit, kept on the host so
+        # that a scheduled refit at a decode step needs no read of the histogram (unknown
+        # after a load: a refit over an empty histogram returns the codebook it started at).
+        self.observed_since_fit = True
 
     @property
     def count(self) -> int:
@@ -168,16 +172,18 @@ class NonUniformTokens:
         if self.hist is not None:
             seen = cb.histogram(z, weights)
             self.hist.reset(seen if self.hist.buffer is None else self.hist.buffer + seen)
+            self.observed_since_fit = True
 
     def refit(self) -> None:
         """Warm-started Lloyd on what was encoded since the last fit: a new codebook for
         the tokens encoded from now on (nothing seen, or no Lloyd steps: no new codebook)."""
         if self.hist is None or self.hist.buffer is None or not self.codec.iters:
             return
-        if float(self.hist.buffer[0].sum()) == 0:
+        if not self.observed_since_fit:
             return
         self.books.append(cb.refit(self.hist.buffer, self.centroids, self.codec.iters)[None])
         self.hist.reset(mx.zeros_like(self.hist.buffer))
+        self.observed_since_fit = False
 
     # -- reading ------------------------------------------------------------------------------
     @property

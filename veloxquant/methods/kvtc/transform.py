@@ -39,10 +39,17 @@ class TransformCodec:
     basis: mx.array  # (p, k) float16, the kept components by decreasing variance
     bits: mx.array  # (k,) uint8
     step: mx.array  # (k,) float32
+    # Read from ``bits`` once, when the codec is made: ``encode`` runs at every decode
+    # step, where reading an array's value would wait for the device.
+    wide: bool | None = None  # a component over 8 bits: uint16 codes
+
+    def __post_init__(self):
+        if self.wide is None:
+            object.__setattr__(self, "wide", bool(self.bits.size and int(self.bits.max()) > 8))
 
     @property
     def code_dtype(self):
-        return mx.uint16 if self.bits.size and int(self.bits.max()) > 8 else mx.uint8
+        return mx.uint16 if self.wide else mx.uint8
 
     def _grid(self):
         top = (mx.array(1, mx.int32) << self.bits.astype(mx.int32)) - 1
@@ -74,7 +81,8 @@ def fit_codec(x: mx.array, budget: int, choices, beta: float) -> tuple[Transform
     keep = bits > 0
     codec = TransformCodec(
         mx.array(mean.astype(np.float16)), mx.array(np.ascontiguousarray(vecs[:, keep]).astype(np.float16)),
-        mx.array(bits[keep].astype(np.uint8)), mx.array(uniform_step(lam[keep], bits[keep], beta).astype(np.float32)))
+        mx.array(bits[keep].astype(np.uint8)), mx.array(uniform_step(lam[keep], bits[keep], beta).astype(np.float32)),
+        bool(bits.max(initial=0) > 8))
     return codec, lam, bits
 
 

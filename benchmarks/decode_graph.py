@@ -1,0 +1,44 @@
+"""Node counts of one steady-state decode step per method, as a ratio to the full cache
+(issue 30's CPU guard), and the cache operations generate_step's loop leaves unevaluated.
+
+    MLX_DEFAULT_DEVICE=cpu .venv/bin/python benchmarks/decode_graph.py > benchmarks/notes/decode_graph.md
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from decode_steps import decode_guards, step_graph  # noqa: E402
+from veloxquant_mlx.registry import implemented_methods  # noqa: E402
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    full = step_graph("full")
+    print("# Decode-step graph size (tiny llama, 2 layers, CPU)\n")
+    print("Command: `MLX_DEFAULT_DEVICE=cpu .venv/bin/python benchmarks/decode_graph.py`\n")
+    print("Each method at its compressing settings of tests/conformance.py, a 200-token prompt,")
+    print("4 warm-up steps, 40 steps run as mlx-lm's generate_step runs them, then 7 steps each")
+    print("built from an evaluated state. *nodes*: operations in the step's graph (the next")
+    print("token, its log-probabilities and every cache array it leaves unevaluated; median of")
+    print("the 7, whole model), *max*: the largest of the 7; *ratio*: to the full cache's;")
+    print("*extra / layer*: nodes beyond the full cache's per layer. *pending*: cache operations")
+    print("the overlapped loop leaves unevaluated after 10, 20 and 30 of its steps; growing")
+    print("from one to the next is a lazy graph that lengthens every step. *host reads*: the")
+    print("sync detector's findings (tests/test_decode_step_guards.py).\n")
+    print("| method | nodes | max | ratio | extra / layer | pending | grows | host reads |")
+    print("|---|---:|---:|---:|---:|---|---|---|")
+    for method in implemented_methods():
+        reads, g = decode_guards(method)
+        where = ", ".join(sorted({str(r) for r in reads})) or "-"
+        print(f"| {method} | {g.nodes} | {g.largest} | {g.nodes / full.nodes:.2f} | "
+              f"{(g.nodes - full.nodes) / g.layers:+.0f} | {'/'.join(map(str, g.pending))} | "
+              f"{'yes' if g.grows else ''} | {where} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Decode steps driven the way mlx-lm's ``generate_step`` runs them, for the CPU guards
+of issue 30: a sync detector (host reads of array values from package code) and the
+node count of one steady-state step's graph."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+import veloxquant_mlx
+from conformance import PROMPT, config, profile
+from tiny_models import prompt, tiny_model
+from veloxquant_mlx import make_prompt_cache
+from veloxquant_mlx.cache.buffers import GrowingArray
+
+PACKAGE_DIRS = tuple(
+    str(Path(p).resolve()) + os.sep
+    for p in (Path(veloxquant_mlx.__file__).parent, Path(veloxquant_mlx._generated.__file__).parent)
+)
+HOST_READS = ("item", "tolist", "__array__", "__bool__", "__int__", "__float__", "__index__")
+WARMUP = 4
+
+
+@dataclass(frozen=True)
+class HostRead:
+    call: str
+    where: str  # file:line of the innermost package frame
+
+    def __str__(self):
+        return f"{self.call} at {self.where}"
+
+
+def _package_frame():
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(PACKAGE_DIRS):
+            root = Path(veloxquant_mlx.__file__).resolve().parents[1]
+            return f"{Path(frame.f_code.co_filename).relative_to(root)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+@contextlib.contextmanager
+def recording_host_reads():
+    """Record every host read of an array's values made from package code."""
+    reads: list[HostRead] = []
+    patches = [(mx.array, name, getattr(mx.array, name)) for name in HOST_READS]
+    patches += [(mx, "eval", mx.eval), (np, "array", np.array), (np, "asarray", np.asarray)]
+
+    def wrap(name, original, only_arrays):
+        def recorder(*args, **kwargs):
+            if not only_arrays or any(isinstance(a, mx.array) for a in args):
+                where = _package_frame()
+                if where is not None:
+                    reads.append(HostRead(name, where))
+            return original(*args, **kwargs)
+
+        return recorder
+
+    try:
+        for owner, name, original in patches:
+            label = f"numpy.{name}" if owner is np else (f"mx.{name}" if owner is mx else name)
+            setattr(owner, name, wrap(label, original, only_arrays=owner is np))
+        yield reads
+    finally:
+        for owner, name, original in patches:
+            setattr(owner, name, original)
+
+
+def prefilled(method: str, arch: str = "llama", n_prompt: int = PROMPT, chunk: int = 64):
+    """A tiny model and its caches under the method's compressing settings, the prompt
+    prefilled in chunks as ``generate_step`` does it (evaluating the caches' state after
+    each chunk); returns the model, the caches and the last prompt token."""
+    model = tiny_model(arch)
+    cache = make_prompt_cache(model, config(method, profile(method).compressing))
+    tokens = prompt(n_prompt)
+    start = 0
+    while n_prompt - start > 1:
+        stop = min(start + chunk, n_prompt - 1)
+        model(tokens[start:stop][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        start = stop
+    return model, cache, tokens[-1:]
+
+
+def step(model, cache, token):
+    """One decode step, built lazily: the next token (greedy) and its log-probabilities."""
+    logits = model(token[None], cache=cache)[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    return mx.argmax(logprobs, axis=-1), logprobs.squeeze(0)
+
+
+def decode_overlapped(model, cache, token, steps: int):
+    """``steps`` decode steps as ``generate_step`` runs them: each builds the next step's
+    graph and ``async_eval``s it before the host reads the previous token."""
+    y, logprobs = step(model, cache, token)
+    mx.async_eval(y, logprobs)
+    for _ in range(steps):
+        next_y, next_logprobs = step(model, cache, y)
+        mx.async_eval(next_y, next_logprobs)
+        y.item()
+        y, logprobs = next_y, next_logprobs
+    return y
+
+
+def host_reads_while_decoding(method: str) -> list[HostRead]:
+    """Host reads made from package code in 40 overlapped decode steps after the warm-up."""
+    return decode_guards(method)[0]
+
+
+# -- graph size ------------------------------------------------------------------------------
+def cache_arrays(cache) -> list[mx.array]:
+    """Every MLX array reachable from the caches' attributes (their context included:
+    state shared across layers lives there), each once."""
+    found, seen = [], set()
+
+    def walk(obj):
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), type)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, mx.array):
+            found.append(obj)
+        elif isinstance(obj, GrowingArray):
+            walk(obj.buffer)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple, set)):
+            for v in obj:
+                walk(v)
+        elif hasattr(obj, "__dict__") and not callable(obj):
+            for k, v in vars(obj).items():
+                if k != "config":
+                    walk(v)
+        elif hasattr(obj, "__slots__"):
+            for k in obj.__slots__:
+                walk(getattr(obj, k, None))
+
+    walk(list(cache))
+    return found
+
+
+def graph_nodes(outputs) -> int:
+    """Operations not yet evaluated in the graph of ``outputs`` (evaluated arrays are
+    leaves), counted in ``mx.export_to_dot``'s output."""
+    outputs = [a for a in outputs if isinstance(a, mx.array)]
+    if not outputs:
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "step.dot")
+        mx.export_to_dot(path, *outputs)
+        return sum(1 for line in open(path) if "shape=rectangle" in line)
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    method: str
+    layers: int
+    nodes: int  # median over the measured steps, the whole model
+    largest: int  # the largest measured step (a flush or a refit, if one fell in)
+    pending: tuple[int, ...]  # cache operations left unevaluated by generate_step's loop
+
+    @property
+    def per_layer(self) -> float:
+        return self.nodes / self.layers
+
+    @property
+    def grows(self) -> bool:
+        return all(b > a for a, b in zip(self.pending, self.pending[1:]))
+
+
+def step_graph(method: str) -> StepGraph:
+    return decode_guards(method)[1]
+
+
+@functools.lru_cache(maxsize=None)
+def decode_guards(method: str, steps: int = 7, apart: int = 10, arch: str = "llama"):
+    """One prefill for both guards: the host reads of ``4 * apart`` overlapped decode steps
+    (after ``WARMUP``), what they leave unevaluated in the caches every ``apart`` steps,
+    then the graph of ``steps`` steady-state steps, each built from an evaluated state (its
+    outputs: the next token, its log-probabilities and every cache array it leaves
+    unevaluated; the median is the step's size)."""
+    model, cache, token = prefilled(method, arch)
+    y = decode_overlapped(model, cache, token, WARMUP)
+    pending = []
+    with recording_host_reads() as reads:
+        for block in range(4):
+            y = decode_overlapped(model, cache, y, apart)
+            y.item()
+            if block:
+                pending.append(graph_nodes(cache_arrays(cache)))
+    counts = []
+    for _ in range(steps):
+        mx.eval(y, cache_arrays(cache))
+        y, logprobs = step(model, cache, y)
+        counts.append(graph_nodes([y, logprobs, *cache_arrays(cache)]))
+    mx.eval(y, cache_arrays(cache))
+    graph = StepGraph(method, len(model.layers), sorted(counts)[len(counts) // 2], max(counts), tuple(pending))
+    return list(reads), graph
