@@ -44,6 +44,12 @@ class GrowingArray:
             else:
                 kept = self.buffer[_along(self.axis, 0, self.length)]
                 self.buffer = mx.concatenate([kept, room], axis=self.axis)
+        if self.length == 0 and n == self.capacity:
+            # A write over the whole buffer returns the rows' own storage: rows sliced from a
+            # larger chunk would keep all of that chunk alive. A copy holds only the rows.
+            self.buffer = mx.contiguous(rows)
+            self.length = n
+            return
         self.buffer[_along(self.axis, self.length, self.length + n)] = rows
         self.length += n
 
