@@ -61,6 +61,8 @@ class GrowingArray:
 
     def reset(self, rows: mx.array | None) -> None:
         """Replace the content by ``rows`` (exactly sized: no spare room)."""
+        if rows is not None and rows.shape[self.axis] == 0:
+            rows = None  # an empty slice still holds the storage of the array it was cut from
         self.buffer = rows
         self.length = 0 if rows is None else rows.shape[self.axis]
 
