@@ -44,6 +44,12 @@ class GrowingArray:
             else:
                 kept = self.buffer[_along(self.axis, 0, self.length)]
                 self.buffer = mx.concatenate([kept, room], axis=self.axis)
+        if self.length == 0 and n == self.capacity:
+            # A write over the whole buffer returns the rows' own storage: rows sliced from a
+            # larger chunk would keep all of that chunk alive. A copy holds only the rows.
+            self.buffer = mx.contiguous(rows)
+            self.length = n
+            return
         self.buffer[_along(self.axis, self.length, self.length + n)] = rows
         self.length += n
 
@@ -55,6 +61,8 @@ class GrowingArray:
 
     def reset(self, rows: mx.array | None) -> None:
         """Replace the content by ``rows`` (exactly sized: no spare room)."""
+        if rows is not None and rows.shape[self.axis] == 0:
+            rows = None  # an empty slice still holds the storage of the array it was cut from
         self.buffer = rows
         self.length = 0 if rows is None else rows.shape[self.axis]
 

@@ -63,7 +63,8 @@ class SharedLatentCodec:
         packing units (absent at 16 bits) and the rest in ``dtype``."""
         a = a[:, None]  # one latent "head": the per-channel layout of quant/affine.py
         n_q = 0 if self.bits == DENSE_BITS else a.shape[2] // packing_unit(self.group) * packing_unit(self.group)
-        out = {"latent_tail": a[:, :, n_q:].astype(dtype) if n_q < a.shape[2] else None}
+        # a copy: a view (astype to the same dtype is one) would pin the whole SVD output
+        out = {"latent_tail": mx.contiguous(a[:, :, n_q:].astype(dtype)) if n_q < a.shape[2] else None}
         if n_q:
             codes, scales, biases = quantize_per_channel(a[:, :, :n_q].astype(dtype), self.group, self.bits)
             out.update(latent_codes=codes, latent_scales=scales, latent_biases=biases)

@@ -107,7 +107,7 @@ class XKVCache(CrossLayer, CompressedKVCache):
         for m, b in zip(members, bs):
             rest = m.keys.view()[:, :, end:]
             m.keys.reset(mx.contiguous(rest) if rest.shape[2] else None)
-            m.b, m.n_latent = b.astype(dtype), end
+            m.b, m.n_latent = mx.contiguous(b.astype(dtype)), end  # not a view pinning all of V
 
     # -- what is kept ------------------------------------------------------------------------------
     @property
