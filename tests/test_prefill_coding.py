@@ -44,7 +44,7 @@ def _symbols_held(cache) -> int:
         for run in (c.store.keys, c.store.values):
             if c.config.method == "cachegen":
                 b, h, n, _ = run.scales.view().shape
-                total += b * h * n * c.kv_shape[2]  # deltas (anchors' zeros left out) + anchors
+                total += b * h * run.count * c.kv_shape[2]  # deltas (anchors' zeros left out) + anchors
             else:
                 total += run.codes.view().shape[0] * run.count * run.codec.bits.size
     return total

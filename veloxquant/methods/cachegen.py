@@ -12,9 +12,13 @@ Per layer, keys and values alike (``quant/delta.py``):
 - **anchors and deltas** (``cachegen_use_delta``): tokens in groups of G =
   ``cachegen_group_size`` consecutive tokens (the anchor spacing, inferred equal to the
   scale group); the group's first token quantized at 8 bits, every other token as its
-  delta from the reconstructed anchor. Without delta coding every token is coded directly.
-- **quantization**: symmetric, per token per G channels, float16 scales (the released
-  code scales per token over all H*d channels: per-group scales are the card's adaptation).
+  delta from the reconstructed anchor, on one step per channel group for the whole anchor
+  group: the anchor's range at the layer's width (widened where a delta is larger), so
+  small deltas give symbols near zero and lower the entropy. Without delta coding every
+  token is coded directly.
+- **quantization**: symmetric per G channels, float16 scales: per token without deltas,
+  per anchor group with them (the released code scales per token over all H*d channels:
+  per-group scales are the card's adaptation).
 - **streaming**: a prompt chunk encodes its whole groups of G tokens, the rest (and decode
   tokens) wait in full precision until a group is whole (``quant/chunk_store.py``).
 - **entropy coding** (``quant/entropy.py``, rANS): the symbols of each (layer, K/V) coded
@@ -25,7 +29,7 @@ Per layer, keys and values alike (``quant/delta.py``):
   it codes). Zero counts need no smoothing: the table is the data's own.
 
 What stays resident (``nbytes``): the fixed-length codes, packed at the layer's width
-(the anchor's zero delta included), float16 scales, anchor codes and scales, the
+(the anchor's zero delta included), float16 scales (per token, or per anchor group), anchor codes and scales, the
 full-precision tail. What is saved (``state``, ``stored_nbytes``): the coded streams and
 their uint16 tables, the scales, the anchors' streams, the tail (``quant/coded_cache.py``).
 Attention never reads a stream: a prompt chunk attends over the reconstructed history plus
@@ -125,9 +129,10 @@ class CacheGenCache(EntropyCodedCache):
             c, scales = run.codec, arrays[f"{prefix}_scales"]
             names = ("stream", "table") + (("anchor_stream", "anchor_table") if c.use_delta else ())
             segments = split_segments(prefix, arrays, names)
-            if (segments[-1][1] if segments else 0) != scales.shape[2]:
-                raise ValueError(f"{prefix}_segments cover {segments[-1][1] if segments else 0} tokens, "
-                                 f"expected the {scales.shape[2]} tokens of {prefix}_scales")
+            n = segments[-1][1] if segments else 0
+            if (n // c.group if c.use_delta else n) != scales.shape[2]:
+                raise ValueError(f"{prefix}_segments cover {n} tokens, which {prefix}_scales "
+                                 f"({scales.shape[2]} rows) does not")
             codes = [self._decode_segment(c, part, b, h, d, end - start) for start, end, part in segments]
             run.put(mx.concatenate([s for s, _ in codes], axis=2), scales,
                     mx.concatenate([a for _, a in codes], axis=2) if c.use_delta else None,
