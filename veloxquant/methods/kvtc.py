@@ -20,7 +20,8 @@ Per layer, keys and values each (``quant/transform.py``, ``quant/window_store.py
   component, made from its codes (``quant/entropy.py``; the paper uses DEFLATE).
 
 What stays resident (``nbytes``): sinks and window rows, the float16 mean and kept basis
-columns, widths and steps, one uint8 code per kept component per middle token. What is
+columns, widths and steps, per middle token the codes packed at their widths (the bit
+budget, rounded up to 32-bit words). What is
 saved (``state``, ``stored_nbytes``): the same with the codes entropy-coded. A prompt chunk
 attends over the reconstructed history plus itself; a decode step over the sinks and
 the coded middle plus window (``TransformScores``: keys rebuilt and rotated, values mixed
@@ -41,7 +42,7 @@ from ..quant.transform import TransformCodec, TransformTokens
 from ..quant.window_store import SinkWindowStore
 
 N_SINK = 4
-MAX_BITS = 16  # codes are kept as uint16 at most
+MAX_BITS = 16  # a code fits one word or straddles two
 
 
 class KVTCCache(EntropyCodedCache):
@@ -98,7 +99,7 @@ class KVTCCache(EntropyCodedCache):
     @staticmethod
     def _code(run: TransformTokens, start: int, end: int) -> dict[str, np.ndarray]:
         """Tokens [start, end) of the run, entropy-coded: one lane a kept component."""
-        codes = to_numpy(run.codes.view()[:, start:end])  # (B, n, k)
+        codes = to_numpy(run.unpacked(start, end))  # (B, n, k)
         stream, table = entropy.pack(codes.transpose(2, 0, 1).reshape(codes.shape[2], -1),
                                      1 << to_numpy(run.codec.bits).astype(np.int64))
         return {"stream": stream, "table": table}
@@ -128,5 +129,5 @@ class KVTCCache(EntropyCodedCache):
                                            1 << to_numpy(c.bits).astype(np.int64), k)
                     parts.append(lanes.reshape(k, b, end - start).transpose(1, 2, 0))
                 codes = np.concatenate(parts, axis=1)
-                run.codes.reset(mx.array(codes.astype(np.uint16 if c.code_dtype == mx.uint16 else np.uint8)))
+                run.codes.reset(c.fields.pack(mx.array(codes.astype(np.uint32))))
                 self.coded_segments(prefix).adopt(run, segments)
