@@ -59,6 +59,10 @@ class FieldLayout:
                    mx.array(shift.astype(np.uint32)), mx.array(np.where(crosses, 32 - shift, 0).astype(np.uint32)),
                    mx.array(crosses), mx.array(((1 << bits) - 1).astype(np.uint32)), n_words)
 
+    def arrays(self) -> tuple[mx.array, ...]:
+        """What the layout holds (derived from the widths: counted, never saved)."""
+        return self.word, self.next_word, self.shift, self.high_shift, self.crosses, self.mask
+
     def pack(self, codes: mx.array) -> mx.array:
         """(..., k) codes -> (..., n_words) uint32."""
         c = codes.astype(mx.uint32)
@@ -178,7 +182,7 @@ class TransformTokens:
         if self.codec is not None:
             c = self.codec
             out.update({f"{prefix}_mean": c.mean, f"{prefix}_basis": c.basis, f"{prefix}_bits": c.bits,
-                        f"{prefix}_step": c.step})
+                        f"{prefix}_step": c.step, f"{prefix}_fields": c.fields.arrays()})
         return out
 
 
