@@ -33,10 +33,13 @@ post-RoPE keys mlx-lm hands the cache, so no rotation stands between query and l
 Palu's paper factors pre-RoPE keys and rotates each reconstructed key in a fused kernel,
 which this fold cannot do (a per-token rotation does not commute with ``V^(h)``).
 
-``LatentStore`` holds a layer: the prompt's keys and values wait exactly (``pending``)
-until the first single-token step, when the bases are fitted on every token held (the
-whole prompt, however mlx-lm chunked it) and everything is encoded; later tokens, prompt
-chunks included, are projected onto the fixed bases as they come. Values are latent
+``LatentStore`` holds a layer: keys and values wait exactly (``pending``) until at least
+as many tokens as a basis has rows (n = g*d) are held, when the bases are fitted on every
+token held and everything is encoded (a basis fitted on fewer tokens spans only them, so
+new tokens would lose every other direction); that happens in the prompt chunk that
+brings the count there, so a prefilled prompt is kept compressed, and a shorter history
+(prompt and decode tokens) stays exact. Later tokens are projected onto the fixed bases
+as they come. Values are latent
 (their own basis and segments) or kept exactly.
 """
 
@@ -382,10 +385,14 @@ class LatentStore(PackedStore):
         if not self.fitted:
             self.k_pend.append(keys)
             self.v_pend.append(values)
-            if keys.shape[2] == 1:  # the first decode step: the whole prompt is here
+            if self.k_pend.length >= self.fit_tokens(keys.shape[-1]):
                 self._fit()
             return
         self._encode(keys, values)
+
+    def fit_tokens(self, head_dim: int) -> int:
+        """Tokens held exactly before the bases are fitted: the rows of a basis."""
+        return self.heads_per_group * head_dim
 
     def _fit(self) -> None:
         keys, values = self.k_pend.view(), self.v_pend.view()
