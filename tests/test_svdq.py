@@ -121,7 +121,10 @@ def test_the_rank_holds_the_singular_value_mass_largest_over_heads():
         mass = np.cumsum(sigmas, axis=-1) / sigmas.sum(axis=-1, keepdims=True)
         expected = int((np.argmax(mass >= f - 1e-6, axis=-1) + 1).max())
         ranks.append(cache.store.keys.basis.shape[-1])
-        assert ranks[-1] == expected
+        # the fit reads singular values from the float32 Gram matrix: the 50 directions of
+        # this data below 1e-6 of the largest come out near 1e-3 of it, ~0.1% of the mass,
+        # which may add one direction at 99%
+        assert expected <= ranks[-1] <= expected + (f > 0.95)
     assert ranks == sorted(ranks) and ranks[0] < ranks[-1]
     sigma = mx.array([4.0, 2.0, 1.0, 1.0])  # mass 4/8 = 0.5 at r = 1; energy 16/22 at r = 1
     assert int(energy_rank(sigma, 0.6, power=1)) == 2 and int(energy_rank(sigma, 0.6)) == 1
