@@ -1,12 +1,17 @@
-"""Decode benchmark: KV bytes, peak memory and decode speed of whole-model generation.
+"""Decode benchmark: KV bytes, peak memory, prefill time and decode speed of whole-model
+generation.
 
 A random-weight llama (no download), prompts prefilled the way mlx-lm does it (2048-token
 chunks, then the last token alone), then single-token decode steps, the methods taking
 turns (rounds x steps each) so that the machine's drift hits them alike. Per step: the
 host time to build the step's graph (the model call, which is lazy), the time from then
 until the step's logits are ready (the device's share), and their sum (the step; tokens
-per second are its inverse, median over every step). Peak memory is over the prefill and
-the first two steps. Every figure is also a ratio to mlx-lm's own ``KVCache`` in the same
+per second are its inverse, median over every step). Prefill time: a method's first
+prefill in the process (its compilation and first-use work included) and, separately,
+the median of ``--prefill-repeats`` warm ones, each on a fresh cache (the whole prompt,
+the last token included, until its logits are ready). Peak memory is
+``mx.get_peak_memory`` after ``mx.reset_peak_memory``, over the last warm prefill and the
+first two steps, less the memory in use before it (the model's weights). Every figure is also a ratio to mlx-lm's own ``KVCache`` in the same
 run, on the same model and prompt; mlx-lm's ``QuantizedKVCache`` is a peer row (shown as
 failed where it fails: on MLX's CUDA back-end it has no ``quantized_matmul`` for these
 shapes).
@@ -14,11 +19,13 @@ shapes).
     python benchmarks/decode.py                                   # small model, CPU-sized
     python benchmarks/decode.py --preset llama3-8b --contexts 4096 32768 131072
     python benchmarks/decode.py --methods "mlx-lm KVCache" kivi-4bit --out decode.json
+    python benchmarks/decode.py --preset tiny --contexts 256 --steps 2 --rounds 1   # a CPU check
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -42,6 +49,8 @@ from veloxquant_mlx.cache.options import (  # noqa: E402
 )
 
 PRESETS = {
+    "tiny": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                 num_attention_heads=2, num_key_value_heads=1, vocab_size=512),
     "small": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1024,
                   num_attention_heads=4, num_key_value_heads=1, vocab_size=1024),
     # Llama-3-8B's shape: 32 layers, hidden 4096, 32 query / 8 KV heads of 128, MLP 14336
@@ -66,6 +75,12 @@ METHODS = {
     "kitty": KVCacheConfig(method="kitty"),
     "age_tiered": KVCacheConfig(method="age_tiered"),
     "adakv": KVCacheConfig(method="adakv"),
+    "cachegen": KVCacheConfig(method="cachegen"),
+    "kvtc": KVCacheConfig(method="kvtc"),
+    "svdq": KVCacheConfig(method="svdq"),
+    "palu": KVCacheConfig(method="palu"),
+    "spectral": KVCacheConfig(method="spectral"),
+    "gear": KVCacheConfig(method="gear"),
 }
 
 
@@ -87,17 +102,34 @@ def make_cache(model, config):
     return make_prompt_cache(model, config)
 
 
-def start(model, config, context):
-    """Prefill one method's cache; its KV bytes and peak memory over prefill + 2 steps."""
+def timed_prefill(model, config, tokens):
+    """A fresh cache prefilled with ``tokens``: (cache, last logits, seconds until ready)."""
+    cache = make_cache(model, config)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, tokens)  # evaluates the logits
+    return cache, logits, time.perf_counter() - t0
+
+
+def start(model, config, context, prefill_repeats=2):
+    """Prefill one method's cache: its first and warm prefill times, KV bytes and peak memory
+    over the last prefill + 2 steps."""
     tokens = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(context))
+    warm = []
+    _, _, first = timed_prefill(model, config, tokens)
+    for _ in range(prefill_repeats - 1):
+        _, _, seconds = timed_prefill(model, config, tokens)
+        warm.append(seconds)
+    gc.collect()  # the earlier prefills' caches (reference cycles): freed now, not during the measured one
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    cache = make_cache(model, config)
-    y = mx.argmax(prefill(model, cache, tokens))[None]
+    cache, logits, seconds = timed_prefill(model, config, tokens)
+    warm.append(seconds)
+    y = mx.argmax(logits)[None]
     for _ in range(2):
         y, _ = step(model, cache, y)
-    return cache, y, {"kv_bytes": sum(c.nbytes for c in cache), "peak_bytes": mx.get_peak_memory() - base}
+    return cache, y, {"kv_bytes": sum(c.nbytes for c in cache), "peak_bytes": mx.get_peak_memory() - base,
+                      "prefill_first_s": first, "prefill_warm_s": statistics.median(warm)}
 
 
 def step(model, cache, y):
@@ -130,17 +162,20 @@ def summary(figures, times):
 
 
 def table(results) -> list[str]:
-    rows = ["| context | cache | KV bytes | KV vs fp16 | peak vs fp16 | decode tok/s | decode vs fp16 "
+    rows = ["| context | cache | KV bytes | KV vs fp16 | peak MiB | peak vs fp16 | prefill s (first) "
+            "| prefill s (warm) | prefill vs fp16 | decode tok/s | decode vs fp16 "
             "| host ms a step | host vs fp16 | device ms a step |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         base = next(b for b in results if b["context"] == r["context"] and b["method"] == BASELINE)
         if r.get("error"):
-            rows.append(f"| {r['context']} | {r['method']} | failed: {r['error'][:90]} |||||||")
+            rows.append(f"| {r['context']} | {r['method']} | failed: {r['error'][:90]} |||||||||||")
             continue
         rows.append(
             f"| {r['context']} | {r['method']} | {r['kv_bytes']:,} | {r['kv_bytes'] / base['kv_bytes']:.3f} "
-            f"| {r['peak_bytes'] / base['peak_bytes']:.2f} | {r['decode_tokens_per_s']:.1f} "
+            f"| {r['peak_bytes'] / 2**20:.1f} | {r['peak_bytes'] / base['peak_bytes']:.2f} "
+            f"| {r['prefill_first_s']:.3f} | {r['prefill_warm_s']:.3f} "
+            f"| {r['prefill_warm_s'] / base['prefill_warm_s']:.2f}x | {r['decode_tokens_per_s']:.1f} "
             f"| {r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x | {r['host_s'] * 1e3:.2f} "
             f"| {r['host_s'] / base['host_s']:.2f}x | {r['device_s'] * 1e3:.2f} |"
         )
@@ -153,6 +188,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--steps", type=int, default=8, help="decode steps per method per round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of interleaved timing")
+    ap.add_argument("--prefill-repeats", type=int, default=2,
+                    help="warm prefills per method after its first (the median is reported)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), help=f"from: {', '.join(METHODS)}")
     ap.add_argument("--out", default=None, help="write every figure as JSON here")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
@@ -171,7 +208,7 @@ def main() -> None:
         states, figures = {}, {}
         for name in names:
             try:
-                cache, y, figures[name] = start(model, METHODS[name], context)
+                cache, y, figures[name] = start(model, METHODS[name], context, args.prefill_repeats)
                 states[name] = (cache, y)
             except Exception as exc:  # noqa: BLE001 - a failing peer is a row, not a crash
                 results.append({"method": name, "context": context, "error": f"{type(exc).__name__}: {exc}",
@@ -181,12 +218,15 @@ def main() -> None:
         for name in states:
             r = {"method": name, "context": context, **summary(figures[name], times[name])}
             results.append(r)
-            print(f"  {name:30s} {context:7d}: {r['decode_tokens_per_s']:8.2f} tok/s, host "
-                  f"{r['host_s'] * 1e3:.2f} ms, device {r['device_s'] * 1e3:.2f} ms", flush=True)
+            print(f"  {name:30s} {context:7d}: prefill {r['prefill_first_s']:.3f} s first, "
+                  f"{r['prefill_warm_s']:.3f} s warm, peak {r['peak_bytes'] / 2**20:.1f} MiB, "
+                  f"{r['decode_tokens_per_s']:8.2f} tok/s, host {r['host_s'] * 1e3:.2f} ms, "
+                  f"device {r['device_s'] * 1e3:.2f} ms", flush=True)
         del states
     results.sort(key=lambda r: (r["context"], names.index(r["method"])))
     env = {"mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
-           "preset": args.preset, "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds}
+           "preset": args.preset, "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds,
+           "prefill_repeats": args.prefill_repeats}
     print("\n" + "\n".join(table(results)))
     if args.out:
         with open(args.out, "w") as f:

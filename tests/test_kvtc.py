@@ -110,7 +110,8 @@ def test_decode_attends_over_the_reconstructed_history():
 
 def test_resident_and_stored_bytes_follow_the_memory_formula():
     """Resident: sinks + window rows (fp32 here), mean + kept basis columns (fp16), widths
-    and steps, one uint8 code per kept component per middle token (growth step 256).
+    and steps, per middle token the codes packed at their widths: the budget in 32-bit
+    words, 128 bits = 16 bytes (growth step 256).
     Stored: the codes' streams at most budget/8 bytes a token (+ the final states)."""
     _, cache, _ = _prefilled({"residual_window": 32, "kvtc_bit_budget": 128}, n=600)
     for c in cache:
@@ -120,9 +121,9 @@ def test_resident_and_stored_bytes_follow_the_memory_formula():
         for run in (c.store.keys, c.store.values):
             k = run.codec.bits.size
             assert int(run.codec.bits.astype(mx.int32).sum()) == 128
-            exact += 64 * 2 + 64 * k * 2 + k * 5 + n * k
+            exact += 64 * 2 + 64 * k * 2 + k * 5 + n * 128 // 8
         exact += 2 * (4 + 32) * 64 * 4
-        assert exact <= c.nbytes <= exact + 2 * 256 * 64 + 2 * 32 * 64 * 4, (c.nbytes, exact)
+        assert exact <= c.nbytes <= exact + 2 * 256 * 128 // 8 + 2 * 32 * 64 * 4, (c.nbytes, exact)
         arrays = c.stored_arrays()
         for p, run in (("k", c.store.keys), ("v", c.store.values)):
             k = run.codec.bits.size

@@ -92,7 +92,7 @@ def test_memory_is_the_cards_formula():
     t, d, h, s, groups, r = 512, 32, 4, 4, 2, 48
     keys, values = kv(t, h=h, d=d)
     cache = palu(palu_rank=r, palu_n_head_groups=groups, palu_hi_fraction=0.25)
-    prompt_then_decode(cache, keys, values, t - 1, chunk=200)
+    prompt_then_decode(cache, keys, values, t - 1, chunk=256)
     r_hi = math.floor(0.25 * r)
     per_token = groups * (r_hi * 4 / 8 + (r - r_hi) * 2 / 8 + r * 2 * s / 32)  # a tensor
     n = h // groups * d

@@ -1,5 +1,5 @@
 """SVDq: exact at full rank, the bit schedule (0 drops a direction), the per-head basis
-fitted on the whole prompt, the singular-value-mass rank rule, decode over the latents
+fitted once enough tokens are held, the singular-value-mass rank rule, decode over the latents
 against attention over the reconstruction, and memory against the card's formula."""
 
 import mlx.core as mx
@@ -51,15 +51,19 @@ def test_full_rank_unquantized_is_exact_and_values_are_untouched():
     assert mx.allclose(basis.swapaxes(-1, -2) @ basis, mx.eye(64), atol=1e-5)  # V_rᵀ V_r = I
 
 
-def test_the_basis_waits_for_the_whole_prompt_and_does_not_depend_on_its_chunks():
+def test_the_basis_waits_for_as_many_tokens_as_its_rows_and_is_fitted_on_all_of_them():
+    """Fewer tokens than head_dim (64) stay exact; the chunk that brings the count there
+    fits the basis on every token held, however they were chunked."""
     keys, values = kv(200)
     whole, chunked = svdq(), svdq()
-    feed(whole, keys[:, :, :199], values[:, :, :199], 199)
-    feed(chunked, keys[:, :, :199], values[:, :, :199], 40)
-    assert not chunked.store.fitted  # prefill keeps the prompt exactly
-    assert mx.array_equal(chunked.dequantized(mx.float32)[0], keys[:, :, :199])
+    feed(whole, keys[:, :, :80], values[:, :, :80], 80)
+    feed(chunked, keys[:, :, :40], values[:, :, :40], 20)
+    assert not chunked.store.fitted  # too few tokens: kept exactly
+    assert mx.array_equal(chunked.dequantized(mx.float32)[0], keys[:, :, :40])
+    feed(chunked, keys[:, :, 40:80], values[:, :, 40:80], 40)
+    assert chunked.store.fitted and whole.store.fitted  # compressed at the end of the prefill
     for c in (whole, chunked):
-        feed(c, keys[:, :, 199:], values[:, :, 199:], 1)
+        feed(c, keys[:, :, 80:], values[:, :, 80:], 1)
     a, b = whole.state["arrays"], chunked.state["arrays"]
     assert a.keys() == b.keys() and all(mx.array_equal(a[n], b[n]) for n in a if a[n] is not None)
 
@@ -114,11 +118,14 @@ def test_the_rank_holds_the_singular_value_mass_largest_over_heads():
     ranks = []
     for f in (0.5, 0.8, 0.95, 0.99):
         cache = svdq(svdq_energy_threshold=f)
-        prompt_then_decode(cache, keys, values, 299)
+        prompt_then_decode(cache, keys, values, 299, chunk=299)
         mass = np.cumsum(sigmas, axis=-1) / sigmas.sum(axis=-1, keepdims=True)
         expected = int((np.argmax(mass >= f - 1e-6, axis=-1) + 1).max())
         ranks.append(cache.store.keys.basis.shape[-1])
-        assert ranks[-1] == expected
+        # the fit reads singular values from the float32 Gram matrix: the 50 directions of
+        # this data below 1e-6 of the largest come out near 1e-3 of it, ~0.1% of the mass,
+        # which may add one direction at 99%
+        assert expected <= ranks[-1] <= expected + (f > 0.95)
     assert ranks == sorted(ranks) and ranks[0] < ranks[-1]
     sigma = mx.array([4.0, 2.0, 1.0, 1.0])  # mass 4/8 = 0.5 at r = 1; energy 16/22 at r = 1
     assert int(energy_rank(sigma, 0.6, power=1)) == 2 and int(energy_rank(sigma, 0.6)) == 1
@@ -141,7 +148,7 @@ def test_memory_is_the_cards_formula():
     keys, values = kv(t)
     schedule = (8, 4, 2, 1, 1, 0, 0, 0)
     cache = svdq(svdq_rank=64, svdq_bit_schedule=schedule, svdq_group_size=32)
-    prompt_then_decode(cache, keys, values, t - 1, chunk=200)
+    prompt_then_decode(cache, keys, values, t - 1, chunk=256)
     n_g = 64 // len(schedule)
     per_token = h * (sum(n_g * b / 8 for b in schedule) + sum(n_g * 2 * s / 32 for b in schedule if b))
     basis = h * (d * 64 + d) * s

@@ -9,10 +9,17 @@
 - ``svd_factors``: the exact thin SVD through a QR first (``x = Q R``, then the SVD of the
   small square ``R``), as ``A = U Σ`` and ``B = V``: sliced to r columns, the best rank-r
   approximation.
+- ``gram_basis``: the right singular vectors and singular values of a tall ``x`` through
+  its Gram matrix ``xᵀx`` (d x d) on at most ``FIT_SAMPLE_TOKENS`` evenly spaced rows:
+  the work over the tokens is one matrix product on the default device, in float32
+  whatever the input's dtype; only the small d x d eigenproblem runs on the CPU stream.
+  Exact (to float32 rounding of the squared singular values) up to the sample size;
+  past it, a fit on a sample of the tokens (``tests/test_lowrank_fit.py`` bounds its
+  reconstruction error against the exact SVD's).
 - ``energy_rank``: the smallest r whose singular values hold a fraction of the energy
   (squared singular values) or of their mass (``power=1``).
 
-MLX runs QR and SVD on the CPU stream only; everything here is float32 there.
+MLX runs QR, SVD and eigh on the CPU stream only; everything here is float32 there.
 """
 
 from __future__ import annotations
@@ -50,6 +57,27 @@ def svd_factors(x: mx.array):
     if not tall:
         left, right = right, left
     return left * sigma[..., None, :], right, sigma
+
+
+FIT_SAMPLE_TOKENS = 4096  # rows a basis fit reads at most: bounded work at any context
+
+
+def gram_basis(x: mx.array, sample: int = FIT_SAMPLE_TOKENS):
+    """(V, sigma): the right singular vectors (..., d, d) by decreasing singular value and
+    the singular values (..., d) of ``x`` (..., T, d), from at most ``sample`` of its rows
+    (evenly spaced; the singular values rescaled to all T rows)."""
+    t = x.shape[-2]
+    if t > sample:
+        x = x[..., mx.array([i * t // sample for i in range(sample)]), :]
+    x = x.astype(mx.float32)
+    x = mx.where(mx.isfinite(x), x, 0.0)  # LAPACK refuses a NaN (SVD error -4): a bad row must not stop a prefill
+    gram = x.swapaxes(-1, -2) @ x
+    _, vectors = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending
+    vectors = vectors[..., ::-1]
+    # ‖x v‖ rather than the eigenvalue's root: the small singular values keep float32's
+    # precision instead of losing half of it to the square
+    sigma = mx.sqrt(((x @ vectors) ** 2).sum(axis=-2) * (t / x.shape[-2]))
+    return vectors, sigma
 
 
 def energy_rank(sigma: mx.array, fraction: float, power: int = 2) -> mx.array:

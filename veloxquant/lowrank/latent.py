@@ -3,9 +3,9 @@ segment by channel segment, read at decode through the basis (never a dense hist
 
 **Basis.** Per batch row and group of g KV heads (SVDq: g = 1; Palu: g heads side by
 side), ``X (T, n = g*d)``: the mean ``μ`` (n,) and the first r right singular vectors
-``V_r`` (n, r) of ``X - μ``, from an exact SVD (``factors.svd_factors``; rows are padded
-with zeros up to n, so the basis is complete whatever the number of tokens and r = n
-reconstructs exactly). A token's latent is ``l = (x - μ) V_r``, its reconstruction
+``V_r`` (n, r) of ``X - μ``, from the eigenvectors of its Gram matrix over a bounded
+sample of tokens (``factors.gram_basis``: the basis is complete whatever the number of
+tokens, and r = n reconstructs exactly). A token's latent is ``l = (x - μ) V_r``, its reconstruction
 ``x_hat = l_hat V_rᵀ + μ``. The rank is given (clipped to n), or the smallest r whose
 singular values hold ``fraction`` of their mass ``Σσ`` (linear σ, SVDq's adaptation;
 ``energy_rank(power=1)``), the largest over the layer's groups and batch rows, so that
@@ -33,10 +33,13 @@ post-RoPE keys mlx-lm hands the cache, so no rotation stands between query and l
 Palu's paper factors pre-RoPE keys and rotates each reconstructed key in a fused kernel,
 which this fold cannot do (a per-token rotation does not commute with ``V^(h)``).
 
-``LatentStore`` holds a layer: the prompt's keys and values wait exactly (``pending``)
-until the first single-token step, when the bases are fitted on every token held (the
-whole prompt, however mlx-lm chunked it) and everything is encoded; later tokens, prompt
-chunks included, are projected onto the fixed bases as they come. Values are latent
+``LatentStore`` holds a layer: keys and values wait exactly (``pending``) until at least
+as many tokens as a basis has rows (n = g*d) are held, when the bases are fitted on every
+token held and everything is encoded (a basis fitted on fewer tokens spans only them, so
+new tokens would lose every other direction); that happens in the prompt chunk that
+brings the count there, so a prefilled prompt is kept compressed, and a shorter history
+(prompt and decode tokens) stays exact. Later tokens are projected onto the fixed bases
+as they come. Values are latent
 (their own basis and segments) or kept exactly.
 """
 
@@ -55,7 +58,7 @@ from ..quant.affine import SUPPORTED_BITS
 from ..quant.cache import QuantizedCache
 from ..quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
 from ..quant.store import WINDOW_STEP, PackedStore
-from .factors import energy_rank, svd_factors
+from .factors import energy_rank, gram_basis
 
 UNQUANTIZED_BITS = 16  # widths from here on keep a channel in the model's dtype
 
@@ -92,11 +95,8 @@ def fit_basis(x: mx.array, rank: int | None, fraction: float):
     """(mean (B, G, 1, n), basis (B, G, n, r)) of ``x`` (B, G, T, n), float32."""
     x = x.astype(mx.float32)
     mean = x.mean(axis=2, keepdims=True)
-    centred = x - mean
     n = x.shape[-1]
-    if centred.shape[2] < n:
-        centred = mx.pad(centred, [(0, 0), (0, 0), (0, n - centred.shape[2]), (0, 0)])
-    _, basis, sigma = svd_factors(centred)
+    basis, sigma = gram_basis(x - mean)
     r = min(rank, n) if rank is not None else int(energy_rank(sigma, fraction, power=1).max())
     return mean, mx.contiguous(basis[..., :r])
 
@@ -382,10 +382,14 @@ class LatentStore(PackedStore):
         if not self.fitted:
             self.k_pend.append(keys)
             self.v_pend.append(values)
-            if keys.shape[2] == 1:  # the first decode step: the whole prompt is here
+            if self.k_pend.length >= self.fit_tokens(keys.shape[-1]):
                 self._fit()
             return
         self._encode(keys, values)
+
+    def fit_tokens(self, head_dim: int) -> int:
+        """Tokens held exactly before the bases are fitted: the rows of a basis."""
+        return self.heads_per_group * head_dim
 
     def _fit(self) -> None:
         keys, values = self.k_pend.view(), self.v_pend.view()

@@ -8,8 +8,9 @@ values separately:
   divide them is refused); a
   group's heads side by side, ``X_j (T, g d)``, share one basis (the faithful analog of
   the paper's grouped decomposition, not the port's per-head basis stacked over tokens);
-- **basis**, fitted once on the whole prompt at the first decode step (the paper
-  decomposes the projection weights offline after whitening; a cache never sees weights):
+- **basis**, fitted once on every token held when at least g d are (in the prompt chunk
+  that brings the count there; the paper decomposes the projection weights offline after
+  whitening; a cache never sees weights):
   mean ``μ_j`` and the first r right singular vectors of ``X_j - μ_j``, r = ``palu_rank``
   (clipped to g d) or the smallest r holding ``palu_energy_threshold`` of the
   singular-value mass ``Σσ``, the largest over the layer's groups;
@@ -23,7 +24,7 @@ RoPE: the paper caches pre-RoPE latents and rotates each reconstructed key in a 
 kernel. Here keys are the post-RoPE keys mlx-lm gives, which lets attention stay in the
 latent space: ``q K_hᵀ = (q V^(h)) L_hatᵀ + q.μ_h`` (the query folded onto head h's rows
 of the basis) and ``p V_h = (p L_hat) V^(h)ᵀ + (Σp) μ_h``; post-RoPE keys need a higher
-rank for the same error (the card's pitfall). Until the first decode step the prompt is
+rank for the same error (the card's pitfall). Until the bases are fitted, tokens are
 held exactly.
 
 Memory per token and tensor: ``n_groups (r_hi b_hi / 8 + r_lo b_lo / 8 + r 2 s / G)``

@@ -2,8 +2,9 @@
 
 A configuration of the latent store (``lowrank/latent.py``), per layer and KV head:
 
-- **basis**, fitted once on the whole prompt at the first decode step (the card's
-  "per-sequence prefill SVD"; the paper fits offline): the mean ``μ`` and the first r right
+- **basis**, fitted once on every token held when at least head_dim are (the card's
+  "per-sequence prefill SVD", in the prompt chunk that brings the count there; the paper
+  fits offline): the mean ``μ`` and the first r right
   singular vectors ``V_r`` of ``K - μ``. r = ``svdq_rank`` (clipped to head_dim), or the
   smallest r holding ``svdq_energy_threshold`` of the singular-value mass ``Σσ`` (linear
   σ, the adaptation's rule), the largest over the layer's heads;
@@ -15,8 +16,8 @@ A configuration of the latent store (``lowrank/latent.py``), per layer and KV he
 - **values**: exact, in the model's dtype.
 
 Keys are the post-RoPE keys mlx-lm gives (SVDqOptions has no rotary field; the card
-notes pre-RoPE keys are more low-rank). Until the first decode step the prompt is held
-exactly and attends exactly. A decode step attends over the latents with the query
+notes pre-RoPE keys are more low-rank). Until the basis is fitted, tokens are held
+exactly and attend exactly. A decode step attends over the latents with the query
 folded onto the basis, ``q Kᵀ = (q V_r) L_hatᵀ + q.μ``, never a rebuilt key history.
 
 Key memory per token and head: ``Σ_g n_g b_g / 8 + Σ_{b_g > 0} n_g * 2 s / G`` bytes

@@ -12,20 +12,24 @@ Per layer, keys and values alike (``methods/cachegen/delta.py``):
 - **anchors and deltas** (``cachegen_use_delta``): tokens in groups of G =
   ``cachegen_group_size`` consecutive tokens (the anchor spacing, inferred equal to the
   scale group); the group's first token quantized at 8 bits, every other token as its
-  delta from the reconstructed anchor. Without delta coding every token is coded directly.
-- **quantization**: symmetric, per token per G channels, float16 scales (the released
-  code scales per token over all H*d channels: per-group scales are the card's adaptation).
+  delta from the reconstructed anchor, on one step per channel group for the whole anchor
+  group: the anchor's range at the layer's width (widened where a delta is larger), so
+  small deltas give symbols near zero and lower the entropy. Without delta coding every
+  token is coded directly.
+- **quantization**: symmetric per G channels, float16 scales: per token without deltas,
+  per anchor group with them (the released code scales per token over all H*d channels:
+  per-group scales are the card's adaptation).
 - **streaming**: a prompt chunk encodes its whole groups of G tokens, the rest (and decode
   tokens) wait in full precision until a group is whole (``quant/chunk_store.py``).
 - **entropy coding** (``quant/entropy.py``, rANS): the symbols of each (layer, K/V) coded
   with one frequency table per channel (head x dim; ``cachegen_per_channel``) or one
-  pooled table, built from the symbols coded (the released code's per-chunk CDFs; the
-  whole history is one chunk here); anchors with one pooled table (a per-channel table of
-  255 entries would outweigh the 1/G of tokens it codes). Zero counts need no smoothing:
-  the table is the data's own.
+  pooled table, built from the symbols coded (the released code's per-chunk CDFs: one
+  set per coded segment, ``quant/coded_cache.py``, each segment coded once); anchors with
+  one pooled table (a per-channel table of 255 entries would outweigh the 1/G of tokens
+  it codes). Zero counts need no smoothing: the table is the data's own.
 
 What stays resident (``nbytes``): the fixed-length codes, packed at the layer's width
-(the anchor's zero delta included), float16 scales, anchor codes and scales, the
+(the anchor's zero delta included), float16 scales (per token, or per anchor group), anchor codes and scales, the
 full-precision tail. What is saved (``state``, ``stored_nbytes``): the coded streams and
 their uint16 tables, the scales, the anchors' streams, the tail (``quant/coded_cache.py``).
 Attention never reads a stream: a prompt chunk attends over the reconstructed history plus
@@ -35,13 +39,15 @@ pure-MLX path on every device) and the tail, merged in one softmax.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 from ...quant import entropy
+from ...quant.affine import unpack_codes
 from ...quant.chunk_store import ChunkedStore
-from ...quant.coded_cache import EntropyCodedCache, from_numpy, to_numpy
-from .delta import ANCHOR_BITS, AnchoredCodec, AnchoredTokens, qmax
+from ...quant.coded_cache import EntropyCodedCache, from_numpy, join_segments, split_segments, to_numpy
 from ...quant.packed import GROWTH_TOKENS
+from .delta import ANCHOR_BITS, AnchoredCodec, AnchoredTokens, qmax
 
 
 def layer_bits(options, layer: int, n_layers: int | None) -> int:
@@ -89,19 +95,24 @@ class CacheGenCache(EntropyCodedCache):
         return {k: v for k, v in out.items() if v is not None}
 
     def _coded(self, prefix: str, run: AnchoredTokens):
+        segments = self.coded_segments(prefix).segments(run, run.count, lambda a, b: self._code(run, a, b))
+        return {f"{prefix}_scales": run.scales.view(), **join_segments(prefix, segments),
+                **({f"{prefix}_anchor_scales": run.anchor_scales.view()} if run.codec.use_delta else {})}
+
+    def _code(self, run: AnchoredTokens, start: int, end: int) -> dict[str, np.ndarray]:
+        """Tokens [start, end) of the run (whole anchor groups), entropy-coded."""
         c, pooled = run.codec, not self.config.options.cachegen_per_channel
-        codes, scales, a_codes, a_scales = run.unpacked()
-        sym = to_numpy(codes)
+        sym = to_numpy(unpack_codes(run.codes.view()[:, :, start:end], c.bits))
         if c.use_delta:  # the anchors' zero deltas are not coded
             b, h, n, d = sym.shape
             sym = sym.reshape(b, h, n // c.group, c.group, d)[:, :, :, 1:].reshape(b, h, -1, d)
         stream, table = entropy.pack(_lanes(sym), 2 * qmax(c.bits) + 1, pooled=pooled)
-        out = {f"{prefix}_scales": scales, f"{prefix}_stream": from_numpy(stream),
-               f"{prefix}_table": from_numpy(table)}
+        out = {"stream": stream, "table": table}
         if c.use_delta:
-            stream, table = entropy.pack(_lanes(to_numpy(a_codes)), 2 * qmax(ANCHOR_BITS) + 1, pooled=True)
-            out.update({f"{prefix}_anchor_scales": a_scales, f"{prefix}_anchor_stream": from_numpy(stream),
-                        f"{prefix}_anchor_table": from_numpy(table)})
+            anchors = run.anchor_codes.view()[:, :, start // c.group : end // c.group]
+            stream, table = entropy.pack(_lanes(to_numpy(unpack_codes(anchors, ANCHOR_BITS))),
+                                         2 * qmax(ANCHOR_BITS) + 1, pooled=True)
+            out.update({"anchor_stream": stream, "anchor_table": table})
         return out
 
     def restore_stored(self, meta, arrays):
@@ -116,19 +127,31 @@ class CacheGenCache(EntropyCodedCache):
             if f"{prefix}_scales" not in arrays:
                 continue
             c, scales = run.codec, arrays[f"{prefix}_scales"]
-            n = scales.shape[2]
-            n_coded = n // c.group * (c.group - 1) if c.use_delta else n
-            lanes = entropy.unpack(to_numpy(arrays[f"{prefix}_stream"]), to_numpy(arrays[f"{prefix}_table"]),
-                                   b * n_coded, 2 * qmax(c.bits) + 1, h * d, pooled=pooled)
-            sym = _from_lanes(lanes, b, h, d)
-            anchors = None
-            if c.use_delta:
-                full = np.full((b, h, n // c.group, c.group, d), qmax(c.bits), np.int64)
-                full[:, :, :, 1:] = sym.reshape(b, h, n // c.group, c.group - 1, d)
-                sym = full.reshape(b, h, n, d)
-                a = entropy.unpack(to_numpy(arrays[f"{prefix}_anchor_stream"]),
-                                   to_numpy(arrays[f"{prefix}_anchor_table"]), b * (n // c.group),
-                                   2 * qmax(ANCHOR_BITS) + 1, h * d, pooled=True)
-                anchors = from_numpy(_from_lanes(a, b, h, d).astype(np.uint32))
-            run.put(from_numpy(sym.astype(np.uint32)), scales, anchors,
+            names = ("stream", "table") + (("anchor_stream", "anchor_table") if c.use_delta else ())
+            segments = split_segments(prefix, arrays, names)
+            n = segments[-1][1] if segments else 0
+            if (n // c.group if c.use_delta else n) != scales.shape[2]:
+                raise ValueError(f"{prefix}_segments cover {n} tokens, which {prefix}_scales "
+                                 f"({scales.shape[2]} rows) does not")
+            codes = [self._decode_segment(c, part, b, h, d, end - start) for start, end, part in segments]
+            run.put(mx.concatenate([s for s, _ in codes], axis=2), scales,
+                    mx.concatenate([a for _, a in codes], axis=2) if c.use_delta else None,
                     arrays.get(f"{prefix}_anchor_scales"), exact=True)
+            self.coded_segments(prefix).adopt(run, segments)
+
+    def _decode_segment(self, c, part, b: int, h: int, d: int, n: int):
+        """The (codes, anchor codes) of one coded segment of n tokens, unpacked uint32."""
+        pooled = not self.config.options.cachegen_per_channel
+        n_coded = n // c.group * (c.group - 1) if c.use_delta else n
+        lanes = entropy.unpack(part["stream"], part["table"], b * n_coded, 2 * qmax(c.bits) + 1, h * d,
+                               pooled=pooled)
+        sym = _from_lanes(lanes, b, h, d)
+        anchors = None
+        if c.use_delta:
+            full = np.full((b, h, n // c.group, c.group, d), qmax(c.bits), np.int64)
+            full[:, :, :, 1:] = sym.reshape(b, h, n // c.group, c.group - 1, d)
+            sym = full.reshape(b, h, n, d)
+            a = entropy.unpack(part["anchor_stream"], part["anchor_table"], b * (n // c.group),
+                               2 * qmax(ANCHOR_BITS) + 1, h * d, pooled=True)
+            anchors = from_numpy(_from_lanes(a, b, h, d).astype(np.uint32))
+        return from_numpy(sym.astype(np.uint32)), anchors

@@ -11,9 +11,14 @@ data (deltas) is what the symmetric grid suits.
 consecutive tokens (CacheGen): token 0 of a group is the anchor, quantized at
 ``ANCHOR_BITS``; every token of the group is then ``bits``-bit coded as its delta from the
 **reconstructed** anchor (the anchor's own delta is zero), so errors do not drift along
-the group. With ``use_delta=False`` every token is coded directly. What is kept: codes
-packed at ``bits`` per symbol (uint32 words), float16 scales, and the anchors' 8-bit
-codes and scales. Attention reads ``AnchoredScores`` (the ``PackedScores`` protocol of
+the group. The deltas of a group share one step per channel group, the anchor's range
+at ``bits`` bits (``max|anchor| / qmax``), widened only where a delta of the group is
+larger (no clipping): on smooth data the deltas are small against that step and their
+symbols crowd around zero, which is what lowers their entropy. A step per token would
+spread every token's deltas over the whole grid again. With ``use_delta=False`` every
+token is coded directly, with its own scales. What is kept: codes packed at ``bits`` per
+symbol (uint32 words), float16 scales (one per token per channel group; with deltas one
+per anchor group per channel group), and the anchors' 8-bit codes and scales. Attention reads ``AnchoredScores`` (the ``PackedScores`` protocol of
 ``kernels/decode.py``): the run reconstructed in float32 (transient), then one matrix
 product; the pure-MLX path on every device.
 """
@@ -44,6 +49,20 @@ def quantize_symmetric(x: mx.array, bits: int, group: int) -> tuple[mx.array, mx
     return q.reshape(x.shape).astype(mx.uint32), s.squeeze(-1)
 
 
+def quantize_deltas(deltas: mx.array, anchor_scales: mx.array, bits: int, group: int):
+    """Deltas (B, H, n_groups, G tokens, D) -> codes (B, H, n_groups * G, D) uint32 in
+    [0, 2 qmax] and one float16 step per anchor group per channel group (B, H, n_groups,
+    D / group): the anchor's range at ``bits`` bits, or the deltas' if larger."""
+    m = qmax(bits)
+    b, h, n_groups, g_tokens, d = deltas.shape
+    g = deltas.reshape(b, h, n_groups, g_tokens, d // group, group)
+    anchor_range = anchor_scales.astype(mx.float32) * qmax(ANCHOR_BITS)
+    delta_range = mx.abs(g).max(axis=(3, 5))
+    s = mx.maximum(mx.maximum(anchor_range, delta_range) / m, _MIN_SCALE).astype(mx.float16)
+    q = mx.clip(mx.round(g / s.astype(mx.float32)[:, :, :, None, :, None]), -m, m) + m
+    return q.reshape(b, h, n_groups * g_tokens, d).astype(mx.uint32), s
+
+
 def dequantize_symmetric(codes: mx.array, scales: mx.array, bits: int) -> mx.array:
     """float32 (..., D) from codes (..., D) and scales (..., D / group)."""
     d, n_groups = codes.shape[-1], scales.shape[-1]
@@ -65,9 +84,9 @@ class AnchoredTokens:
 
     def __init__(self, codec: AnchoredCodec, step_tokens: int):
         self.codec = codec
-        self.codes = GrowingArray(axis=2, step=step_tokens)
-        self.scales = GrowingArray(axis=2, step=step_tokens)
         anchor_step = max(1, step_tokens // codec.group)
+        self.codes = GrowingArray(axis=2, step=step_tokens)
+        self.scales = GrowingArray(axis=2, step=anchor_step if codec.use_delta else step_tokens)
         self.anchor_codes = GrowingArray(axis=2, step=anchor_step) if codec.use_delta else None
         self.anchor_scales = GrowingArray(axis=2, step=anchor_step) if codec.use_delta else None
 
@@ -86,8 +105,8 @@ class AnchoredTokens:
         a_codes, a_scales = quantize_symmetric(groups[:, :, :, 0], ANCHOR_BITS, c.group)
         anchor = dequantize_symmetric(a_codes, a_scales, ANCHOR_BITS)[:, :, :, None]
         first = (mx.arange(c.group) == 0)[:, None]  # the anchor's own delta is zero
-        deltas = mx.where(first, 0.0, groups - anchor).reshape(b, h, n, d)
-        return (*quantize_symmetric(deltas, c.bits, c.group), a_codes, a_scales)
+        deltas = mx.where(first, 0.0, groups - anchor)
+        return (*quantize_deltas(deltas, a_scales, c.bits, c.group), a_codes, a_scales)
 
     def append(self, x: mx.array) -> None:
         self.put(*self.encode(x))
@@ -129,7 +148,7 @@ class AnchoredTokens:
 
     def expected_shapes(self, head_dim: int):
         c, n = self.codec, self.count
-        return (n, head_dim * c.bits // 32), (n, head_dim // c.group)
+        return (n, head_dim * c.bits // 32), (n // c.group if c.use_delta else n, head_dim // c.group)
 
     def problems(self, head_dim: int):
         if self.codec.use_delta and self.anchor_codes.length * self.codec.group != self.count:
@@ -144,12 +163,14 @@ class AnchoredTokens:
 
 def reconstruct(codec: AnchoredCodec, codes, scales, anchor_codes=None, anchor_scales=None) -> mx.array:
     """float32 (B, H, n, D) from packed codes (and anchors)."""
-    x = dequantize_symmetric(unpack_codes(codes, codec.bits), scales, codec.bits)
+    codes = unpack_codes(codes, codec.bits)
     if anchor_codes is None:
-        return x
-    b, h, n, d = x.shape
+        return dequantize_symmetric(codes, scales, codec.bits)
+    b, h, n, d = codes.shape
+    by_group = codes.reshape(b, h, n // codec.group, codec.group, d)
+    x = dequantize_symmetric(by_group, scales[:, :, :, None], codec.bits)
     anchor = dequantize_symmetric(unpack_codes(anchor_codes, ANCHOR_BITS), anchor_scales, ANCHOR_BITS)
-    return (x.reshape(b, h, n // codec.group, codec.group, d) + anchor[:, :, :, None]).reshape(b, h, n, d)
+    return (x + anchor[:, :, :, None]).reshape(b, h, n, d)
 
 
 @dataclass(frozen=True)

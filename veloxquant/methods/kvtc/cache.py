@@ -20,7 +20,8 @@ Per layer, keys and values each (``methods/kvtc/transform.py``, ``methods/kvtc/w
   component, made from its codes (``quant/entropy.py``; the paper uses DEFLATE).
 
 What stays resident (``nbytes``): sinks and window rows, the float16 mean and kept basis
-columns, widths and steps, one uint8 code per kept component per middle token. What is
+columns, widths and steps, per middle token the codes packed at their widths (the bit
+budget, rounded up to 32-bit words). What is
 saved (``state``, ``stored_nbytes``): the same with the codes entropy-coded. A prompt chunk
 attends over the reconstructed history plus itself; a decode step over the sinks and
 the coded middle plus window (``TransformScores``: keys rebuilt and rotated, values mixed
@@ -34,14 +35,14 @@ import numpy as np
 
 from ...cache.rope import Rotary
 from ...quant import entropy
-from ...quant.coded_cache import EntropyCodedCache, from_numpy, to_numpy
+from ...quant.coded_cache import EntropyCodedCache, join_segments, split_segments, to_numpy
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import model_rotary
 from .transform import TransformCodec, TransformTokens
 from .window_store import SinkWindowStore
 
 N_SINK = 4
-MAX_BITS = 16  # codes are kept as uint16 at most
+MAX_BITS = 16  # a code fits one word or straddles two
 
 
 class KVTCCache(EntropyCodedCache):
@@ -90,11 +91,18 @@ class KVTCCache(EntropyCodedCache):
             out.update({f"{prefix}_mean": c.mean, f"{prefix}_basis": c.basis, f"{prefix}_bits": c.bits,
                         f"{prefix}_step": c.step})
             if run.count and c.bits.size:
-                codes = to_numpy(run.codes.view())  # (B, T, k): one lane per component
-                stream, table = entropy.pack(codes.transpose(2, 0, 1).reshape(codes.shape[2], -1),
-                                             1 << to_numpy(c.bits).astype(np.int64))
-                out.update({f"{prefix}_stream": from_numpy(stream), f"{prefix}_table": from_numpy(table)})
+                segments = self.coded_segments(prefix).segments(run, run.count,
+                                                                lambda a, b, run=run: self._code(run, a, b))
+                out.update(join_segments(prefix, segments))
         return {k: v for k, v in out.items() if v is not None}
+
+    @staticmethod
+    def _code(run: TransformTokens, start: int, end: int) -> dict[str, np.ndarray]:
+        """Tokens [start, end) of the run, entropy-coded: one lane a kept component."""
+        codes = to_numpy(run.unpacked(start, end))  # (B, n, k)
+        stream, table = entropy.pack(codes.transpose(2, 0, 1).reshape(codes.shape[2], -1),
+                                     1 << to_numpy(run.codec.bits).astype(np.int64))
+        return {"stream": stream, "table": table}
 
     def restore_stored(self, meta, arrays):
         rotary = None if meta.get("rotary", "none") == "none" else Rotary.from_json(meta["rotary"])
@@ -111,7 +119,15 @@ class KVTCCache(EntropyCodedCache):
             k = c.bits.size
             if n and k:
                 b = self.kv_shape[0]
-                lanes = entropy.unpack(to_numpy(arrays[f"{prefix}_stream"]), to_numpy(arrays[f"{prefix}_table"]),
-                                       b * n, 1 << to_numpy(c.bits).astype(np.int64), k)
-                codes = lanes.reshape(k, b, n).transpose(1, 2, 0)
-                run.codes.reset(mx.array(codes.astype(np.uint16 if c.code_dtype == mx.uint16 else np.uint8)))
+                segments = split_segments(prefix, arrays, ("stream", "table"))
+                if (segments[-1][1] if segments else 0) != n:
+                    raise ValueError(f"{prefix}_segments cover {segments[-1][1] if segments else 0} "
+                                     f"tokens, expected the {n} coded tokens")
+                parts = []
+                for start, end, part in segments:
+                    lanes = entropy.unpack(part["stream"], part["table"], b * (end - start),
+                                           1 << to_numpy(c.bits).astype(np.int64), k)
+                    parts.append(lanes.reshape(k, b, end - start).transpose(1, 2, 0))
+                codes = np.concatenate(parts, axis=1)
+                run.codes.reset(c.fields.pack(mx.array(codes.astype(np.uint32))))
+                self.coded_segments(prefix).adopt(run, segments)

@@ -10,8 +10,9 @@ no basis column, no code). Component i is coded by a uniform quantizer over
 
 What is kept: ``μ`` and the kept columns of ``V`` in float16 (encoding and decoding both
 use the rounded ones, so a saved and reloaded codec decodes the same codes to the same
-rows), the widths (uint8) and steps (float32), and per token one code per kept component
-(uint8, uint16 past 8 bits).
+rows), the widths (uint8) and steps (float32), and per token the kept components' codes
+packed at their widths, one after the other, into ``ceil(Σ b_i / 32)`` uint32 words
+(``FieldLayout``; a code may straddle two words), so a token holds its bit budget.
 
 ``TransformTokens`` is a growing run of such tokens. Keys are coded pre-RoPE when the
 model's rotary settings are known (``cache/rope.py``: rotated back at their positions,
@@ -34,22 +35,59 @@ from .allocation import allocate, uniform_distortion, uniform_step
 
 
 @dataclass(frozen=True)
+class FieldLayout:
+    """Where each component's code lies in a token's packed words: codes of ``bits[i]``
+    bits one after the other from bit 0 of word 0; a code that crosses a word boundary
+    keeps its high bits at the bottom of the next word."""
+
+    word: mx.array  # (k,) int32, the word holding the code's low bits
+    next_word: mx.array  # (k,) int32, the word holding its high bits (itself if none)
+    shift: mx.array  # (k,) uint32, the code's low bit in its word
+    high_shift: mx.array  # (k,) uint32, 32 - shift where the code crosses, else 0
+    crosses: mx.array  # (k,) bool
+    mask: mx.array  # (k,) uint32, 2**bits - 1
+    n_words: int
+
+    @classmethod
+    def of(cls, bits: np.ndarray) -> "FieldLayout":
+        bits = np.asarray(bits, dtype=np.int64)
+        start = np.cumsum(bits) - bits
+        word, shift = start // 32, start % 32
+        crosses = shift + bits > 32
+        n_words = max(1, -(-int(bits.sum()) // 32))
+        return cls(mx.array(word.astype(np.int32)), mx.array(np.minimum(word + 1, n_words - 1).astype(np.int32)),
+                   mx.array(shift.astype(np.uint32)), mx.array(np.where(crosses, 32 - shift, 0).astype(np.uint32)),
+                   mx.array(crosses), mx.array(((1 << bits) - 1).astype(np.uint32)), n_words)
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        """What the layout holds (derived from the widths: counted, never saved)."""
+        return self.word, self.next_word, self.shift, self.high_shift, self.crosses, self.mask
+
+    def pack(self, codes: mx.array) -> mx.array:
+        """(..., k) codes -> (..., n_words) uint32."""
+        c = codes.astype(mx.uint32)
+        low = c << self.shift
+        high = mx.where(self.crosses, c >> self.high_shift, 0).astype(mx.uint32)
+        words = mx.zeros((*c.shape[:-1], self.n_words), mx.uint32)
+        # fields never overlap, so adding them is or-ing them
+        return words.at[..., self.word].add(low).at[..., self.next_word].add(high)
+
+    def unpack(self, words: mx.array) -> mx.array:
+        """(..., n_words) uint32 -> (..., k) uint32 codes."""
+        low = mx.take(words, self.word, axis=-1) >> self.shift
+        high = mx.where(self.crosses, mx.take(words, self.next_word, axis=-1) << self.high_shift, 0)
+        return (low | high.astype(mx.uint32)) & self.mask
+
+
+@dataclass(frozen=True)
 class TransformCodec:
     mean: mx.array  # (p,) float16
     basis: mx.array  # (p, k) float16, the kept components by decreasing variance
     bits: mx.array  # (k,) uint8
     step: mx.array  # (k,) float32
-    # Read from ``bits`` once, when the codec is made: ``encode`` runs at every decode
-    # step, where reading an array's value would wait for the device.
-    wide: bool | None = None  # a component over 8 bits: uint16 codes
-
     def __post_init__(self):
-        if self.wide is None:
-            object.__setattr__(self, "wide", bool(self.bits.size and int(self.bits.max()) > 8))
-
-    @property
-    def code_dtype(self):
-        return mx.uint16 if self.wide else mx.uint8
+        # built where the codec is (a fit, a restore: on the host already), never per step
+        object.__setattr__(self, "fields", FieldLayout.of(np.asarray(self.bits)))
 
     def _grid(self):
         top = (mx.array(1, mx.int32) << self.bits.astype(mx.int32)) - 1
@@ -59,7 +97,7 @@ class TransformCodec:
         """(..., p) float32 -> (..., k) codes."""
         top, center = self._grid()
         y = (x - self.mean.astype(mx.float32)) @ self.basis.astype(mx.float32)
-        return mx.clip(mx.round(y / self.step + center), 0, top).astype(self.code_dtype)
+        return mx.clip(mx.round(y / self.step + center), 0, top).astype(mx.uint32)
 
     def coefficients(self, codes: mx.array) -> mx.array:
         return (codes.astype(mx.float32) - self._grid()[1]) * self.step
@@ -99,7 +137,7 @@ class TransformTokens:
 
     def __init__(self, step_tokens: int, rotary: Rotary | None = None, start: int = 0):
         self.codec: TransformCodec | None = None
-        self.codes = GrowingArray(axis=1, step=step_tokens)  # (B, T, k)
+        self.codes = GrowingArray(axis=1, step=step_tokens)  # (B, T, words): packed codes
         self.rotary, self.start = rotary, start
         self.heads: tuple[int, int] | None = None  # (H, d)
 
@@ -120,27 +158,31 @@ class TransformTokens:
         return lam, bits
 
     def append(self, x: mx.array) -> None:
-        self.codes.append(self.codec.encode(self._rows(x, self.start + self.count)))
+        self.codes.append(self.codec.fields.pack(self.codec.encode(self._rows(x, self.start + self.count))))
+
+    def unpacked(self, start: int = 0, end: int | None = None) -> mx.array:
+        """The codes of tokens [start, end), (B, n, k) uint32."""
+        return self.codec.fields.unpack(self.codes.view()[:, start:end])
 
     def dense(self) -> mx.array | None:
         """Every kept token reconstructed (B, H, T, d), float32, post-RoPE again."""
         if not self.count:
             return None
-        return _reconstruct(self.codec, self.codes.view(), self.heads, self.rotary, self.start)
+        return _reconstruct(self.codec, self.unpacked(), self.heads, self.rotary, self.start)
 
     def decode(self, dtype) -> mx.array | None:
         x = self.dense()
         return None if x is None else x.astype(dtype)
 
     def layout(self, empty: mx.array) -> "TransformScores":
-        return TransformScores(self.codec, self.codes.view(), self.count, self.heads, self.rotary, self.start)
+        return TransformScores(self.codec, self.unpacked(), self.count, self.heads, self.rotary, self.start)
 
     def arrays(self, prefix: str) -> dict:
         out = {f"{prefix}_codes": self.codes}
         if self.codec is not None:
             c = self.codec
             out.update({f"{prefix}_mean": c.mean, f"{prefix}_basis": c.basis, f"{prefix}_bits": c.bits,
-                        f"{prefix}_step": c.step})
+                        f"{prefix}_step": c.step, f"{prefix}_fields": c.fields.arrays()})
         return out
 
 

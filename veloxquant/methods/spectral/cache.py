@@ -4,9 +4,10 @@ coordinate, and a 1-bit QJL sketch of the key residual inside the score.
 A configuration of the eigenbasis store (``methods/spectral/eigen_store.py``). Per layer and KV head:
 
 1. **Basis** (adapted: the repo calibrates offline): the eigenvectors of the second
-   moment of the unit keys (values) of the first prompt chunk the cache stores, fitted
-   online and frozen; keys pre-RoPE when the cache knows the model's rotary settings (a
-   ``make_prompt_cache`` context: de-rotated at their positions, ``quant/prerope.py``, the
+   moment of the unit keys (values) of the first head_dim tokens or more the cache
+   stores (held exactly until then: the prompt chunk that brings the count there),
+   fitted online and frozen; keys pre-RoPE when the cache knows the model's rotary
+   settings (a ``make_prompt_cache`` context: de-rotated at their positions, ``quant/prerope.py``, the
    card's calibration domain), post-RoPE otherwise.
 2. **Bits**: b = the config's ``kv_bits`` (the repo's ``total_bits``, 3 there; 2, 4 or 8
    here), ``e = min(d_eff, head_dim - 1)`` (``spectral_key_d_eff``, ``spectral_val_d_eff``,

@@ -4,7 +4,9 @@ Lloyd-Max codes per coordinate, and an optional 1-bit QJL sketch of the key resi
 **Basis** (``eigenbasis``), per (batch, KV head): the eigenvectors of ``C = x~ᵀx~ / n`` over
 the unit vectors ``x~ = x / ‖x‖`` of the first run encoded, by decreasing eigenvalue
 ``λ`` (clamped at 0), then frozen. Keys may be de-rotated to their pre-RoPE form first
-(``quant/prerope.py``), where the basis is sharper.
+(``quant/prerope.py``), where the basis is sharper. ``EigenStore`` keeps tokens exactly
+until it holds at least D of them (fewer span only part of the space, and every other
+direction would get the tail's σ fitted on nothing), then fits on all of them.
 
 **Codes** (``EigenCodec``): ``z = Vᵀ(x / ‖x‖)``; the first ``e`` coordinates (the semantic
 subspace) take the ``head_bits`` Lloyd-Max codebook of ``N(0, σ_head²)``, the others the
@@ -273,19 +275,33 @@ class EigenStore(PackedStore):
 
     def __init__(self, keys: EigenTokens, values: EigenTokens):
         self.keys, self.values = keys, values
+        self.k_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)  # exact until the basis is fitted
+        self.v_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)
 
     @property
     def length(self) -> int:
-        return self.keys.count
+        return self.keys.count + self.k_pend.length
 
     def commit(self, keys: mx.array, values: mx.array) -> None:
+        if self.keys.basis is None:
+            self.k_pend.append(keys)
+            self.v_pend.append(values)
+            if self.k_pend.length < keys.shape[-1]:
+                return
+            keys, values = self.k_pend.view(), self.v_pend.view()
+            self.k_pend.reset(None)
+            self.v_pend.reset(None)
         self.keys.append(keys)
         self.values.append(values)
 
     def history(self, dtype):
+        if self.k_pend.length:
+            return self.k_pend.view().astype(dtype), self.v_pend.view().astype(dtype)
         return self.keys.decode(dtype), self.values.decode(dtype)
 
     def decode_parts(self, empty) -> list[DecodePart]:
+        if self.k_pend.length:
+            return [DecodePart(None, self.k_pend.view(), None, self.v_pend.view())]
         if not self.keys.count:
             return []
         return [DecodePart(self.keys.reader(), None, self.values.reader(), None)]
@@ -309,7 +325,7 @@ class EigenStore(PackedStore):
 
     # -- what is kept ---------------------------------------------------------------------
     def arrays(self):
-        return {**self.keys.arrays("k"), **self.values.arrays("v")}
+        return {**self.keys.arrays("k"), **self.values.arrays("v"), "k_pend": self.k_pend, "v_pend": self.v_pend}
 
     def meta(self):
         return {"rotary": self.keys.rotary.to_json() if self.keys.rotary is not None else "none"}
@@ -319,6 +335,8 @@ class EigenStore(PackedStore):
 
         if meta.get("rotary", "none") != "none":
             self.keys.rotary = Rotary.from_json(meta["rotary"])
+        self.k_pend.reset(arrays.get("k_pend"))
+        self.v_pend.reset(arrays.get("v_pend"))
         for prefix, run in (("k", self.keys), ("v", self.values)):
             for field in ("words", "norms"):
                 if f"{prefix}_{field}" in arrays:
@@ -332,5 +350,8 @@ class EigenStore(PackedStore):
         yield from self.values.problems("value", head_dims[1])
 
     def problems(self, offset: int):
-        if self.keys.count != offset or self.values.count != offset:
-            yield "tokens stored", f"{self.keys.count} keys / {self.values.count} values", f"the offset {offset}"
+        n_k, n_v = self.keys.count + self.k_pend.length, self.values.count + self.v_pend.length
+        if n_k != offset or n_v != offset:
+            yield "tokens stored", f"{n_k} keys / {n_v} values", f"the offset {offset}"
+        if self.keys.count and self.k_pend.length:
+            yield "pending tokens", self.k_pend.length, "none once the basis is fitted"
