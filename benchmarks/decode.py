@@ -3,7 +3,11 @@ generation.
 
 A random-weight llama (no download), prompts prefilled the way mlx-lm does it (2048-token
 chunks, then the last token alone), then single-token decode steps, the methods taking
-turns (rounds x steps each) so that the machine's drift hits them alike. Per step: the
+turns (rounds x steps each) so that the machine's drift hits them alike. Steps run the way
+mlx-lm's ``generate_step`` runs them (``--timing overlapped``, the default: the next step's
+graph is built while the device runs this one, so a cache that reads a value on the host
+while building a step shows as a slower token); ``--timing completed`` times each step to
+completion instead. Per step: the
 host time to build the step's graph (the model call, which is lazy), the time from then
 until the step's logits are ready (the device's share), and their sum (the step; tokens
 per second are its inverse, median over every step). Prefill time: a method's first
@@ -19,6 +23,7 @@ shapes).
     python benchmarks/decode.py                                   # small model, CPU-sized
     python benchmarks/decode.py --preset llama3-8b --contexts 4096 32768 131072
     python benchmarks/decode.py --methods "mlx-lm KVCache" kivi-4bit --out decode.json
+    python benchmarks/decode.py --preset llama3-8b --contexts 4096 --methods all   # every method at its defaults
     python benchmarks/decode.py --preset tiny --contexts 256 --steps 2 --rounds 1   # a CPU check
 """
 
@@ -39,6 +44,7 @@ from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
 from veloxquant_mlx.bench.runner import prefill  # noqa: E402
+from veloxquant_mlx.registry import implemented_methods  # noqa: E402
 from veloxquant_mlx.cache.options import (  # noqa: E402
     H2OOptions,
     KIVIOptions,
@@ -142,14 +148,40 @@ def step(model, cache, y):
     return y, (t1 - t0, time.perf_counter() - t1)
 
 
-def time_interleaved(model, states, steps, rounds):
-    """Per-step (host, device) times, the methods taking turns so that drift hits them alike."""
+def overlapped_steps(model, cache, y, steps):
+    """``steps`` tokens the way mlx-lm's ``generate_step`` runs them: the next step's graph
+    is built (host) while the device runs this one (``mx.async_eval``), then this one is
+    waited for. Per step: (host seconds to build it, the rest of the wall time per token),
+    so host + rest is the wall time per token, and host time hides behind device time
+    unless the cache waits for the device while building a step."""
+    mx.async_eval(y)
+    host = 0.0
+    t_start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        next_y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        host += time.perf_counter() - t0
+        mx.async_eval(next_y)
+        mx.eval(y)
+        y = next_y
+    mx.eval(y)
+    wall = (time.perf_counter() - t_start) / steps
+    return y, [(host / steps, wall - host / steps)] * steps
+
+
+def time_interleaved(model, states, steps, rounds, overlapped=True):
+    """Per-step (host, device) times, the methods taking turns so that drift hits them alike;
+    overlapped (as generate_step runs) or each step timed to completion."""
     times = {name: [] for name in states}
     for _ in range(rounds):
         for name, (cache, y) in states.items():
-            for _ in range(steps):
-                y, t = step(model, cache, y)
-                times[name].append(t)
+            if overlapped:
+                y, t = overlapped_steps(model, cache, y, steps)
+                times[name] += t
+            else:
+                for _ in range(steps):
+                    y, t = step(model, cache, y)
+                    times[name].append(t)
             states[name] = (cache, y)
     return times
 
@@ -190,11 +222,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of interleaved timing")
     ap.add_argument("--prefill-repeats", type=int, default=2,
                     help="warm prefills per method after its first (the median is reported)")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), help=f"from: {', '.join(METHODS)}")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS),
+                    help=f"'all' (every implemented method at its defaults, beside these rows), or from: {', '.join(METHODS)}")
+    ap.add_argument("--timing", default="overlapped", choices=["overlapped", "completed"],
+                    help="overlapped: steps run as mlx-lm's generate_step runs them (default); "
+                         "completed: each step timed to completion (host and device apart)")
     ap.add_argument("--out", default=None, help="write every figure as JSON here")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                     help="auto: float32 on the CPU (MLX's fast CPU path), float16 on a GPU")
     args = ap.parse_args()
+    if "all" in args.methods:
+        for key in implemented_methods():
+            METHODS.setdefault(key, KVCacheConfig(method=key))
+        args.methods = list(METHODS)
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         ap.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
@@ -214,7 +254,7 @@ def main() -> None:
                 results.append({"method": name, "context": context, "error": f"{type(exc).__name__}: {exc}",
                                 "traceback": traceback.format_exc(limit=4)})
                 print(f"  {name:30s} {context:7d}: failed: {exc}", flush=True)
-        times = time_interleaved(model, states, args.steps, args.rounds)
+        times = time_interleaved(model, states, args.steps, args.rounds, args.timing == "overlapped")
         for name in states:
             r = {"method": name, "context": context, **summary(figures[name], times[name])}
             results.append(r)
@@ -225,7 +265,7 @@ def main() -> None:
         del states
     results.sort(key=lambda r: (r["context"], names.index(r["method"])))
     env = {"mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
-           "preset": args.preset, "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds,
+           "preset": args.preset, "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds, "timing": args.timing,
            "prefill_repeats": args.prefill_repeats}
     print("\n" + "\n".join(table(results)))
     if args.out:
