@@ -8,7 +8,7 @@ import pytest
 
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
-from veloxquant_mlx.methods.amc import FIT_TOKENS
+from veloxquant_mlx.methods.amc.cache import FIT_TOKENS
 
 
 def amc_cache(model, **options):

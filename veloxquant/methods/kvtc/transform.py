@@ -119,8 +119,7 @@ def fit_codec(x: mx.array, budget: int, choices, beta: float) -> tuple[Transform
     keep = bits > 0
     codec = TransformCodec(
         mx.array(mean.astype(np.float16)), mx.array(np.ascontiguousarray(vecs[:, keep]).astype(np.float16)),
-        mx.array(bits[keep].astype(np.uint8)), mx.array(uniform_step(lam[keep], bits[keep], beta).astype(np.float32)),
-        bool(bits.max(initial=0) > 8))
+        mx.array(bits[keep].astype(np.uint8)), mx.array(uniform_step(lam[keep], bits[keep], beta).astype(np.float32)))
     return codec, lam, bits
 
 
