@@ -24,6 +24,7 @@ from pathlib import Path
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache  # first: it may load OpenBLAS
 
 import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
@@ -71,7 +72,8 @@ def probe_failing(model, name, context):
     def profiler(frame, event, arg):
         if event != "return" or not frame.f_code.co_filename.startswith(PACKAGE):
             return
-        arrays = [a for a in (arg if isinstance(arg, (tuple, list)) else (arg,)) if isinstance(a, mx.array)]
+        arrays = [a for _, a in tree_flatten(arg) if isinstance(a, mx.array)] if isinstance(arg, (tuple, list, dict)) else (
+            [arg] if isinstance(arg, mx.array) else [])
         if arrays:
             try:
                 mx.eval(arrays)
