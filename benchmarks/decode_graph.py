@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -17,6 +18,7 @@ from veloxquant_mlx.registry import implemented_methods  # noqa: E402
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     warnings.simplefilter("ignore")
     full = step_graph("full")
     print("# Decode-step graph size (tiny llama, 2 layers, CPU)\n")

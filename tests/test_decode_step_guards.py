@@ -39,7 +39,7 @@ OVER_GRAPH_BOUND = {
     "vecinfer": 2.89, "svdq": 1.45, "kitty": 2.42, "adakv": 3.28, "xquant": 1.40, "kvquant": 2.67,
     "palu": 1.52, "cachegen": 2.15, "gear": 1.89, "zipcache": 1.49, "h2o": 1.37, "cam": 1.98,
     "nsnquant": 1.82, "skvq": 1.71, "morphkv": 1.41, "kvtc": 2.48, "amc": 4.63, "a2ats": 3.17,
-    "anchorkv": 1.37, "age_tiered": 1.47, "spectral": 3.26,
+    "anchorkv": 1.37, "age_tiered": 1.47, "spectral": 3.26, "keyformer": 1.32,
 }
 GRAPH_BOUND = 1.3
 

@@ -48,7 +48,7 @@ class _Builder:
         self.launches.append("merge")
         if not self.correct:
             return [mx.ones(output_shapes[0], output_dtypes[0])]
-        return [dec.merge_partials(*inputs, output_shapes[0], output_dtypes[0])]
+        return [dec.merge_partials_mlx(*inputs, output_shapes[0], output_dtypes[0])]
 
 
 @pytest.fixture
