@@ -353,3 +353,13 @@ def test_a_group_that_does_not_divide_head_dim_is_refused_with_the_divisors():
         keys, values = kv(64, seed=g)
         feed(cache, keys, values, 64)
         assert cache.store.keys.count == 64 and rel_err(cache.dequantized(mx.float32)[1], values) < 0.2
+
+
+def test_outlier_sorts_over_many_rows_equal_one_sort():
+    """MLX's CUDA sort cannot launch 65,536 rows at once; the outlier split sorts in slices
+    of MAX_SORT_ROWS rows, which must give exactly what one sort gives."""
+    from veloxquant_mlx.quant import outliers
+
+    x = mx.random.normal((3, outliers.MAX_SORT_ROWS // 2 + 7, 32), key=mx.random.key(5))
+    assert mx.array_equal(outliers.sort_rows(x), mx.sort(x, axis=-1))
+    assert mx.array_equal(outliers.sort_rows(x, arg=True), mx.argsort(x, axis=-1))

@@ -30,10 +30,28 @@ def per_tail(fraction: float, n: int) -> int:
     return 0 if fraction <= 0 else min(n // 2, math.ceil(fraction * n / 2 - 1e-9))
 
 
+# MLX's CUDA sort puts the sorted rows on a grid axis capped at 65,535 blocks: more rows in
+# one call fail to launch (cudaGraphAddKernelNode: invalid argument). Sort in slices.
+MAX_SORT_ROWS = 32768
+
+
+def sort_rows(x: mx.array, arg: bool = False) -> mx.array:
+    """``mx.sort`` (``mx.argsort`` with ``arg``) along the last axis, at most MAX_SORT_ROWS
+    rows a call; the same result as one call."""
+    sort = mx.argsort if arg else mx.sort
+    n = x.shape[-1]
+    rows = x.size // max(n, 1)
+    if rows <= MAX_SORT_ROWS:
+        return sort(x, axis=-1)
+    flat = x.reshape(rows, n)
+    parts = [sort(flat[i : i + MAX_SORT_ROWS], axis=-1) for i in range(0, rows, MAX_SORT_ROWS)]
+    return mx.concatenate(parts).reshape(x.shape)
+
+
 def tail_indices(x: mx.array, k: int) -> mx.array:
     """(..., 2k) int32: positions of the k smallest then the k largest entries of each row
     of ``x`` (..., n), in increasing order of value."""
-    order = mx.argsort(x, axis=-1)
+    order = sort_rows(x, arg=True)
     return mx.concatenate([order[..., :k], order[..., x.shape[-1] - k :]], axis=-1).astype(mx.int32)
 
 
@@ -57,7 +75,7 @@ def split_channel_groups(x: mx.array, k: int, group: int, dtype=None):
     (..., n / group, 2 * group * k), values (same, in ``dtype`` or x's)); see the module doc."""
     *lead, d, n = x.shape
     g = x.astype(mx.float32).reshape(*lead, d, n // group, group).swapaxes(-2, -3)  # (..., ng, D, G)
-    s = mx.sort(g, axis=-1)
+    s = sort_rows(g)
     median = (s[..., (group - 1) // 2] + s[..., group // 2]) / 2
     spread = s[..., group - 1 - group // 4] - s[..., group // 4]
     spread = mx.maximum(spread, 1e-6 * mx.maximum(mx.abs(median), 1.0))[..., None]
