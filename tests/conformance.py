@@ -294,6 +294,37 @@ PROFILES: dict[str, Profile] = {
 }
 
 
+# Caches whose memory differs from their nbytes by more than the conformance check allows
+# (deleting the cache after a 512-token prompt, tiny llama, measured 2026-12-02 over several
+# runs; some cross the bound on some runs only): known defects, not by design, whose cause
+# is not found yet (issue 37). An expected failure, not strict, since the borderline ones
+# pass on some runs; a fix removes its entry.
+MEMORY_NOT_YET_NBYTES: dict[str, str] = {
+    "adakv/float16": "freed 1.14x its nbytes",
+    "adakv/float32": "freed 1.14x its nbytes",
+    "age_tiered/float16": "freed 1.10x its nbytes on some runs",
+    "anchorkv/float16": "freed 1.18x its nbytes",
+    "anchorkv/float32": "freed 1.27x its nbytes",
+    "kitty/float16": "freed 1.28x its nbytes",
+    "kitty/float32": "freed 1.22x its nbytes",
+    "kvquant/float16": "freed 1.11x its nbytes",
+    "kvquant/float32": "freed 1.15x its nbytes",
+    "kvtc/float16": "freed 1.14x its nbytes",
+    "nsnquant/float32": "nbytes count more than it holds (freed 0.85x its nbytes)",
+    "palu/float16": "freed 1.16x its nbytes",
+    "palu/float32": "freed 1.13x its nbytes",
+    "skvq/float16": "freed 1.23x its nbytes",
+    "skvq/float32": "freed 1.14x its nbytes",
+    "spectral/float16": "freed 1.23x its nbytes",
+    "spectral/float32": "freed 1.24x its nbytes",
+    "vecinfer/float16": "freed 1.16x its nbytes",
+    "xquant/float16": "freed 1.14x its nbytes",
+    "xquant/float32": "freed 1.15x its nbytes",
+    "zipcache/float16": "freed 1.28x its nbytes",
+    "zipcache/float32": "freed 1.28x its nbytes",
+}
+
+
 def profile(method: str) -> Profile:
     if method in PROFILES:
         return PROFILES[method]

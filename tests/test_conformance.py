@@ -7,6 +7,7 @@ a method that cannot meet a check is exempted there, with its reason.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -91,6 +92,44 @@ def test_storage_grows_with_what_is_kept_not_with_a_configured_maximum(method):
     drive(model, ours, tokens, decode=0)
     drive(model, full, tokens, decode=0)
     assert sum(c.nbytes for c in ours) <= 1.5 * sum(c.nbytes for c in full)
+
+
+def _memory_freed_with_the_cache(method, dtype, n_prompt):
+    """(bytes freed when the cache is deleted, its nbytes) after a prompt of ``n_prompt``
+    tokens and 8 decode steps, the cache's state evaluated as mlx-lm evaluates it."""
+    model = tiny_model("llama", dtype=dtype)
+    tokens = prompt(n_prompt + 8)
+    cache = compressing(method, model)
+    mx.eval(drive(model, cache, tokens, chunk=256))
+    mx.eval([c.state for c in cache])
+    nbytes = sum(c.nbytes for c in cache)
+
+    def active() -> int:
+        gc.collect()
+        mx.synchronize()  # buffers of finished work are released after it, not before
+        mx.clear_cache()
+        return mx.get_active_memory()
+
+    with_cache = active()
+    del cache
+    return with_cache - active(), nbytes
+
+
+@pytest.mark.parametrize("method", METHOD_KEYS)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["float32", "float16"])
+def test_the_memory_a_cache_holds_is_its_nbytes(method, dtype, request):
+    """What deleting a cache frees is its nbytes: no kept view pins a larger buffer (a
+    prompt chunk, an SVD's outputs) and nothing kept goes uncounted."""
+    name = f"{method}/{'float32' if dtype == mx.float32 else 'float16'}"
+    reason = conformance.MEMORY_NOT_YET_NBYTES.get(name)
+    if reason:
+        request.applymarker(pytest.mark.xfail(strict=False, reason=reason))
+    (freed, nbytes), (again, _) = (_memory_freed_with_the_cache(method, dtype, 512) for _ in range(2))
+    freed = min(freed, again)  # what is reported varies by up to ~10 KB between identical runs
+    # MLX's CPU allocator counts exact bytes: 3% of the nbytes and 8 KB for the variation
+    # above. A pinned prompt chunk is 32 KB or more here.
+    assert abs(freed - nbytes) <= 0.03 * nbytes + 8192, (
+        f"{name}: deleting it freed {freed} bytes, its nbytes are {nbytes} (ratio {freed / nbytes:.3f})")
 
 
 @pytest.mark.parametrize("method", METHOD_KEYS)
