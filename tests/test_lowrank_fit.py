@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from test_svdq import kv
+from test_svdq import kv, rel_err
 from veloxquant_mlx.lowrank import factors
 from veloxquant_mlx.lowrank.latent import fit_basis
 
@@ -75,3 +75,27 @@ def test_past_the_sample_the_fit_reads_a_sample_and_stays_within_2_percent(monke
     assert e_fit <= 1.05 * e_exact, (e_fit, e_exact)
     exact_sigma = np.linalg.svd(x - x.mean(axis=2, keepdims=True), compute_uv=False)[..., :8]
     assert np.allclose(np.array(sigma[..., :8]), exact_sigma, rtol=0.1)  # rescaled to all rows
+
+
+@pytest.mark.parametrize("method", ["svdq", "palu", "gear"])
+def test_prefill_takes_no_qr_or_svd_over_the_tokens(method, monkeypatch):
+    """Their fits run through one Gram matrix product and a d x d eigh (MLX's QR and SVD
+    run on the CPU stream only: a round trip on a GPU, over every token of a chunk)."""
+    import importlib
+
+    from feeding import feed_chunks
+    from veloxquant_mlx import KVCacheConfig
+    from veloxquant_mlx.registry import METHODS
+
+    def refused(*args, **kwargs):
+        raise AssertionError("QR or SVD on the prefill path")
+
+    monkeypatch.setattr(mx.linalg, "qr", refused)
+    monkeypatch.setattr(mx.linalg, "svd", refused)
+    module, name = METHODS[method].implementation.split(":")
+    cache = getattr(importlib.import_module(module), name)(
+        KVCacheConfig.from_dict({"method": method, "options": {}}), None, 0)
+    keys, values = kv(300)
+    feed_chunks(cache, keys, values, 128)
+    k_hat, _ = cache.dequantized(mx.float32)
+    assert k_hat.shape == keys.shape and 0 < rel_err(k_hat, keys) < 0.5

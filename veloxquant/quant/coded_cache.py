@@ -35,7 +35,7 @@ from ..cache.base import CompressedKVCache
 from .cache import QuantizedCache
 
 
-SEGMENT_TOKENS = 1024  # the fewest tokens a sealed segment codes: tables stay a few % of it
+SEGMENT_TOKENS = 4096  # the fewest tokens a sealed segment codes: its tables stay ~2% of its size
 
 
 class CodedSegments:

@@ -10,7 +10,8 @@ For a chunk X (B, H, n, D) of keys or values, per (batch, head), in float32:
    quantized min-max in groups (``GroupAffine``, KIVI's grouping): ``D_hat``;
 3. **low rank**: ``R = X - D_hat``, zero at the outliers, approximated by ``A Bᵀ``
    (``lowrank/factors.py``): a fixed rank by power iteration, or, with no rank given, the
-   energy rule over an exact SVD (the smallest rank holding ``energy`` of R's spectral
+   energy rule over the SVD taken through R's Gram matrix (``gram_basis``: exact to
+   float32 up to 4,096 tokens a chunk; the smallest rank holding ``energy`` of R's spectral
    energy, the largest over the chunk's heads, capped at ``ceil(RANK_CAP_FRACTION *
    min(n, D))``: a quantization residual is nearly white and would otherwise take
    almost every rank);
@@ -33,11 +34,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .chunked import ChunkedFactors
-from ...lowrank.factors import energy_rank, power_iteration, rank_cap, svd_factors
+from ...lowrank.factors import energy_rank, gram_basis, power_iteration, rank_cap
+from ...quant.outliers import per_tail, tail_indices
 from ...quant.packed import GroupAffine, PackedTokens
 from ...quant.residual import ResidualScores
-from ...quant.outliers import per_tail, tail_indices
+from .chunked import ChunkedFactors
 from .sparse import SparseTable, channel_index_dtype
 
 RANK_CAP_FRACTION = 0.05  # the card's cap on the energy rule (the paper's ranks: a few %)
@@ -65,7 +66,8 @@ class ErrorFeedback:
         if self.rank is not None:
             rank = min(self.rank, n, d)
             return power_iteration(residual, rank) if rank else None
-        a, b, sigma = svd_factors(residual)
+        b, sigma = gram_basis(residual)
+        a = residual.astype(mx.float32) @ b  # U Σ, from every row of the chunk
         need, cap = int(energy_rank(sigma, self.energy).max()), rank_cap(n, d, RANK_CAP_FRACTION)
         if need > cap:
             logger.debug("energy %.3g needs rank %d of a %dx%d chunk: capped at %d", self.energy, need, n, d, cap)
