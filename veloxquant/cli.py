@@ -85,6 +85,19 @@ def full_cache_bytes(model, caches: list, tokens: int) -> tuple[int, int, str]:
     return total, per_token, dtype
 
 
+def more_than_full_note(method: str, kept: int, baseline: int, tokens: int) -> str | None:
+    """One line when ``method`` holds more bytes than the full cache's rows (None otherwise,
+    and for ``full`` itself, the baseline)."""
+    if method == "full" or kept <= baseline:
+        return None
+    note = METHODS[method].status_note or ""
+    why = (note.split("; ")[0].split(". ")[0] if note.startswith(NO_SAVING_NOTE) else
+           f"at {tokens} tokens its fixed costs (full-precision rows, room for the next rows, "
+           f"per-token side tables) outweigh what it compresses; it saves memory on longer contexts")
+    return (f"[kv cache] note: {method} holds MORE than the full cache here "
+            f"({kept / max(1, baseline):.2f}x its bytes): {why}")
+
+
 def _max_positions(model_config: dict) -> tuple[str, int] | None:
     """(config key, positions) the model was built for, when its config says."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
@@ -151,6 +164,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kept = sum(c.nbytes for c in cache)
     baseline, per_token, dtype_name = full_cache_bytes(model, cache, tokens)
     stored = max(getattr(c, "stored_length", c.offset) for c in cache)
+    note = more_than_full_note(config.method, kept, baseline, tokens)
+    if note:
+        print(note, file=sys.stderr)
     print(
         ("[interrupted] " if interrupted else "")
         + f"[kv cache] method={config.method} dtype={dtype_name} tokens={tokens}: "
