@@ -180,14 +180,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def check_config_for_model(config: KVCacheConfig, model) -> None:
-    """What only the model's shapes can refuse, refused before any work (a method whose
-    sub-vectors must divide head_dim: vecinfer, nsnquant)."""
-    problem_of = getattr(METHODS[config.method].load_implementation(), "sub_dim_problem", None)
-    args = getattr(model, "args", None)
-    if problem_of is None or args is None:
-        return
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    problem = problem_of(config, head_dim, head_dim)
+    """What only the model's shapes can refuse, refused before any work: every field the
+    spec says must divide head_dim (group sizes, sub-vector widths)."""
+    from .cache.config import head_dim_problem
+    from .integrations.mlx_lm import model_head_dim
+
+    head_dim = model_head_dim(model)
+    problem = head_dim_problem(config, head_dim) if head_dim else None
     if problem:
         raise CLIError(f"--set {problem}")
 

@@ -12,6 +12,16 @@ def _along(axis: int, start: int, stop: int):
     return (slice(None),) * axis + (slice(start, stop),)
 
 
+def added_room(length: int, n: int, step: int, limit: int | None, geometric: bool) -> int:
+    """Rows ``GrowingArray.append`` adds when ``n`` rows do not fit after ``length``."""
+    if geometric:
+        step = max(1, min(step, -(-(length + n) // 2)))
+    room = (n + step - 1) // step * step
+    if limit is not None and length + n <= limit:
+        room = min(room, limit - length)
+    return room
+
+
 class GrowingArray:
     """Rows appended along ``axis`` into a buffer grown ``step`` rows at a time.
 
@@ -44,13 +54,7 @@ class GrowingArray:
         n = rows.shape[self.axis]
         if self.length + n > self.capacity:
             shape = list(rows.shape)
-            step = self.step
-            if self.geometric:
-                step = max(1, min(step, -(-(self.length + n) // 2)))
-            room = (n + step - 1) // step * step
-            if self.limit is not None and self.length + n <= self.limit:
-                room = min(room, self.limit - self.length)
-            shape[self.axis] = room
+            shape[self.axis] = added_room(self.length, n, self.step, self.limit, self.geometric)
             room = mx.zeros(shape, rows.dtype)
             if self.buffer is None:
                 self.buffer = room

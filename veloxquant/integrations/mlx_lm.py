@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..cache.attention_hook import HOOKS, ORIGINAL_SDPA, Hook, hooked_sdpa
-from ..cache.config import KVCacheConfig
+from ..cache.config import KVCacheConfig, head_dim_problem
 from ..cache.context import ModelContext
 from ..registry import METHODS
 
@@ -172,7 +172,21 @@ def _native_caches(model: nn.Module) -> list[Any]:
     return [KVCache() for _ in model.layers]
 
 
+def model_head_dim(model: nn.Module) -> int | None:
+    """The model's attention head_dim from its args, when they say."""
+    args = getattr(model, "args", None)
+    head_dim = getattr(args, "head_dim", None)
+    if not isinstance(head_dim, int):
+        hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
+        head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+    return head_dim
+
+
 def _check_supported(model: nn.Module, cache_class: type, config: KVCacheConfig) -> None:
+    head_dim = model_head_dim(model)
+    problem = head_dim_problem(config, head_dim) if head_dim else None
+    if problem:
+        raise ValueError(f"method {config.method!r}: {problem}")
     if cache_class.requires_attention_hook and not attention_modules(model):
         raise ValueError(
             f"method {config.method!r} computes attention itself, but the "
