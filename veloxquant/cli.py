@@ -106,6 +106,35 @@ def _max_positions(model_config: dict) -> tuple[str, int] | None:
     return None
 
 
+# kvzip's prefill in steps this small: Ctrl-C acts between them (a step of the pass itself
+# is one probe chunk of the method's, evaluated whole)
+RECONSTRUCTION_PREFILL_STEP = 512
+
+
+def _reconstruction_progress(method: str, tokens: int):
+    """A progress callback for ``prefill_with_reconstruction``: one stderr line a chunk (the
+    first line says what is coming), so a long prompt is not silent before its first token."""
+    import time
+
+    print(f"[kv cache] {method}: prefilling the {tokens}-token prompt, then its reconstruction pass",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal start
+        if done == 0:
+            start = time.perf_counter()
+            print(f"[kv cache] {method}: reconstruction pass in {total} chunk(s), each one forward "
+                  f"pass (Ctrl-C stops it after the current chunk)", file=sys.stderr, flush=True)
+            return
+        spent = time.perf_counter() - start
+        left = spent / done * (total - done)
+        print(f"[kv cache] {method}: reconstruction chunk {done}/{total} done, {spent:.1f} s"
+              + (f", about {left:.0f} s left" if done < total else ""), file=sys.stderr, flush=True)
+
+    return progress
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a completion with a compressed KV cache, streamed to stdout as it comes;
     then, on stderr, the bytes the method's cache holds against what the full cache
@@ -142,7 +171,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:  # a config the model cannot take, or a context past a method's limit, fails in here
         cache = make_prompt_cache(model, config)
         if reconstruction_layers(cache) and len(prompt) > 1:  # kvzip: compress the prompt by its pass
-            cost = prefill_with_reconstruction(model, tokenizer, prompt[:-1], cache)
+            cost = prefill_with_reconstruction(model, tokenizer, prompt[:-1], cache,
+                                               prefill_step_size=RECONSTRUCTION_PREFILL_STEP,
+                                               progress=_reconstruction_progress(config.method, len(prompt) - 1))
             print(f"[kv cache] {config.method}: prefill {cost['prefill_s']:.2f} s, reconstruction "
                   f"pass {cost['reconstruction_s']:.2f} s", file=sys.stderr, flush=True)
             prompt = prompt[-1:]
