@@ -99,6 +99,9 @@ class Field:
     sweep: tuple[Any, ...] | None  # the values `veloxquant bench --sweep` runs
     loc: Loc = attrs.field(eq=False)
     sweep_locs: tuple[Loc, ...] = attrs.field(eq=False, default=())
+    # model dimensions the value must divide (``divides: [head_dim]``), checked when the
+    # model is known (cache construction), since a config alone does not know them
+    divides: tuple[str, ...] = ()
 
     @property
     def bounds(self) -> "Bounds":

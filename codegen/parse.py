@@ -57,7 +57,9 @@ FIELD_KEYS = {
     "choices": False,
     "range": False,
     "sweep": False,
+    "divides": False,
 }
+MODEL_DIMENSIONS = ("head_dim",)  # what ``divides`` may name
 CONFIG_FIELD_KEYS = {**FIELD_KEYS, "used_by": False}
 PAPER_KEYS = {"title": True, "venue": True, "year": True, "arxiv": True}
 CHECK_KEYS = {"expr": True, "message": True}
@@ -404,11 +406,28 @@ class _Parser:
             else:
                 used_by = tuple(ub)
         sweep, sweep_locs = self.sweep(node, path, ftype, choices, interval)
+        divides = self.divides(node, path, ftype)
         if not ok or default is _INVALID:
             return None
         return Field(
-            name, ftype, default, doc, choices, interval, used_by, sweep, where, sweep_locs
+            name, ftype, default, doc, choices, interval, used_by, sweep, where, sweep_locs,
+            divides,
         )
+
+    def divides(self, node: CommentedMap, path: str, ftype: FieldType) -> tuple[str, ...]:
+        """``divides: [head_dim]``: model dimensions an int field's value must divide."""
+        if node.get("divides") is None:
+            return ()
+        seq = _plain(node["divides"])
+        at = self.loc(node, "divides", of="value")
+        if ftype.base != "int":
+            self.error(at, f"{path}.divides", f"only an int field can divide a model dimension, not {ftype.base}")
+            return ()
+        if not (isinstance(seq, list) and seq and all(d in MODEL_DIMENSIONS for d in seq)):
+            self.error(at, f"{path}.divides",
+                       f"expected a non-empty list of {', '.join(MODEL_DIMENSIONS)}, got {seq!r}")
+            return ()
+        return tuple(seq)
 
     def sweep(self, node: CommentedMap, path: str, ftype: FieldType, choices, interval):
         """``sweep: [v, ...]``: each value valid for the field, no repeats."""

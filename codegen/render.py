@@ -123,7 +123,9 @@ def render_all(spec: Spec, names: tuple[str, ...] = OUTPUTS) -> dict[str, str]:
         + [(f.name, f.sweep) for f in spec.config_fields if f.sweep and m.key in f.used_by]
         for m in spec.methods
     }
+    divisors = {m.key: [f.name for f in m.fields if "head_dim" in f.divides] for m in spec.methods}
     context = dict(
+        divisors=divisors,
         spec=spec,
         header=header,
         digest=spec_digest(spec),

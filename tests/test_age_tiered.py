@@ -248,8 +248,8 @@ def test_decode_through_the_model_matches_the_dequantized_reference():
 
 def test_group_size_must_divide_head_dim():
     model = tiny_model("llama")  # head_dim 32
-    caches = make_prompt_cache(model, KVCacheConfig(method="age_tiered", options=options(g=64)))
     with pytest.raises(ValueError, match="age_group_size=64 must divide head_dim=32"):
+        caches = make_prompt_cache(model, KVCacheConfig(method="age_tiered", options=options(g=64)))
         model(prompt(8)[None], cache=caches)
 
 

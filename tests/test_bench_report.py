@@ -64,7 +64,7 @@ def test_ratios_table_json_and_png(tmp_path):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert (width, height) == (880, 550)
+    assert (width, height) == (1320, 605)  # the plot and its numbered table beside it
     assert [r.get("pareto") for r in results[:3]] == [True, True, False]  # snapkv is dominated
     payload = {"environment": report.environment(0, None), "results": results}
     report.write_json(tmp_path / "results.json", payload)

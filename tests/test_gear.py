@@ -361,6 +361,6 @@ def test_bad_settings_name_the_field_and_what_is_allowed():
     with pytest.raises(ValueError, match="residual_window"):
         KVCacheConfig(method="gear", options=GEAROptions(gear_group_size=64), residual_window=96)
     model = tiny_model("llama")  # head_dim 32
-    cache = make_prompt_cache(model, KVCacheConfig(method="gear", options=GEAROptions(gear_group_size=64)))
     with pytest.raises(ValueError, match="gear_group_size=64 must divide head_dim=32"):
+        cache = make_prompt_cache(model, KVCacheConfig(method="gear", options=GEAROptions(gear_group_size=64)))
         model(prompt(8)[None], cache=cache)

@@ -242,8 +242,8 @@ def test_values_are_per_token_at_lo_bits():
 def test_group_size_must_divide_head_dim():
     model = tiny_model("llama")  # head_dim 32
     options = KittyOptions(kitty_group_size=64)
-    cache = make_prompt_cache(model, KVCacheConfig(method="kitty", options=options))
     with pytest.raises(ValueError, match="kitty_group_size=64 must divide head_dim=32"):
+        cache = make_prompt_cache(model, KVCacheConfig(method="kitty", options=options))
         model(prompt(8)[None], cache=cache)
 
 

@@ -125,8 +125,8 @@ def test_decode_attention_matches_dequantized_reference():
 
 def test_group_size_must_divide_head_dim():
     model = tiny_model("llama")  # head_dim 32
-    cache = make_prompt_cache(model, KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=64)))
     with pytest.raises(ValueError, match="kivi_group_size=64 must divide head_dim=32"):
+        cache = make_prompt_cache(model, KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=64)))
         model(prompt(8)[None], cache=cache)
 
 

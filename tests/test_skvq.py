@@ -358,8 +358,8 @@ def test_max_ctx_caps_the_storage_and_refuses_a_longer_sequence():
 
 def test_group_size_must_divide_head_dim():
     model = tiny_model("llama")  # head_dim 32
-    cache = make_prompt_cache(model, KVCacheConfig(method="skvq", options=SKVQOptions(skvq_group_size=64)))
     with pytest.raises(ValueError, match="skvq_group_size=64 must divide head_dim=32"):
+        cache = make_prompt_cache(model, KVCacheConfig(method="skvq", options=SKVQOptions(skvq_group_size=64)))
         model(prompt(8)[None], cache=cache)
 
 

@@ -85,12 +85,54 @@ def full_cache_bytes(model, caches: list, tokens: int) -> tuple[int, int, str]:
     return total, per_token, dtype
 
 
+def more_than_full_note(method: str, kept: int, baseline: int, tokens: int) -> str | None:
+    """One line when ``method`` holds more bytes than the full cache's rows (None otherwise,
+    and for ``full`` itself, the baseline)."""
+    if method == "full" or kept <= baseline:
+        return None
+    note = METHODS[method].status_note or ""
+    why = (note.split("; ")[0].split(". ")[0] if note.startswith(NO_SAVING_NOTE) else
+           f"at {tokens} tokens its fixed costs (full-precision rows, room for the next rows, "
+           f"per-token side tables) outweigh what it compresses; it saves memory on longer contexts")
+    return (f"[kv cache] note: {method} holds MORE than the full cache here "
+            f"({kept / max(1, baseline):.2f}x its bytes): {why}")
+
+
 def _max_positions(model_config: dict) -> tuple[str, int] | None:
     """(config key, positions) the model was built for, when its config says."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         if isinstance(model_config.get(key), int):
             return key, model_config[key]
     return None
+
+
+# kvzip's prefill in steps this small: Ctrl-C acts between them (a step of the pass itself
+# is one probe chunk of the method's, evaluated whole)
+RECONSTRUCTION_PREFILL_STEP = 512
+
+
+def _reconstruction_progress(method: str, tokens: int):
+    """A progress callback for ``prefill_with_reconstruction``: one stderr line a chunk (the
+    first line says what is coming), so a long prompt is not silent before its first token."""
+    import time
+
+    print(f"[kv cache] {method}: prefilling the {tokens}-token prompt, then its reconstruction pass",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal start
+        if done == 0:
+            start = time.perf_counter()
+            print(f"[kv cache] {method}: reconstruction pass in {total} chunk(s), each one forward "
+                  f"pass (Ctrl-C stops it after the current chunk)", file=sys.stderr, flush=True)
+            return
+        spent = time.perf_counter() - start
+        left = spent / done * (total - done)
+        print(f"[kv cache] {method}: reconstruction chunk {done}/{total} done, {spent:.1f} s"
+              + (f", about {left:.0f} s left" if done < total else ""), file=sys.stderr, flush=True)
+
+    return progress
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -129,7 +171,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:  # a config the model cannot take, or a context past a method's limit, fails in here
         cache = make_prompt_cache(model, config)
         if reconstruction_layers(cache) and len(prompt) > 1:  # kvzip: compress the prompt by its pass
-            cost = prefill_with_reconstruction(model, tokenizer, prompt[:-1], cache)
+            cost = prefill_with_reconstruction(model, tokenizer, prompt[:-1], cache,
+                                               prefill_step_size=RECONSTRUCTION_PREFILL_STEP,
+                                               progress=_reconstruction_progress(config.method, len(prompt) - 1))
             print(f"[kv cache] {config.method}: prefill {cost['prefill_s']:.2f} s, reconstruction "
                   f"pass {cost['reconstruction_s']:.2f} s", file=sys.stderr, flush=True)
             prompt = prompt[-1:]
@@ -151,6 +195,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kept = sum(c.nbytes for c in cache)
     baseline, per_token, dtype_name = full_cache_bytes(model, cache, tokens)
     stored = max(getattr(c, "stored_length", c.offset) for c in cache)
+    note = more_than_full_note(config.method, kept, baseline, tokens)
+    if note:
+        print(note, file=sys.stderr)
     print(
         ("[interrupted] " if interrupted else "")
         + f"[kv cache] method={config.method} dtype={dtype_name} tokens={tokens}: "
@@ -164,14 +211,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def check_config_for_model(config: KVCacheConfig, model) -> None:
-    """What only the model's shapes can refuse, refused before any work (a method whose
-    sub-vectors must divide head_dim: vecinfer, nsnquant)."""
-    problem_of = getattr(METHODS[config.method].load_implementation(), "sub_dim_problem", None)
-    args = getattr(model, "args", None)
-    if problem_of is None or args is None:
-        return
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    problem = problem_of(config, head_dim, head_dim)
+    """What only the model's shapes can refuse, refused before any work: every field the
+    spec says must divide head_dim (group sizes, sub-vector widths)."""
+    from .cache.config import head_dim_problem
+    from .integrations.mlx_lm import model_head_dim
+
+    head_dim = model_head_dim(model)
+    problem = head_dim_problem(config, head_dim) if head_dim else None
     if problem:
         raise CLIError(f"--set {problem}")
 

@@ -262,56 +262,100 @@ def _labels(ax, results, xs, ys, fontsize: float = 8) -> None:
                     if moved else None)
 
 
+def plot_points(results: list[dict], synthetic: bool) -> list[tuple[dict, float, float]]:
+    """(result, KV bytes per token, error) of each run the plot shows, lower error better:
+    the mean KL divergence of the continuation from the full cache's (the full cache
+    itself: 0), or with ``synthetic`` the attention's relative error. Runs that failed or
+    have no such figure are left out."""
+    out = []
+    for r in results:
+        if r["status"] != "ok":
+            continue
+        if synthetic:
+            x, error = r["bytes_per_token"], r["relative_error_mean"]
+        else:
+            x = r["memory_speed"]["bytes_per_token_decode"]
+            error = r.get("continuation", {}).get("kl_mean")
+            if error is None and r["label"] == BASELINE:
+                error = 0.0  # the reference the KL is taken against
+        if x is not None and error is not None:
+            out.append((r, float(x), float(error)))
+    return out
+
+
+def quality_front(points: list[tuple[dict, float, float]]) -> list[int]:
+    """Indices (into ``points``) of the runs no other run beats on both plotted axes: no
+    fewer bytes per token with no more error. Only the plotted quality counts."""
+    return pareto_front([(x, -error) for _, x, error in points])
+
+
 def plot(path: Path, results: list[dict], synthetic: bool, title: str | None = None) -> None:
-    """Quality against bytes per token; the Pareto frontier drawn and its points ringed."""
+    """Error (KL divergence from the full cache, log scale; lower is better) against KV
+    bytes per token. Points are numbered by bytes per token; the table beside the plot
+    names each number, its bytes and error, and marks the Pareto-optimal runs (on those
+    two axes), which the plot rings and joins. Sets ``pareto`` on every ok result."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    ok = [r for r in results if r["status"] == "ok"]
-    if synthetic:  # lower error is better: the frontier is taken on -error
-        xs = [r["bytes_per_token"] for r in ok]
-        ys = [r["relative_error_mean"] for r in ok]
-        quality = [-y for y in ys]
-        ylabel = "attention relative error vs exact (lower is better)"
-    else:
-        xs = [r["memory_speed"]["bytes_per_token_decode"] for r in ok]
-        ys = quality = [r["retrieval"]["accuracy"] for r in ok]
-        ylabel = "retrieval accuracy (higher is better)"
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    ax.scatter(xs, ys, color="tab:blue", zorder=3)
-    front = pareto_front(list(zip(xs, quality)))
+    points = sorted(plot_points(results, synthetic), key=lambda p: (p[1], p[2]))
+    front = quality_front(points)
+    xs = [x for _, x, _ in points]
+    positive = [e for _, _, e in points if e > 0]
+    floor = min(positive, default=1e-3) / 4  # an error of 0 is drawn here (a log axis has no 0)
+    ys = [e if e > 0 else floor for _, _, e in points]
+    measure = "attention relative error vs exact" if synthetic else "KL divergence from the full cache"
+    rows = len(points)
+    fig, (ax, side) = plt.subplots(1, 2, figsize=(12, max(5.5, 1.6 + 0.17 * rows)), dpi=110,
+                                   gridspec_kw={"width_ratios": [3, 2]})
+    exact = [i for i, (_, _, e) in enumerate(points) if e == 0]
+    inexact = [i for i in range(rows) if i not in exact]
+    ax.scatter([xs[i] for i in inexact], [ys[i] for i in inexact], color="tab:blue", s=18, zorder=3)
+    if exact:
+        ax.scatter([xs[i] for i in exact], [ys[i] for i in exact], color="tab:green", marker="v",
+                   s=40, zorder=3, label=f"error 0 (drawn at {floor:.1e})")
     if len(front) >= 2:
         ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="tab:red",
                 label="Pareto frontier", zorder=2)
     if front:
-        ax.scatter([xs[i] for i in front], [ys[i] for i in front], s=120, facecolors="none",
+        ax.scatter([xs[i] for i in front], [ys[i] for i in front], s=110, facecolors="none",
                    edgecolors="tab:red", zorder=4, label="Pareto-optimal")
-        ax.legend(loc="best", fontsize=8)
+    if points:
+        ax.legend(loc="lower left", fontsize=8)
     ax.set_xscale("log")
-    if xs:  # room on the right for the labels of the largest points
-        low, high = min(xs) / 1.3, max(xs) * 1.8
+    ax.set_yscale("log")
+    if xs:
+        low, high = min(xs) / 1.3, max(xs) * 1.3
         ax.set_xlim(low, high)
         ax.xaxis.set_major_locator(FixedLocator(_byte_ticks(low, high)))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
         ax.xaxis.set_minor_locator(NullLocator())
-    if synthetic:
-        ax.set_yscale("symlog", linthresh=1e-3)
-        ax.set_ylim(bottom=0, top=max(ys, default=1) * 3 + 1e-3)
-    else:
-        ax.set_ylim(-0.05, 1.15)
+        ax.set_ylim(floor / 2, max(ys) * 3)
     if title:
-        ax.set_title(title, fontsize=10)
+        fig.suptitle(title, fontsize=10)
     ax.set_xlabel("KV bytes per token (measured nbytes, all layers)")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
+    ax.set_ylabel(f"{measure}\n(log scale; lower is better)")
+    ax.grid(True, which="both", alpha=0.25)
+    side.axis("off")
+    lines = [f"{'#':>3}  {'run':<34} {'bytes/tok':>9} {'error' if synthetic else 'KL':>8}  front",
+             f"{'':->3}  {'':-<34} {'':->9} {'':->8}  -----"]
+    on_front = set(front)
+    for n, (r, x, e) in enumerate(points, 1):
+        label = r["label"] if len(r["label"]) <= 34 else r["label"][:33] + "~"
+        lines.append(f"{n:>3}  {label:<34} {x:>9,.0f} {e:>8.2g}  {'*' if n - 1 in on_front else ''}")
+    left_out = [r["label"] for r in results if r["status"] == "ok" and r not in [p[0] for p in points]]
+    if left_out:
+        lines.append(f"not plotted (no {'error' if synthetic else 'KL'}): {', '.join(left_out)}")
+    side.text(0, 1, "\n".join(lines), transform=side.transAxes, va="top", ha="left",
+              family="monospace", fontsize=7)
     fig.tight_layout()
-    _labels(ax, ok, xs, ys)  # after the layout: it places them in pixels
+    _labels(ax, [{"label": str(n)} for n in range(1, rows + 1)], xs, ys, fontsize=7)
     fig.savefig(path)
     plt.close(fig)
-    for r in ok:
-        r["pareto"] = False
+    for r in results:
+        if r["status"] == "ok":
+            r["pareto"] = False
     for i in front:
-        ok[i]["pareto"] = True
+        points[i][0]["pareto"] = True

@@ -98,6 +98,20 @@ def fields_read_by(method: str) -> tuple[str, ...]:
     return (*METHODS[method].fields, *own)
 
 
+def head_dim_problem(config: "KVCacheConfig", head_dim: int) -> str | None:
+    """Why a field that must divide the model's head_dim (``divides: [head_dim]`` in the
+    spec) does not, as ``field=value must divide head_dim=D; allowed here: ...``; None when
+    every such field of ``config.method`` fits. A config alone cannot know head_dim: this
+    runs when the model is known (cache construction)."""
+    for name in METHODS[config.method].head_dim_divisors:
+        value = getattr(config.options, name, None)
+        if isinstance(value, int) and value > 0 and head_dim % value:
+            allowed = ", ".join(str(d) for d in range(1, head_dim + 1)
+                                if head_dim % d == 0 and validators.field_problem(name, d) is None)
+            return f"{name}={value} must divide head_dim={head_dim}; allowed here: {allowed}"
+    return None
+
+
 def describe_fields_read(method: str) -> str:
     """``kivi reads kivi_group_size (KIVIOptions); kv_bits, ... (config fields)``."""
     info = METHODS[method]

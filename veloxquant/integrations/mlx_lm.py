@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import importlib
 
@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..cache.attention_hook import HOOKS, ORIGINAL_SDPA, Hook, hooked_sdpa
-from ..cache.config import KVCacheConfig
+from ..cache.config import KVCacheConfig, head_dim_problem
 from ..cache.context import ModelContext
 from ..registry import METHODS
 
@@ -172,7 +172,21 @@ def _native_caches(model: nn.Module) -> list[Any]:
     return [KVCache() for _ in model.layers]
 
 
+def model_head_dim(model: nn.Module) -> int | None:
+    """The model's attention head_dim from its args, when they say."""
+    args = getattr(model, "args", None)
+    head_dim = getattr(args, "head_dim", None)
+    if not isinstance(head_dim, int):
+        hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
+        head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+    return head_dim
+
+
 def _check_supported(model: nn.Module, cache_class: type, config: KVCacheConfig) -> None:
+    head_dim = model_head_dim(model)
+    problem = head_dim_problem(config, head_dim) if head_dim else None
+    if problem:
+        raise ValueError(f"method {config.method!r}: {problem}")
     if cache_class.requires_attention_hook and not attention_modules(model):
         raise ValueError(
             f"method {config.method!r} computes attention itself, but the "
@@ -375,14 +389,22 @@ def _other_layers_saved(cache: list, layers: list) -> list:
     return [(c, c.state, getattr(c, "meta_state", None)) for c in cache if id(c) not in ours]
 
 
-def run_reconstruction_pass(model: nn.Module, tokenizer, context_ids: list[int], cache: list) -> None:
+def run_reconstruction_pass(model: nn.Module, tokenizer, context_ids: list[int], cache: list,
+                            progress: Callable[[int, int], None] | None = None) -> None:
     """Run the method's probes over a prefilled context: each layer keeps its scores in
-    ``reliance`` (B, Hkv, T); the cache holds exactly the context again afterwards."""
+    ``reliance`` (B, Hkv, T); the cache holds exactly the context again afterwards.
+
+    ``progress(done, total)`` is called with ``done=0`` before the first probe chunk, then
+    after each chunk is evaluated; an exception it raises (KeyboardInterrupt) stops the pass
+    there, the cache restored to the context."""
     import mlx.core as mx
 
     layers = reconstruction_layers(cache)
     body = getattr(model, "model", model)  # hidden states only: the probes need no logits
-    for start, end, probe in type(layers[0]).probe_chunks_for(tokenizer, context_ids):
+    chunks = list(type(layers[0]).probe_chunks_for(tokenizer, context_ids))
+    if progress is not None:
+        progress(0, len(chunks))
+    for done, (start, end, probe) in enumerate(chunks, 1):
         others = _other_layers_saved(cache, layers)
         for c in layers:
             c.begin_probe(start, end)
@@ -395,12 +417,19 @@ def run_reconstruction_pass(model: nn.Module, tokenizer, context_ids: list[int],
                 c.state = state
                 if meta is not None:
                     c.meta_state = meta
+        if progress is not None:
+            progress(done, len(chunks))
 
 
 def prefill_with_reconstruction(model: nn.Module, tokenizer, context, cache: list,
-                                prefill_step_size: int = 2048) -> dict:
+                                prefill_step_size: int = 2048,
+                                progress: Callable[[int, int], None] | None = None) -> dict:
     """Prefill ``context`` (text, or token ids) into a fresh ``cache`` and compress it by
     the method's reconstruction pass; returns the seconds each part took.
+
+    ``progress(done, total)``: called before (``done=0``) and after each chunk of the reconstruction pass (a
+    KeyboardInterrupt raised there, or arriving during a chunk, stops the pass after that
+    chunk; the selection does not run).
 
     Then continue as usual: ``mlx_lm.stream_generate(model, tokenizer, question,
     prompt_cache=cache)`` (a deep copy of the cache answers each of several questions).
@@ -426,7 +455,7 @@ def prefill_with_reconstruction(model: nn.Module, tokenizer, context, cache: lis
         model(mx.array(ids[i : i + prefill_step_size])[None], cache=cache)
         mx.eval([c.state for c in cache])
     prefilled = time.perf_counter()
-    run_reconstruction_pass(model, tokenizer, ids, cache)
+    run_reconstruction_pass(model, tokenizer, ids, cache, progress)
     type(layers[0]).select_globally(layers)
     mx.eval([c.state for c in cache])
     done = time.perf_counter()
