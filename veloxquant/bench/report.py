@@ -334,7 +334,7 @@ def plot(path: Path, results: list[dict], synthetic: bool, title: str | None = N
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_ylim(floor / 2, max(ys) * 3)
     if title:
-        fig.suptitle(title, fontsize=10)
+        ax.set_title(title, fontsize=10)
     ax.set_xlabel("KV bytes per token (measured nbytes, all layers)")
     ax.set_ylabel(f"{measure}\n(log scale; lower is better)")
     ax.grid(True, which="both", alpha=0.25)

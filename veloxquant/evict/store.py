@@ -22,9 +22,7 @@ class SlotStore:
 
     def __init__(self, names: tuple[str, ...], step: int = 256):
         self.names = names
-        # room grows with what is kept (at most half the rows, ``step`` at most): a short
-        # prompt does not hold a whole step of slots
-        self.arrays = {name: GrowingArray(axis=2, step=step, geometric=True) for name in names}
+        self.arrays = {name: GrowingArray(axis=2, step=step) for name in names}
         self.free: mx.array | None = None  # (B, H) int32: the slot the next token takes
 
     @property
