@@ -81,3 +81,46 @@ def test_ctrl_c_stops_an_idle_server_cleanly(stop, tmp_path):
         output = _stop(server, log)
     assert code in (0, 130), output
     assert "terminate called" not in output and "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("given", [["--kv-bits", "4"], ["--kv-bits=4"], ["--kv-group-size", "32"],
+                                   ["--quantized-kv-start", "0"], ["--kv-b", "8"]])
+def test_serve_refuses_mlx_lm_kv_options_that_our_cache_would_ignore(given, monkeypatch, capsys):
+    import mlx_lm.server
+
+    from veloxquant_mlx import cli
+
+    started = []
+    monkeypatch.setattr(mlx_lm.server, "main", lambda: started.append(True))
+    assert cli.main(["serve", "--method", "kivi", "--", "--port", "1", *given]) == 2
+    assert not started
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"veloxquant serve: error: {' '.join(given)}: ") and "kivi" in err, err
+
+
+def test_serve_banner_says_one_at_a_time_when_mlx_lm_would_serve_so(monkeypatch, capsys):
+    """mlx-lm serves one request at a time under --kv-bits (its _is_batchable); the banner
+    must not say continuous batching then (patch_server used without our CLI)."""
+    from types import SimpleNamespace
+
+    from tiny_models import tiny_model
+    from veloxquant_mlx import KVCacheConfig
+    from veloxquant_mlx.integrations import mlx_lm as integration
+
+    class Provider:
+        model_key, draft_model = ("tiny",), None
+
+        def _load(self):
+            self.model = tiny_model("llama")
+
+    for kv_bits, batchable in ((4, False), (None, True)):
+        provider_class = type("Provider", (Provider,), {"_load": Provider._load})
+        integration.patch_server(SimpleNamespace(ModelProvider=provider_class), KVCacheConfig(method="snapkv"))
+        provider = provider_class()
+        provider.cli_args = SimpleNamespace(kv_bits=kv_bits)
+        provider._load()
+        banner = capsys.readouterr().err
+        assert provider.is_batchable is batchable
+        assert ("continuous batching" in banner) is batchable, banner
+        assert ("one request at a time" in banner) is not batchable, banner

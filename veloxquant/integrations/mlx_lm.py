@@ -320,8 +320,11 @@ def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = Tru
         why = batch_refusal(self.model) if batching else "batching turned off"
         if self.draft_model is not None:
             why = why or "speculative decoding (a draft model) is served one request at a time"
+        if getattr(getattr(self, "cli_args", None), "kv_bits", None) is not None:
+            why = why or "mlx-lm's --kv-bits serves one request at a time"
         self.is_batchable = why is None
-        how = "continuous batching" if why is None else f"one request at a time ({why.split(':')[0]})"
+        how = ("continuous batching (a request with a seed is served on its own, as mlx-lm does)"
+               if why is None else f"one request at a time ({why.split(':')[0]})")
         print(
             f"veloxquant: serving {self.model_key[0]} with KV cache method {config.method!r}, {how}",
             file=sys.stderr,
