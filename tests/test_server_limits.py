@@ -124,3 +124,50 @@ def test_serve_banner_says_one_at_a_time_when_mlx_lm_would_serve_so(monkeypatch,
         assert provider.is_batchable is batchable
         assert ("continuous batching" in banner) is batchable, banner
         assert ("one request at a time" in banner) is not batchable, banner
+
+
+def _abandon(port: int, body: dict, after: float) -> None:
+    """Send a request and close the connection without reading the reply."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        time.sleep(after)
+
+
+def test_xkv_server_refuses_over_limit_prompts_at_once_and_drops_abandoned_requests(tmp_path):
+    """xkv serves one request at a time: a prompt over xkv_max_ctx, or over the model's
+    8,192 positions, is refused with a 400 naming the limit, at once; a non-streaming request
+    with max_tokens=10**30 whose client went away stops, and the next request is answered."""
+    server, port, log = _start(tmp_path, "--method", "xkv", "--set", "xkv_max_ctx=64")
+    try:
+        started = time.time()
+        status, reply = _post(port, {"prompt": "a" * 200, "max_tokens": 4}, timeout=20)
+        assert status == 400 and "xkv_max_ctx=64" in reply["error"], reply
+        status, reply = _post(port, {"prompt": "a" * 9000, "max_tokens": 4}, timeout=20)
+        assert status == 400 and "max_position_embeddings=8192" in reply["error"], reply
+        assert time.time() - started < 10
+        _abandon(port, {"prompt": "Hi", "max_tokens": 10**30, "temperature": 0.0}, after=1.0)
+        started = time.time()
+        status, reply = _post(port, {"prompt": "Hello", "max_tokens": 4, "temperature": 0.0}, timeout=30)
+        assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
+        assert time.time() - started < 15  # uncapped and unnoticed, it waited for ever
+    finally:
+        output = _stop(server, log)
+    assert "client closed its connection" in output, output
+    assert "Traceback" not in output, output
+
+
+def test_huge_max_tokens_is_capped_at_the_methods_limit(tmp_path):
+    server, port, log = _start(tmp_path, "--method", "skvq", "--set", "skvq_max_ctx=64")
+    try:
+        status, reply = _post(port, {"prompt": "Hi", "max_tokens": 10**30, "temperature": 0.0}, timeout=60)
+        assert status == 200, reply
+        usage = reply["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 64, reply
+        assert reply["choices"][0]["finish_reason"] == "length", reply
+        status, reply = _post(port, {"prompt": "a" * 100, "max_tokens": 1}, timeout=20)
+        assert status == 400 and "skvq_max_ctx=64" in reply["error"], reply
+    finally:
+        output = _stop(server, log)
+    assert "Traceback" not in output, output

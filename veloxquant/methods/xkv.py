@@ -47,6 +47,7 @@ from ..lowrank.shared_latent import SharedLatentCodec, LatentKeys, joint_factors
 
 class XKVCache(CrossLayer, CompressedKVCache):
     requires_attention_hook = True
+    max_ctx_covers = "prompt"  # xkv_max_ctx bounds the first prompt; decode tokens are kept exact
 
     def layer_groups(self, compressed, n_layers):
         return consecutive_groups(compressed, self.config.options.xkv_group_size)
