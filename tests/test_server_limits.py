@@ -171,3 +171,22 @@ def test_huge_max_tokens_is_capped_at_the_methods_limit(tmp_path):
     finally:
         output = _stop(server, log)
     assert "Traceback" not in output, output
+
+
+def test_ctrl_c_stops_a_server_that_is_generating(tmp_path):
+    """A request generating thousands of tokens (its client still waiting) does not hold the
+    stop: mlx-lm joins its generation thread, which now stops the request at its next token."""
+    import threading
+
+    server, port, log = _start(tmp_path, "--method", "full", "--no-batching")
+    try:
+        waiting = threading.Thread(target=_abandon, daemon=True, args=(
+            port, {"prompt": "Hi", "max_tokens": 10**30, "temperature": 0.0}, 30.0))
+        waiting.start()
+        time.sleep(1.5)
+        server.send_signal(signal.SIGINT)
+        code = server.wait(timeout=15)
+    finally:
+        output = _stop(server, log)
+    assert code in (0, 130), output
+    assert "terminate called" not in output and "Traceback" not in output, output
