@@ -136,6 +136,10 @@ class XKVCache(CrossLayer, CompressedKVCache):
         if self.n_latent and self.b is None:
             yield "basis rows b", None, f"an array (the latent holds {self.n_latent} tokens)"
         if self.is_owner and self.n_latent:
+            codec_problems = list(self.codec.problems(self.shared.items))
+            if codec_problems:
+                yield from codec_problems
+                return
             held = LatentKeys(self.codec, self.shared.items, self.b, 0, 0)
             latent = held.codec.decode(held.kept, mx.float32)
             if latent.shape[1:] != (self.n_latent, self.b.shape[1]):
