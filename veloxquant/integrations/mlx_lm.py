@@ -455,6 +455,9 @@ def _bound_requests(server_module: Any) -> None:
         if getattr(handler, "requested_model", "default_model") not in (
                 "default_model", key[0], getattr(provider.cli_args, "model", None)):
             return None  # another model: it is loaded (and checked) by the generation thread
+        image_parts = getattr(server_module, "_image_parts", None)
+        if image_parts is not None and request.request_type == "chat" and any(image_parts(request.messages)):
+            return None  # images are decoded once, by the generation thread
         try:
             prompt = handler.response_generator._tokenize(
                 tokenizer, request, SimpleNamespace(chat_template_kwargs=handler.chat_template_kwargs))[0]
