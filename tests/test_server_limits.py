@@ -190,3 +190,18 @@ def test_ctrl_c_stops_a_server_that_is_generating(tmp_path):
         output = _stop(server, log)
     assert code in (0, 130), output
     assert "terminate called" not in output and "Traceback" not in output, output
+
+
+def test_an_abandoned_streaming_request_stops_quietly(tmp_path):
+    """A streaming client that goes away: the next write fails, the request stops (mlx-lm's
+    own handling), and the server logs one line instead of a traceback."""
+    server, port, log = _start(tmp_path, "--method", "full", "--no-batching")
+    try:
+        _abandon(port, {"prompt": "Hi", "max_tokens": 10**30, "stream": True, "temperature": 0.0}, after=1.0)
+        started = time.time()
+        status, reply = _post(port, {"prompt": "Hello", "max_tokens": 4, "temperature": 0.0}, timeout=30)
+        assert status == 200 and time.time() - started < 15, reply
+    finally:
+        output = _stop(server, log)
+    assert "client closed its connection" in output, output
+    assert "Traceback" not in output, output

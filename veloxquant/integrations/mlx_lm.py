@@ -482,7 +482,7 @@ def _bound_requests(server_module: Any) -> None:
         local.connection = None if self.stream else self.connection
         try:
             return handle_completion(self, request, stop_words)
-        except _ClientGone:
+        except (_ClientGone, BrokenPipeError, ConnectionResetError):  # streaming: a write failed
             logging.info("veloxquant: the client closed its connection; its request stopped generating")
         finally:
             local.connection = None
