@@ -238,6 +238,31 @@ def _server_model_args(server_args: list[str]) -> list[str]:
     return out if given else ["--model", resolve_model(None), *out]
 
 
+# mlx_lm.server options that set up mlx-lm's own KV cache: our caches replace it (and keep
+# no ``to_quantized``), so the server would ignore them silently, or serve one at a time.
+CONFLICTING_SERVER_ARGS = {
+    "--kv-bits": "mlx-lm's KV quantization",
+    "--kv-group-size": "mlx-lm's KV quantization group size",
+    "--quantized-kv-start": "where mlx-lm's KV quantization starts",
+}
+
+
+def _refuse_conflicting_server_args(server_args: list[str], method: str) -> None:
+    """One line for an mlx_lm.server option the method's cache would ignore (argparse's
+    unambiguous prefixes too: ``--kv-b 4``)."""
+    for i, arg in enumerate(server_args):
+        name = arg.partition("=")[0]
+        if len(name) < 3 or not name.startswith("--"):
+            continue
+        for option, what in CONFLICTING_SERVER_ARGS.items():
+            if option.startswith(name):
+                given = arg if "=" in arg or i + 1 == len(server_args) else f"{arg} {server_args[i + 1]}"
+                raise CLIError(
+                    f"{given}: {what} conflicts with the KV cache of --method {method}, which "
+                    f"replaces mlx-lm's cache; quantize with a method instead (veloxquant "
+                    f"methods lists them; kivi: --set kv_bits=4)")
+
+
 # Set (to anything but "" or "0"), `veloxquant serve` prints SERVE_STATS_PREFIX + one JSON
 # line to stderr when it stops (Ctrl-C / SIGINT): the process's peak MLX memory
 # (mx.get_peak_memory(): every array, weights and caches) and its peak resident set.
@@ -268,20 +293,33 @@ def cmd_serve(args: argparse.Namespace, server_args: list[str]) -> int:
     method, batching requests continuously when the method batches (--no-batching: one
     request at a time)."""
     config = config_from_args(args.method, args.set)
+    _refuse_conflicting_server_args(server_args, config.method)
     server_args = _server_model_args(server_args)
 
     import mlx_lm.server as server
 
-    from .integrations.mlx_lm import patch_server
+    from .integrations.mlx_lm import SERVED_FLAG, patch_server
 
     patch_server(server, config, batching=not args.no_batching)
     sys.argv = ["veloxquant serve", *server_args]
+    code = 0
     try:
-        server.main()
+        server.main()  # Ctrl-C: mlx-lm stops its HTTP server and generation thread, returns
+    except KeyboardInterrupt:  # a second Ctrl-C while it was stopping
+        print("veloxquant serve: interrupted", file=sys.stderr)
+        code = 130
     finally:
         if _serve_stats_wanted():
             print_serve_stats()
-    return 0
+    if getattr(server, SERVED_FLAG, False):
+        # The server ran in this process: leave without Python's finalization, where MLX's
+        # worker threads, woken while the interpreter tore down, aborted the process (exit
+        # -6, "terminate called without an active exception", 6 of 9 stops), and where a
+        # generation thread still busy after a second Ctrl-C kept it alive.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 CALIBRATE_TOKENS = 2048

@@ -11,6 +11,8 @@ adds the behaviour the public contract promises:
 - a config field the method does not read (``kv_bits`` for kitty) given at a value
   other than its default warns (``UnreadFieldWarning``): it would change nothing, and
   ``veloxquant generate --set`` refuses it;
+- a field given both flat and in ``options`` at different (non-default) values warns
+  (``ConflictingFieldWarning``); the flat value holds;
 - every value is validated against the spec: wrong types and out-of-range values raise
   ``ValueError`` naming the field, the value and what is allowed;
 - a method without an implementation is accepted (configs of every family are the public
@@ -42,6 +44,10 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(KVCacheConfigFields)}
 
 class VeloxQuantDeprecationWarning(DeprecationWarning):
     """A deprecated VeloxQuant API was used; the message names the replacement."""
+
+
+class ConflictingFieldWarning(UserWarning):
+    """A field was given both as a flat KVCacheConfig field and in ``options``, at different values."""
 
 
 def _did_you_mean(word: str, candidates) -> str:
@@ -169,9 +175,26 @@ class KVCacheConfig(KVCacheConfigFields):
                 validators.validate_field(name, value)
                 _warn_flat(name, value, self.method)
         if options is not None:
+            self._warn_conflicts(options)
             self._apply_options(options, only_defaults=True)
         self._validate_active()
         object.__setattr__(self, "_ready", True)
+
+    def _warn_conflicts(self, options: Any) -> None:
+        """A field given both flat and in ``options``, at two values other than its default:
+        the flat value wins (as before), and the caller hears of it. (A flat value equal to its
+        default cannot be told from one not given; the options' value then holds.)"""
+        expected = _expected_options(self.method)
+        if expected is None or not isinstance(options, expected):
+            return  # _apply_options refuses it
+        for name in METHODS[self.method].fields:
+            flat, given = getattr(self, name), getattr(options, name)
+            if flat != _DEFAULTS[name] and given != _DEFAULTS[name] and flat != given:
+                warnings.warn(
+                    f"KVCacheConfig: {name} is given twice, {name}={flat!r} and "
+                    f"options={type(options).__name__}({name}={given!r}); the flat {flat!r} "
+                    f"is used: give it in options only",
+                    ConflictingFieldWarning, stacklevel=_caller_stacklevel())
 
     # -- options ---------------------------------------------------------------
     @property

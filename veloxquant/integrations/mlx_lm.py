@@ -334,8 +334,11 @@ def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = Tru
         why = batch_refusal(self.model) if batching else "batching turned off"
         if self.draft_model is not None:
             why = why or "speculative decoding (a draft model) is served one request at a time"
+        if getattr(getattr(self, "cli_args", None), "kv_bits", None) is not None:
+            why = why or "mlx-lm's --kv-bits serves one request at a time"
         self.is_batchable = why is None
-        how = "continuous batching" if why is None else f"one request at a time ({why.split(':')[0]})"
+        how = ("continuous batching (a request with a seed is served on its own, as mlx-lm does)"
+               if why is None else f"one request at a time ({why.split(':')[0]})")
         print(
             f"veloxquant: serving {self.model_key[0]} with KV cache method {config.method!r}, {how}",
             file=sys.stderr,
@@ -346,6 +349,186 @@ def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = Tru
     provider._veloxquant_original_load = original
     provider._load = _load
     _tolerate_missing_hub_cache(server_module)
+    _note_http_served(server_module)
+    _bound_requests(server_module)
+
+
+# Set on the server module once its HTTP server has run in this process (``veloxquant
+# serve`` then leaves without Python's finalization: see cli.cmd_serve).
+SERVED_FLAG = "_veloxquant_http_served"
+
+
+def _note_http_served(server_module: Any) -> None:
+    run_http = getattr(server_module, "_run_http_server", None)
+    if run_http is None or getattr(run_http, "_veloxquant_noting", False):
+        return
+
+    def _run_http_server(*args, **kwargs):
+        setattr(server_module, SERVED_FLAG, True)
+        return run_http(*args, **kwargs)
+
+    _run_http_server._veloxquant_noting = True
+    server_module._run_http_server = _run_http_server
+
+
+def context_limits(model: nn.Module) -> list[tuple[str, int, str]]:
+    """The limits a sequence of a patched ``model`` must keep: (what, tokens, "prompt" or
+    "sequence"): the model's positions, and each ``*_max_ctx`` field of the method's options
+    (a cache class says ``max_ctx_covers = "prompt"`` when its field bounds the first prompt
+    only, as xkv's does)."""
+    import dataclasses
+
+    limits = []
+    args = getattr(model, "args", None)
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(args, key, None)
+        if isinstance(value, int) and value > 0:
+            limits.append((f"the model's {key}={value}", value, "sequence"))
+            break
+    config = model.__dict__.get("_veloxquant_config")
+    options = getattr(config, "options", None)
+    if options is not None and dataclasses.is_dataclass(options):
+        covers = getattr(METHODS[config.method].load_implementation(), "max_ctx_covers", "sequence")
+        for field in dataclasses.fields(options):
+            value = getattr(options, field.name)
+            if field.name.endswith("_max_ctx") and isinstance(value, int):
+                limits.append((f"{field.name}={value} (method {config.method!r})", value, covers))
+    return limits
+
+
+def request_bounds(model: nn.Module, prompt_tokens: int, max_tokens: int) -> tuple[str | None, int]:
+    """(why the request is refused, or None; the max_tokens to generate: ``max_tokens``
+    capped so that the prompt and the generated tokens stay within every sequence limit)."""
+    cap = max_tokens
+    for what, limit, covers in context_limits(model):
+        if prompt_tokens > limit or (covers == "sequence" and prompt_tokens >= limit):
+            bounds = "the prompt" if covers == "prompt" else "the prompt and the generated tokens"
+            return (f"prompt of {prompt_tokens} tokens: over {what}, which bounds {bounds}; "
+                    f"allowed: a prompt of at most {limit - (covers == 'sequence')} tokens"), 0
+        if covers == "sequence":
+            cap = min(cap, limit - prompt_tokens)
+    return None, cap
+
+
+class _ClientGone(Exception):
+    """The client of a non-streaming request closed its connection while it generated."""
+
+
+def _peer_closed(sock) -> bool:
+    """Whether the other end of a connected socket has closed it (without reading from it)."""
+    import select
+    import socket
+
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except (OSError, ValueError):
+        return True
+
+
+def _bound_requests(server_module: Any) -> None:
+    """Bound what one request can make the server do.
+
+    - Before a completion request is queued, its prompt is tokenized and checked against
+      ``context_limits``: over a limit, HTTP 400 at once, naming it (it used to prefill for
+      minutes behind other requests and fail without a response); ``max_tokens`` is capped
+      so that prompt + generated tokens stay within the model's positions and the method's
+      limits (``max_tokens=10**30`` generated unbounded).
+    - A non-streaming request whose client closed its connection stops generating at the
+      next token (it kept the one-at-a-time server busy, and later requests waited).
+    - When the server stops (Ctrl-C), every request still generating stops at its next token,
+      so that mlx-lm's join of its generation thread returns.
+    """
+    import json
+    import logging
+    import threading
+    import time
+    import weakref
+    from types import SimpleNamespace
+
+    handler_class = getattr(server_module, "APIHandler", None)
+    generator_class = getattr(server_module, "ResponseGenerator", None)
+    if handler_class is None or generator_class is None or getattr(handler_class, "_veloxquant_bounded", False):
+        return
+    local = threading.local()
+    live = weakref.WeakValueDictionary()  # id -> the context of a request being answered
+    handle_completion = handler_class.handle_completion
+    generate = generator_class.generate
+    stop_and_join = generator_class.stop_and_join
+
+    def refusal(handler, request) -> str | None:
+        provider = handler.response_generator.model_provider
+        model, tokenizer = getattr(provider, "model", None), getattr(provider, "tokenizer", None)
+        key = getattr(provider, "model_key", None) or (None,)
+        if model is None or tokenizer is None or "_veloxquant_config" not in model.__dict__:
+            return None  # not loaded yet: the generation thread's own errors apply
+        if getattr(handler, "requested_model", "default_model") not in (
+                "default_model", key[0], getattr(provider.cli_args, "model", None)):
+            return None  # another model: it is loaded (and checked) by the generation thread
+        image_parts = getattr(server_module, "_image_parts", None)
+        if image_parts is not None and request.request_type == "chat" and any(image_parts(request.messages)):
+            return None  # images are decoded once, by the generation thread
+        try:
+            prompt = handler.response_generator._tokenize(
+                tokenizer, request, SimpleNamespace(chat_template_kwargs=handler.chat_template_kwargs))[0]
+        except Exception:
+            return None  # the server's own path reports what it cannot tokenize
+        why, cap = request_bounds(model, len(prompt), handler.max_tokens)
+        if why is None and cap < handler.max_tokens:
+            logging.info(f"veloxquant: max_tokens {handler.max_tokens} capped at {cap} "
+                         f"(a prompt of {len(prompt)} tokens and the limits {context_limits(model)})")
+            handler.max_tokens = cap
+        return why
+
+    def bounded_handle_completion(self, request, stop_words):
+        why = refusal(self, request)
+        if why is not None:
+            body = json.dumps({"error": why}).encode()
+            self._set_completion_headers(400)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        local.connection = None if self.stream else self.connection
+        try:
+            return handle_completion(self, request, stop_words)
+        except (_ClientGone, BrokenPipeError, ConnectionResetError):  # streaming: a write failed
+            logging.info("veloxquant: the client closed its connection; its request stopped generating")
+        finally:
+            local.connection = None
+
+    def watched_generate(self, *args, **kwargs):
+        ctx, responses = generate(self, *args, **kwargs)
+        live[id(ctx)] = ctx
+        connection = getattr(local, "connection", None)
+        if connection is None:
+            return ctx, responses
+
+        def watched():
+            checked = time.monotonic()
+            for response in responses:
+                yield response
+                if time.monotonic() - checked > 0.2:
+                    checked = time.monotonic()
+                    if _peer_closed(connection):
+                        ctx.stop()
+                        raise _ClientGone()
+
+        return ctx, watched()
+
+    def stopping_stop_and_join(self):
+        for ctx in list(live.values()):
+            ctx.stop()
+        return stop_and_join(self)
+
+    handler_class.handle_completion = bounded_handle_completion
+    generator_class.generate = watched_generate
+    generator_class.stop_and_join = stopping_stop_and_join
+    handler_class._veloxquant_bounded = True
 
 
 def _tolerate_missing_hub_cache(server_module: Any) -> None:

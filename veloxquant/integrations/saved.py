@@ -160,6 +160,11 @@ def _read(path: str, model: Any):
         if not isinstance(cls, type) or not hasattr(cls, "from_state"):
             raise CacheStateError(f"{path}: layer {layer} cache class is {name!r}, expected a class "
                                   "of mlx_lm.models.cache or of VeloxQuant")
+        meta = state.get("meta") if isinstance(state, dict) else None
+        if issubclass(cls, CompressedKVCache) and isinstance(meta, dict) and "layer" in meta \
+                and meta["layer"] != layer:
+            raise CacheStateError(f"{path}: layer {layer} ({name}) meta.layer is {meta['layer']!r}, "
+                                  f"expected {layer} (its position in the file)")
         try:
             cache.append(cls.from_state(state))
         except CacheStateError as exc:

@@ -70,6 +70,28 @@ class SharedLatentCodec:
             out.update(latent_codes=codes, latent_scales=scales, latent_biases=biases)
         return out
 
+    def problems(self, kept: dict):
+        """(field, found, expected) for kept arrays this codec cannot read (a saved file whose
+        bit width or group was edited, or whose arrays were cut)."""
+        codes = kept.get("latent_codes")
+        if codes is None:
+            return
+        scales, biases = kept.get("latent_scales"), kept.get("latent_biases")
+        if scales is None or biases is None:
+            yield "latent scales and biases", None, "arrays beside the latent codes"
+            return
+        if biases.shape != scales.shape:
+            yield "latent biases shape", biases.shape, f"the scales' {scales.shape}"
+        elif codes.shape[:-1] != scales.shape[:-1]:
+            yield "latent codes shape", codes.shape, f"{scales.shape[:-1]} (the scales') x packed tokens"
+        elif self.bits == DENSE_BITS:
+            yield "latent codes", f"an array {codes.shape}", "none (xkv_latent_bits=16 keeps the latent unquantized)"
+        elif codes.shape[-1] * 32 != scales.shape[-1] * self.group * self.bits:
+            tokens = scales.shape[-1] * self.group
+            yield ("latent codes width", codes.shape[-1],
+                   f"{tokens} tokens x {self.bits} bits / 32 = {tokens * self.bits / 32:g} words "
+                   f"(xkv_latent_bits={self.bits}, xkv_group_quant_size={self.group})")
+
     def decode(self, kept: dict, dtype) -> mx.array:
         """The latent (B, T, r) in ``dtype`` (transient: prefill chunks and tests)."""
         parts = []

@@ -23,7 +23,9 @@ members do so for that first decode step too), as xKV's prefill attends with the
 original keys. Decode tokens are appended exact, as in the reference code; a later
 prompt (a follow-up turn) is appended exact too: one SVD per cache, over the first
 prompt. ``xkv_max_ctx`` bounds the exact prompt keys held for the SVD: a longer first
-prompt is refused, naming the field.
+prompt is refused, naming the field. A prompt that arrives one token at a time
+(``prefill_step_size=1``) never ends as a prompt, so nothing is compressed: the cache
+warns at its first token (a boundary that depends on the chunking cannot be inferred).
 
 Attention: a decode step scores the latent without rebuilding keys, ``q·k_t = (B_lᵀq)·a_t``
 (``LatentKeys``), plus the exact keys, in one softmax (``kernels/decode.py``, pure-MLX
@@ -36,6 +38,8 @@ is quantized (the paper keeps it in fp16); no selective reconstruction.
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache, causal_mask
@@ -47,6 +51,7 @@ from ..lowrank.shared_latent import SharedLatentCodec, LatentKeys, joint_factors
 
 class XKVCache(CrossLayer, CompressedKVCache):
     requires_attention_hook = True
+    max_ctx_covers = "prompt"  # xkv_max_ctx bounds the first prompt; decode tokens are kept exact
 
     def layer_groups(self, compressed, n_layers):
         return consecutive_groups(compressed, self.config.options.xkv_group_size)
@@ -72,6 +77,12 @@ class XKVCache(CrossLayer, CompressedKVCache):
             raise ValueError(
                 f"xkv_max_ctx={limit}: layer {self.layer} would hold {self.offset + n} exact "
                 f"prompt keys for its group's SVD; allowed: at most xkv_max_ctx (raise it)")
+        if n == 1 and self.offset == 0 and self.is_owner:
+            warnings.warn(
+                f"xkv: layer {self.layer}'s group got its prompt one token at a time (mlx-lm's "
+                "prefill_step_size=1, or a 1-token prompt): the SVD runs when a prompt of 2 or "
+                "more tokens ends, so this cache keeps every key exact and saves no memory; "
+                "prefill in chunks of 2 tokens or more", RuntimeWarning, stacklevel=2)
         self._note_update(n)  # the group's SVD, when this update completes its prompt
         self.keys.append(keys)
         self.values.append(values)
@@ -135,6 +146,10 @@ class XKVCache(CrossLayer, CompressedKVCache):
         if self.n_latent and self.b is None:
             yield "basis rows b", None, f"an array (the latent holds {self.n_latent} tokens)"
         if self.is_owner and self.n_latent:
+            codec_problems = list(self.codec.problems(self.shared.items))
+            if codec_problems:
+                yield from codec_problems
+                return
             held = LatentKeys(self.codec, self.shared.items, self.b, 0, 0)
             latent = held.codec.decode(held.kept, mx.float32)
             if latent.shape[1:] != (self.n_latent, self.b.shape[1]):

@@ -42,6 +42,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ...cache.base import CacheStateError
 from ...quant import entropy
 from ...quant.affine import unpack_codes
 from ...quant.chunk_store import ChunkedStore
@@ -133,25 +134,36 @@ class CacheGenCache(EntropyCodedCache):
             if (n // c.group if c.use_delta else n) != scales.shape[2]:
                 raise ValueError(f"{prefix}_segments cover {n} tokens, which {prefix}_scales "
                                  f"({scales.shape[2]} rows) does not")
-            codes = [self._decode_segment(c, part, b, h, d, end - start) for start, end, part in segments]
+            codes = [self._decode_segment(c, part, b, h, d, end - start, prefix, i)
+                     for i, (start, end, part) in enumerate(segments)]
             run.put(mx.concatenate([s for s, _ in codes], axis=2), scales,
                     mx.concatenate([a for _, a in codes], axis=2) if c.use_delta else None,
                     arrays.get(f"{prefix}_anchor_scales"), exact=True)
             self.coded_segments(prefix).adopt(run, segments)
 
-    def _decode_segment(self, c, part, b: int, h: int, d: int, n: int):
-        """The (codes, anchor codes) of one coded segment of n tokens, unpacked uint32."""
+    def _decode_segment(self, c, part, b: int, h: int, d: int, n: int, prefix: str = "k", index: int = 0):
+        """The (codes, anchor codes) of one coded segment of n tokens, unpacked uint32; a
+        stream that does not decode (cut, or its table edited) is named with its layer."""
         pooled = not self.config.options.cachegen_per_channel
         n_coded = n // c.group * (c.group - 1) if c.use_delta else n
-        lanes = entropy.unpack(part["stream"], part["table"], b * n_coded, 2 * qmax(c.bits) + 1, h * d,
-                               pooled=pooled)
+
+        def unpack(name, *args, **kwargs):
+            table = name.replace("stream", "table")
+            try:
+                return entropy.unpack(part[name], part[table], *args, **kwargs)
+            except ValueError as exc:
+                raise CacheStateError(
+                    f"saved cache, layer {self.layer} ({type(self).__name__}, method "
+                    f"{self.config.method!r}): {prefix}_{name} segment {index} ({n} tokens, "
+                    f"{part[name].shape[0]} bytes, with {prefix}_{table}) does not decode: {exc}") from None
+
+        lanes = unpack("stream", b * n_coded, 2 * qmax(c.bits) + 1, h * d, pooled=pooled)
         sym = _from_lanes(lanes, b, h, d)
         anchors = None
         if c.use_delta:
             full = np.full((b, h, n // c.group, c.group, d), qmax(c.bits), np.int64)
             full[:, :, :, 1:] = sym.reshape(b, h, n // c.group, c.group - 1, d)
             sym = full.reshape(b, h, n, d)
-            a = entropy.unpack(part["anchor_stream"], part["anchor_table"], b * (n // c.group),
-                               2 * qmax(ANCHOR_BITS) + 1, h * d, pooled=True)
+            a = unpack("anchor_stream", b * (n // c.group), 2 * qmax(ANCHOR_BITS) + 1, h * d, pooled=True)
             anchors = from_numpy(_from_lanes(a, b, h, d).astype(np.uint32))
         return from_numpy(sym.astype(np.uint32)), anchors
