@@ -16,7 +16,6 @@ KNOWN_SYNCS = {
              "the store's layout by width is decided on the host",
     "minicache": "the retained (token, head) pairs of each merged token are read (numpy) to "
                  "size the retained table",
-    "gear": "the energy rule's rank is read (int) at each chunk flush: it sizes the factors",
 }
 
 
