@@ -45,7 +45,6 @@ GRAPH_BOUND = 1.3
 # Cache state that generate_step's loop never evaluates (it is not in the logits' graph),
 # so its lazy graph lengthens step after step: the arrays, as found.
 GROWING_LAZY_STATE = {
-    "adakv": "the key-norm ring and the importance between flushes",
 }
 
 
