@@ -276,12 +276,16 @@ class ScoredEvictionCache(CompressedKVCache):
         if prefill_end and not self.window_in_decode:
             self.window_queries = None
         self.in_prompt = n > 1
-        # generate_step evaluates only the logits: a slot write attention did not read
-        # (positions, token state) would stay lazy and chain onto the next step's.
+        return mx.depends(out, self._step_writes())
+
+    def _step_writes(self) -> list[mx.array]:
+        """What a step writes: generate_step evaluates only the logits, so a slot write
+        attention did not read (positions, token state) would stay lazy and chain onto the
+        next step's; attention's output depends on these (one node a layer)."""
         written = [g.buffer for g in self.store.arrays.values() if g.buffer is not None]
         if self.store.free is not None:
             written.append(self.store.free)
-        return mx.depends(out, written)
+        return written
 
     def _padding_mask(self, queries) -> mx.array:
         """Causal by position, padding (position -1) hidden: (B, Hq, N, rows)."""

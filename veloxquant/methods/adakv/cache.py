@@ -116,6 +116,15 @@ class AdaKVCache(QuantizedCache):
             self.since_update, self._widths = 0, None
             self.updates += 1
 
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if queries.shape[2] > 1:
+            return out
+        # no decode attention reads the key-norm ring or the estimate; generate_step
+        # evaluates only the logits, so they ride on its output (one node a layer), or
+        # their lazy graphs would chain from step to step
+        return mx.depends(out, [a for a in (self.norms.norms, self.importance) if a is not None])
+
     def allocation(self) -> tuple[int, ...]:
         """The bit width of each KV head for the tokens flushed now (syncs once per estimate)."""
         if self._widths is None:

@@ -204,8 +204,9 @@ class AMCCache(QuantizedCache):
         if queries.shape[2] == 1 and n == 1:
             tiers, most = self._step_tiers(k, start) if self.mu is not None else self._all_high(k)
             self.store.commit(k, v, tiers, most)
-            return decode_attention(queries, self.store.decode_parts(None), scale=scale, use_kernel=False,
-                                    n_kv_heads=k.shape[1])
+            out = decode_attention(queries, self.store.decode_parts(None), scale=scale, use_kernel=False,
+                                   n_kv_heads=k.shape[1])
+            return mx.depends(out, self._step_writes())
         old_k, old_v = self.store.history(k.dtype)
         all_k = k if old_k is None else mx.concatenate([old_k, k], axis=2)
         all_v = v if old_v is None else mx.concatenate([old_v, v], axis=2)
@@ -215,6 +216,15 @@ class AMCCache(QuantizedCache):
         tiers, most = self._chunk_tiers(queries, all_k, k, scale) if self.mu is not None else self._all_high(k)
         self.store.commit(k, v, tiers, most)
         return out
+
+    def _step_writes(self) -> list[mx.array]:
+        """What a decode step writes that its attention does not read (the thresholds,
+        the window, the flags): generate_step evaluates only the
+        logits, so attention's output depends on them (one node a layer), or their lazy
+        graphs would chain from step to step."""
+        s = self.store
+        written = [self.theta, self.window, self.window_int, s.flags.buffer]
+        return [a for a in written if a is not None]
 
     # -- what is kept ------------------------------------------------------------------------
     @property

@@ -139,6 +139,9 @@ class TieredRowsStore(PackedStore):
                 take = tiers == t
                 kt.write(self._coefficients(t, keys, 0), take, most[t])
                 vt.write(self._coefficients(t, values, 1), take, most[t])
+                # the same rows a head as the keys': a copy of the counts attention reads (an
+                # array of its own, kept and counted), so no chain of its own grows unevaluated
+                vt.counts = kt.counts + 0
         self.flags.append(tiers.astype(mx.uint8))
 
     def _readers(self, t: int):

@@ -14,7 +14,8 @@ For a chunk X (B, H, n, D) of keys or values, per (batch, head), in float32:
    float32 up to 4,096 tokens a chunk; the smallest rank holding ``energy`` of R's spectral
    energy, the largest over the chunk's heads, capped at ``ceil(RANK_CAP_FRACTION *
    min(n, D))``: a quantization residual is nearly white and would otherwise take
-   almost every rank);
+   almost every rank); kept at the cap, the columns past the rule's rank zero (the cap is
+   a Python value, the rule's rank an array: a chunk flush reads nothing on the host);
 4. **sparse**: at the outliers, ``delta = X - D_hat - A Bᵀ`` (with A and B as kept), so
    they come back exactly (to the rounding of ``delta`` in the model dtype). GEAR's repo
    restores the outliers before adding the low-rank term, so they come back off by L
@@ -61,18 +62,36 @@ class ErrorFeedback:
         return x.swapaxes(-1, -2) if self.per_channel else x
 
     def factors(self, residual: mx.array):
-        """(A, B) float32 of the chunk's residual (B, H, n, D), or None."""
-        n, d = residual.shape[-2:]
+        """(A, B) float32 of the chunk's residual (B, H, n, D), or None; under the energy
+        rule at exactly its rank (read on the host: tests and tools, never a decode step)."""
         if self.rank is not None:
-            rank = min(self.rank, n, d)
-            return power_iteration(residual, rank) if rank else None
-        b, sigma = gram_basis(residual)
-        a = residual.astype(mx.float32) @ b  # U Σ, from every row of the chunk
-        need, cap = int(energy_rank(sigma, self.energy).max()), rank_cap(n, d, RANK_CAP_FRACTION)
+            return self.kept_factors(residual)
+        a, b, need, cap = self._energy_factors(residual)
+        need = int(need)
         if need > cap:
-            logger.debug("energy %.3g needs rank %d of a %dx%d chunk: capped at %d", self.energy, need, n, d, cap)
+            logger.debug("energy %.3g needs rank %d of a %dx%d chunk: capped at %d", self.energy, need, *residual.shape[-2:], cap)
         rank = min(need, cap)
         return a[..., :rank], b[..., :rank]
+
+    def kept_factors(self, residual: mx.array):
+        """(A, B) float32 as kept, or None: under the energy rule at the cap rank (a Python
+        value), the columns past the energy rule's rank zero, so nothing is read on the host
+        (a chunk flush is a decode step); the same product as ``factors``."""
+        if self.rank is not None:
+            rank = min(self.rank, *residual.shape[-2:])
+            return power_iteration(residual, rank) if rank else None
+        a, b, need, _ = self._energy_factors(residual)
+        keep = mx.arange(a.shape[-1]) < need
+        return mx.where(keep, a, 0.0), mx.where(keep, b, 0.0)
+
+    def _energy_factors(self, residual: mx.array):
+        """(A, B) at the cap rank, the energy rule's rank (an array: the largest over the
+        chunk's heads) and the cap (``ceil(RANK_CAP_FRACTION * min(n, D))``)."""
+        n, d = residual.shape[-2:]
+        b, sigma = gram_basis(residual)
+        a = residual.astype(mx.float32) @ b  # U Σ, from every row of the chunk
+        cap = rank_cap(n, d, RANK_CAP_FRACTION)
+        return a[..., :cap], b[..., :cap], energy_rank(sigma, self.energy).max(), cap
 
     def encode(self, x: mx.array, offset: int = 0):
         """A chunk (B, H, n, D) -> backbone (codes, scales, biases), factors (A, B) or None,
@@ -92,7 +111,7 @@ class ErrorFeedback:
         factors = None
         if self.rank != 0:
             residual = xf - approx
-            factors = self.factors(residual if mask is None else mx.where(mask, 0.0, residual))
+            factors = self.kept_factors(residual if mask is None else mx.where(mask, 0.0, residual))
         if factors is not None:
             factors = tuple(f.astype(dtype) for f in factors)
             approx = approx + factors[0].astype(mx.float32) @ factors[1].astype(mx.float32).swapaxes(-1, -2)

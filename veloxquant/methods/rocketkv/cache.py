@@ -175,7 +175,10 @@ class RocketKVCache(ScoredEvictionCache):
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         self._awaiting_attend = False
         self.decode_steps += 1  # what the base counts at a decode step; nothing is scored
-        return out
+        return mx.depends(out, self._step_writes())
+
+    def _step_writes(self) -> list[mx.array]:
+        return super()._step_writes() + ([self.pages.buffer] if self.pages.buffer is not None else [])
 
     def chosen_pages(self, queries, keys) -> mx.array | None:
         """The ceil(k2 / P) best pages per KV head (B, Hkv, n); None when that is every page."""

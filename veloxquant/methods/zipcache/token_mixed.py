@@ -188,6 +188,9 @@ class TokenMixedStore(PackedStore):
                                n_kv_heads=keys.shape[1])
         if self.k_buf.length >= self.block:
             self._flush_block(queries, scale)
+            # no later step reads the flags: generate_step evaluates them with this step's
+            # logits, or their appends would chain from flush to flush
+            out = mx.depends(out, [self.flags.buffer])
         return out
 
     # -- reading ----------------------------------------------------------------------------
