@@ -12,10 +12,8 @@ def _along(axis: int, start: int, stop: int):
     return (slice(None),) * axis + (slice(start, stop),)
 
 
-def added_room(length: int, n: int, step: int, limit: int | None, geometric: bool) -> int:
+def added_room(length: int, n: int, step: int, limit: int | None) -> int:
     """Rows ``GrowingArray.append`` adds when ``n`` rows do not fit after ``length``."""
-    if geometric:
-        step = max(1, min(step, -(-(length + n) // 2)))
     room = (n + step - 1) // step * step
     if limit is not None and length + n <= limit:
         room = min(room, limit - length)
@@ -27,22 +25,12 @@ class GrowingArray:
 
     The same policy as mlx-lm's ``KVCache``: when full, keep the valid rows and add
     ``step``-aligned room. ``nbytes`` counts the whole buffer: it is what is kept.
-
-    ``geometric``: the step grows with the content, ``min(step, ceil(rows / 2))`` rows for
-    ``rows`` held after the append, so a short prompt does not pay a whole ``step`` (a
-    20-row prompt is stored exactly; its first decode row adds 11). The buffer then never
-    holds more than ``rows + ceil(rows / 2)`` rows, nor more than ``rows + step - 1`` once the
-    content passes ``2 * step``; growths stay geometric (a copy of the rows each time), so
-    appending a token is still amortised constant work. Rows only (not packed words whose
-    steps must stay aligned with other arrays').
     """
 
-    def __init__(self, axis: int = 2, step: int = 256, limit: int | None = None,
-                 geometric: bool = False):
+    def __init__(self, axis: int = 2, step: int = 256, limit: int | None = None):
         self.axis = axis
         self.step = step
         self.limit = limit  # rows the content never outgrows in steady state: room stops there
-        self.geometric = geometric
         self.buffer: mx.array | None = None
         self.length = 0
 
@@ -54,7 +42,7 @@ class GrowingArray:
         n = rows.shape[self.axis]
         if self.length + n > self.capacity:
             shape = list(rows.shape)
-            shape[self.axis] = added_room(self.length, n, self.step, self.limit, self.geometric)
+            shape[self.axis] = added_room(self.length, n, self.step, self.limit)
             room = mx.zeros(shape, rows.dtype)
             if self.buffer is None:
                 self.buffer = room
@@ -96,9 +84,8 @@ class RecentRows(GrowingArray):
     leave from the front (``pop_front``) without a copy; the rows are moved to the front of
     the buffer only when a new row would not fit. ``view`` is the rows held."""
 
-    def __init__(self, axis: int = 2, step: int = 256, limit: int | None = None,
-                 geometric: bool = False):
-        super().__init__(axis, step, limit, geometric)
+    def __init__(self, axis: int = 2, step: int = 256, limit: int | None = None):
+        super().__init__(axis, step, limit)
         self.start = 0
 
     @property

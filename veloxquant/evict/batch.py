@@ -179,7 +179,7 @@ class EvictionPacked(PackedLayout):
             if free:
                 self.has_free[i] = False
             else:
-                self.capacities[i] = grown_capacity(self.capacities[i], self.rows[i], 1, self.step, self.limits[i], True)
+                self.capacities[i] = grown_capacity(self.capacities[i], self.rows[i], 1, self.step, self.limits[i])
                 self.rows[i] += 1
         self.offsets = [o + 1 for o in self.offsets]
         self.offset_array = self.offset_array + 1
@@ -288,7 +288,7 @@ class EvictionPacked(PackedLayout):
         n = self.rows[i]
         for name in self.names:
             block = self.store.arrays[name].buffer[i : i + 1, :, :n]
-            store.arrays[name] = single_buffer(block, self.capacities[i], self.step, self.limits[i], True)
+            store.arrays[name] = single_buffer(block, self.capacities[i], self.step, self.limits[i])
         store.free = self.free[i : i + 1] if self.has_free[i] else None
         cache.store = store
         cache.offset = self.offsets[i]
