@@ -47,3 +47,10 @@ def test_a_field_given_flat_and_in_options_at_different_values_warns():
         KVCacheConfig(method="h2o", h2o_budget=100, options=H2OOptions(h2o_budget=100))
         KVCacheConfig(method="h2o", h2o_budget=100, options=H2OOptions(h2o_n_sink=8))
         KVCacheConfig(method="h2o", options=H2OOptions(h2o_budget=64))
+
+
+def test_a_flat_field_named_at_its_default_against_options_warns_that_options_hold():
+    default = H2OOptions().h2o_budget
+    with pytest.warns(ConflictingFieldWarning, match=rf"h2o_budget={default} and .*h2o_budget=64.*the options' 64 is used"):
+        config = KVCacheConfig(method="h2o", h2o_budget=default, options=H2OOptions(h2o_budget=64))
+    assert config.h2o_budget == 64

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import sys
 import warnings
@@ -61,7 +62,7 @@ def _caller_stacklevel() -> int:
     frame, level = sys._getframe(1), 1
     while frame is not None and (
         frame.f_code.co_filename.startswith(_PACKAGE_DIRS)
-        or frame.f_code is KVCacheConfig.__init__.__code__
+        or frame.f_code in _INIT_CODES
     ):
         frame, level = frame.f_back, level + 1
     return level
@@ -181,20 +182,29 @@ class KVCacheConfig(KVCacheConfigFields):
         object.__setattr__(self, "_ready", True)
 
     def _warn_conflicts(self, options: Any) -> None:
-        """A field given both flat and in ``options``, at two values other than its default:
-        the flat value wins (as before), and the caller hears of it. (A flat value equal to its
-        default cannot be told from one not given; the options' value then holds.)"""
+        """A field given both flat and in ``options``, at two different values (the options'
+        not at its default, which cannot be told from one left unset): the caller hears which
+        holds. A flat value other than its default holds; one the caller named at its
+        default gives way to the options'."""
         expected = _expected_options(self.method)
         if expected is None or not isinstance(options, expected):
             return  # _apply_options refuses it
+        named = self.__dict__.get("_named", frozenset())
         for name in METHODS[self.method].fields:
             flat, given = getattr(self, name), getattr(options, name)
-            if flat != _DEFAULTS[name] and given != _DEFAULTS[name] and flat != given:
-                warnings.warn(
-                    f"KVCacheConfig: {name} is given twice, {name}={flat!r} and "
-                    f"options={type(options).__name__}({name}={given!r}); the flat {flat!r} "
-                    f"is used: give it in options only",
-                    ConflictingFieldWarning, stacklevel=_caller_stacklevel())
+            if given == _DEFAULTS[name] or flat == given:
+                continue
+            if flat != _DEFAULTS[name]:
+                used = f"the flat {flat!r} is used"
+            elif name in named:
+                used = f"the options' {given!r} is used (a flat value at its default gives way)"
+            else:
+                continue
+            warnings.warn(
+                f"KVCacheConfig: {name} is given twice, {name}={flat!r} and "
+                f"options={type(options).__name__}({name}={given!r}); {used}: give it in "
+                f"options only",
+                ConflictingFieldWarning, stacklevel=_caller_stacklevel())
 
     # -- options ---------------------------------------------------------------
     @property
@@ -317,3 +327,19 @@ def _options_from_mapping(method: str, values: Mapping[str, Any]) -> Any:
     if cls is None:
         return None
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+_FIELDS_INIT = KVCacheConfig.__init__
+
+
+@functools.wraps(_FIELDS_INIT)
+def _init_naming_fields(self, *args, **kwargs):
+    # Which fields the caller named: a flat field given at its default is still given, and
+    # a conflict with ``options`` over it is reported (``_warn_conflicts``).
+    names = [f.name for f in dataclasses.fields(KVCacheConfig)]
+    object.__setattr__(self, "_named", frozenset(kwargs) | frozenset(names[: len(args)]))
+    _FIELDS_INIT(self, *args, **kwargs)
+
+
+KVCacheConfig.__init__ = _init_naming_fields
+_INIT_CODES = (_FIELDS_INIT.__code__, _init_naming_fields.__code__)
