@@ -213,11 +213,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def check_config_for_model(config: KVCacheConfig, model) -> None:
     """What only the model's shapes can refuse, refused before any work: every field the
     spec says must divide head_dim (group sizes, sub-vector widths)."""
-    from .cache.config import head_dim_problem
-    from .integrations.mlx_lm import model_head_dim
+    from .integrations.mlx_lm import head_dim_problem_for
 
-    head_dim = model_head_dim(model)
-    problem = head_dim_problem(config, head_dim) if head_dim else None
+    problem = head_dim_problem_for(config, model)
     if problem:
         raise CLIError(f"--set {problem}")
 

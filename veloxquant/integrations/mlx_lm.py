@@ -182,9 +182,14 @@ def model_head_dim(model: nn.Module) -> int | None:
     return head_dim
 
 
-def _check_supported(model: nn.Module, cache_class: type, config: KVCacheConfig) -> None:
+def head_dim_problem_for(config: KVCacheConfig, model: nn.Module) -> str | None:
+    """A field of ``config`` that must divide the model's head_dim and does not, or None."""
     head_dim = model_head_dim(model)
-    problem = head_dim_problem(config, head_dim) if head_dim else None
+    return head_dim_problem(config, head_dim) if head_dim else None
+
+
+def _check_supported(model: nn.Module, cache_class: type, config: KVCacheConfig) -> None:
+    problem = head_dim_problem_for(config, model)
     if problem:
         raise ValueError(f"method {config.method!r}: {problem}")
     if cache_class.requires_attention_hook and not attention_modules(model):

@@ -42,9 +42,10 @@ def _model_kv_shape(model) -> tuple[int, int] | None:
     args = getattr(model, "args", None)
     if args is None:
         return None
-    heads = getattr(args, "num_attention_heads", None)
-    kv_heads = getattr(args, "num_key_value_heads", None) or heads
-    head_dim = getattr(args, "head_dim", None) or (args.hidden_size // heads if heads else None)
+    from .mlx_lm import model_head_dim  # mlx-lm is loaded by now: a model was given
+
+    kv_heads = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", None)
+    head_dim = model_head_dim(model)
     return (kv_heads, head_dim) if kv_heads and head_dim else None
 
 
