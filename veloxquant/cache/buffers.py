@@ -94,10 +94,16 @@ class RecentRows(GrowingArray):
 
     def append(self, rows: mx.array) -> None:
         if self.start and self.length + rows.shape[self.axis] > self.capacity:
-            held = self.held
-            self.buffer[_along(self.axis, 0, held)] = self.buffer[_along(self.axis, self.start, self.length)]
-            self.start, self.length = 0, held
+            self.compact()
         super().append(rows)
+
+    def compact(self) -> None:
+        """Move the rows held to the front of the buffer (one copy of the window)."""
+        if self.start:
+            held = self.held
+            if held:
+                self.buffer[_along(self.axis, 0, held)] = self.buffer[_along(self.axis, self.start, self.length)]
+            self.start, self.length = 0, held
 
     def pop_front(self, n: int) -> mx.array:
         """The ``n`` oldest rows, which leave the window."""

@@ -47,10 +47,26 @@ class DecodePart:
     values: AffineLayout | Any | None  # the part's first values, packed
     value_tail: mx.array | None
     heads: mx.array | None = None  # the KV heads the part holds, increasing (None: all)
+    # (key rows, value rows) valid from row 0 when the tails are whole window buffers with
+    # room after them (None: the tails are exactly the rows)
+    tail_rows: tuple[int, int] | None = None
 
     @property
     def length(self) -> int:
-        return (self.keys.count if self.keys is not None else 0) + _rows(self.key_tail)
+        return (self.keys.count if self.keys is not None else 0) + self.tail_counts[0]
+
+    @property
+    def tail_counts(self) -> tuple[int, int]:
+        if self.tail_rows is not None:
+            return self.tail_rows
+        return _rows(self.key_tail), _rows(self.value_tail)
+
+    def tails(self):
+        """The full-precision key and value rows (views of the buffers where they have room)."""
+        if self.tail_rows is None:
+            return self.key_tail, self.value_tail
+        (nk, nv), k, v = self.tail_rows, self.key_tail, self.value_tail
+        return (k if k.shape[2] == nk else k[:, :, :nk]), (v if v.shape[2] == nv else v[:, :, :nv])
 
     @property
     def affine(self) -> bool:
@@ -67,8 +83,9 @@ class DecodePart:
     def kernel_args(self):
         """The 12 cache arguments of the single-layout kernels (kivi_decode.py)."""
         k, v = self.keys, self.values
-        return (k.codes, k.scales, k.biases, k.count, self.key_tail, _rows(self.key_tail),
-                v.codes, v.scales, v.biases, v.count, self.value_tail, _rows(self.value_tail))
+        n_kres, n_vres = self.tail_counts  # the kernels take a tail's rows from its buffer's start
+        return (k.codes, k.scales, k.biases, k.count, self.key_tail, n_kres,
+                v.codes, v.scales, v.biases, v.count, self.value_tail, n_vres)
 
 
 def _rows(x) -> int:
@@ -145,14 +162,15 @@ def _pure_partials(queries, part: DecodePart, scale):
     ml (B*Hq, 1, 2) = (base-2 max of the scores, sum of 2^(score - max))."""
     b, hq, _, d = queries.shape
     h = _kv_heads(part)
+    key_tail, value_tail = part.tails()
     q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
     scores = []
     if part.keys is not None and part.keys.count:
         k = part.keys
         scores.append(kd.affine_key_scores(q, k.codes, k.scales, k.biases, k.count, k.bits, k.group)
                       if isinstance(k, AffineLayout) else k.scores(q))
-    if part.key_tail is not None:
-        scores.append(q @ part.key_tail.astype(mx.float32).swapaxes(-1, -2))
+    if key_tail is not None:
+        scores.append(q @ key_tail.astype(mx.float32).swapaxes(-1, -2))
     s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     m = s.max(axis=-1, keepdims=True)
     e = mx.exp(s - m)
@@ -161,8 +179,8 @@ def _pure_partials(queries, part: DecodePart, scale):
     if n_packed:
         o = (kd.affine_value_mix(e[..., :n_packed], v.codes, v.scales, v.biases, n_packed, v.bits, v.group)
              if isinstance(v, AffineLayout) else v.mix(e[..., :n_packed]))
-    if part.value_tail is not None:
-        r = e[..., n_packed:] @ part.value_tail.astype(mx.float32)
+    if value_tail is not None:
+        r = e[..., n_packed:] @ value_tail.astype(mx.float32)
         o = r if o is None else o + r
     ml = mx.concatenate([m * LOG2E, e.sum(axis=-1, keepdims=True)], axis=-1)
     return o.reshape(b * hq, 1, d), ml.reshape(b * hq, 1, 2)

@@ -9,14 +9,18 @@ group size). A prefill chunk attends over the decoded history plus itself, as KI
 prefill does; a decode step over the packed history, through the fused kernel on a GPU.
 As in the official decode, a step attends first (its key and value exact, in the windows)
 and flushes after: the step that fills a key block reads those R keys exact, then packs
-them.
+them. Adapted: the official decode packs the value that leaves the window at every step;
+here values leave 32 at a time (the window holds R to R + 31 exact values), so that a
+decode step does no quantization work and 31 of 32 steps only write their row. The packed
+values are the same codes (per-token groups do not depend on their neighbours); the
+memory held is the same (the window's buffer had that room already).
 """
 
 from __future__ import annotations
 
 from ..quant.cache import QuantizedCache
 from ..quant.packed import GROWTH_TOKENS, GroupAffine
-from ..quant.store import QuantizedKVStore
+from ..quant.store import VALUE_ROOM, QuantizedKVStore
 
 
 class KIVICache(QuantizedCache):
@@ -29,7 +33,7 @@ class KIVICache(QuantizedCache):
         return QuantizedKVStore(
             GroupAffine(bits, self.group, "channel"), GroupAffine(bits, self.group, "token"),
             window=residual, key_block=flush, step_tokens=max(GROWTH_TOKENS, flush),
-            attend_then_flush=True,
+            attend_then_flush=True, value_flush=VALUE_ROOM,
         )
 
     @property

@@ -111,9 +111,15 @@ class QuantizedKVStore(PackedStore):
     read quantized."""
 
     def __init__(self, key_codec: GroupAffine, value_codec: GroupAffine, window: int,
-                 key_block: int, step_tokens: int, attend_then_flush: bool = False):
+                 key_block: int, step_tokens: int, attend_then_flush: bool = False,
+                 value_flush: int = 1):
+        if not 1 <= value_flush <= VALUE_ROOM:
+            raise ValueError(f"value_flush={value_flush}: must be from 1 to {VALUE_ROOM}")
         self.window, self.key_block = window, key_block
         self.attend_then_flush = attend_then_flush
+        # decode steps pack values ``value_flush`` at a time: the window then holds from
+        # ``window`` to ``window + value_flush - 1`` exact values between flushes
+        self.value_flush = value_flush
         self.keys = PackedTokens(key_codec, step_tokens)
         self.values = PackedTokens(value_codec)
         # Full-precision windows, written in place: keys not yet flushed (< key_block), the
@@ -158,8 +164,10 @@ class QuantizedKVStore(PackedStore):
         if self.k_win.held == self.key_block:
             self.keys.append(self.k_win.view())
             self.k_win.reset(None)
-        if self.v_win.held > self.window:
-            self.values.append(self.v_win.pop_front(1), one_token=True)
+        if self.v_win.held >= self.window + self.value_flush:
+            n = self.v_win.held - self.window
+            self.values.append(self.v_win.pop_front(n), one_token=n == 1)
+            self.v_win.compact()  # rows from 0 again: the kernels read the buffer itself
 
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
         if not (self.attend_then_flush and self.window):
@@ -205,8 +213,16 @@ class QuantizedKVStore(PackedStore):
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         parts = [DecodePart(s.keys.layout(empty), None, s.values.layout(empty), None)
                  for s in self.segments]
-        parts.append(DecodePart(self.keys.layout(empty), self.k_res,
-                                self.values.layout(empty), self.v_res))
+        k_held, v_held = self.k_win.held, self.v_win.held
+        if k_held and v_held and not self.k_win.start and not self.v_win.start:
+            # the windows' buffers themselves, rows from 0: no slice (and no copy of it
+            # into a contiguous array for the kernel) at each step
+            parts.append(DecodePart(self.keys.layout(empty), self.k_win.buffer,
+                                    self.values.layout(empty), self.v_win.buffer,
+                                    tail_rows=(k_held, v_held)))
+        else:
+            parts.append(DecodePart(self.keys.layout(empty), self.k_res,
+                                    self.values.layout(empty), self.v_res))
         return parts
 
     def layout_problems(self, head_dims: tuple[int, int]):
@@ -229,8 +245,11 @@ class QuantizedKVStore(PackedStore):
             yield "quantized keys", n_kq, f"a multiple of the key block {self.key_block}"
         if k_res >= self.key_block:
             yield "full-precision keys", k_res, f"fewer than the key block {self.key_block}"
-        if v_res != min(offset, self.window):
-            yield "full-precision values", v_res, f"min(offset {offset}, window {self.window})"
+        low = min(offset, self.window)
+        if not low <= v_res < low + self.value_flush:
+            allowed = (f"min(offset {offset}, window {self.window})" if self.value_flush == 1 else
+                       f"from min(offset {offset}, window {self.window}) to {self.value_flush - 1} more")
+            yield "full-precision values", v_res, allowed
         if n_kq + k_res != offset or n_vq + v_res != offset:
             yield "tokens stored", f"{n_kq + k_res} keys / {n_vq + v_res} values", f"the offset {offset}"
 

@@ -107,8 +107,9 @@ class BorrowedStore(QuantizedKVStore):
     """The quantized store with borrowed keys and values (same windows, same flushes)."""
 
     def __init__(self, keys: BorrowedCodes, values: BorrowedCodes, window: int, key_block: int,
-                 step_tokens: int, attend_then_flush: bool = False):
-        super().__init__(keys.codec, values.codec, window, key_block, step_tokens, attend_then_flush)
+                 step_tokens: int, attend_then_flush: bool = False, value_flush: int = 1):
+        super().__init__(keys.codec, values.codec, window, key_block, step_tokens, attend_then_flush,
+                         value_flush)
         self.keys, self.values = keys, values
 
     def layout_problems(self, head_dims):

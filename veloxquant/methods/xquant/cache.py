@@ -35,7 +35,7 @@ from ...lowrank.shared_latent import packing_unit
 from .borrowed import BorrowedCodes, BorrowedStore
 from ...quant.cache import QuantizedCache
 from ...quant.packed import GROWTH_TOKENS, GroupAffine
-from ...quant.store import QuantizedKVStore
+from ...quant.store import VALUE_ROOM, QuantizedKVStore
 
 
 class XQuantCache(CrossLayer, QuantizedCache):
@@ -56,7 +56,7 @@ class XQuantCache(CrossLayer, QuantizedCache):
         values = GroupAffine(o.xquant_base_bits, self.group, "token")
         if self.is_owner:
             return QuantizedKVStore(keys, values, window=window, key_block=block, step_tokens=step,
-                                    attend_then_flush=True)  # KIVI's decode order
+                                    attend_then_flush=True, value_flush=VALUE_ROOM)  # KIVI's decode
         bits = o.xquant_residual_bits
 
         def residual(axis):
@@ -64,7 +64,8 @@ class XQuantCache(CrossLayer, QuantizedCache):
 
         return BorrowedStore(BorrowedCodes(keys, residual("channel"), self._anchor_keys, step),
                              BorrowedCodes(values, residual("token"), self._anchor_values, step),
-                             window=window, key_block=block, step_tokens=step, attend_then_flush=True)
+                             window=window, key_block=block, step_tokens=step, attend_then_flush=True,
+                             value_flush=VALUE_ROOM)
 
     def _anchor_keys(self):
         return self.owner.store.keys
