@@ -1,9 +1,14 @@
 """Issue 37: `veloxquant generate` says in one line when a method holds more than the full
-cache (a short prompt inside a method's full-precision window, or growth room)."""
+cache (a short prompt inside a method's full-precision window, or growth room), and a short
+prompt does not pay a whole growth step (snapkv's 256 slots, kivi's 32-row window steps)."""
 
 import re
 
+import mlx.core as mx
+import pytest
 
+from tiny_models import prompt, tiny_model
+from veloxquant_mlx import KVCacheConfig, make_prompt_cache
 from veloxquant_mlx.cli import main
 
 PROMPT = "The quick brown fox"  # <bos> + 19 bytes = a 20-token prompt
@@ -34,3 +39,28 @@ def test_no_note_when_the_method_holds_less(capsys):
     err = capsys.readouterr().err
     _, kept, full = _memory(err)
     assert kept < full and "note:" not in err
+
+
+# Growth follows what is held (GrowingArray(geometric=True): the eviction slots, the quantized
+# stores' full-precision windows, streaming_llm's window): an append of n rows that overflows
+# adds ceil(n / s) * s < n + s rows, s = min(step, ceil(rows / 2)) for the ``rows`` held after
+# it, so the buffer holds at most rows + ceil(rows / 2) - 1 <= 1.5 * rows - 0.5 rows, and
+# appends that fit only lower the ratio. Whole rows: at most floor(1.5 * rows) a layer and head.
+@pytest.mark.parametrize("n_prompt", [20, 33])
+@pytest.mark.parametrize("method", ["kivi", "snapkv", "streaming_llm"])
+def test_a_short_prompt_and_its_decode_steps_hold_at_most_one_and_a_half_rows_per_token(method, n_prompt):
+    model = tiny_model("llama")
+    args = model.args
+    cache = make_prompt_cache(model, KVCacheConfig(method=method))
+    tokens = prompt(n_prompt + 6)
+    model(tokens[None, :n_prompt], cache=cache)
+    # K and V rows of the full cache; snapkv adds an int32 position per slot and head
+    row = 2 * args.head_dim * 4
+    extra = 4 if method == "snapkv" else 0
+    for i in range(n_prompt, n_prompt + 6):
+        mx.eval(model(tokens[None, i : i + 1], cache=cache))
+        rows = i + 1
+        full = len(cache) * args.num_key_value_heads * rows * row
+        held = sum(c.nbytes for c in cache)
+        bound = len(cache) * args.num_key_value_heads * (int(1.5 * rows)) * (row + extra)
+        assert held <= bound, (rows, held / full, bound / full)

@@ -439,11 +439,12 @@ class BatchCache:
 # capacity each sequence's own buffers would have grown to alone, so that unpacking or
 # extracting gives back byte for byte the cache of the sequence run alone. ``PackedLayout``
 # derives ``batch_size``, ``extract`` and ``unpack`` from ``shells`` and ``_single``.
-def grown_capacity(capacity: int, length: int, n: int, step: int, limit: int | None) -> int:
+def grown_capacity(capacity: int, length: int, n: int, step: int, limit: int | None,
+                   geometric: bool = False) -> int:
     """The capacity ``GrowingArray.append`` leaves after appending ``n`` rows."""
     if length + n <= capacity:
         return capacity
-    return length + added_room(length, n, step, limit)
+    return length + added_room(length, n, step, limit, geometric)
 
 
 def pad_rows(x: mx.array, rows: int, value=0) -> mx.array:
@@ -454,9 +455,10 @@ def pad_rows(x: mx.array, rows: int, value=0) -> mx.array:
     return mx.pad(x, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 3), constant_values=value)
 
 
-def single_buffer(block: mx.array, capacity: int, step: int, limit: int | None) -> GrowingArray:
+def single_buffer(block: mx.array, capacity: int, step: int, limit: int | None,
+                  geometric: bool = False) -> GrowingArray:
     """A GrowingArray holding ``block`` (1, H, n, ...) with ``capacity`` rows of room."""
-    grown = GrowingArray(axis=2, step=step, limit=limit)
+    grown = GrowingArray(axis=2, step=step, limit=limit, geometric=geometric)
     grown.buffer = mx.contiguous(pad_rows(block, capacity))
     grown.length = block.shape[2]
     return grown

@@ -12,8 +12,10 @@ def _along(axis: int, start: int, stop: int):
     return (slice(None),) * axis + (slice(start, stop),)
 
 
-def added_room(length: int, n: int, step: int, limit: int | None) -> int:
+def added_room(length: int, n: int, step: int, limit: int | None, geometric: bool = False) -> int:
     """Rows ``GrowingArray.append`` adds when ``n`` rows do not fit after ``length``."""
+    if geometric:
+        step = max(1, min(step, -(-(length + n) // 2)))
     room = (n + step - 1) // step * step
     if limit is not None and length + n <= limit:
         room = min(room, limit - length)
@@ -24,13 +26,24 @@ class GrowingArray:
     """Rows appended along ``axis`` into a buffer grown ``step`` rows at a time.
 
     The same policy as mlx-lm's ``KVCache``: when full, keep the valid rows and add
-    ``step``-aligned room. ``nbytes`` counts the whole buffer: it is what is kept.
+    ``step``-aligned room. ``nbytes`` counts the whole buffer, spare room included: it is
+    what is kept.
+
+    ``geometric``: the step follows the content, ``min(step, ceil(rows / 2))`` for ``rows``
+    held after the append, so a short prompt does not pay a whole ``step``: a 20-row prompt
+    is stored exactly, its first decode row adds 11. After a growth the buffer holds fewer
+    than ``1.5 * rows`` rows (``rows + step`` once the content passes ``2 * step``), and
+    growths stay geometric, so appending a row is still amortised constant work. For
+    arrays whose axis counts rows only: packed words and their scales grow by steps that
+    must stay aligned with each other.
     """
 
-    def __init__(self, axis: int = 2, step: int = 256, limit: int | None = None):
+    def __init__(self, axis: int = 2, step: int = 256, limit: int | None = None,
+                 geometric: bool = False):
         self.axis = axis
         self.step = step
         self.limit = limit  # rows the content never outgrows in steady state: room stops there
+        self.geometric = geometric
         self.buffer: mx.array | None = None
         self.length = 0
 
@@ -42,7 +55,7 @@ class GrowingArray:
         n = rows.shape[self.axis]
         if self.length + n > self.capacity:
             shape = list(rows.shape)
-            shape[self.axis] = added_room(self.length, n, self.step, self.limit)
+            shape[self.axis] = added_room(self.length, n, self.step, self.limit, self.geometric)
             room = mx.zeros(shape, rows.dtype)
             if self.buffer is None:
                 self.buffer = room
@@ -84,8 +97,9 @@ class RecentRows(GrowingArray):
     leave from the front (``pop_front``) without a copy; the rows are moved to the front of
     the buffer only when a new row would not fit. ``view`` is the rows held."""
 
-    def __init__(self, axis: int = 2, step: int = 256, limit: int | None = None):
-        super().__init__(axis, step, limit)
+    def __init__(self, axis: int = 2, step: int = 256, limit: int | None = None,
+                 geometric: bool = False):
+        super().__init__(axis, step, limit, geometric)
         self.start = 0
 
     @property

@@ -268,7 +268,7 @@ class ScoredEvictionCache(CompressedKVCache):
         prefill_end = n == 1 and self.in_prompt
         if self.window and (n > 1 or prefill_end or self.window_in_decode):
             q = queries if self.window_queries is None else mx.concatenate([self.window_queries, queries], 2)
-            self.window_queries = q[:, :, -self.window :]
+            self.window_queries = mx.contiguous(q[:, :, -self.window :])  # a view would pin all of q
         inputs = ScoreInputs(self, queries, scale)
         self.observe(inputs)
         if self._scores_now(n, prefill_end):

@@ -97,7 +97,7 @@ class EvictionPacked(PackedLayout):
         first = singles[0].store
         self.names = first.names
         grown = first.arrays[self.names[0]]
-        self.step = grown.step
+        self.step, self.geometric = grown.step, grown.geometric
         self.shells = singles
         # Per sequence (host lists): slots held, the capacity and limit its own store would
         # have, whether its last eviction left a free slot (``free``: which, per head), the
@@ -179,7 +179,8 @@ class EvictionPacked(PackedLayout):
             if free:
                 self.has_free[i] = False
             else:
-                self.capacities[i] = grown_capacity(self.capacities[i], self.rows[i], 1, self.step, self.limits[i])
+                self.capacities[i] = grown_capacity(self.capacities[i], self.rows[i], 1, self.step, self.limits[i],
+                                                      self.geometric)
                 self.rows[i] += 1
         self.offsets = [o + 1 for o in self.offsets]
         self.offset_array = self.offset_array + 1
@@ -288,7 +289,7 @@ class EvictionPacked(PackedLayout):
         n = self.rows[i]
         for name in self.names:
             block = self.store.arrays[name].buffer[i : i + 1, :, :n]
-            store.arrays[name] = single_buffer(block, self.capacities[i], self.step, self.limits[i])
+            store.arrays[name] = single_buffer(block, self.capacities[i], self.step, self.limits[i], self.geometric)
         store.free = self.free[i : i + 1] if self.has_free[i] else None
         cache.store = store
         cache.offset = self.offsets[i]

@@ -22,7 +22,8 @@ class SlotStore:
 
     def __init__(self, names: tuple[str, ...], step: int = 256):
         self.names = names
-        self.arrays = {name: GrowingArray(axis=2, step=step) for name in names}
+        # room follows what is kept (``geometric``): a short prompt holds no 256-slot step
+        self.arrays = {name: GrowingArray(axis=2, step=step, geometric=True) for name in names}
         self.free: mx.array | None = None  # (B, H) int32: the slot the next token takes
 
     @property

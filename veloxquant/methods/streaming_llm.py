@@ -22,8 +22,8 @@ class StreamingLLMCache(CompressedKVCache):
         options = self.config.options
         self.n_sink, self.window = options.stream_n_sink, options.stream_window_size
         # Room grows with what is kept, up to the capacity, never allocated ahead of it.
-        self.keys = GrowingArray(limit=self.capacity)
-        self.values = GrowingArray(limit=self.capacity)
+        self.keys = GrowingArray(limit=self.capacity, geometric=True)
+        self.values = GrowingArray(limit=self.capacity, geometric=True)
         self.ring = 0  # next window row to overwrite once full (rows are then unordered)
 
     @property

@@ -38,8 +38,8 @@ class ChunkedStore(PackedStore):
             raise ValueError(f"block={block} must be a multiple of group={group}")
         self.keys, self.values = keys, values
         self.block, self.group, self.quantize_values = block, group, quantize_values
-        self.k_buf = GrowingArray(step=WINDOW_STEP, limit=block)
-        self.v_buf = GrowingArray(step=WINDOW_STEP, limit=block) if quantize_values else GrowingArray(step=step_tokens)
+        self.k_buf = GrowingArray(step=WINDOW_STEP, limit=block, geometric=True)
+        self.v_buf = GrowingArray(step=WINDOW_STEP, limit=block, geometric=True) if quantize_values else GrowingArray(step=step_tokens)
 
     @property
     def length(self) -> int:

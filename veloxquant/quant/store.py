@@ -124,8 +124,8 @@ class QuantizedKVStore(PackedStore):
         self.values = PackedTokens(value_codec)
         # Full-precision windows, written in place: keys not yet flushed (< key_block), the
         # newest ``window`` values with VALUE_ROOM rows of room, so a step moves no rows.
-        self.k_win = RecentRows(step=WINDOW_STEP, limit=key_block)
-        self.v_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM)
+        self.k_win = RecentRows(step=WINDOW_STEP, limit=key_block, geometric=True)
+        self.v_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM, geometric=True)
         self.segments: list[Segment] = []
 
     @property

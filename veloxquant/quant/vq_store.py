@@ -97,8 +97,8 @@ class CodebookStore(PackedStore):
         self.window, self.fitter = window, fit
         self.key_codec, self.value_codec = codecs if codecs is not None else (None, None)
         self.fitted_from = "calibration" if codecs is not None else None
-        self.k_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM)
-        self.v_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM)
+        self.k_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM, geometric=True)
+        self.v_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM, geometric=True)
         self.k_codes = GrowingArray(axis=2, step=GROWTH_TOKENS)
         self.v_codes = GrowingArray(axis=2, step=GROWTH_TOKENS)
         self.dims: tuple[int, int] | None = None  # key and value head_dim (the first tokens')

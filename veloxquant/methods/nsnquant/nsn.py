@@ -224,8 +224,8 @@ class NSNStore(PackedStore):
         self.chunk, self.limit = chunk, limit
         self.keys = NSNTokens(codec, chunk, limit)  # one universal codebook for keys and values
         self.values = NSNTokens(codec, chunk, limit)
-        self.k_tail = GrowingArray(step=min(WINDOW_STEP, chunk), limit=chunk)
-        self.v_tail = GrowingArray(step=min(WINDOW_STEP, chunk), limit=chunk)
+        self.k_tail = GrowingArray(step=min(WINDOW_STEP, chunk), limit=chunk, geometric=True)
+        self.v_tail = GrowingArray(step=min(WINDOW_STEP, chunk), limit=chunk, geometric=True)
         self.dims: tuple[int, int] | None = None
         self.codebook_shape = tuple(codec.codebook.shape)  # what the options ask for
 

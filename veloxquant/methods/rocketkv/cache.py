@@ -99,7 +99,7 @@ class RocketKVCache(ScoredEvictionCache):
 
     def _init_storage(self) -> None:
         super()._init_storage()
-        self.pages = GrowingArray(axis=3)  # (B, Hkv, 2D, pages): min keys, then max keys
+        self.pages = GrowingArray(axis=3, geometric=True)  # (B, Hkv, 2D, pages): min keys, then max keys
         self.paged_rows = 0  # the stored rows the pages summarise
         self.plan = None  # (P, r, k2), fixed when a prompt ends
 

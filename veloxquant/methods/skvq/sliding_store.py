@@ -73,7 +73,7 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
         self.values = ClippedTokens(value_bits, group, step_tokens, room)
         self._init_sinks(n_sink)
         # Keys slide with the values: the window, written in place, VALUE_ROOM rows of room.
-        self.k_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM)
+        self.k_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM, geometric=True)
         # Fitted at the first quantization: orders (B, H, 1, D) uint32, clip ratios (B, H).
         self.perm_k = self.perm_v = self.inv_v = None
         self.alpha_k = self.alpha_v = None

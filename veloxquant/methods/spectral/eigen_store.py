@@ -156,7 +156,8 @@ class EigenTokens:
         self.sigma = self.codec.sigmas(eigenvalues, d)
         if self.codec.qjl:
             e = self.codec.widths(d)[0]
-            self.sketch = mx.random.normal((d, d), key=mx.random.key(self.seed))[:e, :e]
+            # a copy: the (e, e) corner as a view would keep the whole (d, d) draw alive
+            self.sketch = mx.contiguous(mx.random.normal((d, d), key=mx.random.key(self.seed))[:e, :e])
 
     def append(self, x: mx.array) -> None:
         """Encode rows (B, H, n, D) after those kept (the first call fits the basis)."""

@@ -108,8 +108,8 @@ class TokenMixedStore(PackedStore):
         self.k_channel: mx.array | None = None  # (B, H, D) float32, frozen at the first span
         self.v_channel: mx.array | None = None
         room = min(block, WINDOW_STEP)
-        self.k_buf = GrowingArray(axis=2, step=room, limit=block)
-        self.v_buf = GrowingArray(axis=2, step=room, limit=block)
+        self.k_buf = GrowingArray(axis=2, step=room, limit=block, geometric=True)
+        self.v_buf = GrowingArray(axis=2, step=room, limit=block, geometric=True)
 
     @property
     def compressed(self) -> int:
