@@ -163,7 +163,7 @@ class QuantizedKVStore(PackedStore):
         """After a decode step's rows: a full key block, and the value past the window."""
         if self.k_win.held == self.key_block:
             self.keys.append(self.k_win.view())
-            self.k_win.reset(None)
+            self.k_win.truncate(0)  # its room stays: the next block fills it without growing
         if self.v_win.held >= self.window + self.value_flush:
             n = self.v_win.held - self.window
             self.values.append(self.v_win.pop_front(n), one_token=n == 1)
