@@ -45,6 +45,7 @@ import mlx.core as mx  # noqa: E402
 
 from decode import PRESETS, build_model, make_cache  # noqa: E402
 from veloxquant_mlx.bench.runner import prefill  # noqa: E402
+from veloxquant_mlx.cache import batch as batch_module  # noqa: E402
 from veloxquant_mlx.cache.options import (  # noqa: E402
     KIVIOptions,
     PyramidKVOptions,
@@ -63,6 +64,14 @@ METHODS = {
     # the same mean budget as the two rows above (its default, 512, is not comparable)
     "pyramidkv 2048": KVCacheConfig(options=PyramidKVOptions(pyramid_budget=2048)),
 }
+# KIVI's packed batch attends through the pure-MLX path (the fused kernels take one length
+# per launch); this row batches it per sequence instead (each sequence's own attention,
+# through the fused kernel on a GPU), for the comparison in the same run.
+PER_SEQUENCE = "kivi 4-bit, per sequence"
+METHODS[PER_SEQUENCE] = METHODS["kivi 4-bit"]
+
+
+_packer_for = batch_module.packer_for
 
 
 def batched(cache: list, n: int) -> list:
@@ -167,6 +176,7 @@ def main() -> None:
     tokens = mx.random.randint(0, model.args.vocab_size, (args.prompt,), key=mx.random.key(args.prompt))
     rows = []
     for name in args.methods:
+        batch_module.packer_for = _packer_for if name != PER_SEQUENCE else (lambda cls: None)
         try:
             rows.append(measure(model, name, METHODS[name], tokens, budget, args.steps, args.max_seqs,
                                 args.prefill_repeats))

@@ -240,18 +240,22 @@ class QuantizedPacked(PackedLayout):
             self.kb = _scatter(self.kb, biases, at // kc.group, 3)
             for m, flush in zip(self.mirrors, due):
                 if flush:
-                    for name, n in (("k_codes", self.k_words), ("k_scales", self.k_groups), ("k_biases", self.k_groups)):
-                        m[name].append(n)
+                    m["k_codes"].append(self.k_words)
+                    m["k_scales"].append(self.k_groups)
+                    m["k_biases"].append(self.k_groups)
                     m["k_res"].clear()
         if any(m["v_res"].held > self.window for m in self.mirrors):
             due = [m["v_res"].held > self.window for m in self.mirrors]
             vq = self._counts("vq")
-            self.vc, self.vs, self.vb = (_room(x, 2, max(vq) + 1, self.step_tokens) for x in (self.vc, self.vs, self.vb))
+            self.vc, self.vs, self.vb = (_room(x, 2, max(vq) + 1, self.step_tokens)
+                                         for x in (self.vc, self.vs, self.vb))
             oldest = mx.array(self.ring, mx.int32).reshape(-1, 1, 1, 1)
             row = mx.take_along_axis(self.vwin, mx.broadcast_to(oldest, (*self.vwin.shape[:2], 1, 1)), axis=2)
             codes, scales, biases = self.value_codec.encode_one(row)
             at = mx.array(vq, mx.int32)
-            self.vc, self.vs, self.vb = (_scatter(x, y, at, 2) for x, y in ((self.vc, codes), (self.vs, scales), (self.vb, biases)))
+            self.vc = _scatter(self.vc, codes, at, 2)
+            self.vs = _scatter(self.vs, scales, at, 2)
+            self.vb = _scatter(self.vb, biases, at, 2)
             cap = self.window + 1
             for i, (m, flush) in enumerate(zip(self.mirrors, due)):
                 if flush:
