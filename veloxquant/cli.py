@@ -286,6 +286,16 @@ def _serve_stats_wanted() -> bool:
     return os.environ.get(SERVE_STATS_ENV, "") not in ("", "0")
 
 
+def kv_memory_bytes(gigabytes: float | None) -> int | None:
+    """``--kv-memory`` in bytes (GB: 10**9 bytes, as mlx-lm's --prompt-cache-bytes counts)."""
+    if gigabytes is None:
+        return None
+    if not gigabytes > 0 or gigabytes == float("inf"):
+        raise SystemExit(f"veloxquant serve: --kv-memory={gigabytes}: allowed is a finite number "
+                         "of GB above 0 (e.g. --kv-memory 40)")
+    return int(gigabytes * 10**9)
+
+
 def cmd_serve(args: argparse.Namespace, server_args: list[str]) -> int:
     """Run mlx-lm's OpenAI-compatible server with every loaded model patched to use the
     method, batching requests continuously when the method batches (--no-batching: one
@@ -298,7 +308,9 @@ def cmd_serve(args: argparse.Namespace, server_args: list[str]) -> int:
 
     from .integrations.mlx_lm import SERVED_FLAG, patch_server
 
-    patch_server(server, config, batching=not args.no_batching)
+    budget = kv_memory_bytes(args.kv_memory)
+    patch_server(server, config, batching=not args.no_batching,
+                 **({} if budget is None else {"kv_memory": budget}))
     sys.argv = ["veloxquant serve", *server_args]
     code = 0
     try:
@@ -449,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help=doc,
         description=doc + " Arguments after -- go to mlx_lm.server (its --model may be a "
         "folder, a hub id or 'reference', the embedded model, which is the default).",
-        usage="veloxquant serve [--method M] [--set FIELD=VALUE ...] [--no-batching] -- "
+        usage="veloxquant serve [--method M] [--set FIELD=VALUE ...] [--no-batching] "
+              "[--kv-memory GB] -- "
               "[mlx_lm.server args]",
     )
     _add_method_args(p)
@@ -458,6 +471,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "arriving meanwhile wait); default: continuous batching for the methods "
                         f"that batch. With {SERVE_STATS_ENV}=1 in the environment, the server "
                         "prints its peak memory when it stops")
+    p.add_argument("--kv-memory", type=float, default=None, metavar="GB",
+                   help="KV cache memory (GB, 10^9 bytes) the requests being answered may hold "
+                        "together: the method's bytes per token are measured once on the model, a "
+                        "request needing bytes/token x (prompt + max_tokens) is admitted when that "
+                        "fits beside the others, queued otherwise, and refused (HTTP 400) when it "
+                        "can never fit; mlx-lm's --prompt-cache-bytes bounds the finished caches it "
+                        "keeps. Default: no budget")
     p.set_defaults(func=cmd_serve)
 
     doc = " ".join(cmd_calibrate.__doc__.split())

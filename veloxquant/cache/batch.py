@@ -21,9 +21,9 @@ sequence, an ``mx.array``) for RoPE. ``merge`` on one of our classes returns a
   cache, position -1 for the eviction base, which its attention and score helpers
   already ignore). One attention call per layer for the batch; eviction decisions stay
   per sequence (each sequence's budget, its scores over its own slots, its free slot).
-  The dense cache (``FullPacked`` here) and the eviction base (``evict/batch.py``) have
-  one. Padding sits after a sequence's slots, so attention over a padded row adds exact
-  zeros after the real terms; MLX's fused attention still sums a longer row in other
+  The dense cache (``FullPacked`` here), the eviction base (``evict/batch.py``) and the
+  quantized store (``quant/batch.py``) have one. Padding sits after a sequence's slots,
+  so attention over a padded row adds exact zeros after the real terms; MLX's fused attention still sums a longer row in other
   blocks, so a sequence followed by padding may round differently from alone (by float
   rounding). The batch conformance tests hold packed runs to float
   rounding with the same tokens and kept positions, per-sequence runs to bit identity.
@@ -36,15 +36,16 @@ AttributeError), so mlx-lm does not batch it, and our integration replaces mlx-l
 generic refusal with one naming the method and the methods that batch. Nothing ever
 falls back to an uncompressed cache.
 
-The quantized stores (``quant/store.py`` and the stores built on it) batch per sequence
-only. Their decode attends over parts (packed groups, codebook codes, low-rank factors,
-a full-precision window) whose boundaries move at each sequence's own steps: a store
-flushes its window into packed groups when that sequence's window fills, so in a batch
-the parts of different sequences cover different token ranges. A packed layout would
-need per-sequence masks inside every part (the fused kernels' and the ``PackedScores``
-codecs') and flushes for a subset of rows; per sequence, each store's decode runs
-unchanged (bit-identical to alone) and the model's projections and MLPs still run
-batched.
+The quantized stores (``quant/store.py`` and the stores built on it) batch per sequence,
+except the plain ``QuantizedKVStore`` of a class that keeps ``QuantizedCache``'s decode
+steps (KIVI), which has a packed layout (``quant/batch.py``: per-sequence lengths and
+masks in the pure-MLX attention, flushes at each sequence's own steps). The other stores
+attend over parts (sinks, segments, codebook codes, low-rank factors) whose boundaries
+move at each sequence's own steps; a packed layout for them would need per-sequence masks
+inside every part (the ``PackedScores`` codecs') and flushes for a subset of rows; per
+sequence, each store's decode runs unchanged (bit-identical to alone) and the model's
+projections and MLPs still run batched. The fused decode kernels take one length per
+launch, so packed quantized batches attend through the pure-MLX path.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ caches are not ours behave exactly as before.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from typing import Any, Callable
 
@@ -321,8 +322,81 @@ def batch_refusal(model: nn.Module) -> str | None:
     return None
 
 
-def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = True) -> None:
+# -- admission by KV memory (issue 32) ------------------------------------------------------
+PROBE_TOKENS = 512  # tokens of the probe whose cache is measured: a multiple of growth steps
+
+
+def measured_kv_bytes_per_token(model: nn.Module, tokens: int = PROBE_TOKENS) -> float:
+    """Bytes one token of a sequence holds in ``model``'s (patched) caches: every layer's
+    ``nbytes`` (spare room included) after a probe of ``tokens`` tokens, over ``tokens``."""
+    import mlx.core as mx
+
+    cache = model.make_cache()
+    probe = mx.arange(tokens, dtype=mx.int32) % 7 + 1  # any tokens: the cache's size is the same
+    for start in range(0, tokens, 256):
+        model(probe[start:start + 256][None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return sum(c.nbytes for c in cache) / tokens
+
+
+class KVAdmission:
+    """Admits requests while their caches fit ``budget`` bytes, first come first served.
+
+    A request's need is ``bytes_per_token * (prompt + max_tokens)``; one that can never fit
+    is refused (``refusal``); one that does not fit now waits (``admitted``) until requests
+    before it have finished, so that the caches held never exceed the budget.
+    """
+
+    def __init__(self, budget: int, bytes_per_token: float, method: str):
+        import collections
+        import threading
+
+        self.budget, self.bytes_per_token, self.method = budget, bytes_per_token, method
+        self.in_use = 0
+        self._waiting: collections.deque = collections.deque()
+        self._changed = threading.Condition()
+
+    def need(self, tokens: int) -> int:
+        return math.ceil(self.bytes_per_token * tokens)
+
+    def refusal(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        need = self.need(prompt_tokens + max_tokens)
+        if need <= self.budget:
+            return None
+        most = int(self.budget // self.bytes_per_token)
+        return (f"prompt of {prompt_tokens} tokens + max_tokens={max_tokens}: its KV cache needs "
+                f"{need} bytes ({self.bytes_per_token:.1f} bytes a token, measured for method "
+                f"{self.method!r}), over the server's --kv-memory budget of {self.budget} bytes; "
+                f"allowed: prompt + max_tokens of at most {most} tokens")
+
+    @contextlib.contextmanager
+    def admitted(self, need: int):
+        ticket = object()
+        with self._changed:
+            self._waiting.append(ticket)
+            if self._waiting[0] is not ticket or self.in_use + need > self.budget:
+                print(f"veloxquant: request queued: it needs {need} bytes of KV cache, {self.in_use} "
+                      f"of the {self.budget} bytes budgeted are held", file=sys.stderr, flush=True)
+            while self._waiting[0] is not ticket or self.in_use + need > self.budget:
+                self._changed.wait()
+            self._waiting.popleft()
+            self.in_use += need
+            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.in_use -= need
+                self._changed.notify_all()
+
+
+def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = True,
+                 kv_memory: int | None = None) -> None:
     """Make ``mlx_lm.server`` patch every model it loads with ``config``.
+
+    ``kv_memory``: bytes of KV cache the requests being answered may hold together; each
+    loaded model's bytes per token is measured once (``measured_kv_bytes_per_token``) and
+    requests are admitted, queued or refused by ``KVAdmission``.
 
     When the method batches (``cache/batch.py``) the server batches continuously as it does
     with mlx-lm's own caches: requests join the batch while others decode and leave when
@@ -342,6 +416,12 @@ def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = Tru
         if getattr(getattr(self, "cli_args", None), "kv_bits", None) is not None:
             why = why or "mlx-lm's --kv-bits serves one request at a time"
         self.is_batchable = why is None
+        if kv_memory is not None:
+            per_token = measured_kv_bytes_per_token(self.model)
+            self._veloxquant_admission = KVAdmission(kv_memory, per_token, config.method)
+            print(f"veloxquant: KV budget {kv_memory} bytes, {per_token:.1f} bytes a token "
+                  f"(measured on a {PROBE_TOKENS}-token probe): about {int(kv_memory // per_token)} "
+                  "tokens held at once", file=sys.stderr, flush=True)
         how = ("continuous batching (a request with a seed is served on its own, as mlx-lm does)"
                if why is None else f"one request at a time ({why.split(':')[0]})")
         print(
@@ -353,6 +433,7 @@ def patch_server(server_module: Any, config: KVCacheConfig, batching: bool = Tru
 
     provider._veloxquant_original_load = original
     provider._load = _load
+    server_module._veloxquant_kv_memory = kv_memory
     _tolerate_missing_hub_cache(server_module)
     _note_http_served(server_module)
     _bound_requests(server_module)
@@ -487,6 +568,10 @@ def _bound_requests(server_module: Any) -> None:
             logging.info(f"veloxquant: max_tokens {handler.max_tokens} capped at {cap} "
                          f"(a prompt of {len(prompt)} tokens and the limits {context_limits(model)})")
             handler.max_tokens = cap
+        admission = getattr(provider, "_veloxquant_admission", None)
+        if why is None and admission is not None:
+            why = admission.refusal(len(prompt), handler.max_tokens)
+            handler._veloxquant_need = admission.need(len(prompt) + handler.max_tokens)
         return why
 
     def bounded_handle_completion(self, request, stop_words):
@@ -499,8 +584,20 @@ def _bound_requests(server_module: Any) -> None:
             self.wfile.write(body)
             return
         local.connection = None if self.stream else self.connection
+        provider = self.response_generator.model_provider
+        admission = getattr(provider, "_veloxquant_admission", None)
+        need = self.__dict__.pop("_veloxquant_need", None)
+        if admission is None and getattr(server_module, "_veloxquant_kv_memory", None) is not None:
+            # the model is still loading (its bytes per token not yet measured): nothing is
+            # admitted unmeasured, so wait for it, then check this request like any other
+            while getattr(provider, "_veloxquant_admission", None) is None and \
+                    self.response_generator.generation_available():
+                time.sleep(0.1)
+            return bounded_handle_completion(self, request, stop_words)
+        held = admission.admitted(need) if admission is not None and need is not None else contextlib.nullcontext()
         try:
-            return handle_completion(self, request, stop_words)
+            with held:
+                return handle_completion(self, request, stop_words)
         except (_ClientGone, BrokenPipeError, ConnectionResetError):  # streaming: a write failed
             logging.info("veloxquant: the client closed its connection; its request stopped generating")
         finally:

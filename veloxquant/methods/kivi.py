@@ -25,7 +25,7 @@ from ..quant.store import VALUE_ROOM, QuantizedKVStore
 
 class KIVICache(QuantizedCache):
     group_field = "kivi_group_size"
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = True  # packed decode: quant/batch.py runs the store's decode steps for the batch
 
     def make_store(self):
         bits, residual = self.config.kv_bits, self.config.residual_window  # config fields (the spec)

@@ -24,6 +24,14 @@ class QuantizedCache(CompressedKVCache):
     def make_store(self):
         raise NotImplementedError
 
+    @classmethod
+    def packed_layout(cls):
+        """The batch layout of ``quant/batch.py`` for a class that decodes with these steps
+        (which stores it takes: ``QuantizedPacked.can_pack``)."""
+        from .batch import QuantizedPacked
+
+        return QuantizedPacked if QuantizedPacked.accepts(cls) else None
+
     def observe(self, keys: mx.array, values: mx.array, n_queries: int) -> None:
         """Called before each chunk or step is stored (default: nothing)."""
 

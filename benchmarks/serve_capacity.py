@@ -1,0 +1,203 @@
+"""Serving capacity at a fixed KV budget (issue 32): how many long sequences each cache holds
+at once, and the aggregate decode speed of that batch, against mlx-lm's fp16 ``KVCache``.
+
+A random-weight llama (``benchmarks/decode.py``'s presets, no download). Requests with
+``--prompt``-token prompts arrive together; per method:
+
+1. one prompt is prefilled (mlx-lm's way: chunks, then the last token alone), twice: the
+   second, warm, prefill's time is the time to first token of a request served alone;
+2. two copies of it, merged into a batch and decoded ``--steps`` + 2 tokens, give the
+   bytes a sequence holds in a batch (their ``nbytes`` over two: the batch layout's room
+   and windows included); the most sequences held at once is the budget over that (at
+   most ``--max-seqs``);
+3. that many copies of the prefilled sequence are merged into one batch the way mlx-lm's
+   ``BatchGenerator`` merges caches (``cache.merge``: mlx-lm's ``BatchKVCache`` for the
+   fp16 row, ``cache/batch.py`` for ours), then ``--steps`` decode steps run the way
+   ``generate_step`` runs them (overlapped, after two warm-up steps): aggregate decode
+   tokens per second = sequences x steps / wall time. The batch's ``nbytes`` is reported
+   against the budget (padding and spare room included).
+
+Copies stand in for distinct prompts: a cache's size and a decode step's work depend on
+the lengths, not on the tokens, and prefilling every request would take the sequences
+held times one prefill (the table's "TTFT, last of N" column is that product: the time
+to first token of the last request when N arrive together and are prefilled in turn).
+
+    python benchmarks/serve_capacity.py                                  # H200: 8B, 32k, 40 GB
+    python benchmarks/serve_capacity.py --preset tiny --prompt 4096 --kv-gb 0.04 --steps 4 \
+        --prefill-repeats 1                                              # a CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from veloxquant_mlx import KVCacheConfig  # noqa: E402  first: it may load OpenBLAS
+
+import mlx.core as mx  # noqa: E402
+
+from decode import PRESETS, build_model, make_cache  # noqa: E402
+from veloxquant_mlx.bench.runner import prefill  # noqa: E402
+from veloxquant_mlx.cache import batch as batch_module  # noqa: E402
+from veloxquant_mlx.cache.options import (  # noqa: E402
+    KIVIOptions,
+    PyramidKVOptions,
+    SnapKVOptions,
+    StreamingLLMOptions,
+)
+
+BASELINE = "mlx-lm KVCache"
+METHODS = {
+    BASELINE: None,
+    "full": KVCacheConfig(),
+    "kivi 4-bit": KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=32), kv_bits=4),
+    "kivi 2-bit": KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=32), kv_bits=2),
+    "snapkv 2048": KVCacheConfig(options=SnapKVOptions(snap_budget=2048)),
+    "streaming_llm 4+2044": KVCacheConfig(options=StreamingLLMOptions(stream_n_sink=4, stream_window_size=2044)),
+    # the same mean budget as the two rows above (its default, 512, is not comparable)
+    "pyramidkv 2048": KVCacheConfig(options=PyramidKVOptions(pyramid_budget=2048)),
+}
+# KIVI's packed batch attends through the pure-MLX path (the fused kernels take one length
+# per launch); this row batches it per sequence instead (each sequence's own attention,
+# through the fused kernel on a GPU), for the comparison in the same run.
+PER_SEQUENCE = "kivi 4-bit, per sequence"
+METHODS[PER_SEQUENCE] = METHODS["kivi 4-bit"]
+
+
+_packer_for = batch_module.packer_for
+
+
+def batched(cache: list, n: int) -> list:
+    """``n`` copies of one sequence's caches as one batch, merged as BatchGenerator does."""
+    return [c.merge([c] * n) for c in cache]
+
+
+def overlapped(model, cache, y, steps):
+    """Wall seconds per step over ``steps`` steps, run as ``generate_step`` runs them."""
+    mx.async_eval(y)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        next_y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        mx.async_eval(next_y)
+        mx.eval(y)
+        y = next_y
+    mx.eval(y)
+    return y, (time.perf_counter() - t0) / steps
+
+
+def measure(model, name, config, tokens, budget, steps, max_seqs, repeats):
+    for _ in range(repeats - 1):  # first use: compilation, kernel self-checks
+        prefill(model, make_cache(model, config), tokens)
+    gc.collect()
+    mx.clear_cache()
+    cache = make_cache(model, config)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, tokens)
+    ttft = time.perf_counter() - t0
+    # two sequences batched as the real batch will be (its layout's room and windows
+    # included), decoded as long as it will be: their bytes at the end, each
+    probe = batched(cache, 2)
+    y = mx.broadcast_to(mx.argmax(logits)[None], (2,))
+    for _ in range(steps + 2):
+        y = mx.argmax(model(y[:, None], cache=probe)[:, -1], axis=-1)
+        mx.eval(y)
+    per_seq = sum(c.nbytes for c in probe) / 2
+    del probe
+    held = min(max_seqs, int(budget // per_seq))
+    row = {"cache": name, "bytes_per_seq": per_seq, "held": held, "ttft_s": ttft}
+    if held == 0:
+        return {**row, "tok_s": 0.0, "batch_bytes": 0}
+    batch = batched(cache, held)
+    del cache
+    gc.collect()
+    y = mx.broadcast_to(mx.argmax(logits)[None], (held,))
+    y, _ = overlapped(model, batch, y, 2)  # packs the batch, first-use work
+    y, seconds = overlapped(model, batch, y, steps)
+    return {**row, "tok_s": held / seconds, "step_s": seconds, "batch_bytes": sum(c.nbytes for c in batch)}
+
+
+def table(rows, budget) -> list[str]:
+    base = next((r for r in rows if r["cache"] == BASELINE and "error" not in r), None)
+    out = ["| cache | KV MB a sequence | sequences held | vs fp16 | batch KV MB (of budget) "
+           "| decode tok/s (all) | vs fp16 | step ms | TTFT s (alone) | TTFT s, last of N |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['cache']} | failed: {r['error']} |||||||||")
+            continue
+        vs = (lambda k: f"{r[k] / base[k]:.2f}x" if base and base[k] else "-")
+        out.append(
+            f"| {r['cache']} | {r['bytes_per_seq'] / 1e6:.1f} | {r['held']} | {vs('held')} "
+            f"| {r['batch_bytes'] / 1e6:.1f} ({r['batch_bytes'] / budget:.0%}) | {r['tok_s']:.1f} | {vs('tok_s')} "
+            f"| {r.get('step_s', 0) * 1e3:.1f} | {r['ttft_s']:.2f} | {r['ttft_s'] * r['held']:.1f} |")
+    return out
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        if "error" not in r and r["held"]:
+            ax.scatter(r["held"], r["tok_s"], s=40)
+            ax.annotate(r["cache"], (r["held"], r["tok_s"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("sequences held at once (fixed KV budget)")
+    ax.set_ylabel("aggregate decode tokens / s")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="llama3-8b", choices=list(PRESETS))
+    ap.add_argument("--prompt", type=int, default=32768, help="prompt tokens of every request")
+    ap.add_argument("--kv-gb", type=float, default=40.0, help="KV budget, GB (10^9 bytes)")
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    ap.add_argument("--max-seqs", type=int, default=256, help="most sequences a batch may hold")
+    ap.add_argument("--prefill-repeats", type=int, default=2, help="prefills a method (the last is timed)")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--out", default=None, help="markdown table (default benchmarks/results/serve_capacity-<preset>.md)")
+    args = ap.parse_args()
+    out = Path(args.out or Path(__file__).parent / "results" / f"serve_capacity-{args.preset}.md")
+    budget = int(args.kv_gb * 1e9)
+    model = build_model(args.preset, getattr(mx, args.dtype))
+    tokens = mx.random.randint(0, model.args.vocab_size, (args.prompt,), key=mx.random.key(args.prompt))
+    rows = []
+    for name in args.methods:
+        batch_module.packer_for = _packer_for if name != PER_SEQUENCE else (lambda cls: None)
+        try:
+            rows.append(measure(model, name, METHODS[name], tokens, budget, args.steps, args.max_seqs,
+                                args.prefill_repeats))
+        except Exception as exc:  # a row that fails is shown failed, the others still run
+            traceback.print_exc()
+            rows.append({"cache": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
+        gc.collect()
+        mx.clear_cache()
+        print(rows[-1], flush=True)
+    command = "python benchmarks/serve_capacity.py " + " ".join(sys.argv[1:])
+    lines = [f"# Serving capacity: {args.preset}, {args.prompt}-token prompts, {args.kv_gb:g} GB of KV",
+             "", f"`{command}`", "",
+             f"{platform.node()} / {mx.default_device()} / MLX {mx.__version__} / {args.dtype}; "
+             f"{args.steps} timed decode steps of the whole batch; TTFT alone: a warm prefill of one "
+             "prompt; TTFT, last of N: N prefills in turn (computed).", "", *table(rows, budget), ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    plot(rows, out.with_suffix(".png"))
+    print("\n".join(lines))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The quantized store's packed batch layout (quant/batch.py, issue 32): a batch of KIVI
+sequences decodes in one attention call per layer, flushes at each sequence's own steps,
+and gives back each sequence's store exactly as it runs alone."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import batching
+from decode_steps import recording_host_reads
+from tiny_models import prompt
+from veloxquant_mlx.cache import batch as batch_module
+from veloxquant_mlx.kernels import kivi_decode as kd
+
+# Prompts that leave each sequence at another point of its key block and value window, and
+# enough steps that every one flushes a key block at a different step.
+PROMPTS = (45, 100, 67)
+MAX_TOKENS = (40, 25, 33)
+
+
+def _prompts():
+    return [prompt(n, seed=i + 11).tolist() for i, n in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_batch_decodes_packed_and_equals_each_sequence_alone(bits, monkeypatch):
+    model, make = batching.rowwise_setup("kivi", {"kv_bits": bits, "residual_window": 32})
+    prompts = _prompts()
+    alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, MAX_TOKENS)]
+    batches = []
+    calls = []
+    scores = kd.affine_key_scores
+    monkeypatch.setattr(kd, "affine_key_scores", lambda q, *a: calls.append(q.shape[0]) or scores(q, *a))
+
+    def check(gen):
+        batching.memory_check(gen)
+        batches.extend((c.mode, c.batch_size) for c in batching.batch_caches(gen))
+
+    got = batching.run_batched(model, prompts, MAX_TOKENS, join_at=5, check=check)
+    # packed steps ran with several sequences at once, each layer's attention one call
+    assert ("packed", 3) in batches and ("packed", 2) in batches
+    assert {2, 3} <= set(calls)
+    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
+        batching.assert_same_cache(cache, a_cache, exact=False)
+
+
+def test_a_packed_kivi_decode_step_reads_nothing_on_the_host():
+    model, make = batching.rowwise_setup("kivi", {"kv_bits": 4, "residual_window": 32})
+    caches = []
+    for t in _prompts():
+        c = make()
+        model(mx.array(t)[None], cache=c)
+        caches.append(c)
+    merged = [type(caches[0][i]).merge([c[i] for c in caches]) for i in range(len(model.layers))]
+    y = mx.array([[1], [2], [3]])
+    for _ in range(2):  # the first step packs (host ints only)
+        model(y, cache=merged)
+    assert all(c.mode == batch_module.PACKED for c in merged)
+    with recording_host_reads() as reads:
+        for _ in range(40):  # every sequence flushes a key block and values
+            out = model(y, cache=merged)
+            mx.async_eval(out)
+    assert not reads, [str(r) for r in reads]
