@@ -7,12 +7,14 @@ batch is packed) keeps each of the store's quantities as one array with the batc
   ``kq[b]`` tokens first, the rest room or padding;
 - packed values (per token) ``(B, H, rows, ...)``, sequence b's ``vq[b]`` rows first;
 - the full-precision key window ``(B, H, key_block, D)``, ``kw[b]`` rows held from row 0;
-- the value window ``(B, H, window + 1, D)``, a ring per sequence: ``vheld[b]`` rows from
-  row ``ring[b]`` on (so that the value leaving the window is read, not the window moved).
+- the value window ``(B, H, window + value_flush, D)``, a ring per sequence: ``vheld[b]``
+  rows from row ``ring[b]`` on (so that the values leaving the window are read, not the
+  window moved).
 
 A decode step writes each sequence's key and value into its own slots, attends once for
 the batch, then flushes as each sequence's store would alone (attend first, then a full key
-block into packed keys, the value past the window into packed values). Sequences reach a
+block into packed keys, ``value_flush`` values past the window into packed values).
+Sequences reach a
 flush at their own steps: a flush quantizes the windows of the whole batch and writes each
 sequence's result after its own packed tokens; for a sequence not due, that write lands in
 its padding (never read), which costs less than selecting rows and keeps the step's graph
@@ -22,7 +24,7 @@ Attention is the pure-MLX path (``kernels/kivi_decode.py``'s ``affine_key_scores
 ``affine_value_mix``) with per-sequence masks: key scores over [packed keys | key window],
 each sequence's own slots valid, one softmax; the probabilities are then gathered into the
 values' order (the keys and the values are split at different tokens: KIVI flushes keys by
-blocks and values one at a time). The fused CUDA/Metal kernels take one length per launch,
+blocks and values ``value_flush`` at a time). The fused CUDA/Metal kernels take one length per launch,
 not one per sequence, so a packed batch does not use them yet.
 
 Each sequence's host counters mirror the buffers its own store would hold alone
@@ -45,12 +47,12 @@ class _Rows:
     """Host mirror of one sequence's ``GrowingArray``/``RecentRows``: what its buffer would
     be alone (rows ``start .. length`` held, ``capacity`` allocated)."""
 
-    __slots__ = ("start", "length", "capacity", "step", "limit")
+    __slots__ = ("start", "length", "capacity", "step", "limit", "geometric")
 
     def __init__(self, grown):
         self.start = getattr(grown, "start", 0)
         self.length, self.capacity = grown.length, grown.capacity
-        self.step, self.limit = grown.step, grown.limit
+        self.step, self.limit, self.geometric = grown.step, grown.limit, grown.geometric
 
     @property
     def held(self) -> int:
@@ -59,11 +61,16 @@ class _Rows:
     def append(self, n: int) -> None:
         if self.start and self.length + n > self.capacity:  # RecentRows moves its rows to the front
             self.start, self.length = 0, self.held
-        self.capacity = grown_capacity(self.capacity, self.length, n, self.step, self.limit)
+        self.capacity = grown_capacity(self.capacity, self.length, n, self.step, self.limit,
+                                       self.geometric)
         self.length += n
 
-    def clear(self) -> None:
-        self.start = self.length = self.capacity = 0
+    def empty(self) -> None:
+        """``truncate(0)``: no rows, the room kept."""
+        self.start = self.length = 0
+
+    def compact(self) -> None:
+        self.start, self.length = 0, self.held
 
 
 def _room(x: mx.array, axis: int, need: int, step: int) -> mx.array:
@@ -109,6 +116,7 @@ class QuantizedPacked(PackedLayout):
     def can_pack(single) -> bool:
         store = getattr(single, "store", None)
         return (type(store) is QuantizedKVStore and store.attend_then_flush and store.window > 0
+                and store.value_flush <= store.window
                 and not store.segments and single.offset > 0 and store.v_win.held > 0
                 and isinstance(store.keys.codec, GroupAffine) and store.keys.codec.axis == "channel"
                 and isinstance(store.values.codec, GroupAffine) and store.values.codec.axis == "token")
@@ -119,7 +127,7 @@ class QuantizedPacked(PackedLayout):
         self.shells = singles
         first = singles[0].store
         self.key_codec, self.value_codec = first.keys.codec, first.values.codec
-        self.window, self.key_block = first.window, first.key_block
+        self.window, self.key_block, self.value_flush = first.window, first.key_block, first.value_flush
         self.step_tokens = first.keys.scales.step * self.key_codec.group
         self.mirrors = [{name: _Rows(g) for name, g in s.store.arrays().items()} for s in singles]
         self.offsets = [s.offset for s in singles]
@@ -144,12 +152,12 @@ class QuantizedPacked(PackedLayout):
         self.kc = joined(lambda st: st.keys.codes.view(), (1, h, d_k, 0), mx.uint32, 3, words)
         self.ks = joined(lambda st: st.keys.scales.view(), (1, h, d_k, 0), dtype, 3, groups)
         self.kb = joined(lambda st: st.keys.biases.view(), (1, h, d_k, 0), dtype, 3, groups)
-        rows = max(s.store.values.count for s in singles) + 1
+        rows = max(s.store.values.count for s in singles) + self.value_flush
         self.vc = joined(lambda st: st.values.codes.view(), (1, h, 0, d_v * vc.bits // 32), mx.uint32, 2, rows)
         self.vs = joined(lambda st: st.values.scales.view(), (1, h, 0, d_v // vc.group), dtype, 2, rows)
         self.vb = joined(lambda st: st.values.biases.view(), (1, h, 0, d_v // vc.group), dtype, 2, rows)
         self.kwin = joined(lambda st: st.k_win.view(), (1, h, 0, d_k), dtype, 2, self.key_block)
-        self.vwin = joined(lambda st: st.v_win.view(), (1, h, 0, d_v), dtype, 2, self.window + 1)
+        self.vwin = joined(lambda st: st.v_win.view(), (1, h, 0, d_v), dtype, 2, self.ring_size)
         self.ring = [0] * len(singles)
         self._pending = None
         for s in singles:  # the shells keep their config, context and layer; not their rows
@@ -182,7 +190,7 @@ class QuantizedPacked(PackedLayout):
         self.shells[0]._own_attention_begins(sinks)
         new_k, new_v = self._pending
         self._pending = None
-        cap = self.window + 1
+        cap = self.ring_size
         kw, vheld = self._counts("kw"), self._counts("vheld")
         at = mx.array([kw, [(r + v) % cap for r, v in zip(self.ring, vheld)]], mx.int32)
         self.kwin = _scatter(self.kwin, new_k.astype(self.kwin.dtype), at[0], 2)
@@ -198,7 +206,7 @@ class QuantizedPacked(PackedLayout):
         b, hq, _, d_k = queries.shape
         h = self.kwin.shape[1]
         kq, kw, vq, vheld = (self._counts(n) for n in ("kq", "kw", "vq", "vheld"))
-        n_kq, n_vq, cap = max(kq), max(vq), self.window + 1
+        n_kq, n_vq, cap = max(kq), max(vq), self.ring_size
         c = mx.array([kq, kw, vq, vheld, self.ring], mx.int32)[..., None]  # (5, B, 1)
         q = queries.astype(mx.float32).reshape(b, h, hq // h, d_k) * scale
         kc, vc = self.key_codec, self.value_codec
@@ -243,26 +251,34 @@ class QuantizedPacked(PackedLayout):
                     m["k_codes"].append(self.k_words)
                     m["k_scales"].append(self.k_groups)
                     m["k_biases"].append(self.k_groups)
-                    m["k_res"].clear()
-        if any(m["v_res"].held > self.window for m in self.mirrors):
-            due = [m["v_res"].held > self.window for m in self.mirrors]
+                    m["k_res"].empty()
+        n = self.value_flush
+        if any(m["v_res"].held >= self.window + n for m in self.mirrors):
+            due = [m["v_res"].held >= self.window + n for m in self.mirrors]
             vq = self._counts("vq")
-            self.vc, self.vs, self.vb = (_room(x, 2, max(vq) + 1, self.step_tokens)
+            self.vc, self.vs, self.vb = (_room(x, 2, max(vq) + n, self.step_tokens)
                                          for x in (self.vc, self.vs, self.vb))
-            oldest = mx.array(self.ring, mx.int32).reshape(-1, 1, 1, 1)
-            row = mx.take_along_axis(self.vwin, mx.broadcast_to(oldest, (*self.vwin.shape[:2], 1, 1)), axis=2)
-            codes, scales, biases = self.value_codec.encode_one(row)
+            cap = self.ring_size
+            oldest = (mx.array(self.ring, mx.int32)[:, None] + mx.arange(n, dtype=mx.int32)) % cap
+            oldest = mx.broadcast_to(oldest[:, None, :, None], (*self.vwin.shape[:2], n, 1))
+            rows = mx.take_along_axis(self.vwin, oldest, axis=2)
+            codes, scales, biases = (self.value_codec.encode_one(rows) if n == 1
+                                     else self.value_codec.encode(rows))
             at = mx.array(vq, mx.int32)
             self.vc = _scatter(self.vc, codes, at, 2)
             self.vs = _scatter(self.vs, scales, at, 2)
             self.vb = _scatter(self.vb, biases, at, 2)
-            cap = self.window + 1
             for i, (m, flush) in enumerate(zip(self.mirrors, due)):
                 if flush:
-                    m["v_res"].start += 1
+                    m["v_res"].start += n
+                    m["v_res"].compact()
                     for name in ("v_codes", "v_scales", "v_biases"):
-                        m[name].append(1)
-                    self.ring[i] = (self.ring[i] + 1) % cap
+                        m[name].append(n)
+                    self.ring[i] = (self.ring[i] + n) % cap
+
+    @property
+    def ring_size(self) -> int:
+        return self.window + self.value_flush
 
     # -- what BatchGenerator calls -------------------------------------------------------------
     _ARRAYS = ("kc", "ks", "kb", "vc", "vs", "vb", "kwin", "vwin")
@@ -294,7 +310,7 @@ class QuantizedPacked(PackedLayout):
 
     def _single(self, b: int, shell):
         store, m = shell.make_store(), self.mirrors[b]
-        kc, vc, cap = self.key_codec, self.value_codec, self.window + 1
+        kc, vc, cap = self.key_codec, self.value_codec, self.ring_size
         one = slice(b, b + 1)
         held_v = m["v_res"].held
         ring = (self.ring[b] + mx.arange(held_v)) % cap
