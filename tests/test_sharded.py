@@ -132,3 +132,20 @@ def test_chunkkv_reuse_group_split_by_the_pipeline_is_refused():
     with pytest.raises(ValueError, match=r"layers \[0, 1\] together, but the pipeline"):
         METHODS["chunkkv"].load_implementation()(cfg, ctx, 1)
 
+
+
+def test_a_sharded_prompt_cache_deep_copies_sharing_its_distributed_group():
+    """mlx-lm's server deep-copies prompt caches; a group cannot be copied (TypeError before)."""
+    import copy
+
+    from veloxquant_mlx.cache.context import ShardLayout
+
+    model = tiny_model("qwen2")
+    cache = make_prompt_cache(model, config("snapkv", profile("snapkv").compressing))
+    group = mx.distributed.init()
+    cache[0].context.shard = ShardLayout(stages=((0, 2),), tensor_group=group)
+    model(prompt(60)[None], cache=cache)
+    copied = copy.deepcopy(cache)
+    assert copied[0].context is not cache[0].context and copied[0].context is copied[1].context
+    assert copied[0].context.shard.tensor_group is group
+    assert mx.array_equal(copied[0].state["arrays"]["keys"], cache[0].state["arrays"]["keys"])

@@ -103,7 +103,7 @@ class _PipelineKeys:
         if own is not _NO_KEYS and not _called_from_model_code():
             return own
         pending = obj.__dict__.get("_after_send")
-        return _SEND_TOKEN if pending is None else pending
+        return mx.array(0, dtype=mx.int32) if pending is None else pending
 
     def __set__(self, obj, value):
         if isinstance(value, mx.array) and _called_from_model_code():
@@ -113,7 +113,6 @@ class _PipelineKeys:
 
 
 _NO_KEYS = object()
-_SEND_TOKEN = mx.array(0, dtype=mx.int32)
 
 
 def _carry_pipeline_dependency(update):

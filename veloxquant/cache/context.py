@@ -45,6 +45,11 @@ class ShardLayout:
     pipeline_group: Any = None  # the mx.distributed group of the pipeline (None: one stage)
     tensor_group: Any = None  # the group the heads are split over (None: all heads here)
 
+    def __deepcopy__(self, memo):
+        # Copies of a prompt cache (mlx-lm's server, batching) run on the same processes:
+        # they share the layout, and a distributed group cannot be copied.
+        return self
+
     @property
     def first_layer(self) -> int:
         """The global index of this rank's first layer."""
