@@ -71,6 +71,9 @@ PIPELINE_LINE = compile("cache[-1].keys = mx.depends(cache[-1].keys, h)", "<pipe
 
 
 def _as_model_code(cache, h):
+    from veloxquant_mlx.cache.base import ends_pipeline_stage
+
+    ends_pipeline_stage(cache[-1])  # what make_prompt_cache does on a pipelined model
     exec(PIPELINE_LINE, {"__name__": "mlx_lm.models.qwen2", "mx": mx, "cache": cache, "h": h})
 
 

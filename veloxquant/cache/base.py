@@ -77,9 +77,8 @@ class _BatchMerge:
         return functools.partial(merge, owner)
 
 
-def _called_from_model_code() -> bool:
-    """Whether the caller of the caller is an mlx-lm model module (its pipeline code)."""
-    return sys._getframe(2).f_globals.get("__name__", "").startswith("mlx_lm.models.")
+_frame = sys._getframe
+_MODEL_CODE = "mlx_lm.models."  # the modules whose pipeline code sets ``cache.keys``
 
 
 class _PipelineKeys:
@@ -99,20 +98,31 @@ class _PipelineKeys:
     def __get__(self, obj, owner):
         if obj is None:
             return self
-        own = obj.__dict__.get("keys", _NO_KEYS)
-        if own is not _NO_KEYS and not _called_from_model_code():
+        d = obj.__dict__
+        own = d.get("keys", _NO_KEYS)
+        # xkv and minicache read their own ``keys`` at every decode step: a frame costs ~1 us,
+        # so it is looked at only on the one cache a pipeline stage's code touches
+        if own is not _NO_KEYS and ("_ends_stage" not in d or not _frame(1).f_globals.get(
+                "__name__", "").startswith(_MODEL_CODE)):
             return own
         pending = obj.__dict__.get("_after_send")
         return mx.array(0, dtype=mx.int32) if pending is None else pending
 
     def __set__(self, obj, value):
-        if isinstance(value, mx.array) and _called_from_model_code():
+        if isinstance(value, mx.array) and _frame(1).f_globals.get("__name__", "").startswith(_MODEL_CODE):
             obj.__dict__["_after_send"] = value
         else:
             obj.__dict__["keys"] = value
 
 
 _NO_KEYS = object()
+
+
+def ends_pipeline_stage(cache) -> None:
+    """Mark the last cache of a pipeline stage (``cache[-1]``, which mlx-lm's pipeline code
+    gives the send dependency): only there does ``keys`` look at who asks."""
+    if isinstance(cache, CompressedKVCache):
+        cache.__dict__["_ends_stage"] = True
 
 
 def _carry_pipeline_dependency(update):

@@ -30,6 +30,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..cache.attention_hook import HOOKS, ORIGINAL_SDPA, Hook, hooked_sdpa
+from ..cache.base import ends_pipeline_stage
 from ..cache.config import KVCacheConfig, head_dim_problem
 from ..cache.context import ModelContext, ShardLayout
 from ..registry import METHODS
@@ -236,6 +237,8 @@ def _make_prompt_cache(model: nn.Module, config: KVCacheConfig, sticky: bool) ->
     local = [cache_class(config, context, first + i) if first + i in layers else c
              for i, c in enumerate(native)]
     context.layers = [None] * first + local + [None] * (n_layers - first - len(local))
+    if shard.pipelined:
+        ends_pipeline_stage(local[-1])
     for c in local:
         check = getattr(c, "check_layout", None)
         if check is not None:
