@@ -12,6 +12,12 @@ ARCH_ARGS = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
         vocab_size=260, rope_theta=10000.0, tie_word_embeddings=False,
     ),
+    # mlx-lm pipelines (model.model.pipeline) and tensor-shards (model.shard) this one
+    "qwen2": dict(
+        model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=260,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    ),
     "qwen3": dict(
         model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,

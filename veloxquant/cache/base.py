@@ -77,6 +77,69 @@ class _BatchMerge:
         return functools.partial(merge, owner)
 
 
+_frame = sys._getframe
+_MODEL_CODE = "mlx_lm.models."  # the modules whose pipeline code sets ``cache.keys``
+
+
+class _PipelineKeys:
+    """``cache.keys`` as mlx-lm's pipeline-sharded models use it.
+
+    Every rank but the last stage ends its forward with
+    ``cache[-1].keys = mx.depends(cache[-1].keys, h)``: the send of ``h`` to the next stage
+    must run whenever the cache is evaluated (mlx-lm evaluates only ``c.state`` after each
+    prompt chunk, and the next stage waits for that send). Our caches keep no ``keys``
+    array of that meaning, so model code reads a token and the value it sets is held in
+    ``_after_send``: ``state`` carries its dependency until the next update, whose incoming
+    keys then carry it into everything the cache computes and stores. A method that keeps
+    its own storage under the name ``keys`` (xkv, minicache) still reads and writes that
+    storage: only model code sees the token.
+    """
+
+    def __get__(self, obj, owner):
+        if obj is None:
+            return self
+        d = obj.__dict__
+        own = d.get("keys", _NO_KEYS)
+        # xkv and minicache read their own ``keys`` at every decode step: a frame costs ~1 us,
+        # so it is looked at only on the one cache a pipeline stage's code touches
+        if own is not _NO_KEYS and ("_ends_stage" not in d or not _frame(1).f_globals.get(
+                "__name__", "").startswith(_MODEL_CODE)):
+            return own
+        pending = obj.__dict__.get("_after_send")
+        return mx.array(0, dtype=mx.int32) if pending is None else pending
+
+    def __set__(self, obj, value):
+        if isinstance(value, mx.array) and _frame(1).f_globals.get("__name__", "").startswith(_MODEL_CODE):
+            obj.__dict__["_after_send"] = value
+        else:
+            obj.__dict__["keys"] = value
+
+
+_NO_KEYS = object()
+
+
+def ends_pipeline_stage(cache) -> None:
+    """Mark the last cache of a pipeline stage (``cache[-1]``, which mlx-lm's pipeline code
+    gives the send dependency): only there does ``keys`` look at who asks."""
+    if isinstance(cache, CompressedKVCache):
+        cache.__dict__["_ends_stage"] = True
+
+
+def _carry_pipeline_dependency(update):
+    """``update_and_fetch`` whose incoming keys depend on what the pipeline set (see
+    ``_PipelineKeys``), so the previous stage's send is ordered before this update."""
+
+    @functools.wraps(update)
+    def update_and_fetch(self, keys, values):
+        after_send = self.__dict__.pop("_after_send", None)
+        if after_send is not None:
+            keys = mx.depends(keys, after_send)
+        return update(self, keys, values)
+
+    update_and_fetch._carries_pipeline_dependency = True
+    return update_and_fetch
+
+
 class CompressedKVCache:
     """Base class: shared bookkeeping, masks, state, and plain attention.
 
@@ -94,6 +157,7 @@ class CompressedKVCache:
     # (True or "per_sequence") in its own body; ``cache.batch.batch_mode(cls)`` says how it
     # batches (None: it does not).
     merge = _BatchMerge()
+    keys = _PipelineKeys()
 
     def __init__(self, config: KVCacheConfig, context: Any = None, layer: int = 0):
         self.config = config
@@ -107,6 +171,9 @@ class CompressedKVCache:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         CACHE_CLASSES[cls.__name__] = cls
+        update = cls.__dict__.get("update_and_fetch")
+        if update is not None and not getattr(update, "_carries_pipeline_dependency", False):
+            cls.update_and_fetch = _carry_pipeline_dependency(update)
         import mlx_lm.models.cache as mlx_lm_cache
 
         setattr(mlx_lm_cache, cls.__name__, cls)
@@ -273,6 +340,11 @@ class CompressedKVCache:
             name: kept.view() if isinstance(kept, GrowingArray) else kept
             for name, kept in self._arrays().items()
         }
+        after_send = self.__dict__.get("_after_send")
+        if after_send is not None:  # mlx-lm evaluates the state: the pipeline's send with it
+            name = next((n for n, a in arrays.items() if isinstance(a, mx.array)), None)
+            if name is not None:
+                arrays[name] = mx.depends(arrays[name], after_send)
         return {"arrays": arrays, "meta": meta}
 
     @state.setter

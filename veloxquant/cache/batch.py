@@ -129,7 +129,8 @@ def _context_copy(context: Any, layer: int, purpose: str) -> Any:
         return None
     copies = _CONTEXT_COPIES[purpose]
     entry = copies.get(id(context))
-    first_layer = not context.compressed_layers or layer == context.compressed_layers[0]
+    held = context.local_compressed_layers  # a pipeline rank's first layer may be any
+    first_layer = not held or layer == held[0]
     if entry is None or first_layer or entry[0]() is not context:
         for key in [k for k, (ref, _) in copies.items() if ref() is None]:
             del copies[key]

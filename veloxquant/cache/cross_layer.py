@@ -34,16 +34,14 @@ is the prompt cache itself. What the mixin gives a layer:
   (``from_state`` called on one layer) raises ``CrossLayerError`` naming the layer it
   misses, as soon as it needs it (its restore checks, or its first update).
 
-Layers on several devices (``mlx.distributed``, pipeline sharding): every read of a
-neighbour goes through ``member``/``group_shared`` or through a method-level call named
-for the arrays it fetches (xkv: each member's exact prompt keys at the group's event,
-then the latent and each member's reconstruction rows back; xquant: the anchor's codes of
-each block a reuse layer flushes; minicache: the shallower layer's new rows at each
-update of the deeper one, and the merged directions back at each step). With members on
-other ranks those calls become sends and receives of exactly those arrays: the owner's
-shared arrays would be replicated on each rank that holds a member (counted once per
-rank, saved once by the owner's rank), and the restore link would carry the rank of each
-layer. Groups that do not straddle a shard boundary need nothing of this.
+Sharded models (``cache/context.py``): layer indices are global, so groups are formed as
+in one process; a pipeline layout that would put one group's members on different ranks
+is refused when the cache is built (``check_layout``, naming the layers and the split),
+so every read of a neighbour stays in one process and nothing is sent between ranks.
+Tensor sharding needs nothing here: each rank's members hold the same heads. The events
+are per process: ``on_model_prefill_done`` fires when every compressed layer this rank
+holds has ended its prompt, and a saved link names the layers its rank held, which are
+the ones a load waits for.
 """
 
 from __future__ import annotations
@@ -158,6 +156,12 @@ class CrossLayer:
             )
         return cache
 
+    def check_layout(self) -> None:
+        """Refuse a sharded layout that splits this layer's group (at cache construction)."""
+        group = self.layer_group
+        if self.context is not None and len(group) > 1:
+            self.context.require_one_stage(group, "shares what it keeps across")
+
     def members(self) -> list:
         return [self.member(i) for i in self.layer_group]
 
@@ -194,7 +198,7 @@ class CrossLayer:
         if all(m.prompts_done >= self.prompts_done for m in members):
             self.on_group_prefill_done(members, self.offset)
         ctx = self.context
-        layers = [ctx.layers[i] for i in ctx.compressed_layers] if ctx is not None and ctx.layers else [self]
+        layers = [ctx.layers[i] for i in ctx.local_compressed_layers] if ctx is not None and ctx.layers else [self]
         if all(isinstance(c, CrossLayer) and c.prompts_done >= self.prompts_done for c in layers):
             self.on_model_prefill_done(self.offset)
 
@@ -205,6 +209,8 @@ class CrossLayer:
         if ctx is not None:
             link = {"id": ctx.shared.setdefault(LINK_KEY, uuid.uuid4().hex),
                     "n_layers": ctx.n_layers, "layers": list(ctx.compressed_layers)}
+            if ctx.local_compressed_layers != ctx.compressed_layers:  # one pipeline rank's file
+                link["held"] = list(ctx.local_compressed_layers)
         own = {"link": link, "prompt_open": self.prompt_open, "prompts_done": self.prompts_done,
                "prompt_end": self.prompt_end}
         return {**super()._meta(), "cross_layer": json.dumps(own, sort_keys=True)}
@@ -231,7 +237,7 @@ def _assemble(cache, link: dict):
         ctx.shared[LINK_KEY] = link["id"]
         _ASSEMBLING[link["id"]] = ctx
     ctx.layers[cache.layer] = cache
-    if all(ctx.layers[i] is not None for i in ctx.compressed_layers):
+    if all(ctx.layers[i] is not None for i in link.get("held", ctx.compressed_layers)):
         _ASSEMBLING.pop(link["id"], None)
     return ctx
 

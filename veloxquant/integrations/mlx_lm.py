@@ -26,12 +26,14 @@ from typing import Any, Callable
 
 import importlib
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..cache.attention_hook import HOOKS, ORIGINAL_SDPA, Hook, hooked_sdpa
+from ..cache.base import ends_pipeline_stage
 from ..cache.config import KVCacheConfig, head_dim_problem
-from ..cache.context import ModelContext
+from ..cache.context import ModelContext, ShardLayout
 from ..registry import METHODS
 
 
@@ -225,14 +227,70 @@ def _make_prompt_cache(model: nn.Module, config: KVCacheConfig, sticky: bool) ->
             f"the {_architecture(model)!r} model has no full-attention KV cache layer "
             f"to compress (its caches: {sorted({type(c).__name__ for c in native})})"
         )
-    context = ModelContext(config, len(native), layers, model_args=getattr(model, "args", None))
+    shard = shard_layout(model, len(native))
+    first = shard.first_layer
+    n_layers, layers = _global_layers(shard, len(native), tuple(first + i for i in layers))
+    context = ModelContext(config, n_layers, layers, model_args=getattr(model, "args", None),
+                           shard=shard)
     if sticky:  # a patched model's hooks are installed (and counted) by the patch
         _install_hooks(model, sticky=True)
     _observers_for(model, cache_class, config, sticky)
-    context.layers = [
-        cache_class(config, context, i) if i in layers else c for i, c in enumerate(native)
-    ]
-    return list(context.layers)
+    local = [cache_class(config, context, first + i) if first + i in layers else c
+             for i, c in enumerate(native)]
+    context.layers = [None] * first + local + [None] * (n_layers - first - len(local))
+    if shard.pipelined:
+        ends_pipeline_stage(local[-1])
+    for c in local:
+        check = getattr(c, "check_layout", None)
+        if check is not None:
+            check()
+    return local
+
+
+def shard_layout(model: nn.Module, n_local: int) -> ShardLayout:
+    """How mlx-lm sharded ``model`` across processes (see cache/context.py)."""
+    body = getattr(model, "model", None)
+    size = getattr(body, "pipeline_size", 1)
+    tensor_group = next((getattr(getattr(m, "k_proj", None), "group", None)
+                         for m in (getattr(b, "self_attn", None) for b in model.layers)), None)
+    if size <= 1:
+        return ShardLayout(stages=((0, n_local),), tensor_group=tensor_group)
+    group = mx.distributed.init()
+    rank = body.pipeline_rank
+    if group.size() != size or group.rank() != rank:
+        raise ValueError(
+            f"the model is pipelined over {size} ranks (this is rank {rank}), but "
+            f"mx.distributed.init() gives a group of {group.size()} (rank {group.rank()}); "
+            "allowed: a pipeline over the whole distributed group (VeloxQuant combines "
+            "per-layer quantities across it)")
+    settle_generation()
+    bounds = mx.zeros((size, 2), mx.int32)
+    bounds[rank] = mx.array([body.start_idx, body.start_idx + n_local])
+    # Cache construction, not a decode step: each rank learns the others' layers once.
+    bounds = mx.distributed.all_sum(bounds, group=group).tolist()
+    return ShardLayout(stages=tuple((s, e) for s, e in bounds), pipeline_rank=rank,
+                       pipeline_group=group, tensor_group=tensor_group)
+
+
+def settle_generation() -> None:
+    """Wait for the step mlx-lm's generate_step computes ahead on its own stream: on a
+    sharded model it holds collectives, and collectives of two streams at once crash the
+    ring back-end (segfault, measured with mlx 0.32.4)."""
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+
+
+def _global_layers(shard: ShardLayout, n_local: int, local_compressed: tuple[int, ...]):
+    """The model's layer count and its compressed layers, over every pipeline rank."""
+    if not shard.pipelined:
+        return n_local, local_compressed
+    n_layers = max(e for _, e in shard.stages)
+    flags = mx.zeros((n_layers,), mx.int32)
+    if local_compressed:
+        flags[mx.array(local_compressed)] = 1
+    flags = mx.distributed.all_sum(flags, group=shard.pipeline_group).tolist()
+    return n_layers, tuple(i for i, f in enumerate(flags) if f)
 
 
 def patch_model_kv_cache(model: nn.Module, config: KVCacheConfig) -> nn.Module:
@@ -735,6 +793,7 @@ def prefill_with_reconstruction(model: nn.Module, tokenizer, context, cache: lis
         raise ValueError("prefill_with_reconstruction: the context is empty")
     for c in layers:
         c.begin_reconstruction()
+    settle_generation()
     start = time.perf_counter()
     for i in range(0, len(ids), prefill_step_size):
         model(mx.array(ids[i : i + prefill_step_size])[None], cache=cache)

@@ -36,7 +36,10 @@ def window_attention(cache, inputs) -> mx.array:
     queries = inputs.window_queries
     w, group = queries.shape[2], queries.shape[1] // inputs.keys.shape[1]
     positions = inputs.query_positions[-1] + 1 - w + mx.arange(w)
-    return group * inputs.mass(queries, positions).sum(axis=1, keepdims=True)
+    mass = inputs.mass(queries, positions)
+    if cache.context is not None:  # tensor-sharded: every rank chooses with every head's mass
+        mass = cache.context.gather_heads(mass)
+    return group * mass.sum(axis=1, keepdims=True)
 
 
 SCORES = {"attn_mass": window_attention}
@@ -56,6 +59,9 @@ class ChunkKVCache(ScoredEvictionCache):
         self.group_first = self.rank - self.rank % reuse
         self.group_last = min(self.group_first + reuse, len(layers) if layers else self.rank + 1) - 1
         self.chooses = self.rank == self.group_first
+        if self.context is not None and self.group_last > self.group_first:
+            self.context.require_one_stage(layers[self.group_first : self.group_last + 1],
+                                           "chooses the kept tokens once for")
 
     @property
     def recent(self) -> int:

@@ -96,9 +96,12 @@ class SqueezeAttentionCache(LayerBudgets, ScoredEvictionCache):
     def similarity(self) -> list[float] | None:
         """Each compressed layer's mean similarity so far (None: some layer has none yet)."""
         sums = self.context.shared.get("squeeze_similarity", {}) if self.context else {}
-        if not all(layer in sums for layer in self._layers):
+        if not all(layer in sums for layer in self.context.local_compressed_layers):
             return None
-        return [float(sums[layer][0]) / sums[layer][1] for layer in self._layers]
+        # A pipelined model's other layers are measured on other ranks (exact: sums of zeros)
+        sums = self.context.over_all_layers({layer: mx.stack([total, mx.array(count, mx.float32)])
+                                             for layer, (total, count) in sums.items()})
+        return [float(sums[layer][0]) / int(sums[layer][1]) for layer in self._layers]
 
     def layer_budgets(self, n_tokens):
         o, similarity = self.options, self.similarity

@@ -153,7 +153,12 @@ class KVzipCache(ScoredEvictionCache):
         """After the probes: the best sum_l H_kv min(budget_l, T) tokens of all layers and
         heads at once (per sequence); each layer keeps what it won."""
         total = sum(c.kv_shape[1] * min(c.budget, c.offset) for c in layers)
-        chosen = global_top_k([c.ranking_scores() for c in layers], total)
+        ctx = layers[0].context
+        if ctx is None:
+            chosen = global_top_k([c.ranking_scores() for c in layers], total)
+        else:  # a sharded model: the ranking covers every rank's layers and heads
+            mine = ctx.select_over_model({c.layer: c.ranking_scores() for c in layers}, total, global_top_k)
+            chosen = [mine[c.layer] for c in layers]
         for c, mine in zip(layers, chosen):
             c.keep_chosen(mine)
 
