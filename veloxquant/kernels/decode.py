@@ -86,6 +86,11 @@ def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True
         bits, group = parts[0].bits_and_group
         return kd.kivi_decode_attention(queries, *parts[0].kernel_args(), scale=scale,
                                         bits=bits, group_size=group, use_kernel=use_kernel)
+    if len(parts) == 1 and parts[0].heads is None and not (use_kernel and kd.gpu_backend()):
+        # one part, no kernel: its softmax directly (what the merge of one partial gives:
+        # its weight is 2^0), without building the partials' form
+        o, _, l = _pure_state(queries, parts[0], scale)
+        return (o / l).reshape(queries.shape).astype(queries.dtype)
     if n_kv_heads is None:
         n_kv_heads = next(_kv_heads(p) for p in parts if p.heads is None)
     gqa = queries.shape[1] // n_kv_heads
@@ -144,6 +149,15 @@ def _pure_partials(queries, part: DecodePart, scale):
     """A part's partial softmax state in the kernels' form: o (B*Hq, 1, D) unnormalised,
     ml (B*Hq, 1, 2) = (base-2 max of the scores, sum of 2^(score - max))."""
     b, hq, _, d = queries.shape
+    o, m, l = _pure_state(queries, part, scale)
+    ml = mx.concatenate([m * LOG2E, l], axis=-1)
+    return o.reshape(b * hq, 1, d), ml.reshape(b * hq, 1, 2)
+
+
+def _pure_state(queries, part: DecodePart, scale):
+    """A part's softmax state per KV head and query: o (B, H, R, D) unnormalised, the
+    scores' max and the sum of exp(score - max) (B, H, R, 1)."""
+    b, hq, _, d = queries.shape
     h = _kv_heads(part)
     q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
     scores = []
@@ -164,8 +178,7 @@ def _pure_partials(queries, part: DecodePart, scale):
     if part.value_tail is not None:
         r = e[..., n_packed:] @ part.value_tail.astype(mx.float32)
         o = r if o is None else o + r
-    ml = mx.concatenate([m * LOG2E, e.sum(axis=-1, keepdims=True)], axis=-1)
-    return o.reshape(b * hq, 1, d), ml.reshape(b * hq, 1, 2)
+    return o, m, e.sum(axis=-1, keepdims=True)
 
 
 def merge_partials_mlx(o_part, ml_part, out_shape, dtype) -> mx.array:
