@@ -12,9 +12,13 @@ and ``m = bits - 1`` with the sketch (TurboQuant_prod), ``m = bits`` without (_m
    ``γ = ‖r‖`` (float16). Since ``S R`` is Gaussian too, this is the paper's
    ``sign(S (x - x̃_mse))`` with another draw of S.
 
-A row keeps its codes as bit planes (``quant/codebook.pack_planes``: m words-planes, then
-the sign plane) and (‖x‖, γ) in float16: ``d (m + 1) + 32`` bits with the sketch,
-``d m + 16`` without.
+A row keeps its codes as bit planes, words (P, W, 1) uint32 (P = m planes of levels, then
+the sign plane; W = ceil(d / 32) words a plane, bit j of word w the coordinate 32 w + j),
+and (‖x‖, γ) as (N, 1, 1) float16: ``d (m + 1) + 32`` bits with the sketch, ``d m + 16``
+without. The trailing unit axes are the read's: each plane, sliced as it is kept, shifts
+against 32 bit positions, so that unpacking, the level lookup and the norm's scaling are
+one fused elementwise pass from the words to float32 rows (no array of bits, no index
+array, no gather).
 
 Reading folds the rotation (and the sketch) into the query, never into the history:
 ``q · x̃ = [q R, c q R Sᵀ] · [ŷ, γ sign(S r)]`` with ``c = sqrt(π/2) / d``, the first an
@@ -76,16 +80,16 @@ class TurboCodec:
         ``[ŷ, γ sign]`` is ``q · x̃``."""
         return _matrices(self, d)[0]
 
-    def words(self, d: int) -> int:
-        """uint32 words of a row: the level planes, then the sign plane."""
-        return self.planes * cb.plane_words(d)
+    def row_shapes(self, d: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The trailing shapes of a row's words and of its norms."""
+        return (self.planes, cb.plane_words(d), 1), (self.n_norms, 1, 1)
 
     @property
     def n_norms(self) -> int:
         return 2 if self.qjl else 1
 
     def encode(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """Rows (..., n, d) -> (words (..., n, W) uint32, norms (..., n, 1|2) float16)."""
+        """Rows (..., n, d) -> (words (..., n, P, W, 1) uint32, norms (..., n, N, 1, 1) float16)."""
         return _encoder(self, x.shape[-1], False)(x)
 
     def encode_one(self, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -129,22 +133,18 @@ def _lookup(idx: mx.array, lv: tuple[float, ...]) -> mx.array:
 
 
 def _pack(bits: mx.array, d: int) -> mx.array:
-    """(..., P, d) bits -> (..., P * W) uint32: plane after plane, 32 coordinates a word."""
+    """(..., P, d) bits -> (..., P, W, 1) uint32 words, 32 coordinates a word."""
     *lead, p, _ = bits.shape
     w = cb.plane_words(d)
     if w * 32 != d:
         bits = mx.pad(bits, [(0, 0)] * (len(lead) + 1) + [(0, w * 32 - d)])
     bits = bits.astype(mx.uint32).reshape(*lead, p, w, 32)
-    return (bits << _SHIFTS).sum(axis=-1).astype(mx.uint32).reshape(*lead, p * w)
+    return (bits << _SHIFTS).sum(axis=-1, keepdims=True).astype(mx.uint32)
 
 
-def _unpack(words: mx.array, planes: int, d: int) -> mx.array:
-    """Inverse of ``_pack``: (..., P * W) -> (..., P, d) uint32 bits."""
-    *lead, n = words.shape
-    w = n // planes
-    bits = (words.reshape(*lead, planes, w, 1) >> _SHIFTS) & 1
-    bits = bits.reshape(*lead, planes, w * 32)
-    return bits if w * 32 == d else bits[..., :d]
+def _plane(words: mx.array, p: int) -> mx.array:
+    """Plane p's bits (..., 1, W, 32): the slice shifted against the 32 bit positions."""
+    return (words[..., p : p + 1, :, :] >> _SHIFTS) & 1
 
 
 _SHIFTS = mx.arange(32, dtype=mx.uint32)
@@ -166,11 +166,11 @@ def _encoder(codec: TurboCodec, d: int, compiled: bool):
         idx = _nearest(y / mx.maximum(norm, _TINY), lv)
         bits = (idx[..., None, :] // weights) & 1  # (..., m, d): plane p holds bit p
         if not codec.qjl:
-            return _pack(bits, d), norm16
+            return _pack(bits, d), norm16[..., None, None]
         res = y - norm16.astype(mx.float32) * _lookup(idx, lv)
         sign = ((res @ s_t) >= 0).astype(mx.uint32)[..., None, :]
         gamma = mx.sqrt(mx.sum(res * res, axis=-1, keepdims=True)).astype(mx.float16)
-        return _pack(mx.concatenate([bits, sign], axis=-2), d), mx.concatenate([norm16, gamma], axis=-1)
+        return _pack(mx.concatenate([bits, sign], axis=-2), d), mx.concatenate([norm16, gamma], axis=-1)[..., None, None]
 
     return mx.compile(encode) if compiled else encode
 
@@ -179,18 +179,21 @@ def _encoder(codec: TurboCodec, d: int, compiled: bool):
 def _rows_fn(codec: TurboCodec, d: int):
     m = codec.level_bits
     lv = sphere_levels(m, d)
-    weights = mx.array([1 << p for p in range(m)] + [0] * codec.qjl, mx.uint32)[:, None]
-    signs = mx.array([0] * m + [1], mx.uint32)[:, None]  # the sign plane, by a sum (no gather)
 
     def rows(words, norms):
-        bits = _unpack(words, codec.planes, d)
-        idx = (bits * weights).sum(axis=-2)
-        scale = norms.astype(mx.float32)
-        out = _lookup(idx, lv) * scale[..., :1]
-        if not codec.qjl:
-            return out
-        sign = (bits * signs).sum(axis=-2).astype(mx.float32) * 2 - 1
-        return mx.concatenate([out, sign * scale[..., 1:]], axis=-1)
+        # words (..., n, P, W, 1), norms (..., n, N, 1, 1): every operation below is
+        # elementwise over (..., n, 1, W, 32) but the slices, so it compiles to one pass
+        idx = _plane(words, 0)
+        for p in range(1, m):
+            idx = idx | (_plane(words, p) << p)
+        out = _lookup(idx, lv) * norms[..., 0:1, :, :].astype(mx.float32)
+        if codec.qjl:
+            sign = (_plane(words, m).astype(mx.float32) * 2 - 1) * norms[..., 1:2, :, :].astype(mx.float32)
+            out = mx.concatenate([out, sign], axis=-3)
+        *lead, parts, w, _ = out.shape
+        if w * 32 == d:
+            return out.reshape(*lead, parts * d)
+        return out.reshape(*lead, parts, w * 32)[..., :d].reshape(*lead, parts * d)
 
     return mx.compile(rows)
 
@@ -229,8 +232,8 @@ class TurboTokens:
         """(field, found, expected) where the kept rows contradict the codec."""
         if self.words.buffer is None:
             return
-        want = (self.codec.words(head_dim), self.codec.n_norms)
-        found = (self.words.buffer.shape[-1], None if self.norms.buffer is None else self.norms.buffer.shape[-1])
+        want = self.codec.row_shapes(head_dim)
+        found = (tuple(self.words.buffer.shape[3:]), None if self.norms.buffer is None else tuple(self.norms.buffer.shape[3:]))
         if found != want:
             yield f"{name} words and norms per row", found, f"{want} ({self.codec.bits}-bit TurboQuant rows)"
 
