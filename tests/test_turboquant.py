@@ -215,3 +215,134 @@ def test_memory_per_token_is_the_papers_bits_plus_norms():
     per_token = (s.keys.words.buffer.nbytes + s.keys.norms.buffer.nbytes
                  + s.values.words.buffer.nbytes + s.values.norms.buffer.nbytes) / (s.keys.words.capacity * 2)
     assert per_token == 64 * 3 / 8 + 4 + 64 * 3 / 8 + 2
+
+
+# -- the fused decode kernel: its CUDA source emulated on the CPU ------------------------------
+def emulate_turbo_kernel(args: dict, workdir) -> tuple[np.ndarray, np.ndarray]:
+    """One launch of the CUDA source (``kernel.launch_args``) as C++ threads on the CPU:
+    (o_part, ml_part) as the kernel writes them."""
+    import os
+    import subprocess
+
+    from test_kernel_kivi_decode import _EMU_PRELUDE, _CT, _emu_function
+    from veloxquant_mlx.kernels import kivi_decode as kd
+    from veloxquant_mlx.methods.turboquant import kernel as tk
+
+    names = tk.INPUT_NAMES
+    dts = {mx.float32: "float32", mx.float16: "float16", mx.uint32: "uint32", mx.int32: "int32"}
+    ins = [(n, dts[a.dtype], a) for n, a in zip(names, args["inputs"])]
+    src = _EMU_PRELUDE + kd.CUDA_HEADER + _emu_function(
+        "kmain", tk.CUDA_SOURCE, [(n, d) for n, d, _ in ins], [("o_part", "float32"), ("ml_part", "float32")],
+        args["template"])
+    call = []
+    main = "int main() {\n"
+    for n, d, a in ins:
+        path = os.path.join(workdir, n + ".bin")
+        np.array(a).tofile(path)
+        main += f'  auto b_{n} = rd("{path}");\n'
+        call.append(f"(const {_CT[d]}*)b_{n}.data()")
+        if n + "_shape" in tk.CUDA_SOURCE:
+            call.append("Shape{" + ",".join(map(str, list(a.shape) + [0] * (10 - a.ndim))) + "}")
+    (o_shape, ml_shape) = args["output_shapes"]
+    splits, bh = args["grid"][0] // tk.NT, args["grid"][1]
+    main += f"  std::vector<float> o({math.prod(o_shape)}, NAN), ml({math.prod(ml_shape)}, NAN);\n"
+    main += f"  launch({splits}, {bh}, {tk.NT}, [&] {{ kmain({', '.join(call)}, o.data(), ml.data()); }});\n"
+    for n in ("o", "ml"):
+        main += f'  {{ FILE* f = fopen("{os.path.join(workdir, n)}.out", "wb"); fwrite({n}.data(), 4, {n}.size(), f); fclose(f); }}\n'
+    main += "  return 0;\n}\n"
+    cpp, exe = os.path.join(workdir, "k.cpp"), os.path.join(workdir, "k")
+    with open(cpp, "w") as fh:
+        fh.write(src + main)
+    r = subprocess.run(["g++", "-std=c++20", "-O0", "-pthread", "-w", "-o", exe, cpp], capture_output=True, text=True)
+    if r.returncode:
+        pytest.fail("the CUDA source does not compile as C++ in the emulation:\n" + r.stderr[-3000:])
+    subprocess.run([exe], check=True, timeout=300)
+    return (np.fromfile(os.path.join(workdir, "o.out"), np.float32).reshape(o_shape),
+            np.fromfile(os.path.join(workdir, "ml.out"), np.float32).reshape(ml_shape))
+
+
+@pytest.mark.parametrize("key_bits,qjl,value_bits,gqa,n", [
+    (3, True, 3, 2, 100),   # 4 splits of 25 tokens: warps of 6 or 7 tokens, spare rows past the count
+    (2, True, 2, 4, 37),    # one level plane and the sign; a last split of 1 token
+    (3, False, 4, 1, 70),   # TurboQuant_mse keys, 4-bit values, no GQA
+])
+def test_the_kernels_cuda_source_matches_its_pure_mlx_reference(tmp_path, key_bits, qjl, value_bits, gqa, n):
+    """The fused kernel's partials, turned back and merged, against the pure-MLX read of the
+    same packed rows: equal to float32 rounding (a different summation order: each score a
+    sum of 2d products, each output a sum over n tokens), 1e-5 relative."""
+    from test_kernel_kivi_decode import skip_without_emulation
+    from veloxquant_mlx.kernels.decode import merge_partials_mlx
+    from veloxquant_mlx.methods.turboquant import kernel as tk
+    from veloxquant_mlx.methods.turboquant.codec import TurboScores, _matrices
+
+    skip_without_emulation()
+    d, h = 64, 2
+    kc, vc = TurboCodec(key_bits, qjl, seed=3), TurboCodec(value_bits, False, seed=3)
+    k_run, v_run = kc.tokens(), vc.tokens()
+    keys, values = _kv(n, d=d, h=h, seed=n)
+    k_run.append(keys)
+    v_run.append(values)
+    k_read, v_read = TurboScores(k_run, n), TurboScores(v_run, n)
+    q = mx.random.normal((1, h * gqa, 1, d), key=mx.random.key(n))
+    scale = d ** -0.5
+    args = tk.launch_args(k_read, v_read, tk.turned_query(q, k_read, scale))
+    o, ml = emulate_turbo_kernel(args, str(tmp_path))
+    assert np.isfinite(o).all() and np.isfinite(ml).all()
+    out = merge_partials_mlx(mx.array(o) @ _matrices(vc, d)[1], mx.array(ml), q.shape, mx.float32)
+    ro, rml = tk.turbo_partials_reference(q, k_read, v_read, scale)
+    ref = merge_partials_mlx(ro, rml, q.shape, mx.float32)
+    assert mx.allclose(out, ref, rtol=1e-5, atol=1e-5).item(), mx.abs(out - ref).max()
+
+
+def test_the_metal_twin_is_untested_on_hardware():
+    from veloxquant_mlx.methods.turboquant import kernel as tk
+
+    if not (hasattr(mx, "metal") and mx.metal.is_available()):
+        pytest.skip("SKIPPED LOUDLY: no Metal device: the Metal twin of the TurboQuant kernel "
+                    "has never been compiled or run")
+    keys, values = _kv(100, d=64)
+    k_run, v_run = TurboCodec(3, True, 0).tokens(), TurboCodec(3, False, 0).tokens()
+    k_run.append(keys)
+    v_run.append(values)
+    from veloxquant_mlx.methods.turboquant.codec import TurboScores
+
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(0))
+    assert tk.kernel_partials("metal", q, TurboScores(k_run, 100), TurboScores(v_run, 100), 0.125) is not None
+
+
+def test_decode_reads_through_the_kernel_once_it_passes_its_check_else_the_pure_path(monkeypatch):
+    """No GPU here: the backend answers "cuda", the kernel's launch is a stand-in (the
+    reference's partials: the read must equal the pure path's), then one that fails to
+    build (a warning, and the pure path's answer)."""
+    from veloxquant_mlx.kernels import kivi_decode as kd
+    from veloxquant_mlx.kernels.decode import merge_partials_mlx
+    from veloxquant_mlx.methods.turboquant import kernel as tk
+
+    keys, values = _kv(120, d=64)
+    cache = turboquant(turboquant_window=8)
+    feed_chunks(cache, keys, values, 120)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(5))
+    pure = stored_decode_attention(cache, q, 0.125)
+
+    launches = []
+
+    def stand_in(backend, queries, k, v, scale):
+        launches.append(backend)
+        return tk.turbo_partials_reference(queries, k, v, scale)
+
+    monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kd, "merge_partials", lambda b, o, ml, shape, dt, init=None: merge_partials_mlx(o, ml, shape, dt))
+    monkeypatch.setattr(tk, "launch_partials", stand_in)
+    monkeypatch.setattr(tk, "_CHECKED", {})
+    out = stored_decode_attention(cache, q, 0.125)
+    assert launches == ["cuda", "cuda"]  # the self-check, then the read
+    assert mx.allclose(out, pure, rtol=1e-5, atol=1e-6).item()
+
+    def broken(*_):
+        raise RuntimeError("nvrtc: error: identifier 'half2' is undefined")
+
+    monkeypatch.setattr(tk, "launch_partials", broken)
+    monkeypatch.setattr(tk, "_CHECKED", {})
+    with pytest.warns(RuntimeWarning, match="failed its self-check.*RuntimeError: nvrtc"):
+        out = stored_decode_attention(cache, q, 0.125)
+    assert mx.array_equal(out, pure)

@@ -8,9 +8,9 @@ A configuration of the quantized store (``quant/store.py``): keys and values eac
 per-token codec needs no blocks of tokens). A prompt codes every token but the last W at
 once (the paper codes every token as it comes: W = 0); decode steps code theirs
 ``FLUSH_TOKENS`` at a time, so up to W + 31 tokens are exact between two flushes. A prompt chunk attends over the decoded history plus itself; a decode
-step over the packed rows with the rotation folded into the query (``TurboScores``, the
-pure-MLX path on every device: the fused kernels read group-affine codes only) and the
-window rows as they are, merged by log-sum-exp.
+step over the packed rows with the rotation folded into the query (``TurboScores``: on a
+GPU its own fused kernel, ``kernel.py``; the pure-MLX path elsewhere or with
+``fused_attention=False``) and the window rows as they are, merged by log-sum-exp.
 
 Layer i rotates with the seed ``turboquant_seed + i`` (its keys and values share it; the
 QJL matrix comes from the same seed). Memory per token and KV head, in bits: keys

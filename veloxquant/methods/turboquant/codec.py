@@ -260,6 +260,13 @@ class TurboScores:
         qm = q @ self.tokens.codec.query_matrix(d)
         return (qm @ self._rows(d).swapaxes(-1, -2))[..., : self.count]
 
+    def kernel_partials(self, backend, queries, values: "TurboScores", scale):
+        """The fused kernel's partials over these keys and ``values`` (``kernel.py``), or
+        None where it does not serve (the pure path reads them then)."""
+        from .kernel import kernel_partials
+
+        return kernel_partials(backend, queries, self, values, scale)
+
     def mix(self, p: mx.array) -> mx.array:
         """float32 ``p x̃`` (B, H, R, d) for probabilities (B, H, R, count)."""
         t = self.tokens
