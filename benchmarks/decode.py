@@ -52,6 +52,7 @@ from veloxquant_mlx.cache.options import (  # noqa: E402
     SnapKVOptions,
     StreamingLLMOptions,
     TOVAOptions,
+    TurboQuantOptions,
 )
 
 PRESETS = {
@@ -87,6 +88,10 @@ METHODS = {
     "palu": KVCacheConfig(method="palu"),
     "spectral": KVCacheConfig(method="spectral"),
     "gear": KVCacheConfig(method="gear"),
+    # TurboQuant at its defaults (3-bit keys with the QJL sign, 3-bit values: about KIVI-2's
+    # bytes) and at 4 bits (about KIVI-4's)
+    "turboquant": KVCacheConfig(method="turboquant"),
+    "turboquant-4bit": KVCacheConfig(options=TurboQuantOptions(turboquant_key_bits=4, turboquant_value_bits=4)),
 }
 
 

@@ -76,6 +76,16 @@ PROFILES: dict[str, Profile] = {
         lossless_tolerance=1e-5,
         exempt={"per_layer_budgets": "no budget: every layer keeps every token, quantized"},
     ),
+    "turboquant": Profile(
+        # 3-bit keys (2 bits of levels + the QJL sign) and values past a 32-token window:
+        # the 200-token prompt codes 168 of its tokens, each decode step one more.
+        compressing={"turboquant_window": 32},
+        # A window beyond the context keeps every token in full precision; decode attends
+        # through the pure-MLX path (not SDPA), so equal to float rounding, not bitwise.
+        lossless={"turboquant_window": LOSSLESS},
+        lossless_tolerance=1e-5,
+        exempt={"per_layer_budgets": "no budget: every layer keeps every token, quantized"},
+    ),
     "age_tiered": Profile(
         # Tiers at 8/4/2 bits, all three used by the 200-token prompt: recent under 32
         # tokens, mid up to age 96, old beyond (blocks of 32 tokens).

@@ -5,7 +5,8 @@ A store hands over its history as ``DecodePart``s, each a run of tokens: keys as
 them, values likewise (per token), the two splits free to differ (KIVI flushes keys in
 blocks, values one by one). A part may hold only some KV heads (``heads``: per-head bit
 widths), and its keys or values may be in another codec's form (``PackedScores``:
-codebooks, promoted channels, low-rank factors), which the pure-MLX path reads.
+codebooks, promoted channels, low-rank factors), which the pure-MLX path reads, or, on
+a GPU, a kernel of the codec's own where it brings one (``kernel_partials``).
 
 One group-affine part is one launch of the fused kernel (``kivi_decode.py``), as before.
 Several parts are attended part by part, each leaving partial softmax states (base-2
@@ -103,6 +104,11 @@ def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True
         bits, group = parts[0].bits_and_group
         return kd.kivi_decode_attention(queries, *parts[0].kernel_args(), scale=scale,
                                         bits=bits, group_size=group, use_kernel=use_kernel)
+    if len(parts) == 1 and parts[0].heads is None and not (use_kernel and kd.gpu_backend()):
+        # one part, no kernel: its softmax directly (what the merge of one partial gives:
+        # its weight is 2^0), without building the partials' form
+        o, _, l = _pure_state(queries, parts[0], scale)
+        return (o / l).reshape(queries.shape).astype(queries.dtype)
     if n_kv_heads is None:
         n_kv_heads = next(_kv_heads(p) for p in parts if p.heads is None)
     gqa = queries.shape[1] // n_kv_heads
@@ -112,7 +118,11 @@ def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True
     for p in parts:
         q = queries if p.heads is None else _head_queries(queries, p.heads, gqa)
         algo = backend and p.affine and kd.kernel_algo(backend, q, _kv_heads(p), *p.bits_and_group)
-        if algo:
+        own = None if algo or not backend else _own_kernel_partials(backend, q, p, scale)
+        if own is not None:
+            kernel_ran = True
+            o, ml = own
+        elif algo:
             kernel_ran = True
             bits, group = p.bits_and_group
             o, ml = kd.decode_partials(backend, q, *p.kernel_args(), scale=scale, bits=bits,
@@ -128,6 +138,24 @@ def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True
     if kernel_ran:
         return kd.merge_partials(backend, o_part, ml_part, queries.shape, queries.dtype)
     return merge_partials_mlx(o_part, ml_part, queries.shape, queries.dtype)
+
+
+def _own_kernel_partials(backend, queries, part: DecodePart, scale):
+    """Partials of a part whose packed keys bring a kernel of their own over them and the
+    values (``kernel_partials(backend, queries, values, scale)``: None where it does not
+    serve), the full-precision tails joined as a pure-MLX partial; None: the pure path."""
+    k, v = part.keys, part.values
+    read = getattr(k, "kernel_partials", None)
+    if read is None or part.heads is not None or not k.count or v is None or v.count != k.count:
+        return None
+    out = read(backend, queries, v, scale)
+    if out is None:
+        return None
+    tail = DecodePart(None, part.key_tail, None, part.value_tail)
+    if tail.length:
+        o, ml = _pure_partials(queries, tail, scale)
+        out = (mx.concatenate([out[0], o], axis=1), mx.concatenate([out[1], ml], axis=1))
+    return out
 
 
 def _kv_heads(part: DecodePart) -> int:
@@ -161,6 +189,15 @@ def _pure_partials(queries, part: DecodePart, scale):
     """A part's partial softmax state in the kernels' form: o (B*Hq, 1, D) unnormalised,
     ml (B*Hq, 1, 2) = (base-2 max of the scores, sum of 2^(score - max))."""
     b, hq, _, d = queries.shape
+    o, m, l = _pure_state(queries, part, scale)
+    ml = mx.concatenate([m * LOG2E, l], axis=-1)
+    return o.reshape(b * hq, 1, d), ml.reshape(b * hq, 1, 2)
+
+
+def _pure_state(queries, part: DecodePart, scale):
+    """A part's softmax state per KV head and query: o (B, H, R, D) unnormalised, the
+    scores' max and the sum of exp(score - max) (B, H, R, 1)."""
+    b, hq, _, d = queries.shape
     h = _kv_heads(part)
     key_tail, value_tail = part.tails()
     q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
@@ -182,8 +219,7 @@ def _pure_partials(queries, part: DecodePart, scale):
     if value_tail is not None:
         r = e[..., n_packed:] @ value_tail.astype(mx.float32)
         o = r if o is None else o + r
-    ml = mx.concatenate([m * LOG2E, e.sum(axis=-1, keepdims=True)], axis=-1)
-    return o.reshape(b * hq, 1, d), ml.reshape(b * hq, 1, 2)
+    return o, m, e.sum(axis=-1, keepdims=True)
 
 
 def merge_partials_mlx(o_part, ml_part, out_shape, dtype) -> mx.array:

@@ -3,7 +3,11 @@
 New tokens wait in full precision, then flush into packed storage: keys in blocks of
 ``key_block`` tokens (a per-channel codec needs whole groups of tokens), values one token
 at a time so that the newest ``window`` values stay exact (KIVI's residual R; with
-``key_block = window`` the newest ``T mod R`` keys stay exact too). Older runs of tokens
+``key_block = window`` the newest ``T mod R`` keys stay exact too). A per-token key codec
+needs no blocks of tokens: with ``key_block=None`` keys and values slide together past
+the newest ``window``, flushed ``slide_block`` tokens at a time (so a decode step codes
+nothing on most steps: the window holds ``window`` to ``window + slide_block - 1`` tokens). A codec that is not group-affine brings its own storage (``codec.tokens(step)``:
+``PackedTokens``' interface, and ``layout_problems(name, head_dim)``). Older runs of tokens
 may sit in sealed ``segments`` of other codecs (precision by age, by epoch): each is
 attended as one part of the decode, the parts merged by log-sum-exp.
 
@@ -24,7 +28,7 @@ import mlx.core as mx
 
 from ..cache.buffers import GrowingArray, RecentRows
 from ..kernels.decode import DecodePart, decode_attention
-from .packed import GroupAffine, PackedTokens
+from .packed import GROWTH_TOKENS, PackedTokens
 
 
 @dataclass
@@ -37,6 +41,11 @@ class Segment:
 
 VALUE_ROOM = 32  # rows of room past the values' window: its rows move once every 32 steps
 WINDOW_STEP = 32  # the windows grow with what they hold, 32 rows at a time
+
+
+def _tokens(codec, step_tokens: int = GROWTH_TOKENS):
+    """The packed storage of ``codec``: its own, or group-affine ``PackedTokens``."""
+    return codec.tokens(step_tokens) if hasattr(codec, "tokens") else PackedTokens(codec, step_tokens)
 
 
 def _rows(x) -> int:
@@ -110,23 +119,31 @@ class QuantizedKVStore(PackedStore):
     KIVI's official decode does; otherwise it flushes first, and the step's own key may be
     read quantized."""
 
-    def __init__(self, key_codec: GroupAffine, value_codec: GroupAffine, window: int,
-                 key_block: int, step_tokens: int, attend_then_flush: bool = False,
-                 value_flush: int = 1):
+    def __init__(self, key_codec, value_codec, window: int,
+                 key_block: int | None, step_tokens: int, attend_then_flush: bool = False,
+                 slide_block: int = 1, value_flush: int = 1):
         if not 1 <= value_flush <= VALUE_ROOM:
             raise ValueError(f"value_flush={value_flush}: must be from 1 to {VALUE_ROOM}")
         self.window, self.key_block = window, key_block
+        self.slide_block = slide_block if key_block is None else 1
         self.attend_then_flush = attend_then_flush
-        # decode steps pack values ``value_flush`` at a time: the window then holds from
-        # ``window`` to ``window + value_flush - 1`` exact values between flushes
-        self.value_flush = value_flush
-        self.keys = PackedTokens(key_codec, step_tokens)
-        self.values = PackedTokens(value_codec)
-        # Full-precision windows, written in place: keys not yet flushed (< key_block), the
-        # newest ``window`` values with VALUE_ROOM rows of room, so a step moves no rows.
-        self.k_win = RecentRows(step=WINDOW_STEP, limit=key_block, geometric=True)
-        self.v_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM, geometric=True)
+        # decode steps pack values ``value_flush`` at a time (keys in blocks): the window
+        # then holds from ``window`` to ``window + value_flush - 1`` exact values
+        self.value_flush = value_flush if key_block is not None else 1
+        self.keys = _tokens(key_codec, step_tokens)
+        self.values = _tokens(value_codec)
+        # Full-precision windows, written in place: keys not yet flushed (< key_block, or
+        # the newest ``window`` when they slide), the newest ``window`` values, each sliding
+        # one with VALUE_ROOM rows of room, so a step moves no rows.
+        room = window + self.slide_block - 1 + VALUE_ROOM
+        self.k_win = RecentRows(step=WINDOW_STEP, limit=room if self.sliding_keys else key_block,
+                                geometric=True)
+        self.v_win = RecentRows(step=WINDOW_STEP, limit=room, geometric=True)
         self.segments: list[Segment] = []
+
+    @property
+    def sliding_keys(self) -> bool:
+        return self.key_block is None
 
     @property
     def k_res(self) -> mx.array | None:
@@ -152,7 +169,7 @@ class QuantizedKVStore(PackedStore):
     # -- writing -------------------------------------------------------------------------
     def commit(self, keys: mx.array, values: mx.array) -> None:
         """Take new tokens in; flush what the policy says is old enough."""
-        if keys.shape[2] == 1 and self.window:  # a decode step: rows written in place
+        if keys.shape[2] == 1 and (self.window or self.sliding_keys):  # a decode step: rows written in place
             self.k_win.append(keys)
             self.v_win.append(values)
             self._flush_windows()
@@ -160,7 +177,14 @@ class QuantizedKVStore(PackedStore):
         self._append_rows(keys, values)
 
     def _flush_windows(self) -> None:
-        """After a decode step's rows: a full key block, and the value past the window."""
+        """After a decode step's rows: a full key block and the value past the window, or,
+        sliding keys, a block of both once that many are past the window."""
+        if self.sliding_keys:
+            n = self.slide_block
+            if self.k_win.held >= self.window + n:
+                self.keys.append(self.k_win.pop_front(n), one_token=n == 1)
+                self.values.append(self.v_win.pop_front(n), one_token=n == 1)
+            return
         if self.k_win.held == self.key_block:
             self.keys.append(self.k_win.view())
             self.k_win.truncate(0)  # its room stays: the next block fills it without growing
@@ -170,7 +194,7 @@ class QuantizedKVStore(PackedStore):
             self.v_win.compact()  # rows from 0 again: the kernels read the buffer itself
 
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
-        if not (self.attend_then_flush and self.window):
+        if not (self.attend_then_flush and (self.window or self.sliding_keys)):
             return super().decode_attention(queries, keys, values, scale=scale, use_kernel=use_kernel)
         self.k_win.append(keys)
         self.v_win.append(values)
@@ -181,6 +205,8 @@ class QuantizedKVStore(PackedStore):
 
     def _keys_to_flush(self, n_exact: int) -> int:
         """How many of ``n_exact`` full-precision keys (oldest first) the flush rule packs."""
+        if self.sliding_keys:
+            return max(0, n_exact - self.window)
         return n_exact // self.key_block * self.key_block
 
     def _append_rows(self, keys: mx.array, values: mx.array) -> None:
@@ -193,7 +219,7 @@ class QuantizedKVStore(PackedStore):
         self.k_res = k_res
 
         v_res = values if self.v_res is None else mx.concatenate([self.v_res, values], axis=2)
-        n_old = v_res.shape[2] - self.window
+        n_old = v_res.shape[2] - self.window  # (sliding keys: the same tokens as the keys)
         if n_old > 0:
             self.values.append(v_res[:, :, :n_old])
             v_res = mx.contiguous(v_res[:, :, n_old:])
@@ -229,6 +255,9 @@ class QuantizedKVStore(PackedStore):
         """(field, found, expected) for packed arrays whose shapes contradict their codecs;
         ``head_dims``: the key and value head_dim they must have."""
         for packed, name, dim in ((self.keys, "key", head_dims[0]), (self.values, "value", head_dims[1])):
+            if hasattr(packed, "layout_problems"):  # a codec's own storage checks itself
+                yield from packed.layout_problems(name, dim)
+                continue
             if packed.codes.buffer is None:  # nothing flushed yet: every token is in the windows
                 continue
             expected = packed.expected_shapes(dim)
@@ -241,6 +270,14 @@ class QuantizedKVStore(PackedStore):
         """(field, found, expected) for each way the stored tokens contradict the policy."""
         n_kq, n_vq = self.keys.count, self.values.count
         k_res, v_res = _rows(self.k_res), _rows(self.v_res)
+        if self.sliding_keys:
+            low, high = min(offset, self.window), self.window + self.slide_block - 1
+            for name, rows in (("keys", k_res), ("values", v_res)):
+                if not low <= rows <= high:
+                    yield f"full-precision {name}", rows, f"{low}..{high} (window {self.window}, blocks of {self.slide_block})"
+            if n_kq + k_res != offset or n_vq + v_res != offset:
+                yield "tokens stored", f"{n_kq + k_res} keys / {n_vq + v_res} values", f"the offset {offset}"
+            return
         if n_kq % self.key_block:
             yield "quantized keys", n_kq, f"a multiple of the key block {self.key_block}"
         if k_res >= self.key_block:

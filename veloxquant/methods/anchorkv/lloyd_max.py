@@ -1,7 +1,7 @@
 """Vectors coded as a random-sign Hadamard rotation, one scale, and Lloyd-Max levels.
 
 ``RotatedGaussian(bits, seed)`` codes a vector r (d,): ``y = (r * signs) H`` (H the
-orthonormal Walsh-Hadamard transform, ``signs`` seeded ±1), ``s = ||y|| / sqrt(d)`` (the
+orthonormal Walsh-Hadamard transform, ``signs`` seeded ±1: ``quant/hadamard.py``), ``s = ||y|| / sqrt(d)`` (the
 RMS, so that ``y / s`` has unit variance, the scale the levels were made for), codes =
 the nearest of the ``2**bits`` Lloyd-Max levels of a unit Gaussian (2 bits: ±0.4528,
 ±1.5104). After a random rotation the coordinates of a vector are close to Gaussian,
@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ...quant import hadamard
 from ...quant.affine import pack_codes, unpack_codes
 from ...quant.codebook import nearest
-from ...quant.vq import rotation_problem
+from ...quant.hadamard import rotation_problem
 
 LLOYD_ITERS = 300  # enough for the 8-bit levels to settle to float32
 
@@ -55,11 +56,6 @@ def _erfinv(y: float) -> float:
     return x
 
 
-@functools.lru_cache(maxsize=8)
-def _signs(seed: int, d: int) -> mx.array:
-    return mx.where(mx.random.bernoulli(0.5, (d,), key=mx.random.key(seed)), 1.0, -1.0)
-
-
 @dataclass(frozen=True)
 class RotatedGaussian:
     bits: int
@@ -77,10 +73,10 @@ class RotatedGaussian:
 
     def rotate(self, x: mx.array) -> mx.array:
         """``(x * signs) H``, float32 (queries before scoring, vectors before coding)."""
-        return mx.hadamard_transform(x.astype(mx.float32) * _signs(self.seed, x.shape[-1]), scale=x.shape[-1] ** -0.5)
+        return hadamard.rotate(x, self.seed)
 
     def unrotate(self, y: mx.array) -> mx.array:
-        return mx.hadamard_transform(y, scale=y.shape[-1] ** -0.5) * _signs(self.seed, y.shape[-1])
+        return hadamard.unrotate(y, self.seed)
 
     def encode(self, r: mx.array):
         """Vectors (..., d) -> (codes (..., d * bits / 32) uint32, scales (...) float16)."""
