@@ -55,6 +55,7 @@ benchmarks/notes/fused_attention.md.
 
 from __future__ import annotations
 
+import functools
 import struct
 import warnings
 from collections import OrderedDict
@@ -689,6 +690,12 @@ def kivi_decode_attention_metal(queries, k_codes, k_scales, k_biases, n_kq, k_re
 def gpu_backend() -> Optional[str]:
     if mx.default_device() != mx.gpu:
         return None
+    return _gpu_kind()
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_kind() -> Optional[str]:
+    """The process's GPU back-end (fixed once MLX is loaded; asked at every layer's step)."""
     try:
         if mx.cuda.is_available():
             return "cuda"
@@ -782,9 +789,10 @@ def _step_plan(backend, args, bits, group_size, scale) -> Optional[_StepPlan]:
     no longer holds its kernels; not keyed by the module's tuning constants (whoever
     changes those clears ``_STEP_PLANS``)."""
     q, kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = args
-    key = (backend, q.shape, q.dtype, _spec(kc), _spec(ks), _spec(kb), _spec(kr), _spec(vc),
-           _spec(vs), _spec(vb), _spec(vr), n_kq, n_kres, n_vq, n_vres, bits, group_size,
-           float(scale))
+    # scales and biases take their codes' shape bar the last axis, and the query's dtype
+    # (checked when a plan is made): codes, windows and the scales' dtype decide the rest
+    key = (backend, q.shape, q.dtype, _spec(kc), _spec(ks), _spec(kr), _spec(vc), _spec(vs),
+           _spec(vr), n_kq, n_kres, n_vq, n_vres, bits, group_size, float(scale))
     plan = _STEP_PLANS.get(key, False)
     if plan is None or (plan and plan.current()):
         return plan
