@@ -8,7 +8,7 @@ steps fed the full cache's greedy tokens (so every method is scored on the same 
    greedy-token agreement within two binomial standard errors of the median's (either
    suffices); or its status note states its figure (``DOCUMENTED``, checked).
 
-The whole registry at 1,024 prompt tokens and 64 steps is ``slow`` (about 10 minutes on 2
+The whole registry at 1,024 prompt tokens and 64 steps is ``slow`` (about 5 minutes on 2
 CPU cores); ``python tests/test_defaults_on_reference_model.py`` prints its table
 (benchmarks/results/defaults_reference_model.md). The default suite runs a few methods on
 a 600-token prompt.
