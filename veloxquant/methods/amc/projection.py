@@ -1,10 +1,14 @@
 """Rows kept as coefficients on a per-head principal basis: ``x ~ mean + B c``.
 
 ``pca_basis`` fits, per (batch, KV head), the mean of a block of rows and its ``rank``
-leading principal directions (``factors.svd_factors`` of the centred rows; directions a
-block too short to span are zero columns). ``ProjectedRows`` reads coefficients stored in
-any ``PackedScores`` form as the full rows, without forming them: ``q xᵀ = (q B) cᵀ + q·mean``
-and ``p x = (p c) Bᵀ + (Σ p) mean``.
+leading principal directions: the eigenvectors of the float32 covariance of at most
+``FIT_SAMPLE_TOKENS`` evenly spaced centred rows (``factors.gram_basis``: one matrix
+product over the rows, then the eigenproblem of a head_dim x head_dim matrix; bounded work
+at any prompt length, exact up to the sample size). ``ProjectedRows`` reads coefficients
+stored in any ``PackedScores`` form as the full rows, without forming them:
+``q xᵀ = (q B) cᵀ + q·mean`` and ``p x = (p c) Bᵀ + (Σ p) mean``. Keys kept before RoPE
+cannot be read that way (each position turns by its own angle): ``RotatedRows`` reads
+them rebuilt and rotated (one product with the basis over the tier per step).
 """
 
 from __future__ import annotations
@@ -14,18 +18,36 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...lowrank.factors import svd_factors
+from ...lowrank.factors import FIT_SAMPLE_TOKENS, gram_basis
 
 
-def pca_basis(x: mx.array, rank: int) -> tuple[mx.array, mx.array]:
+def pca_basis(x: mx.array, rank: int, sample: int = FIT_SAMPLE_TOKENS) -> tuple[mx.array, mx.array]:
     """(mean (B, H, D), basis (B, H, D, rank)), float32, of rows (B, H, n, D)."""
     x = x.astype(mx.float32)
     mean = x.mean(axis=2)
-    _, right, _ = svd_factors(x - mean[:, :, None])
-    basis = right[..., :rank]
-    if basis.shape[-1] < rank:
-        basis = mx.pad(basis, [(0, 0)] * 3 + [(0, rank - basis.shape[-1])])
-    return mean, basis
+    vectors, _ = gram_basis(x - mean[:, :, None], sample)
+    return mean, vectors[..., :rank]
+
+
+@dataclass(frozen=True)
+class RotatedRows:
+    """Rows already rebuilt (B, H, capacity, D) float32, read as they are."""
+
+    rows: mx.array
+
+    @property
+    def count(self) -> int:
+        return self.rows.shape[2]
+
+    @property
+    def n_heads(self) -> int:
+        return self.rows.shape[1]
+
+    def scores(self, q: mx.array) -> mx.array:
+        return q @ self.rows.swapaxes(-1, -2)
+
+    def mix(self, p: mx.array) -> mx.array:
+        return p @ self.rows
 
 
 @dataclass(frozen=True)

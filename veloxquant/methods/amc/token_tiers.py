@@ -7,15 +7,18 @@ rows. ``RaggedTier`` keeps one codec's rows per (batch, head) at their own count
 heads and grown ``step`` rows at a time. A write gathers the rows each head takes
 (a prompt chunk: the same number per head; a decode step: one row, which a head that
 does not take it writes past its count) and writes them after its own run. Rows past a
-head's count are masked out
-of its scores (``MaskedRows``), so readers run over the whole buffer and the host never
-waits for the counts except when a buffer may be full (``bound``: an upper bound of the
-largest count, refreshed then).
+head's count are masked out of its scores (``MaskedRows``), so readers run over the whole
+buffer. The host never reads the counts: ``bound`` (an upper bound of the largest count,
+from the writes' sizes) sizes a prompt chunk's room; one spare row stays past every count
+(where a decode row lands for a head that does not take it).
 
 ``TieredRowsStore`` holds keys and values in such tiers (the value of a token in its
 key's tier), the tier of every token and head in position order (uint8 ``flags``, which
 put the history back in order), and optional projections per tier (a low tier kept as
-coefficients on a basis, ``methods/amc/projection.py``). Every token is coded as it arrives
+coefficients on a basis, ``methods/amc/projection.py``; keys before RoPE, with their
+positions, when the rotary settings are given). A decode step's room comes from host
+counters: each tier grows by its share of the decode tokens, and a token whose tier is
+full for its head goes to the nearest tier with room. Every token is coded as it arrives
 (no window). A prompt chunk attends over the decoded history plus itself; a decode step
 over one part per non-empty tier, merged by log-sum-exp, on the pure-MLX path (per-token
 rows: ``TokenRows``, ``quantized_matmul`` over the packed codes on the CPU).
@@ -29,10 +32,12 @@ import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
 from ...kernels.decode import DecodePart
-from .projection import ProjectedRows
+from .projection import ProjectedRows, RotatedRows
 from ...quant.token_rows import TokenGroups, TokenRows
 from ...quant.packed import GROWTH_TOKENS, AffineLayout
 from ...quant.store import PackedStore
+from ...cache.rope import derotate
+from ...quant.prerope import to_pre_rope
 
 MASKED = -1e30  # the score of a row a head does not hold: finite, so an empty head's
 # partial softmax state stays a number (its weight in the merge is 2^-inf = 0)
@@ -41,28 +46,38 @@ MASKED = -1e30  # the score of a row a head does not hold: finite, so an empty h
 class RaggedTier:
     """Rows of one ``TokenGroups`` codec, each (batch, head) with its own count."""
 
-    def __init__(self, codec: TokenGroups, step: int = GROWTH_TOKENS):
-        self.codec, self.step = codec, step
-        self.codes = self.scales = self.biases = self.counts = None
-        self.bound = 0  # host-side: no head holds more rows than this
+    def __init__(self, codec: TokenGroups, step: int = GROWTH_TOKENS, positioned: bool = False):
+        self.codec, self.step, self.positioned = codec, step, positioned
+        self.codes = self.scales = self.biases = self.counts = self.positions = None
+        self.bound = 0  # host-side: no head holds more rows than this (Python counters only)
 
     @property
     def capacity(self) -> int:
         return 0 if self.codes is None else self.codes.shape[2]
 
-    def _room(self, n: int) -> None:
-        if self.bound + n <= self.capacity:
+    def grow_to(self, capacity: int) -> None:
+        if capacity <= self.capacity:
             return
-        self.bound = int(self.counts.max())
-        grow = -(-(self.bound + n - self.capacity) // self.step) * self.step
-        if self.bound + n > self.capacity:
-            pad = lambda a: mx.pad(a, [(0, 0), (0, 0), (0, grow), (0, 0)])  # noqa: E731
-            self.codes, self.scales, self.biases = pad(self.codes), pad(self.scales), pad(self.biases)
+        pad = lambda a: mx.pad(a, [(0, 0), (0, 0), (0, capacity - self.capacity)] + [(0, 0)] * (a.ndim - 3))  # noqa: E731
+        if self.positions is not None:
+            self.positions = pad(self.positions)
+        self.codes, self.scales, self.biases = pad(self.codes), pad(self.scales), pad(self.biases)
 
-    def write(self, rows: mx.array, take: mx.array, most: int) -> None:
+    def room_for(self, n: int) -> int:
+        """The capacity a write of up to n rows a head needs: past every count one spare row
+        stays, where a decode step's row lands for a head that does not take it."""
+        need = self.bound + n + 1
+        if need <= self.capacity:
+            return self.capacity
+        return self.capacity + -(-(need - self.capacity) // self.step) * self.step
+
+    def write(self, rows: mx.array, take: mx.array, most: int, positions: mx.array | None = None,
+              capacity: int | None = None) -> None:
         """Rows (B, H, n, ·); ``take`` (B, H, n) bool: the rows each head keeps, in order;
-        ``most``: no head takes more (host-side: the room a write needs). A head that
-        takes fewer writes its last slots past its count, where nothing reads them."""
+        ``most``: no head takes more (host-side: the room a write needs); ``positions``
+        (B, H, n) int32 of a positioned tier; ``capacity``: the room planned by the caller
+        (a decode step), else ``room_for(most)``. A head that takes fewer writes its last
+        slots past its count, where nothing reads them."""
         b, h, n = take.shape
         if self.counts is None:
             self.counts = mx.zeros((b, h), mx.int32)
@@ -70,18 +85,24 @@ class RaggedTier:
             pick = mx.argsort(mx.where(take, 0, n) + mx.arange(n), axis=-1)[..., :most]
             rows = mx.take_along_axis(rows, pick[..., None], axis=2)
             take = mx.take_along_axis(take, pick, axis=-1)
+            if positions is not None:
+                positions = mx.take_along_axis(positions, pick, axis=-1)
         codes, scales, biases = self.codec.encode(rows)
         if self.codes is None:
             self.codes, self.scales, self.biases = (mx.zeros((b, h, 0, a.shape[-1]), a.dtype)
                                                     for a in (codes, scales, biases))
-        self._room(most)
+            if self.positioned:
+                self.positions = mx.zeros((b, h, 0), mx.int32)
+        self.grow_to(self.room_for(most) if capacity is None else capacity)
         pos = self.counts[..., None] + mx.arange(most)
         bi, hi = mx.arange(b).reshape(b, 1, 1), mx.arange(h).reshape(1, h, 1)
         self.codes[bi, hi, pos] = codes
         self.scales[bi, hi, pos] = scales
         self.biases[bi, hi, pos] = biases
+        if self.positions is not None:
+            self.positions[bi, hi, pos] = positions.astype(mx.int32)
         self.counts = self.counts + take.astype(mx.int32).sum(axis=-1)
-        self.bound += most
+        self.bound = min(self.bound + most, self.capacity - 1)
 
     def layout(self) -> AffineLayout:
         c = self.codec
@@ -113,43 +134,95 @@ class MaskedRows:
 class TieredRowsStore(PackedStore):
     """Keys and values in ``len(codecs)`` ragged tiers; ``projections[tier]``: the
     (mean, basis) pairs of keys and values for a tier kept as coefficients (in the dtype
-    they are kept in, cast to float32 where they are used)."""
+    they are kept in, cast to float32 where they are used), for each tier in ``projected``.
+    With ``rotary``, the projected tiers' keys are kept before RoPE (their coefficients
+    on a basis of pre-RoPE keys) with their positions, and rotated again when read.
+    ``shares``: the fraction of decode tokens each tier is expected to take (its room
+    grows by it)."""
 
-    def __init__(self, key_codecs, value_codecs, step: int = GROWTH_TOKENS):
-        self.k_tiers = [RaggedTier(c, step) for c in key_codecs]
+    def __init__(self, key_codecs, value_codecs, step: int = GROWTH_TOKENS, *, shares=None,
+                 projected=(), rotary=None):
+        self.k_tiers = [RaggedTier(c, step, positioned=rotary is not None and t in projected)
+                        for t, c in enumerate(key_codecs)]
         self.v_tiers = [RaggedTier(c, step) for c in value_codecs]
         self.flags = GrowingArray(axis=2, step=step)  # (B, H, n) uint8 tier ids
         self.projections: dict[int, tuple[mx.array, mx.array, mx.array, mx.array]] = {}
+        self.shares = list(shares) if shares is not None else [1 / len(key_codecs)] * len(key_codecs)
+        self.step, self.rotary = step, rotary
+        self.expected = [0.0] * len(key_codecs)  # host-side: rows a head is expected to hold per tier
 
     @property
     def length(self) -> int:
         return self.flags.length
 
-    def _coefficients(self, tier: int, x: mx.array, which: int) -> mx.array:
+    def _coefficients(self, tier: int, x: mx.array, which: int, start: int) -> mx.array:
         if tier not in self.projections:
             return x
         mean, basis = (a.astype(mx.float32) for a in self.projections[tier][2 * which : 2 * which + 2])
-        return ((x.astype(mx.float32) - mean[:, :, None]) @ basis).astype(x.dtype)  # scales in x's dtype
+        if which == 0 and self.rotary is not None:
+            x32 = to_pre_rope(x, start, self.rotary)
+        else:
+            x32 = x.astype(mx.float32)
+        return ((x32 - mean[:, :, None]) @ basis).astype(x.dtype)  # scales in x's dtype
 
-    def commit(self, keys: mx.array, values: mx.array, tiers: mx.array, most: list[int]) -> None:
-        """Tokens (B, H, n, D) with their tiers (B, H, n) uint8; ``most[t]``: at most this
-        many of them in tier t for any head."""
+    def _write(self, keys, values, tiers, most, capacities=None) -> None:
+        start, n = self.length, keys.shape[2]
+        positions = mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32), tiers.shape)
         for t, (kt, vt) in enumerate(zip(self.k_tiers, self.v_tiers)):
             if most[t]:
                 take = tiers == t
-                kt.write(self._coefficients(t, keys, 0), take, most[t])
-                vt.write(self._coefficients(t, values, 1), take, most[t])
+                cap = None if capacities is None else capacities[t]
+                kt.write(self._coefficients(t, keys, 0, start), take, most[t], positions, cap)
+                vt.write(self._coefficients(t, values, 1, start), take, most[t], None, cap)
                 # the same rows a head as the keys': a copy of the counts attention reads (an
                 # array of its own, kept and counted), so no chain of its own grows unevaluated
                 vt.counts = kt.counts + 0
         self.flags.append(tiers.astype(mx.uint8))
+
+    def commit(self, keys: mx.array, values: mx.array, tiers: mx.array, most: list[int]) -> None:
+        """Tokens (B, H, n, D) with their tiers (B, H, n) uint8; ``most[t]``: at most this
+        many of them in tier t for any head."""
+        self._write(keys, values, tiers, most)
+        self.expected = [float(t.bound) for t in self.k_tiers]
+
+    def _step_capacities(self) -> list[int]:
+        """Each tier's room for a decode step, from host counters only: a tier grows when
+        the rows it is expected to hold (its share of the decode tokens) reach its room,
+        and the tiers together always leave every head one row more than it holds."""
+        caps = []
+        for t, tier in enumerate(self.k_tiers):
+            self.expected[t] += self.shares[t]
+            cap = max(tier.capacity, 1)  # the spare row
+            while self.expected[t] + 1 > cap - 1 and self.shares[t] > 0:
+                cap += self.step
+            caps.append(cap)
+        while sum(c - 1 for c in caps) < self.length + 1:  # some tier has room for every head
+            caps = [c + (self.step if s > 0 else 0) for c, s in zip(caps, self.shares)]
+        return caps
+
+    def commit_step(self, keys: mx.array, values: mx.array, tiers: mx.array) -> mx.array:
+        """One token (B, H, 1, D) in its tier (B, H, 1) uint8, or, for a head whose tier is
+        full, the nearest tier with room (ties toward the finer one); the tiers it took."""
+        caps = self._step_capacities()
+        room = mx.stack([(mx.zeros(tiers.shape[:2], mx.int32) if kt.counts is None else kt.counts) < cap - 1
+                         for kt, cap in zip(self.k_tiers, caps)], axis=-1)  # (B, H, T)
+        order = mx.arange(len(caps))
+        wanted = tiers.astype(mx.int32)  # (B, H, 1)
+        cost = 2 * mx.abs(order - wanted) + (order > wanted)
+        tiers = mx.argmin(mx.where(room, cost, 4 * len(caps)), axis=-1, keepdims=True).astype(mx.uint8)
+        self._write(keys, values, tiers, [1] * len(caps), caps)
+        return tiers
 
     def _readers(self, t: int):
         kt, vt = self.k_tiers[t], self.v_tiers[t]
         keys, values = TokenRows(kt.layout()), TokenRows(vt.layout())
         if t in self.projections:
             k_mean, k_basis, v_mean, v_basis = (a.astype(mx.float32) for a in self.projections[t])
-            keys, values = ProjectedRows(keys, k_basis, k_mean), ProjectedRows(values, v_basis, v_mean)
+            if kt.positions is not None:
+                keys = RotatedRows(self._decoded(t, 0))
+            else:
+                keys = ProjectedRows(keys, k_basis, k_mean)
+            values = ProjectedRows(values, v_basis, v_mean)
         return MaskedRows(keys, kt.counts, kt.capacity), values
 
     def decode_parts(self, empty) -> list[DecodePart]:
@@ -165,6 +238,9 @@ class TieredRowsStore(PackedStore):
         if t in self.projections:
             mean, basis = (a.astype(mx.float32) for a in self.projections[t][2 * which : 2 * which + 2])
             rows = rows @ basis.swapaxes(-1, -2) + mean[:, :, None]
+            if tier.positions is not None:
+                # derotate by -position is the rotation by +position (angles are linear in it)
+                rows = derotate(rows, -tier.positions, self.rotary)
         return rows
 
     def history(self, dtype):
@@ -191,8 +267,9 @@ class TieredRowsStore(PackedStore):
         out: dict[str, Any] = {"flags": self.flags}
         for name, tiers in (("k", self.k_tiers), ("v", self.v_tiers)):
             for t, tier in enumerate(tiers):
-                for field in ("codes", "scales", "biases", "counts"):
-                    out[f"{name}{t}_{field}"] = getattr(tier, field)
+                for field in ("codes", "scales", "biases", "counts", "positions"):
+                    if field != "positions" or tier.positions is not None:
+                        out[f"{name}{t}_{field}"] = getattr(tier, field)
         for t, arrays in self.projections.items():
             for field, a in zip(("k_mean", "k_basis", "v_mean", "v_basis"), arrays):
                 out[f"tier{t}_{field}"] = a
@@ -210,8 +287,11 @@ class TieredRowsStore(PackedStore):
             elif key[0] in "kv" and key[1:2].isdigit():
                 tier = (self.k_tiers if key[0] == "k" else self.v_tiers)[int(key[1 : key.index("_")])]
                 setattr(tier, key[key.index("_") + 1 :], value)
-        for tier in self.k_tiers + self.v_tiers:
-            tier.bound = tier.capacity
+        for tier in self.k_tiers + self.v_tiers:  # loading, not decoding: the counts may be read
+            tier.bound = 0 if tier.counts is None else int(tier.counts.max())
+            if tier.codes is not None and tier.bound >= tier.capacity:
+                tier.grow_to(tier.bound + 1)
+        self.expected = [float(t.bound) for t in self.k_tiers]
 
     def layout_problems(self, head_dims):
         for name, tiers, dim in (("key", self.k_tiers, head_dims[0]), ("value", self.v_tiers, head_dims[1])):
