@@ -256,3 +256,6 @@ class KVCacheConfigFields:
     spectral_val_d_eff: int = 50
     spectral_apply_qjl: bool = True
     spectral_model_name: str = "model"
+    # How an eviction method holds its kept tokens: None (full precision) or a quantizer's
+    # options (KIVIOptions, at kv_bits); last, so that no positional argument moves.
+    storage: Any = None
