@@ -9,6 +9,7 @@ token keeps without storage too.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import mlx.core as mx
@@ -229,3 +230,32 @@ def test_a_composed_cache_does_not_batch():
     assert not hasattr(cache[0], "merge")
     with pytest.raises(AttributeError, match="with a storage does not batch"):
         cache[0].merge
+
+
+# -- the bench ----------------------------------------------------------------------------------
+def test_bench_methods_select_composed_rows_with_the_storage_in_their_config():
+    from veloxquant_mlx.bench.cli import method_runs, report_config, select_methods
+
+    chosen = select_methods("snapkv+kivi4,H2O+kivi2,tova")
+    assert chosen == ["snapkv+kivi4", "h2o+kivi2", "tova"]
+    runs = method_runs(chosen, ["snap_budget=256"], sweep=False)
+    assert [(r.label, r.method) for r in runs] == [
+        ("full", "full"), ("snapkv+kivi4 snap_budget=256", "snapkv+kivi4"),
+        ("h2o+kivi2", "h2o+kivi2"), ("tova", "tova")]
+    snap = runs[1].config
+    assert (snap.method, snap.snap_budget, snap.kv_bits, snap.storage) == ("snapkv", 256, 4, KIVIOptions())
+    assert report_config(snap)["storage"] == {"method": "kivi", "options": {"kivi_group_size": 32}}
+    assert runs[1].settings["kv_bits"] == 4 and "kv_bits" not in runs[3].settings
+    assert runs[3].config.storage is None
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("kivi+kivi4", "kivi is a quantization method"),
+    ("snapkv+kivi3", "allowed bits: 2, 4, 8"),
+    ("snapkv+gear4", "the storage after '+' is kivi<bits>"),
+])
+def test_bench_refuses_a_composition_that_cannot_work(spec, words):
+    from veloxquant_mlx.bench.cli import BenchError, select_methods
+
+    with pytest.raises(BenchError, match=re.escape(words)):
+        select_methods(spec)
