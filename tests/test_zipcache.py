@@ -16,7 +16,7 @@ from veloxquant_mlx.cache.base import CacheStateError
 from veloxquant_mlx.cache.options import ZipCacheOptions
 from veloxquant_mlx.kernels import kivi_decode as kd
 from veloxquant_mlx.methods.zipcache import ZipCacheKVCache
-from veloxquant_mlx.quant.channel_scale import channel_scale
+from veloxquant_mlx.methods.zipcache.channel_scaled import channel_scale
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
 from veloxquant_mlx.quant.saliency import (
     ProbeSaliency, n_salient, normalized_by_visibility, probe_attention_sums, probe_positions)

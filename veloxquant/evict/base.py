@@ -214,8 +214,7 @@ class ScoredEvictionCache(CompressedKVCache):
         return valid
 
     def _arrays(self) -> dict[str, Any]:
-        return {**self.store.arrays, **getattr(self.store, "side_arrays", {}),  # quantized_slots' c
-                "free_slot": self.store.free, "window_queries": self.window_queries}
+        return {**self.store.arrays, "free_slot": self.store.free, "window_queries": self.window_queries}
 
     def _restore_arrays(self, arrays: dict[str, Any]) -> None:
         self.store.restore(arrays, arrays.get("free_slot"))

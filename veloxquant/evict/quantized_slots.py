@@ -11,21 +11,15 @@ storage. Once the prompt has been scored (``pack``) the kept tokens are quantize
 every later token is quantized as it is written.
 
 Quantizer: KIVI's min-max group-affine arithmetic at ``kv_bits`` in groups of
-``kivi_group_size`` channels *per token* (``quant/token_rows.py``). KIVI's own keys are
-per channel, in groups of consecutive tokens; a group of slots shares nothing here,
-because a decode step that frees one slot writes the next token into it, and per-channel
-groups would then have to be requantized around it. Per-token rows make a slot one
-independent row of codes, scales and minima. Keys have outlier channels, which is why
-KIVI groups them per channel: here every key channel is divided by a scale ``c``
-(``quant/channel_scale.py``, ZipCache's channel-separable rows), fitted once on the kept
-prompt keys, frozen, and folded into the query at decode; values are plain per-token
-rows, as in KIVI. (Without ``c``, 2-bit keys lost the reference model: KL 1.2 nats
-against the full cache, benchmarks/results/composition-quick.md.)
+``kivi_group_size`` channels *per token*, for keys as for values (``quant/token_rows.py``).
+KIVI's own keys are per channel, in groups of consecutive tokens; a group of slots
+shares nothing here, because a decode step that frees one slot writes the next token
+into it, and per-channel groups would then have to be requantized around it. Per-token
+rows make a slot one independent row of codes, scales and minima.
 
 Held per kept token and KV head: ``D * bits / 8`` bytes of codes and two ``D / group``
 scales/minima in the model's dtype, for keys and for values; then, as without storage,
-the position (int32) and the method's per-token state (float32 each). Per layer and KV
-head: ``c``, ``D`` float32.
+the position (int32) and the method's per-token state (float32 each).
 
 Decode attention reads the packed rows through ``TokenRows`` (the pure-MLX reads of
 ``kernels/decode.py``'s per-token parts: one ``quantized_matmul`` for ``q Kᵀ`` and one for
@@ -38,7 +32,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..quant.channel_scale import channel_scale
 from ..quant.groups import check_divides
 from ..quant.packed import AffineLayout
 from ..quant.token_rows import TokenRows, compiled_quantizer, dequantize_rows, packs, quantize_rows
@@ -64,7 +57,6 @@ class QuantizedSlots:
         self.bits, self.group = bits, group
         self.slots = SlotStore(names)
         self.quantized = False
-        self.k_channel: mx.array | None = None  # (B, H, D) float32: keys are stored as K / c
 
     # -- what the scorer base reads and writes -------------------------------------------
     @property
@@ -94,11 +86,8 @@ class QuantizedSlots:
         codes = self.slots.view(f"{p}_codes")
         if codes is None:
             return None
-        rows = dequantize_rows(codes, self.slots.view(f"{p}_scales"), self.slots.view(f"{p}_biases"),
+        return dequantize_rows(codes, self.slots.view(f"{p}_scales"), self.slots.view(f"{p}_biases"),
                                self.group, self.bits)
-        if p == "v":
-            return rows
-        return (rows.astype(mx.float32) * self.k_channel[:, :, None]).astype(rows.dtype)
 
     def write(self, new: dict[str, mx.array]) -> None:
         if self.quantized:
@@ -120,16 +109,10 @@ class QuantizedSlots:
     def truncate(self, rows: int) -> None:
         self.slots.truncate(rows)
 
-    @property
-    def side_arrays(self) -> dict[str, mx.array | None]:
-        """What is kept beside the slots (saved, counted in ``nbytes``)."""
-        return {"k_channel": self.k_channel}
-
     def restore(self, arrays: dict[str, mx.array | None], free: mx.array | None) -> None:
         """A saved state names its arrays: packed rows (``k_codes`` ...) or, saved before
         the prompt ended, full-precision ``keys``/``values``."""
         self.quantized = "k_codes" in arrays
-        self.k_channel = arrays.get("k_channel")
         self.slots = SlotStore((*PACKED, *self.extra) if self.quantized else self.names)
         self.slots.restore(arrays, free)
 
@@ -144,11 +127,8 @@ class QuantizedSlots:
             encode = compiled_quantizer(self.group, self.bits)
         else:
             encode = lambda x: quantize_rows(x, self.group, self.bits)  # noqa: E731
-        if self.k_channel is None:  # the kept prompt keys: c is fitted once, then frozen
-            self.k_channel = channel_scale(keys)
-        scaled = (keys.astype(mx.float32) / self.k_channel[:, :, None]).astype(keys.dtype)
         out = {}
-        for p, x in (("k", scaled), ("v", values)):
+        for p, x in (("k", keys), ("v", values)):
             out[f"{p}_codes"], out[f"{p}_scales"], out[f"{p}_biases"] = encode(x)
         return out
 
@@ -181,7 +161,7 @@ class QuantizedSlots:
         one run of rows: no partial states to merge (``kernels/decode.py``'s several-part
         path), which keeps the step's graph small."""
         b, hq, _, d = queries.shape
-        keys, values = TokenRows(self._layout("k"), self.k_channel), TokenRows(self._layout("v"))
+        keys, values = TokenRows(self._layout("k")), TokenRows(self._layout("v"))
         h = keys.n_heads
         q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
         p = mx.softmax(keys.scores(q), axis=-1, precise=True)

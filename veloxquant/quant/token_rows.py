@@ -18,7 +18,7 @@ elsewhere (7 bits, other groups):
   width or group, or no kernel for these shapes (a GPU), the valid rows are dequantized in
   float32 and multiplied. The fused kernels read keys per channel only, so per-token keys
   (SKVQ, ZipCache) always come here. With a per-channel scale ``c`` (ZipCache's
-  channel-separable rows ``x / c``, ``quant/channel_scale.py``) the scale is folded into
+  channel-separable rows ``x / c``, ``methods/zipcache/channel_scaled.py``) the scale is folded into
   the query (``(q * c) K'ᵀ``) and the output (``(p V') * c``);
 - ``PlainRows``: full-precision rows in the same protocol (values kept unquantized).
 

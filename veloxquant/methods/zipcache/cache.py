@@ -1,7 +1,7 @@
 """ZipCache: token-level mixed precision from the normalised attention of probe queries.
 
 A configuration of the token-mixed store (``methods/zipcache/token_mixed.py``) with probe saliency
-(``quant/saliency.py``) and channel-separable token-wise codecs (``quant/channel_scale.py``,
+(``quant/saliency.py``) and channel-separable token-wise codecs (``methods/zipcache/channel_scaled.py``,
 ``quant/token_rows.py``):
 
 1. **Saliency at prefill.** Of each prompt chunk of n queries, the probes are the newest

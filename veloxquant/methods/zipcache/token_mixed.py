@@ -1,7 +1,7 @@
 """Precision by token: a quantized store whose tokens are split between two classes.
 
 Every token of every KV head belongs to one class, ``hi`` or ``lo``, each a codec over
-the rows ``x / c`` (``quant/channel_scale.py``: channel-separable token-wise
+the rows ``x / c`` (``methods/zipcache/channel_scaled.py``: channel-separable token-wise
 quantization; the per-channel scales ``c`` of keys and of values, per layer and KV head,
 are computed from the first tokens compressed and then frozen, and stored). The classes
 are decided per (batch, KV head) by a **saliency** (``quant/saliency.py``): of a span of
@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
 from ...kernels.decode import DecodePart, decode_attention
-from ...quant.channel_scale import channel_scale
+from .channel_scaled import channel_scale
 from ...quant.packed import GROWTH_TOKENS, PackedTokens
 from ...quant.saliency import n_salient, salient_split
 from ...quant.store import WINDOW_STEP, PackedStore, joined_history
