@@ -9,6 +9,7 @@ token keeps without storage too.
 
 from __future__ import annotations
 
+import gc
 import re
 import warnings
 
@@ -47,6 +48,15 @@ def _packed(store, p):
     return [store.view(f"{p}_{n}") for n in ("codes", "scales", "biases")]
 
 
+def _reference(keys, values, group, bits):
+    """The kept keys and values as the storage must hold them: each row quantized alone."""
+    return {"k": quantize_rows(keys, group, bits), "v": quantize_rows(values, group, bits)}
+
+
+def _dequantized(store, group, bits):
+    return tuple(dequantize_rows(*_packed(store, p), group, bits, mx.float32) for p in "kv")
+
+
 @pytest.mark.parametrize("method", COMPOSED)
 @pytest.mark.parametrize("group", [32, 64])
 def test_kept_tokens_are_the_unquantized_methods_kept_tokens_quantized(method, group):
@@ -59,18 +69,20 @@ def test_kept_tokens_are_the_unquantized_methods_kept_tokens_quantized(method, g
     for name in plain.token_state:
         assert mx.array_equal(plain.store.view(name), stored.store.view(name))
     assert stored.store.quantized and "keys" not in stored.store.arrays
-    for p, x in (("k", plain.store.view("keys")), ("v", plain.store.view("values"))):
-        for got, want in zip(_packed(stored.store, p), quantize_rows(x, group, bits)):
-            assert mx.array_equal(got, want)
+    want = _reference(plain.store.view("keys"), plain.store.view("values"), group, bits)
+    for p in "kv":
+        for got, expected in zip(_packed(stored.store, p), want[p]):
+            assert mx.array_equal(got, expected)
     if plain.schedule.decode_every:
         return  # later evictions score dequantized keys: the positions may part from here
     # an appending method's decode tokens are quantized one by one, with the same codes
     for t in range(PROMPT, PROMPT + 6):
         feed(plain, k, v, q, t, t + 1)
         feed(stored, k, v, q, t, t + 1)
-    for p, x in (("k", plain.store.view("keys")), ("v", plain.store.view("values"))):
-        for got, want in zip(_packed(stored.store, p), quantize_rows(x, group, bits)):
-            assert mx.array_equal(got, want)
+    want = _reference(plain.store.view("keys"), plain.store.view("values"), group, bits)
+    for p in "kv":
+        for got, expected in zip(_packed(stored.store, p), want[p]):
+            assert mx.array_equal(got, expected)
 
 
 @pytest.mark.parametrize("method", COMPOSED)
@@ -81,8 +93,7 @@ def test_a_decode_step_attends_over_the_packed_rows_as_over_their_dequantized_va
     scale = HEAD_DIM**-0.5
     for t in range(PROMPT, PROMPT + 8):
         out = feed(stored, k, v, q, t, t + 1)
-        keys = dequantize_rows(*_packed(stored.store, "k"), group, bits, mx.float32)
-        values = dequantize_rows(*_packed(stored.store, "v"), group, bits, mx.float32)
+        keys, values = _dequantized(stored.store, group, bits)
         want = mx.fast.scaled_dot_product_attention(q[:, :, t : t + 1], keys, values, scale=scale)
         # float32 sums of head_dim products, then of ``rows`` weighted values: each term
         # rounds by at most eps, so the error is below (rows + head_dim) eps max|v|
@@ -110,9 +121,39 @@ def test_memory_is_kept_tokens_times_quantized_bytes_per_token(method, dtype):
     assert stored.nbytes < plain.nbytes
 
 
+def _freed_on_delete(method: str, budget: int, n_prompt: int, decode: int) -> tuple[int, int]:
+    """(bytes freed when the caches are deleted, their nbytes) after a prompt and
+    ``decode`` steps, the state evaluated as mlx-lm evaluates it."""
+    model = tiny_model("llama")
+    base = split_composed(method)[0]
+    cache = make_prompt_cache(model, config(method, {METHODS[base].load_implementation().roles.budget: budget}))
+    mx.eval(test_conformance.drive(model, cache, prompt(n_prompt + decode), chunk=256, decode=decode))
+    mx.eval([c.state for c in cache])
+    nbytes = sum(c.nbytes for c in cache)
+
+    def active() -> int:
+        gc.collect()
+        mx.synchronize()
+        mx.clear_cache()
+        return mx.get_active_memory()
+
+    with_cache = active()
+    del cache
+    return with_cache - active(), nbytes
+
+
 @pytest.mark.parametrize("method", COMPOSED)
-def test_the_memory_a_composed_cache_holds_is_its_nbytes(method, request):
-    test_conformance.test_the_memory_a_cache_holds_is_its_nbytes(method, mx.float32, request)
+def test_the_memory_a_composed_cache_holds_is_its_nbytes(method):
+    # Once the prompt is packed: what nbytes counts (nothing pins the prompt's full-precision
+    # slots, 4.5x the packed ones here), within the conformance suite's allowance for
+    # MLX's buffer cache (3% and 8 KB).
+    freed, nbytes = _freed_on_delete(method, 1024, 1100, decode=0)
+    assert abs(freed - nbytes) <= 0.03 * nbytes + 8192, (freed, nbytes)
+    # After decode steps the slot arrays have grown: MLX may serve a grown buffer from a
+    # recycled block of its buffer cache, larger than asked (measured: 16 KB blocks for
+    # 10 KB buffers, also under the eviction method alone); never more than twice it.
+    freed, nbytes = _freed_on_delete(method, 1024, 1100, decode=8)
+    assert nbytes <= freed <= 2 * nbytes
 
 
 @pytest.mark.parametrize("method", COMPOSED)
@@ -202,8 +243,9 @@ def test_assignment_after_construction_is_checked_and_a_refusal_changes_nothing(
     with pytest.raises(ValueError, match="method='kivi'"):
         c.method = "kivi"
     assert (c.method, c.residual_window, c.storage) == ("h2o", 128, KIVIOptions())
-    c.storage = None
-    assert c.to_dict() == KVCacheConfig(method="h2o", kv_bits=4).to_dict()
+    with pytest.warns(UnreadFieldWarning, match="kv_bits=4 has no effect: h2o does not read"):
+        c.storage = None  # kv_bits was the storage's
+    assert c.to_dict() == {**KVCacheConfig(method="h2o").to_dict(), "kv_bits": 4}
 
 
 def test_an_eviction_method_with_buffers_of_its_own_refuses_a_storage_at_construction():

@@ -329,6 +329,8 @@ class KVCacheConfig(KVCacheConfigFields):
             storage_problem(now["method"], now["storage"], now)  # a refusal changes nothing
             if name == "storage":
                 object.__setattr__(self, name, value)
+                for field in CONFIG_FIELDS:  # kv_bits may have been the storage's
+                    _warn_unread(field, getattr(self, field), self.method, value)
                 return
         if name == "method":
             _warn_unimplemented(value)
