@@ -301,3 +301,18 @@ def test_bench_refuses_a_composition_that_cannot_work(spec, words):
 
     with pytest.raises(BenchError, match=re.escape(words)):
         select_methods(spec)
+
+
+def test_a_saved_composed_cache_of_another_bit_width_is_refused_naming_the_array(tmp_path):
+    from conformance import edit_saved_layer
+    from veloxquant_mlx.cache.base import CacheStateError
+
+    model = tiny_model("llama")
+    cache = make_prompt_cache(model, config("snapkv+kivi4", {"snap_budget": BUDGET}))
+    test_conformance.drive(model, cache, prompt(PROMPT + 4), decode=4)
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(path), cache)
+    # 2-bit codes (half the words) under a config that says 4 bits
+    edit_saved_layer(path, 1, lambda meta, arrays: arrays.update(k_codes=arrays["k_codes"][..., :2]))
+    with pytest.raises(CacheStateError, match=r"layer 1 .*k_codes width is \(2,\), expected \(4,\) for head_dim 32 at kv_bits=4"):
+        load_prompt_cache(str(path))

@@ -366,6 +366,10 @@ class ScoredEvictionCache(CompressedKVCache):
         self.padded = True
 
     # -- a saved state must agree with itself and its config --------------------------------
+    def _layout_problems(self):
+        if isinstance(self.store, QuantizedSlots) and self.kv_shape is not None:
+            yield from self.store.layout_problems(self.kv_shape[2:])
+
     def _state_problems(self):
         rows = {name: grown.length for name, grown in self.store.arrays.items()}
         if len(set(rows.values())) > 1:

@@ -116,6 +116,19 @@ class QuantizedSlots:
         self.slots = SlotStore((*PACKED, *self.extra) if self.quantized else self.names)
         self.slots.restore(arrays, free)
 
+    def layout_problems(self, head_dims: tuple[int, int]):
+        """(field, found, expected) for each packed array whose width contradicts the
+        config and the model's head_dims (a saved state)."""
+        if not self.quantized:
+            return
+        for p, d in zip("kv", head_dims):
+            for name, width in ((f"{p}_codes", d * self.bits // 32), (f"{p}_scales", d // self.group),
+                                (f"{p}_biases", d // self.group)):
+                x = self.slots.view(name)
+                if x is not None and x.shape[3:] != (width,):
+                    yield (f"{name} width", x.shape[3:], f"({width},) for head_dim {d} at "
+                           f"kv_bits={self.bits}, kivi_group_size={self.group}")
+
     # -- quantization -----------------------------------------------------------------------
     def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
         d_k, d_v = keys.shape[-1], values.shape[-1]
