@@ -53,8 +53,26 @@ def _reference(keys, values, group, bits):
     return {"k": quantize_rows(keys, group, bits), "v": quantize_rows(values, group, bits)}
 
 
-def _dequantized(store, group, bits):
-    return tuple(dequantize_rows(*_packed(store, p), group, bits, mx.float32) for p in "kv")
+def _held(cache, k, v, group, bits):
+    """What a decode step must attend over: every slot's dequantized row, but the newest
+    ``ring_fill`` tokens (the method's recent window) as the model gave them."""
+    store = cache.store
+    keys, values = (dequantize_rows(*_packed(store, p), group, bits, mx.float32) for p in "kv")
+    positions = store.view("positions")
+    in_ring = (positions >= cache.offset - store.ring_fill)[..., None]
+    index = mx.maximum(positions, 0)[..., None]
+    exact_k, exact_v = (mx.take_along_axis(x, index, axis=2) for x in (k, v))
+    return mx.where(in_ring, exact_k, keys), mx.where(in_ring, exact_v, values)
+
+
+def _ring_holds_the_newest_tokens(cache, k, v):
+    """Ring row j holds position offset - fill + (j - next) mod fill, as the model gave it."""
+    store, n = cache.store, cache.store.ring_fill
+    assert n == min(cache.recent, cache.stored_length)
+    for j in range(n):
+        pos = cache.offset - n + (j - store.ring_next) % n
+        assert mx.array_equal(store.k_ring[:, :, j], k[:, :, pos])
+        assert mx.array_equal(store.v_ring[:, :, j], v[:, :, pos])
 
 
 @pytest.mark.parametrize("method", COMPOSED)
@@ -73,6 +91,7 @@ def test_kept_tokens_are_the_unquantized_methods_kept_tokens_quantized(method, g
     for p in "kv":
         for got, expected in zip(_packed(stored.store, p), want[p]):
             assert mx.array_equal(got, expected)
+    _ring_holds_the_newest_tokens(stored, k, v)
     if plain.schedule.decode_every:
         return  # later evictions score dequantized keys: the positions may part from here
     # an appending method's decode tokens are quantized one by one, with the same codes
@@ -83,6 +102,7 @@ def test_kept_tokens_are_the_unquantized_methods_kept_tokens_quantized(method, g
     for p in "kv":
         for got, expected in zip(_packed(stored.store, p), want[p]):
             assert mx.array_equal(got, expected)
+    _ring_holds_the_newest_tokens(stored, k, v)
 
 
 @pytest.mark.parametrize("method", COMPOSED)
@@ -93,7 +113,8 @@ def test_a_decode_step_attends_over_the_packed_rows_as_over_their_dequantized_va
     scale = HEAD_DIM**-0.5
     for t in range(PROMPT, PROMPT + 8):
         out = feed(stored, k, v, q, t, t + 1)
-        keys, values = _dequantized(stored.store, group, bits)
+        _ring_holds_the_newest_tokens(stored, k, v)
+        keys, values = _held(stored, k, v, group, bits)
         want = mx.fast.scaled_dot_product_attention(q[:, :, t : t + 1], keys, values, scale=scale)
         # float32 sums of head_dim products, then of ``rows`` weighted values: each term
         # rounds by at most eps, so the error is below (rows + head_dim) eps max|v|
@@ -113,12 +134,13 @@ def test_memory_is_kept_tokens_times_quantized_bytes_per_token(method, dtype):
     kept, heads = stored.stored_length, 2
     assert kept == plain.stored_length == BUDGET
     # a token, per KV head: codes and a scale and minimum per group, for keys and values;
-    # its position (int32) and the method's float32 state, as without storage
+    # its position (int32) and the method's float32 state, as without storage; per KV
+    # head, the ring of the method's recent window in full precision
     quantized = 2 * (HEAD_DIM * bits // 8 + 2 * (HEAD_DIM // group) * dtype.size)
     overhead = 4 + 4 * len(stored.token_state)
-    assert stored.nbytes == kept * heads * (quantized + overhead)
+    ring = stored.recent * 2 * HEAD_DIM * dtype.size
+    assert stored.nbytes == kept * heads * (quantized + overhead) + heads * ring
     assert arrays_held(stored) == stored.nbytes  # nothing kept beside what nbytes counts
-    assert stored.nbytes < plain.nbytes
 
 
 def _freed_on_delete(method: str, budget: int, n_prompt: int, decode: int) -> tuple[int, int]:
@@ -176,6 +198,8 @@ def test_a_cache_saved_before_the_prompt_ended_loads_full_precision_and_packs_la
         assert l.store.quantized
         for name in ("k_codes", "k_scales", "v_codes", "positions"):
             assert mx.array_equal(c.store.view(name), l.store.view(name))
+        assert mx.array_equal(c.store.k_ring, l.store.k_ring)
+        assert (c.store.ring_next, c.store.ring_fill) == (l.store.ring_next, l.store.ring_fill)
 
 
 @pytest.mark.parametrize("method", COMPOSED)
@@ -227,7 +251,7 @@ def test_config_round_trips_and_kv_bits_is_read_with_a_storage():
      ("storage=H2OOptions(", "allowed are None or KIVIOptions")),
     (dict(method="h2o", storage="kivi"), TypeError, ("storage='kivi'", "KIVIOptions")),
     (dict(method="snapkv", storage=KIVIOptions(), residual_window=64), ValueError,
-     ("residual_window=64", "no full-precision window", "left at 128")),
+     ("residual_window=64", "protects as recent", "left at 128")),
 ])
 def test_combinations_that_cannot_work_are_refused_naming_field_value_and_allowed(kwargs, error, words):
     with pytest.raises(error) as info:

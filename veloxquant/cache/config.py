@@ -17,8 +17,8 @@ adds the behaviour the public contract promises:
   ``ValueError`` naming the field, the value and what is allowed;
 - ``storage`` (eviction methods only): a quantizer's options (``KIVIOptions``) that say how
   the kept tokens are held, at ``kv_bits``; refused for other methods, other options
-  classes, and beside a ``residual_window`` of its own (the kept tokens have no
-  full-precision window);
+  classes, and beside a ``residual_window`` of its own (the full-precision window of the
+  kept tokens is the method's own recent window);
 - a method without an implementation is accepted (configs of every family are the public
   contract and serialise) with an ``UnimplementedMethodWarning``; building its caches
   fails.
@@ -50,8 +50,8 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(KVCacheConfigFields)}
 # reads beside its own (its bit width). Decode attention over the packed kept rows:
 # evict/quantized_slots.py.
 STORAGE_READS = {"KIVIOptions": ("kv_bits",)}
-# Config fields that a storage contradicts: a full-precision window of recent tokens
-# (every kept token is quantized once the prompt has been scored).
+# Config fields that a storage contradicts: a full-precision window of recent tokens (a
+# composed cache's is the method's own recent window, the tokens it never evicts).
 STORAGE_CONFLICTS = ("residual_window",)
 
 
@@ -136,9 +136,9 @@ def storage_problem(method: str, storage: Any, values: Mapping[str, Any]) -> Non
     for field in STORAGE_CONFLICTS:
         if values.get(field, _DEFAULTS[field]) != _DEFAULTS[field]:
             raise ValueError(
-                f"{field}={values[field]!r} with storage={name}(...): a composed cache quantizes "
-                f"every kept token once the prompt is scored, with no full-precision window; "
-                f"allowed: {field} left at {_DEFAULTS[field]!r}")
+                f"{field}={values[field]!r} with storage={name}(...): a composed cache holds in "
+                f"full precision the tokens its method protects as recent (its own option), not "
+                f"a window of {field}; allowed: {field} left at {_DEFAULTS[field]!r}")
 
 
 def _storage_dict(storage: Any) -> dict[str, Any]:

@@ -214,7 +214,8 @@ class ScoredEvictionCache(CompressedKVCache):
         return valid
 
     def _arrays(self) -> dict[str, Any]:
-        return {**self.store.arrays, "free_slot": self.store.free, "window_queries": self.window_queries}
+        return {**self.store.arrays, **getattr(self.store, "side_arrays", {}),  # quantized_slots' ring
+                "free_slot": self.store.free, "window_queries": self.window_queries}
 
     def _restore_arrays(self, arrays: dict[str, Any]) -> None:
         self.store.restore(arrays, arrays.get("free_slot"))
@@ -222,12 +223,15 @@ class ScoredEvictionCache(CompressedKVCache):
 
     def _meta(self) -> dict[str, Any]:
         return {"in_prompt": self.in_prompt, "decode_steps": self.decode_steps,
-                "padded": self.padded, "padded_rows": self.padded_rows}
+                "padded": self.padded, "padded_rows": self.padded_rows,
+                **getattr(self.store, "meta", {})}
 
     def _restore_meta(self, meta: dict[str, Any]) -> None:
         self.in_prompt = bool(meta["in_prompt"])
         self.decode_steps = int(meta["decode_steps"])
         self.padded, self.padded_rows = bool(meta["padded"]), int(meta["padded_rows"])
+        if isinstance(self.store, QuantizedSlots):
+            self.store.restore_meta(meta)
 
     @property
     def kept_positions(self) -> mx.array | None:
@@ -262,7 +266,7 @@ class ScoredEvictionCache(CompressedKVCache):
         prefill_end = n == 1 and self.in_prompt
         packed = isinstance(self.store, QuantizedSlots) and self.store.quantized
         if packed and n == 1 and not self.padded and sinks is None:
-            out = self.store.attend_one(queries, scale)  # reads the packed rows
+            out = self.store.attend_one(queries, scale, self.offset)  # reads the packed rows
         else:  # full precision, or a quantized store's rows dequantized (a prompt chunk)
             if self.padded:  # some heads keep fewer tokens: their padding slots are masked
                 mask = self._padding_mask(queries)
@@ -281,7 +285,7 @@ class ScoredEvictionCache(CompressedKVCache):
         if prefill_end and not self.window_in_decode:
             self.window_queries = None
         if prefill_end and isinstance(self.store, QuantizedSlots):
-            self.store.pack()  # scored over the model's own keys: now the kept ones are quantized
+            self.store.pack(self.recent)  # scored over the model's own keys: now the kept ones are quantized
         self.in_prompt = n > 1
         return mx.depends(out, self._step_writes())
 
