@@ -40,10 +40,10 @@ OVER_GRAPH_BOUND = {
     "palu": 1.52, "cachegen": 2.17, "gear": 1.89, "zipcache": 1.49, "h2o": 1.37, "cam": 1.98,
     "nsnquant": 1.82, "skvq": 1.71, "morphkv": 1.41, "kvtc": 3.20, "amc": 4.80, "a2ats": 3.17,
     "anchorkv": 1.37, "age_tiered": 1.47, "spectral": 3.26, "keyformer": 1.32,
-    # composed (issue 36): a step that scores also dequantizes the kept keys for the score
-    # and frees a slot in six packed arrays instead of two (snapkv+kivi4, which only
-    # appends, is within the bound)
-    "h2o+kivi2": 2.19, "tova+kivi4": 1.83,
+    # composed (issue 36): the step also writes the full-precision ring and masks its
+    # tokens' packed copies (snapkv+kivi4); a step that scores also dequantizes the kept
+    # keys for the score and frees a slot in six packed arrays instead of two
+    "snapkv+kivi4": 1.35, "h2o+kivi2": 2.29, "tova+kivi4": 1.83,
 }
 GRAPH_BOUND = 1.3
 
