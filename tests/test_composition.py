@@ -340,3 +340,31 @@ def test_a_saved_composed_cache_of_another_bit_width_is_refused_naming_the_array
     edit_saved_layer(path, 1, lambda meta, arrays: arrays.update(k_codes=arrays["k_codes"][..., :2]))
     with pytest.raises(CacheStateError, match=r"layer 1 .*k_codes width is \(2,\), expected \(4,\) for head_dim 32 at kv_bits=4"):
         load_prompt_cache(str(path))
+
+
+@pytest.mark.parametrize("method", COMPOSED)
+def test_trim_is_exact_or_refused(method):
+    test_conformance.test_trim_is_exact_or_refused(method)
+
+
+@pytest.mark.parametrize("method", COMPOSED)
+def test_deep_copy_is_independent(method):
+    test_conformance.test_deep_copy_is_independent(method)
+
+
+@pytest.mark.parametrize("method", COMPOSED)
+@pytest.mark.parametrize("setting", ["compressing", "lossless"])
+def test_what_the_server_does_copy_trim_and_reuse_as_a_prefix(method, setting):
+    test_conformance.test_what_the_server_does_copy_trim_and_reuse_as_a_prefix(method, setting)
+
+
+def test_trim_is_refused_once_a_token_is_held_only_quantized():
+    """A reused prefix must equal a fresh cache's, which holds its prompt exactly: trim works
+    while every token is also in the full-precision ring (snapkv's recent window, 32)."""
+    k, v, q = synthetic_kvq(60, 2, 2, HEAD_DIM)
+    for n, trimmable in ((20, True), (33, False)):
+        _, stored, _, _ = _caches("snapkv+kivi4")
+        run_prompt(stored, k, v, q, n)  # below the budget: nothing evicted
+        assert stored.store.quantized and stored.store.ring_fill == min(n, 32)
+        assert stored.is_trimmable() is trimmable
+        assert stored.trim(3) == (3 if trimmable else 0)

@@ -419,7 +419,10 @@ class ScoredEvictionCache(CompressedKVCache):
 
     # -- trim: exact only while nothing was evicted ------------------------------------------
     def is_trimmable(self) -> bool:
-        return self.stored_length == self.offset and not (self.state_from_queries and self.offset)
+        # quantized slots: only while every token is still held exactly (in the ring), or a
+        # reused prefix would differ from a fresh cache's full-precision prompt
+        exact = not isinstance(self.store, QuantizedSlots) or self.store.exact_history(self.stored_length)
+        return self.stored_length == self.offset and not (self.state_from_queries and self.offset) and exact
 
     def trim(self, n: int) -> int:
         if not self.is_trimmable():

@@ -142,6 +142,10 @@ class QuantizedSlots:
             self.ring_next = (self.ring_next - min(dropped, self.ring_fill)) % self.window
             self.ring_fill = max(0, self.ring_fill - dropped)
 
+    def exact_history(self, tokens: int) -> bool:
+        """Whether the newest ``tokens`` are all held as the model gave them."""
+        return not self.quantized or tokens <= self.ring_fill
+
     @property
     def side_arrays(self) -> dict[str, mx.array | None]:
         """What is kept beside the slots (saved, counted in ``nbytes``)."""
