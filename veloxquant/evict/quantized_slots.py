@@ -174,6 +174,9 @@ class QuantizedSlots:
             return
         if self.window and not (0 <= self.ring_next < self.window and 0 <= self.ring_fill <= self.window):
             yield "ring_next, ring_fill", (self.ring_next, self.ring_fill), f"within the ring's {self.window} rows"
+        for ring, d in ((self.k_ring, head_dims[0]), (self.v_ring, head_dims[1])):
+            if ring is not None and ring.shape[2:] != (self.window, d):
+                yield "ring rows x head_dim", ring.shape[2:], (self.window, d)
         for p, d in zip("kv", head_dims):
             for name, width in ((f"{p}_codes", d * self.bits // 32), (f"{p}_scales", d // self.group),
                                 (f"{p}_biases", d // self.group)):
