@@ -25,6 +25,8 @@ shapes).
     python benchmarks/decode.py --methods "mlx-lm KVCache" kivi-4bit --out decode.json
     python benchmarks/decode.py --preset llama3-8b --contexts 4096 --methods all   # every method at its defaults
     python benchmarks/decode.py --preset tiny --contexts 256 --steps 2 --rounds 1   # a CPU check
+    python benchmarks/decode.py --preset llama3-8b --contexts 4096 32768 --methods \
+        "snapkv 2048" "snapkv 2048 + kivi-4bit" "h2o 2048 + kivi-2bit" "tova 2048 + kivi-4bit"
 """
 
 from __future__ import annotations
@@ -74,6 +76,14 @@ METHODS = {
     "kivi-2bit": KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=32), kv_bits=2),
     "streaming_llm 4+2044": KVCacheConfig(options=StreamingLLMOptions(stream_n_sink=4, stream_window_size=2044)),
     "snapkv 2048": KVCacheConfig(options=SnapKVOptions(snap_budget=2048)),
+    # eviction composed with quantized storage (issue 36): the kept tokens at 4 or 2 bits
+    "snapkv 2048 + kivi-4bit": KVCacheConfig(options=SnapKVOptions(snap_budget=2048),
+                                             storage=KIVIOptions(kivi_group_size=32), kv_bits=4),
+    "h2o 2048": KVCacheConfig(options=H2OOptions(h2o_budget=2048)),
+    "h2o 2048 + kivi-2bit": KVCacheConfig(options=H2OOptions(h2o_budget=2048),
+                                          storage=KIVIOptions(kivi_group_size=32), kv_bits=2),
+    "tova 2048 + kivi-4bit": KVCacheConfig(options=TOVAOptions(tova_budget=2048),
+                                           storage=KIVIOptions(kivi_group_size=32), kv_bits=4),
     "streaming_llm": KVCacheConfig(method="streaming_llm"),
     "snapkv": KVCacheConfig(method="snapkv"),
     "knorm": KVCacheConfig(options=L2NormOptions()),

@@ -262,3 +262,6 @@ class KVCacheConfigFields:
     turboquant_qjl: bool = True
     turboquant_seed: int = 0
     turboquant_window: int = 0
+    # How an eviction method holds its kept tokens: None (full precision) or a quantizer's
+    # options (KIVIOptions, at kv_bits); last, so that no positional argument moves.
+    storage: Any = None

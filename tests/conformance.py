@@ -319,7 +319,23 @@ MEMORY_NOT_YET_NBYTES: dict[str, str] = {
 }
 
 
+# Eviction composed with quantized storage (issue 36), as pseudo-method keys
+# "<eviction method>+kivi<bits>": the eviction method's profile, its kept tokens held by
+# KIVI's group-affine quantizer at <bits> (tests/test_composition.py).
+COMPOSED = ("snapkv+kivi4", "h2o+kivi2", "tova+kivi4")
+
+
+def split_composed(method: str) -> tuple[str, dict[str, Any]]:
+    """("snapkv", {"storage": {...}, "kv_bits": 4}) for "snapkv+kivi4"; (method, {}) else."""
+    if "+" not in method:
+        return method, {}
+    base, storage = method.split("+")
+    bits = int(storage.removeprefix("kivi"))
+    return base, {"storage": {"method": "kivi", "options": {}}, "kv_bits": bits}
+
+
 def profile(method: str) -> Profile:
+    method = split_composed(method)[0]
     if method in PROFILES:
         return PROFILES[method]
     cls = METHODS[method].load_implementation()
@@ -337,8 +353,10 @@ def profile(method: str) -> Profile:
 
 
 def config(method: str, settings: dict[str, Any]) -> KVCacheConfig:
-    own = {k: v for k, v in settings.items() if k in CONFIG_FIELDS}
-    options = {k: v for k, v in settings.items() if k not in CONFIG_FIELDS}
+    method, composed = split_composed(method)
+    settings = {**composed, **settings}
+    own = {k: v for k, v in settings.items() if k in CONFIG_FIELDS or k == "storage"}
+    options = {k: v for k, v in settings.items() if k not in own}
     return KVCacheConfig.from_dict({"method": method, "options": options, **own})
 
 

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .._generated.deprecations import CONFIG_FIELD_USERS
-from ..cache.config import fields_read_by
+from ..cache.config import KVCacheConfig, fields_read_by
 from ..cli_common import (CLIError, DTYPE_HELP, DTYPES, build_config, check_method, method_key,
                           parse_assignments)
 from ..registry import METHODS, implemented_methods
@@ -59,7 +59,10 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument("--methods", default="all",
                    help="'all' (default: every implemented method) or a comma-separated list "
-                        "(m1,m2); the full cache always runs first, as the baseline")
+                        "(m1,m2); an eviction method composed with quantized storage is "
+                        "METHOD+kiviBITS (snapkv+kivi4: snapkv's kept tokens held by KIVI's "
+                        "quantizer at 4 bits); the full cache always runs first, as the "
+                        "baseline")
     p.add_argument("--context", type=int, default=None,
                    help=f"prompt length in tokens (default: {DEFAULT_CONTEXT}, with "
                         f"--quick {QUICK['context']}); the full run also uses half of it")
@@ -92,21 +95,45 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+STORAGE_BITS = (2, 4, 8)  # kv_bits' choices: what METHOD+kiviBITS may name
+
+
+def composed(name: str) -> tuple[str, int | None]:
+    """("snapkv", 4) for "snapkv+kivi4"; (name, None) for a plain method key."""
+    if "+" not in name:
+        return name, None
+    base, _, storage = name.partition("+")
+    bits = storage.removeprefix("kivi")
+    if not storage.startswith("kivi") or not bits.isdigit() or int(bits) not in STORAGE_BITS:
+        raise BenchError(f"--methods {name}: the storage after '+' is kivi<bits>; allowed bits: "
+                         f"{', '.join(map(str, STORAGE_BITS))} (e.g. {base}+kivi4)")
+    return base, int(bits)
+
+
 def select_methods(spec: str) -> list[str]:
     if spec == "all":
         return implemented_methods()
-    chosen = [method_key(m.strip()) for m in spec.split(",") if m.strip()]
-    for m in chosen:
+    chosen = []
+    for m in (m.strip() for m in spec.split(",") if m.strip()):
+        base, bits = composed(m)
+        base = method_key(base)
         try:
-            check_method(m)
+            check_method(base)
         except CLIError as exc:
             raise BenchError(f"--methods: {exc}") from None
+        if bits is not None and METHODS[base].family != "eviction":
+            raise BenchError(f"--methods {m}: storage holds an eviction method's kept tokens; "
+                             f"{base} is a {METHODS[base].family} method")
+        chosen.append(base if bits is None else f"{base}+kivi{bits}")
     return chosen
 
 
 def settings_of(config) -> dict:
-    """The effective value of every field the config's method reads."""
-    return {name: getattr(config, name) for name in fields_read_by(config.method)}
+    """The effective value of every field the config's method (and its storage) reads."""
+    settings = {name: getattr(config, name) for name in fields_read_by(config.method)}
+    if config.storage is not None:
+        settings.update(kv_bits=config.kv_bits, kivi_group_size=config.storage.kivi_group_size)
+    return settings
 
 
 def method_runs(methods: list[str], assignments: list[str] | None, sweep: bool):
@@ -116,19 +143,21 @@ def method_runs(methods: list[str], assignments: list[str] | None, sweep: bool):
 
     own, per_field = parse_assignments(assignments)
     runs_methods = ["full"] + [m for m in methods if m != "full"]
+    bases = [composed(m)[0] for m in runs_methods]
     owners = {f: k for k, m in METHODS.items() for f in m.fields}
     for name in per_field:
         if name not in owners:
             raise BenchError(f"--set {name}: not a field of any method or of the config")
-        if owners[name] not in runs_methods:
+        if owners[name] not in bases:
             raise BenchError(f"--set {name}: a field of {owners[name]}, which is not benchmarked")
     for name in own:
-        if not any(m in CONFIG_FIELD_USERS[name] for m in runs_methods):
+        if not any(m in CONFIG_FIELD_USERS[name] for m in bases):
             readers = ", ".join(CONFIG_FIELD_USERS[name]) or "no method"
             raise BenchError(f"--set {name}: none of the benchmarked methods reads it "
                              f"(read by: {readers})")
     runs = []
-    for method in runs_methods:
+    for key in runs_methods:
+        method, bits = composed(key)
         base_own = {f: v for f, v in own.items() if method in CONFIG_FIELD_USERS[f]}
         base_options = {f: v for f, v in per_field.items() if owners[f] == method}
         variants = [{f: v} for f, values in METHODS[method].sweeps for v in values] if sweep else []
@@ -137,10 +166,13 @@ def method_runs(methods: list[str], assignments: list[str] | None, sweep: bool):
             options = {**base_options, **{k: v for k, v in variant.items() if k not in top}}
             try:
                 config = build_config(method, top, options)
-            except CLIError as exc:
+                if bits is not None:  # kv_bits is the storage's, not the method's
+                    config = KVCacheConfig.from_dict({**config.to_dict(), "kv_bits": bits,
+                                                      "storage": {"method": "kivi", "options": {}}})
+            except (CLIError, ValueError, TypeError) as exc:
                 raise BenchError(str(exc)) from None
             chosen = {**base_own, **base_options, **variant}
-            label = method + "".join(f" {k}={v}" for k, v in chosen.items())
+            label = key + "".join(f" {k}={v}" for k, v in chosen.items())
             runs.append(MethodRun(label, config, settings=settings_of(config)))
     return runs
 
@@ -248,7 +280,7 @@ def run_synthetic(runs, args, settings, console, finished) -> None:
         for run in runs:
             progress.start(run.label)
             started = time.perf_counter()
-            row = {"label": run.label, "method": run.config.method, "settings": run.settings,
+            row = {"label": run.label, "method": run.method, "settings": run.settings,
                    "config": report_config(run.config)}
             try:
                 row.update(attention_error(run.config, spec, tensors), status="ok")
@@ -264,8 +296,9 @@ def run_synthetic(runs, args, settings, console, finished) -> None:
 def report_config(config) -> dict:
     """The config as results.json records it: only the fields its method reads."""
     data = config.to_dict()
+    stored = ("storage", "kv_bits") if config.storage is not None else ()
     return {k: v for k, v in data.items()
-            if k in ("method", "options") or config.method in CONFIG_FIELD_USERS.get(k, ())}
+            if k in ("method", "options", *stored) or config.method in CONFIG_FIELD_USERS.get(k, ())}
 
 
 class RunProgress:

@@ -44,6 +44,12 @@ class MethodRun:
     def cache(self, model):
         return self.make_cache(model) if self.make_cache else make_prompt_cache(model, self.config)
 
+    @property
+    def method(self) -> str:
+        """The method key, with its storage as ``--methods`` spells it (snapkv+kivi4)."""
+        c = self.config
+        return c.method if c.storage is None else f"{c.method}+kivi{c.kv_bits}"
+
 
 def _kv_bytes(cache) -> int:
     return sum(c.nbytes for c in cache)
@@ -164,7 +170,7 @@ def retrieval(model, tokenizer, run: MethodRun, examples: list[Example], tick) -
 def evaluate(model, tokenizer, run: MethodRun, work: Workload, reference_logprobs=None,
              tick: Callable[[], None] = lambda: None) -> tuple[dict, mx.array | None]:
     """All figures of one method; a failure is recorded, never raised."""
-    result: dict[str, Any] = {"label": run.label, "method": run.config.method,
+    result: dict[str, Any] = {"label": run.label, "method": run.method,
                               "settings": run.settings, "config": run.config.to_dict()}
     logprobs = None
     try:

@@ -68,11 +68,13 @@ class _BatchMerge:
     def __get__(self, obj, owner):
         from .batch import batch_mode, merge
 
-        if batch_mode(owner) is None:
-            method = getattr(getattr(obj, "config", None), "method", None)
+        config = getattr(obj, "config", None)
+        stored = getattr(config, "storage", None) is not None  # no packed batch of quantized slots
+        if batch_mode(owner) is None or stored:
+            method = getattr(config, "method", None)
             raise AttributeError(
                 f"{owner.__name__}" + (f" (method {method!r})" if method else "")
-                + " does not batch: it has no merge"
+                + (" with a storage" if stored else "") + " does not batch: it has no merge"
             )
         return functools.partial(merge, owner)
 
@@ -153,6 +155,8 @@ class CompressedKVCache:
     # Whether tokens leave the cache (eviction): a cache that keeps every token must hold
     # exactly ``offset`` of them, which is how a saved state's offset is checked.
     evicts_tokens = False
+    # Whether the class holds its kept tokens in ``config.storage`` (eviction + quantization)
+    takes_storage = False
     # Batched generation is opt-in per class, never inherited: a class sets ``batchable``
     # (True or "per_sequence") in its own body; ``cache.batch.batch_mode(cls)`` says how it
     # batches (None: it does not).
@@ -166,6 +170,11 @@ class CompressedKVCache:
         self.offset = 0
         self.kv_shape: tuple[int, ...] | None = None  # (B, H, D_k, D_v), from the first update
         self._awaiting_attend = False
+        if getattr(config, "storage", None) is not None and not self.takes_storage:
+            raise ValueError(
+                f"storage={type(config.storage).__name__}(...) with method={config.method!r}: "
+                f"{type(self).__name__} keeps its tokens in buffers of its own; storage is "
+                "taken by the eviction methods built on the scorer base (evict/base.py)")
         self._init_storage()
 
     def __init_subclass__(cls, **kwargs):

@@ -15,6 +15,10 @@ adds the behaviour the public contract promises:
   (``ConflictingFieldWarning``); the flat value holds;
 - every value is validated against the spec: wrong types and out-of-range values raise
   ``ValueError`` naming the field, the value and what is allowed;
+- ``storage`` (eviction methods only): a quantizer's options (``KIVIOptions``) that say how
+  the kept tokens are held, at ``kv_bits``; refused for other methods, other options
+  classes, and beside a ``residual_window`` of its own (the full-precision window of the
+  kept tokens is the method's own recent window);
 - a method without an implementation is accepted (configs of every family are the public
   contract and serialise) with an ``UnimplementedMethodWarning``; building its caches
   fails.
@@ -41,6 +45,14 @@ _PACKAGE_DIRS = tuple(
     for m in (sys.modules["veloxquant_mlx"], sys.modules["veloxquant_mlx._generated"])
 )
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(KVCacheConfigFields)}
+
+# What ``storage`` may be: a quantizer's options class -> the config fields that storage
+# reads beside its own (its bit width). Decode attention over the packed kept rows:
+# evict/quantized_slots.py.
+STORAGE_READS = {"KIVIOptions": ("kv_bits",)}
+# Config fields that a storage contradicts: a full-precision window of recent tokens (a
+# composed cache's is the method's own recent window, the tokens it never evicts).
+STORAGE_CONFLICTS = ("residual_window",)
 
 
 class VeloxQuantDeprecationWarning(DeprecationWarning):
@@ -79,8 +91,11 @@ def _warn_flat(name: str, value: Any, active_method: str) -> None:
     warnings.warn(message, VeloxQuantDeprecationWarning, stacklevel=_caller_stacklevel())
 
 
-def _warn_unread(name: str, value: Any, method: str) -> None:
-    """Warn when config field ``name`` holds a value of its own that ``method`` ignores."""
+def _warn_unread(name: str, value: Any, method: str, storage: Any = None) -> None:
+    """Warn when config field ``name`` holds a value of its own that ``method`` (and its
+    ``storage``) ignores."""
+    if name in STORAGE_READS.get(type(storage).__name__, ()):
+        return
     if name in CONFIG_FIELD_USERS and method not in CONFIG_FIELD_USERS[name] and value != _DEFAULTS[name]:
         warnings.warn(
             f"KVCacheConfig.{name}={value!r} has no effect: {method} does not read {name}; "
@@ -98,6 +113,53 @@ def _check_method(method: Any) -> None:
         )
 
 
+def storage_problem(method: str, storage: Any, values: Mapping[str, Any]) -> None:
+    """Raise (TypeError, ValueError) when ``storage`` cannot hold ``method``'s kept tokens
+    with these config ``values``; the message names the field, the value and what is
+    allowed."""
+    if storage is None:
+        return
+    name = type(storage).__name__
+    key = OPTIONS_CLASS_TO_METHOD.get(name)
+    if name not in STORAGE_READS or not isinstance(storage, METHODS[key].options_class):
+        raise TypeError(
+            f"storage={storage!r}: allowed are None or {', '.join(STORAGE_READS)} (a quantizer "
+            "for the tokens an eviction method keeps)")
+    if METHODS[method].family != "eviction":
+        evictors = [k for k, m in METHODS.items() if m.family == "eviction"]
+        raise ValueError(
+            f"storage={name}(...) with method={method!r}: storage holds the tokens an eviction "
+            f"method keeps, and {method} is a {METHODS[method].family} method; allowed "
+            f"methods: {', '.join(evictors)}")
+    for field in METHODS[key].fields:
+        validators.validate_field(field, getattr(storage, field))
+    for field in STORAGE_CONFLICTS:
+        if values.get(field, _DEFAULTS[field]) != _DEFAULTS[field]:
+            raise ValueError(
+                f"{field}={values[field]!r} with storage={name}(...): a composed cache holds in "
+                f"full precision the tokens its method protects as recent (its own option), not "
+                f"a window of {field}; allowed: {field} left at {_DEFAULTS[field]!r}")
+
+
+def _storage_dict(storage: Any) -> dict[str, Any]:
+    key = OPTIONS_CLASS_TO_METHOD[type(storage).__name__]
+    return {"method": key, "options": {n: getattr(storage, n) for n in METHODS[key].fields}}
+
+
+def _storage_from(data: Any) -> Any:
+    """``storage`` as ``to_dict`` writes it (``{"method": "kivi", "options": {...}}``), or
+    an options object."""
+    if not isinstance(data, Mapping):
+        return data
+    unknown = set(data) - {"method", "options"}
+    if unknown or "method" not in data:
+        raise ValueError(
+            f"storage={dict(data)!r}: expected {{'method': ..., 'options': {{...}}}}, e.g. "
+            "{'method': 'kivi', 'options': {'kivi_group_size': 32}}")
+    _check_method(data["method"])
+    return _options_from_mapping(data["method"], data.get("options") or {})
+
+
 def fields_read_by(method: str) -> tuple[str, ...]:
     """Every field ``method`` reads: its options fields, then the config fields whose
     ``used_by`` names it."""
@@ -110,6 +172,11 @@ def head_dim_problem(config: "KVCacheConfig", head_dim: int) -> str | None:
     spec) does not, as ``field=value must divide head_dim=D; allowed here: ...``; None when
     every such field of ``config.method`` fits. A config alone cannot know head_dim: this
     runs when the model is known (cache construction)."""
+    storage = getattr(config, "storage", None)
+    if storage is not None:
+        group = getattr(storage, "kivi_group_size", None)
+        if isinstance(group, int) and group > 0 and head_dim % group:
+            return f"storage kivi_group_size={group} must divide head_dim={head_dim}"
     for name in METHODS[config.method].head_dim_divisors:
         value = getattr(config.options, name, None)
         if isinstance(value, int) and value > 0 and head_dim % value:
@@ -167,9 +234,10 @@ class KVCacheConfig(KVCacheConfigFields):
                 object.__setattr__(self, "method", inferred)
         _check_method(self.method)
         _warn_unimplemented(self.method)
+        storage_problem(self.method, self.storage, {n: getattr(self, n) for n in CONFIG_FIELDS})
         for name in CONFIG_FIELDS:
             validators.validate_field(name, getattr(self, name))
-            _warn_unread(name, getattr(self, name), self.method)
+            _warn_unread(name, getattr(self, name), self.method, self.storage)
         for name in FLAT_FIELDS:
             value = getattr(self, name)
             if value != _DEFAULTS[name]:
@@ -253,8 +321,18 @@ class KVCacheConfig(KVCacheConfigFields):
         if not self.__dict__.get("_ready") or name == "options":
             object.__setattr__(self, name, value)
             return
+        if name in ("method", "storage") or name in STORAGE_CONFLICTS:
+            now = {n: getattr(self, n) for n in (*CONFIG_FIELDS, "method", "storage")}
+            now[name] = value
+            if name == "method":
+                _check_method(value)
+            storage_problem(now["method"], now["storage"], now)  # a refusal changes nothing
+            if name == "storage":
+                object.__setattr__(self, name, value)
+                for field in CONFIG_FIELDS:  # kv_bits may have been the storage's
+                    _warn_unread(field, getattr(self, field), self.method, value)
+                return
         if name == "method":
-            _check_method(value)
             _warn_unimplemented(value)
         elif name in CONFIG_FIELDS or name in FLAT_FIELDS:
             validators.validate_field(name, value)
@@ -268,7 +346,7 @@ class KVCacheConfig(KVCacheConfigFields):
         if name in FLAT_FIELDS:
             _warn_flat(name, value, self.method)
         if name in CONFIG_FIELDS:
-            _warn_unread(name, value, self.method)
+            _warn_unread(name, value, self.method, self.storage)
         object.__setattr__(self, name, value)
 
     # -- serialisation -----------------------------------------------------------
@@ -277,6 +355,8 @@ class KVCacheConfig(KVCacheConfigFields):
         out: dict[str, Any] = {"method": self.method}
         out["options"] = {name: getattr(self, name) for name in METHODS[self.method].fields}
         out.update({name: getattr(self, name) for name in CONFIG_FIELDS})
+        if self.storage is not None:  # absent otherwise: configs without one serialise as before
+            out["storage"] = _storage_dict(self.storage)
         return out
 
     @classmethod
@@ -291,7 +371,10 @@ class KVCacheConfig(KVCacheConfigFields):
         data = dict(data)
         method = data.pop("method", "full")
         options = data.pop("options", None)
-        unknown = [k for k in data if k not in CONFIG_FIELDS and k not in FLAT_FIELDS]
+        if "storage" in data:
+            data["storage"] = _storage_from(data["storage"])
+        unknown = [k for k in data if k not in CONFIG_FIELDS and k not in FLAT_FIELDS
+                   and k != "storage"]
         if unknown:
             k = unknown[0]
             raise ValueError(
@@ -304,6 +387,8 @@ class KVCacheConfig(KVCacheConfigFields):
 
     def __repr__(self) -> str:
         own = ", ".join(f"{name}={getattr(self, name)!r}" for name in CONFIG_FIELDS)
+        if self.storage is not None:
+            own += f", storage={self.storage!r}"
         return f"KVCacheConfig(method={self.method!r}, options={self.options!r}, {own})"
 
 

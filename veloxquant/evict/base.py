@@ -35,8 +35,8 @@ import mlx.core as mx
 
 from ..cache.base import CompressedKVCache, causal_mask
 from .attention import attention_mass, attention_weights
+from .quantized_slots import QuantizedSlots, slot_store
 from .select import top_k_sorted
-from .store import SlotStore
 
 RECENT_FLOOR = 32  # newest tokens kept by a method that sets recent_floor, at least
 
@@ -129,6 +129,7 @@ class ScoredEvictionCache(CompressedKVCache):
 
     requires_attention_hook = True
     evicts_tokens = True
+    takes_storage = True  # config.storage: kept tokens quantized (evict/quantized_slots.py)
     roles: Roles
     schedule: Schedule = Schedule()
     token_state: tuple[str, ...] = ()
@@ -148,7 +149,7 @@ class ScoredEvictionCache(CompressedKVCache):
 
     def _init_storage(self) -> None:
         self.options = self.config.options
-        self.store = SlotStore(("keys", "values", "positions", *self.token_state))
+        self.store = slot_store(self.config, ("keys", "values", "positions", *self.token_state))
         self.window_queries = None  # (B, Hq, <= window, D) during a prefill
         self.in_prompt = True  # the last update was a prompt chunk (or nothing came yet)
         self.decode_steps = 0  # single-token steps since the last prefill ended
@@ -213,7 +214,8 @@ class ScoredEvictionCache(CompressedKVCache):
         return valid
 
     def _arrays(self) -> dict[str, Any]:
-        return {**self.store.arrays, "free_slot": self.store.free, "window_queries": self.window_queries}
+        return {**self.store.arrays, **getattr(self.store, "side_arrays", {}),  # quantized_slots' ring
+                "free_slot": self.store.free, "window_queries": self.window_queries}
 
     def _restore_arrays(self, arrays: dict[str, Any]) -> None:
         self.store.restore(arrays, arrays.get("free_slot"))
@@ -221,12 +223,15 @@ class ScoredEvictionCache(CompressedKVCache):
 
     def _meta(self) -> dict[str, Any]:
         return {"in_prompt": self.in_prompt, "decode_steps": self.decode_steps,
-                "padded": self.padded, "padded_rows": self.padded_rows}
+                "padded": self.padded, "padded_rows": self.padded_rows,
+                **getattr(self.store, "meta", {})}
 
     def _restore_meta(self, meta: dict[str, Any]) -> None:
         self.in_prompt = bool(meta["in_prompt"])
         self.decode_steps = int(meta["decode_steps"])
         self.padded, self.padded_rows = bool(meta["padded"]), int(meta["padded_rows"])
+        if isinstance(self.store, QuantizedSlots):
+            self.store.restore_meta(meta)
 
     @property
     def kept_positions(self) -> mx.array | None:
@@ -257,15 +262,19 @@ class ScoredEvictionCache(CompressedKVCache):
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         self._awaiting_attend = False
-        if self.padded:  # some heads keep fewer tokens: their padding slots are masked
-            mask = self._padding_mask(queries)
-        elif isinstance(mask, mx.array):  # mlx-lm's mask is sized by layer 0's rows
-            mask = causal_mask(queries.shape[2], keys.shape[2])
-        out = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=mask, sinks=sinks
-        )
         n = queries.shape[2]
         prefill_end = n == 1 and self.in_prompt
+        packed = isinstance(self.store, QuantizedSlots) and self.store.quantized
+        if packed and n == 1 and not self.padded and sinks is None:
+            out = self.store.attend_one(queries, scale, self.offset)  # reads the packed rows
+        else:  # full precision, or a quantized store's rows dequantized (a prompt chunk)
+            if self.padded:  # some heads keep fewer tokens: their padding slots are masked
+                mask = self._padding_mask(queries)
+            elif isinstance(mask, mx.array):  # mlx-lm's mask is sized by layer 0's rows
+                mask = causal_mask(queries.shape[2], keys.shape[2])
+            out = mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=scale, mask=mask, sinks=sinks
+            )
         if self.window and (n > 1 or prefill_end or self.window_in_decode):
             q = queries if self.window_queries is None else mx.concatenate([self.window_queries, queries], 2)
             self.window_queries = mx.contiguous(q[:, :, -self.window :])  # a view would pin all of q
@@ -275,6 +284,8 @@ class ScoredEvictionCache(CompressedKVCache):
             self._evict(inputs, decode_step=n == 1 and not prefill_end)
         if prefill_end and not self.window_in_decode:
             self.window_queries = None
+        if prefill_end and isinstance(self.store, QuantizedSlots):
+            self.store.pack(self.recent)  # scored over the model's own keys: now the kept ones are quantized
         self.in_prompt = n > 1
         return mx.depends(out, self._step_writes())
 
@@ -359,6 +370,10 @@ class ScoredEvictionCache(CompressedKVCache):
         self.padded = True
 
     # -- a saved state must agree with itself and its config --------------------------------
+    def _layout_problems(self):
+        if isinstance(self.store, QuantizedSlots) and self.kv_shape is not None:
+            yield from self.store.layout_problems(self.kv_shape[2:])
+
     def _state_problems(self):
         rows = {name: grown.length for name, grown in self.store.arrays.items()}
         if len(set(rows.values())) > 1:
@@ -404,7 +419,10 @@ class ScoredEvictionCache(CompressedKVCache):
 
     # -- trim: exact only while nothing was evicted ------------------------------------------
     def is_trimmable(self) -> bool:
-        return self.stored_length == self.offset and not (self.state_from_queries and self.offset)
+        # quantized slots: only while every token is still held exactly (in the ring), or a
+        # reused prefix would differ from a fresh cache's full-precision prompt
+        exact = not isinstance(self.store, QuantizedSlots) or self.store.exact_history(self.stored_length)
+        return self.stored_length == self.offset and not (self.state_from_queries and self.offset) and exact
 
     def trim(self, n: int) -> int:
         if not self.is_trimmable():

@@ -1,0 +1,266 @@
+"""Kept tokens held quantized: the storage of an eviction method composed with a quantizer.
+
+``KVCacheConfig(method="snapkv", options=..., storage=KIVIOptions(...), kv_bits=4)``: the
+eviction method decides which tokens stay, this store decides how each kept token is
+held. It has ``SlotStore``'s interface, so the scorer base keeps, gathers, frees and
+saves slots exactly as it does for full-precision slots.
+
+While the prompt comes in, tokens are held in full precision: the method scores at the
+prompt's end over the keys the model gave, so it keeps the same positions as without
+storage. Once the prompt has been scored (``pack``) the kept tokens are quantized, and
+every later token is quantized as it is written. The newest tokens, those the method
+protects as recent (``recent``: never evicted), are also held in full precision, in a
+ring written in place (KIVI's full-precision window of the newest tokens, here the
+method's own recent window): decode attention reads them from the ring and masks their
+packed copies. Without it 2-bit storage lost the reference model (KL 1.2 nats against the
+full cache; 0.024 with it, benchmarks/results/composition-quick.md).
+
+Quantizer: KIVI's min-max group-affine arithmetic at ``kv_bits`` in groups of
+``kivi_group_size`` channels *per token*, for keys as for values (``quant/token_rows.py``).
+KIVI's own keys are per channel, in groups of consecutive tokens; a group of slots
+shares nothing here, because a decode step that frees one slot writes the next token
+into it, and per-channel groups would then have to be requantized around it. Per-token
+rows make a slot one independent row of codes, scales and minima.
+
+Held per kept token and KV head: ``D * bits / 8`` bytes of codes and two ``D / group``
+scales/minima in the model's dtype, for keys and for values; then, as without storage,
+the position (int32) and the method's per-token state (float32 each). Per layer and KV
+head: the ring, ``recent`` rows of keys and values in the model's dtype.
+
+Decode attention reads the packed rows through ``TokenRows`` (the pure-MLX reads of
+``kernels/decode.py``'s per-token parts: one ``quantized_matmul`` for ``q Kᵀ`` and one for
+``p V`` on the CPU, a float32 dequantization of the kept rows on a GPU, where MLX's CUDA
+back-end has no ``quantized_matmul`` for these shapes; the fused kernels read keys per
+channel only); scores that need keys read them dequantized.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..quant.groups import check_divides
+from ..quant.packed import AffineLayout
+from ..quant.token_rows import TokenRows, compiled_quantizer, dequantize_rows, packs, quantize_rows
+from .store import SlotStore
+
+PACKED = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
+GROUP_FIELD = "kivi_group_size"
+
+
+def storage_bits(config) -> tuple[int, int] | None:
+    """(bits, group) of the config's storage for kept tokens; None without one."""
+    if getattr(config, "storage", None) is None:
+        return None
+    return config.kv_bits, getattr(config.storage, GROUP_FIELD)
+
+
+class QuantizedSlots:
+    """``SlotStore``'s interface over slots whose keys and values are packed rows."""
+
+    def __init__(self, names: tuple[str, ...], bits: int, group: int):
+        self.names = names
+        self.extra = tuple(n for n in names if n not in ("keys", "values"))
+        self.bits, self.group = bits, group
+        self.slots = SlotStore(names)
+        self.quantized = False
+        # The newest ``window`` tokens (those the method protects as recent: never evicted)
+        # also in full precision, a ring written in place; their packed copies are masked.
+        self.window, self.ring_next, self.ring_fill = 0, 0, 0
+        self.k_ring: mx.array | None = None
+        self.v_ring: mx.array | None = None
+
+    # -- what the scorer base reads and writes -------------------------------------------
+    @property
+    def arrays(self):
+        return self.slots.arrays
+
+    @property
+    def free(self):
+        return self.slots.free
+
+    @free.setter
+    def free(self, value):
+        self.slots.free = value
+
+    @property
+    def rows(self) -> int:
+        return self.slots.rows
+
+    @property
+    def kept(self) -> int:
+        return self.slots.kept
+
+    def view(self, name: str) -> mx.array | None:
+        if not self.quantized or name not in ("keys", "values"):
+            return self.slots.view(name)
+        p = name[0]
+        codes = self.slots.view(f"{p}_codes")
+        if codes is None:
+            return None
+        return dequantize_rows(codes, self.slots.view(f"{p}_scales"), self.slots.view(f"{p}_biases"),
+                               self.group, self.bits)
+
+    def write(self, new: dict[str, mx.array]) -> None:
+        if self.quantized:
+            keys, values = new.pop("keys"), new.pop("values")
+            if self.window:
+                self._ring_write(keys, values)
+            new = {**self._encode(keys, values), **new}
+        self.slots.write(new)
+
+    def _ring_write(self, keys, values) -> None:
+        """The newest rows into the ring, in place (order is free: attention needs none)."""
+        w, i = self.window, self.ring_next
+        keys, values = keys[:, :, -w:], values[:, :, -w:]
+        n = keys.shape[2]
+        first = min(n, w - i)  # up to the ring's end, the rest from its start
+        self.k_ring[:, :, i : i + first] = keys[:, :, :first]
+        self.v_ring[:, :, i : i + first] = values[:, :, :first]
+        if n > first:
+            self.k_ring[:, :, : n - first] = keys[:, :, first:]
+            self.v_ring[:, :, : n - first] = values[:, :, first:]
+        self.ring_next = (i + n) % w
+        self.ring_fill = min(w, self.ring_fill + n)
+
+    def set_limit(self, rows: int) -> None:
+        self.slots.set_limit(rows)
+
+    def update(self, name: str, values: mx.array) -> None:
+        self.slots.update(name, values)
+
+    def evict_one(self, slot: mx.array) -> None:
+        self.slots.evict_one(slot)
+
+    def keep(self, slots: mx.array, spare: int = 0) -> None:
+        self.slots.keep(slots, spare)
+
+    def truncate(self, rows: int) -> None:
+        """Drop the newest slots (trim, while slots are in token order): the ring drops them too."""
+        dropped = self.slots.rows - rows
+        self.slots.truncate(rows)
+        if self.window and dropped > 0:
+            self.ring_next = (self.ring_next - min(dropped, self.ring_fill)) % self.window
+            self.ring_fill = max(0, self.ring_fill - dropped)
+
+    def exact_history(self, tokens: int) -> bool:
+        """Whether the newest ``tokens`` are all held as the model gave them."""
+        return not self.quantized or tokens <= self.ring_fill
+
+    @property
+    def side_arrays(self) -> dict[str, mx.array | None]:
+        """What is kept beside the slots (saved, counted in ``nbytes``)."""
+        return {"k_ring": self.k_ring, "v_ring": self.v_ring}
+
+    @property
+    def meta(self) -> dict[str, int]:
+        return {"ring_next": self.ring_next, "ring_fill": self.ring_fill}
+
+    def restore_meta(self, meta) -> None:
+        self.ring_next, self.ring_fill = int(meta["ring_next"]), int(meta["ring_fill"])
+
+    def restore(self, arrays: dict[str, mx.array | None], free: mx.array | None) -> None:
+        """A saved state names its arrays: packed rows (``k_codes`` ...) or, saved before
+        the prompt ended, full-precision ``keys``/``values``."""
+        self.quantized = "k_codes" in arrays
+        self.k_ring, self.v_ring = arrays.get("k_ring"), arrays.get("v_ring")
+        self.window = 0 if self.k_ring is None else self.k_ring.shape[2]
+        self.slots = SlotStore((*PACKED, *self.extra) if self.quantized else self.names)
+        self.slots.restore(arrays, free)
+
+    def layout_problems(self, head_dims: tuple[int, int]):
+        """(field, found, expected) for each packed array whose width contradicts the
+        config and the model's head_dims (a saved state)."""
+        if not self.quantized:
+            return
+        if self.window and not (0 <= self.ring_next < self.window and 0 <= self.ring_fill <= self.window):
+            yield "ring_next, ring_fill", (self.ring_next, self.ring_fill), f"within the ring's {self.window} rows"
+        for ring, d in ((self.k_ring, head_dims[0]), (self.v_ring, head_dims[1])):
+            if ring is not None and ring.shape[2:] != (self.window, d):
+                yield "ring rows x head_dim", ring.shape[2:], (self.window, d)
+        for p, d in zip("kv", head_dims):
+            for name, width in ((f"{p}_codes", d * self.bits // 32), (f"{p}_scales", d // self.group),
+                                (f"{p}_biases", d // self.group)):
+                x = self.slots.view(name)
+                if x is not None and x.shape[3:] != (width,):
+                    yield (f"{name} width", x.shape[3:], f"({width},) for head_dim {d} at "
+                           f"kv_bits={self.bits}, kivi_group_size={self.group}")
+
+    # -- quantization -----------------------------------------------------------------------
+    def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        d_k, d_v = keys.shape[-1], values.shape[-1]
+        check_divides(GROUP_FIELD, self.group, d_k, d_v)
+        if not (packs(d_k, self.bits) and packs(d_v, self.bits)):
+            raise ValueError(f"kv_bits={self.bits}: codes of head_dim {d_k} (values {d_v}) do not "
+                             "fill whole 32-bit words; allowed: a head_dim that does")
+        if keys.shape[2] == 1:  # a decode step: one compiled graph, the same codes
+            encode = compiled_quantizer(self.group, self.bits)
+        else:
+            encode = lambda x: quantize_rows(x, self.group, self.bits)  # noqa: E731
+        out = {}
+        for p, x in (("k", keys), ("v", values)):
+            out[f"{p}_codes"], out[f"{p}_scales"], out[f"{p}_biases"] = encode(x)
+        return out
+
+    def pack(self, window: int = 0) -> None:
+        """The prompt has been scored: quantize the kept tokens (one batched step); every
+        later token is quantized as it is written."""
+        if self.quantized:
+            return
+        self.quantized = True
+        old = self.slots
+        self.slots = SlotStore((*PACKED, *self.extra))
+        if old.view("keys") is None:
+            return
+        if window:
+            positions = old.view("positions")
+            w = min(window, positions.shape[2])
+            newest = mx.argsort(positions, axis=-1)[..., -w:, None]
+            k, v = old.view("keys"), old.view("values")
+            b, h, _, dk = k.shape
+            self.window, self.ring_fill, self.ring_next = window, w, w % window
+            self.k_ring = mx.zeros((b, h, window, dk), k.dtype)
+            self.v_ring = mx.zeros((b, h, window, v.shape[3]), v.dtype)
+            self.k_ring[:, :, :w] = mx.take_along_axis(k, newest, axis=2)
+            self.v_ring[:, :, :w] = mx.take_along_axis(v, newest, axis=2)
+        limit = old.arrays["positions"].limit
+        arrays = {**self._encode(old.view("keys"), old.view("values")),
+                  # copies: a slice of the old buffers would keep all of them alive
+                  **{n: mx.contiguous(old.view(n) + 0) for n in self.extra}}
+        self.slots.restore(arrays, old.free)
+        for grown in self.slots.arrays.values():
+            grown.limit = limit
+
+    # -- decode attention -------------------------------------------------------------------
+    def _layout(self, p: str) -> AffineLayout:
+        g = self.slots.arrays
+        return AffineLayout(g[f"{p}_codes"].buffer, g[f"{p}_scales"].buffer, g[f"{p}_biases"].buffer,
+                            self.rows, self.bits, self.group, "token")
+
+    def attend_one(self, queries: mx.array, scale: float, offset: int = 0) -> mx.array:
+        """One query token over every slot, read packed: (B, Hq, 1, D). One softmax over
+        one run of rows: no partial states to merge (``kernels/decode.py``'s several-part
+        path), which keeps the step's graph small."""
+        b, hq, _, d = queries.shape
+        keys, values = TokenRows(self._layout("k")), TokenRows(self._layout("v"))
+        h = keys.n_heads
+        q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
+        s = keys.scores(q)
+        n = self.ring_fill
+        if not n:
+            p = mx.softmax(s, axis=-1, precise=True)
+            return values.mix(p).reshape(b, hq, 1, -1).astype(queries.dtype)
+        in_ring = self.slots.view("positions") >= offset - n
+        s = mx.where(in_ring[:, :, None], -float("inf"), s)
+        ring_k = self.k_ring[:, :, :n].astype(mx.float32)
+        s = mx.concatenate([s, q @ ring_k.swapaxes(-1, -2)], axis=-1)
+        p = mx.softmax(s, axis=-1, precise=True)
+        rows = self.rows
+        o = values.mix(p[..., :rows]) + p[..., rows:] @ self.v_ring[:, :, :n].astype(mx.float32)
+        return o.reshape(b, hq, 1, -1).astype(queries.dtype)
+
+
+def slot_store(config, names: tuple[str, ...]):
+    """The slots of an eviction cache: full precision, or quantized when the config has a
+    storage for kept tokens."""
+    spec = storage_bits(config)
+    return SlotStore(names) if spec is None else QuantizedSlots(names, *spec)
