@@ -40,6 +40,7 @@ import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
 from ...kernels.decode import DecodePart
+from ...lowrank.factors import sample_rows
 from ...quant import codebook as cb
 from .bitfields import pack_fields, row_words, unpack_fields
 from ...quant.packed import GROWTH_TOKENS
@@ -71,8 +72,9 @@ def gaussian_codebook(bits: int) -> mx.array:
 
 def eigenbasis(x: mx.array) -> tuple[mx.array, mx.array]:
     """(V, λ) of the unit rows of ``x`` (B, H, n, D): V (B, H, D, D) with the eigenvectors
-    as columns, λ (B, H, D) decreasing, both float32."""
-    x = x.astype(mx.float32)
+    as columns, λ (B, H, D) decreasing, both float32; from at most ``FIT_SAMPLE_TOKENS``
+    evenly spaced rows (``lowrank/factors.py``: bounded work at any prompt length)."""
+    x = sample_rows(x)
     unit = x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
     second = unit.swapaxes(-1, -2) @ unit / x.shape[2]
     w, v = mx.linalg.eigh(second, stream=mx.cpu)
