@@ -46,6 +46,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 from veloxquant_mlx.bench.runner import prefill  # noqa: E402
 from veloxquant_mlx.registry import implemented_methods  # noqa: E402
 from veloxquant_mlx.cache.options import (  # noqa: E402
+    GEAROptions,
     H2OOptions,
     KIVIOptions,
     L2NormOptions,
@@ -87,6 +88,8 @@ METHODS = {
     "palu": KVCacheConfig(method="palu"),
     "spectral": KVCacheConfig(method="spectral"),
     "gear": KVCacheConfig(method="gear"),
+    "gear rank 4": KVCacheConfig(method="gear", options=GEAROptions(gear_rank=4)),
+    "xkv": KVCacheConfig(method="xkv"),
 }
 
 

@@ -109,3 +109,86 @@ def test_a_saved_cache_with_several_runs_restores_them_and_keeps_refitting(metho
     counts = [[r.tokens.count for r in c.store.keys.runs] for c in (cache, back)]
     assert counts == [[200, 200, 100]] * 2
     assert mx.array_equal(back.dequantized(mx.float32)[0], cache.dequantized(mx.float32)[0])
+
+
+# -- spectral: eigenbases refitted from the running second moment ------------------------------
+@pytest.fixture(scope="module")
+def reference_kv():
+    """Keys and values (1, 2, 1024, 128) of the shipped reference model's layer 2 over the
+    held-out text: real rows whose distribution moves as the text goes on."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache as stock_cache
+
+    from veloxquant_mlx.bench import tasks
+
+    model, tokenizer = load(str(tasks.HELDOUT_TEXT_PATH.parent))
+    ids = tokenizer.encode(tasks.HELDOUT_TEXT_PATH.read_text())[:1024]
+    cache = stock_cache(model)
+    model(mx.array(ids)[None], cache=cache)
+    return cache[2].keys[:, :, :1024].astype(mx.float32), cache[2].values[:, :, :1024].astype(mx.float32)
+
+
+def test_spectral_later_values_stay_within_a_factor_of_the_prompts(reference_kv):
+    """4 bits, a 128-token prompt, 1,024 tokens: the last 256 values within 1.3x the
+    prompt values' error (measured 1.11x; 1.74x with the basis frozen at the prompt), the
+    keys no worse than the prompt's (0.73x; 0.88x frozen)."""
+    from test_spectral import spectral
+
+    keys, values = reference_kv
+    cache = spectral(bits=4)
+    feed(cache, keys[:, :, :PROMPT], values[:, :, :PROMPT], PROMPT)
+    feed(cache, keys[:, :, PROMPT:], values[:, :, PROMPT:], 1)
+    k_hat, v_hat = cache.dequantized(mx.float32)
+    later = slice(TOTAL - 256, TOTAL)
+    e_prompt, e_later = rel_err(v_hat[:, :, :PROMPT], values[:, :, :PROMPT]), rel_err(v_hat[:, :, later], values[:, :, later])
+    assert e_later <= 1.3 * e_prompt, (e_later / e_prompt, e_prompt, e_later)
+    assert rel_err(k_hat[:, :, later], keys[:, :, later]) <= rel_err(k_hat[:, :, :PROMPT], keys[:, :, :PROMPT])
+    assert [r.count for r in cache.store.key_runs] == [256, 256, 512, 0]
+
+
+@pytest.mark.parametrize("qjl", [False, True])
+@pytest.mark.parametrize("rotary", [False, True], ids=["post-rope", "pre-rope"])
+def test_spectral_decode_over_several_runs_matches_each_runs_own_reading(rotary, qjl):
+    """Without QJL the decode step is attention over the reconstruction of every run (pre-RoPE
+    runs turned back at their own positions); with it, the softmax of the runs' corrected
+    scores, each run read as a lone store reads it."""
+    from test_spectral import attention, rotary_context, spectral, structured
+
+    k, v = structured(300), structured(300, seed=9)
+    cache = spectral(rotary_context() if rotary else None, spectral_apply_qjl=qjl)
+    feed(cache, k[:, :, :100], v[:, :, :100], 100)
+    feed(cache, k[:, :, 100:300], v[:, :, 100:300], 1)  # a refit at 200
+    store = cache.store
+    assert [r.count for r in store.key_runs] == [200, 100] and [r.start for r in store.key_runs] == [0, 200]
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(2))
+    got = stored_decode_attention(cache, q, 0.125)
+    if not qjl:
+        k_hat, v_hat = cache.dequantized(mx.float32)
+        assert mx.allclose(got, attention(q, k_hat, v_hat, 0.125), atol=1e-5, rtol=1e-5)
+        return
+    qs = q.reshape(1, 2, 2, 64) * 0.125
+    scores = mx.concatenate([r.reader().scores(qs) for r in store.key_runs], axis=-1)
+    p = mx.softmax(scores, axis=-1)
+    want = store.value_runs[0].reader().mix(p[..., :200]) + store.value_runs[1].reader().mix(p[..., 200:])
+    assert mx.allclose(got, want.reshape(1, 4, 1, 64), atol=1e-5, rtol=1e-5)
+
+
+def test_a_saved_spectral_cache_with_several_runs_restores_them_and_keeps_refitting(tmp_path):
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from test_spectral import rotary_context, spectral, structured
+    from veloxquant_mlx import load_prompt_cache
+
+    k, v = structured(500), structured(500, seed=9)
+    cache = spectral(rotary_context())
+    feed(cache, k[:, :, :100], v[:, :, :100], 100)
+    feed(cache, k[:, :, 100:250], v[:, :, 100:250], 1)
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(path), [cache])
+    (back,) = load_prompt_cache(path)
+    for c in (cache, back):
+        feed(c, k[:, :, 250:], v[:, :, 250:], 1)  # a refit at 400
+    counts = [[r.count for r in c.store.key_runs] for c in (cache, back)]
+    assert counts == [[200, 200, 100]] * 2
+    assert mx.array_equal(back.dequantized(mx.float32)[0], cache.dequantized(mx.float32)[0])
+    assert mx.array_equal(back.dequantized(mx.float32)[1], cache.dequantized(mx.float32)[1])
