@@ -192,3 +192,24 @@ def test_a_saved_spectral_cache_with_several_runs_restores_them_and_keeps_refitt
     assert counts == [[200, 200, 100]] * 2
     assert mx.array_equal(back.dequantized(mx.float32)[0], cache.dequantized(mx.float32)[0])
     assert mx.array_equal(back.dequantized(mx.float32)[1], cache.dequantized(mx.float32)[1])
+
+
+@pytest.mark.parametrize("method", ["svdq", "palu", "spectral"])
+def test_decode_steps_across_a_refit_read_nothing_on_the_host(method):
+    """A refit falls in a decode step: it reads no array value (the schedule is a Python
+    counter, the rank an array shape, the eigenproblem lazy on the CPU stream)."""
+    import feeding
+    from decode_steps import recording_host_reads
+    from test_spectral import rotary_context, spectral
+
+    make = {"svdq": svdq, "palu": CASES["palu"][0], "spectral": lambda: spectral(rotary_context())}[method]
+    keys, values = rope_keys(260)
+    q = mx.random.normal((1, 4, 260, D), key=mx.random.key(1))
+    cache = make()
+    feeding.feed(cache, keys, values, q, 0, 100)
+    mx.eval(cache.state)
+    with recording_host_reads() as reads:
+        outs = [feeding.feed(cache, keys, values, q, i, i + 1) for i in range(100, 260)]  # a refit at 200
+        mx.eval(outs)
+    runs = cache.store.key_runs if method == "spectral" else cache.store.keys.runs
+    assert len(runs) == 2 and not reads, [str(r) for r in reads]
