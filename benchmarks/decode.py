@@ -47,6 +47,7 @@ from veloxquant_mlx.bench.runner import prefill  # noqa: E402
 from veloxquant_mlx.registry import implemented_methods  # noqa: E402
 from veloxquant_mlx.cache.options import (  # noqa: E402
     GEAROptions,
+    XKVOptions,
     H2OOptions,
     KIVIOptions,
     L2NormOptions,
@@ -90,6 +91,7 @@ METHODS = {
     "gear": KVCacheConfig(method="gear"),
     "gear rank 4": KVCacheConfig(method="gear", options=GEAROptions(gear_rank=4)),
     "xkv": KVCacheConfig(method="xkv"),
+    "xkv max_ctx 128k": KVCacheConfig(method="xkv", options=XKVOptions(xkv_max_ctx=131072)),  # 32k+ prompts
 }
 
 

@@ -20,7 +20,9 @@ rank k) on the CPU stream, where MLX runs them.
   iteration on both sides and a Rayleigh-Ritz step (randomized SVD), for a given rank or
   for the smallest rank holding a fraction of the energy (the rank doubled until it
   does: the energy it finds is a lower bound of the exact top-r energy, so the rank it
-  returns meets the fraction, never fewer directions than the exact rule's).
+  returns meets the fraction, never fewer directions than the exact rule's). Up to
+  ``DIRECT_MAX`` rows or columns it takes the exact basis through the smaller side's Gram
+  matrix instead: one small eigenproblem costs less than the iterations' many.
 - ``svd_factors``: the exact thin SVD through a QR first (tests and offline tools; not on
   a prefill path).
 - ``gram_basis``: the right singular vectors and singular values of a tall ``x`` through
@@ -112,6 +114,19 @@ def subspace_basis(x: mx.array, k: int, iterations: int = POWER_ITERATIONS, seed
 
 
 OVERSAMPLE = 8  # extra directions a fixed-rank fit iterates on (randomized SVD's p)
+DIRECT_MAX = 512  # up to this many rows or columns, the exact basis through the smaller Gram matrix
+
+
+def _small_side_basis(x: mx.array):
+    """(V (..., d, m), sigma (..., m)) of ``x`` (..., T, d), m = min(T, d), exact to float32
+    rounding of the squared singular values, through the Gram matrix of the smaller side."""
+    t, d = x.shape[-2:]
+    if d <= t:
+        return _ritz(x, mx.broadcast_to(mx.eye(d), (*x.shape[:-2], d, d)))
+    _, u = mx.linalg.eigh(x @ x.swapaxes(-1, -2), stream=mx.cpu)  # (T, T), ascending
+    v = x.swapaxes(-1, -2) @ u[..., ::-1]  # V Σ
+    sigma = mx.linalg.norm(v, axis=-2)
+    return v / mx.maximum(sigma[..., None, :], 1e-30), sigma
 START_RANK = 32  # the energy rule's first try
 
 
@@ -122,6 +137,10 @@ def randomized_basis(x: mx.array, rank: int | None, fraction: float = 1.0, sampl
     the largest over the batch (read on the host: a prefill step, never a decode step)."""
     xs = sample_rows(x, sample)
     m = min(xs.shape[-2:])
+    if m <= DIRECT_MAX:  # one small eigenproblem is cheaper than the iterations' many
+        v, sigma = _small_side_basis(xs)
+        r = min(rank, m) if rank is not None else int(energy_rank(sigma, fraction).max())
+        return v[..., :r], r
     if rank is not None:
         r = min(rank, m)
         v, _ = subspace_basis(xs, min(r + OVERSAMPLE, m))
