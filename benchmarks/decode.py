@@ -48,6 +48,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 from veloxquant_mlx.bench.runner import prefill  # noqa: E402
 from veloxquant_mlx.registry import implemented_methods  # noqa: E402
 from veloxquant_mlx.cache.options import (  # noqa: E402
+    GEAROptions,
+    XKVOptions,
     H2OOptions,
     KIVIOptions,
     L2NormOptions,
@@ -102,6 +104,9 @@ METHODS = {
     # bytes) and at 4 bits (about KIVI-4's)
     "turboquant": KVCacheConfig(method="turboquant"),
     "turboquant-4bit": KVCacheConfig(options=TurboQuantOptions(turboquant_key_bits=4, turboquant_value_bits=4)),
+    "gear rank 4": KVCacheConfig(method="gear", options=GEAROptions(gear_rank=4)),
+    "xkv": KVCacheConfig(method="xkv"),
+    "xkv max_ctx 128k": KVCacheConfig(method="xkv", options=XKVOptions(xkv_max_ctx=131072)),  # 32k+ prompts
 }
 
 

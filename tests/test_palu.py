@@ -97,7 +97,8 @@ def test_memory_is_the_cards_formula():
     per_token = groups * (r_hi * 4 / 8 + (r - r_hi) * 2 / 8 + r * 2 * s / 32)  # a tensor
     n = h // groups * d
     bases = groups * (n * r + n) * s
-    assert cache.nbytes == 2 * (t * per_token + bases)
+    moments = groups * (n * n + 2 * n) * 4  # float32 Gram, sum and shift, for the refits
+    assert cache.nbytes == 2 * (t * per_token + bases + moments)
     assert per_token == groups * 27  # 6 + 9 code bytes + 12 of scales a group, against 512 in float32
 
 

@@ -110,6 +110,7 @@ def test_nbytes_after_a_long_prompt_is_the_card_formula_plus_word_padding_and_th
     k_codec, v_codec = EigenCodec(2, 4, True, True), EigenCodec(2, 50, False, False)
     per_row = 4 * row_words(k_codec.layout(d)) + 2 * 2 + 4 * row_words(v_codec.layout(d)) + 2
     side = h * (2 * d * d * 4 + 2 * 2 * 4) + 4 * 4 * 4  # bases, sigmas (float32), the 4 x 4 sketch
+    side += h * 2 * d * d * 4  # the keys' and values' second moments (float32), for refits
     assert cache.nbytes == rows * h * per_row + side
     card_bits = (4 * 3 + 60 * 2 + 32) + (50 * 3 + 14 * 2 + 16)  # b = 2: b_low 2, b_high 3
     assert rows * h * per_row - t * h * card_bits / 8 < (GROWTH_TOKENS + t * 2 * 4 / 8) * h * per_row

@@ -152,7 +152,8 @@ def test_memory_is_the_cards_formula():
     n_g = 64 // len(schedule)
     per_token = h * (sum(n_g * b / 8 for b in schedule) + sum(n_g * 2 * s / 32 for b in schedule if b))
     basis = h * (d * 64 + d) * s
-    assert cache.nbytes == t * per_token + basis + t * h * d * s  # keys, basis, exact values
+    moments = h * (d * d + 2 * d) * 4  # float32 Gram, sum and shift, for the refits
+    assert cache.nbytes == t * per_token + basis + moments + t * h * d * s  # keys, basis, exact values
     assert per_token == h * 26  # 16 code bytes + 10 of scales a head, against 256 in float32
 
 

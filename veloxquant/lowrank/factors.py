@@ -1,25 +1,37 @@
-"""Low-rank factors ``x ~ A Bᵀ`` of a batch of matrices ``x (..., T, d)``, float32.
+"""Low-rank factors ``x ~ A Bᵀ`` of a batch of matrices ``x (..., T, d)``, float32, with
+no QR or SVD over the tokens: the work over the T rows is matrix products on the default
+device, and the only decompositions are ``eigh`` of small matrices (d x d, or k x k for a
+rank k) on the CPU stream, where MLX runs them.
 
+- ``sample_rows``: at most ``FIT_SAMPLE_TOKENS`` evenly spaced rows, float32, non-finite
+  entries zeroed (LAPACK refuses a NaN: one overflowed row must not stop a prefill).
+- ``orthonormalize``: columns of the same span made orthonormal through their k x k Gram
+  matrix instead of a QR over the T rows (columns scaled to unit norm first; three
+  passes: a float32 Gram squares the condition number, so the first passes only keep the
+  span and the last one, on nearly orthonormal columns, is accurate; a dependent column
+  comes back zero).
 - ``power_iteration``: subspace iteration from a seeded Gaussian start (GEAR's repo runs 3
   loops); ``A = Q`` (T x r, orthonormal) and ``B = xᵀ Q`` (d x r), so ``A Bᵀ = Q Qᵀ x`` is an
   orthogonal projection of ``x``: its error never exceeds ``‖x‖`` and is Eckart-Young's
   optimum when r reaches the rank of ``x``. Q is orthonormalised at every loop (GEAR's
   repo does it at the last loop only; the subspace is the same in exact arithmetic, and
   float32 keeps the small directions this way).
-- ``svd_factors``: the exact thin SVD through a QR first (``x = Q R``, then the SVD of the
-  small square ``R``), as ``A = U Σ`` and ``B = V``: sliced to r columns, the best rank-r
-  approximation.
+- ``randomized_basis``: the leading right singular vectors and values of ``x`` by subspace
+  iteration on both sides and a Rayleigh-Ritz step (randomized SVD), for a given rank or
+  for the smallest rank holding a fraction of the energy (the rank doubled until it
+  does: the energy it finds is a lower bound of the exact top-r energy, so the rank it
+  returns meets the fraction, never fewer directions than the exact rule's). Up to
+  ``DIRECT_MAX`` rows or columns it takes the exact basis through the smaller side's Gram
+  matrix instead: one small eigenproblem costs less than the iterations' many.
+- ``svd_factors``: the exact thin SVD through a QR first (tests and offline tools; not on
+  a prefill path).
 - ``gram_basis``: the right singular vectors and singular values of a tall ``x`` through
-  its Gram matrix ``xᵀx`` (d x d) on at most ``FIT_SAMPLE_TOKENS`` evenly spaced rows:
-  the work over the tokens is one matrix product on the default device, in float32
-  whatever the input's dtype; only the small d x d eigenproblem runs on the CPU stream.
+  its Gram matrix ``xᵀx`` (d x d) on at most ``FIT_SAMPLE_TOKENS`` evenly spaced rows.
   Exact (to float32 rounding of the squared singular values) up to the sample size;
   past it, a fit on a sample of the tokens (``tests/test_lowrank_fit.py`` bounds its
   reconstruction error against the exact SVD's).
 - ``energy_rank``: the smallest r whose singular values hold a fraction of the energy
   (squared singular values) or of their mass (``power=1``).
-
-MLX runs QR, SVD and eigh on the CPU stream only; everything here is float32 there.
 """
 
 from __future__ import annotations
@@ -32,6 +44,38 @@ POWER_ITERATIONS = 3  # GEAR's run scripts (--loop 3)
 SEED = 0  # the start of every power iteration: the same chunk gives the same factors
 
 
+FIT_SAMPLE_TOKENS = 4096  # rows a basis fit reads at most: bounded work at any context
+ORTHO_PASSES = 3
+EIG_FLOOR = 1e-12  # eigenvalues of a Gram matrix below this share of the largest: kept, not inverted to inf
+DEPENDENT = 1e-2  # the last pass drops directions of unit columns' Gram below this (linear dependence)
+
+
+def sample_rows(x: mx.array, sample: int | None = None) -> mx.array:
+    """At most ``sample`` (default ``FIT_SAMPLE_TOKENS``) evenly spaced rows of ``x``
+    (..., T, d), float32, non-finite entries zeroed."""
+    sample = FIT_SAMPLE_TOKENS if sample is None else sample
+    t = x.shape[-2]
+    if t > sample:
+        x = x[..., mx.array([i * t // sample for i in range(sample)]), :]
+    x = x.astype(mx.float32)
+    return mx.where(mx.isfinite(x), x, 0.0)
+
+
+def orthonormalize(y: mx.array, passes: int = ORTHO_PASSES) -> mx.array:
+    """Orthonormal columns (..., T, k) spanning the columns of ``y`` (k <= T). Where ``y``
+    has fewer independent columns than k (a rank-deficient chunk), the extra columns come
+    back zero: ``Q Qᵀ`` is still the projection on the span."""
+    for i in range(passes):
+        y = y / mx.maximum(mx.linalg.norm(y, axis=-2, keepdims=True), 1e-30)
+        w, v = mx.linalg.eigh(y.swapaxes(-1, -2) @ y, stream=mx.cpu)
+        if i < passes - 1:  # keep the span: a small direction is amplified, not dropped
+            inv = mx.rsqrt(mx.maximum(w, EIG_FLOOR * w[..., -1:]))
+        else:  # near-orthonormal unit columns by now: an eigenvalue near 0 is a repeated direction
+            inv = mx.where(w > DEPENDENT, mx.rsqrt(mx.maximum(w, DEPENDENT)), 0.0)
+        y = y @ (v * inv[..., None, :])
+    return y
+
+
 def power_iteration(x: mx.array, rank: int, iterations: int = POWER_ITERATIONS, seed: int = SEED):
     """(A, B): (..., T, r) and (..., d, r) with ``A Bᵀ = Q Qᵀ x``; ``rank <= min(T, d)``."""
     *lead, t, d = x.shape
@@ -39,10 +83,78 @@ def power_iteration(x: mx.array, rank: int, iterations: int = POWER_ITERATIONS, 
         raise ValueError(f"rank={rank} must be in 1..min(T={t}, d={d}); iterations={iterations} >= 1")
     x = x.astype(mx.float32)
     p = mx.random.normal((*lead, d, rank), key=mx.random.key(seed))
-    for _ in range(iterations):
-        q, _ = mx.linalg.qr(x @ p, stream=mx.cpu)
+    for i in range(iterations):
+        # both sides orthonormal: each product's condition number is σ_1/σ_r, not its square
+        q = orthonormalize(x @ (p if i == 0 else orthonormalize(p)))
         p = x.swapaxes(-1, -2) @ q
     return q, p
+
+
+def _ritz(x: mx.array, v: mx.array):
+    """The right singular pairs of ``x`` within the span of the orthonormal ``v``: (V, sigma)
+    by decreasing sigma (``‖x v_i‖``, not the eigenvalue's root: small values keep float32)."""
+    b = x @ v
+    _, w = mx.linalg.eigh(b.swapaxes(-1, -2) @ b, stream=mx.cpu)  # ascending
+    v = v @ w[..., ::-1]
+    return v, mx.sqrt(((x @ v) ** 2).sum(axis=-2))
+
+
+def subspace_basis(x: mx.array, k: int, iterations: int = POWER_ITERATIONS, seed: int = SEED):
+    """(V (..., d, k), sigma (..., k)): approximate leading right singular vectors and values
+    of ``x`` (..., T, d), float32, by subspace iteration from a seeded Gaussian start."""
+    *lead, t, d = x.shape
+    if not 0 < k <= min(t, d):
+        raise ValueError(f"k={k} must be in 1..min(T={t}, d={d})")
+    if k == d:  # every direction: the Gram route is exact and as cheap
+        return _ritz(x, mx.broadcast_to(mx.eye(d), (*lead, d, d)))
+    v = orthonormalize(mx.random.normal((*lead, d, k), key=mx.random.key(seed)))
+    for _ in range(iterations):
+        v = orthonormalize(x.swapaxes(-1, -2) @ orthonormalize(x @ v))
+    return _ritz(x, v)
+
+
+OVERSAMPLE = 8  # extra directions a fixed-rank fit iterates on (randomized SVD's p)
+DIRECT_MAX = 512  # up to this many rows or columns, the exact basis through the smaller Gram matrix
+
+
+def _small_side_basis(x: mx.array):
+    """(V (..., d, m), sigma (..., m)) of ``x`` (..., T, d), m = min(T, d), exact to float32
+    rounding of the squared singular values, through the Gram matrix of the smaller side."""
+    t, d = x.shape[-2:]
+    if d <= t:
+        return _ritz(x, mx.broadcast_to(mx.eye(d), (*x.shape[:-2], d, d)))
+    _, u = mx.linalg.eigh(x @ x.swapaxes(-1, -2), stream=mx.cpu)  # (T, T), ascending
+    v = x.swapaxes(-1, -2) @ u[..., ::-1]  # V Σ
+    sigma = mx.linalg.norm(v, axis=-2)
+    return v / mx.maximum(sigma[..., None, :], 1e-30), sigma
+START_RANK = 32  # the energy rule's first try
+
+
+def randomized_basis(x: mx.array, rank: int | None, fraction: float = 1.0, sample: int | None = None):
+    """(V (..., d, r), r) for ``x`` (..., T, d): the leading r right singular vectors from at
+    most ``sample`` rows (``sample_rows``). ``rank`` given: capped at min(T, d); None: the
+    smallest r whose directions hold ``fraction`` of the sampled rows' energy ``‖x‖²``,
+    the largest over the batch (read on the host: a prefill step, never a decode step)."""
+    xs = sample_rows(x, sample)
+    m = min(xs.shape[-2:])
+    if m <= DIRECT_MAX:  # one small eigenproblem is cheaper than the iterations' many
+        v, sigma = _small_side_basis(xs)
+        r = min(rank, m) if rank is not None else int(energy_rank(sigma, fraction).max())
+        return v[..., :r], r
+    if rank is not None:
+        r = min(rank, m)
+        v, _ = subspace_basis(xs, min(r + OVERSAMPLE, m))
+        return v[..., :r], r
+    total = (xs**2).sum(axis=(-2, -1))
+    k = min(START_RANK, m)
+    while True:
+        v, sigma = subspace_basis(xs, k)
+        found = mx.cumsum(sigma**2, axis=-1)
+        short = found < fraction * total[..., None] * (1 - 1e-6)
+        if k == m or not bool(short[..., -1].any()):
+            r = min(int((short.sum(axis=-1) + 1).max()), k)
+            return v[..., :r], r
+        k = min(2 * k, m)
 
 
 def svd_factors(x: mx.array):
@@ -59,18 +171,12 @@ def svd_factors(x: mx.array):
     return left * sigma[..., None, :], right, sigma
 
 
-FIT_SAMPLE_TOKENS = 4096  # rows a basis fit reads at most: bounded work at any context
-
-
-def gram_basis(x: mx.array, sample: int = FIT_SAMPLE_TOKENS):
+def gram_basis(x: mx.array, sample: int | None = None):
     """(V, sigma): the right singular vectors (..., d, d) by decreasing singular value and
     the singular values (..., d) of ``x`` (..., T, d), from at most ``sample`` of its rows
     (evenly spaced; the singular values rescaled to all T rows)."""
     t = x.shape[-2]
-    if t > sample:
-        x = x[..., mx.array([i * t // sample for i in range(sample)]), :]
-    x = x.astype(mx.float32)
-    x = mx.where(mx.isfinite(x), x, 0.0)  # LAPACK refuses a NaN (SVD error -4): a bad row must not stop a prefill
+    x = sample_rows(x, sample)
     gram = x.swapaxes(-1, -2) @ x
     _, vectors = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending
     vectors = vectors[..., ::-1]

@@ -38,9 +38,18 @@ as many tokens as a basis has rows (n = g*d) are held, when the bases are fitted
 token held and everything is encoded (a basis fitted on fewer tokens spans only them, so
 new tokens would lose every other direction); that happens in the prompt chunk that
 brings the count there, so a prefilled prompt is kept compressed, and a shorter history
-(prompt and decode tokens) stays exact. Later tokens are projected onto the fixed bases
-as they come. Values are latent
-(their own basis and segments) or kept exactly.
+(prompt and decode tokens) stays exact. Later tokens are projected onto the newest bases
+as they come. Values are latent (their own basis and segments) or kept exactly.
+
+**Refits** (issue 37): a basis fitted on the first tokens codes later post-RoPE tokens
+worse (RoPE turns them into directions the first positions never showed). Every token
+taken in adds to running float32 moments (``Latent``: a (g*d)^2 Gram matrix a group), and
+each time the tokens held double since the end of the prompt or the last refit (a
+Python counter, checked at decode steps), a new basis of the same rank (the rank is
+an array shape: choosing it again would read a value on the host) is taken from them
+and the tokens after it are coded on it, as a new ``Run``. Stored tokens keep the basis
+they were coded with: re-coding them would quantize them twice. A decode step reads one
+part a run (``decode_parts``).
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ from ..quant.store import WINDOW_STEP, PackedStore
 from .factors import energy_rank, gram_basis
 
 UNQUANTIZED_BITS = 16  # widths from here on keep a channel in the model's dtype
+REFIT_GROWTH = 2  # a new basis each time the tokens held have doubled since the last fit
 
 
 def width_problem(bits: int) -> str | None:
@@ -306,38 +316,106 @@ class LatentCodec:
     segments: Callable[[int], list[ChannelSegment]]  # rank -> segments
 
 
+@dataclass
+class Run:
+    """Tokens coded on one basis: its mean (B, G, 1, n), basis (B, G, n, r) and latents."""
+
+    mean: mx.array
+    basis: mx.array
+    tokens: LatentTokens
+
+
 class Latent:
-    """One tensor of a layer in latent form: its basis, mean and ``LatentTokens``."""
+    """One tensor of a layer in latent form: runs of tokens, each kept on the basis it was
+    coded with (``Run``; a refit starts a new run and leaves the earlier ones as they are),
+    and the running moments of every token taken in exactly (``shift``, the mean at the
+    first fit; ``total = Σ (x - shift)``; ``gram = Σ (x - shift)ᵀ(x - shift)``, float32),
+    from which ``refit`` takes a new basis without reading the history again.
+    ``basis``, ``mean`` and ``tokens`` are the newest run's: where new tokens go."""
 
     def __init__(self, codec: LatentCodec, group: int, step_tokens: int):
         self.codec, self.group, self.step = codec, group, step_tokens
-        self.basis = self.mean = None
-        self.tokens: LatentTokens | None = None
+        self.runs: list[Run] = []
+        self.shift = self.total = self.gram = None
+
+    @property
+    def basis(self):
+        return self.runs[-1].basis if self.runs else None
+
+    @property
+    def mean(self):
+        return self.runs[-1].mean if self.runs else None
+
+    @property
+    def tokens(self) -> LatentTokens | None:
+        return self.runs[-1].tokens if self.runs else None
+
+    @property
+    def count(self) -> int:
+        return sum(run.tokens.count for run in self.runs)
 
     def fit(self, x: mx.array) -> None:
-        """Fit the basis on ``x`` (B, G, T, n)."""
+        """Fit the basis on ``x`` (B, G, T, n); the moments start empty (``append`` adds)."""
         mean, basis = fit_basis(x, self.codec.rank, self.codec.fraction)
         self.install(mean.astype(x.dtype), basis.astype(x.dtype))
+        n = x.shape[-1]
+        self.shift = mean
+        self.total = mx.zeros(mean.shape, mx.float32)
+        self.gram = mx.zeros((*mean.shape[:2], n, n), mx.float32)
 
     def install(self, mean, basis) -> None:
-        self.mean, self.basis = mean, basis
-        self.tokens = LatentTokens(self.codec.segments(basis.shape[-1]), self.group, self.step,
-                                   tuple(basis.shape[:2]))
+        """Start a run on ``basis``."""
+        tokens = LatentTokens(self.codec.segments(basis.shape[-1]), self.group, self.step, tuple(basis.shape[:2]))
+        self.runs.append(Run(mean, basis, tokens))
 
     def append(self, x: mx.array) -> None:
-        """Project ``x`` (B, G, n, g*d) onto the basis and keep its latents."""
-        xf = x.astype(mx.float32) - self.mean.astype(mx.float32)
-        self.tokens.append((xf @ self.basis.astype(mx.float32)).astype(x.dtype))
+        """Project ``x`` (B, G, n, g*d) onto the newest basis and keep its latents; its
+        moments join the running ones (evaluated with the latents, which attention reads:
+        a lazy sum left alone would lengthen at every step)."""
+        xf = x.astype(mx.float32)
+        latents = ((xf - self.mean.astype(mx.float32)) @ self.basis.astype(mx.float32)).astype(x.dtype)
+        if self.gram is not None:
+            centred = xf - self.shift
+            self.gram = self.gram + centred.swapaxes(-1, -2) @ centred
+            self.total = self.total + centred.sum(axis=2, keepdims=True)
+            latents = mx.depends(latents, [self.gram, self.total])
+        self.tokens.append(latents)
+
+    def refit(self) -> None:
+        """A new run on a basis of the same rank from the running moments of every token
+        taken in (the eigenvectors of their scatter matrix: a (g*d x g*d) eigh). Stored
+        tokens keep the basis they were coded with: re-coding them on the new one would
+        quantize them twice (at 1 or 2 bits the second error exceeds the first: measured,
+        svdq's prompt keys went from 0.36 to 1.5 relative error after three refits). Nothing
+        is read on the host: a refit may fall in a decode step."""
+        count = self.count
+        mean_c = self.total / count
+        scatter = self.gram - count * (mean_c.swapaxes(-1, -2) @ mean_c)
+        scatter = mx.where(mx.isfinite(scatter), scatter, 0.0)  # an overflowed token must not stop the refit
+        _, vectors = mx.linalg.eigh(scatter, stream=mx.cpu)  # ascending
+        basis = vectors[..., ::-1][..., : self.basis.shape[-1]]
+        dtype = self.basis.dtype
+        self.install((self.shift + mean_c).astype(dtype), mx.contiguous(basis.astype(dtype)))
 
     def dense(self) -> mx.array:
         """The reconstruction (B, G, count, n), float32 (transient)."""
-        return self.tokens.dense() @ self.basis.astype(mx.float32).swapaxes(-1, -2) + self.mean.astype(mx.float32)
+        parts = [run.tokens.dense() @ run.basis.astype(mx.float32).swapaxes(-1, -2) + run.mean.astype(mx.float32)
+                 for run in self.runs if run.tokens.count]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
     def arrays(self, prefix: str) -> dict[str, Any]:
-        out = {f"{prefix}_basis": self.basis, f"{prefix}_mean": self.mean}
-        if self.tokens is not None:
-            out.update(self.tokens.arrays(prefix))
+        out = {f"{prefix}_shift": self.shift, f"{prefix}_total": self.total, f"{prefix}_gram": self.gram}
+        if not self.runs:
+            out.update({f"{prefix}_basis": None, f"{prefix}_mean": None})
+        for i, run in enumerate(self.runs):
+            name = run_prefix(prefix, i)
+            out.update({f"{name}_basis": run.basis, f"{name}_mean": run.mean, **run.tokens.arrays(name)})
         return out
+
+
+def run_prefix(prefix: str, i: int) -> str:
+    """Names of run i's arrays: the first run's are the names a single basis had."""
+    return prefix if i == 0 else f"{prefix}run{i}_"
 
 
 def _group(x: mx.array, g: int) -> mx.array:
@@ -366,6 +444,7 @@ class LatentStore(PackedStore):
         self.v_exact = GrowingArray(axis=2, step=GROWTH_TOKENS) if value_codec is None else None
         self.k_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)
         self.v_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)
+        self.fitted_at = 0  # tokens held at the last fit (a Python counter: the refit schedule)
 
     @property
     def fitted(self) -> bool:
@@ -373,7 +452,7 @@ class LatentStore(PackedStore):
 
     @property
     def length(self) -> int:
-        return self.keys.tokens.count if self.fitted else self.k_pend.length
+        return self.keys.count if self.fitted else self.k_pend.length
 
     # -- writing ---------------------------------------------------------------------------
     def commit(self, keys: mx.array, values: mx.array) -> None:
@@ -386,6 +465,12 @@ class LatentStore(PackedStore):
                 self._fit()
             return
         self._encode(keys, values)
+        if keys.shape[2] > 1:
+            # a prompt is one run: the schedule counts from its end (a run more would cost
+            # every decode step a read of it), and the moments already hold all of it
+            self.fitted_at = self.length
+        elif self._refit_due():
+            self._refit()
 
     def fit_tokens(self, head_dim: int) -> int:
         """Tokens held exactly before the bases are fitted: the rows of a basis."""
@@ -399,7 +484,17 @@ class LatentStore(PackedStore):
             self.values.fit(_group(values, g))
         self.k_pend.reset(None)
         self.v_pend.reset(None)
+        self.fitted_at = keys.shape[2]
         self._encode(keys, values)
+
+    def _refit_due(self) -> bool:
+        return self.fitted and self.keys.gram is not None and self.length >= REFIT_GROWTH * self.fitted_at
+
+    def _refit(self) -> None:
+        for latent in (self.keys, self.values):
+            if latent is not None:
+                latent.refit()
+        self.fitted_at = self.length
 
     def _encode(self, keys, values) -> None:
         g = self.heads_per_group
@@ -421,14 +516,24 @@ class LatentStore(PackedStore):
         return k, v
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
+        """One part per run (a run's keys and values were coded at the same steps)."""
         if not self.fitted:
             return [DecodePart(None, self.k_pend.view(), None, self.v_pend.view())]
         g = self.heads_per_group
-        keys = FoldedKeys(self.keys.tokens, self.keys.basis, self.keys.mean, g)
-        if self.values is None:
-            return [DecodePart(keys, None, None, self.v_exact.view())]
-        values = FoldedValues(self.values.tokens, self.values.basis, self.values.mean, g)
-        return [DecodePart(keys, None, values, None)]
+        parts, start = [], 0
+        for i, run in enumerate(self.keys.runs):
+            n = run.tokens.count
+            if not n:
+                continue
+            keys = FoldedKeys(run.tokens, run.basis, run.mean, g)
+            if self.values is None:
+                v = self.v_exact.view()
+                parts.append(DecodePart(keys, None, None, v if len(self.keys.runs) == 1 else v[:, :, start:start + n]))
+            else:
+                r = self.values.runs[i]
+                parts.append(DecodePart(keys, None, FoldedValues(r.tokens, r.basis, r.mean, g), None))
+            start += n
+        return parts
 
     # -- what is kept, and checks of a restored state ------------------------------------------
     def arrays(self) -> dict[str, Any]:
@@ -442,31 +547,54 @@ class LatentStore(PackedStore):
     def meta(self) -> dict[str, Any]:
         return {"latent": json.dumps({
             "heads_per_group": self.heads_per_group,
+            "fitted_at": self.fitted_at,
             "flushed": [x.tokens.flushed if x is not None and x.tokens is not None else 0
-                        for x in (self.keys, self.values)]})}
+                        for x in (self.keys, self.values)],
+            # (keys, values) tokens flushed in each run; the last entry is ``flushed``'s
+            "runs": [[r.tokens.flushed for r in x.runs] if x is not None else []
+                     for x in (self.keys, self.values)]})}
 
     def restore(self, meta: dict[str, Any], arrays: dict[str, Any]) -> None:
         saved = json.loads(meta.get("latent") or "{}")
         self.heads_per_group = saved.get("heads_per_group")
+        self.fitted_at = int(saved.get("fitted_at", 0))
         self.k_pend.reset(arrays.get("k_pend"))
         self.v_pend.reset(arrays.get("v_pend"))
         if self.v_exact is not None:
             self.v_exact.reset(arrays.get("v_exact"))
-        for latent, prefix, flushed in zip((self.keys, self.values), "kv", saved.get("flushed", [0, 0])):
-            if latent is not None and arrays.get(f"{prefix}_basis") is not None:
-                latent.install(arrays[f"{prefix}_mean"], arrays[f"{prefix}_basis"])
-                latent.tokens.restore(prefix, arrays, int(flushed))
+        runs = saved.get("runs") or [[f] for f in saved.get("flushed", [0, 0])]
+        for latent, prefix, flushed in zip((self.keys, self.values), "kv", runs):
+            if latent is None:
+                continue
+            latent.runs = []
+            for i, n in enumerate(flushed):
+                name = run_prefix(prefix, i)
+                if arrays.get(f"{name}_basis") is None:
+                    break
+                latent.install(arrays[f"{name}_mean"], arrays[f"{name}_basis"])
+                latent.tokens.restore(name, arrays, int(n))
+            # a file without the moments (saved before refits existed) keeps its basis
+            latent.shift, latent.total, latent.gram = (arrays.get(f"{prefix}_{k}") for k in ("shift", "total", "gram"))
 
     def layout_problems(self, head_dims: tuple[int, int]):
         g = self.heads_per_group or 1
         for latent, name, d in ((self.keys, "key", head_dims[0]), (self.values, "value", head_dims[1])):
-            if latent is None or latent.basis is None:
+            if latent is None:
                 continue
-            n, r = latent.basis.shape[2:]
-            if n != g * d or latent.mean.shape[-1] != n:
-                yield f"{name} basis rows (heads per group x head_dim)", n, f"{g} x {d}"
-            elif latent.tokens.rank != r:
-                yield f"{name} latent channels", latent.tokens.rank, f"the basis rank {r}"
+            for i, run in enumerate(latent.runs):
+                n, r = run.basis.shape[2:]
+                label = name if i == 0 else f"{name} run {i}"
+                if n != g * d or run.mean.shape[-1] != n:
+                    yield f"{label} basis rows (heads per group x head_dim)", n, f"{g} x {d}"
+                    return
+                if run.tokens.rank != r:
+                    yield f"{label} latent channels", run.tokens.rank, f"the basis rank {r}"
+                    return
+            if latent.runs and latent.gram is not None:
+                n = latent.basis.shape[2]
+                if (tuple(latent.gram.shape[2:]) != (n, n) or latent.total is None or latent.shift is None
+                        or latent.total.shape[-1] != n or latent.shift.shape[-1] != n):
+                    yield f"{name} running moments (gram rows x columns)", tuple(latent.gram.shape[2:]), (n, n)
 
     def problems(self, offset: int):
         if self.fitted and (self.k_pend.length or self.v_pend.length):
@@ -477,12 +605,17 @@ class LatentStore(PackedStore):
             if self.v_pend.length != self.k_pend.length:
                 yield "pending values", self.v_pend.length, f"{self.k_pend.length}, as many as keys"
             return
-        yield from self.keys.tokens.problems("key")
-        n_values = self.values.tokens.count if self.values is not None else self.v_exact.length
+        for run in self.keys.runs:
+            yield from run.tokens.problems("key")
+        n_values = self.values.count if self.values is not None else self.v_exact.length
         if n_values != self.length:
             yield "values stored", n_values, f"{self.length}, as many as keys"
         if self.values is not None:
-            yield from self.values.tokens.problems("value")
+            for run in self.values.runs:
+                yield from run.tokens.problems("value")
+            if [r.tokens.count for r in self.values.runs] != [r.tokens.count for r in self.keys.runs]:
+                yield ("value runs (tokens each)", [r.tokens.count for r in self.values.runs],
+                       [r.tokens.count for r in self.keys.runs])
 
 
 class LatentCache(QuantizedCache):

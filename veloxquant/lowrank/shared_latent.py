@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from ..kernels import kivi_decode as kd
 from ..quant.affine import dequantize_per_channel, quantize_per_channel
-from .factors import energy_rank, svd_factors
+from .factors import randomized_basis
 
 DENSE_BITS = 16  # the latent kept in the model dtype
 
@@ -38,14 +38,19 @@ def joint_factors(blocks: list[mx.array], rank: int | None, energy: float):
     """The shared latent and each layer's reconstruction of keys ``blocks`` (B, H, T, d)
     of the same tokens: (A (B, T, r) float32, [B_l (B, r, H*d) float32], r). ``rank``
     None: the smallest r holding ``energy`` of the squared singular values (the largest
-    over the batch); any rank is capped at min(T, G*H*d)."""
+    over the batch); any rank is capped at min(T, G*H*d).
+
+    The basis ``V_r`` comes from a randomized SVD (``factors.randomized_basis``: subspace
+    iteration over at most ``FIT_SAMPLE_TOKENS`` tokens, eigenproblems of rank size only)
+    instead of the exact SVD of the T x G*H*d matrix; ``A = X V_r`` over every token, so
+    ``A B_l`` is X's projection on the basis. Under the energy rule the projection holds at
+    least ``energy`` of the sampled rows' energy, with at least the exact rule's rank."""
     x = mx.concatenate([heads_to_channels(k.astype(mx.float32)) for k in blocks], axis=-1)
-    a, v, sigma = svd_factors(x)
-    full = sigma.shape[-1]
-    r = min(rank, full) if rank is not None else int(energy_rank(sigma, energy).max())
+    v, r = randomized_basis(x, rank, energy)
+    a = mx.where(mx.isfinite(x), x, 0.0) @ v
     width = blocks[0].shape[1] * blocks[0].shape[3]
-    bs = [v[:, i * width : (i + 1) * width, :r].swapaxes(1, 2) for i in range(len(blocks))]
-    return a[:, :, :r], bs, r
+    bs = [v[:, i * width : (i + 1) * width].swapaxes(1, 2) for i in range(len(blocks))]
+    return a, bs, r
 
 
 def packing_unit(group: int) -> int:

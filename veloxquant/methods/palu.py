@@ -8,7 +8,7 @@ values separately:
   divide them is refused); a
   group's heads side by side, ``X_j (T, g d)``, share one basis (the faithful analog of
   the paper's grouped decomposition, not the port's per-head basis stacked over tokens);
-- **basis**, fitted once on every token held when at least g d are (in the prompt chunk
+- **basis**, first fitted on every token held when at least g d are (in the prompt chunk
   that brings the count there; the paper decomposes the projection weights offline after
   whitening; a cache never sees weights):
   mean ``μ_j`` and the first r right singular vectors of ``X_j - μ_j``, r = ``palu_rank``
@@ -18,7 +18,10 @@ values separately:
   ``floor(palu_hi_fraction * r)`` channels (largest σ) at ``palu_hi_bit``, the rest at
   ``palu_lo_bit``, per channel min-max over ``palu_group_size`` tokens (the paper groups
   along the latent dims per token, after a Hadamard transform); 16 bits keeps a channel
-  unquantized. ``palu_quantize_values=False`` keeps the value latents in the model's dtype.
+  unquantized. ``palu_quantize_values=False`` keeps the value latents in the model's dtype;
+- **refits**: each time the tokens held double since the end of the prompt or the last
+  refit, new bases of the same rank from the running moments of every token taken in;
+  later tokens are coded on them, stored ones keep theirs (``lowrank/latent.py``).
 
 RoPE: the paper caches pre-RoPE latents and rotates each reconstructed key in a fused
 kernel. Here keys are the post-RoPE keys mlx-lm gives, which lets attention stay in the

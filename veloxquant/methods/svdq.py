@@ -2,7 +2,7 @@
 
 A configuration of the latent store (``lowrank/latent.py``), per layer and KV head:
 
-- **basis**, fitted once on every token held when at least head_dim are (the card's
+- **basis**, first fitted on every token held when at least head_dim are (the card's
   "per-sequence prefill SVD", in the prompt chunk that brings the count there; the paper
   fits offline): the mean ``μ`` and the first r right
   singular vectors ``V_r`` of ``K - μ``. r = ``svdq_rank`` (clipped to head_dim), or the
@@ -13,7 +13,10 @@ A configuration of the latent store (``lowrank/latent.py``), per layer and KV he
   ``svdq_bit_schedule[i]`` bits, min-max over ``svdq_group_size`` tokens; 0 bits stores
   nothing (the channels read as 0), 16 or more keeps them unquantized. The newest latents
   (fewer than a group) wait in full precision;
-- **values**: exact, in the model's dtype.
+- **values**: exact, in the model's dtype;
+- **refits**: each time the tokens held double since the end of the prompt or the last
+  refit, a new basis of the same rank from the running moments of every key taken in;
+  later keys are coded on it, stored ones keep theirs (``lowrank/latent.py``).
 
 Keys are the post-RoPE keys mlx-lm gives (SVDqOptions has no rotary field; the card
 notes pre-RoPE keys are more low-rank). Until the basis is fitted, tokens are held

@@ -9,7 +9,8 @@ For a chunk X (B, H, n, D) of keys or values, per (batch, head), in float32:
 2. **backbone**: those entries replaced by their vector's mean (GEAR's repo), the chunk
    quantized min-max in groups (``GroupAffine``, KIVI's grouping): ``D_hat``;
 3. **low rank**: ``R = X - D_hat``, zero at the outliers, approximated by ``A Bᵀ``
-   (``lowrank/factors.py``): a fixed rank by power iteration, or, with no rank given, the
+   (``lowrank/factors.py``): a fixed rank by power iteration (orthonormalized through
+   rank x rank Gram eigenproblems, no QR over the chunk's tokens), or, with no rank given, the
    energy rule over the SVD taken through R's Gram matrix (``gram_basis``: exact to
    float32 up to 4,096 tokens a chunk; the smallest rank holding ``energy`` of R's spectral
    energy, the largest over the chunk's heads, capped at ``ceil(RANK_CAP_FRACTION *

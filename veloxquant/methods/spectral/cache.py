@@ -6,7 +6,10 @@ A configuration of the eigenbasis store (``methods/spectral/eigen_store.py``). P
 1. **Basis** (adapted: the repo calibrates offline): the eigenvectors of the second
    moment of the unit keys (values) of the first head_dim tokens or more the cache
    stores (held exactly until then: the prompt chunk that brings the count there),
-   fitted online and frozen; keys pre-RoPE when the cache knows the model's rotary
+   fitted online, on at most 4,096 evenly spaced rows; refitted each time the tokens
+   held double since the end of the prompt or the last refit, from the running second
+   moment of every row taken in, the rows after it coded on the new basis and stored
+   ones kept on theirs (``EigenStore``'s runs); keys pre-RoPE when the cache knows the model's rotary
    settings (a ``make_prompt_cache`` context: de-rotated at their positions, ``quant/prerope.py``, the
    card's calibration domain), post-RoPE otherwise.
 2. **Bits**: b = the config's ``kv_bits`` (the repo's ``total_bits``, 3 there; 2, 4 or 8

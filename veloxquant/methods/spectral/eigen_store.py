@@ -3,7 +3,8 @@ Lloyd-Max codes per coordinate, and an optional 1-bit QJL sketch of the key resi
 
 **Basis** (``eigenbasis``), per (batch, KV head): the eigenvectors of ``C = x~ᵀx~ / n`` over
 the unit vectors ``x~ = x / ‖x‖`` of the first run encoded, by decreasing eigenvalue
-``λ`` (clamped at 0), then frozen. Keys may be de-rotated to their pre-RoPE form first
+``λ`` (clamped at 0); later runs take the eigenvectors of the running moment of every
+row taken in (``EigenStore``: a refit each time the tokens held double). Keys may be de-rotated to their pre-RoPE form first
 (``quant/prerope.py``), where the basis is sharper. ``EigenStore`` keeps tokens exactly
 until it holds at least D of them (fewer span only part of the space, and every other
 direction would get the tail's σ fitted on nothing), then fits on all of them.
@@ -33,6 +34,7 @@ directions ``V[:, :e] Sᵀ`` are turned to each position (e rows a token) instea
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass
 
@@ -40,6 +42,7 @@ import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
 from ...kernels.decode import DecodePart
+from ...lowrank.factors import sample_rows
 from ...quant import codebook as cb
 from .bitfields import pack_fields, row_words, unpack_fields
 from ...quant.packed import GROWTH_TOKENS
@@ -51,6 +54,7 @@ GRID_POINTS = 16384  # quadrature points of the Gaussian density over that range
 LLOYD_ITERS = 200  # (a tenth of them from 6 bits on)
 SIGMA_FLOOR = 1e-4  # σ_tail >= this fraction of σ_head
 QJL_SCALE = math.sqrt(math.pi / 2)
+REFIT_GROWTH = 2  # a new basis each time the tokens held double since the prompt or the last refit
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,8 +75,9 @@ def gaussian_codebook(bits: int) -> mx.array:
 
 def eigenbasis(x: mx.array) -> tuple[mx.array, mx.array]:
     """(V, λ) of the unit rows of ``x`` (B, H, n, D): V (B, H, D, D) with the eigenvectors
-    as columns, λ (B, H, D) decreasing, both float32."""
-    x = x.astype(mx.float32)
+    as columns, λ (B, H, D) decreasing, both float32; from at most ``FIT_SAMPLE_TOKENS``
+    evenly spaced rows (``lowrank/factors.py``: bounded work at any prompt length)."""
+    x = sample_rows(x)
     unit = x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
     second = unit.swapaxes(-1, -2) @ unit / x.shape[2]
     w, v = mx.linalg.eigh(second, stream=mx.cpu)
@@ -134,8 +139,12 @@ class EigenTokens:
     """A growing run of rows in one ``EigenCodec``, with its frozen basis (fitted on the
     first rows it encodes) and, for pre-RoPE keys, the model's rotary settings."""
 
-    def __init__(self, codec: EigenCodec, *, rotary=None, seed: int = 0, step_tokens: int = GROWTH_TOKENS):
-        self.codec, self.rotary, self.seed = codec, rotary, seed
+    def __init__(self, codec: EigenCodec, *, rotary=None, seed: int = 0, step_tokens: int = GROWTH_TOKENS,
+                 start: int = 0):
+        self.codec, self.rotary, self.seed, self.step = codec, rotary, seed, step_tokens
+        self.start = start  # the position of the run's first row (pre-RoPE keys turn by it)
+        self.moment: mx.array | None = None  # (B, H, D, D) float32: Σ x~ᵀx~ of every row taken in, all runs
+        self.seen = 0  # rows in the moment
         self.words = GrowingArray(axis=2, step=step_tokens)
         self.norms = GrowingArray(axis=2, step=step_tokens)
         self.basis: mx.array | None = None  # (B, H, D, D) float32
@@ -152,19 +161,42 @@ class EigenTokens:
 
     def fit(self, x: mx.array) -> None:
         d = x.shape[-1]
-        self.basis, eigenvalues = eigenbasis(x)
-        self.sigma = self.codec.sigmas(eigenvalues, d)
+        self.install(*eigenbasis(x))
+        self.moment = mx.zeros((*x.shape[:2], d, d), mx.float32)
+
+    def install(self, basis: mx.array, eigenvalues: mx.array) -> None:
+        d = basis.shape[-1]
+        self.basis, self.sigma = basis, self.codec.sigmas(eigenvalues, d)
         if self.codec.qjl:
             e = self.codec.widths(d)[0]
             # a copy: the (e, e) corner as a view would keep the whole (d, d) draw alive
             self.sketch = mx.contiguous(mx.random.normal((d, d), key=mx.random.key(self.seed))[:e, :e])
 
+    def refitted(self) -> "EigenTokens":
+        """A new run after this one, on the eigenbasis of the moment of every row taken in
+        (a D x D eigh; nothing read on the host), which it carries on."""
+        second = self.moment / max(self.seen, 1)
+        w, v = mx.linalg.eigh(mx.where(mx.isfinite(second), second, 0.0), stream=mx.cpu)
+        run = EigenTokens(self.codec, rotary=self.rotary, seed=self.seed, step_tokens=self.step,
+                          start=self.start + self.count)
+        run.install(v[..., ::-1], mx.maximum(w[..., ::-1], 0.0))
+        run.moment, run.seen = self.moment, self.seen
+        return run
+
     def append(self, x: mx.array) -> None:
-        """Encode rows (B, H, n, D) after those kept (the first call fits the basis)."""
-        x = to_pre_rope(x, self.count, self.rotary) if self.rotary is not None else x.astype(mx.float32)
+        """Encode rows (B, H, n, D) after those kept (the first call fits the basis); their
+        unit rows join the moment (evaluated with the codes, which attention reads: a
+        lazy sum left alone would lengthen at every step)."""
+        x = (to_pre_rope(x, self.start + self.count, self.rotary) if self.rotary is not None
+             else x.astype(mx.float32))
         if self.basis is None:
             self.fit(x)
         words, norms = self.codec.encode(x, self.basis, self.sigma, self.sketch)
+        if self.moment is not None:
+            unit = x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
+            self.moment = self.moment + unit.swapaxes(-1, -2) @ unit
+            self.seen += x.shape[2]
+            words = mx.depends(words, self.moment)
         self.words.append(words)
         self.norms.append(norms)
 
@@ -179,7 +211,7 @@ class EigenTokens:
         scaled = self.coordinates()[0][:, :, : self.count]
         if self.rotary is None:
             return (scaled @ self.basis.swapaxes(-1, -2)).astype(dtype)
-        rows_t = from_pre_rope_channels(self.basis @ scaled.swapaxes(-1, -2), 0, self.rotary)
+        rows_t = from_pre_rope_channels(self.basis @ scaled.swapaxes(-1, -2), self.start, self.rotary)
         return rows_t.swapaxes(-1, -2).astype(dtype)
 
     def reader(self) -> "EigenScores":
@@ -245,7 +277,7 @@ class EigenScores:
         if t.rotary is None:
             s = (q @ basis) @ scaled.swapaxes(-1, -2)
         else:
-            s = q @ from_pre_rope_channels(basis @ scaled.swapaxes(-1, -2), 0, t.rotary)
+            s = q @ from_pre_rope_channels(basis @ scaled.swapaxes(-1, -2), t.start, t.rotary)
         if signs is not None and qjl:
             e = signs.shape[-1]
             directions = basis[..., :e] @ t.sketch.T  # (B, H, D, e): S q_sem = directionsᵀ q
@@ -254,7 +286,7 @@ class EigenScores:
             else:  # each token's directions turned to its position
                 b, h, d, cap = *directions.shape[:3], scaled.shape[2]
                 turned = mx.broadcast_to(directions.swapaxes(-1, -2)[..., None], (b, h, e, d, cap))
-                turned = from_pre_rope_channels(turned, 0, t.rotary)  # (B, H, e, D, cap)
+                turned = from_pre_rope_channels(turned, t.start, t.rotary)  # (B, H, e, D, cap)
                 corr = ((q[:, :, None] @ turned) * signs.transpose(0, 1, 3, 2)[:, :, :, None]).sum(axis=2)
             s = s + (QJL_SCALE / e) * corr * rho.swapaxes(-1, -2)
         return s[..., : self.count]
@@ -269,19 +301,38 @@ class EigenScores:
 
 
 class EigenStore(PackedStore):
-    """Keys and values, each an ``EigenTokens`` run; every token coded as it comes (no
-    window). With a key sketch a prompt chunk after the first attends over the history
+    """Keys and values, each a list of ``EigenTokens`` runs; every token coded as it comes
+    (no window). With a key sketch a prompt chunk after the first attends over the history
     with the QJL-corrected scores too (the store owns that softmax); otherwise over the
-    decoded history, as every quantized store does."""
+    decoded history, as every quantized store does.
+
+    Refits (issue 37): each time the tokens held double since the end of the prompt or the
+    last refit (a Python counter, checked at decode steps), a new run of keys and of values
+    starts on the eigenbasis of the moment of every row taken in; stored rows keep the
+    basis they were coded with (re-coding them would quantize them twice). ``keys`` and
+    ``values`` are the newest runs."""
 
     def __init__(self, keys: EigenTokens, values: EigenTokens):
-        self.keys, self.values = keys, values
+        self.key_runs, self.value_runs = [keys], [values]
         self.k_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)  # exact until the basis is fitted
         self.v_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)
+        self.fitted_at = 0  # tokens held at the end of the prompt or the last refit
+
+    @property
+    def keys(self) -> EigenTokens:
+        return self.key_runs[-1]
+
+    @property
+    def values(self) -> EigenTokens:
+        return self.value_runs[-1]
+
+    @property
+    def coded(self) -> int:
+        return sum(r.count for r in self.key_runs)
 
     @property
     def length(self) -> int:
-        return self.keys.count + self.k_pend.length
+        return self.coded + self.k_pend.length
 
     def commit(self, keys: mx.array, values: mx.array) -> None:
         if self.keys.basis is None:
@@ -294,65 +345,111 @@ class EigenStore(PackedStore):
             self.v_pend.reset(None)
         self.keys.append(keys)
         self.values.append(values)
+        if keys.shape[2] > 1:
+            self.fitted_at = self.length  # a prompt is one run: the schedule counts from its end
+        elif self.keys.moment is not None and self.length >= REFIT_GROWTH * self.fitted_at:
+            old_k, old_v = self.keys, self.values
+            self.key_runs.append(old_k.refitted())
+            self.value_runs.append(old_v.refitted())
+            old_k.moment = old_v.moment = None  # the newest run carries it on
+            self.fitted_at = self.length
 
     def history(self, dtype):
         if self.k_pend.length:
             return self.k_pend.view().astype(dtype), self.v_pend.view().astype(dtype)
-        return self.keys.decode(dtype), self.values.decode(dtype)
+        parts = [(k.decode(dtype), v.decode(dtype)) for k, v in zip(self.key_runs, self.value_runs) if k.count]
+        if not parts:
+            return None, None
+        if len(parts) == 1:
+            return parts[0]
+        return mx.concatenate([k for k, _ in parts], axis=2), mx.concatenate([v for _, v in parts], axis=2)
 
     def decode_parts(self, empty) -> list[DecodePart]:
         if self.k_pend.length:
             return [DecodePart(None, self.k_pend.view(), None, self.v_pend.view())]
-        if not self.keys.count:
-            return []
-        return [DecodePart(self.keys.reader(), None, self.values.reader(), None)]
+        return [DecodePart(k.reader(), None, v.reader(), None)
+                for k, v in zip(self.key_runs, self.value_runs) if k.count]
 
     def prefill_attention(self, queries, keys, values, *, scale, mask) -> mx.array:
-        if not self.keys.count or not self.keys.codec.qjl:
+        if not self.coded or not self.keys.codec.qjl:
             return super().prefill_attention(queries, keys, values, scale=scale, mask=mask)
         b, hq, n, d = queries.shape
         h = keys.shape[1]
         q = queries.astype(mx.float32).reshape(b, h, hq // h * n, d) * scale
-        old = self.keys.reader().scores(q)
+        runs = [(k, v) for k, v in zip(self.key_runs, self.value_runs) if k.count]
+        old = [k.reader().scores(q) for k, _ in runs]
         new = q @ keys.astype(mx.float32).swapaxes(-1, -2)
         if mask is not None:  # causal within the chunk (array masks arrive rebuilt as causal)
             causal = mx.tile(mx.arange(n)[:, None] >= mx.arange(n)[None], (hq // h, 1))
             new = mx.where(causal, new, -mx.inf)
-        p = mx.softmax(mx.concatenate([old, new], axis=-1), axis=-1, precise=True)
-        t = old.shape[-1]
-        out = self.values.reader().mix(p[..., :t]) + p[..., t:] @ values.astype(mx.float32)
+        p = mx.softmax(mx.concatenate([*old, new], axis=-1), axis=-1, precise=True)
+        out, at = p[..., self.coded:] @ values.astype(mx.float32), 0
+        for (_, v), s in zip(runs, old):
+            out = out + v.reader().mix(p[..., at:at + s.shape[-1]])
+            at += s.shape[-1]
         self.commit(keys, values)
         return out.reshape(b, hq, n, values.shape[-1]).astype(queries.dtype)
 
     # -- what is kept ---------------------------------------------------------------------
     def arrays(self):
-        return {**self.keys.arrays("k"), **self.values.arrays("v"), "k_pend": self.k_pend, "v_pend": self.v_pend}
+        out = {"k_pend": self.k_pend, "v_pend": self.v_pend,
+               "k_moment": self.keys.moment, "v_moment": self.values.moment}
+        for i, (k, v) in enumerate(zip(self.key_runs, self.value_runs)):
+            out.update({**k.arrays(_run_prefix("k", i)), **v.arrays(_run_prefix("v", i))})
+        return out
 
     def meta(self):
-        return {"rotary": self.keys.rotary.to_json() if self.keys.rotary is not None else "none"}
+        return {"rotary": self.keys.rotary.to_json() if self.keys.rotary is not None else "none",
+                "runs": json.dumps({"starts": [r.start for r in self.key_runs], "fitted_at": self.fitted_at,
+                                    "seen": [self.keys.seen, self.values.seen]})}
 
     def restore(self, meta, arrays) -> None:
         from ...cache.rope import Rotary
 
         if meta.get("rotary", "none") != "none":
             self.keys.rotary = Rotary.from_json(meta["rotary"])
+        saved = json.loads(meta.get("runs") or "{}")
+        self.fitted_at = int(saved.get("fitted_at", 0))
         self.k_pend.reset(arrays.get("k_pend"))
         self.v_pend.reset(arrays.get("v_pend"))
-        for prefix, run in (("k", self.keys), ("v", self.values)):
-            for field in ("words", "norms"):
-                if f"{prefix}_{field}" in arrays:
-                    getattr(run, field).reset(arrays[f"{prefix}_{field}"])
-            for field in ("basis", "sigma", "sketch"):
-                if f"{prefix}_{field}" in arrays:
-                    setattr(run, field, arrays[f"{prefix}_{field}"])
+        first_k, first_v = self.key_runs[0], self.value_runs[0]
+        self.key_runs, self.value_runs = [], []
+        for i, start in enumerate(saved.get("starts", [0])):
+            for prefix, first, runs in (("k", first_k, self.key_runs), ("v", first_v, self.value_runs)):
+                run = EigenTokens(first.codec, rotary=first.rotary, seed=first.seed, step_tokens=first.step,
+                                  start=int(start))
+                name = _run_prefix(prefix, i)
+                for field in ("words", "norms"):
+                    if f"{name}_{field}" in arrays:
+                        getattr(run, field).reset(arrays[f"{name}_{field}"])
+                for field in ("basis", "sigma", "sketch"):
+                    if f"{name}_{field}" in arrays:
+                        setattr(run, field, arrays[f"{name}_{field}"])
+                runs.append(run)
+        for prefix, runs, seen in (("k", self.key_runs, saved.get("seen", [0, 0])[0]),
+                                   ("v", self.value_runs, saved.get("seen", [0, 0])[1])):
+            # a file without the moment (saved before refits existed) keeps its basis
+            runs[-1].moment, runs[-1].seen = arrays.get(f"{prefix}_moment"), int(seen)
 
     def layout_problems(self, head_dims):
-        yield from self.keys.problems("key", head_dims[0])
-        yield from self.values.problems("value", head_dims[1])
+        for i, (k, v) in enumerate(zip(self.key_runs, self.value_runs)):
+            label = "" if i == 0 else f" run {i}"
+            yield from k.problems("key" + label, head_dims[0])
+            yield from v.problems("value" + label, head_dims[1])
 
     def problems(self, offset: int):
-        n_k, n_v = self.keys.count + self.k_pend.length, self.values.count + self.v_pend.length
+        n_k = self.coded + self.k_pend.length
+        n_v = sum(r.count for r in self.value_runs) + self.v_pend.length
         if n_k != offset or n_v != offset:
             yield "tokens stored", f"{n_k} keys / {n_v} values", f"the offset {offset}"
-        if self.keys.count and self.k_pend.length:
+        if self.coded and self.k_pend.length:
             yield "pending tokens", self.k_pend.length, "none once the basis is fitted"
+        starts = [r.start for r in self.key_runs]
+        want = [sum(r.count for r in self.key_runs[:i]) for i in range(len(self.key_runs))]
+        if starts != want or [r.count for r in self.value_runs] != [r.count for r in self.key_runs]:
+            yield "run starts and rows", (starts, [r.count for r in self.value_runs]), (want, [r.count for r in self.key_runs])
+
+
+def _run_prefix(prefix: str, i: int) -> str:
+    """Names of run i's arrays: the first run's are the names a single basis had."""
+    return prefix if i == 0 else f"{prefix}run{i}"
