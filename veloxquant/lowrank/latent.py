@@ -359,7 +359,7 @@ class Latent:
         mean, basis = fit_basis(x, self.codec.rank, self.codec.fraction)
         self.install(mean.astype(x.dtype), basis.astype(x.dtype))
         n = x.shape[-1]
-        self.shift = mean
+        self.shift = mx.array(mean)  # its own buffer: the run's mean is this one in float32
         self.total = mx.zeros(mean.shape, mx.float32)
         self.gram = mx.zeros((*mean.shape[:2], n, n), mx.float32)
 
