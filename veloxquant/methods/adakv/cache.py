@@ -38,9 +38,10 @@ Storage and attention (``methods/adakv/heads.py``): a token's codes fill a fixed
 say whose planes are whose), so every size is known on the host; a decode step writes its
 token into the window in place and attends through one compiled function over the
 planes, the scales and the window (pure MLX on every back-end). Memory: per stored token
-and KV head, for K and V each, ``b_h d/8 + 4 d/G`` bytes (float16 scales and minima) when
-the budget is spent (always at one bit an upgrade, as at the defaults), plus H bytes of
-widths a block, the window (R + G rows of capacity) and the key-norm ring.
+and KV head, for K and V each, ``b_h d/8 + 4 d/G`` bytes (scales and minima in the
+model's dtype: 2 bytes each at float16) when the budget is spent (always at one bit an
+upgrade, as at the defaults), plus the plane map (8 bytes a head and bit a block), the
+window (R + G rows of capacity) and the key-norm ring.
 """
 
 from __future__ import annotations
@@ -94,7 +95,6 @@ class AdaKVCache(QuantizedCache):
         self._importance: mx.array | None = None  # (H,) float32: that estimate, once asked
         self.since_update = 0  # decode steps since it
         self.updates = 0  # estimates made (prefill chunks + scheduled decode steps)
-        self._widths: mx.array | None = None  # its allocation (H,) int32, once a flush asked
         super()._init_storage()
 
     def make_store(self):
@@ -107,11 +107,11 @@ class AdaKVCache(QuantizedCache):
         self.norms.observe(keys)
         if n_queries == 1:
             self.since_update += 1
-        if n_queries > 1 or self._estimated_at is None or self.since_update >= self.interval:
+        if n_queries > 1 or not self.updates or self.since_update >= self.interval:
             # a reference to the ring as it is now: the estimate is computed when a flush or
             # a save asks for it, not at every scheduled step
             self._estimated_at, self._importance = self.norms.snapshot(), None
-            self.since_update, self._widths = 0, None
+            self.since_update = 0
             self.updates += 1
 
     @property
@@ -119,6 +119,7 @@ class AdaKVCache(QuantizedCache):
         """(H,) float32: the importance of the latest scheduled estimate."""
         if self._importance is None and self._estimated_at is not None:
             self._importance = self.estimate(self.norms, self._estimated_at)
+            self._estimated_at = None  # the ring as it was is no longer held
         return self._importance
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
@@ -132,10 +133,8 @@ class AdaKVCache(QuantizedCache):
 
     def allocation(self) -> mx.array:
         """The bit width of each KV head (H,) int32 for the tokens flushed now, on the device."""
-        if self._widths is None:
-            n = self.importance.shape[0]
-            self._widths = greedy_on_device(self.levels, spare_bits(self.levels, self.target, n), n)(self.importance)
-        return self._widths
+        n = self.importance.shape[0]
+        return greedy_on_device(self.levels, spare_bits(self.levels, self.target, n), n)(self.importance)
 
     # -- what is kept (names as saved) ------------------------------------------------------
     def _arrays(self):
@@ -149,7 +148,7 @@ class AdaKVCache(QuantizedCache):
         arrays = self.__dict__.get("_saved_arrays", {})
         self.norms.restore(meta, arrays.get("key_norms"))
         self._importance = arrays.get("importance")
-        self._estimated_at = None if self._importance is None else self.norms.snapshot()
+        self._estimated_at = None
         self.since_update, self.updates = int(meta.get("since_update", 0)), int(meta.get("updates", 0))
         super()._restore_meta(meta)
 

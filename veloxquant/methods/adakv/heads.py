@@ -13,7 +13,7 @@ the host: one sync a flush).
 
 Codes are KIVI's layout: keys per channel over the block's tokens (the block is one key
 group), values per token in groups of ``group`` channels, min-max at the head's width,
-scales and minima in float16 (codes are taken against the rounded ones, so decoding
+scales and minima in the input's dtype (codes are taken against the rounded ones, so decoding
 reads what encoding meant). Memory a token, KV head and K or V: ``P d / (8 H)`` bytes of
 planes (the card's ``b_h d / 8`` summed over heads when the budget is spent, which it
 always is when each upgrade costs one bit, as at the default 2/3/4) plus ``4 d / G``.
@@ -102,21 +102,21 @@ def _codes(x, lo, scale, top):
 
 def quantize_keys(x: mx.array, widths: mx.array, block: int):
     """Per channel over each block's tokens: codes (B, H, nb, G, d), scales and minima (B, H, nb, 1, d)."""
-    b, h, n, d = x.shape
+    (b, h, n, d), dtype = x.shape, x.dtype
     x, top = x.astype(mx.float32).reshape(b, h, n // block, block, d), _top(widths)
     lo, hi = x.min(axis=3, keepdims=True), x.max(axis=3, keepdims=True)
-    scale, lo = ((hi - lo) / top).astype(mx.float16), lo.astype(mx.float16)
+    scale, lo = ((hi - lo) / top).astype(dtype), lo.astype(dtype)
     return _codes(x, lo, scale, top), scale, lo
 
 
 def quantize_values(x: mx.array, widths: mx.array, block: int, group: int):
     """Per token in groups of ``group`` channels: codes (B, H, nb, G, d), scales and minima
     (B, H, nb, G, d/group)."""
-    b, h, n, d = x.shape
+    (b, h, n, d), dtype = x.shape, x.dtype
     g = x.astype(mx.float32).reshape(b, h, n // block, block, d // group, group)
     top = _top(widths)[..., None]
     lo, hi = g.min(axis=-1, keepdims=True), g.max(axis=-1, keepdims=True)
-    scale, lo = ((hi - lo) / top).astype(mx.float16), lo.astype(mx.float16)
+    scale, lo = ((hi - lo) / top).astype(dtype), lo.astype(dtype)
     return _codes(g, lo, scale, top).reshape(b, h, n // block, block, d), scale[..., 0], lo[..., 0]
 
 
