@@ -12,8 +12,6 @@ from veloxquant_mlx.registry import implemented_methods
 # Methods whose decode step still reads values on the host, and why (strict: a fixed
 # method fails here until its entry goes).
 KNOWN_SYNCS = {
-    "minicache": "the retained (token, head) pairs of each merged token are read (numpy) to "
-                 "size the retained table",
 }
 
 
@@ -37,6 +35,7 @@ OVER_GRAPH_BOUND = {
     "palu": 1.52, "cachegen": 2.17, "gear": 1.89, "zipcache": 1.49, "h2o": 1.37, "cam": 1.98,
     "nsnquant": 1.82, "skvq": 1.71, "morphkv": 1.41, "kvtc": 3.20, "amc": 4.80, "a2ats": 3.17,
     "anchorkv": 1.37, "age_tiered": 1.47, "spectral": 3.26, "keyformer": 1.32,
+    "minicache": 1.94,  # its merge was evaluated by its own host read, mid-step, until that went
 }
 GRAPH_BOUND = 1.3
 
