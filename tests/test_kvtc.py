@@ -17,6 +17,7 @@ from veloxquant_mlx.cache.rope import Rotary
 from veloxquant_mlx.quant import entropy
 from veloxquant_mlx.methods.kvtc.allocation import allocate, uniform_distortion
 from veloxquant_mlx.methods.kvtc.transform import _rotate, fit_codec
+from veloxquant_mlx.methods.kvtc.window_store import CODE_EVERY
 from feeding import stored_decode_attention
 
 CHOICES = (0, 1, 2, 3, 4, 6, 8)
@@ -91,8 +92,9 @@ def test_sinks_and_window_are_exact_and_every_token_is_stored():
     store.commit(x[:, :, :150], x[:, :, :150] * 2)  # the first fit: 82 tokens leave, 64 stay
     for i in range(150, 300):
         store.commit(x[:, :, i : i + 1], x[:, :, i : i + 1] * 2)
-    assert store.length == 300 and store.keys.count == store.values.count == 300 - 4 - 64
-    assert mx.array_equal(store.sink_k.view(), x[:, :, :4]) and mx.array_equal(store.v_win.view(), 2 * x[:, :, -64:])
+    held = 64 + 150 % CODE_EVERY  # decode rows leave the window CODE_EVERY at a time
+    assert store.length == 300 and store.keys.count == store.values.count == 300 - 4 - held
+    assert mx.array_equal(store.sink_k.view(), x[:, :, :4]) and mx.array_equal(store.v_win.view(), 2 * x[:, :, -held:])
     k, v = store.history(mx.float32)
     assert k.shape[2] == 300 and mx.array_equal(k[:, :, :4], x[:, :, :4])
     assert store.keys.rotary is not None and store.values.rotary is None  # the tiny llama's rope
@@ -116,7 +118,7 @@ def test_resident_and_stored_bytes_follow_the_memory_formula():
     _, cache, _ = _prefilled({"residual_window": 32, "kvtc_bit_budget": 128}, n=600)
     for c in cache:
         n = c.store.keys.count
-        assert n == 600 - 4 - 32
+        assert n == 600 - 4 - 32 - 8  # the 8 decode rows wait in the window (CODE_EVERY = 32)
         exact = 0
         for run in (c.store.keys, c.store.values):
             k = run.codec.bits.size
