@@ -259,7 +259,7 @@ def test_memory_at_4k_is_the_cards_formula_within_the_growth_step():
     s = cache.store
     packed = sum(a.view().nbytes for a in (s.k_planes, s.v_planes, s.k_scales, s.k_min, s.v_scales, s.v_min))
     assert packed == formula == 4000 * 2 * h * (2.5 * d / 8 + 4 * d / g)  # the card's 56 B a head, K and V each
-    map_bytes = s.source.view().nbytes + s.weights.view().nbytes
+    map_bytes = sum(x.view().nbytes for x in (*s.sources, *s.weights))
     assert map_bytes == 125 * h * 4 * 8  # the plane map: 8 bytes a head and bit a block
     room = sum(a.nbytes for n, a in s.arrays().items() if n not in ("k_win", "v_win")) - packed - map_bytes
     assert 0 <= room <= GROWTH_TOKENS / g * (2 * h * g * (2.5 * d / 8 + 4 * d / g) + h * 4 * 8)  # one growth step

@@ -131,7 +131,8 @@ def plane_map(widths: mx.array, n_planes: int, hi: int):
 
 
 def to_planes(codes: mx.array, source: mx.array, n_planes: int, hi: int) -> mx.array:
-    """(B, H, nb, G, d) codes -> (B, P, nb, G, ceil(d/32)) uint32 planes."""
+    """(B, H, nb, G, d) codes -> (B, P, nb, G, ceil(d/32), 1) uint32 planes (the last axis:
+    where a read unpacks a word's 32 bits)."""
     b, h, nb, g, d = codes.shape
     words = -(-d // WORD)
     bits = (codes[:, :, None] >> mx.arange(hi, dtype=mx.uint32).reshape(1, 1, hi, 1, 1, 1)) & 1
@@ -140,27 +141,30 @@ def to_planes(codes: mx.array, source: mx.array, n_planes: int, hi: int) -> mx.a
     packed = (bits.reshape(b, h, hi, nb, g, words, WORD) << mx.arange(WORD, dtype=mx.uint32)).sum(axis=-1)
     rows = packed.astype(mx.uint32).reshape(b, h * hi, nb, g, words).swapaxes(0, 1)
     planes = mx.zeros((n_planes + 1, b, nb, g, words), mx.uint32).at[source].add(rows)  # the unused: a dump row
-    return planes[:n_planes].swapaxes(0, 1)
+    return planes[:n_planes].swapaxes(0, 1)[..., None]
 
 
-def from_planes(planes: mx.array, source: mx.array, weights: mx.array, d: int) -> mx.array:
-    """(B, P, nb, G, w) planes, each block's planes (H * hi, nb) and weights (H, hi, nb) ->
-    codes (B, H, nb, G, d) float32."""
-    b, _, nb, g, words = planes.shape
-    h, hi, _ = weights.shape
-    picked = mx.take_along_axis(planes, source.reshape(1, h * hi, nb, 1, 1), axis=1)  # (B, H hi, nb, G, w)
-    bits = (picked[..., None] >> _constant("shifts", WORD)) & 1
-    bits = bits.reshape(b, h, hi, nb, g, words * WORD)[..., :d]
-    return (bits * weights.reshape(1, h, hi, nb, 1, 1)).sum(axis=2).astype(mx.float32)
+def from_planes(planes: mx.array, sources: list, weights: list, d: int) -> mx.array:
+    """(B, P, nb, G, w, 1) planes, per bit k the plane of each head's bit k (1, H, nb, 1, 1, 1)
+    and its weight (same shape) -> codes (B, H, nb, G, d) float32. One gather of a plane
+    per bit, the bits summed elementwise (no (.., hi, ..) intermediate: under
+    ``mx.compile`` the sum, and the dequantization after it, fuse into one pass that
+    writes each code once)."""
+    b, _, nb, g, words, _ = planes.shape
+    codes = None
+    for where, weight in zip(sources, weights):
+        bit = ((mx.take_along_axis(planes, where, axis=1) >> _constant("shifts", WORD)) & 1) * weight
+        codes = bit if codes is None else codes + bit
+    return codes.reshape(b, codes.shape[1], nb, g, words * WORD)[..., :d].astype(mx.float32)
 
 
-def dequantized(k_planes, k_scales, k_min, v_planes, v_scales, v_min, source, weights, *,
+def dequantized(k_planes, k_scales, k_min, v_planes, v_scales, v_min, sources, weights, *,
                 group: int, d: tuple[int, int], dtype):
     """Keys and values (B, H, T, d) of the whole buffers (T: their capacity)."""
-    kc = from_planes(k_planes, source, weights, d[0])
+    kc = from_planes(k_planes, sources, weights, d[0])
     b, h, nb, g, _ = kc.shape
     keys = kc * k_scales.astype(mx.float32) + k_min.astype(mx.float32)
-    vc = from_planes(v_planes, source, weights, d[1]).reshape(b, h, nb, g, d[1] // group, group)
+    vc = from_planes(v_planes, sources, weights, d[1]).reshape(b, h, nb, g, d[1] // group, group)
     values = vc * v_scales[..., None].astype(mx.float32) + v_min[..., None].astype(mx.float32)
     return keys.reshape(b, h, nb * g, d[0]).astype(dtype), values.reshape(b, h, nb * g, d[1]).astype(dtype)
 
@@ -170,9 +174,9 @@ def compiled_decode(group: int, d: tuple[int, int], scale: float):
     """One decode step's attention over the stored planes and the window, compiled (its
     shapes are the buffers', constant between growths)."""
 
-    def attend(queries, k_planes, k_scales, k_min, v_planes, v_scales, v_min, source, weights, win_k, win_v,
+    def attend(queries, k_planes, k_scales, k_min, v_planes, v_scales, v_min, sources, weights, win_k, win_v,
                valid):
-        keys, values = dequantized(k_planes, k_scales, k_min, v_planes, v_scales, v_min, source, weights,
+        keys, values = dequantized(k_planes, k_scales, k_min, v_planes, v_scales, v_min, sources, weights,
                                    group=group, d=d, dtype=queries.dtype)
         mask = mx.where(valid, 0.0, -mx.inf).astype(queries.dtype)
         keys = mx.concatenate([keys, win_k.astype(queries.dtype)], axis=2)
@@ -200,8 +204,10 @@ class PlaneStore(PackedStore):
         self.k_planes, self.v_planes = GrowingArray(step=steps), GrowingArray(step=steps)  # (B, P, nb, G, w)
         self.k_scales, self.k_min = GrowingArray(step=steps), GrowingArray(step=steps)  # (B, H, nb, 1, d)
         self.v_scales, self.v_min = GrowingArray(step=steps), GrowingArray(step=steps)  # (B, H, nb, G, d/g)
-        self.source = GrowingArray(axis=1, step=steps)  # (H * hi, nb) int32: the plane of each head's bit
-        self.weights = GrowingArray(axis=2, step=steps)  # (H, hi, nb) uint32: the bit's weight, 0 if unused
+        # per bit k, (1, H, nb, 1, 1, 1): the plane holding each head's bit k (int32) and the
+        # bit's weight (uint32, 2**k; 0 where the head's width is k or less)
+        self.sources = [GrowingArray(axis=2, step=steps) for _ in range(levels[2])]
+        self.weights = [GrowingArray(axis=2, step=steps) for _ in range(levels[2])]
         cap = window + block
         room = min(cap, GROWTH_TOKENS)
         self.k_win = GrowingArray(axis=2, step=room, limit=cap)
@@ -220,8 +226,9 @@ class PlaneStore(PackedStore):
 
     def block_widths(self) -> mx.array | None:
         """(nb, H): the widths each stored block was flushed under."""
-        w = self.weights.view()
-        return None if w is None else (w > 0).sum(axis=1).T
+        if self.weights[0].buffer is None:
+            return None
+        return sum((w.view() > 0).astype(mx.int32) for w in self.weights).reshape(self.weights[0].buffer.shape[1], -1).T
 
     # -- writing -------------------------------------------------------------------------
     def commit(self, keys: mx.array, values: mx.array) -> None:
@@ -258,8 +265,10 @@ class PlaneStore(PackedStore):
         self.v_planes.append(to_planes(vc, source, p, hi))
         for buf, x in ((self.k_scales, ks), (self.k_min, kmin), (self.v_scales, vs), (self.v_min, vmin)):
             buf.append(x)
-        self.source.append(mx.broadcast_to(mx.minimum(source, p - 1)[:, None], (h * hi, nb)))
-        self.weights.append(mx.broadcast_to(weights[..., None], (h, hi, nb)))
+        source = mx.minimum(source, p - 1).reshape(h, hi)
+        for k in range(hi):
+            self.sources[k].append(mx.broadcast_to(source[:, k].reshape(1, h, 1, 1, 1, 1), (1, h, nb, 1, 1, 1)))
+            self.weights[k].append(mx.broadcast_to(weights[:, k].reshape(1, h, 1, 1, 1, 1), (1, h, nb, 1, 1, 1)))
 
     # -- reading --------------------------------------------------------------------------
     def _window(self):
@@ -276,7 +285,8 @@ class PlaneStore(PackedStore):
         if not self.stored:
             return (None, None) if k is None else (k.astype(dtype), v.astype(dtype))
         hk, hv = dequantized(*(x.view() for x in (self.k_planes, self.k_scales, self.k_min, self.v_planes,
-                                                 self.v_scales, self.v_min, self.source, self.weights)),
+                                                 self.v_scales, self.v_min)),
+                             [x.view() for x in self.sources], [x.view() for x in self.weights],
                              group=self.group, d=self._dims(), dtype=dtype)
         if k is None:
             return hk, hv
@@ -300,13 +310,15 @@ class PlaneStore(PackedStore):
         valid = _valid(self.k_planes.capacity * self.block, win_k.shape[2], self.stored, self.k_win.length)
         return compiled_decode(self.group, d, scale)(
             queries, self.k_planes.buffer, self.k_scales.buffer, self.k_min.buffer, self.v_planes.buffer,
-            self.v_scales.buffer, self.v_min.buffer, self.source.buffer, self.weights.buffer, win_k, win_v, valid)
+            self.v_scales.buffer, self.v_min.buffer, [x.buffer for x in self.sources],
+            [x.buffer for x in self.weights], win_k, win_v, valid)
 
     # -- what is kept ----------------------------------------------------------------------
     def arrays(self) -> dict[str, Any]:
         return {"k_planes": self.k_planes, "v_planes": self.v_planes, "k_scales": self.k_scales,
                 "k_min": self.k_min, "v_scales": self.v_scales, "v_min": self.v_min,
-                "plane_source": self.source, "plane_weights": self.weights, "k_win": self.k_win, "v_win": self.v_win}
+                **{f"plane_source_{k}": x for k, x in enumerate(self.sources)},
+                **{f"plane_weights_{k}": x for k, x in enumerate(self.weights)}, "k_win": self.k_win, "v_win": self.v_win}
 
     def layout_problems(self, head_dims: tuple[int, int]):
         return iter(())
@@ -320,8 +332,8 @@ class PlaneStore(PackedStore):
         if n_heads is not None and self.k_planes.buffer is not None:
             if self.k_planes.buffer.shape[1] != self.n_planes(n_heads):
                 yield "bit planes", self.k_planes.buffer.shape[1], self.n_planes(n_heads)
-            if self.weights.buffer is not None and self.weights.buffer.shape[0] != n_heads:
-                yield "plane weights heads", self.weights.buffer.shape[0], n_heads
+            if self.weights[0].buffer is not None and self.weights[0].buffer.shape[1] != n_heads:
+                yield "plane weights heads", self.weights[0].buffer.shape[1], n_heads
         held, cap = self.k_win.length, self.window + self.block
         if not min(offset, self.window) <= held < cap or self.v_win.length != held:
             yield ("full-precision window", f"{held} keys / {self.v_win.length} values",
