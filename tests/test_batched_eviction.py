@@ -11,6 +11,7 @@ import pytest
 from feeding import prompt_then_steps, synthetic_kvq
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import (
+    CaMOptions,
     H2OOptions,
     KeyformerOptions,
     L2NormOptions,
@@ -18,6 +19,7 @@ from veloxquant_mlx.cache.options import (
     TOVAOptions,
 )
 from veloxquant_mlx.evict.base import EVICT_EVERY
+from veloxquant_mlx.methods.cam import CaMCache
 from veloxquant_mlx.methods.h2o import H2OCache
 from veloxquant_mlx.methods.keyformer import KeyformerCache
 from veloxquant_mlx.methods.knorm import L2NormCache
@@ -31,6 +33,7 @@ CASES = {
     "knorm": (L2NormCache, L2NormOptions(knorm_budget=BUDGET)),
     "keyformer": (KeyformerCache, KeyformerOptions(keyformer_budget=BUDGET)),
     "morphkv": (MorphKVCache, MorphKVOptions(morphkv_budget=BUDGET)),
+    "cam": (CaMCache, CaMOptions(cam_budget=BUDGET)),
 }
 
 
