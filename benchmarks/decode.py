@@ -243,7 +243,7 @@ def main() -> None:
     ap.add_argument("--prefill-repeats", type=int, default=2,
                     help="warm prefills per method after its first (the median is reported)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS),
-                    help=f"'all' (every implemented method at its defaults, beside these rows), or from: {', '.join(METHODS)}")
+                    help=f"'all' (every implemented method at its defaults, beside these rows), any method key (at its defaults), or from: {', '.join(METHODS)}")
     ap.add_argument("--timing", default="overlapped", choices=["overlapped", "completed"],
                     help="overlapped: steps run as mlx-lm's generate_step runs them (default); "
                          "completed: each step timed to completion (host and device apart)")
@@ -255,6 +255,8 @@ def main() -> None:
         for key in implemented_methods():
             METHODS.setdefault(key, KVCacheConfig(method=key))
         args.methods = list(METHODS)
+    for key in set(args.methods) & set(implemented_methods()):  # a method key: at its defaults
+        METHODS.setdefault(key, KVCacheConfig(method=key))
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         ap.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")

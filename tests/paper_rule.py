@@ -17,3 +17,21 @@ from veloxquant_mlx.methods.qfilters import QFiltersCache
 def no_recent_floor(monkeypatch):
     for cls in (KeyformerCache, L2NormCache, QFiltersCache):
         monkeypatch.setattr(cls, "recent_floor", 0)
+
+
+EVERY_STEP = ("H2OCache", "TOVACache", "L2NormCache", "KeyformerCache", "MorphKVCache", "CaMCache")
+
+
+@pytest.fixture
+def evict_every_step(monkeypatch):
+    """The papers' schedule: a token leaves at every decode step (the caches evict
+    ``EVICT_EVERY`` at once by default; tests/test_batched_eviction.py checks that)."""
+    from dataclasses import replace
+
+    from veloxquant_mlx.methods.cam import CaMCache
+    from veloxquant_mlx.methods.h2o import H2OCache
+    from veloxquant_mlx.methods.morphkv import MorphKVCache
+    from veloxquant_mlx.methods.tova import TOVACache
+
+    for cls in (H2OCache, TOVACache, L2NormCache, KeyformerCache, MorphKVCache, CaMCache):
+        monkeypatch.setattr(cls, "schedule", replace(cls.schedule, decode_every=1))

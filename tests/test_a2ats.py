@@ -13,7 +13,7 @@ from veloxquant_mlx.cache.options import A2ATSOptions
 from veloxquant_mlx.methods.a2ats.cache import N_SINK, A2ATSCache
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
 from veloxquant_mlx.methods.a2ats.retrieval import metric_factor
-from veloxquant_mlx.quant.vq import lookup_scores, unpack_indices
+from veloxquant_mlx.quant.vq import lookup_scores
 
 BASE = 10000.0
 
@@ -96,7 +96,7 @@ def test_windowed_rope_scores_every_far_key_as_if_b_tokens_away_from_its_pre_rop
     feed(cache, rope(k_pre, 0), values, 100)
     store = cache.store
     store._code_up_to(t)
-    idx = unpack_indices(store.codes.view(), bits, 64 // s)
+    idx = store.codes.view().astype(mx.uint32)
     assert mx.array_equal(idx, true_idx.astype(mx.uint32))  # de-rotated exactly, coded exactly
     q_pre = mx.random.normal((1, 2, 2, 64), key=mx.random.key(4))  # 2 query heads a KV head
     q_post = rope(q_pre.reshape(1, 4, 1, 64), t - 1).reshape(1, 2, 2, 64)
@@ -113,10 +113,11 @@ def _codes(**options):
     cache = a2ats(a2ats_retrieval_fraction=0.1, a2ats_window=16, a2ats_codebook_bits=5,
                   a2ats_rope_base=BASE, **options)
     feed(cache, keys, values, 100)
-    feed(cache, *kv(1, seed=9), 1)  # a decode step: codes for every token
+    feed(cache, *kv(1, seed=9), 1)  # a decode step: the codebook, codes past the window
     store = cache.store
+    store._code_up_to(200)
     sub = store._sub_vectors(0, 200)
-    return unpack_indices(store.codes.view()[:, :, :200], 5, 8), sub, store.centroids
+    return store.codes.view()[:, :, :200].astype(mx.uint32), sub, store.centroids
 
 
 def _assert_argmin(idx, dist):
@@ -155,10 +156,12 @@ def test_exact_keys_and_values_are_kept_and_counted_in_nbytes_against_the_cards_
     feed(cache, keys[:, :, 900:], values[:, :, 900:], 1)
     store = cache.store
     assert mx.array_equal(store.keys.view(), keys) and mx.array_equal(store.values.view(), values)
-    assert store.codes.length == t
-    per_token = h * (2 * d * 2 + (d // s) * bits // 8)  # K + V float16 rows + codes
+    # coded past the window at the first retrieval (token 901: 837 coded), then once a
+    # window's worth more was past it (token 965: to 901); the newest 64 to 127 uncoded
+    assert store.codes.length == 901
+    per_token = h * 2 * d * 2  # K + V float16 rows
     tables = (1 << bits) * s * 4 + 2 * s * s * 4  # codebook, the metric's factor, the query moment
-    formula = t * per_token + tables
+    formula = t * per_token + 901 * h * (d // s) + tables  # codes: a byte an index
     assert formula <= cache.nbytes <= formula + GROWTH_TOKENS * per_token, (cache.nbytes, formula)
 
 

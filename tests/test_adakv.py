@@ -1,4 +1,5 @@
-"""AdaKV-proxy: the card's allocation invariants, epochs of per-head widths, memory at 4k."""
+"""AdaKV-proxy: the card's allocation invariants (on the host and the device), per-head widths
+in bit planes, memory at 4k."""
 
 import itertools
 import random
@@ -11,8 +12,8 @@ from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.buffers import GrowingArray
 from veloxquant_mlx.cache.options import AdaKVOptions
 from veloxquant_mlx.methods.adakv.cache import AdaKVCache, allocate_bits
-from veloxquant_mlx.methods.adakv.heads import AffineCodecs, HeadWiseStore, RecentNorms
-from veloxquant_mlx.quant.packed import GROWTH_TOKENS, AffineLayout
+from veloxquant_mlx.methods.adakv.heads import PlaneStore, RecentNorms, greedy_on_device, spare_bits
+from veloxquant_mlx.quant.packed import GROWTH_TOKENS
 from feeding import stored_decode_attention
 
 LEVELS = (2, 3, 4)
@@ -21,6 +22,10 @@ LEVELS = (2, 3, 4)
 def adakv(residual=32, **options):
     config = KVCacheConfig(method="adakv", options=AdaKVOptions(**options), residual_window=residual)
     return AdaKVCache(config, None, 0)
+
+
+def widths_of(cache, block=-1):
+    return tuple(cache.store.block_widths()[block].tolist())
 
 
 def error(importance, widths):
@@ -129,19 +134,19 @@ def test_each_flush_uses_the_estimate_of_the_last_scheduled_update():
     values = mx.random.normal((1, h, 64, d))
     cache = adakv(residual=0, adakv_update_interval=12, adakv_obs_window=8)
     feed(cache, keys[:, :, :32], values[:, :, :32], 32)
-    assert cache.updates == 1 and len(cache.store.epochs) == 1
+    assert cache.updates == 1 and cache.store.stored == 32
     feed(cache, keys[:, :, 32:63], values[:, :, 32:63], 1)
     assert cache.store.length == 63 and cache.store.k_win.length == 31  # nothing flushed yet
     assert cache.updates == 1 + 2 and cache.since_update == 31 - 24  # steps 12 and 24
     feed(cache, keys[:, :, 63:], values[:, :, 63:], 1)
     assert cache.updates == 3 and cache.store.k_win.length == 0
-    assert cache.store.epochs[-1].widths == (2, 2, 4, 2)  # head 2 at hi, from tokens 48..55
-    assert cache.store.epochs[-1].count == 32
+    assert widths_of(cache) == (2, 2, 4, 2)  # head 2 at hi, from tokens 48..55
+    assert cache.store.stored == 64
     # With every step an update, the same flush would see head 3's noise instead.
     every = adakv(residual=0, adakv_update_interval=1, adakv_obs_window=8)
     feed(every, keys[:, :, :32], values[:, :, :32], 32)
     feed(every, keys[:, :, 32:], values[:, :, 32:], 1)
-    assert every.updates == 1 + 32 and every.store.epochs[-1].widths == (2, 2, 2, 4)
+    assert every.updates == 1 + 32 and widths_of(every) == (2, 2, 2, 4)
 
 
 def test_the_importance_is_the_variance_of_the_newest_key_norms():
@@ -163,67 +168,75 @@ def test_every_prefill_chunk_makes_an_estimate():
     values = mx.random.normal((1, h, 128, d))
     feed(cache, norm_controlled(h, 64, d, 0, 0, 64, seed=12), values[:, :, :64], 64)
     feed(cache, norm_controlled(h, 64, d, 1, 0, 64, seed=13), values[:, :, 64:], 64)
-    assert cache.updates == 2 and [e.widths for e in cache.store.epochs] == [(4, 2, 2, 2), (2, 4, 2, 2)]
+    assert cache.updates == 2 and [widths_of(cache, b) for b in range(4)] == [(4, 2, 2, 2)] * 2 + [(2, 4, 2, 2)] * 2
 
 
-def test_a_new_allocation_opens_an_epoch_and_stored_tokens_keep_their_widths():
+def test_a_new_allocation_applies_to_new_blocks_and_stored_tokens_keep_their_widths():
     h, d = 4, 64
     first = norm_controlled(h, 64, d, 0, 0, 64, seed=3)
     second = norm_controlled(h, 64, d, 1, 0, 64, seed=4)
     values = mx.random.normal((1, h, 128, d))
     cache = adakv(residual=0, adakv_obs_window=16)
     feed(cache, first, values[:, :, :64], 64)
-    e0 = cache.store.epochs[0]
-    assert e0.widths == (4, 2, 2, 2) and e0.count == 64
-    saved = {n: mx.array(a.view()) for n, a in e0.arrays("e0").items() if isinstance(a, GrowingArray)}
+    assert widths_of(cache) == (4, 2, 2, 2) and cache.store.stored == 64
+    kept = {n: mx.array(a.view()) for n, a in cache.store.arrays().items() if n not in ("k_win", "v_win")}
     old_k, old_v = cache.dequantized(mx.float32)
     feed(cache, second, values[:, :, 64:], 1)
-    assert [e.widths for e in cache.store.epochs] == [(4, 2, 2, 2), (2, 4, 2, 2)]
-    after = {n: a.view() for n, a in cache.store.epochs[0].arrays("e0").items() if isinstance(a, GrowingArray)}
-    assert len(saved) == 12  # codes, scales, biases of K and V, at two widths
-    assert all(mx.array_equal(saved[n], after[n]) for n in saved)  # bit-identical, never re-quantized
+    assert [widths_of(cache, b) for b in range(4)] == [(4, 2, 2, 2)] * 2 + [(2, 4, 2, 2)] * 2
+    now = {n: cache.store.arrays()[n] for n in kept}
+    for n, x in kept.items():  # the first two blocks, bit-identical: never re-quantized
+        buf = now[n]
+        first_two = buf.buffer[(slice(None),) * buf.axis + (slice(0, 2),)] if buf.axis >= 0 else buf.buffer[..., :2]
+        assert mx.array_equal(first_two, x), n
     new_k, new_v = cache.dequantized(mx.float32)
     assert mx.array_equal(new_k[:, :, :64], old_k) and mx.array_equal(new_v[:, :, :64], old_v)
 
 
-def test_flushes_under_one_allocation_extend_one_epoch_in_place():
+def test_the_device_greedy_is_the_cards():
+    """``greedy_on_device`` against ``allocate_bits`` on random importances (gains apart by
+    more than float32's rounding), zeros and NaN included, at several levels and targets."""
+    rnd = random.Random(5)
+    for levels in ((2, 3, 4), (2, 4, 8), (1, 2, 3)):
+        for h in (1, 3, 4, 8):
+            for _ in range(12):
+                target = rnd.uniform(levels[0], levels[2])
+                imp = [rnd.choice([0.0, float("nan"), rnd.lognormvariate(0, 2)]) if rnd.random() < 0.2
+                       else rnd.lognormvariate(0, 2) for _ in range(h)]
+                device = greedy_on_device(levels, spare_bits(levels, target, h), h)(mx.array(imp))
+                assert tuple(device.tolist()) == allocate_bits(imp, levels, target), (levels, target, imp)
+
+def test_blocks_grow_their_buffers_in_lockstep():
     h, d = 4, 64
     keys = norm_controlled(h, 320, d, 2, 0, 320, seed=5)
     cache = adakv(residual=0)
     feed(cache, keys[:, :, :100], keys[:, :, :100], 100)
     feed(cache, keys[:, :, 100:], keys[:, :, 100:], 1)
-    assert [e.widths for e in cache.store.epochs] == [(2, 2, 4, 2)]  # 10 flushes, one epoch
-    assert cache.store.epochs[0].count == 320
-    hi = cache.store.epochs[0].groups[-1]
-    assert hi.bits == 4 and hi.keys.codes.capacity == 2 * 256 * 4 // 32  # grown twice by 256 tokens
-    parts = cache.store.decode_parts(mx.zeros((0,)))
-    assert len(parts) == 2  # one part per width; the window is empty at 320 tokens
-
+    assert cache.store.block_widths().tolist() == [[2, 2, 4, 2]] * 10  # 10 flushes, one allocation
+    blocks = 2 * GROWTH_TOKENS // 32  # grown twice by 256 tokens
+    assert all(a.capacity == blocks for n, a in cache.store.arrays().items() if n not in ("k_win", "v_win"))
+    assert cache.store.k_planes.buffer.shape[1] == 2 * h + 2  # lo H + spare planes a token
 
 # -- attention, storage, memory ---------------------------------------------------------------
-def test_decode_attention_over_epochs_matches_the_dequantized_reference():
-    """GQA 2:1, epochs of 2/3/4-bit parts holding some heads each, and the window."""
+def test_decode_attention_over_mixed_blocks_matches_the_dequantized_reference():
+    """GQA 2:1, blocks at different allocations of 2/3/4 bits, and the window."""
     h, d = 4, 64
     mx.random.seed(6)
     cache = adakv(residual=40, adakv_target_avg_bits=3.0, adakv_obs_window=16)
     for seed, noisy in ((7, 0), (8, 3), (9, 1)):
         keys = norm_controlled(h, 70, d, noisy, 0, 70, seed)
         feed(cache, keys, mx.random.normal((1, h, 70, d)), 1 if noisy == 1 else 70)
-    assert len(cache.store.epochs) >= 3 and cache.store.k_win.length == 40 + (210 - 40) % 32
-    parts = cache.store.decode_parts(mx.zeros((0,)))
-    served = {p.keys.bits: p.affine for p in parts[:-1]}  # the kernels read 2 and 4 bits, not 3
-    assert served == {2: True, 3: False, 4: True} and all(isinstance(p.keys, AffineLayout) for p in parts[:-1])
+    assert len({tuple(w) for w in cache.store.block_widths().tolist()}) >= 3
+    assert cache.store.k_win.length == 40 + (210 - 40) % 32
     q = mx.random.normal((1, 2 * h, 1, d))
     out = stored_decode_attention(cache, q, d**-0.5)
     k_hat, v_hat = cache.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=d**-0.5)
     assert mx.allclose(out, ref, atol=1e-5, rtol=1e-5)
 
-
 def test_quantization_error_falls_with_each_heads_width():
     h, d = 3, 64
     keys = mx.random.normal((1, h, 256, d), key=mx.random.key(10))
-    store = HeadWiseStore(AffineCodecs(32), block=32, widths=lambda: (2, 3, 4))
+    store = PlaneStore(LEVELS, 3.0, block=32, group=32, widths=lambda: mx.array([2, 3, 4]))
     store.commit(keys, keys)
     k_hat, v_hat = store.history(mx.float32)
     k_err = [float(mx.abs(k_hat - keys)[:, i].mean()) for i in range(h)]
@@ -239,35 +252,26 @@ def test_memory_at_4k_is_the_cards_formula_within_the_growth_step():
     cache = adakv(residual=r, adakv_group_size=g)
     feed(cache, keys[:, :, :4096], keys[:, :, :4096], 2048)
     feed(cache, keys[:, :, 4096:], keys[:, :, 4096:], 1)
-    formula = room = 0
-    for e in cache.store.epochs:
-        formula += 2 * e.count * sum(b * d / 8 + 4 * d / g for b in e.widths)
-        room += 2 * GROWTH_TOKENS * sum(b * d / 8 + 4 * d / g for b in e.widths)
-    assert sum(e.count for e in cache.store.epochs) == 4096 + 40 - r - 8 == 4000  # 125 groups of 32
-    assert all(sum(e.widths) == 2.5 * h for e in cache.store.epochs)  # the budget, spent
-    window = 2 * cache.store.k_win.capacity * h * d * 2
-    side = sum(a.nbytes for a in (cache.norms.norms, cache.importance))
-    side += sum(grp.heads.nbytes for e in cache.store.epochs for grp in e.groups if grp.heads is not None)
-    packed = cache.nbytes - window - side
-    assert formula <= packed <= formula + room
+    widths = cache.store.block_widths().tolist()
+    assert len(widths) == (4096 + 40 - r - 8) // g == 125  # 125 blocks of 32
+    assert all(sum(w) == 2.5 * h for w in widths)  # the budget, spent
+    formula = sum(2 * g * sum(b * d / 8 + 4 * d / g for b in w) for w in widths)
+    s = cache.store
+    packed = sum(a.view().nbytes for a in (s.k_planes, s.v_planes, s.k_scales, s.k_min, s.v_scales, s.v_min))
+    assert packed == formula == 4000 * 2 * h * (2.5 * d / 8 + 4 * d / g)  # the card's 56 B a head, K and V each
+    map_bytes = sum(x.view().nbytes for x in (*s.sources, *s.weights))
+    assert map_bytes == 125 * h * 4 * 8  # the plane map: 8 bytes a head and bit a block
+    room = sum(a.nbytes for n, a in s.arrays().items() if n not in ("k_win", "v_win")) - packed - map_bytes
+    assert 0 <= room <= GROWTH_TOKENS / g * (2 * h * g * (2.5 * d / 8 + 4 * d / g) + h * 4 * 8)  # one growth step
     assert cache.store.k_win.capacity == r + g and cache.store.k_win.length == r + 8
-    assert formula == 4000 * 2 * h * (2.5 * d / 8 + 4 * d / g)  # the card's 56 B a head, K and V each
 
-
-def test_parts_hold_their_heads_and_the_window_rides_a_uniform_epoch():
+def test_a_target_at_lo_stores_lo_planes_a_head():
     h, d = 2, 64
     keys = mx.random.normal((1, h, 80, d))
     uniform = adakv(residual=32, adakv_target_avg_bits=2.0)
     feed(uniform, keys, keys, 80)
-    parts = uniform.store.decode_parts(mx.zeros((0,)))
-    assert len(parts) == 1 and parts[0].heads is None and parts[0].keys.count == 32
-    assert parts[0].key_tail.shape[2] == parts[0].value_tail.shape[2] == 48
-    mixed = adakv(residual=32)
-    feed(mixed, keys, keys, 80)
-    parts = mixed.store.decode_parts(mx.zeros((0,)))
-    assert [None if p.heads is None else p.heads.tolist() for p in parts] in ([[1], [0], None], [[0], [1], None])
-    assert parts[-1].keys.count == 0 and parts[-1].keys.bits == 2  # the window, kernel-readable
-
+    assert uniform.store.k_planes.buffer.shape[1] == 2 * h and widths_of(uniform) == (2, 2)
+    assert uniform.store.stored == 32 and uniform.store.k_win.length == 48
 
 def test_group_size_must_divide_head_dim():
     cache = adakv(residual=64, adakv_group_size=64)

@@ -23,6 +23,10 @@ from veloxquant_mlx.cache.options import CaMOptions
 from veloxquant_mlx.evict.base import Roles, Schedule, ScoredEvictionCache
 from veloxquant_mlx.methods import cam as cam_module
 from veloxquant_mlx.methods.cam import CaMCache
+from paper_rule import evict_every_step  # noqa: F401  (a fixture)
+
+# these tests replay the paper's rule: a token leaves (and merges) at every decode step
+pytestmark = pytest.mark.usefixtures("evict_every_step")
 
 HKV, GROUP, D = 2, 3, 16
 SCALE = D**-0.5

@@ -154,7 +154,7 @@ def test_offset_stored_length_and_nbytes_after_every_call(method):
             if in_prompt or not p.evicts:
                 assert c.stored_length <= seen
             else:  # the prompt was PROMPT tokens, the rest decoded
-                assert c.stored_length <= budget + (0 if p.bound_after_decode else seen - PROMPT)
+                assert c.stored_length <= budget + (p.decode_slack if p.bound_after_decode else seen - PROMPT)
             assert c.nbytes == arrays_held(c), (c.nbytes, arrays_held(c))
             if isinstance(c, ScoredEvictionCache) and c.kept_positions is not None:
                 _kept_positions_are_sound(c)
@@ -282,8 +282,9 @@ def test_per_layer_budgets_give_per_layer_lengths(method, array_masks):
     _reference_check(method, model, cache, prompt(PROMPT + 8), 64)
     stored = [c.stored_length for c in cache]
     assert len(set(stored)) == 3
-    if profile(method).bound_after_decode:
-        assert stored == [budgets[i] for i in range(3)]
+    if profile(method).bound_after_decode:  # the same tokens over each budget, if any
+        over = [s - budgets[i] for i, s in enumerate(stored)]
+        assert len(set(over)) == 1 and 0 <= over[0] <= profile(method).decode_slack, (stored, budgets)
 
 
 def _bit_equal_or_close(a, b):

@@ -10,12 +10,15 @@ import mlx.core as mx
 import pytest
 
 from feeding import feed, prompt_then_steps, synthetic_kvq
-from paper_rule import no_recent_floor  # noqa: F401  (a fixture)
+from paper_rule import evict_every_step, no_recent_floor  # noqa: F401  (fixtures)
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import H2OOptions, L2NormOptions, TOVAOptions
 from veloxquant_mlx.methods.h2o import H2OCache
 from veloxquant_mlx.methods.knorm import L2NormCache
 from veloxquant_mlx.methods.tova import TOVACache
+
+# these tests replay the papers' rules: a token leaves at every decode step
+pytestmark = pytest.mark.usefixtures("evict_every_step")
 
 HKV, GROUP, D = 2, 3, 16
 SCALE = D**-0.5

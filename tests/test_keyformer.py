@@ -13,12 +13,15 @@ import numpy as np
 import pytest
 
 from feeding import feed, prompt_then_steps, synthetic_kvq
-from paper_rule import no_recent_floor  # noqa: F401  (a fixture)
+from paper_rule import evict_every_step, no_recent_floor  # noqa: F401  (fixtures)
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import H2OOptions, KeyformerOptions
 from veloxquant_mlx.methods import keyformer as keyformer_module
 from veloxquant_mlx.methods.h2o import H2OCache
 from veloxquant_mlx.methods.keyformer import KeyformerCache, noise_key
+
+# these tests replay the papers' rules: a token leaves at every decode step
+pytestmark = pytest.mark.usefixtures("evict_every_step")
 
 HKV, GROUP, D = 2, 3, 16
 SCALE = D**-0.5

@@ -27,6 +27,12 @@ def _run(related=_noisy, n_layers=2, chunks=(64, 1), **options):
     return caches, ks, vs, outs
 
 
+def retained(cache, x):
+    """The (row, token) pairs a second layer keeps apart (its table's used rows)."""
+    used = getattr(cache, f"ret_{x}_used")
+    return getattr(cache, f"ret_{x}_where").view()[: 0 if used is None else used.item()]
+
+
 def _rebuilt(cache, x):
     return cache.merged(x).dense(mx.float32)
 
@@ -41,7 +47,7 @@ def test_pairs_below_the_threshold_are_kept_apart_and_only_those(threshold):
     first, second = caches
     for x, a, b in (("k", ks[0], ks[1]), ("v", vs[0], vs[1])):
         cos = _cos(a, b)  # (1, H, T)
-        where = getattr(second, f"ret_{x}_where").view()
+        where = retained(second, x)
         kept = mx.zeros(cos.shape, mx.bool_).reshape(-1, cos.shape[-1])
         kept[where[:, 0], where[:, 1]] = True
         kept = kept.reshape(cos.shape)
@@ -62,7 +68,7 @@ def test_pairs_below_the_threshold_are_kept_apart_and_only_those(threshold):
 def test_identical_or_parallel_rows_merge_exactly(scale):
     caches, ks, vs, _ = _run(related=lambda x0, i: x0 * scale, minicache_retention_threshold=-1.0)
     for layer, c in enumerate(caches):
-        assert getattr(caches[1], "ret_k_where").length == 0  # everything merged
+        assert retained(caches[1], "k").shape[0] == 0  # everything merged
         assert mx.allclose(_rebuilt(c, "k"), ks[layer], atol=1e-4, rtol=1e-5)
         assert mx.allclose(_rebuilt(c, "v"), vs[layer], atol=1e-4, rtol=1e-5)
 
@@ -100,8 +106,8 @@ def test_merging_step_by_step_equals_merging_the_whole_run_at_once():
     once, _, _, _ = _run(chunks=(T, DECODE), minicache_retention_threshold=0.5)
     for name in ("e_k", "e_v"):
         assert mx.allclose(step[1].shared[name].view(), once[1].shared[name].view(), atol=1e-6)
-    for name in ("ret_k_where", "ret_v_where"):
-        a, b = getattr(step[1], name).view(), getattr(once[1], name).view()
+    for x in ("k", "v"):
+        a, b = retained(step[1], x), retained(once[1], x)
         assert mx.array_equal(mx.sort(a[:, 0] * 10000 + a[:, 1]), mx.sort(b[:, 0] * 10000 + b[:, 1]))
 
 
@@ -136,3 +142,25 @@ def test_pairs_beyond_minicache_max_ctx_are_refused_naming_the_field():
     ks, vs = kv(T, 2)
     with pytest.raises(ValueError, match="minicache_max_ctx=100"):
         feed(caches, ks, vs, 64)
+
+
+def _same_prompt_then_apart(x0, i):
+    """Layer 1 equal to layer 0 over the prompt (nothing retained there), the negation over
+    the decode tokens (cosine -1: every pair retained)."""
+    return mx.where(mx.arange(x0.shape[2])[None, None, :, None] < T, x0, -x0)
+
+
+def test_a_decode_step_keeps_its_retained_pairs_in_reserved_rows_and_counts_the_overflow():
+    """No host read at a decode step (issue 30): rows are reserved ahead at the prompt's rate
+    plus a margin, min(1, 2 * 0 + 1/16) of the 2 pairs a token for 64 tokens: 8 rows. The
+    6 decode tokens retain all 12 pairs: the first 8 (tokens T..T+3, in head order) are kept
+    exactly, the last 4 are merged after all and counted."""
+    caches, ks, vs, _ = _run(related=_same_prompt_then_apart, minicache_retention_threshold=0.5)
+    second = caches[1]
+    for x, a, b in (("k", ks[0], ks[1]), ("v", vs[0], vs[1])):
+        assert getattr(second, f"ret_{x}_where").length == 8
+        assert getattr(second, f"ret_{x}_dropped").item() == 4
+        assert retained(second, x).tolist() == [[h, t] for t in range(T, T + 4) for h in range(2)]
+        x2 = _rebuilt(second, x)
+        assert mx.allclose(x2[:, :, T:T + 4], b[:, :, T:T + 4], atol=1e-5)  # kept apart: exact
+        assert not mx.allclose(x2[:, :, T + 4:], b[:, :, T + 4:], atol=1e-2)  # dropped: merged

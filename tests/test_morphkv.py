@@ -18,6 +18,10 @@ from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import MorphKVOptions
 from veloxquant_mlx.evict.base import ScoreInputs
 from veloxquant_mlx.methods.morphkv import MorphKVCache, window_logits
+from paper_rule import evict_every_step  # noqa: F401  (a fixture)
+
+# these tests replay the papers' rules: a token leaves at every decode step
+pytestmark = pytest.mark.usefixtures("evict_every_step")
 
 HKV, D = 2, 16
 SCALE = D**-0.5

@@ -18,7 +18,8 @@ def attention_weights(queries, keys, scale, q_positions, k_positions, dtype=mx.f
     """Softmax attention of each query over the keys it may see: (B, Hkv, G, N, n), float32.
 
     queries (B, Hq, N, D); keys (B, Hkv, n, D); q_positions (N,) or (B, Hkv, N);
-    k_positions (B, Hkv, n). ``dtype`` is the dtype of the logits' matmul (None: the
+    k_positions (B, Hkv, n), or both None: every key visible (a decode query over a store
+    with no padding, which holds only earlier tokens: no mask to build). ``dtype`` is the dtype of the logits' matmul (None: the
     keys' own, which moves fewer bytes than upcasting them; the softmax is float32 either way).
     """
     dtype = keys.dtype if dtype is None else dtype
@@ -26,11 +27,12 @@ def attention_weights(queries, keys, scale, q_positions, k_positions, dtype=mx.f
     hkv = keys.shape[1]
     q = queries.reshape(b, hkv, hq // hkv, nq, d).astype(dtype)
     logits = (q * scale) @ keys[:, :, None].astype(dtype).swapaxes(-1, -2)
-    if q_positions.ndim == 1:
-        q_positions = q_positions[None, None]
-    k = k_positions[:, :, None, None, :]
-    visible = (k >= 0) & (k <= q_positions[:, :, None, :, None])  # -1: a padding slot
-    logits = mx.where(visible, logits, -float("inf"))
+    if k_positions is not None:
+        if q_positions.ndim == 1:
+            q_positions = q_positions[None, None]
+        k = k_positions[:, :, None, None, :]
+        visible = (k >= 0) & (k <= q_positions[:, :, None, :, None])  # -1: a padding slot
+        logits = mx.where(visible, logits, -float("inf"))
     return mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
 
 
@@ -46,7 +48,8 @@ def attention_mass(
     total = None
     for start in range(0, n_queries, QUERY_BLOCK):
         stop = min(n_queries, start + QUERY_BLOCK)
-        qp = q_positions[start:stop] if q_positions.ndim == 1 else q_positions[..., start:stop]
+        qp = None if q_positions is None else (
+            q_positions[start:stop] if q_positions.ndim == 1 else q_positions[..., start:stop])
         weights = attention_weights(queries[:, :, start:stop], keys, scale, qp, k_positions, dtype)
         if query_weights is not None:
             weights = weights * query_weights[start:stop, None]

@@ -39,6 +39,11 @@ from .quantized_slots import QuantizedSlots, slot_store
 from .select import top_k_sorted
 
 RECENT_FLOOR = 32  # newest tokens kept by a method that sets recent_floor, at least
+# Decode steps between two evictions of a method whose paper evicts a token every step:
+# the store holds up to budget + EVICT_EVERY - 1 tokens and the EVICT_EVERY lowest leave at
+# once (kvpress's DecodingPress compresses at an interval the same way), so a step is one
+# write, one attention and at most a score update, and the gather runs once an interval.
+EVICT_EVERY = 32
 
 
 @dataclass(frozen=True)
@@ -106,9 +111,16 @@ class ScoreInputs:
         """The last observation-window queries of the prompt, this update's included."""
         return self.cache.window_queries
 
+    @property
+    def every_key_visible(self) -> bool:
+        """A decode query over a store with no padding sees every stored token: no mask."""
+        return self.n_new == 1 and not self.cache.padded
+
     def mass(self, queries=None, query_positions=None, query_weights=None, dtype=mx.float32):
         """Attention mass per kept token (B, Hkv, rows) of ``queries`` (default: this update's)."""
         if queries is None:
+            if self.every_key_visible:  # the same numbers, without building the mask
+                return attention_mass(self.queries, self.keys, self.scale, None, None, query_weights, dtype)
             queries, query_positions = self.queries, self.query_positions
         return attention_mass(
             queries, self.keys, self.scale, query_positions, self.positions, query_weights, dtype

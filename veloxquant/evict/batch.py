@@ -57,6 +57,8 @@ SAME_AT_DECODE = {"_evict": (LayerBudgets._evict,)}
 class BatchScoreInputs(ScoreInputs):
     """``ScoreInputs`` of a packed batch: each sequence's query at its own position."""
 
+    every_key_visible = False  # sequences shorter than the store have padding slots
+
     def __init__(self, cache, queries, scale, query_positions):
         super().__init__(cache, queries, scale)
         self.__dict__["query_positions"] = query_positions  # (B, 1, N)

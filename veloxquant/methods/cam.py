@@ -2,9 +2,11 @@
 
 Layout (the official code's, StreamingLLM's): the ``cam_n_sink`` first tokens and the
 newest ``cam_budget - cam_n_sink``, so the score is recency. It scores when the prompt is
-in and at every decode step, as CaM acts at every generation step: attention runs over
-every stored token plus the new one (budget + 1, exact); then the oldest non-sink token
-e leaves, and before its slot is freed its value goes to targets j among the kept
+in and every ``EVICT_EVERY`` decode steps (``evict/base.py``; CaM acts at every generation
+step, one token leaving each time: here the ``EVICT_EVERY`` oldest leave at once and are
+merged as the prompt's end merges its middle, below, with that step's query; a step in
+between writes and attends over up to budget + ``EVICT_EVERY`` tokens, exact). A token e
+that leaves has, before its slot is freed, its value sent to targets j among the kept
 non-sink tokens (never a sink), in float32, rounded once into the stored dtype:
 
     v_j <- v_j + M * w_j * v_e        (keys are never touched, unless cam_merge_keys)
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..evict.base import Roles, Schedule, ScoredEvictionCache
+from ..evict.base import EVICT_EVERY, Roles, Schedule, ScoredEvictionCache
 from ..evict.prng import step_key
 from ..evict.select import gather_tokens
 
@@ -79,7 +81,7 @@ def merge_gate(a_e: mx.array, mean: mx.array) -> mx.array:
 
 class CaMCache(ScoredEvictionCache):
     roles = Roles(budget="cam_budget", n_sink="cam_n_sink")
-    schedule = Schedule(prefill_end=True, decode_every=1)
+    schedule = Schedule(prefill_end=True, decode_every=EVICT_EVERY)
     batchable = "per_sequence"  # its own _evict (merging values), which the packed layout does not run
     gate_seed = 0  # the spec has no seed field: a fixed seed, kept in the saved state
 

@@ -6,8 +6,10 @@ query heads of its KV head, as the official ``_attn`` sums over queries and head
 the real logits q.k * scale, causal by position, and zeta ~ Gumbel(0, 1) i.i.d. per
 sequence, query head, query and key, added to the logits before dividing by tau. Noise
 and temperature only score: the layer's output is the plain softmax over the stored
-tokens. Scores when the prompt is in (keeping the top ``keyformer_budget``) and at every
-decode step (freeing the slot of the lowest S); the sinks and the newest tokens are never
+tokens. Scores when the prompt is in (keeping the top ``keyformer_budget``) and every
+``EVICT_EVERY`` decode steps (``evict/base.py``: the lowest ``EVICT_EVERY`` S leave at once,
+where the paper frees the slot of the lowest at every step; a step between adds its
+noisy column sums to S); the sinks and the newest tokens are never
 evicted: the ``keyformer_recent`` newest, and at least ``RECENT_FLOOR`` (``recent_floor``,
 at most a quarter of the budget) in place of the paper's recent share of the cache, since
 with none, as at the contract's default of 0, a new token, scored by its own attention
@@ -36,7 +38,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..evict.attention import QUERY_BLOCK
-from ..evict.base import RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
+from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 from ..evict.prng import step_key
 
 SCORE_ELEMENTS = 2**21  # logits per scoring block (8 MiB in float32)
@@ -76,7 +78,7 @@ def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, key_at=None) ->
 
 class KeyformerCache(ScoredEvictionCache):
     roles = Roles(budget="keyformer_budget", n_sink="keyformer_n_sink", recent="keyformer_recent")
-    schedule = Schedule(prefill_end=True, decode_every=1)
+    schedule = Schedule(prefill_end=True, decode_every=EVICT_EVERY)
     token_state = ("score",)
     recent_floor = RECENT_FLOOR  # the contract's default recent window is 0 (module docstring)
     state_from_queries = True

@@ -2,7 +2,9 @@
 
 Query-free, so it scores after every update: each prefill chunk is attended in full,
 then the cache keeps its ``knorm_budget`` best tokens (a long prompt never holds more
-than budget + one chunk), and each decode step frees the slot of the worst token.
+than budget + one chunk), and every ``EVICT_EVERY`` decode steps (``evict/base.py``) the
+``EVICT_EVERY`` worst leave at once (the press evicts every step; a step between does
+nothing but write, with the token's norm, and attend).
 A token's norm never changes (RoPE is a rotation), so it is computed once, in float32,
 when the token arrives, and kept beside it. Adapted: an absolute budget with protected
 sinks and recent tokens instead of the paper's keep ratio; every layer is compressed. The
@@ -21,12 +23,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..evict.base import RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
+from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 
 
 class L2NormCache(ScoredEvictionCache):
     roles = Roles(budget="knorm_budget", n_sink="knorm_n_sink", recent="knorm_recent")
-    schedule = Schedule(prefill_end=True, chunks=True, decode_every=1)
+    schedule = Schedule(prefill_end=True, chunks=True, decode_every=EVICT_EVERY)
     batchable = True  # packed decode: evict/batch.py runs the base's decode steps for the batch
     token_state = ("key_norm",)
     recent_floor = RECENT_FLOOR  # the contract's default recent window is 0 (module docstring)

@@ -13,9 +13,11 @@ summed query: one matmul per KV head), and the W rows are fused by a sum:
 Candidates are every token but the ``morphkv_n_sink`` sinks and the W newest tokens,
 which are always kept. At the prefill end the top ``budget`` are kept (the card's
 prune-at-prefill-end, equivalent to the official first-decode-step prune: both use the
-last W prompt queries); at a decode step the argmin's slot is freed, so the cache holds
-exactly ``budget`` tokens after every step and a step attends over budget + 1 (the
-official C + 1, with C = budget). Evicting after this step's attention with a window
+last W prompt queries); every ``EVICT_EVERY`` decode steps (``evict/base.py``) the cache
+keeps the top ``budget`` again, so it holds ``budget`` to ``budget + EVICT_EVERY - 1``
+tokens and a step attends over up to ``budget + EVICT_EVERY``. The official code frees the
+argmin's slot at every step (C + 1 attended, C = budget); here the ``EVICT_EVERY``
+lowest leave at once and the steps between only keep their queries. Evicting after this step's attention with a window
 that ends at this step's query is the official order (evict before the next step's
 attention, scored by the previous W queries), shifted by one call.
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..evict.base import Roles, Schedule, ScoredEvictionCache
+from ..evict.base import EVICT_EVERY, Roles, Schedule, ScoredEvictionCache
 
 
 def window_logits(queries, keys, scale, q_positions, k_positions) -> mx.array:
@@ -57,7 +59,7 @@ def fused_profile(logits, candidates, fusion="sum") -> mx.array:
 class MorphKVCache(ScoredEvictionCache):
     roles = Roles(budget="morphkv_budget", n_sink="morphkv_n_sink", recent="morphkv_window",
                   window="morphkv_window")
-    schedule = Schedule(prefill_end=True, decode_every=1)
+    schedule = Schedule(prefill_end=True, decode_every=EVICT_EVERY)
     batchable = "per_sequence"  # its decode scores read recent queries; the packed layout keeps none
     window_in_decode = True
     fusion = "sum"  # "max": the official max_fused variant (tests only; no field selects it)

@@ -1,9 +1,12 @@
 """TOVA: keep the tokens the current query attends to most; the state is the cache itself.
 
-Scores when the prompt is in (with the last prompt token's query) and at every decode
-step (with the step's query): the attention of that one query, averaged over all query
-heads, so every KV head keeps the same tokens. Eviction follows attention, which sees
-``tova_budget + 1`` tokens; the new token itself may be the one dropped.
+Scores when the prompt is in (with the last prompt token's query) and every
+``EVICT_EVERY`` decode steps (``evict/base.py``; with that step's query): the attention of
+that one query, averaged over all query heads, so every KV head keeps the same tokens.
+Eviction follows attention, which sees up to ``tova_budget + EVICT_EVERY`` tokens; the
+newest tokens may be among those dropped. The paper drops the lowest token at every
+step; here the ``EVICT_EVERY`` lowest leave at once, and a step between does nothing
+but write and attend.
 ``tova_backend``: 'reference' computes the logits in float32, 'auto' in the keys' own
 dtype (no float32 copy of the keys); the softmax is float32 in both.
 Adapted: sinks are protected (0 sinks is the original).
@@ -13,12 +16,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..evict.base import Roles, Schedule, ScoredEvictionCache
+from ..evict.base import EVICT_EVERY, Roles, Schedule, ScoredEvictionCache
 
 
 class TOVACache(ScoredEvictionCache):
     roles = Roles(budget="tova_budget", n_sink="tova_n_sink")
-    schedule = Schedule(prefill_end=True, decode_every=1)
+    schedule = Schedule(prefill_end=True, decode_every=EVICT_EVERY)
     batchable = True  # packed decode: evict/batch.py runs the base's decode steps for the batch
 
     @property

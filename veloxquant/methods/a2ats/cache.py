@@ -29,13 +29,17 @@ eigenvalue) blended with the identity: ``beta I + (1 - beta) H`` (``a2ats_beta``
 plain nearest; the card's cosine-proxy blend is not used, since this cache sees the
 queries). The codebook is ``a2ats_codebook`` when given, else fitted by k-means on the
 stored pre-RoPE keys when the first step retrieves (in the metric's frame), seeded by the
-layer index. Codes are computed then and each later step (keys stay exact).
+layer index. Codes are computed then, for the tokens past the newest ``a2ats_window``, and
+after that in blocks of ``a2ats_window`` tokens once that many more are past it: a decode
+step between codes nothing and scores the coded tokens, and the newest ``a2ats_window``
+to ``2 a2ats_window - 1`` tokens are attended exactly (the paper's window is fixed at
+``a2ats_window``; the official code codes each token as it leaves it). Keys stay exact.
 
 Rotary settings: the model's (``context.model_args``: rope_theta, traditional,
 rope_scaling) when known; ``a2ats_rope_base``/``a2ats_rope_scaling`` de-rotate otherwise,
 and a non-default value that contradicts the model's is refused, naming both. Sinks:
 ``N_SINK = 8`` (the official code's; no field). Memory per token and KV head: 2 D model
-dtype rows (K and V) + ``ceil((D / s) bits / 32)`` words of codes, plus the codebook, the
+dtype rows (K and V) + ``D / s`` bytes of codes (one an index, unpacked; two past 8 bits), plus the codebook, the
 metric's factor and the query moment. Attention is pure MLX on every device (gathers and
 SDPA); no fused kernel.
 """

@@ -5,8 +5,10 @@ buffers: on this device's memory, since MLX has no host tier to offload them to;
 in ``nbytes``) and, beside them, product-VQ codes of the keys in the frame the scores are
 taken in (``frame``: e.g. keys rotated back to pre-RoPE). A decode step:
 
-1. approximate scores of the candidates (every token but the first ``n_sink`` and the
-   newest ``window``) through lookup tables: ``q~ . C[idx]`` (``vq.lookup_scores``) with
+1. approximate scores of the candidates (every coded token but the first ``n_sink``;
+   tokens are coded in blocks of ``window`` once they are past the newest ``window``, so
+   the newest ``window`` to ``2 window - 1`` tokens are uncoded and always attended, and a
+   decode step codes nothing but every ``window`` steps) through lookup tables: ``q~ . C[idx]`` (``vq.lookup_scores``) with
    the query in the same frame;
 2. the top ``k`` candidates per query head (``k = floor(fraction * tokens)``, at most the
    candidates; ties at the k-th score to the latest tokens), their union over the query heads of each KV head (a fixed-size set of
@@ -34,7 +36,7 @@ import mlx.core as mx
 from ...cache.base import causal_mask
 from ...cache.buffers import GrowingArray
 from ...quant.packed import GROWTH_TOKENS
-from ...quant.vq import index_words, kmeans, lookup_scores, nearest, pack_indices, unpack_indices
+from ...quant.vq import kmeans, lookup_scores, nearest
 
 FIT_ITERS = 10  # Lloyd iterations of a codebook fitted from the prompt
 FIT_SAMPLE = 16  # points per centroid it looks at, at most
@@ -94,6 +96,10 @@ class RetrievalStore:
     def length(self) -> int:
         return self.keys.length
 
+    @property
+    def index_dtype(self):
+        return mx.uint8 if self.bits <= 8 else mx.uint16
+
     # -- writing ------------------------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array) -> None:
         self.keys.append(keys)
@@ -131,7 +137,9 @@ class RetrievalStore:
             c = self.centroids.astype(mx.float32)
             if factor is not None:
                 sub, c = sub @ factor, c @ factor
-            self.codes.append(pack_indices(nearest(sub, c), self.bits))
+            # one byte an index (two past 8 bits), not packed: a step reads them with no
+            # unpacking, and beside the exact rows kept they are a rounding error
+            self.codes.append(nearest(sub, c).astype(self.index_dtype))
 
     # -- attention ----------------------------------------------------------------------------
     def rows(self, n: int):
@@ -142,6 +150,16 @@ class RetrievalStore:
         if isinstance(mask, mx.array):
             mask = causal_mask(queries.shape[2], k.shape[2])
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+    def coded_until(self) -> int:
+        """Where the candidates end: the tokens coded so far, coding those past the newest
+        ``window`` once a block of ``window`` of them (or the first) waits uncoded (the
+        schedule reads only the Python counts)."""
+        past = self.length - self.window
+        coded = self.codes.length
+        if past > self.n_sink and (not coded or past - coded >= max(1, self.window)):
+            self._code_up_to(past)
+        return self.codes.length
 
     def selected(self, queries: mx.array, position: int):
         """(top-k candidate indices (B, H, gqa * k), repeats (bool, same shape)) for a decode
@@ -156,9 +174,10 @@ class RetrievalStore:
         h = self.keys.buffer.shape[1]
         if k == 0:
             return mx.zeros((b, h, 0), mx.uint32), mx.zeros((b, h, 0), mx.bool_)
-        self._code_up_to(t)
+        stop = self.coded_until()
+        k = min(k, stop - first)
         q = self.frame(queries, mx.array([position - self.query_offset])).reshape(b, h, hq // h, d)
-        idx = unpack_indices(self.codes.buffer[:, :, first:stop], self.bits, d // self.sub_dim)
+        idx = self.codes.buffer[:, :, first:stop]
         approx = lookup_scores(q, idx, self.centroids)  # (B, H, gqa, candidates)
         top = top_k_ties_to_latest(approx, k)
         union = mx.sort(top.reshape(b, h, -1), axis=-1)
@@ -173,7 +192,7 @@ class RetrievalStore:
             return mx.fast.scaled_dot_product_attention(queries, k_all, v_all, scale=scale)
         idx, repeat = chosen
         pick = lambda x: mx.take_along_axis(x, idx[..., None], axis=2)  # noqa: E731
-        first, stop = self.n_sink, t - self.window
+        first, stop = self.n_sink, self.codes.length if idx.shape[-1] else t - self.window
         keys = mx.concatenate([k_all[:, :, :first], pick(k_all), k_all[:, :, stop:]], axis=2)
         values = mx.concatenate([v_all[:, :, :first], pick(v_all), v_all[:, :, stop:]], axis=2)
         b, h, m = repeat.shape
@@ -196,10 +215,10 @@ class RetrievalStore:
                 setattr(self, name, arrays[name])
 
     def layout_problems(self, head_dim: int):
-        words = index_words(head_dim // self.sub_dim, self.bits)
+        n = head_dim // self.sub_dim
         codes = self.codes.view()
-        if codes is not None and codes.shape[3] != words:
-            yield "key code words per token", codes.shape[3], f"{words} ({head_dim // self.sub_dim} indices of {self.bits} bits)"
+        if codes is not None and (codes.shape[3], codes.dtype) != (n, self.index_dtype):
+            yield "key code indices per token", (codes.shape[3], codes.dtype), (n, self.index_dtype)
         if self.centroids is not None and tuple(self.centroids.shape) != (1 << self.bits, self.sub_dim):
             yield "codebook (centroids, sub_dim)", tuple(self.centroids.shape), (1 << self.bits, self.sub_dim)
 

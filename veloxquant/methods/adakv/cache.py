@@ -22,28 +22,26 @@ proxy gives KV heads different *bit widths*, the card's algorithm being inferred
    The newest R tokens (the config's ``residual_window``) stay in full precision, keys
    and values alike (the config's meaning of R; KIVI keeps only ``T mod R`` keys); when G
    more have come, the oldest G flush, keys and values together, so a token's key and
-   value share its head's width and each part covers the same tokens for both (KIVI's
-   values leave one at a time, which would split an epoch's values across the window).
-   The window holds R to R + G - 1 rows of each.
+   value share its head's width. The window holds R to R + G - 1 rows of each.
 4. **Schedule**: the importance is re-estimated at every prefill chunk and every
-   ``adakv_update_interval`` decode steps (on the device, no sync); a flush quantizes its
-   block under the greedy allocation of the latest estimate (computed on the host only
-   then: one sync per flush, not per step). Stored tokens keep their widths: no
-   re-quantization. The allocation that counts is thus the one current at each flush.
+   ``adakv_update_interval`` decode steps; a flush quantizes its blocks under the greedy
+   allocation of the latest estimate, computed on the device (``heads.greedy_on_device``,
+   the greedy above in float32, a fixed number of rounds): nothing is read on the host,
+   at a flush or ever (the allocation used to be read to lay the store out by width: a
+   sync a flush). Stored tokens keep their widths: no re-quantization. The allocation
+   that counts is thus the one current at each flush. ``allocate_bits`` is the host
+   reference the device greedy is tested against (float32 gains may order two heads
+   whose float64 gains differ by under 1e-7 the other way).
 
-Storage and attention (``methods/adakv/heads.py``): the history is a sequence of epochs of
-constant allocation, each holding, per width, its heads as one ``DecodePart`` with
-``heads=``; flushes under an unchanged allocation extend the newest epoch in place. A
-decode step writes its token into the window in place and attends over the parts
-(merged by log-sum-exp): parts at 2/4/8 bits (the defaults' lo and hi) are served by the
-fused kernel on a GPU, parts at 3 bits (the default mid) and the CPU take the pure-MLX
-path; the window rides as the tail of the newest part when that epoch holds every head
-at one width, else it is a part of its own (kernel-served on a GPU). A prefill chunk
-attends over the decoded history plus itself. Memory: per stored token and KV head, for
-K and V each, ``b_h d/8 + 4 d/G`` bytes (float16 scales) at its own epoch's ``b_h``, plus
-the window (R + G rows of capacity), the key-norm ring and the head index arrays.
-Measurements of the parts a step attends over and of the importance's effect:
-benchmarks/notes/quantization.md.
+Storage and attention (``methods/adakv/heads.py``): a token's codes fill a fixed budget of
+``lo H + spare`` bit planes whatever the allocation (each block keeps its widths, which
+say whose planes are whose), so every size is known on the host; a decode step writes its
+token into the window in place and attends through one compiled function over the
+planes, the scales and the window (pure MLX on every back-end). Memory: per stored token
+and KV head, for K and V each, ``b_h d/8 + 4 d/G`` bytes (scales and minima in the
+model's dtype: 2 bytes each at float16) when the budget is spent (always at one bit an
+upgrade, as at the defaults), plus the plane map (8 bytes a head and bit a block), the
+window (R + G rows of capacity) and the key-norm ring.
 """
 
 from __future__ import annotations
@@ -54,16 +52,16 @@ from typing import Sequence
 import mlx.core as mx
 
 from ...quant.cache import QuantizedCache
-from .heads import KERNEL_BITS, AffineCodecs, HeadWiseStore, RecentNorms
-from ...quant.packed import GROWTH_TOKENS
+from .heads import PlaneStore, RecentNorms, greedy_on_device, spare_bits
 
 IMPORTANCE = {"norm_variance": RecentNorms.variance}  # adakv_importance -> estimate
 
 
 def allocate_bits(importance: Sequence[float], levels: tuple[int, int, int], target: float) -> tuple[int, ...]:
-    """The card's greedy: bit width per head, ``sum <= target * len(importance)``."""
+    """The card's greedy: bit width per head, ``sum <= target * len(importance)`` (the host
+    reference of ``heads.greedy_on_device``)."""
     n = len(importance)
-    spare = math.floor((target - levels[0]) * n + 1e-9)
+    spare = spare_bits(levels, target, n)
     imp = [x if math.isfinite(x) and x > 0 else 0.0 for x in importance]
     lifted = 1e-3 * min((x for x in imp if x > 0), default=1e3)  # below every positive one
     imp = [x or lifted for x in imp]
@@ -93,17 +91,15 @@ class AdaKVCache(QuantizedCache):
         self.target, self.interval = o.adakv_target_avg_bits, o.adakv_update_interval
         self.estimate = IMPORTANCE[o.adakv_importance]
         self.norms = RecentNorms(o.adakv_obs_window)
-        self.importance: mx.array | None = None  # (H,) float32: the latest estimate
+        self._estimated_at = None  # the ring as the latest scheduled estimate saw it
+        self._importance: mx.array | None = None  # (H,) float32: that estimate, once asked
         self.since_update = 0  # decode steps since it
         self.updates = 0  # estimates made (prefill chunks + scheduled decode steps)
-        self._widths: tuple[int, ...] | None = None  # its allocation, once a flush asked
         super()._init_storage()
 
     def make_store(self):
-        tail_bits = next((b for b in self.levels if b in KERNEL_BITS), 4)
-        return HeadWiseStore(AffineCodecs(self.group), block=self.group, widths=self.allocation,
-                             window=self.config.residual_window, step_tokens=GROWTH_TOKENS,
-                             tail_bits=tail_bits)
+        return PlaneStore(self.levels, self.target, block=self.group, group=self.group, widths=self.allocation,
+                          window=self.config.residual_window)
 
     # -- the allocation ------------------------------------------------------------------
     def observe(self, keys, values, n_queries) -> None:
@@ -111,25 +107,34 @@ class AdaKVCache(QuantizedCache):
         self.norms.observe(keys)
         if n_queries == 1:
             self.since_update += 1
-        if n_queries > 1 or self.importance is None or self.since_update >= self.interval:
-            self.importance = self.estimate(self.norms)
-            self.since_update, self._widths = 0, None
+        if n_queries > 1 or not self.updates or self.since_update >= self.interval:
+            # a reference to the ring as it is now: the estimate is computed when a flush or
+            # a save asks for it, not at every scheduled step
+            self._estimated_at, self._importance = self.norms.snapshot(), None
+            self.since_update = 0
             self.updates += 1
+
+    @property
+    def importance(self) -> mx.array | None:
+        """(H,) float32: the importance of the latest scheduled estimate."""
+        if self._importance is None and self._estimated_at is not None:
+            self._importance = self.estimate(self.norms, self._estimated_at)
+            self._estimated_at = None  # the ring as it was is no longer held
+        return self._importance
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if queries.shape[2] > 1:
             return out
-        # no decode attention reads the key-norm ring or the estimate; generate_step
-        # evaluates only the logits, so they ride on its output (one node a layer), or
-        # their lazy graphs would chain from step to step
-        return mx.depends(out, [a for a in (self.norms.norms, self.importance) if a is not None])
+        # no decode attention reads the key-norm ring; generate_step evaluates only the
+        # logits, so it rides on its output (one node a layer), or its lazy graph would
+        # chain from step to step
+        return mx.depends(out, [self.norms.norms])
 
-    def allocation(self) -> tuple[int, ...]:
-        """The bit width of each KV head for the tokens flushed now (syncs once per estimate)."""
-        if self._widths is None:
-            self._widths = allocate_bits(self.importance.tolist(), self.levels, self.target)
-        return self._widths
+    def allocation(self) -> mx.array:
+        """The bit width of each KV head (H,) int32 for the tokens flushed now, on the device."""
+        n = self.importance.shape[0]
+        return greedy_on_device(self.levels, spare_bits(self.levels, self.target, n), n)(self.importance)
 
     # -- what is kept (names as saved) ------------------------------------------------------
     def _arrays(self):
@@ -142,7 +147,8 @@ class AdaKVCache(QuantizedCache):
     def _restore_meta(self, meta) -> None:
         arrays = self.__dict__.get("_saved_arrays", {})
         self.norms.restore(meta, arrays.get("key_norms"))
-        self.importance = arrays.get("importance")
+        self._importance = arrays.get("importance")
+        self._estimated_at = None
         self.since_update, self.updates = int(meta.get("since_update", 0)), int(meta.get("updates", 0))
         super()._restore_meta(meta)
 

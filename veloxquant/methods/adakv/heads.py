@@ -1,152 +1,245 @@
-"""Per-head mixed precision: a quantized store whose parts hold subsets of the KV heads.
+"""Per-head bit widths inside a fixed bit budget a token: bit planes, decided on the device.
 
-A head allocation gives each KV head of a layer a bit width. ``HeadWiseStore`` keeps a
-layer's history as a sequence of **epochs**, each a run of tokens stored under one
-allocation: per width, the heads at that width hold their keys and values in one
-``PackedTokens`` pair (keys per channel, values per token, group-affine: KIVI's layout,
-``AffineCodecs``) and are attended as one ``DecodePart`` with ``heads=`` (``heads=None``
-when every head shares the width). New tokens wait in full precision in a window written
-in place: the newest ``window`` tokens always stay there, and when ``block`` more have
-come the oldest ``block`` flush, keys and values together, under the allocation current
-at that flush (so a token's key and value share its head's width and every part covers
-the same tokens for its keys and its values); the rows left move to the front of the
-window's buffer (one copy of ``window`` rows every ``block`` steps). A flush under the
-allocation of the newest epoch extends that epoch's buffers in place; a different one
-opens a new epoch. Stored tokens are never re-quantized: they keep their widths.
+The allocation gives each KV head of a layer a width ``b_h`` in {lo, mid, hi} with
+``sum b_h <= P = lo * H + spare`` (``spare = floor((target - lo) H)``). Which heads get
+which width depends on the data; how many bits a token holds at most does not. So a
+flushed block of ``block`` tokens is stored as ``P`` *bit planes* a token: head h's code
+bits ``0 .. b_h - 1`` go to planes ``o_h .. o_h + b_h - 1`` (``o`` the exclusive cumsum of
+the widths), each plane holding one bit of every channel, 32 channels a uint32 word. The
+block's widths are kept (one row of H a block) and say, when read, which planes are
+whose. Every size is known on the host before any value is: no host read at a flush and
+no layout by width (the store this replaces opened an epoch per allocation, decided on
+the host: one sync a flush).
 
-Decode: one part per (epoch, width), plus the window (the tail of the newest epoch's part
-when that epoch holds every head at one width, else a part of its own), merged by
-log-sum-exp in ``kernels/decode.py``. Parts at 2, 4 and 8 bits (groups of 32, 64, 128)
-are ``AffineLayout``s the fused kernel serves on a GPU, each launch over its own heads;
-parts at other widths (3, 5, 6 bits) take the pure-MLX path, on a GPU too; on the CPU
-every part does.
+Codes are KIVI's layout: keys per channel over the block's tokens (the block is one key
+group), values per token in groups of ``group`` channels, min-max at the head's width,
+scales and minima in the input's dtype (codes are taken against the rounded ones, so decoding
+reads what encoding meant). Memory a token, KV head and K or V: ``P d / (8 H)`` bytes of
+planes (the card's ``b_h d / 8`` summed over heads when the budget is spent, which it
+always is when each upgrade costs one bit, as at the default 2/3/4) plus ``4 d / G``.
 
-``RecentNorms`` keeps per-head statistics of the newest keys that an allocation may read:
-a ring of the L2 norms of the last ``window`` keys of each head.
+A decode step writes its token into the full-precision window in place (``window`` to
+``window + block - 1`` rows) and attends through one compiled function over the whole
+buffers (planes, scales, widths, window: spare room masked out, so its shapes change
+only when a buffer grows): bits unpacked to codes per head, dequantized, the window
+appended, one ``scaled_dot_product_attention``. Pure MLX on every back-end (no fused
+kernel reads planes). ``RecentNorms`` keeps the key statistics the importance reads.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, replace
+import functools
+import math
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 
 from ...cache.buffers import GrowingArray
-from ...kernels.decode import DecodePart
-from ...quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
+from ...quant.packed import GROWTH_TOKENS
 from ...quant.store import PackedStore
 
-KERNEL_BITS = (2, 4, 8)  # widths the fused decode kernels read
+WORD = 32  # channels a plane word holds
 
 
-@dataclass(frozen=True)
-class AffineCodecs:
-    """Codecs at ``bits``: keys per channel in groups of ``group`` tokens, values per token
-    in groups of ``group`` channels."""
-
-    group: int
-
-    def __call__(self, bits: int) -> tuple[GroupAffine, GroupAffine]:
-        return GroupAffine(bits, self.group, "channel"), GroupAffine(bits, self.group, "token")
+def spare_bits(levels: tuple[int, int, int], target: float, n_heads: int) -> int:
+    """The bits a token may spend above ``lo`` on every head: ``floor((target - lo) H)``."""
+    return math.floor((target - levels[0]) * n_heads + 1e-9)
 
 
-class WidthGroup:
-    """The heads of one epoch stored at one width: one part of the decode."""
+# -- the allocation, on the device ---------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def greedy_on_device(levels: tuple[int, int, int], spare: int, n_heads: int):
+    """A compiled ``importance (H,) -> widths (H,) int32``: the card's greedy (``cache.py``'s
+    ``allocate_bits``), in float32, a fixed number of rounds (each upgrade costs a bit at
+    least, so ``spare`` rounds suffice; a round with nothing that fits changes nothing)."""
+    lo, mid, hi = levels
+    rounds = min(spare, 2 * n_heads)
 
-    def __init__(self, bits: int, heads: tuple[int, ...], n_heads: int, codecs, step_tokens: int):
-        self.bits, self.head_list = bits, heads
-        self.heads = None if len(heads) == n_heads else mx.array(heads, dtype=mx.int32)
-        key_codec, value_codec = codecs(bits)
-        self.keys = PackedTokens(key_codec, step_tokens)
-        self.values = PackedTokens(value_codec, step_tokens)
+    def allocate(importance):
+        imp = importance.astype(mx.float32)
+        imp = mx.where(mx.isfinite(imp) & (imp > 0), imp, 0.0)
+        smallest = mx.min(mx.where(imp > 0, imp, mx.inf))
+        lifted = mx.where(mx.isinf(smallest), 1.0, 1e-3 * smallest)  # below every positive one
+        imp = mx.where(imp > 0, imp, lifted)
+        widths = mx.full((n_heads,), lo, mx.int32)
+        left = mx.array(spare, mx.int32)
+        heads = mx.arange(n_heads)
+        for _ in range(rounds):
+            upgrade = mx.where(widths == lo, mid, mx.where(widths == mid, hi, widths))
+            cost = upgrade - widths
+            fits = (cost > 0) & (cost <= left)
+            gain = imp * (mx.power(4.0, -widths.astype(mx.float32)) - mx.power(4.0, -upgrade.astype(mx.float32)))
+            gain = mx.where(fits, gain / mx.maximum(cost, 1).astype(mx.float32), -1.0)
+            best = mx.argmax(gain)  # the first of equal gains: the lower head index
+            taken = (heads == best) & (gain[best] >= 0)
+            widths = mx.where(taken, upgrade, widths)
+            left = left - mx.where(taken, cost, 0).sum()
+        return widths
 
-    def append(self, keys: mx.array, values: mx.array) -> None:
-        if self.heads is not None:
-            keys, values = keys[:, self.heads], values[:, self.heads]
-        self.keys.append(keys)
-        self.values.append(values)
-
-    def part(self, empty: mx.array) -> DecodePart:
-        return DecodePart(self.keys.layout(empty), None, self.values.layout(empty), None, heads=self.heads)
-
-
-class HeadEpoch:
-    """A run of tokens stored under one allocation ``widths`` (one bit width per KV head)."""
-
-    def __init__(self, widths: tuple[int, ...], codecs, step_tokens: int):
-        self.widths = tuple(widths)
-        n = len(widths)
-        self.groups = [WidthGroup(b, tuple(h for h in range(n) if widths[h] == b), n, codecs, step_tokens)
-                       for b in sorted(set(widths))]
-
-    @property
-    def count(self) -> int:
-        return self.groups[0].keys.count
-
-    def append(self, keys: mx.array, values: mx.array) -> None:
-        for g in self.groups:
-            g.append(keys, values)
-
-    def decode(self, dtype) -> tuple[mx.array, mx.array]:
-        """Keys and values of every head, in head order (transient: prefill and tests)."""
-        k = [g.keys.decode(dtype) for g in self.groups]
-        v = [g.values.decode(dtype) for g in self.groups]
-        if len(self.groups) == 1:
-            return k[0], v[0]
-        order = [h for g in self.groups for h in g.head_list]
-        inverse = mx.array(sorted(range(len(order)), key=order.__getitem__))
-        return mx.concatenate(k, axis=1)[:, inverse], mx.concatenate(v, axis=1)[:, inverse]
-
-    def arrays(self, prefix: str) -> dict[str, Any]:
-        out = {}
-        for g in self.groups:
-            name = f"{prefix}_b{g.bits}"
-            out.update(g.keys.arrays(f"{name}_k"))
-            out.update(g.values.arrays(f"{name}_v"))
-            out[f"{name}_heads"] = g.heads
-        return out
+    return mx.compile(allocate)
 
 
-class HeadWiseStore(PackedStore):
-    """Epochs of per-head-width storage behind a full-precision window of the newest
+# -- codes and planes ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _constant(kind: str, n: int) -> mx.array:
+    """An evaluated ``arange`` (a leaf of a step's graph, not an operation in it)."""
+    a = mx.arange(n, dtype=mx.uint32 if kind == "shifts" else mx.int32)
+    mx.eval(a)
+    return a
+
+
+def _top(widths: mx.array) -> mx.array:
+    """(1, H, 1, 1, 1) float32: 2**b_h - 1."""
+    return ((mx.array(1, mx.int32) << widths) - 1).astype(mx.float32).reshape(1, -1, 1, 1, 1)
+
+
+def _codes(x, lo, scale, top):
+    s = scale.astype(mx.float32)
+    q = mx.where(s > 0, mx.round((x - lo.astype(mx.float32)) / mx.where(s > 0, s, 1.0)), 0.0)
+    return mx.clip(q, 0.0, top).astype(mx.uint32)
+
+
+def quantize_keys(x: mx.array, widths: mx.array, block: int):
+    """Per channel over each block's tokens: codes (B, H, nb, G, d), scales and minima (B, H, nb, 1, d)."""
+    (b, h, n, d), dtype = x.shape, x.dtype
+    x, top = x.astype(mx.float32).reshape(b, h, n // block, block, d), _top(widths)
+    lo, hi = x.min(axis=3, keepdims=True), x.max(axis=3, keepdims=True)
+    scale, lo = ((hi - lo) / top).astype(dtype), lo.astype(dtype)
+    return _codes(x, lo, scale, top), scale, lo
+
+
+def quantize_values(x: mx.array, widths: mx.array, block: int, group: int):
+    """Per token in groups of ``group`` channels: codes (B, H, nb, G, d), scales and minima
+    (B, H, nb, G, d/group)."""
+    (b, h, n, d), dtype = x.shape, x.dtype
+    g = x.astype(mx.float32).reshape(b, h, n // block, block, d // group, group)
+    top = _top(widths)[..., None]
+    lo, hi = g.min(axis=-1, keepdims=True), g.max(axis=-1, keepdims=True)
+    scale, lo = ((hi - lo) / top).astype(dtype), lo.astype(dtype)
+    return _codes(g, lo, scale, top).reshape(b, h, n // block, block, d), scale[..., 0], lo[..., 0]
+
+
+def plane_map(widths: mx.array, n_planes: int, hi: int):
+    """Where head h's bit k lies: the plane (H * hi,) int32 (``n_planes`` where b_h <= k)
+    and the bit's weight (H, hi) uint32 (``2**k``, 0 where b_h <= k)."""
+    offsets = mx.cumsum(widths) - widths
+    k = mx.arange(hi, dtype=mx.int32)
+    own = k[None] < widths[:, None]
+    source = mx.where(own, offsets[:, None] + k[None], n_planes).reshape(-1)
+    return source, mx.where(own, mx.array(1, mx.uint32) << k.astype(mx.uint32)[None], 0).astype(mx.uint32)
+
+
+def to_planes(codes: mx.array, source: mx.array, n_planes: int, hi: int) -> mx.array:
+    """(B, H, nb, G, d) codes -> (B, P, nb, G, ceil(d/32), 1) uint32 planes (the last axis:
+    where a read unpacks a word's 32 bits)."""
+    b, h, nb, g, d = codes.shape
+    words = -(-d // WORD)
+    bits = (codes[:, :, None] >> mx.arange(hi, dtype=mx.uint32).reshape(1, 1, hi, 1, 1, 1)) & 1
+    if d % WORD:
+        bits = mx.pad(bits, [(0, 0)] * 5 + [(0, words * WORD - d)])
+    packed = (bits.reshape(b, h, hi, nb, g, words, WORD) << mx.arange(WORD, dtype=mx.uint32)).sum(axis=-1)
+    rows = packed.astype(mx.uint32).reshape(b, h * hi, nb, g, words).swapaxes(0, 1)
+    planes = mx.zeros((n_planes + 1, b, nb, g, words), mx.uint32).at[source].add(rows)  # the unused: a dump row
+    return planes[:n_planes].swapaxes(0, 1)[..., None]
+
+
+def from_planes(planes: mx.array, sources: list, weights: list, d: int) -> mx.array:
+    """(B, P, nb, G, w, 1) planes, per bit k the plane of each head's bit k (1, H, nb, 1, 1, 1)
+    and its weight (same shape) -> codes (B, H, nb, G, d) float32. One gather of a plane
+    per bit, the bits summed elementwise (no (.., hi, ..) intermediate: under
+    ``mx.compile`` the sum, and the dequantization after it, fuse into one pass that
+    writes each code once)."""
+    b, _, nb, g, words, _ = planes.shape
+    codes = None
+    for where, weight in zip(sources, weights):
+        bit = ((mx.take_along_axis(planes, where, axis=1) >> _constant("shifts", WORD)) & 1) * weight
+        codes = bit if codes is None else codes + bit
+    return codes.reshape(b, codes.shape[1], nb, g, words * WORD)[..., :d].astype(mx.float32)
+
+
+def dequantized(k_planes, k_scales, k_min, v_planes, v_scales, v_min, sources, weights, *,
+                group: int, d: tuple[int, int], dtype):
+    """Keys and values (B, H, T, d) of the whole buffers (T: their capacity)."""
+    kc = from_planes(k_planes, sources, weights, d[0])
+    b, h, nb, g, _ = kc.shape
+    keys = kc * k_scales.astype(mx.float32) + k_min.astype(mx.float32)
+    vc = from_planes(v_planes, sources, weights, d[1]).reshape(b, h, nb, g, d[1] // group, group)
+    values = vc * v_scales[..., None].astype(mx.float32) + v_min[..., None].astype(mx.float32)
+    return keys.reshape(b, h, nb * g, d[0]).astype(dtype), values.reshape(b, h, nb * g, d[1]).astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_decode(group: int, d: tuple[int, int], scale: float):
+    """One decode step's attention over the stored planes and the window, compiled (its
+    shapes are the buffers', constant between growths)."""
+
+    def attend(queries, k_planes, k_scales, k_min, v_planes, v_scales, v_min, sources, weights, win_k, win_v,
+               valid):
+        keys, values = dequantized(k_planes, k_scales, k_min, v_planes, v_scales, v_min, sources, weights,
+                                   group=group, d=d, dtype=queries.dtype)
+        mask = mx.where(valid, 0.0, -mx.inf).astype(queries.dtype)
+        keys = mx.concatenate([keys, win_k.astype(queries.dtype)], axis=2)
+        values = mx.concatenate([values, win_v.astype(queries.dtype)], axis=2)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    return mx.compile(attend)
+
+
+class PlaneStore(PackedStore):
+    """Blocks of ``block`` tokens in bit planes behind a full-precision window of the newest
     ``window`` to ``window + block - 1`` tokens (fewer before that many came).
 
-    ``codecs(bits) -> (key codec, value codec)``; keys per channel need ``block`` to be a
-    multiple of their group. ``widths()``: the allocation a flush stores under (asked only
-    when a block flushes). ``tail_bits``: the width the window-only part announces (no
-    codes; a width the kernel reads lets it serve the window).
+    ``levels``: (lo, mid, hi); ``target``: the average width, which bounds a token's bits;
+    ``widths()``: the (H,) int32 device array a flush stores under (asked only then).
+    Every buffer grows a block at a time along its block axis (axis 2; the plane map's
+    last), by the same step: their capacities stay equal.
     """
 
-    def __init__(self, codecs: Callable[[int], tuple[GroupAffine, GroupAffine]], block: int,
-                 widths: Callable[[], tuple[int, ...]], window: int = 0,
-                 step_tokens: int = GROWTH_TOKENS, tail_bits: int = 4):
-        self.codecs, self.block, self.window, self.step_tokens = codecs, block, window, step_tokens
+    def __init__(self, levels: tuple[int, int, int], target: float, block: int, group: int,
+                 widths: Callable[[], mx.array], window: int = 0, step_tokens: int = GROWTH_TOKENS):
+        self.levels, self.target, self.block, self.group, self.window = levels, target, block, group, window
         self.widths = widths
-        self.epochs: list[HeadEpoch] = []
+        steps = max(1, step_tokens // block)
+        self.k_planes, self.v_planes = GrowingArray(step=steps), GrowingArray(step=steps)  # (B, P, nb, G, w)
+        self.k_scales, self.k_min = GrowingArray(step=steps), GrowingArray(step=steps)  # (B, H, nb, 1, d)
+        self.v_scales, self.v_min = GrowingArray(step=steps), GrowingArray(step=steps)  # (B, H, nb, G, d/g)
+        # per bit k, (1, H, nb, 1, 1, 1): the plane holding each head's bit k (int32) and the
+        # bit's weight (uint32, 2**k; 0 where the head's width is k or less)
+        self.sources = [GrowingArray(axis=2, step=steps) for _ in range(levels[2])]
+        self.weights = [GrowingArray(axis=2, step=steps) for _ in range(levels[2])]
         cap = window + block
-        room = min(cap, GROWTH_TOKENS)  # the window grows with what it holds, up to cap rows
+        room = min(cap, GROWTH_TOKENS)
         self.k_win = GrowingArray(axis=2, step=room, limit=cap)
         self.v_win = GrowingArray(axis=2, step=room, limit=cap)
-        tail_k, tail_v = codecs(tail_bits)
-        self._tail = PackedTokens(tail_k), PackedTokens(tail_v)  # never filled: layouts only
+
+    def n_planes(self, n_heads: int) -> int:
+        return self.levels[0] * n_heads + spare_bits(self.levels, self.target, n_heads)
+
+    @property
+    def stored(self) -> int:
+        return self.k_planes.length * self.block
 
     @property
     def length(self) -> int:
-        return sum(e.count for e in self.epochs) + self.k_win.length
+        return self.stored + self.k_win.length
+
+    def block_widths(self) -> mx.array | None:
+        """(nb, H): the widths each stored block was flushed under."""
+        if self.weights[0].buffer is None:
+            return None
+        return sum((w.view() > 0).astype(mx.int32) for w in self.weights).reshape(self.weights[0].buffer.shape[1], -1).T
 
     # -- writing -------------------------------------------------------------------------
     def commit(self, keys: mx.array, values: mx.array) -> None:
         """Take new tokens in; flush whole blocks under ``widths()`` (asked only then)."""
-        widths = self.widths
         n, cap = keys.shape[2], self.window + self.block
         if self.k_win.length + n <= cap:  # a decode step: rows written in place
             self.k_win.append(keys)
             self.v_win.append(values)
             if self.k_win.length == cap:
                 b = self.block
-                self._flush(self.k_win.buffer[:, :, :b], self.v_win.buffer[:, :, :b], widths())
+                self._flush(self.k_win.buffer[:, :, :b], self.v_win.buffer[:, :, :b])
                 for win in (self.k_win, self.v_win):  # the rest to the front, in place
                     if self.window:
                         win.buffer[:, :, : self.window] = win.buffer[:, :, b:]
@@ -157,84 +250,90 @@ class HeadWiseStore(PackedStore):
         v = values if v is None else mx.concatenate([v, values], axis=2)
         n_flush = max(0, k.shape[2] - self.window) // self.block * self.block
         if n_flush:
-            self._flush(k[:, :, :n_flush], v[:, :, :n_flush], widths())
+            self._flush(k[:, :, :n_flush], v[:, :, :n_flush])
         rest = k.shape[2] > n_flush
         self.k_win.reset(mx.contiguous(k[:, :, n_flush:]) if rest else None)  # no view pinning k
         self.v_win.reset(mx.contiguous(v[:, :, n_flush:]) if rest else None)
 
-    def _flush(self, keys: mx.array, values: mx.array, widths: tuple[int, ...]) -> None:
-        widths = tuple(int(b) for b in widths)
-        if len(widths) != keys.shape[1]:
-            raise ValueError(f"an allocation of {len(widths)} widths for {keys.shape[1]} KV heads")
-        if not self.epochs or self.epochs[-1].widths != widths:
-            self.epochs.append(HeadEpoch(widths, self.codecs, self.step_tokens))
-        self.epochs[-1].append(keys, values)
+    def _flush(self, keys: mx.array, values: mx.array) -> None:
+        widths = self.widths()
+        h, hi, p, nb = keys.shape[1], self.levels[2], self.n_planes(keys.shape[1]), keys.shape[2] // self.block
+        source, weights = plane_map(widths, p, hi)
+        kc, ks, kmin = quantize_keys(keys, widths, self.block)
+        vc, vs, vmin = quantize_values(values, widths, self.block, self.group)
+        self.k_planes.append(to_planes(kc, source, p, hi))
+        self.v_planes.append(to_planes(vc, source, p, hi))
+        for buf, x in ((self.k_scales, ks), (self.k_min, kmin), (self.v_scales, vs), (self.v_min, vmin)):
+            buf.append(x)
+        source = mx.minimum(source, p - 1).reshape(h, hi)
+        for k in range(hi):
+            self.sources[k].append(mx.broadcast_to(source[:, k].reshape(1, h, 1, 1, 1, 1), (1, h, nb, 1, 1, 1)))
+            self.weights[k].append(mx.broadcast_to(weights[:, k].reshape(1, h, 1, 1, 1, 1), (1, h, nb, 1, 1, 1)))
 
     # -- reading --------------------------------------------------------------------------
-    def _window(self) -> tuple[mx.array | None, mx.array | None]:
+    def _window(self):
         if not self.k_win.length:
             return None, None
         return self.k_win.view(), self.v_win.view()
 
-    def history(self, dtype) -> tuple[mx.array | None, mx.array | None]:
+    def _dims(self) -> tuple[int, int]:
+        return self.k_scales.buffer.shape[4], self.v_scales.buffer.shape[4] * self.group
+
+    def history(self, dtype):
         """Every stored token in ``dtype``, in order (transient: prefill chunks and tests)."""
-        decoded = [e.decode(dtype) for e in self.epochs]
         k, v = self._window()
-        if k is not None:
-            decoded.append((k.astype(dtype), v.astype(dtype)))
-        if not decoded:
-            return None, None
-        if len(decoded) == 1:
-            return decoded[0]
-        return (mx.concatenate([d[0] for d in decoded], axis=2),
-                mx.concatenate([d[1] for d in decoded], axis=2))
-
-    def decode_parts(self, empty: mx.array) -> list[DecodePart]:
-        parts = [g.part(empty) for e in self.epochs for g in e.groups]
-        k, v = self._window()
+        if not self.stored:
+            return (None, None) if k is None else (k.astype(dtype), v.astype(dtype))
+        hk, hv = dequantized(*(x.view() for x in (self.k_planes, self.k_scales, self.k_min, self.v_planes,
+                                                 self.v_scales, self.v_min)),
+                             [x.view() for x in self.sources], [x.view() for x in self.weights],
+                             group=self.group, d=self._dims(), dtype=dtype)
         if k is None:
-            return parts
-        if parts and parts[-1].heads is None:  # the newest epoch holds every head: the window rides
-            parts[-1] = replace(parts[-1], key_tail=k, value_tail=v)
-        else:
-            parts.append(DecodePart(self._tail[0].layout(empty), k, self._tail[1].layout(empty), v))
-        return parts
+            return hk, hv
+        return mx.concatenate([hk, k.astype(dtype)], axis=2), mx.concatenate([hv, v.astype(dtype)], axis=2)
 
-    # -- what is kept ------------------------------------------------------------------------
+    def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
+        """A decode step: store the token, attend over the planes and the window at once."""
+        self.commit(keys, values)
+        return self.attend(queries, scale=scale)
+
+    def attend(self, queries, *, scale, use_kernel=False, n_kv_heads=None) -> mx.array:
+        """One query token a sequence over every stored token (no fused kernel reads planes)."""
+        if not self.stored:
+            k, v = self._window()
+            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+        b, h = self.k_scales.buffer.shape[:2]
+        d = self._dims()
+        win_k, win_v = self.k_win.buffer, self.v_win.buffer
+        if win_k is None:  # no window at all (residual_window 0, just flushed): one masked row
+            win_k, win_v = mx.zeros((b, h, 1, d[0]), queries.dtype), mx.zeros((b, h, 1, d[1]), queries.dtype)
+        valid = _valid(self.k_planes.capacity * self.block, win_k.shape[2], self.stored, self.k_win.length)
+        return compiled_decode(self.group, d, scale)(
+            queries, self.k_planes.buffer, self.k_scales.buffer, self.k_min.buffer, self.v_planes.buffer,
+            self.v_scales.buffer, self.v_min.buffer, [x.buffer for x in self.sources],
+            [x.buffer for x in self.weights], win_k, win_v, valid)
+
+    # -- what is kept ----------------------------------------------------------------------
     def arrays(self) -> dict[str, Any]:
-        out = {"k_win": self.k_win, "v_win": self.v_win}
-        for i, e in enumerate(self.epochs):
-            out.update(e.arrays(f"e{i}"))
-        return out
-
-    def meta(self) -> dict[str, str]:
-        return {"epochs": json.dumps([list(e.widths) for e in self.epochs])}
-
-    def restore(self, meta: dict[str, Any], arrays: dict[str, Any]) -> None:
-        """Rebuild the epochs ``meta`` names, then put the saved arrays back."""
-        self.epochs = [HeadEpoch(tuple(w), self.codecs, self.step_tokens)
-                       for w in json.loads(meta.get("epochs", "[]"))]
-        kept = self.arrays()
-        for name, value in arrays.items():
-            if isinstance(kept.get(name), GrowingArray):
-                kept[name].reset(value)
+        return {"k_planes": self.k_planes, "v_planes": self.v_planes, "k_scales": self.k_scales,
+                "k_min": self.k_min, "v_scales": self.v_scales, "v_min": self.v_min,
+                **{f"plane_source_{k}": x for k, x in enumerate(self.sources)},
+                **{f"plane_weights_{k}": x for k, x in enumerate(self.weights)}, "k_win": self.k_win, "v_win": self.v_win}
 
     def layout_problems(self, head_dims: tuple[int, int]):
         return iter(())
 
     def problems(self, offset: int, n_heads: int | None = None):
         """(field, found, expected) for each way the stored tokens contradict the policy."""
-        for i, e in enumerate(self.epochs):
-            if n_heads is not None and len(e.widths) != n_heads:
-                yield f"epoch {i} widths", len(e.widths), f"one per KV head ({n_heads})"
-            for g in e.groups:
-                counts = g.keys.count, g.values.count
-                if counts != (e.count, e.count) or e.count % self.block:
-                    yield (f"epoch {i} {g.bits}-bit tokens", f"{counts[0]} keys / {counts[1]} values",
-                           f"equal, a multiple of the block {self.block}")
-                stored = g.keys.codes.buffer
-                if stored is not None and stored.shape[1] != len(g.head_list):
-                    yield f"epoch {i} {g.bits}-bit heads", stored.shape[1], len(g.head_list)
+        blocks = self.k_planes.length
+        for name, buf in self.arrays().items():
+            if name not in ("k_win", "v_win") and buf.length != blocks:
+                yield name, f"{buf.length} blocks", f"the {blocks} stored blocks"
+        if n_heads is not None and self.k_planes.buffer is not None:
+            if self.k_planes.buffer.shape[1] != self.n_planes(n_heads):
+                yield "bit planes", self.k_planes.buffer.shape[1], self.n_planes(n_heads)
+            if self.weights[0].buffer is not None and self.weights[0].buffer.shape[1] != n_heads:
+                yield "plane weights heads", self.weights[0].buffer.shape[1], n_heads
         held, cap = self.k_win.length, self.window + self.block
         if not min(offset, self.window) <= held < cap or self.v_win.length != held:
             yield ("full-precision window", f"{held} keys / {self.v_win.length} values",
@@ -243,8 +342,17 @@ class HeadWiseStore(PackedStore):
             yield "tokens stored", self.length, f"the offset {offset}"
 
 
+def _valid(stored_room: int, window_room: int, stored: int, held: int) -> mx.array:
+    """(stored_room + window_room,) bool: the rows of the buffers that hold tokens (a
+    constant of the Python counters: no operation in the step's graph)."""
+    pos = np.arange(stored_room + window_room)
+    return mx.array((pos < stored) | ((pos >= stored_room) & (pos < stored_room + held)))
+
+
 class RecentNorms:
-    """The L2 norms of the newest ``window`` keys of each KV head, in a ring written in place."""
+    """The L2 norms of the newest ``window`` keys of each KV head, in a ring. Each write
+    makes a new array (``slice_update``), so a ``snapshot`` is a reference, not a copy: an
+    estimate is taken from one only when a flush needs it."""
 
     def __init__(self, window: int):
         self.window = window
@@ -259,20 +367,24 @@ class RecentNorms:
         if self.norms is None:
             self.norms = mx.zeros((*norms.shape[:2], self.window), mx.float32)
         first = min(m, self.window - self.pos)
-        self.norms[:, :, self.pos: self.pos + first] = norms[:, :, :first]
+        self.norms = mx.slice_update(self.norms, norms[:, :, :first], mx.array([self.pos]), axes=(2,))
         if m > first:  # wraps around
-            self.norms[:, :, : m - first] = norms[:, :, first:]
+            self.norms = mx.slice_update(self.norms, norms[:, :, first:], mx.array([0]), axes=(2,))
         self.pos = (self.pos + m) % self.window
         self.filled = min(self.window, self.filled + n)
 
-    def variance(self) -> mx.array | None:
-        """Per KV head (H,), the variance of the held norms, averaged over the batch; 0 with
-        fewer than 2 keys seen, NaN (an overflowed key) read as 0."""
-        if self.norms is None:
+    def snapshot(self) -> tuple[mx.array | None, int]:
+        return self.norms, self.filled
+
+    def variance(self, snapshot: tuple[mx.array | None, int] | None = None) -> mx.array | None:
+        """Per KV head (H,), the variance of the held norms (now, or at ``snapshot``),
+        averaged over the batch; 0 with fewer than 2 keys seen, NaN (an overflowed key) read as 0."""
+        norms, filled = snapshot or self.snapshot()
+        if norms is None:
             return None
-        if self.filled < 2:
-            return mx.zeros((self.norms.shape[1],), mx.float32)
-        held = self.norms if self.filled == self.window else self.norms[:, :, : self.filled]
+        if filled < 2:
+            return mx.zeros((norms.shape[1],), mx.float32)
+        held = norms if filled == self.window else norms[:, :, :filled]
         return mx.nan_to_num(mx.var(held, axis=-1).mean(axis=0), nan=0.0, posinf=0.0)
 
     def meta(self) -> dict[str, int]:

@@ -35,6 +35,7 @@ promoted channel). Without promoted channels the store hands the lo plane's
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -148,7 +149,15 @@ class PromotedScores:
 
     def scores(self, q: mx.array) -> mx.array:
         """float32 ``q Kᵀ`` (B, H, R, count): the lo plane's scores plus, per block, the
-        promoted channels' queries against the up plane."""
+        promoted channels' queries against the up plane. Compiled per stored count (which
+        changes once a block), over the whole buffers: a decode step's few dozen
+        elementwise operations on the planes fuse into a handful."""
+        lo = self.lo
+        fn = _compiled_scores(lo.count, lo.bits, lo.group, self.block, self.up_bits, self.up is None)
+        up, index = (q, q) if self.up is None else (self.up, self.index)
+        return fn(q, lo.codes, lo.scales, lo.biases, up, index)
+
+    def _scores(self, q: mx.array) -> mx.array:
         lo = self.lo
         s = kd.affine_key_scores(q, lo.codes, lo.scales, lo.biases, lo.count, lo.bits, lo.group)
         if self.up is None or not self.count:
@@ -158,6 +167,16 @@ class PromotedScores:
         q_up = mx.take_along_axis(q[:, :, None], index[:, :, :, None, :], axis=-1)  # (B, H, nb, R, k)
         s_up = (q_up @ self.up_values(index)).transpose(0, 1, 3, 2, 4)  # (B, H, R, nb, block)
         return s + s_up.reshape(s.shape)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_scores(count: int, bits: int, group: int, block: int, up_bits: int, no_up: bool):
+    def scores(q, codes, scales, biases, up, index):
+        lo = AffineLayout(codes, scales, biases, count, bits, group, "channel")
+        view = PromotedScores(lo, None if no_up else up, None if no_up else index, block, up_bits)
+        return view._scores(q)
+
+    return mx.compile(scores)
 
 
 class PromotedKeys:

@@ -1,8 +1,10 @@
 """Transform coding of a run of tokens: a PCA basis, per-component bit widths, scalar codes.
 
 ``fit_codec`` takes rows ``(n, p)`` (a token's heads concatenated, ``p = H * d``), in
-float32: mean ``μ``, covariance ``(X - μ)ᵀ(X - μ) / n``, its eigenpairs by decreasing
-eigenvalue ``λ`` (clamped at 0), the widths ``b_i`` by dynamic programming under the
+float32: mean ``μ`` over every row, covariance ``(X - μ)ᵀ(X - μ) / n`` of at most
+``lowrank.factors.FIT_SAMPLE_TOKENS`` evenly spaced rows (exact below that many, to
+float32 rounding; a sample above it: a bounded fit on the prefill path, not LAPACK over
+the data), its eigenpairs by decreasing eigenvalue ``λ`` (clamped at 0), the widths ``b_i`` by dynamic programming under the
 budget (``allocation.py``), and keeps the components that get bits (the rest are dropped:
 no basis column, no code). Component i is coded by a uniform quantizer over
 ``[-β √λ_i, β √λ_i]``: ``q = clip(round(y / Δ_i + c_i), 0, 2**b_i - 1)`` with
@@ -31,6 +33,7 @@ import numpy as np
 
 from ...cache.buffers import GrowingArray
 from ...cache.rope import Rotary, derotate
+from ...lowrank.factors import gram_basis
 from .allocation import allocate, uniform_distortion, uniform_step
 
 
@@ -109,16 +112,19 @@ class TransformCodec:
 
 def fit_codec(x: mx.array, budget: int, choices, beta: float) -> tuple[TransformCodec, np.ndarray, np.ndarray]:
     """The codec of rows ``x`` (n, p); also every eigenvalue (descending) and every
-    component's width (for checks)."""
-    rows = np.asarray(x.astype(mx.float32), dtype=np.float64)
-    mean = rows.mean(axis=0)
-    centred = rows - mean
-    lam, vecs = np.linalg.eigh(centred.T @ centred / rows.shape[0])
-    lam, vecs = np.maximum(lam[::-1], 0.0), vecs[:, ::-1]
+    component's width (for checks). Bounded work whatever n: the mean over every row and
+    the covariance of at most ``FIT_SAMPLE_TOKENS`` evenly spaced centred rows, float32, on
+    the default device; only the p x p eigenproblem and the allocation run on the host."""
+    x = x.astype(mx.float32)
+    mean = x.mean(axis=0)
+    vecs, sigma = gram_basis(x - mean)  # by decreasing singular value
+    lam = np.maximum(np.asarray((sigma * sigma / x.shape[0]).astype(mx.float32), dtype=np.float64), 0.0)
+    order = np.argsort(-lam, kind="stable")  # ‖x v‖² need not keep eigh's order to the last bit
+    lam, vecs = lam[order], np.asarray(vecs)[:, order]
     bits = allocate(uniform_distortion(lam, choices, beta), choices, budget)
     keep = bits > 0
     codec = TransformCodec(
-        mx.array(mean.astype(np.float16)), mx.array(np.ascontiguousarray(vecs[:, keep]).astype(np.float16)),
+        mean.astype(mx.float16), mx.array(np.ascontiguousarray(vecs[:, keep]).astype(np.float16)),
         mx.array(bits[keep].astype(np.uint8)), mx.array(uniform_step(lam[keep], bits[keep], beta).astype(np.float32)))
     return codec, lam, bits
 

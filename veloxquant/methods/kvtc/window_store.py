@@ -8,8 +8,10 @@ then held past the sinks (the leaving ones and the window), and frozen after: la
 prompt chunks and decode tokens are coded with that fit.
 
 A prompt chunk moves what overflows the window into the runs at once and keeps the
-window exactly sized; a decode step writes its row in place and codes the one row that
-leaves (``RecentRows``). A prompt chunk attends over the reconstructed history plus
+window exactly sized; a decode step writes its row in place (``RecentRows``), and once
+``CODE_EVERY`` rows past the window wait, they leave together and are coded in one batch
+(the window then holds ``window`` to ``window + CODE_EVERY - 1`` rows): a step between
+codes nothing. A prompt chunk attends over the reconstructed history plus
 itself (``PackedStore``); a decode step over two parts merged by log-sum-exp: the sinks,
 and the coded middle followed by the window's rows.
 """
@@ -23,6 +25,8 @@ import mlx.core as mx
 from ...cache.buffers import GrowingArray, RecentRows
 from ...kernels.decode import DecodePart
 from ...quant.store import VALUE_ROOM, WINDOW_STEP, PackedStore
+
+CODE_EVERY = VALUE_ROOM  # decode rows coded at once: the window's buffer has that much room
 
 
 class SinkWindowStore(PackedStore):
@@ -56,12 +60,12 @@ class SinkWindowStore(PackedStore):
             keys, values = keys[:, :, n:], values[:, :, n:]
         if not keys.shape[2]:
             return
-        if keys.shape[2] == 1 and self.window:  # a decode step: in place, one row leaves
-            if self.k_win.held == self.window:
-                old_k, old_v = self.k_win.pop_front(1), self.v_win.pop_front(1)
-                self._code(old_k, old_v)
+        if keys.shape[2] == 1 and self.window:  # a decode step: in place, rows leave in batches
             self.k_win.append(keys)
             self.v_win.append(values)
+            if self.k_win.held == self.window + CODE_EVERY:
+                old_k, old_v = self.k_win.pop_front(CODE_EVERY), self.v_win.pop_front(CODE_EVERY)
+                self._code(old_k, old_v)
             return
         k = keys if self.k_win.view() is None else mx.concatenate([self.k_win.view(), keys], axis=2)
         v = values if self.v_win.view() is None else mx.concatenate([self.v_win.view(), values], axis=2)
@@ -102,9 +106,11 @@ class SinkWindowStore(PackedStore):
         n_sink, rest = self.sink_k.length, max(0, offset - self.n_sink)
         if n_sink != min(offset, self.n_sink) or self.sink_v.length != n_sink:
             yield "sink tokens", f"{n_sink} keys / {self.sink_v.length} values", f"min(offset {offset}, {self.n_sink})"
-        if (self.k_win.held, self.v_win.held) != (min(rest, self.window),) * 2:
-            yield "window tokens", f"{self.k_win.held} keys / {self.v_win.held} values", f"min({rest}, window {self.window})"
-        coded = rest - min(rest, self.window)
+        held = self.k_win.held
+        if not min(rest, self.window) <= held < max(1, min(rest + 1, self.window + CODE_EVERY)) or self.v_win.held != held:
+            yield ("window tokens", f"{held} keys / {self.v_win.held} values",
+                   f"equal, from min({rest}, window {self.window}) to below window + {CODE_EVERY}")
+        coded = rest - held
         if (self.keys.count, self.values.count) != (coded, coded):
             yield "coded tokens", f"{self.keys.count} keys / {self.values.count} values", coded
 

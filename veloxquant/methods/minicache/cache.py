@@ -27,7 +27,16 @@ retained differences) at a decode step; a prompt chunk attends over the rebuilt 
 Adapted: a cosine threshold replaces the paper's min-max-normalised angular gamma rule;
 merged states are not quantized (the paper's 5.02x adds 4-bit quantization).
 ``minicache_max_ctx`` bounds a pair's merged tokens: a paired layer refuses to grow past
-it, naming the field. Which pairs are retained is read on the host at each merge.
+it, naming the field.
+
+Retained pairs, and host reads: a prompt chunk's retained pairs are read on the host (the
+table grows by their number, once a chunk). A decode step reads nothing: the table holds
+rows reserved ahead, ``RESERVE_TOKENS`` decode tokens at a time, at the rate the prompt
+retained plus a margin (``min(1, 2 f + 1/16)`` of the pairs, f the prompt's fraction; all
+of them before any prompt was merged), and a step writes its retained pairs into the rows
+after the ``used`` ones on the device (``slerp.write_retained``); pairs past the reserved
+rows are merged after all and counted (``ret_*_dropped``): an adaptation, where the paper
+keeps every retained pair.
 """
 
 from __future__ import annotations
@@ -39,10 +48,11 @@ import mlx.core as mx
 from ...cache.base import CompressedKVCache, causal_mask
 from ...cache.buffers import GrowingArray
 from ...cache.cross_layer import CrossLayer, CrossLayerError, consecutive_groups
-from .slerp import MergedRows, norms, retained_entries, slerp_merge
+from .slerp import MergedRows, norms, retained_entries, slerp_merge, write_retained
 from ...kernels.decode import DecodePart, decode_attention
 
 _TENSORS = ("k", "v")
+RESERVE_TOKENS = 64  # decode tokens whose retained pairs a reservation of table rows covers
 
 
 def _cat(a, b):
@@ -72,9 +82,13 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
         for x in _TENSORS:  # a second layer's retained pairs: (b*H + h, token), x - m e
             setattr(self, f"ret_{x}_where", GrowingArray(axis=0))
             setattr(self, f"ret_{x}_delta", GrowingArray(axis=0))
+            setattr(self, f"ret_{x}_used", None)  # () int32: rows holding pairs (the rest reserved)
+            setattr(self, f"ret_{x}_dropped", None)  # () int32: decode pairs past the reserved rows
+        self.retained_rate = 1.0  # of a decode token's pairs, rows reserved ahead
         for x in _TENSORS:  # a second layer's (the owner's) merged directions of the pair
             self.shared[f"e_{x}"] = GrowingArray()
         self._new = None
+        self._decode_merges = 0  # decode tokens merged since the last prompt chunk: the reservation's schedule
 
     # -- the protocol ---------------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
@@ -121,6 +135,10 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
         if role == "second":
             self._merge(*self._new)
             self._new = None
+            if queries.shape[2] == 1:
+                # the dropped count is read by no attention: it rides on the output (one
+                # node), or its lazy sum would chain from step to step
+                out = mx.depends(out, [self.ret_k_dropped, self.ret_v_dropped])
         return out
 
     # -- the pair -----------------------------------------------------------------------------------
@@ -155,17 +173,50 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
 
     def _merge(self, keys, values) -> None:
         o = self.config.options
-        start = self.n_merged
+        start, n = self.n_merged, keys.shape[2]
         first = self.member(self.layer_group[0])
-        for x, own, theirs in zip(_TENSORS, (keys, values), first.take_pending(start, keys.shape[2])):
+        merged = []
+        for x, own, theirs in zip(_TENSORS, (keys, values), first.take_pending(start, n)):
             e, m, retained, delta = slerp_merge(theirs, own, o.minicache_slerp_t,
                                                 o.minicache_retention_threshold)
             self.shared[f"e_{x}"].append(e)
             getattr(self, f"m_{x}").append(m)
+            merged.append((x, retained, delta))
+        if n > 1:
+            self._merge_prompt(merged, start)
+        else:
+            self._merge_decode(merged, start)
+
+    def _merge_prompt(self, merged, start: int) -> None:
+        found = total = 0
+        for x, retained, delta in merged:
             where, rows = retained_entries(retained, delta, start)
+            table = getattr(self, f"ret_{x}_where")
             if where is not None:
-                getattr(self, f"ret_{x}_where").append(where)
+                table.append(where)
                 getattr(self, f"ret_{x}_delta").append(rows)
+                found += where.shape[0]
+            total += retained.size
+            setattr(self, f"ret_{x}_used", mx.array(table.length, mx.int32))  # rows reserved before: left zero
+        self.retained_rate = min(1.0, 2 * found / total + 1 / 16)
+        self._decode_merges = 0  # a new reservation at the next decode token
+
+    def _merge_decode(self, merged, start: int) -> None:
+        for x, retained, delta in merged:
+            where, table = getattr(self, f"ret_{x}_where"), getattr(self, f"ret_{x}_delta")
+            used = getattr(self, f"ret_{x}_used")
+            if used is None or self._decode_merges % RESERVE_TOKENS == 0:  # a Python schedule
+                rows = math.ceil(self.retained_rate * retained.size * RESERVE_TOKENS)
+                if used is None:
+                    used = mx.array(where.length, mx.int32)
+                where.append(mx.zeros((rows, 2), mx.int32))
+                table.append(mx.zeros((rows, delta.shape[-1]), delta.dtype))
+            where.buffer, table.buffer, used, dropped = write_retained(
+                where.buffer, table.buffer, used, where.length, retained, delta, start)
+            setattr(self, f"ret_{x}_used", used)
+            before = getattr(self, f"ret_{x}_dropped")
+            setattr(self, f"ret_{x}_dropped", dropped if before is None else before + dropped)
+        self._decode_merges += 1
 
     # -- what is kept ----------------------------------------------------------------------------------
     @property
@@ -178,6 +229,8 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
         for x in _TENSORS:
             out[f"ret_{x}_where"] = getattr(self, f"ret_{x}_where")
             out[f"ret_{x}_delta"] = getattr(self, f"ret_{x}_delta")
+            out[f"ret_{x}_used"] = getattr(self, f"ret_{x}_used")
+            out[f"ret_{x}_dropped"] = getattr(self, f"ret_{x}_dropped")
         return {**out, **self.shared.arrays()}
 
     def _restore_arrays(self, arrays) -> None:

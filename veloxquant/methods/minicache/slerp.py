@@ -19,6 +19,7 @@ history is never rebuilt at a decode step; ``dense`` rebuilds it for prompt chun
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -40,7 +41,17 @@ def norms(x: mx.array) -> mx.array:
 def slerp_merge(x1: mx.array, x2: mx.array, t: float, threshold: float):
     """(e (B, H, n, d), m2 (B, H, n), retained bool (B, H, n), delta (B, H, n, d):
     ``x2 - m2 e`` where retained, against the stored (dtype-rounded) e and m2), e, m2
-    and delta in ``x2``'s dtype."""
+    and delta in ``x2``'s dtype. Compiled: a decode step merges one token a pair, and its
+    few dozen elementwise operations fuse into a handful."""
+    return _compiled_merge(float(t), float(threshold))(x1, x2)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_merge(t: float, threshold: float):
+    return mx.compile(functools.partial(_slerp_merge, t=t, threshold=threshold))
+
+
+def _slerp_merge(x1: mx.array, x2: mx.array, t: float, threshold: float):
     u1, _ = _unit(x1.astype(mx.float32))
     u2, m2 = _unit(x2.astype(mx.float32))
     cos = mx.clip((u1 * u2).sum(axis=-1), -1.0, 1.0)
@@ -59,9 +70,10 @@ def slerp_merge(x1: mx.array, x2: mx.array, t: float, threshold: float):
 
 
 def retained_entries(retained: mx.array, delta: mx.array, start: int):
-    """The retained (row = b*H + h, token) pairs of a chunk starting at token ``start``,
-    as int32 (n, 2), and their differences (n, d); None when there are none. (Which pairs
-    are retained is read on the host: the table's length depends on the data.)"""
+    """The retained (row = b*H + h, token) pairs of a prompt chunk starting at token
+    ``start``, as int32 (n, 2), and their differences (n, d); None when there are none.
+    (A prompt chunk's table is sized by the data: read on the host, once a chunk; a
+    decode step writes into reserved rows instead, ``write_retained``.)"""
     b, h, n = retained.shape
     flat = np.flatnonzero(np.array(retained.reshape(-1)))
     if not flat.size:
@@ -69,6 +81,25 @@ def retained_entries(retained: mx.array, delta: mx.array, start: int):
     idx = mx.array(flat.astype(np.int32))
     where = mx.stack([idx // n, start + idx % n], axis=1).astype(mx.int32)
     return where, delta.reshape(b * h * n, -1)[idx]
+
+
+def write_retained(where: mx.array, table: mx.array, used: mx.array, reserved: int,
+                   retained: mx.array, delta: mx.array, start: int):
+    """A decode token's retained pairs written into the table's reserved rows, on the
+    device: the k-th retained pair of the token goes to row ``used + k`` if that is below
+    ``reserved``, else it is dropped (merged after all). Rows past ``used`` hold zeros
+    (row 0, token 0, a zero difference), which add nothing where read. Returns the new
+    (where, table, used, dropped this step)."""
+    b, h, _ = retained.shape
+    flag = retained.reshape(-1)
+    pos = used + mx.cumsum(flag.astype(mx.int32)) - 1
+    fits = flag & (pos < reserved)
+    target = mx.where(fits, pos, 0)
+    keep = fits.astype(mx.int32)[:, None]
+    rows = mx.stack([mx.arange(b * h, dtype=mx.int32), mx.full((b * h,), start, mx.int32)], axis=1) * keep
+    where = where.at[target].add(rows)
+    table = table.at[target].add(delta.reshape(b * h, -1) * keep.astype(delta.dtype))
+    return where, table, used + keep.sum(), (flag & ~fits).astype(mx.int32).sum()
 
 
 @dataclass(frozen=True)

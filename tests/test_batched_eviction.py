@@ -1,0 +1,76 @@
+"""Decode-time eviction in batches (issue 30): methods whose papers evict a token at every
+decode step let ``EVICT_EVERY`` tokens come, then keep their best ``budget`` at once, so a
+step in between is one write, one attention and at most one score update."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from feeding import prompt_then_steps, synthetic_kvq
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache.options import (
+    CaMOptions,
+    H2OOptions,
+    KeyformerOptions,
+    L2NormOptions,
+    MorphKVOptions,
+    TOVAOptions,
+)
+from veloxquant_mlx.evict.base import EVICT_EVERY
+from veloxquant_mlx.methods.cam import CaMCache
+from veloxquant_mlx.methods.h2o import H2OCache
+from veloxquant_mlx.methods.keyformer import KeyformerCache
+from veloxquant_mlx.methods.knorm import L2NormCache
+from veloxquant_mlx.methods.morphkv import MorphKVCache
+from veloxquant_mlx.methods.tova import TOVACache
+
+BUDGET, PROMPT = 48, 100
+CASES = {
+    "h2o": (H2OCache, H2OOptions(h2o_budget=BUDGET)),
+    "tova": (TOVACache, TOVAOptions(tova_budget=BUDGET)),
+    "knorm": (L2NormCache, L2NormOptions(knorm_budget=BUDGET)),
+    "keyformer": (KeyformerCache, KeyformerOptions(keyformer_budget=BUDGET)),
+    "morphkv": (MorphKVCache, MorphKVOptions(morphkv_budget=BUDGET)),
+    "cam": (CaMCache, CaMOptions(cam_budget=BUDGET)),
+}
+
+
+def synthetic(n, seed=0):
+    return synthetic_kvq(n, 2, 3, 16, norm_range=(0.2, 3.0), seed=seed)
+
+
+@pytest.mark.parametrize("method", list(CASES))
+def test_the_cache_holds_the_budget_plus_the_tokens_since_the_last_batched_eviction(method):
+    cls, options = CASES[method]
+    cache = cls(KVCacheConfig(options=options))
+    k, v, q = synthetic(PROMPT + 2 * EVICT_EVERY + 5)
+    held = []
+    prompt_then_steps(cache, k, v, q, PROMPT, 64, after_each=lambda c, seen: held.append(c.stored_length))
+    steps = range(len(held))  # held[0]: the prompt's end, then one entry a decode step
+    assert held == [BUDGET + s % EVICT_EVERY for s in steps]
+
+
+def test_with_a_fixed_score_a_batched_eviction_keeps_what_evicting_every_step_keeps():
+    """knorm's score (a key's norm) never changes, so evicting the worst one at every step
+    and the worst ``EVICT_EVERY`` at once leave the same tokens whenever the batch runs."""
+    k, v, q = synthetic(PROMPT + 2 * EVICT_EVERY + 5, seed=3)
+    options = L2NormOptions(knorm_budget=BUDGET, knorm_n_sink=2, knorm_recent=4)
+    batched = L2NormCache(KVCacheConfig(options=options))
+    every = L2NormCache(KVCacheConfig(options=options))
+    every.schedule = replace(every.schedule, decode_every=1)
+    kept = {}
+
+    def record(name):
+        def after_each(cache, seen):
+            kept.setdefault(name, []).append([set(p.tolist()) for p in cache.kept_positions[0]])
+        return after_each
+
+    prompt_then_steps(batched, k, v, q, PROMPT, 64, after_each=record("batched"))
+    prompt_then_steps(every, k, v, q, PROMPT, 64, after_each=record("every"))
+    evictions = [s for s in range(len(kept["batched"])) if s % EVICT_EVERY == 0]
+    assert len(evictions) == 3
+    for s in evictions:
+        assert kept["batched"][s] == kept["every"][s], s
+    assert kept["batched"][1] != kept["every"][1]  # in between, the batched cache holds more
