@@ -108,8 +108,8 @@ class BorrowedStore(QuantizedKVStore):
 
     def __init__(self, keys: BorrowedCodes, values: BorrowedCodes, window: int, key_block: int,
                  step_tokens: int, attend_then_flush: bool = False, value_flush: int = 1):
-        super().__init__(keys.codec, values.codec, window, key_block, step_tokens, attend_then_flush,
-                         value_flush)
+        super().__init__(keys.codec, values.codec, window, key_block, step_tokens,
+                         attend_then_flush=attend_then_flush, value_flush=value_flush)
         self.keys, self.values = keys, values
 
     def layout_problems(self, head_dims):
