@@ -40,7 +40,7 @@ OVER_GRAPH_BOUND = {
     # composed (issue 36): the step also writes the full-precision ring and masks its
     # tokens' packed copies (snapkv+kivi4); a step that scores also dequantizes the kept
     # keys for the score and frees a slot in six packed arrays instead of two
-    "snapkv+kivi4": 1.35, "h2o+kivi2": 2.29, "tova+kivi4": 1.83,
+    "snapkv+kivi4": 1.35, "h2o+kivi2": 2.29,
 }
 GRAPH_BOUND = 1.3
 
