@@ -272,6 +272,8 @@ def main() -> None:
             try:
                 cache, y, figures[name] = start(model, METHODS[name], context, args.prefill_repeats)
                 states[name] = (cache, y)
+                print(f"  {name:30s} {context:7d}: prefilled in {figures[name]['prefill_first_s']:.2f} s "
+                      f"(first)", flush=True)
             except Exception as exc:  # noqa: BLE001 - a failing peer is a row, not a crash
                 results.append({"method": name, "context": context, "error": f"{type(exc).__name__}: {exc}",
                                 "traceback": traceback.format_exc(limit=4)})
