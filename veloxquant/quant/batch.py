@@ -115,6 +115,11 @@ class QuantizedPacked(PackedLayout):
     @staticmethod
     def can_pack(single) -> bool:
         store = getattr(single, "store", None)
+        if single.use_kernel and kd.gpu_backend() is not None:
+            # the fused kernel takes one length per launch: per sequence it beat this layout's
+            # pure-MLX read on the H200 (8B shape, 32k prompts: 280 against 66 tokens a second,
+            # benchmarks/results/serve_capacity-llama3-8b.md)
+            return False
         return (type(store) is QuantizedKVStore and store.attend_then_flush and store.window > 0
                 and store.value_flush <= store.window
                 and not store.segments and single.offset > 0 and store.v_win.held > 0
