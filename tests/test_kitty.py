@@ -16,6 +16,7 @@ from veloxquant_mlx.kernels import kivi_decode as kd
 from veloxquant_mlx.methods.kitty.cache import N_SINK, KittyCache
 from veloxquant_mlx.quant.affine import dequantize_per_channel, quantize_per_channel, quantize_per_token
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS, AffineLayout
+from veloxquant_mlx.quant.store import VALUE_ROOM
 from veloxquant_mlx.methods.kitty.promoted import PromotedChannels, PromotedKeys, PromotedScores
 
 
@@ -128,6 +129,8 @@ def test_sinks_and_tails_are_exact_and_order_is_kept(t, chunk):
     rest = max(0, t - N_SINK)
     n_key_tail = 0 if rest == 0 else (rest - 1) % 128 + 1  # 1..L keys: the newest is never quantized
     n_val_tail = min(rest, 128)
+    if chunk == 1:  # decode steps encode the values past the window 32 at a time
+        n_val_tail += max(0, rest - 128) % VALUE_ROOM
     s = cache.store
     assert (s.sink_k.length, s.keys.count, s.values.count) == (min(t, N_SINK), rest - n_key_tail, rest - n_val_tail)
     assert cache.stored_length == t and cache.offset == t
@@ -152,7 +155,22 @@ def test_chunking_does_not_change_what_is_stored():
     feed(steps, keys[:, :, 400:], values[:, :, 400:], 1)
     a, b = whole.store.arrays(), steps.store.arrays()
     views = lambda x: x.view() if isinstance(x, GrowingArray) else x  # noqa: E731
-    assert set(a) == set(b) and all(mx.array_equal(views(a[n]), views(b[n])) for n in a if a[n] is not None)
+    assert set(a) == set(b)
+    # decode steps encode values 32 at a time, so the two may split the values between
+    # codes and the window at different tokens: what both encoded, and what both hold exact,
+    # must agree
+    for n in a:
+        x, y = views(a[n]), views(b[n])
+        if x is None:
+            continue
+        if n.startswith("v_") and n != "v_res":
+            m = min(x.shape[2], y.shape[2])
+            x, y = x[:, :, :m], y[:, :, :m]
+        elif n == "v_res":
+            m = min(x.shape[2], y.shape[2])
+            x, y = x[:, :, -m:], y[:, :, -m:]
+        assert mx.array_equal(x, y), n
+    assert whole.store.values.count + whole.store.v_win.held == steps.store.values.count + steps.store.v_win.held
 
 
 def test_a_block_is_chosen_from_its_own_tokens_and_never_changes():

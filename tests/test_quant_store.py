@@ -160,3 +160,39 @@ def test_a_part_of_full_precision_tokens_only_is_attended():
     q = mx.random.normal((B, H * G, 1, D), key=mx.random.key(2))
     out = decode_attention(q, [DecodePart(None, k, None, v)], scale=D**-0.5)
     assert mx.allclose(out, reference(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_one_softmax_over_every_part_matches_the_merge_of_per_part_partials():
+    """The pure path's joint softmax against the partials' log-sum-exp merge it replaced.
+
+    Both are float32 sums of the same products with weights that differ only in rounding:
+    the merge weighs a part by 2^(m log2 e - top), whose exponent is rounded to within
+    eps |m| log2 e (a relative error of eps |m| in the weight), then exp, power, the two
+    sums (log2 n levels) and the division add a few eps each. So the outputs agree to
+    eps (max|m| + log2 n + 8) max|v|."""
+    import math
+
+    from veloxquant_mlx.kernels.decode import _pure_partials, merge_partials_mlx
+
+    k, v = tokens(256, seed=11)
+    tail_k, tail_v = tokens(17, seed=12)
+    codec_k, codec_v = GroupAffine(4, 32, "channel"), GroupAffine(2, 32, "token")
+    packed = [(PackedTokens(codec_k), PackedTokens(codec_v)) for _ in range(2)]
+    for (pk, pv), rows in zip(packed, (slice(0, 128), slice(128, 256))):
+        pk.append(k[:, :, rows] * 3)  # scores of a few units: the exponent rounding shows
+        pv.append(v[:, :, rows])
+    empty = mx.zeros((0,))
+    parts = [DecodePart(packed[0][0].layout(empty), None, packed[0][1].layout(empty), None),
+             DecodePart(DenseScores(k[:, :, :64]), None, DenseScores(v[:, :, :64]), None),
+             DecodePart(packed[1][0].layout(empty), tail_k, packed[1][1].layout(empty), tail_v)]
+    q = mx.random.normal((B, H * G, 1, D), key=mx.random.key(13))
+    joint = decode_attention(q, parts, scale=D**-0.5)
+    states = [_pure_partials(q, p, D**-0.5) for p in parts]
+    merged = merge_partials_mlx(mx.concatenate([o for o, _ in states], axis=1),
+                                mx.concatenate([ml for _, ml in states], axis=1), q.shape, q.dtype)
+    m = mx.concatenate([ml[..., 0] for _, ml in states], axis=1) / 1.4426950408889634
+    n = sum(p.length for p in parts)
+    eps = float(mx.finfo(mx.float32).eps)
+    bound = eps * (mx.abs(m).max().item() + math.log2(n) + 8) * mx.abs(v).max().item()
+    assert mx.abs(joint - merged).max().item() <= bound
+    assert not mx.array_equal(joint, merged)  # the joint path ran, not the merge

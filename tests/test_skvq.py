@@ -15,6 +15,7 @@ from veloxquant_mlx.methods.skvq import SKVQCache
 from veloxquant_mlx.quant.affine import quantize_per_token
 from veloxquant_mlx.methods.skvq.clip import CLIP_GRID, clip_errors, quantize_clipped, search_clip
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS, AffineLayout
+from veloxquant_mlx.methods.skvq.sliding_store import FLUSH
 from veloxquant_mlx.methods.skvq.reorder import RangeOrder, inverse, is_permutation, permute, permute_heads
 from veloxquant_mlx.quant.token_rows import TokenRows, dequantize_rows
 
@@ -205,7 +206,11 @@ def test_sinks_and_window_are_exact_in_the_models_order(t, chunk):
     values = spread_channels((1, 2, t, 64), seed=t + 7).astype(mx.float16)
     cache = skvq(skvq_window=32, skvq_n_sink=5)
     feed(cache, keys, values, chunk)
-    assert cache.n_quantized == t - 37 and cache.stored_length == t
+    # one token at a time: the first past the window fits and is quantized alone, then
+    # decode steps quantize FLUSH at a time, the window holding up to FLUSH - 1 more
+    held = 32 if chunk > 1 else 32 + (t - 5 - 33) % FLUSH
+    assert cache.store.k_win.held == held
+    assert cache.n_quantized == t - 5 - held and cache.stored_length == t
     k_hat, v_hat = cache.dequantized(mx.float16)
     for hat, x in ((k_hat, keys), (v_hat, values)):
         assert mx.array_equal(hat[:, :, :5], x[:, :, :5]) and mx.array_equal(hat[:, :, -32:], x[:, :, -32:])
@@ -224,7 +229,7 @@ def test_quantized_rows_are_the_clipped_codes_of_the_reordered_tokens():
     assert mx.array_equal(s.values.codes.view(), codes) and mx.array_equal(s.values.scales.view(), scales)
 
 
-def test_one_step_past_the_window_quantizes_one_token_and_packed_rows_never_change():
+def test_decode_steps_quantize_a_flush_of_tokens_at_once_and_packed_rows_never_change():
     x = mx.random.normal((1, 2, 300, 64))
     cache = skvq(skvq_window=32, skvq_n_sink=5)
     feed(cache, x[:, :, :200], x[:, :, :200], 100)
@@ -234,10 +239,17 @@ def test_one_step_past_the_window_quantizes_one_token_and_packed_rows_never_chan
     for step in range(100):
         n = cache.n_quantized
         feed(cache, x[:, :, 200 + step : 201 + step], x[:, :, 200 + step : 201 + step], 1)
-        assert cache.n_quantized == n + 1 and s.k_win.held == 32
+        flushed = step % FLUSH == FLUSH - 1
+        assert cache.n_quantized == n + FLUSH * flushed and s.k_win.held == 32 + (step + 1) % FLUSH
     assert all(mx.array_equal(a, b) for a, b in zip(frozen, (s.perm_k, s.perm_v, s.alpha_k, s.alpha_v)))
     for a, b in zip(before, (s.keys.codes.view(), s.values.codes.view(), s.keys.scales.view())):
         assert mx.array_equal(b[:, :, : a.shape[2]], a)
+    # a flush packs each token as packing it alone would (per-token groups)
+    n = cache.n_quantized
+    for packed, perm, alpha in ((s.keys, s.perm_k, s.alpha_k), (s.values, s.perm_v, s.alpha_v)):
+        one_by_one = [quantize_clipped(permute(x[:, :, 5 + i : 6 + i], perm), alpha, 32, 2) for i in range(n)]
+        for got, want in zip((packed.codes.view(), packed.scales.view(), packed.biases.view()), zip(*one_by_one)):
+            assert mx.array_equal(got, mx.concatenate(want, axis=2))
 
 
 def test_window_zero_quantizes_every_token_past_the_sinks():
@@ -316,7 +328,7 @@ def test_decode_through_the_model_matches_the_dequantized_reference():
     q = mx.random.normal((1, 4, 1, 32))
     k_hat, v_hat = c.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=32**-0.5)
-    assert c.n_quantized == 125 - 21 and mx.allclose(stored_decode_attention(c, q, 32**-0.5), ref, atol=1e-5)
+    assert c.n_quantized == 120 - 21 and mx.allclose(stored_decode_attention(c, q, 32**-0.5), ref, atol=1e-5)
 
 
 def test_the_key_order_pairs_what_the_models_rope_rotates_together():

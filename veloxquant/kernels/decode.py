@@ -9,10 +9,12 @@ codebooks, promoted channels, low-rank factors), which the pure-MLX path reads, 
 a GPU, a kernel of the codec's own where it brings one (``kernel_partials``).
 
 One group-affine part is one launch of the fused kernel (``kivi_decode.py``), as before.
-Several parts are attended part by part, each leaving partial softmax states (base-2
-max, sum, unnormalised output), merged by one log-sum-exp merge: on a GPU the kernels'
-partials (parts no kernel reads add pure-MLX partials in the same form) and the merge
-kernel, elsewhere pure-MLX partials and their merge.
+Where a kernel reads some part (a GPU), parts are attended part by part, each leaving
+partial softmax states (base-2 max, sum, unnormalised output), merged by the merge
+kernel (parts no kernel reads add pure-MLX partials in the same form). Where none does
+(the CPU, ``use_kernel=False``), every part's scores go under one softmax and each
+part's values take their slice of it: the partials' form would cost a decode step some
+eight operations a part plus a dozen for the merge, for the same sums.
 """
 
 from __future__ import annotations
@@ -104,15 +106,14 @@ def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True
         bits, group = parts[0].bits_and_group
         return kd.kivi_decode_attention(queries, *parts[0].kernel_args(), scale=scale,
                                         bits=bits, group_size=group, use_kernel=use_kernel)
-    if len(parts) == 1 and parts[0].heads is None and not (use_kernel and kd.gpu_backend()):
-        # one part, no kernel: its softmax directly (what the merge of one partial gives:
-        # its weight is 2^0), without building the partials' form
-        o, _, l = _pure_state(queries, parts[0], scale)
-        return (o / l).reshape(queries.shape).astype(queries.dtype)
+    backend = kd.gpu_backend() if use_kernel else None
+    if all(p.heads is None for p in parts) and not any(_kernel_may_read(backend, p) for p in parts):
+        # no kernel reads a part: one softmax over every part's scores gives what the
+        # partials' log-sum-exp merge gives, in a quarter of the step's operations
+        return _joint_attention(queries, parts, scale)
     if n_kv_heads is None:
         n_kv_heads = next(_kv_heads(p) for p in parts if p.heads is None)
     gqa = queries.shape[1] // n_kv_heads
-    backend = kd.gpu_backend() if use_kernel else None
     o_parts, ml_parts = [], []
     kernel_ran = False
     for p in parts:
@@ -133,11 +134,56 @@ def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True
             o, ml = _on_all_heads(o, ml, p.heads, queries.shape[0], n_kv_heads, gqa)
         o_parts.append(o)
         ml_parts.append(ml)
+    if not kernel_ran and all(p.heads is None for p in parts):
+        # no kernel served after all (a failed self-check): the same answer as use_kernel=False
+        return _joint_attention(queries, parts, scale)
     o_part, ml_part = mx.concatenate(o_parts, axis=1), mx.concatenate(ml_parts, axis=1)
     # the merge kernel passed its self-check together with a main kernel that ran here
     if kernel_ran:
         return kd.merge_partials(backend, o_part, ml_part, queries.shape, queries.dtype)
     return merge_partials_mlx(o_part, ml_part, queries.shape, queries.dtype)
+
+
+def _kernel_may_read(backend, part: DecodePart) -> bool:
+    """Whether a kernel might read the part on ``backend`` (None: no kernel runs)."""
+    if backend is None:
+        return False
+    return part.affine or getattr(part.keys, "kernel_partials", None) is not None
+
+
+def _joint_attention(queries, parts: list[DecodePart], scale) -> mx.array:
+    """Every part's scores under one softmax, then each part's values mixed by its slice
+    of the probabilities: (B, Hq, 1, D) in the query dtype."""
+    b, hq, _, d = queries.shape
+    h = _kv_heads(parts[0])
+    q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
+    scores, reads = [], []
+    for part in parts:
+        key_tail, value_tail = part.tails()
+        k = part.keys
+        if k is not None and k.count:
+            scores.append(kd.affine_key_scores(q, k.codes, k.scales, k.biases, k.count, k.bits, k.group)
+                          if isinstance(k, AffineLayout) else k.scores(q))
+        if key_tail is not None:
+            scores.append(q @ key_tail.astype(mx.float32).swapaxes(-1, -2))
+        v = part.values
+        if v is not None and v.count:
+            reads.append((v.count, v))
+        if value_tail is not None:
+            reads.append((value_tail.shape[2], value_tail))
+    p = mx.softmax(scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1), axis=-1)
+    o, at = None, 0
+    for n, v in reads:
+        w = p if n == p.shape[-1] else p[..., at : at + n]
+        if isinstance(v, mx.array):
+            r = w @ v.astype(mx.float32)
+        elif isinstance(v, AffineLayout):
+            r = kd.affine_value_mix(w, v.codes, v.scales, v.biases, n, v.bits, v.group)
+        else:
+            r = v.mix(w)
+        o = r if o is None else o + r
+        at += n
+    return o.reshape(queries.shape).astype(queries.dtype)
 
 
 def _own_kernel_partials(backend, queries, part: DecodePart, scale):

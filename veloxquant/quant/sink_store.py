@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..cache.buffers import GrowingArray
+from ..cache.buffers import GrowingArray, RecentRows
 from ..kernels.decode import DecodePart
 from .packed import GROWTH_TOKENS, GroupAffine, PackedTokens
 from .store import WINDOW_STEP, QuantizedKVStore, _rows
@@ -82,12 +82,23 @@ class SinkKVStore(Sinks, QuantizedKVStore):
     """``QuantizedKVStore`` after the sinks, with the key (and maybe value) storage given."""
 
     def __init__(self, keys, values, *, window: int, key_block: int, n_sink: int,
-                 step_tokens: int = GROWTH_TOKENS):
+                 step_tokens: int = GROWTH_TOKENS, value_flush: int = 1):
         # The parent's windows and segments; its packed storage is replaced by what is given.
         placeholder = GroupAffine(8, 32, "token")
-        super().__init__(placeholder, placeholder, window=window, key_block=key_block, step_tokens=step_tokens)
+        super().__init__(placeholder, placeholder, window=window, key_block=key_block, step_tokens=step_tokens,
+                         value_flush=value_flush)
         self.keys, self.values = keys, values
         self._init_sinks(n_sink)
+
+    def _step_values(self, values: mx.array) -> None:
+        """A decode step's value row, written in place; the values past the window are
+        encoded once ``value_flush`` of them wait, together (one encode every
+        ``value_flush`` steps instead of one in every step's graph)."""
+        self.v_win.append(values)
+        if self.v_win.held >= self.window + self.value_flush:
+            n = self.v_win.held - self.window
+            self.values.append(self.v_win.pop_front(n), one_token=n == 1)
+            self.v_win.compact()
 
     @property
     def length(self) -> int:
@@ -118,21 +129,34 @@ class SinkKVStore(Sinks, QuantizedKVStore):
             yield "quantized keys", n_kq, f"a multiple of the key block {self.key_block}"
         if not low <= k_res <= high:
             yield "full-precision keys", k_res, rule
-        if v_res != min(rest, self.window):
-            yield "full-precision values", v_res, f"min({rest} tokens past the sinks, window {self.window})"
+        low = min(rest, self.window)
+        if not low <= v_res < low + self.value_flush:
+            yield "full-precision values", v_res, (
+                f"min({rest} tokens past the sinks, window {self.window})" if self.value_flush == 1 else
+                f"from min({rest} tokens past the sinks, window {self.window}) to {self.value_flush - 1} more")
         if n_kq + k_res != rest or n_vq + v_res != rest:
             yield "tokens stored", f"{n_kq + k_res} keys / {n_vq + v_res} values past the sinks", f"{rest}"
 
 
 class SinkQuantizedStore(SinkKVStore):
+    """Keys flushed in whole blocks once a newer key follows them (the newest stays exact)."""
+
     def __init__(self, keys, value_codec: GroupAffine, *, window: int, key_block: int,
-                 n_sink: int, step_tokens: int = GROWTH_TOKENS):
+                 n_sink: int, step_tokens: int = GROWTH_TOKENS, value_flush: int = 1):
         super().__init__(keys, PackedTokens(value_codec), window=window, key_block=key_block, n_sink=n_sink,
-                         step_tokens=step_tokens)
+                         step_tokens=step_tokens, value_flush=value_flush)
+        # a whole block and the newest key wait in place until the block leaves
+        self.k_win = RecentRows(step=WINDOW_STEP, limit=key_block + 1, geometric=True)
 
     def commit(self, keys: mx.array, values: mx.array) -> None:
-        keys, values, _ = self._take_sinks(keys, values)
-        if keys.shape[2]:  # never the parent's decode path: its flush rule is KIVI's
+        keys, values, n = self._take_sinks(keys, values)
+        if keys.shape[2] == 1 and not n:  # a decode step: rows written in place
+            self.k_win.append(keys)
+            if self.k_win.held > self.key_block:
+                self.keys.append(self.k_win.pop_front(self.key_block))
+                self.k_win.compact()
+            self._step_values(values)
+        elif keys.shape[2]:  # never the parent's decode path: its flush rule is KIVI's
             self._append_rows(keys, values)
 
     def _keys_to_flush(self, n_exact: int) -> int:

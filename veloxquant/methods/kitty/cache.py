@@ -35,6 +35,7 @@ from ...quant.cache import QuantizedCache
 from ...quant.packed import GROWTH_TOKENS, GroupAffine
 from .promoted import PromotedChannels, PromotedKeys
 from ...quant.sink_store import SinkQuantizedStore
+from ...quant.store import VALUE_ROOM
 
 N_SINK = 32  # the repo's sink_length
 
@@ -49,5 +50,5 @@ class KittyCache(QuantizedCache):
         step = max(GROWTH_TOKENS, block)
         return SinkQuantizedStore(
             PromotedKeys(codec, step), GroupAffine(o.kitty_lo_bit, self.group, "token"),
-            window=block, key_block=block, n_sink=N_SINK, step_tokens=step,
+            window=block, key_block=block, n_sink=N_SINK, step_tokens=step, value_flush=VALUE_ROOM,
         )

@@ -137,15 +137,20 @@ class PromotedScores:
         valid blocks' channel indices as int32, if the caller has them."""
         nb, g = self.count // self.block, self.lo.group
         index = self.index[:, :, :nb].astype(mx.int32) if index is None else index
+        scales, codes = self._up_scales(index), self.up[:, :, :nb]
+        if self.up_bits in SUPPORTED_BITS:
+            return mx.dequantize(codes, scales, mx.zeros_like(scales), group_size=g, bits=self.up_bits)
+        return unpack_codes(codes, self.up_bits).astype(mx.float32) * mx.repeat(scales, g, axis=-1)
+
+    def _up_scales(self, index: mx.array) -> mx.array:
+        """The up plane's scales, float32 (B, H, blocks, k, block / group), for the valid
+        blocks' channel indices ``index`` (int32)."""
+        nb, g = index.shape[2], self.lo.group
         b, h, d, cap = self.lo.scales.shape  # scales of the promoted channels, from the lo plane
         offsets = mx.arange(nb)[:, None, None] * (self.block // g) + mx.arange(self.block // g)
         where = (index[..., None] * cap + offsets).reshape(b, h, -1)
         scales = mx.take_along_axis(self.lo.scales.reshape(b, h, d * cap), where, axis=-1)
-        scales = scales.reshape(*index.shape, self.block // g).astype(mx.float32) * (1 << self.lo.bits)
-        codes = self.up[:, :, :nb]
-        if self.up_bits in SUPPORTED_BITS:
-            return mx.dequantize(codes, scales, mx.zeros_like(scales), group_size=g, bits=self.up_bits)
-        return unpack_codes(codes, self.up_bits).astype(mx.float32) * mx.repeat(scales, g, axis=-1)
+        return scales.reshape(*index.shape, self.block // g).astype(mx.float32) * (1 << self.lo.bits)
 
     def scores(self, q: mx.array) -> mx.array:
         """float32 ``q Kᵀ`` (B, H, R, count): the lo plane's scores plus, per block, the
@@ -165,7 +170,15 @@ class PromotedScores:
         nb = self.count // self.block
         index = self.index[:, :, :nb].astype(mx.int32)
         q_up = mx.take_along_axis(q[:, :, None], index[:, :, :, None, :], axis=-1)  # (B, H, nb, R, k)
-        s_up = (q_up @ self.up_values(index)).transpose(0, 1, 3, 2, 4)  # (B, H, R, nb, block)
+        if self.up_bits in SUPPORTED_BITS and kd._pure_path() == "qmm":
+            # one product over the packed plane: dequantizing it first costs a step a few
+            # dozen unpacking operations on the CPU
+            scales = self._up_scales(index)
+            s_up = mx.quantized_matmul(q_up, self.up[:, :, :nb], scales, mx.zeros_like(scales), transpose=False,
+                                       group_size=self.lo.group, bits=self.up_bits)
+        else:
+            s_up = q_up @ self.up_values(index)
+        s_up = s_up.transpose(0, 1, 3, 2, 4)  # (B, H, R, nb, block)
         return s + s_up.reshape(s.shape)
 
 

@@ -48,6 +48,7 @@ from ...quant.groups import check_divides
 from .nonuniform import NonUniform, NonUniformTokens
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import model_rotary
+from ...quant.store import VALUE_ROOM
 from .streaming_store import StreamingStore
 
 
@@ -68,7 +69,8 @@ class KVQuantCache(QuantizedCache):
 
         return StreamingStore(run("channel", model_rotary(self.context)), run("token"),
                               n_sink=o.kvquant_n_sink, key_block=block, window=0,
-                              refit_interval=o.kvquant_refit_interval, step_tokens=step)
+                              refit_interval=o.kvquant_refit_interval, step_tokens=step,
+                              value_flush=VALUE_ROOM)
 
     def update_and_fetch(self, keys, values):
         check_divides(self.group_field, self.group, keys.shape[-1], values.shape[-1])

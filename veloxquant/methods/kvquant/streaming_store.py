@@ -10,7 +10,8 @@
   it keeps keys pre-RoPE (``methods/kvquant/nonuniform.py``'s ``NonUniformTokens``);
 - KIVI's flush rule past the sinks: keys in whole blocks of ``key_block`` (the newest
   ``n mod key_block`` stay exact), values past a window of ``window`` tokens, 0 allowed:
-  every value is encoded as it comes (a token stream);
+  every value is encoded as it comes (a token stream), or, with ``value_flush`` > 1, decode
+  steps encode the values past the window that many at a time;
 - a decode step (one token) written in place and, every ``refit_interval`` decode steps
   (0: never), ``refit()`` on both storages.
 """
@@ -27,8 +28,9 @@ from ...quant.sink_store import SinkKVStore
 
 class StreamingStore(SinkKVStore):
     def __init__(self, keys, values, *, n_sink: int, key_block: int, window: int = 0,
-                 refit_interval: int = 0, step_tokens: int = GROWTH_TOKENS):
-        super().__init__(keys, values, window=window, key_block=key_block, n_sink=n_sink, step_tokens=step_tokens)
+                 refit_interval: int = 0, step_tokens: int = GROWTH_TOKENS, value_flush: int = 1):
+        super().__init__(keys, values, window=window, key_block=key_block, n_sink=n_sink, step_tokens=step_tokens,
+                         value_flush=value_flush)
         self.refit_interval, self.steps = refit_interval, 0
 
     # -- writing -------------------------------------------------------------------------
@@ -45,10 +47,8 @@ class StreamingStore(SinkKVStore):
         if self.k_win.held == self.key_block:
             self.keys.append(self.k_win.view())
             self.k_win.reset(None)
-        if self.window:
-            self.v_win.append(values)
-            if self.v_win.held > self.window:
-                self.values.append(self.v_win.pop_front(1), one_token=True)
+        if self.window or self.value_flush > 1:
+            self._step_values(values)
         else:
             self.values.append(values, one_token=True)
         self.steps += 1

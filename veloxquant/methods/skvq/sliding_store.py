@@ -8,8 +8,10 @@ Layout of one layer (the sequence's tokens in order):
 - packed rows: keys *and* values per token (groups of ``group`` channels of one token),
   clipped (``methods/skvq/clip.py``), each a ``ClippedTokens`` run;
 - the newest ``window`` tokens in full precision, keys and values alike: a step's token
-  joins the window and the oldest one leaves it, quantized (SKVQ's sliding window; no key
-  blocks, since per-token keys need no group of tokens).
+  joins the window, and once ``FLUSH`` tokens are past it they leave together, quantized
+  (SKVQ's sliding window, which quantizes one a step: the codes are the same, per token,
+  and between flushes the window holds up to ``window + FLUSH - 1`` exact tokens; one
+  quantization every ``FLUSH`` steps instead of one in each step's graph).
 
 Fitting: when tokens are first about to be quantized, every full-precision row past the
 sinks (the window plus the new chunk) fits, per (batch row, KV head), the channel order of
@@ -52,6 +54,9 @@ from .reorder import PAIRINGS, RangeOrder, inverse, is_permutation, permute, per
 from ...quant.sink_store import Sinks
 from ...quant.store import VALUE_ROOM, WINDOW_STEP, QuantizedKVStore
 from ...quant.token_rows import TokenRows
+
+
+FLUSH = VALUE_ROOM  # decode steps quantize the tokens past the window this many at a time
 
 
 def _cat(old, new):
@@ -100,8 +105,9 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
         if keys.shape[2] == 1 and self.window and (self.fitted or self.k_win.held < self.window):
             self.k_win.append(keys)  # a decode step: rows written in place
             self.v_win.append(values)
-            if self.k_win.held > self.window:
-                self._pack(self.k_win.pop_front(1), self.v_win.pop_front(1), one_token=True)
+            if self.k_win.held >= self.window + FLUSH:
+                n = self.k_win.held - self.window
+                self._pack(self.k_win.pop_front(n), self.v_win.pop_front(n), one_token=n == 1)
             return
         k_all, v_all = _cat(self.k_res, keys), _cat(self.v_res, values)
         n_old = k_all.shape[2] - self.window
@@ -204,10 +210,12 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
         """(field, found, expected) for each way the stored tokens contradict the policy."""
         yield from self._sink_problems(offset)
         rest = max(0, offset - self.n_sink)
-        win = min(rest, self.window)
-        if self.k_win.held != win or self.v_win.held != win:
+        low = min(rest, self.window)
+        win = self.k_win.held
+        if not low <= win < low + FLUSH or self.v_win.held != win:
             yield "full-precision tokens", f"{self.k_win.held} keys / {self.v_win.held} values", \
-                f"min({rest} tokens past the sinks, window {self.window})"
+                f"from min({rest} tokens past the sinks, window {self.window}) to {FLUSH - 1} more"
+            win = low
         n_kq, n_vq = self.keys.count, self.values.count
         if n_kq != rest - win or n_vq != rest - win:
             yield "quantized tokens", f"{n_kq} keys / {n_vq} values", f"{rest - win}"
