@@ -387,6 +387,10 @@ def _self_check_problem(backend, kc, vc, d, gqa, dtype, tokens=300, heads=2):
         error = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
     except Exception as exc:  # a kernel that does not compile or launch fails its check
         return f"{type(exc).__name__}: {exc}".splitlines()[0]
-    if not math.isfinite(error) or error > 1e-3:
-        return f"relative error {error:.3g}"
+    # the fused kivi kernels' allowance (rounding of the dtype, the kernels' own float16 /
+    # TF32 arithmetic, another summation order, a margin of 4): the H200 gave 1.06e-3 for
+    # float32 at 4 bits, a wrong kernel is off by order 1
+    tolerance = kd._self_check_tolerance(dtype)
+    if not math.isfinite(error) or error > tolerance:
+        return f"relative error {error:.3g} (allowed {tolerance:.3g})"
     return None
