@@ -83,7 +83,7 @@ def test_a_budget_edited_in_the_saved_config_is_refused(tmp_path):
 
     for layer in range(len(cache)):
         edit_saved_layer(path, layer, edit)
-    with pytest.raises(CacheStateError, match=r"layer 0 .*stored tokens is 48, expected 64 for budget 64"):
+    with pytest.raises(CacheStateError, match=r"layer 0 .*stored tokens is 52, expected 68 for budget 64"):
         load_prompt_cache(path)
 
 

@@ -424,10 +424,11 @@ class ScoredEvictionCache(CompressedKVCache):
         """Tokens kept per head after the last update, where the schedule fixes it."""
         if self.in_prompt or self.padded or not self.kept_count_follows_budget:
             return None
-        if self.schedule.decode_every:  # evicts down to the budget at every scoring
-            return min(self.budget, self.offset) if self.schedule.decode_every == 1 else None
         prompt = self.offset - self.decode_steps  # evicted once at the prompt's end, then appends
-        return min(self.budget, prompt) + self.decode_steps
+        every = self.schedule.decode_every
+        # down to the budget at each scoring step (every ``every`` steps), appends between
+        since = self.decode_steps % every if every else self.decode_steps
+        return min(self.budget, self.offset - since) + since
 
     # -- trim: exact only while nothing was evicted ------------------------------------------
     def is_trimmable(self) -> bool:
