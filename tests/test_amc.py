@@ -11,6 +11,7 @@ import pytest
 
 from test_kivi import feed
 from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache.buffers import added_room
 from veloxquant_mlx.cache.options import AMCOptions
 from veloxquant_mlx.methods.amc.projection import pca_basis
 from veloxquant_mlx.methods.amc.cache import AMCCache, low_rank, thresholds
@@ -161,6 +162,18 @@ def test_fractions_over_one_are_refused_by_the_spec_check():
         KVCacheConfig(method="amc", options=AMCOptions(amc_k_high=0.7, amc_k_mid=0.4))
 
 
+def _tier_rows(chunks: list[int]) -> int:
+    """A tier's capacity after prompt chunks that bring it ``chunks`` rows a head: the rows
+    plus one spare, grown by the geometric rule (``added_room``) when they do not fit."""
+    capacity = held = 0
+    for n in chunks:
+        need = held + n + 1
+        if need > capacity:
+            capacity += added_room(capacity, need - capacity, GROWTH_TOKENS, None, geometric=True)
+        held += n
+    return capacity
+
+
 def test_nbytes_after_a_long_prompt_is_the_card_formula_within_the_growth_step():
     t, d, h, g = 1000, 64, 2, 32
     cache = amc()
@@ -169,7 +182,7 @@ def test_nbytes_after_a_long_prompt_is_the_card_formula_within_the_growth_step()
     per_tier = [d * 8 // 8 + 4 * d // g, d * 4 // 8 + 4 * d // g, r * 2 // 8 + 4 * r // math.gcd(g, r)]
     n = [math.floor(0.2 * 500 + 0.5) * 2, math.floor(0.3 * 500 + 0.5) * 2]
     n.append(t - n[0] - n[1])
-    rows = [-(-x // GROWTH_TOKENS) * GROWTH_TOKENS for x in n]
+    rows = [_tier_rows([x // 2] * 2) for x in n]  # each 500-token chunk brings half of them
     tiers = 2 * h * sum(c * x for c, x in zip(per_tier, rows)) + 3 * 2 * 4 * h  # K and V; int32 counts
     flags = cache.store.flags.nbytes  # one uint8 per token and head, and the room
     assert t * h <= flags < (t + GROWTH_TOKENS) * h

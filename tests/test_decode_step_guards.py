@@ -41,6 +41,8 @@ OVER_GRAPH_BOUND = {
     # tokens' packed copies (snapkv+kivi4); a step that scores also dequantizes the kept
     # keys for the score and frees a slot in six packed arrays instead of two
     "snapkv+kivi4": 1.35, "h2o+kivi2": 2.29,
+    # tova's protected recent window (issue 37) is that same full-precision ring
+    "tova+kivi4": 1.35,
 }
 GRAPH_BOUND = 1.3
 

@@ -1,6 +1,7 @@
-"""Keyformer, Q-Filters and L2Norm at the contract's defaults (``*_recent=0``) keep the
-newest tokens for a window of steps (issue 37): a generated token is attended by the steps
-after it before it can be evicted (``ScoredEvictionCache.recent_floor``)."""
+"""Keyformer, Q-Filters and L2Norm at the contract's defaults (``*_recent=0``), and TOVA
+(no recent window in its options), keep the newest tokens for a window of steps (issue 37):
+a generated token is attended by the steps after it before it can be evicted
+(``ScoredEvictionCache.recent_floor``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.evict.base import RECENT_FLOOR
 from veloxquant_mlx.registry import METHODS
 
-THREE = ["keyformer", "qfilters", "knorm"]
+FLOORED = ["keyformer", "qfilters", "knorm", "tova"]
 N_PROMPT, N_STEPS, H, GROUP, D = 1000, 64, 2, 2, 16
 
 
@@ -30,7 +31,7 @@ def _adversarial_kvq():
     return keys, values, queries
 
 
-@pytest.mark.parametrize("method", THREE)
+@pytest.mark.parametrize("method", FLOORED)
 def test_at_defaults_each_generated_token_is_kept_for_the_floor_window(method):
     cache = METHODS[method].load_implementation()(KVCacheConfig(method=method))
     assert cache.recent == RECENT_FLOOR == min(RECENT_FLOOR, cache.budget // 4)

@@ -98,6 +98,7 @@ def _head_averaged_last_row(keys, query):
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
+@pytest.mark.usefixtures("no_recent_floor")
 def test_tova_keeps_what_the_last_query_attends_to_most_and_drops_its_argmin(backend):
     n_prompt, budget, sink = 120, 32, 2
     k, v, q = synthetic(170, seed=5)

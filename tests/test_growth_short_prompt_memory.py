@@ -64,3 +64,46 @@ def test_a_short_prompt_and_its_decode_steps_hold_at_most_one_and_a_half_rows_pe
         held = sum(c.nbytes for c in cache)
         bound = len(cache) * args.num_key_value_heads * (int(1.5 * rows)) * (row + extra)
         assert held <= bound, (rows, held / full, bound / full)
+
+
+# The same rule where the other methods keep rows that grow (issue 37): exact rows held
+# until a fit or kept beside a latent (xkv, a2ats, svdq, palu, spectral, minicache), the
+# full-precision windows (adakv, kvtc), kvquant's per-token runs and amc's tiers (no fused
+# kernel reads them by steps). Their growing buffers together hold at most floor(1.5 * rows)
+# full-precision rows a layer and head (quantized rows are smaller than those); what a cache
+# allocates exactly sized (bases, moments, a latent written once) is added as it is.
+GROWN_EXACTLY_SIZED = re.compile(r"[kv]\d+_(codes|scales|biases|positions)")  # amc's tiers: plain arrays that grow
+
+
+def _exactly_sized_bytes(cache) -> int:
+    from mlx.utils import tree_flatten
+
+    from veloxquant_mlx.cache.buffers import GrowingArray
+
+    total = 0
+    for c in cache:
+        arrays = c._arrays()
+        if c.config.method == "amc":
+            arrays = {k: a for k, a in arrays.items() if not GROWN_EXACTLY_SIZED.fullmatch(k)}
+        total += sum(a.nbytes for _, a in tree_flatten(arrays)
+                     if isinstance(a, mx.array) and not isinstance(a, GrowingArray))
+    return total
+
+
+@pytest.mark.parametrize("n_prompt", [20, 33])
+@pytest.mark.parametrize("method", ["xkv", "a2ats", "svdq", "spectral", "palu", "minicache", "adakv",
+                                    "amc", "kvquant", "kvtc"])
+def test_growing_rows_of_other_methods_hold_at_most_one_and_a_half_rows_per_token(method, n_prompt):
+    model = tiny_model("llama")
+    args = model.args
+    cache = make_prompt_cache(model, KVCacheConfig(method=method))
+    tokens = prompt(n_prompt + 6)
+    model(tokens[None, :n_prompt], cache=cache)
+    row = 2 * args.head_dim * 4
+    for i in range(n_prompt, n_prompt + 6):
+        mx.eval(model(tokens[None, i : i + 1], cache=cache))
+        rows = i + 1
+        full = len(cache) * args.num_key_value_heads * rows * row
+        held = sum(c.nbytes for c in cache)
+        bound = len(cache) * args.num_key_value_heads * int(1.5 * rows) * row + _exactly_sized_bytes(cache)
+        assert held <= bound, (rows, held / full, bound / full)

@@ -120,9 +120,10 @@ class LatentTokens:
         self.rank = segments[-1].stop if segments else 0
         self.packed = {i: PackedTokens(GroupAffine(s.bits, group, "channel"), step_tokens)
                        for i, s in enumerate(segments) if 0 < s.bits < UNQUANTIZED_BITS}
-        self.exact = {i: GrowingArray(axis=2, step=step_tokens)
+        # unquantized segments and the buffer are read through ``view``, never by whole steps
+        self.exact = {i: GrowingArray(axis=2, step=step_tokens, geometric=True)
                       for i, s in enumerate(segments) if s.bits >= UNQUANTIZED_BITS}
-        self.buf = GrowingArray(axis=2, step=WINDOW_STEP, limit=group)
+        self.buf = GrowingArray(axis=2, step=WINDOW_STEP, limit=group, geometric=True)
         self.flushed = 0  # tokens in the segments (a multiple of the group)
 
     @property
@@ -441,9 +442,11 @@ class LatentStore(PackedStore):
         step = max(GROWTH_TOKENS, group)
         self.keys = Latent(key_codec, group, step)
         self.values = Latent(value_codec, group, step) if value_codec is not None else None
-        self.v_exact = GrowingArray(axis=2, step=GROWTH_TOKENS) if value_codec is None else None
-        self.k_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)
-        self.v_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)
+        # exact rows grow with what they hold (geometric): a short prompt, held exactly until
+        # the fit, pays no 256-row step
+        self.v_exact = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True) if value_codec is None else None
+        self.k_pend = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
+        self.v_pend = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         self.fitted_at = 0  # tokens held at the last fit (a Python counter: the refit schedule)
 
     @property

@@ -67,8 +67,9 @@ class XKVCache(CrossLayer, CompressedKVCache):
 
     def _init_storage(self) -> None:
         self._init_cross_layer()
-        self.keys = GrowingArray()  # exact keys: the prompt until the SVD, then what follows
-        self.values = GrowingArray()
+        # exact rows grow with what they hold (geometric): a short prompt pays no 256-row step
+        self.keys = GrowingArray(geometric=True)  # exact keys: the prompt until the SVD, then what follows
+        self.values = GrowingArray(geometric=True)
         self.b = None  # (B, r, n_kv*d): this layer's rows of the group's basis
         self.n_latent = 0  # tokens the shared latent stands for
 

@@ -84,9 +84,11 @@ class RetrievalStore:
                  seed: int = 0):
         self.bits, self.sub_dim, self.window, self.n_sink = bits, sub_dim, window, n_sink
         self.fraction, self.frame, self.query_offset, self.seed = fraction, frame, query_offset, seed
-        self.keys = GrowingArray(axis=2, step=GROWTH_TOKENS)
-        self.values = GrowingArray(axis=2, step=GROWTH_TOKENS)
-        self.codes = GrowingArray(axis=2, step=GROWTH_TOKENS)
+        # exact rows and their unpacked indices grow with what they hold (geometric): a short
+        # prompt pays no 256-row step, and nothing reads them by whole steps
+        self.keys = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
+        self.values = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
+        self.codes = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         self.centroids = codebook
         self.factor = None if metric is None else metric_factor(metric)  # L of the assignment metric
         self.beta = beta

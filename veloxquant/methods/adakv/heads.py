@@ -210,8 +210,10 @@ class PlaneStore(PackedStore):
         self.weights = [GrowingArray(axis=2, step=steps) for _ in range(levels[2])]
         cap = window + block
         room = min(cap, GROWTH_TOKENS)
-        self.k_win = GrowingArray(axis=2, step=room, limit=cap)
-        self.v_win = GrowingArray(axis=2, step=room, limit=cap)
+        # the window grows with what it holds (geometric) up to ``cap``, where the flush needs
+        # it exactly: a short prompt pays no whole step
+        self.k_win = GrowingArray(axis=2, step=room, limit=cap, geometric=True)
+        self.v_win = GrowingArray(axis=2, step=room, limit=cap, geometric=True)
 
     def n_planes(self, n_heads: int) -> int:
         return self.levels[0] * n_heads + spare_bits(self.levels, self.target, n_heads)

@@ -4,7 +4,9 @@ A token's tier may differ from head to head, and at a decode step one head's tok
 to one tier, another head's to another, so a tier's heads hold different numbers of
 rows. ``RaggedTier`` keeps one codec's rows per (batch, head) at their own count
 (``counts`` (B, H)), in arrival order, in buffers of ``capacity`` rows shared by the
-heads and grown ``step`` rows at a time. A write gathers the rows each head takes
+heads and grown by at most ``step`` rows, fewer while the tier is small (``added_room``'s
+geometric rule: a short prompt pays no whole step; no fused kernel reads the tiers, so
+nothing needs aligned steps). A write gathers the rows each head takes
 (a prompt chunk: the same number per head; a decode step: one row, which a head that
 does not take it writes past its count) and writes them after its own run. Rows past a
 head's count are masked out of its scores (``MaskedRows``), so readers run over the whole
@@ -30,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...cache.buffers import GrowingArray
+from ...cache.buffers import GrowingArray, added_room
 from ...kernels.decode import DecodePart
 from .projection import ProjectedRows, RotatedRows
 from ...quant.token_rows import TokenGroups, TokenRows
@@ -69,7 +71,7 @@ class RaggedTier:
         need = self.bound + n + 1
         if need <= self.capacity:
             return self.capacity
-        return self.capacity + -(-(need - self.capacity) // self.step) * self.step
+        return self.capacity + added_room(self.capacity, need - self.capacity, self.step, None, geometric=True)
 
     def write(self, rows: mx.array, take: mx.array, most: int, positions: mx.array | None = None,
               capacity: int | None = None) -> None:
@@ -145,7 +147,7 @@ class TieredRowsStore(PackedStore):
         self.k_tiers = [RaggedTier(c, step, positioned=rotary is not None and t in projected)
                         for t, c in enumerate(key_codecs)]
         self.v_tiers = [RaggedTier(c, step) for c in value_codecs]
-        self.flags = GrowingArray(axis=2, step=step)  # (B, H, n) uint8 tier ids
+        self.flags = GrowingArray(axis=2, step=step, geometric=True)  # (B, H, n) uint8 tier ids
         self.projections: dict[int, tuple[mx.array, mx.array, mx.array, mx.array]] = {}
         self.shares = list(shares) if shares is not None else [1 / len(key_codecs)] * len(key_codecs)
         self.step, self.rotary = step, rotary
@@ -194,11 +196,15 @@ class TieredRowsStore(PackedStore):
             self.expected[t] += self.shares[t]
             cap = max(tier.capacity, 1)  # the spare row
             while self.expected[t] + 1 > cap - 1 and self.shares[t] > 0:
-                cap += self.step
+                cap += self._growth(cap)
             caps.append(cap)
         while sum(c - 1 for c in caps) < self.length + 1:  # some tier has room for every head
-            caps = [c + (self.step if s > 0 else 0) for c, s in zip(caps, self.shares)]
+            caps = [c + (self._growth(c) if s > 0 else 0) for c, s in zip(caps, self.shares)]
         return caps
+
+    def _growth(self, capacity: int) -> int:
+        """Rows a full tier of ``capacity`` rows grows by for one more (the tiers' rule)."""
+        return added_room(capacity, 1, self.step, None, geometric=True)
 
     def commit_step(self, keys: mx.array, values: mx.array, tiers: mx.array) -> mx.array:
         """One token (B, H, 1, D) in its tier (B, H, 1) uint8, or, for a head whose tier is

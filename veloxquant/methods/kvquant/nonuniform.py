@@ -116,14 +116,18 @@ class NonUniformTokens:
         self.codec, self.rotary, self.start = codec, rotary, start
         g, ax = codec.group, codec.append_axis
         channel = codec.axis == "channel"
-        self.codes = GrowingArray(axis=ax, step=step_tokens // 32 if channel else step_tokens)
-        self.offsets = GrowingArray(axis=ax, step=step_tokens // g if channel else step_tokens)
-        self.ranges = GrowingArray(axis=ax, step=step_tokens // g if channel else step_tokens)
+        # Per token, every buffer has one row a token, appended together, so they can grow
+        # with what they hold (geometric) and keep equal capacities: a short prompt pays no
+        # 256-row step. Per channel, words of 32 tokens and groups of g must grow by aligned steps.
+        rows = not channel
+        self.codes = GrowingArray(axis=ax, step=step_tokens // 32 if channel else step_tokens, geometric=rows)
+        self.offsets = GrowingArray(axis=ax, step=step_tokens // g if channel else step_tokens, geometric=rows)
+        self.ranges = GrowingArray(axis=ax, step=step_tokens // g if channel else step_tokens, geometric=rows)
         unit_step = step_tokens // g if channel else step_tokens
-        self.out_pos = GrowingArray(axis=2, step=unit_step)
-        self.out_val = GrowingArray(axis=2, step=unit_step)
+        self.out_pos = GrowingArray(axis=2, step=unit_step, geometric=rows)
+        self.out_val = GrowingArray(axis=2, step=unit_step, geometric=rows)
         self.books = GrowingArray(axis=0, step=1)  # (codebooks, 2^bits) float32
-        self.book_ids = GrowingArray(axis=0, step=unit_step) if refits else None
+        self.book_ids = GrowingArray(axis=0, step=unit_step, geometric=rows) if refits else None
         self.hist = GrowingArray(axis=0, step=2) if refits else None  # codebook.histogram
         # Whether encodes have reached the histogram since the last fit, kept on the host so
         # that a scheduled refit at a decode step needs no read of the histogram (unknown

@@ -35,8 +35,9 @@ class SinkWindowStore(PackedStore):
         self.n_sink, self.window, self._fit = n_sink, window, fit
         self.sink_k = GrowingArray(step=max(n_sink, 1), limit=n_sink)
         self.sink_v = GrowingArray(step=max(n_sink, 1), limit=n_sink)
-        self.k_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM)
-        self.v_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM)
+        # the window grows with what it holds (geometric): a short prompt pays no 32-row step
+        self.k_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM, geometric=True)
+        self.v_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM, geometric=True)
 
     @property
     def length(self) -> int:

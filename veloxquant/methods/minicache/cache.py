@@ -41,6 +41,7 @@ keeps every retained pair.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -76,17 +77,20 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
 
     def _init_storage(self) -> None:
         self._init_cross_layer()
-        self.keys, self.values = GrowingArray(), GrowingArray()  # layers left alone: exact
+        # every buffer here is read through its rows held (``view`` or ``[:count]``), so each
+        # grows with what it holds (geometric): a short prompt pays no 256-row step
+        grown = functools.partial(GrowingArray, geometric=True)
+        self.keys, self.values = grown(), grown()  # layers left alone: exact
         self.pending_k = self.pending_v = None  # a first layer's rows not merged yet
-        self.m_k, self.m_v = GrowingArray(axis=2), GrowingArray(axis=2)  # own magnitudes
+        self.m_k, self.m_v = grown(), grown()  # own magnitudes
         for x in _TENSORS:  # a second layer's retained pairs: (b*H + h, token), x - m e
-            setattr(self, f"ret_{x}_where", GrowingArray(axis=0))
-            setattr(self, f"ret_{x}_delta", GrowingArray(axis=0))
+            setattr(self, f"ret_{x}_where", grown(axis=0))
+            setattr(self, f"ret_{x}_delta", grown(axis=0))
             setattr(self, f"ret_{x}_used", None)  # () int32: rows holding pairs (the rest reserved)
             setattr(self, f"ret_{x}_dropped", None)  # () int32: decode pairs past the reserved rows
         self.retained_rate = 1.0  # of a decode token's pairs, rows reserved ahead
         for x in _TENSORS:  # a second layer's (the owner's) merged directions of the pair
-            self.shared[f"e_{x}"] = GrowingArray()
+            self.shared[f"e_{x}"] = grown()
         self._new = None
         self._decode_merges = 0  # decode tokens merged since the last prompt chunk: the reservation's schedule
 

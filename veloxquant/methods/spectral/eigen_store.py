@@ -314,8 +314,10 @@ class EigenStore(PackedStore):
 
     def __init__(self, keys: EigenTokens, values: EigenTokens):
         self.key_runs, self.value_runs = [keys], [values]
-        self.k_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)  # exact until the basis is fitted
-        self.v_pend = GrowingArray(axis=2, step=GROWTH_TOKENS)
+        # exact until the basis is fitted, growing with what they hold (geometric): a short
+        # prompt pays no 256-row step
+        self.k_pend = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
+        self.v_pend = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         self.fitted_at = 0  # tokens held at the end of the prompt or the last refit
 
     @property
