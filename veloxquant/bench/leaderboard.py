@@ -257,6 +257,21 @@ def markdown(rows: list[Row], tasks, title: str, command: str | None = None) -> 
                  _pct(r.bytes_per_token), *(_pct(r.scores.get(t)) for t in tasks),
                  _pct(r.average) if r.status == "ok" else f"failed: {r.error}"]
         lines.append("| " + " | ".join(cells) + " |")
+    targets = sorted({r.target for r in rows if r.target is not None})
+    lines += ["", "Average score by target ratio (the ratio reached in brackets), as kvpress "
+              "lays out its leaderboard:", "",
+              "| method | " + " | ".join(f"{t:g}" for t in targets) + " |",
+              "|" + "---|" * (len(targets) + 1)]
+    full = next((r for r in rows if r.method == "full"), None)
+    if full is not None:
+        lines.append(f"| full | {' | '.join([_pct(full.average)] * len(targets))} |")
+    for m in dict.fromkeys(r.method for r in rows if r.method != "full"):
+        cells = []
+        for t in targets:
+            r = next((r for r in rows if r.method == m and r.target == t), None)
+            cells.append("-" if r is None or r.status != "ok"
+                         else f"{_pct(r.average)} ({r.ratio:.3f})")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "ratio: the compression ratio reached, 1 - (KV bytes after prefilling a "
               "prompt of the leaderboard's length) / (the full cache's); target ratio: the one "
               "aimed at; setting: the value of the method's main field that came nearest; "

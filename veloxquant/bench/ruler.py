@@ -266,10 +266,11 @@ def _qa(rng: random.Random, corpus: str, context_tokens: int):
     towns = rng.sample(_TOWNS, 7)
     # every (person, thing) pair is a distinct fact with its own town; the asked pair's
     # person and thing each appear in other facts, so neither alone finds the answer
-    pairs = [(p, t) for p in people[:2] for t in things[:3]] + [(people[2], things[3])]
+    lone = (people[2], things[3])  # a fact about neither: never asked
+    pairs = [(p, t) for p in people[:2] for t in things[:3]] + [lone]
     rng.shuffle(pairs)
     facts = [f"{p} keeps the {t} in {towns[i]}." for i, (p, t) in enumerate(pairs)]
-    asked = rng.randrange(len(pairs))
+    asked = rng.choice([i for i, pair in enumerate(pairs) if pair != lone])
     person, thing = pairs[asked]
     answers = (towns[asked],)
     n_docs = max(2, round(QA_DOCUMENTS_PER_1K * context_tokens / 1024))
