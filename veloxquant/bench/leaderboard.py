@@ -5,7 +5,8 @@ A compression ratio is the fraction of the full cache's bytes a method removes, 
 kvpress counts it (0.75: a quarter of the bytes kept). Each method reaches a ratio
 through its main knob (the first field its spec sweeps, else its ``*_budget`` field):
 the setting chosen is the one whose measured ``nbytes`` after prefilling a prompt of the
-leaderboard's length is nearest the target, found by bisection on the measurements
+leaderboard's length (rounded down to whole steps of 256 rows, the full cache's
+allocation unit) is nearest the target, found by bisection on the measurements
 (never by a bytes formula: sinks, windows, group scales and codebooks all count). The
 ratio each row reached is stated beside the one it aimed at.
 """
@@ -28,6 +29,7 @@ RATIOS = (0.25, 0.5, 0.75, 0.875)
 #: the search early
 TOLERANCE = 0.005
 FLOAT_STEPS = 10
+FULL_STEP = 256  # the full cache grows in steps of 256 rows, as mlx-lm's KVCache does
 
 
 def main_field(method: str) -> str | None:
@@ -178,8 +180,12 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
     from .tasks import load_default_filler
 
     text = tokenizer.encode(load_default_filler())
-    start = (seed * 7919) % max(1, len(text) - context)
-    probe = text[start:start + context]  # the prompt the bytes are measured on
+    # the prompt the bytes are measured on: a whole number of the full cache's allocation
+    # steps, as its nbytes counts capacity, and a partly filled step would make every
+    # method look smaller beside it
+    length = max(FULL_STEP, context // FULL_STEP * FULL_STEP)
+    start = (seed * 7919) % max(1, len(text) - length)
+    probe = text[start:start + length]
     full_config = config_for("full", {})
     full_bytes = prefill_bytes(model, tokenizer, full_config, probe)
     tick = progress.tick if progress else (lambda: None)
@@ -273,7 +279,7 @@ def markdown(rows: list[Row], tasks, title: str, command: str | None = None) -> 
                          else f"{_pct(r.average)} ({r.ratio:.3f})")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "ratio: the compression ratio reached, 1 - (KV bytes after prefilling a "
-              "prompt of the leaderboard's length) / (the full cache's); target ratio: the one "
+              "prompt of the leaderboard's length, in whole 256-token steps) / (the full cache's); target ratio: the one "
               "aimed at; setting: the value of the method's main field that came nearest; "
               "task columns and average: RULER scores in percent (all references found, "
               "or for qa any)."]
