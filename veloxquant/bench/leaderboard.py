@@ -145,8 +145,11 @@ def score_examples(model, tokenizer, config, examples, tick=lambda: None) -> dic
     run = MethodRun("leaderboard", config)
     per_task: dict[str, list[float]] = {}
     outputs = []
+    eos = getattr(tokenizer, "eos_token", None)
     for ex in examples:
         out = answer(model, tokenizer, run, ex)
+        if eos:  # what follows the model's end of text is no part of its answer
+            out = out.split(eos, 1)[0]
         s = ruler_score(ex, out)
         per_task.setdefault(ex.task, []).append(s)
         outputs.append({"task": ex.task, "index": ex.index, "score": s, "output": out})
