@@ -22,7 +22,7 @@ from typing import Any, Callable
 from .._generated.deprecations import CONFIG_FIELD_USERS
 from .._generated.validators import RULES
 from ..registry import METHODS
-from .ruler import RULER_TASKS, make_ruler_examples, ruler_score
+from .ruler import make_ruler_examples, ruler_score
 
 RATIOS = (0.25, 0.5, 0.75, 0.875)
 #: a measured setting within this fraction of the full cache's bytes of its target ends

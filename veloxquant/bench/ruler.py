@@ -41,7 +41,6 @@ from __future__ import annotations
 import bisect
 import random
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
