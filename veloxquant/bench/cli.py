@@ -13,6 +13,8 @@ from ..cache.config import KVCacheConfig, fields_read_by
 from ..cli_common import (CLIError, DTYPE_HELP, DTYPES, build_config, check_method, method_key,
                           parse_assignments)
 from ..registry import METHODS, implemented_methods
+from .leaderboard import RATIOS as LEADERBOARD_RATIOS
+from .ruler import RULER_TASKS
 from .tasks import TASKS
 
 DEFAULT_CONTEXT = 4096
@@ -27,6 +29,10 @@ QUICK = {
     "continuation": 32,
     "synthetic_decode": 8,
 }
+
+# --leaderboard: kvpress reports RULER at 4k; --quick is a short run of the same shape
+LEADERBOARD = {"context": 4096, "examples": 10}
+LEADERBOARD_QUICK = {"context": 1024, "examples": 2}
 
 DESCRIPTION = """\
 Memory, quality and speed of every implemented method (or --methods) on one harness,
@@ -83,6 +89,21 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--synthetic", action="store_true",
                    help="no model: each method's attention error on synthetic K/V/Q "
                         "against exact attention")
+    p.add_argument("--leaderboard", action="store_true",
+                   help="RULER-style tasks (needles, multi-key, multi-value, variable "
+                        "tracking, common words, QA) scored for each method at compression "
+                        "ratios of KV bytes (--ratios), each method's main field set to the "
+                        "value whose measured bytes come nearest; writes leaderboard.md, "
+                        ".json and .png to --out")
+    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in LEADERBOARD_RATIOS),
+                   help="with --leaderboard: compression ratios, the fraction of the full "
+                        "cache's KV bytes removed (default: %(default)s)")
+    p.add_argument("--tasks", default=",".join(RULER_TASKS),
+                   help="with --leaderboard: comma-separated tasks (default: %(default)s)")
+    p.add_argument("--examples", type=int, default=None,
+                   help=f"with --leaderboard: examples per task (default: "
+                        f"{LEADERBOARD['examples']}, with --quick "
+                        f"{LEADERBOARD_QUICK['examples']})")
     p.add_argument("--out", default="bench-out", metavar="DIR",
                    help="folder for results.json, table.md and pareto.png "
                         "(default: bench-out)")
@@ -208,6 +229,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..cli_common import resolve_model
     from . import report
 
+    if args.leaderboard:
+        return cmd_leaderboard(args)
     if args.quick and args.sweep:
         raise BenchError("--quick runs one setting per method; drop --sweep or --quick")
     if args.context is None:
@@ -267,6 +290,93 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'results.json'}, {out / 'table.md'} and {out / 'pareto.png'} "
           f"({payload['elapsed_s']:.0f} s)")
     return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"{what} {text}: comma-separated numbers, e.g. 0.25,0.5") from None
+    if not values or not all(0 <= v < 1 for v in values):
+        raise BenchError(f"{what} {text}: each ratio is in [0, 1)")
+    return values
+
+
+def cmd_leaderboard(args: argparse.Namespace) -> int:
+    import shlex
+
+    from rich.console import Console
+
+    from ..cli_common import compute_dtype, load_model, resolve_model
+    from . import leaderboard, report
+
+    for flag in ("synthetic", "sweep", "set"):
+        if getattr(args, flag):
+            raise BenchError(f"--leaderboard sets each method's main field itself; drop "
+                             f"--{flag}")
+    ratios = _floats(args.ratios, "--ratios")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in RULER_TASKS]
+    if unknown or not tasks:
+        raise BenchError(f"--tasks {args.tasks}: choose from {', '.join(RULER_TASKS)}")
+    shape = LEADERBOARD_QUICK if args.quick else LEADERBOARD
+    context = args.context or shape["context"]
+    examples = args.examples or shape["examples"]
+    if context < 256:
+        raise BenchError(f"--leaderboard needs --context of at least 256 tokens, got {context}")
+    methods = ["full"] + [m for m in select_methods(args.methods) if m != "full"]
+    model_name = resolve_model(args.model)
+    out = Path(args.out)
+    if (out / "leaderboard.json").exists() and not args.force:
+        raise BenchError(f"--out {out}: already holds a leaderboard ({out / 'leaderboard.json'});"
+                         " choose another folder or pass --force to overwrite it")
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer, _ = load_model(args.model)
+    dtype = compute_dtype(args.dtype)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    title = "leaderboard: " + report.title(model_name, context, date, False).removeprefix(
+        "veloxquant bench: ") + f", {examples} examples a task"
+    # the run's full settings, so that the line reruns it whatever the defaults become
+    command = shlex.join(["veloxquant", "bench", "--leaderboard", "--methods",
+                          ",".join(methods[1:]) or "full", "--ratios",
+                          ",".join(f"{r:g}" for r in ratios), "--tasks", ",".join(tasks),
+                          "--context", str(context), "--examples", str(examples), "--seed",
+                          str(args.seed), "--dtype", args.dtype]
+                         + ([] if args.model in (None, "reference") else ["--model", args.model])
+                         + ["--out", str(out)])
+    started = time.perf_counter()
+    payload = {"environment": report.environment(args.seed, model_name), "date": date,
+               "context": context, "ratios": ratios, "tasks": tasks,
+               "examples_per_task": examples, "command": command}
+
+    def save(rows, partial: bool):
+        leaderboard.write(out, {**payload, "partial": partial,
+                                "elapsed_s": time.perf_counter() - started}, rows, tasks,
+                          title + (" (PARTIAL)" if partial else ""), command)
+
+    try:
+        prompts = leaderboard.make_examples(tokenizer, tasks, examples, context, args.seed)
+    except ValueError as exc:
+        raise BenchError(f"--context {context}: {exc}") from None
+    progress = RunProgress(Console(stderr=True), "leaderboard",
+                           1 + (len(methods) - 1) * len(ratios),
+                           ticks_per_run=examples * len(tasks))
+    try:
+        result = leaderboard.run_leaderboard(
+            model, tokenizer, methods, ratios, tasks, prompts, context, args.seed,
+            progress=progress, on_row=lambda rows: save(rows, partial=True))
+    finally:
+        progress.close()
+    payload.update(full_bytes=result["full_bytes"], probe_tokens=result["probe_tokens"],
+                   outputs=result["outputs"])
+    save(result["rows"], partial=False)
+    leaderboard.plot(out / "leaderboard.png", result["rows"], title)
+    print((out / "leaderboard.md").read_text())
+    print(f"wrote {out / 'leaderboard.md'}, {out / 'leaderboard.json'} and "
+          f"{out / 'leaderboard.png'} ({time.perf_counter() - started:.0f} s)")
+    return 0 if all(r.status == "ok" for r in result["rows"]) else 1
 
 
 def run_synthetic(runs, args, settings, console, finished) -> None:

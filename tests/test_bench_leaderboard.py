@@ -1,0 +1,120 @@
+"""Issue 34: ``veloxquant bench --leaderboard``: settings found by measured bytes, the
+table and plot in kvpress's shape."""
+
+import json
+import math
+
+import pytest
+
+from veloxquant_mlx.bench import leaderboard as lb
+from veloxquant_mlx.cli import main
+
+
+def test_main_field_is_the_swept_field_else_the_budget():
+    assert lb.main_field("snapkv") == "snap_budget"
+    assert lb.main_field("kivi") == "kv_bits"  # a config field, swept for kivi
+    assert lb.main_field("knorm") == "knorm_budget"  # no sweep in the spec
+    assert lb.main_field("streaming_llm") == "stream_window_size"
+    assert lb.main_field("full") is None
+
+
+def _counting(f):
+    calls = []
+
+    def measure(v):
+        calls.append(v)
+        return f(v)
+
+    return measure, calls
+
+
+def test_integer_search_starts_above_refused_values_and_finds_the_nearest():
+    # refused below 37 (a budget that leaves no room for sinks and window), 100 B a token
+    measure, calls = _counting(lambda v: None if v < 37 else 100 * v + 20)
+    measured: dict = {}
+    # full = 5000: the search stops early only within 25 bytes of the target
+    value, nbytes = lb.search(measure, "snap_budget", 5000, 5000, 1024, measured)
+    assert (value, nbytes) == (50, 5020)
+    assert len(calls) == len(set(calls)) < 40  # bisection, each value measured once
+    before = len(calls)  # a second target reuses what the first measured
+    assert lb.search(measure, "snap_budget", 5000, 5000, 1024, measured) == (50, 5020)
+    assert len(calls) == before
+    # with a looser tolerance (0.5% of a larger full cache) a nearby value ends it early
+    value, nbytes = lb.search(measure, "snap_budget", 5000, 102_400, 1024, {})
+    assert abs(nbytes - 5000) <= 0.005 * 102_400
+
+
+def test_float_search_follows_bytes_that_fall_as_the_value_rises():
+    measure, _ = _counting(lambda v: 1000.0 / v)
+    value, nbytes = lb.search(measure, "rocketkv_compression_ratio", 250.0, 1000.0, 1024, {})
+    assert value == pytest.approx(4.0, abs=0.05) and nbytes == pytest.approx(250, abs=5)
+
+
+def test_choices_are_all_measured():
+    measure, calls = _counting({2: 10, 4: 20, 8: 40}.get)
+    assert lb.search(measure, "kv_bits", 18, 64, 1024, {}) == (4, 20)
+    assert sorted(calls) == [2, 4, 8]
+
+
+def test_markdown_has_the_rows_and_kvpress_table():
+    rows = [lb.Row("full", None, 0.0, None, None, 8192.0, {"qa": 50.0, "cwe": 100.0}, 75.0),
+            lb.Row("snapkv", 0.5, 0.498, "snap_budget", 255, 4112.0,
+                   {"qa": 0.0, "cwe": 50.0}, 25.0),
+            lb.Row("kivi", 0.5, math.nan, "kv_bits", None, math.nan, status="failed",
+                   error="ValueError: x")]
+    text = lb.markdown(rows, ["qa", "cwe"], "T", "veloxquant bench --leaderboard")
+    lines = text.splitlines()
+    assert lines[0] == "# T" and "veloxquant bench --leaderboard" in lines
+    assert "| full | - | 0.000 | - | 8192.0 | 50.0 | 100.0 | 75.0 |" in lines
+    assert "| snapkv | 0.5 | 0.498 | snap_budget=255 | 4112.0 | 0.0 | 50.0 | 25.0 |" in lines
+    assert "| kivi | 0.5 | - | kv_bits=None | - | - | - | failed: ValueError: x |" in lines
+    assert "| method | 0.5 |" in lines and "| snapkv | 25.0 (0.498) |" in lines
+    assert "| full | 75.0 |" in lines and "| kivi | - |" in lines
+
+
+def test_bad_arguments_are_refused_before_the_model_loads(capsys, tmp_path):
+    out = str(tmp_path)
+    assert main(["bench", "--leaderboard", "--sweep", "--out", out]) == 2
+    assert "drop --sweep" in capsys.readouterr().err
+    assert main(["bench", "--leaderboard", "--ratios", "0.5,1.5", "--out", out]) == 2
+    assert "each ratio is in [0, 1)" in capsys.readouterr().err
+    assert main(["bench", "--leaderboard", "--tasks", "niah,qa", "--out", out]) == 2
+    assert "choose from niah_single" in capsys.readouterr().err
+
+
+TINY = ["bench", "--leaderboard", "--methods", "snapkv,streaming_llm", "--ratios", "0.5",
+        "--context", "300", "--examples", "1", "--tasks", "niah_single"]
+
+
+def test_tiny_leaderboard(capsys, tmp_path):
+    assert main([*TINY, "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "leaderboard.json").read_text())
+    assert data["partial"] is False and data["probe_tokens"] == 256  # whole steps of 256
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows) == ["full", "snapkv", "streaming_llm"]
+    assert rows["full"]["ratio"] == 0 and rows["full"]["scores"] == {"niah_single": 100.0}
+    for m, name in (("snapkv", "snap_budget"), ("streaming_llm", "stream_window_size")):
+        assert rows[m]["field"] == name and rows[m]["target"] == 0.5
+        assert abs(rows[m]["ratio"] - 0.5) < 0.01  # token budgets reach a ratio closely
+        assert rows[m]["scores"]["niah_single"] in (0.0, 100.0)
+    # the committed command reruns the same leaderboard
+    assert data["command"].startswith("veloxquant bench --leaderboard --methods "
+                                      "snapkv,streaming_llm --ratios 0.5 --tasks niah_single "
+                                      "--context 300 --examples 1 --seed 0")
+    assert (tmp_path / "leaderboard.png").stat().st_size > 10_000
+    assert "| streaming_llm | 0.5 |" in (tmp_path / "leaderboard.md").read_text()
+    capsys.readouterr()
+    assert main([*TINY, "--out", str(tmp_path)]) == 2  # an earlier leaderboard is kept
+    assert "pass --force" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_leaderboard_every_task_and_ratio(tmp_path):
+    assert main(["bench", "--leaderboard", "--methods", "knorm,kivi", "--context", "1024",
+                 "--examples", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "leaderboard.json").read_text())
+    assert len(data["rows"]) == 1 + 2 * 4
+    for r in data["rows"][1:]:
+        assert r["status"] == "ok" and set(r["scores"]) == set(data["tasks"])
+        if r["method"] == "knorm":
+            assert abs(r["ratio"] - r["target"]) < 0.01

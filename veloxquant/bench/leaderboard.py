@@ -1,0 +1,326 @@
+"""``veloxquant bench --leaderboard``: RULER-style scores of each method at fixed
+compression ratios of KV bytes, in the shape of kvpress's leaderboard.
+
+A compression ratio is the fraction of the full cache's bytes a method removes, as
+kvpress counts it (0.75: a quarter of the bytes kept). Each method reaches a ratio
+through its main knob (the first field its spec sweeps, else its ``*_budget`` field):
+the setting chosen is the one whose measured ``nbytes`` after prefilling a prompt of the
+leaderboard's length (rounded down to whole steps of 256 rows, the full cache's
+allocation unit) is nearest the target, found by bisection on the measurements
+(never by a bytes formula: sinks, windows, group scales and codebooks all count). The
+ratio each row reached is stated beside the one it aimed at.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .._generated.deprecations import CONFIG_FIELD_USERS
+from .._generated.validators import RULES
+from ..registry import METHODS
+from .ruler import make_ruler_examples, ruler_score
+
+RATIOS = (0.25, 0.5, 0.75, 0.875)
+#: a measured setting within this fraction of the full cache's bytes of its target ends
+#: the search early
+TOLERANCE = 0.005
+FLOAT_STEPS = 10
+FULL_STEP = 256  # the full cache grows in steps of 256 rows, as mlx-lm's KVCache does
+
+
+def main_field(method: str) -> str | None:
+    """The knob that sets a method's bytes: its first swept field, else its budget."""
+    info = METHODS[method]
+    if info.sweeps:
+        return info.sweeps[0][0]
+    return next((f for f in info.fields if f.endswith("_budget")), None)
+
+
+def config_for(key: str, setting: dict):
+    """The config of ``key`` (a method, or METHOD+kiviBITS) with ``setting`` applied."""
+    from ..cache.config import KVCacheConfig
+    from ..cli_common import build_config
+    from .cli import composed
+
+    method, bits = composed(key)
+    top = {k: v for k, v in setting.items() if k in CONFIG_FIELD_USERS}
+    options = {k: v for k, v in setting.items() if k not in top}
+    config = build_config(method, top, options)
+    if bits is not None:
+        config = KVCacheConfig.from_dict({**config.to_dict(), "kv_bits": bits,
+                                          "storage": {"method": "kivi", "options": {}}})
+    return config
+
+
+def _nearest(measured: dict, target: float):
+    ok = [(v, b) for v, b in measured.items() if b is not None]
+    return min(ok, key=lambda vb: (abs(vb[1] - target), vb[0])) if ok else None
+
+
+def search(measure: Callable[[Any], float | None], field_name: str, target: float,
+           full: float, context: int, measured: dict) -> tuple[Any, float] | None:
+    """(value, bytes) of ``field_name`` whose measured bytes are nearest ``target``.
+
+    ``measure(value)`` gives the bytes at that value (None where the value is refused);
+    ``measured`` keeps every measurement, so a second target reuses the first's. Bytes
+    are taken to move one way with the value, up or down: the ends say which."""
+    rule = RULES[field_name]
+    close = lambda b: b is not None and abs(b - target) <= TOLERANCE * full  # noqa: E731
+
+    def at(v):
+        if v not in measured:
+            measured[v] = measure(v)
+        return measured[v]
+
+    if rule.choices is not None:
+        for v in rule.choices:
+            at(v)
+        return _nearest(measured, target)
+    if rule.base not in ("int", "float"):
+        return None
+    is_int = rule.base == "int"
+    lo = rule.low if rule.low is not None else (1 if is_int else 0.0)
+    # a token budget past the prompt's length keeps everything: no need to look further
+    hi = rule.high if rule.high is not None and rule.high < 1e6 else None
+    if is_int:
+        lo, hi = int(lo), int(min(hi if hi is not None else context, context))
+    else:
+        hi = hi if hi is not None else lo + 64.0
+        nudge = 1e-3 * (hi - lo)
+        lo, hi = lo + (0 if rule.low_closed else nudge), hi - (0 if rule.high_closed else nudge)
+    b_lo, b_hi = at(lo), at(hi)
+    if b_hi is None:
+        return _nearest(measured, target)
+    if b_lo is None:
+        # the smallest values are refused where they leave no room for the method's own
+        # sinks and windows (snap_budget > n_sink + obs_window): start from the least
+        # accepted one, which refusals (cheap: validation) find by bisection
+        bad, good = lo, hi
+        for _ in range(64 if is_int else FLOAT_STEPS):
+            if (good - bad <= 1) if is_int else False:
+                break
+            mid = (bad + good) // 2 if is_int else (bad + good) / 2
+            if at(mid) is None:
+                bad = mid
+            else:
+                good = mid
+        lo, b_lo = good, at(good)
+    rising = b_hi >= b_lo
+    steps = 0
+    while (hi - lo > 1 if is_int else steps < FLOAT_STEPS):
+        steps += 1
+        mid = (lo + hi) // 2 if is_int else (lo + hi) / 2
+        b = at(mid)
+        if close(b):
+            break
+        if b is None or (b < target) == rising:
+            lo = mid
+        else:
+            hi = mid
+    return _nearest(measured, target)
+
+
+@dataclass
+class Row:
+    method: str
+    target: float | None  # the compression ratio aimed at (None: the full cache)
+    ratio: float  # the one reached: 1 - bytes / full bytes
+    field: str | None
+    value: Any
+    bytes_per_token: float
+    scores: dict = field(default_factory=dict)  # task -> percent
+    average: float | None = None
+    status: str = "ok"
+    error: str | None = None
+
+
+def score_examples(model, tokenizer, config, examples, tick=lambda: None) -> dict:
+    """Percent per task (RULER's score of each output, averaged) and the outputs."""
+    from .harness import MethodRun, answer
+
+    run = MethodRun("leaderboard", config)
+    per_task: dict[str, list[float]] = {}
+    outputs = []
+    eos = getattr(tokenizer, "eos_token", None)
+    for ex in examples:
+        out = answer(model, tokenizer, run, ex)
+        if eos:  # what follows the model's end of text is no part of its answer
+            out = out.split(eos, 1)[0]
+        s = ruler_score(ex, out)
+        per_task.setdefault(ex.task, []).append(s)
+        outputs.append({"task": ex.task, "index": ex.index, "score": s, "output": out})
+        tick()
+    return {"scores": {t: 100.0 * sum(v) / len(v) for t, v in per_task.items()},
+            "outputs": outputs}
+
+
+def prefill_bytes(model, tokenizer, config, tokens) -> int:
+    import mlx.core as mx
+
+    from ..integrations.mlx_lm import make_prompt_cache
+    from .runner import prefill
+
+    cache = make_prompt_cache(model, config)
+    prefill(model, cache, mx.array(tokens), tokenizer=tokenizer)
+    return sum(c.nbytes for c in cache)
+
+
+def make_examples(tokenizer, tasks, examples_per_task: int, context: int, seed: int) -> list:
+    """The examples every method answers, sized in the model's tokens (a ValueError where
+    a task does not fit ``context``)."""
+    count = lambda s: len(tokenizer.encode(s))  # noqa: E731
+    return [ex for t in tasks for ex in make_ruler_examples(t, examples_per_task, context,
+                                                            seed, count)]
+
+
+def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, examples: list,
+                    context: int, seed: int, progress=None, on_row=lambda rows: None) -> dict:
+    """Every method at every ratio; ``on_row`` gets the rows so far after each one."""
+    from .tasks import load_default_filler
+
+    text = tokenizer.encode(load_default_filler())
+    # the prompt the bytes are measured on: a whole number of the full cache's allocation
+    # steps, as its nbytes counts capacity, and a partly filled step would make every
+    # method look smaller beside it
+    length = max(FULL_STEP, context // FULL_STEP * FULL_STEP)
+    start = (seed * 7919) % max(1, len(text) - length)
+    probe = text[start:start + length]
+    full_config = config_for("full", {})
+    full_bytes = prefill_bytes(model, tokenizer, full_config, probe)
+    tick = progress.tick if progress else (lambda: None)
+    rows: list[Row] = []
+    scored: dict = {}
+
+    def scored_run(key, value, config):
+        if (key, value) not in scored:
+            scored[(key, value)] = score_examples(model, tokenizer, config, examples, tick)
+        return scored[(key, value)]
+
+    def add(row: Row, result: dict | None):
+        if result is not None:
+            row.scores = {t: result["scores"].get(t) for t in tasks}
+            row.average = sum(row.scores.values()) / len(row.scores)
+        rows.append(row)
+        if progress:
+            progress.finish({"label": label, "status": row.status, "error": row.error})
+        on_row(rows)
+
+    label = "full"
+    if progress:
+        progress.start(label)
+    add(Row("full", None, 0.0, None, None, full_bytes / len(probe)),
+        scored_run("full", None, full_config))
+    for key in (m for m in methods if m != "full"):
+        name = main_field(key.partition("+")[0])
+        measured: dict = {}
+
+        def measure(value, key=key, name=name):
+            try:
+                return prefill_bytes(model, tokenizer, config_for(key, {name: value}), probe)
+            except Exception:  # noqa: BLE001 - a value the method refuses is not a candidate
+                return None
+
+        for target in ratios:
+            label = f"{key} at ratio {target}"
+            if progress:
+                progress.start(label)
+            try:
+                if name is None:
+                    value, nbytes = None, prefill_bytes(model, tokenizer, config_for(key, {}), probe)
+                else:
+                    found = search(measure, name, (1 - target) * full_bytes, full_bytes,
+                                   context, measured)
+                    if found is None:
+                        raise ValueError(f"no value of {name} runs")
+                    value, nbytes = found
+                config = config_for(key, {} if name is None else {name: value})
+                row = Row(key, target, 1 - nbytes / full_bytes, name, value, nbytes / len(probe))
+                add(row, scored_run(key, value, config))
+            except Exception as exc:  # noqa: BLE001 - recorded in the table, the run goes on
+                add(Row(key, target, math.nan, name, None, math.nan, status="failed",
+                        error=f"{type(exc).__name__}: {exc}"), None)
+    return {"rows": rows, "full_bytes": full_bytes, "probe_tokens": len(probe),
+            "examples": len(examples), "outputs": {f"{k}|{v}": r["outputs"]
+                                                   for (k, v), r in scored.items()}}
+
+
+def _pct(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
+
+
+def markdown(rows: list[Row], tasks, title: str, command: str | None = None) -> str:
+    head = ["method", "target ratio", "ratio", "setting", "bytes/tok", *tasks, "average"]
+    lines = [f"# {title}", ""]
+    if command:
+        lines += ["```sh", command, "```", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        setting = "-" if r.field is None else f"{r.field}={r.value:g}" if isinstance(
+            r.value, float) else f"{r.field}={r.value}"
+        cells = [r.method, "-" if r.target is None else f"{r.target:g}",
+                 "-" if math.isnan(r.ratio) else f"{r.ratio:.3f}", setting,
+                 _pct(r.bytes_per_token), *(_pct(r.scores.get(t)) for t in tasks),
+                 _pct(r.average) if r.status == "ok" else f"failed: {r.error}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    targets = sorted({r.target for r in rows if r.target is not None})
+    lines += ["", "Average score by target ratio (the ratio reached in brackets), as kvpress "
+              "lays out its leaderboard:", "",
+              "| method | " + " | ".join(f"{t:g}" for t in targets) + " |",
+              "|" + "---|" * (len(targets) + 1)]
+    full = next((r for r in rows if r.method == "full"), None)
+    if full is not None:
+        lines.append(f"| full | {' | '.join([_pct(full.average)] * len(targets))} |")
+    for m in dict.fromkeys(r.method for r in rows if r.method != "full"):
+        cells = []
+        for t in targets:
+            r = next((r for r in rows if r.method == m and r.target == t), None)
+            cells.append("-" if r is None or r.status != "ok"
+                         else f"{_pct(r.average)} ({r.ratio:.3f})")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", "ratio: the compression ratio reached, 1 - (KV bytes after prefilling a "
+              "prompt of the leaderboard's length, in whole 256-token steps) / (the full cache's); target ratio: the one "
+              "aimed at; setting: the value of the method's main field that came nearest; "
+              "task columns and average: RULER scores in percent (all references found, "
+              "or for qa any)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, rows: list[Row], title: str) -> None:
+    """Average score against compression ratio, one line per method, the full cache as a
+    dashed line across (kvpress's leaderboard plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    full = next((r for r in rows if r.method == "full" and r.average is not None), None)
+    if full is not None:
+        ax.axhline(full.average, color="black", linestyle="--", linewidth=1,
+                   label=f"full (no compression): {full.average:.1f}")
+    methods = list(dict.fromkeys(r.method for r in rows if r.method != "full"))
+    for m in methods:
+        pts = sorted((r.ratio, r.average) for r in rows
+                     if r.method == m and r.status == "ok" and r.average is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.set_xlabel("compression ratio (fraction of KV bytes removed)")
+    ax.set_ylabel("average score (RULER-style tasks, %)")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(-2, 102)
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write(out: Path, payload: dict, rows: list[Row], tasks, title: str, command: str) -> None:
+    data = {**payload, "rows": [r.__dict__ for r in rows]}
+    (out / "leaderboard.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+    (out / "leaderboard.md").write_text(markdown(rows, tasks, title, command))
