@@ -19,13 +19,15 @@ QUERY_BLOCK = 256  # queries scored at a time, at most
 SCORE_ELEMENTS = 2**23
 
 
-def query_block(queries, n_keys: int) -> int:
-    """Queries per block: at most ``QUERY_BLOCK``, and at most ``SCORE_ELEMENTS`` logits."""
+def query_block(queries, n_keys: int, elements: int | None = None) -> int:
+    """Queries per block: at most ``QUERY_BLOCK``, and at most ``elements`` logits
+    (``SCORE_ELEMENTS`` when None)."""
     b, hq = queries.shape[:2]
-    return max(1, min(QUERY_BLOCK, SCORE_ELEMENTS // max(1, b * hq * n_keys)))
+    elements = SCORE_ELEMENTS if elements is None else elements
+    return max(1, min(QUERY_BLOCK, elements // max(1, b * hq * n_keys)))
 
 
-def reduce_query_blocks(queries, n_keys: int, block_fn, combine=mx.add) -> mx.array:
+def reduce_query_blocks(queries, n_keys: int, block_fn, combine=mx.add, elements=None) -> mx.array:
     """``combine`` of ``block_fn(q, start, stop)`` over blocks of ``query_block`` queries.
 
     MLX evaluates independent blocks side by side, so a lazy loop held every block's
@@ -34,7 +36,7 @@ def reduce_query_blocks(queries, n_keys: int, block_fn, combine=mx.add) -> mx.ar
     exist at a time, with no host sync.
     """
     n_queries = queries.shape[2]
-    block = query_block(queries, n_keys)
+    block = query_block(queries, n_keys, elements)
     total = None
     for start in range(0, n_queries, block):
         stop = min(n_queries, start + block)
