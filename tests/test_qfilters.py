@@ -17,7 +17,7 @@ from feeding import feed, prompt_then_steps
 from paper_rule import no_recent_floor  # noqa: F401  (a fixture)
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import QFiltersOptions
-from veloxquant_mlx.methods import qfilters as qfilters_module
+from veloxquant_mlx.evict import attention as attention_module
 from veloxquant_mlx.methods.qfilters import (
     LowRetentionError,
     LowRetentionWarning,
@@ -255,7 +255,7 @@ def test_the_retention_check_fires_when_the_kept_tokens_miss_the_attention(actio
 
 @pytest.mark.parametrize("block", [256, 7])
 def test_retention_is_the_kept_share_of_attention_and_one_when_every_token_is_kept(block, monkeypatch):
-    monkeypatch.setattr(qfilters_module, "QUERY_BLOCK", block)  # 7: the queries in blocks
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK", block)  # 7: the queries in blocks
     k, v, q, _ = synthetic(50, seed=8)
     positions = mx.broadcast_to(mx.arange(50), (1, HKV, 50))
     every = mx.ones((1, HKV, 50), mx.bool_)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..evict.attention import QUERY_BLOCK
+from ..evict.attention import reduce_query_blocks
 from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 from ..evict.prng import step_key
 
@@ -51,17 +51,16 @@ def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, key_at=None) ->
     queries (B, Hq, N, D) at positions q_start .. q_start + N - 1; keys (B, Hkv, n, D) at
     ``k_positions`` (B, Hkv, n); ``key_at(position)`` gives the noise key of the block of
     queries starting at that position (None: no noise, softmax(x / tau)). A key a query
-    cannot see adds 0 (keys are at most at the last query's position). Blocks hold at most SCORE_ELEMENTS logits and are evaluated one at
-    a time, so a long prompt's transient stays one block's.
+    cannot see adds 0 (keys are at most at the last query's position). Blocks hold at most
+    SCORE_ELEMENTS logits, one block at a time (``reduce_query_blocks``); the noise of a
+    block is drawn from its first query's position, so the block size is kept fixed.
     """
     b, hq, n_queries, d = queries.shape
-    hkv, n = keys.shape[1], keys.shape[2]
-    block = max(1, min(QUERY_BLOCK, SCORE_ELEMENTS // (b * hq * n)))
+    hkv = keys.shape[1]
     k = keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
-    total = None
-    for start in range(0, n_queries, block):
-        stop = min(n_queries, start + block)
-        q = queries[:, :, start:stop].reshape(b, hkv, hq // hkv, stop - start, d).astype(mx.float32)
+
+    def block(q, start, stop):
+        q = q.reshape(b, hkv, hq // hkv, stop - start, d).astype(mx.float32)
         x = (q * scale) @ k  # (B, Hkv, G, block, n)
         if key_at is not None:
             x = x + mx.random.gumbel(x.shape, key=key_at(q_start + start))
@@ -69,11 +68,9 @@ def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, key_at=None) ->
         if start < n_queries - 1:  # the last query (a decode step's only one) sees every key
             q_positions = mx.arange(q_start + start, q_start + stop)[:, None]
             x = mx.where(k_positions[:, :, None, None, :] <= q_positions, x, -float("inf"))
-        f = mx.softmax(x, axis=-1, precise=True).sum(axis=(2, 3))
-        total = f if total is None else total + f
-        if stop < n_queries:
-            mx.eval(total)
-    return total
+        return mx.softmax(x, axis=-1, precise=True).sum(axis=(2, 3))
+
+    return reduce_query_blocks(queries, keys.shape[2], block, elements=SCORE_ELEMENTS)
 
 
 class KeyformerCache(ScoredEvictionCache):

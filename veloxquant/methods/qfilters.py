@@ -40,7 +40,7 @@ import warnings
 import mlx.core as mx
 
 from ..diagnostics import VeloxQuantWarning
-from ..evict.attention import QUERY_BLOCK, attention_weights
+from ..evict.attention import attention_weights, reduce_query_blocks
 from ..evict.base import RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 from ..evict.select import group_mean, top_k_sorted
 
@@ -78,12 +78,11 @@ def query_filters(queries: mx.array) -> mx.array:
 def retention(queries, q_positions, keys, k_positions, kept, scale) -> mx.array:
     """Mass the queries' causal attention puts on the ``kept`` keys (B, Hkv, n) bool,
     averaged over the queries and the query heads of each KV head: (B, Hkv)."""
-    n, total = queries.shape[2], 0.0
-    for start in range(0, n, QUERY_BLOCK):
-        w = attention_weights(queries[:, :, start : start + QUERY_BLOCK], keys, scale,
-                              q_positions[start : start + QUERY_BLOCK], k_positions)  # (B, Hkv, G, N, n)
-        total = total + (w * kept[:, :, None, None, :]).sum(axis=(-1, -2)).mean(axis=2)
-    return total / n
+    def block(q, start, stop):
+        w = attention_weights(q, keys, scale, q_positions[start:stop], k_positions)  # (B, Hkv, G, N, n)
+        return (w * kept[:, :, None, None, :]).sum(axis=(-1, -2)).mean(axis=2)
+
+    return reduce_query_blocks(queries, keys.shape[2], block) / queries.shape[2]
 
 
 def calibration_stride(seen: int, capacity: int) -> int:

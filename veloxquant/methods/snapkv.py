@@ -35,15 +35,14 @@ class SnapKVCache(ScoredEvictionCache):
         if self.options.snap_batched_scoring:
             mass = attention_mass(queries, keys, inputs.scale, q_positions, positions, dtype=dtype)
         else:  # one KV head at a time: lower peak memory, the same numbers
-            g = queries.shape[1] // keys.shape[1]
-            mass = mx.concatenate(
-                [
-                    attention_mass(queries[:, h * g : (h + 1) * g], keys[:, h : h + 1], inputs.scale,
-                                   q_positions, positions[:, h : h + 1], dtype=dtype)
-                    for h in range(keys.shape[1])
-                ],
-                axis=1,
-            )
+            g, masses = queries.shape[1] // keys.shape[1], []
+            for h in range(keys.shape[1]):
+                q = queries[:, h * g : (h + 1) * g]
+                if masses:  # independent heads would be scored side by side, all at once
+                    q = mx.depends(q, masses[-1])
+                masses.append(attention_mass(q, keys[:, h : h + 1], inputs.scale, q_positions,
+                                             positions[:, h : h + 1], dtype=dtype))
+            mass = mx.concatenate(masses, axis=1)
         # Pool over neighbours in token order; the window (the newest tokens) is protected.
         order = mx.argsort(positions, axis=-1)
         prefix = keys.shape[2] - queries.shape[2]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..evict.attention import QUERY_BLOCK, attention_weights
+from ..evict.attention import attention_weights, reduce_query_blocks
 
 PROBE_SEED = 0x5A11E7  # random probes are drawn from a key of this seed and the chunk's start
 
@@ -55,16 +55,14 @@ def probe_attention_sums(queries, keys, scale, q_positions) -> mx.array:
     """``S_i = sum_g sum_p softmax(q_p Kᵀ scale + causal)[g, p, i]``: (B, Hkv, N) float32.
 
     queries (B, Hq, P, D) at absolute positions ``q_positions`` (P,); keys (B, Hkv, N, D)
-    at positions 0..N-1. Probes are taken ``QUERY_BLOCK`` at a time."""
+    at positions 0..N-1. Probes are taken in blocks (``reduce_query_blocks``)."""
     b, h, n = keys.shape[0], keys.shape[1], keys.shape[2]
     k_positions = mx.broadcast_to(mx.arange(n), (b, h, n))
-    total = None
-    for start in range(0, queries.shape[2], QUERY_BLOCK):
-        stop = min(queries.shape[2], start + QUERY_BLOCK)
-        w = attention_weights(queries[:, :, start:stop], keys, scale, q_positions[start:stop], k_positions)
-        part = w.sum(axis=(2, 3))
-        total = part if total is None else total + part
-    return total
+
+    def block(q, start, stop):
+        return attention_weights(q, keys, scale, q_positions[start:stop], k_positions).sum(axis=(2, 3))
+
+    return reduce_query_blocks(queries, n, block)
 
 
 def normalized_by_visibility(sums: mx.array, first: int) -> mx.array:

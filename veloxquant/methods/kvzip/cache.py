@@ -42,7 +42,7 @@ import warnings
 
 import mlx.core as mx
 
-from ...evict.attention import QUERY_BLOCK, attention_weights
+from ...evict.attention import attention_weights, reduce_query_blocks
 from ...evict.base import Roles, Schedule, ScoreInputs, ScoredEvictionCache
 from .global_budget import global_top_k
 
@@ -133,13 +133,12 @@ class KVzipCache(ScoredEvictionCache):
         k_pos = mx.concatenate([mx.arange(s), mx.arange(start, end), mx.arange(t, t + n)])
         subset = mx.concatenate([keys[:, :, :s], keys[:, :, start:end], keys[:, :, t : t + n]], axis=2)
         k_pos = mx.broadcast_to(k_pos, (*subset.shape[:2], k_pos.shape[0]))
-        best = None
-        for q0 in range(0, n, QUERY_BLOCK):  # a max over queries: blocks change nothing
-            q1 = min(n, q0 + QUERY_BLOCK)
-            w = attention_weights(queries[:, :, q0:q1], subset, scale, mx.arange(t + q0, t + q1), k_pos)
-            block = w[..., s : s + end - start].max(axis=(2, 3))
-            best = block if best is None else mx.maximum(best, block)
-        return best
+
+        def block(q, q0, q1):  # a max over queries: blocks change nothing
+            w = attention_weights(q, subset, scale, mx.arange(t + q0, t + q1), k_pos)
+            return w[..., s : s + end - start].max(axis=(2, 3))
+
+        return reduce_query_blocks(queries, subset.shape[2], block, mx.maximum)
 
     def ranking_scores(self) -> mx.array:
         """Reliance with the sinks above every other token (what the global threshold ranks)."""
