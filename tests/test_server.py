@@ -104,7 +104,10 @@ def _complete_tokens(port, text, max_tokens, timeout):
     return reply["choices"][0]["text"], reply["choices"][0]["finish_reason"]
 
 
-@pytest.mark.parametrize("method", ["snapkv", "kivi"])  # packed decode, per-sequence decode
+# snapkv: a packed eviction batch. kivi (a packed quantized batch on the CPU, per sequence on
+# a GPU) is slow here (36 s); its batching is checked against each sequence alone through
+# mlx-lm's BatchGenerator in tests/test_quant_batch.py
+@pytest.mark.parametrize("method", ["snapkv", pytest.param("kivi", marks=pytest.mark.slow)])
 def test_serve_batches_eight_concurrent_requests_like_one_at_a_time(method, tmp_path):
     """Eight requests one at a time, then the same eight at once (each arriving while the
     earlier ones decode; they finish at different steps), on loopback, against one server

@@ -856,7 +856,7 @@ def kernel_self_check(backend, algo, head_dim, gqa, bits, group_size, dtype) -> 
     return _SELF_CHECKS[key] is None
 
 
-def _self_check_tolerance(dtype) -> float:
+def self_check_tolerance(dtype) -> float:
     """Relative error allowed: the output's rounding plus the kernels' own (tensor-core
     float16 operands, TF32, a different summation order), with a margin of 4; a wrong
     kernel is off by order 1 or not finite."""
@@ -885,7 +885,7 @@ def _self_check_problem(backend, algo, head_dim, gqa, bits, group_size, dtype):
         error = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
     except Exception as exc:  # a kernel that does not compile or launch fails its check
         return f"{type(exc).__name__}: {exc}".splitlines()[0]
-    tolerance = _self_check_tolerance(dtype)
+    tolerance = self_check_tolerance(dtype)
     if not error <= tolerance:  # NaN fails too
         return f"max relative error {error:.3g} (allowed {tolerance:.3g})"
     return None

@@ -390,7 +390,7 @@ def _self_check_problem(backend, kc, vc, d, gqa, dtype, tokens=300, heads=2):
     # the fused kivi kernels' allowance (rounding of the dtype, the kernels' own float16 /
     # TF32 arithmetic, another summation order, a margin of 4): the H200 gave 1.06e-3 for
     # float32 at 4 bits, a wrong kernel is off by order 1
-    tolerance = kd._self_check_tolerance(dtype)
+    tolerance = kd.self_check_tolerance(dtype)
     if not math.isfinite(error) or error > tolerance:
         return f"relative error {error:.3g} (allowed {tolerance:.3g})"
     return None
