@@ -160,30 +160,48 @@ def _joint_attention(queries, parts: list[DecodePart], scale) -> mx.array:
     scores, reads = [], []
     for part in parts:
         key_tail, value_tail = part.tails()
-        k = part.keys
-        if k is not None and k.count:
-            scores.append(kd.affine_key_scores(q, k.codes, k.scales, k.biases, k.count, k.bits, k.group)
-                          if isinstance(k, AffineLayout) else k.scores(q))
-        if key_tail is not None:
-            scores.append(q @ key_tail.astype(mx.float32).swapaxes(-1, -2))
-        v = part.values
-        if v is not None and v.count:
-            reads.append((v.count, v))
-        if value_tail is not None:
-            reads.append((value_tail.shape[2], value_tail))
+        scores += _key_scores(q, part, key_tail)
+        reads += _value_reads(part, value_tail)
     p = mx.softmax(scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1), axis=-1)
+    return _mixed(p, reads).reshape(queries.shape).astype(queries.dtype)
+
+
+def _key_scores(q, part: DecodePart, key_tail) -> list:
+    """The part's float32 scores, packed keys then the full-precision tail, for scaled
+    float32 queries (B, H, R, D)."""
+    scores, k = [], part.keys
+    if k is not None and k.count:
+        scores.append(kd.affine_key_scores(q, k.codes, k.scales, k.biases, k.count, k.bits, k.group)
+                      if isinstance(k, AffineLayout) else k.scores(q))
+    if key_tail is not None:
+        scores.append(q @ key_tail.astype(mx.float32).swapaxes(-1, -2))
+    return scores
+
+
+def _value_reads(part: DecodePart, value_tail) -> list:
+    """(tokens, values) in the scores' order: the packed values, then the tail's rows."""
+    reads, v = [], part.values
+    if v is not None and v.count:
+        reads.append((v.count, v))
+    if value_tail is not None:
+        reads.append((value_tail.shape[2], value_tail))
+    return reads
+
+
+def _mixed(w, reads) -> mx.array:
+    """``w V`` in float32 for weights ``w`` (B, H, R, tokens) over the values of ``reads``."""
     o, at = None, 0
     for n, v in reads:
-        w = p if n == p.shape[-1] else p[..., at : at + n]
+        part_w = w if n == w.shape[-1] else w[..., at : at + n]
         if isinstance(v, mx.array):
-            r = w @ v.astype(mx.float32)
+            r = part_w @ v.astype(mx.float32)
         elif isinstance(v, AffineLayout):
-            r = kd.affine_value_mix(w, v.codes, v.scales, v.biases, n, v.bits, v.group)
+            r = kd.affine_value_mix(part_w, v.codes, v.scales, v.biases, n, v.bits, v.group)
         else:
-            r = v.mix(w)
+            r = v.mix(part_w)
         o = r if o is None else o + r
         at += n
-    return o.reshape(queries.shape).astype(queries.dtype)
+    return o
 
 
 def _own_kernel_partials(backend, queries, part: DecodePart, scale):
@@ -247,24 +265,11 @@ def _pure_state(queries, part: DecodePart, scale):
     h = _kv_heads(part)
     key_tail, value_tail = part.tails()
     q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
-    scores = []
-    if part.keys is not None and part.keys.count:
-        k = part.keys
-        scores.append(kd.affine_key_scores(q, k.codes, k.scales, k.biases, k.count, k.bits, k.group)
-                      if isinstance(k, AffineLayout) else k.scores(q))
-    if key_tail is not None:
-        scores.append(q @ key_tail.astype(mx.float32).swapaxes(-1, -2))
+    scores = _key_scores(q, part, key_tail)
     s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     m = s.max(axis=-1, keepdims=True)
     e = mx.exp(s - m)
-    v, n_packed = part.values, part.values.count if part.values is not None else 0
-    o = None
-    if n_packed:
-        o = (kd.affine_value_mix(e[..., :n_packed], v.codes, v.scales, v.biases, n_packed, v.bits, v.group)
-             if isinstance(v, AffineLayout) else v.mix(e[..., :n_packed]))
-    if value_tail is not None:
-        r = e[..., n_packed:] @ value_tail.astype(mx.float32)
-        o = r if o is None else o + r
+    o = _mixed(e, _value_reads(part, value_tail))
     return o, m, e.sum(axis=-1, keepdims=True)
 
 
