@@ -42,6 +42,11 @@ class PackedScores(Protocol):
     def mix(self, p: mx.array) -> mx.array:
         """Values: ``p V`` (B, H, R, D) in float32 for probabilities (B, H, R, count)."""
 
+    # Optional, where a codec's exact reading carries a term the joint softmax makes
+    # redundant when its part is the only one (``_joint_attention`` then asks for them):
+    #   scores_shifted(q): ``scores`` less a constant per query row (softmax-invariant);
+    #   mix_normalised(p): ``mix`` for weights that sum to 1 over its tokens.
+
 
 @dataclass(frozen=True)
 class DecodePart:
@@ -160,19 +165,22 @@ def _joint_attention(queries, parts: list[DecodePart], scale) -> mx.array:
     scores, reads = [], []
     for part in parts:
         key_tail, value_tail = part.tails()
-        scores += _key_scores(q, part, key_tail)
+        scores += _key_scores(q, part, key_tail, alone=len(parts) == 1 and key_tail is None)
         reads += _value_reads(part, value_tail)
     p = mx.softmax(scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1), axis=-1)
-    return _mixed(p, reads).reshape(queries.shape).astype(queries.dtype)
+    return _mixed(p, reads, normalised=True).reshape(queries.shape).astype(queries.dtype)
 
 
-def _key_scores(q, part: DecodePart, key_tail) -> list:
+def _key_scores(q, part: DecodePart, key_tail, alone: bool = False) -> list:
     """The part's float32 scores, packed keys then the full-precision tail, for scaled
-    float32 queries (B, H, R, D)."""
+    float32 queries (B, H, R, D). ``alone``: the packed keys' scores are the only ones under
+    their softmax (a constant per query row may be left out: ``scores_shifted``)."""
     scores, k = [], part.keys
     if k is not None and k.count:
-        scores.append(kd.affine_key_scores(q, k.codes, k.scales, k.biases, k.count, k.bits, k.group)
-                      if isinstance(k, AffineLayout) else k.scores(q))
+        if isinstance(k, AffineLayout):
+            scores.append(kd.affine_key_scores(q, k.codes, k.scales, k.biases, k.count, k.bits, k.group))
+        else:
+            scores.append(k.scores_shifted(q) if alone and hasattr(k, "scores_shifted") else k.scores(q))
     if key_tail is not None:
         scores.append(q @ key_tail.astype(mx.float32).swapaxes(-1, -2))
     return scores
@@ -188,8 +196,10 @@ def _value_reads(part: DecodePart, value_tail) -> list:
     return reads
 
 
-def _mixed(w, reads) -> mx.array:
-    """``w V`` in float32 for weights ``w`` (B, H, R, tokens) over the values of ``reads``."""
+def _mixed(w, reads, normalised: bool = False) -> mx.array:
+    """``w V`` in float32 for weights ``w`` (B, H, R, tokens) over the values of ``reads``.
+    ``normalised``: ``w`` sums to 1 over its tokens (a softmax), so values that are all of
+    them may take the shortcut ``mix_normalised``."""
     o, at = None, 0
     for n, v in reads:
         part_w = w if n == w.shape[-1] else w[..., at : at + n]
@@ -197,6 +207,8 @@ def _mixed(w, reads) -> mx.array:
             r = part_w @ v.astype(mx.float32)
         elif isinstance(v, AffineLayout):
             r = kd.affine_value_mix(part_w, v.codes, v.scales, v.biases, n, v.bits, v.group)
+        elif normalised and n == w.shape[-1] and hasattr(v, "mix_normalised"):
+            r = v.mix_normalised(part_w)
         else:
             r = v.mix(part_w)
         o = r if o is None else o + r

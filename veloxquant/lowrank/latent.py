@@ -14,7 +14,9 @@ one r serves the layer.
 **Latents** (``LatentTokens``): per channel, min-max over token groups of ``group``
 tokens (``GroupAffine`` "channel"), in contiguous channel segments of their own widths,
 largest σ first (``ChannelSegment``): 0 bits keeps nothing (the channel reads as 0), 1-6 and 8
-are packed, 16 or more keep the channel unquantized in the model's dtype. New latents
+are packed, 16 or more keep the channel unquantized in the model's dtype (adjacent
+segments kept alike are stored as one span, ``stored_spans``: the same numbers, one read
+at decode). New latents
 wait in full precision until a whole group of tokens is there, then every segment
 flushes that block.
 
@@ -27,7 +29,9 @@ With ``V^(h)`` the d rows of ``V_r`` that belong to KV head h of its group:
 - values: ``p V_hat = (p L_hat) V^(h)ᵀ + (Σp) μ_h``: the mix runs over the packed latents
   (r numbers per query) and is lifted back to head_dim once.
 
-Both are exact rewritings of attention over the reconstruction (float rounding apart):
+Where a run is the step's only part, ``q.μ_h`` is one constant per query row under the
+softmax and ``Σp = 1``: those terms are left out and ``+ μ_h`` added (``scores_shifted``,
+``mix_normalised``). Both are exact rewritings of attention over the reconstruction (float rounding apart):
 O(T r) per query head instead of O(T d) plus the reconstruction. Keys are the
 post-RoPE keys mlx-lm hands the cache, so no rotation stands between query and latent;
 Palu's paper factors pre-RoPE keys and rotates each reconstructed key in a fused kernel,
@@ -101,6 +105,26 @@ def split_channels(rank: int, schedule) -> list[ChannelSegment]:
     return out
 
 
+def _stored_as(bits: int):
+    """How a segment's channels are kept: dropped, packed at ``bits``, or unquantized."""
+    return "dropped" if bits == 0 else ("exact" if bits >= UNQUANTIZED_BITS else bits)
+
+
+def stored_spans(segments: list[ChannelSegment]) -> list[tuple[int, ChannelSegment]]:
+    """The segments as stored: adjacent ones kept alike (the same packed width, both
+    unquantized or both dropped) joined into one span, each keyed by the index of its first
+    segment. Channels are quantized one by one (min-max per channel over a token group), so
+    a joined span holds exactly what its segments would; a decode step reads it at once."""
+    spans: list[tuple[int, ChannelSegment]] = []
+    for i, s in enumerate(segments):
+        if spans and _stored_as(spans[-1][1].bits) == _stored_as(s.bits) and spans[-1][1].stop == s.start:
+            j, last = spans[-1]
+            spans[-1] = (j, ChannelSegment(last.start, s.stop, last.bits))
+        else:
+            spans.append((i, s))
+    return spans
+
+
 def fit_basis(x: mx.array, rank: int | None, fraction: float):
     """(mean (B, G, 1, n), basis (B, G, n, r)) of ``x`` (B, G, T, n), float32."""
     x = x.astype(mx.float32)
@@ -118,11 +142,12 @@ class LatentTokens:
         self.segments, self.lead = segments, lead  # lead: (B, G)
         self.group = group
         self.rank = segments[-1].stop if segments else 0
+        self.spans = stored_spans(segments)  # what is stored: adjacent alike segments joined
         self.packed = {i: PackedTokens(GroupAffine(s.bits, group, "channel"), step_tokens)
-                       for i, s in enumerate(segments) if 0 < s.bits < UNQUANTIZED_BITS}
+                       for i, s in self.spans if 0 < s.bits < UNQUANTIZED_BITS}
         # unquantized segments and the buffer are read through ``view``, never by whole steps
         self.exact = {i: GrowingArray(axis=2, step=step_tokens, geometric=True)
-                      for i, s in enumerate(segments) if s.bits >= UNQUANTIZED_BITS}
+                      for i, s in self.spans if s.bits >= UNQUANTIZED_BITS}
         self.buf = GrowingArray(axis=2, step=WINDOW_STEP, limit=group, geometric=True)
         self.flushed = 0  # tokens in the segments (a multiple of the group)
 
@@ -146,7 +171,7 @@ class LatentTokens:
         self.buf.reset(mx.contiguous(x[:, :, n:]) if x.shape[2] > n else None)
 
     def _flush(self, block: mx.array) -> None:
-        for i, s in enumerate(self.segments):
+        for i, s in self.spans:
             part = block[..., s.start:s.stop]
             if i in self.packed:
                 self.packed[i].append(part)
@@ -158,7 +183,7 @@ class LatentTokens:
     def dense(self) -> mx.array:
         """Every latent (B, G, count, r), float32, 0 in dropped channels (transient)."""
         cols = []
-        for i, s in enumerate(self.segments):
+        for i, s in self.spans:
             if i in self.packed:
                 cols.append(self.packed[i].decode(mx.float32))
             elif i in self.exact:
@@ -168,7 +193,7 @@ class LatentTokens:
         parts = []
         if self.flushed:
             parts.append(mx.concatenate([c if c is not None else mx.zeros((*self.lead, self.flushed, s.stop - s.start))
-                                         for c, s in zip(cols, self.segments)], axis=-1))
+                                         for c, (_, s) in zip(cols, self.spans)], axis=-1))
         if self.buf.length:
             parts.append(self.buf.view().astype(mx.float32))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
@@ -178,7 +203,7 @@ class LatentTokens:
         out = []
         if self.flushed:
             s = None
-            for i, seg in enumerate(self.segments):
+            for i, seg in self.spans:
                 q = qf[..., seg.start:seg.stop]
                 if i in self.packed:
                     p = self.packed[i]
@@ -200,7 +225,7 @@ class LatentTokens:
         if self.flushed:
             pq = p[..., :self.flushed]
             cols = []
-            for i, seg in enumerate(self.segments):
+            for i, seg in self.spans:
                 if i in self.packed:
                     c = self.packed[i]
                     words, groups = self.flushed * seg.bits // 32, self.flushed // self.group
@@ -236,7 +261,7 @@ class LatentTokens:
             yield f"{name} latents in groups", self.flushed, f"a multiple of the group {self.group}"
         if self.buf.length >= self.group:
             yield f"{name} buffered latents", self.buf.length, f"fewer than the group {self.group}"
-        for i, seg in enumerate(self.segments):
+        for i, seg in self.spans:
             if i in self.packed:
                 found = self.packed[i].count if self.packed[i].scales.buffer is not None else 0
                 width = self.packed[i].codes.view()
@@ -262,6 +287,8 @@ def _channel_mix(p, codes, scales, biases, bits, group):
 
 def _per_head(basis: mx.array, mean: mx.array, g: int):
     """The basis rows and mean of each KV head: (B, H, d, r) and (B, H, 1, d)."""
+    if g == 1:  # a head a group: already per head
+        return basis, mean
     b, groups, n, r = basis.shape
     d = n // g
     return basis.reshape(b, groups * g, d, r), mean.reshape(b, groups, 1, g, d).swapaxes(2, 3).reshape(b, groups * g, 1, d)
@@ -289,23 +316,44 @@ class FoldedKeys(_Folded):
     """Keys scored through the query folded onto the basis."""
 
     def scores(self, q: mx.array) -> mx.array:
+        basis, mean = _per_head(self.basis, self.mean, self.heads_per_group)
+        return self._latent_scores(q, basis) + (q * mean).sum(axis=-1, keepdims=True)
+
+    def scores_shifted(self, q: mx.array) -> mx.array:
+        """``scores`` less ``q.μ_h``, one constant a query row: what a softmax over these
+        scores alone reads (``kernels/decode.py`` asks for it where this part is all)."""
+        return self._latent_scores(q, _per_head(self.basis, self.mean, self.heads_per_group)[0])
+
+    def _latent_scores(self, q, basis):
         b, h, rq, _ = q.shape
         g = self.heads_per_group
-        basis, mean = _per_head(self.basis, self.mean, g)
-        qf = (q @ basis).reshape(b, h // g, g * rq, -1)  # (B, G, g*R, r)
-        s = self.latents.scores(qf).reshape(b, h, rq, -1)
-        return s + (q * mean).sum(axis=-1, keepdims=True)
+        qf = q @ basis
+        if g > 1:
+            qf = qf.reshape(b, h // g, g * rq, -1)  # (B, G, g*R, r)
+        s = self.latents.scores(qf)
+        return s if g == 1 else s.reshape(b, h, rq, -1)
 
 
 class FoldedValues(_Folded):
     """Values mixed in the latent space, lifted once."""
 
     def mix(self, p: mx.array) -> mx.array:
+        basis, mean = _per_head(self.basis, self.mean, self.heads_per_group)
+        return self._lifted(p, basis) + p.sum(axis=-1, keepdims=True) * mean
+
+    def mix_normalised(self, p: mx.array) -> mx.array:
+        """``mix`` for weights that sum to 1 over these tokens (a softmax over this part
+        alone: ``kernels/decode.py`` asks for it then): ``Σp = 1`` leaves ``+ μ_h``."""
+        basis, mean = _per_head(self.basis, self.mean, self.heads_per_group)
+        return self._lifted(p, basis) + mean
+
+    def _lifted(self, p, basis):
         b, h, rq, t = p.shape
         g = self.heads_per_group
-        basis, mean = _per_head(self.basis, self.mean, g)
-        pl = self.latents.mix(p.reshape(b, h // g, g * rq, t)).reshape(b, h, rq, -1)
-        return pl @ basis.swapaxes(-1, -2) + p.sum(axis=-1, keepdims=True) * mean
+        pl = self.latents.mix(p if g == 1 else p.reshape(b, h // g, g * rq, t))
+        if g > 1:
+            pl = pl.reshape(b, h, rq, -1)
+        return pl @ basis.swapaxes(-1, -2)
 
 
 @dataclass(frozen=True)
@@ -421,11 +469,15 @@ def run_prefix(prefix: str, i: int) -> str:
 
 def _group(x: mx.array, g: int) -> mx.array:
     """(B, H, T, d) -> (B, H/g, T, g*d): a group's heads side by side."""
+    if g == 1:
+        return x
     b, h, t, d = x.shape
     return x.reshape(b, h // g, g, t, d).swapaxes(2, 3).reshape(b, h // g, t, g * d)
 
 
 def _ungroup(x: mx.array, g: int) -> mx.array:
+    if g == 1:
+        return x
     b, groups, t, n = x.shape
     return x.reshape(b, groups, t, g, n // g).swapaxes(2, 3).reshape(b, groups * g, t, n // g)
 
