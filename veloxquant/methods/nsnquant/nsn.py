@@ -67,6 +67,14 @@ def universal_codebook(bits: int, size: int, sub_dim: int, seed: int) -> mx.arra
     return codebook
 
 
+@functools.lru_cache(maxsize=1)
+def _sign_patterns() -> mx.array:
+    """(256, 8) float32: byte v's signs, channel k of the byte negative where bit k is set
+    (``pack_indices(y < 0, 1)``'s order). A constant of the process, like the codebook."""
+    bits = (mx.arange(256, dtype=mx.uint32)[:, None] >> mx.arange(8, dtype=mx.uint32)) & 1
+    return 1.0 - 2.0 * bits.astype(mx.float32)  # evaluated with the first step that reads it
+
+
 def nsn(x: mx.array):
     """Chunks x (..., R, D) -> (y, s1, s2, o): y (..., R, D) float32 rotated, s1 and s2
     (..., R, 1) and o (..., 1, D), float16 values in float32."""
@@ -109,11 +117,25 @@ class NSNCodec:
         return pack_indices(idx, self.index_bits), pack_indices(y < 0, 1)
 
     def y_hat(self, idx_words: mx.array, sign_words: mx.array | None, head_dim: int) -> mx.array:
-        """The rows' reconstruction in the rotated frame, float32 (..., D)."""
-        idx = unpack_indices(idx_words, self.index_bits, head_dim // self.sub_dim)
-        y = gather_centroids(idx, self.codebook)
+        """The rows' reconstruction in the rotated frame, float32 (..., D).
+
+        Byte-wide indices (256 or 65536 centroids) are read as the words' bytes or half
+        words (``pack_indices`` fills a word from its low bits: little-endian order), and
+        signs a byte at a time through the table of the 256 sign patterns: a decode step
+        reads the codes in a few operations, not a shift and mask per field."""
+        n = head_dim // self.sub_dim
+        if self.index_bits in (8, 16):
+            idx = mx.view(idx_words, mx.uint8 if self.index_bits == 8 else mx.uint16)
+            idx = idx if idx.shape[-1] == n else idx[..., :n]
+            y = self.codebook[idx].reshape(*idx.shape[:-1], head_dim)
+        else:
+            y = gather_centroids(unpack_indices(idx_words, self.index_bits, n), self.codebook)
         if sign_words is None:
             return y
+        if head_dim % 8 == 0:
+            signs = mx.view(sign_words, mx.uint8)
+            signs = signs if signs.shape[-1] == head_dim // 8 else signs[..., :head_dim // 8]
+            return y * _sign_patterns()[signs].reshape(*signs.shape[:-1], head_dim)
         negative = unpack_indices(sign_words, 1, head_dim).astype(mx.bool_)
         return mx.where(negative, -y, y)
 
