@@ -116,12 +116,9 @@ class LowRankTerm:
 
     def scores(self, q: mx.array) -> mx.array:
         """(B, H, R, T) float32 ``q Lᵀ`` for float32 queries (B, H, R, d)."""
-        qb = q[:, :, None] @ self.b.astype(mx.float32)  # (B, H, C, R, r)
-        c, b, h, r_q, r = qb.shape[2], *qb.shape[:2], *qb.shape[3:]
-        rows = qb.transpose(2, 0, 1, 3, 4).reshape(c, b * h * r_q * r)  # a chunk per row: one gather
-        per_token = mx.take(rows, self.chunk, axis=0).reshape(-1, b, h, r_q, r)  # (T, B, H, R, r)
-        s = (per_token * self.a.astype(mx.float32).transpose(2, 0, 1, 3)[:, :, :, None]).sum(axis=-1)
-        return s.transpose(1, 2, 3, 0)
+        qb = (q[:, :, None] @ self.b.astype(mx.float32)).swapaxes(2, 3)  # (B, H, R, C, r)
+        per_token = mx.take(qb, self.chunk, axis=3)  # (B, H, R, T, r): one gather
+        return (per_token * self.a.astype(mx.float32)[:, :, None]).sum(axis=-1)
 
     def mix(self, p: mx.array) -> mx.array:
         """(B, H, R, d) float32 ``p L`` for float32 probabilities (B, H, R, T)."""

@@ -12,12 +12,14 @@ its index, so that dense + table is exact there:
 
 ``outliers.tail_indices`` picks a vector's k largest and k smallest entries (GEAR's outliers).
 ``SparseTerm`` adds the table to decode scores (``q Kᵀ``) and mixes (``p V``) from its
-few entries: a gather of the queries (probabilities) at the entries' channels (tokens),
-a product, and a scatter-add into the scores (output), O(entries), no dense matrix.
+few entries: the queries (probabilities) at the entries' own rows (broadcast; a gather
+where a read crosses the table's orientation), a product, and one scatter-add into the
+scores (output), O(entries), no dense matrix.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -73,6 +75,13 @@ class SparseTable:
             yield "sparse table index", int(index.max()), f"below {bound}"
 
 
+@functools.lru_cache(maxsize=8)
+def _heads(n: int) -> mx.array:
+    """(n, 1) int32 0..n-1: the first index of a scatter over (batch row x head, position)
+    (a constant, computed with the first step that reads it)."""
+    return mx.arange(n, dtype=mx.int32)[:, None]
+
+
 @dataclass(frozen=True)
 class SparseTerm:
     """The table as decode reads it: ``delta``/``index`` valid entries of a run of ``count``
@@ -107,13 +116,28 @@ class SparseTerm:
         out = mx.zeros((b * h * n, r), mx.float32).at[flat].add(rows.reshape(-1, r))
         return out.reshape(b, h, n, r).swapaxes(-1, -2)
 
+    def _along_rows(self, x: mx.array, where: mx.array, n: int) -> mx.array:
+        """(B, H, R, n): ``x[r, row] * delta[row, j]`` summed at ``where[row, j]``, for ``x``
+        (B, H, R, rows) read along the table's own rows (no gather: a broadcast), one
+        scatter of whole query rows indexed by (batch row and head, position)."""
+        b, h, rows, k = self.delta.shape
+        r = x.shape[2]
+        contrib = self.delta.astype(mx.float32)[..., None] * x.swapaxes(-1, -2)[:, :, :, None, :]
+        out = mx.zeros((b * h, n, r), mx.float32).at[_heads(b * h), where.reshape(b * h, rows * k)].add(
+            contrib.reshape(b * h, rows * k, r))
+        return out.reshape(b, h, n, r).swapaxes(-1, -2)
+
     def scores(self, q: mx.array) -> mx.array:
         """(B, H, R, count) float32: ``s[r, token] += q[r, channel] * delta``."""
+        if self.orientation == "channel":  # a channel's entries: q broadcasts along them
+            return self._along_rows(q, self.index, self.count)
         token, channel, delta = self._flat()
         return self._scatter(token, self._rows(q, channel) * delta, self.count)
 
     def mix(self, p: mx.array) -> mx.array:
         """(B, H, R, head_dim) float32: ``o[r, channel] += p[r, token] * delta``."""
+        if self.orientation == "token":  # a token's entries: p broadcasts along them
+            return self._along_rows(p, self.index, self.head_dim)
         token, channel, delta = self._flat()
         return self._scatter(channel, self._rows(p, token) * delta, self.head_dim)
 
