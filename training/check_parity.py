@@ -42,7 +42,8 @@ def main() -> int:
     for dt in ("float16", "float32"):
         if dt == "float32":
             model.set_dtype(mx.float32)
-        got[dt] = np.array(model(mx.array(ids)).astype(mx.float32))
+        # the file may hold the last positions' logits only
+        got[dt] = np.array(model(mx.array(ids)).astype(mx.float32))[:, -want.shape[1]:]
     scale = float(np.abs(want).max())
     ok = True
     for dt, g in got.items():
@@ -54,11 +55,15 @@ def main() -> int:
         )
         tol = args.tol if dt == "float16" else args.tol / 5
         ok &= diff.max() <= tol * scale and agree >= 0.99
-    # tokenizer agrees with the byte encoding used in training
+    # mlx-lm's tokenizer encodes as the training script did: <bos> + its ids
+    from tokenizers import Tokenizer
+
     text = "The special magic number for pale-falcon is: 6240632."
-    assert tok.encode(text) == [256] + list(
-        text.encode()
-    ), "tokenizer is not <bos> + bytes"
+    trained = Tokenizer.from_file(str(Path(args.model_dir) / "tokenizer.json"))
+    assert tok.encode(text) == trained.encode(text).ids, "mlx-lm encodes differently"
+    assert trained.encode(text).ids[0] == trained.token_to_id("<bos>"), "no <bos> in front"
+    if trained.get_vocab_size() <= 264:  # the byte model: one token per byte
+        assert tok.encode(text) == [256] + list(text.encode()), "not <bos> + bytes"
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

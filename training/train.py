@@ -42,14 +42,50 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+import bench_modules  # noqa: E402
 import byte_tokenizer as bt  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location(
-    "vq_tasks", REPO / "veloxquant" / "bench" / "tasks.py"
-)
-tasks = importlib.util.module_from_spec(_spec)
-sys.modules["vq_tasks"] = tasks
-_spec.loader.exec_module(tasks)
+tasks, ruler = bench_modules.load()
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the data workers fork
+
+
+class Tok:
+    """The model's tokenizer: bytes (``path`` None, the first reference model) or a
+    ``tokenizer.json`` (the subword model); ``encode`` gives ids without <bos>."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path
+        if path is None:
+            self.bos, self.eos, self.pad = bt.BOS_ID, bt.EOS_ID, bt.PAD_ID
+            self.vocab_size = bt.VOCAB_SIZE
+            self.chars_per_token = 1.0
+            return
+        from tokenizers import Tokenizer
+
+        self.t = Tokenizer.from_file(path)
+        self.bos, self.eos, self.pad = (self.t.token_to_id(s) for s in ("<bos>", "<eos>", "<pad>"))
+        self.vocab_size = -(-self.t.get_vocab_size() // 64) * 64
+        # of the held-out book: sizes the generators whose budgets are in bytes
+        sample = tasks.load_default_filler()[:50_000]
+        self.chars_per_token = len(sample) / len(self.encode(sample))
+
+    def encode(self, text: str) -> np.ndarray:
+        if self.path is None:
+            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+        return np.asarray(self.t.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def count(self, text: str) -> int:  # as the bench counts: with <bos>
+        return 1 + len(self.encode(text))
+
+    def save(self, folder: Path) -> None:
+        if self.path is None:
+            bt.save_tokenizer(folder)
+            return
+        import shutil
+
+        src = Path(self.path).parent
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(src / name, folder / name)
 
 # ---------------------------------------------------------------------------
 # Model: the same computation and parameter names as mlx_lm.models.llama.
@@ -231,6 +267,22 @@ P_COPY_SHORT, P_COPY = (
 )  # copy (induction warm-up) sequences, at contexts <= 512 / longer
 P_SINGLE = 0.6  # otherwise: one example fills the sequence, else 2-4 packed examples
 
+# the subword model's mixture (--mixture ruler): the leaderboard's six tasks
+# (veloxquant/bench/ruler.py, prefixed "ruler:") and, less often, the bench's own
+MIXTURES = {
+    "reference": TASK_WEIGHTS,
+    "ruler": {
+        "ruler:niah_single": 0.08,
+        "ruler:niah_multikey": 0.14,
+        "ruler:niah_multivalue": 0.14,
+        "ruler:vt": 0.17,
+        "ruler:cwe": 0.17,
+        "ruler:qa": 0.17,
+        "niah_multikey": 0.05,
+        "variable_tracking": 0.08,
+    },
+}
+
 
 def _example_opts(task, rng):
     if task == "niah_multikey":
@@ -256,17 +308,17 @@ def _random_words(rng: random.Random, n: int) -> str:
     return " ".join(out)[:n]
 
 
-def copy_sequence(rng: random.Random, L: int):
+def copy_sequence(rng: random.Random, L: int, tok: Tok):
     """Induction warm-up: blocks of random words, each written twice; the second copy is the answer."""
-    ids = np.full(L + 1, bt.PAD_ID, dtype=np.int16)
+    ids = np.full(L + 1, tok.pad, dtype=np.int32)
     kind = np.zeros(L + 1, dtype=np.int8)
-    ids[0] = bt.BOS_ID
+    ids[0] = tok.bos
     p = 1
     while p < L + 1 - 8:
         m = rng.randint(8, max(8, min(1024, (L + 1 - p - 3) // 2)))
-        x = _random_words(rng, m).encode()
-        for chunk, k in ((x + b"\n", 1), (x, 2), (b"\n\n", 1)):
-            b = np.frombuffer(chunk, dtype=np.uint8)
+        x = _random_words(rng, m)
+        for chunk, k in ((x + "\n", 1), (x, 2), ("\n\n", 1)):
+            b = tok.encode(chunk)
             n = min(len(b), L + 1 - p)
             ids[p : p + n] = b[:n]
             kind[p : p + n] = k
@@ -274,18 +326,58 @@ def copy_sequence(rng: random.Random, L: int):
     return ids, kind
 
 
-def make_sequence(rng: random.Random, L: int, corpus: str):
+def ruler_parts(task: str, rng: random.Random, size: int, corpus: str, tok: Tok):
+    """One example of a leaderboard task in about ``size`` tokens (with <bos> and
+    <eos>) as [(prompt, False), (answer, True)]: the bench's generator with this
+    script's random stream and haystack, sized by two trial encodings instead of the
+    bench's bisection (the data workers' time)."""
+    if task != "cwe":  # a window of the books: the haystack reads only this far
+        start = corpus.find(" ", rng.randrange(len(corpus) - 200_000)) + 1
+        corpus = corpus[start : start + 4 * int(size * tok.chars_per_token) + 40_000]
+    count = tok.count
+    if task.startswith("niah"):
+        render, most, answers, said, _ = ruler._niah(task, rng, corpus)
+    elif task == "vt":
+        render, most, answers, said, _ = ruler._vt(rng, corpus)
+    elif task == "cwe":
+        render, most, answers, said, _ = ruler._cwe(rng, corpus, size, count)
+    else:
+        render, most, answers, said, _ = ruler._qa(rng, corpus, size)
+    room = size - 1 - len(tok.encode(said))
+    fixed = count(render(0))
+    n = max(0, min(most, room - fixed))  # a first guess: a token per unit
+    for _ in range(3):
+        got = count(render(n))
+        if got <= room or n == 0:
+            break
+        n = max(0, int((n * (room - fixed) / max(1, got - fixed)) * 0.97))
+    grow = count(render(n))
+    if grow < room * 0.9 and n < most:  # the guess was short: scale up once
+        m = min(most, int(n * (room - fixed) / max(1, grow - fixed) * 0.97))
+        if count(render(m)) <= room:
+            n = m
+    prompt = render(n)
+    if task in ("niah_multivalue", "cwe"):
+        # the scorer takes these answers in any order; the target lists them as the text
+        # first shows them, an order the model can know (the generator's is random)
+        mark = " {}" if task == "niah_multivalue" else ". {} "
+        said = ", ".join(sorted(answers, key=lambda a: prompt.find(mark.format(a)) % (1 << 62)))
+    return [(prompt, False), (said, True)]
+
+
+def make_sequence(rng: random.Random, L: int, corpus: str, tok: Tok, mixture: str = "reference"):
     """L+1 token ids and, per target position, a kind: 0 ignore, 1 text, 2 answer."""
-    ids = np.full(L + 1, bt.PAD_ID, dtype=np.int16)
+    ids = np.full(L + 1, tok.pad, dtype=np.int32)
     kind = np.zeros(L + 1, dtype=np.int8)  # kind[i] describes ids[i] as a target
     if rng.random() < (P_COPY_SHORT if L <= 512 else P_COPY):
-        return copy_sequence(rng, L)
+        return copy_sequence(rng, L, tok)
     if rng.random() < P_TEXT:
-        start = rng.randrange(len(corpus) - L)
+        span = L if tok.path is None else int(L * tok.chars_per_token * 1.5)
+        start = rng.randrange(len(corpus) - span)
         start = corpus.find(" ", start) + 1
-        chunk = corpus[start : start + L].encode("utf-8")[:L]
-        ids[0] = bt.BOS_ID
-        ids[1 : 1 + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+        chunk = tok.encode(corpus[start : start + span])[:L]
+        ids[0] = tok.bos
+        ids[1 : 1 + len(chunk)] = chunk
         kind[1 : 1 + len(chunk)] = 1
         return ids, kind
     if rng.random() < P_SINGLE or L < 512:
@@ -296,21 +388,27 @@ def make_sequence(rng: random.Random, L: int, corpus: str):
         sizes = [b - a for a, b in zip([0] + cuts, cuts + [L + 1])]
         sizes = [s for s in sizes if s >= 200] or [L + 1]
     pos = 0
-    names, weights = list(TASK_WEIGHTS), list(TASK_WEIGHTS.values())
+    # the leaderboard's tasks need about 300 tokens of fixed text: from 1,024 tokens on
+    weights_of = MIXTURES[mixture if L >= 1024 else "reference"]
+    names, weights = list(weights_of), list(weights_of.values())
     for size in sizes:
         task = rng.choices(names, weights)[0]
-        opts, nq = _example_opts(task, rng)
-        parts = tasks.build_parts(task, rng, size, corpus, n_queries=nq, opts=opts)
-        ids[pos] = bt.BOS_ID
+        if task.startswith("ruler:"):
+            parts = ruler_parts(task[len("ruler:"):], rng, size, corpus, tok)
+        else:
+            opts, nq = _example_opts(task, rng)
+            budget = int(size * tok.chars_per_token * 0.95) if tok.path else size
+            parts = tasks.build_parts(task, rng, budget, corpus, n_queries=nq, opts=opts)
+        ids[pos] = tok.bos
         p = pos + 1
         for text, is_answer in parts:
-            b = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+            b = tok.encode(text)
             n = min(len(b), L + 1 - p)
             ids[p : p + n] = b[:n]
             kind[p : p + n] = 2 if is_answer else 1
             p += n
         if p < L + 1:
-            ids[p] = bt.EOS_ID
+            ids[p] = tok.eos
             kind[p] = 1
             p += 1
         pos = max(p, pos + size)
@@ -320,8 +418,10 @@ def make_sequence(rng: random.Random, L: int, corpus: str):
 
 
 class Batches(torch.utils.data.IterableDataset):
-    def __init__(self, corpus: str, L: int, B: int, seed: int, phase: int):
+    def __init__(self, corpus: str, L: int, B: int, seed: int, phase: int, tok: Tok,
+                 mixture: str):
         self.corpus, self.L, self.B, self.seed, self.phase = corpus, L, B, seed, phase
+        self.tok, self.mixture = tok, mixture
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -329,7 +429,8 @@ class Batches(torch.utils.data.IterableDataset):
         k = wid
         while True:  # batch k of this phase, made by worker k % nw: a fixed stream
             rng = random.Random(f"train/{self.seed}/{self.phase}/{k}")
-            seqs = [make_sequence(rng, self.L, self.corpus) for _ in range(self.B)]
+            seqs = [make_sequence(rng, self.L, self.corpus, self.tok, self.mixture)
+                    for _ in range(self.B)]
             ids = torch.from_numpy(np.stack([s[0] for s in seqs]))
             kind = torch.from_numpy(np.stack([s[1] for s in seqs]))
             yield ids, kind
@@ -340,6 +441,18 @@ class Batches(torch.utils.data.IterableDataset):
 # Export
 
 
+SHARD_BYTES = 15 * 2**20
+
+
+def load_weights(path: str) -> dict:
+    """A model.safetensors, or every model*.safetensors of a folder."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    files = sorted(p.glob("model*.safetensors")) if p.is_dir() else [p]
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
+
+
 def to_mlx_state(model: Llama, dtype=torch.float16):
     return {
         k: v.detach().to("cpu", dtype).contiguous()
@@ -347,14 +460,29 @@ def to_mlx_state(model: Llama, dtype=torch.float16):
     }
 
 
-def export(model: Llama, out: Path, parity_ids=None, log=print):
+def export(model: Llama, out: Path, tok: Tok, parity_ids=None, log=print):
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     state = to_mlx_state(model)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "mlx"})
+    # shards of at most SHARD_BYTES (mlx-lm loads every model*.safetensors; the device
+    # returns files of up to 16 MiB)
+    shards, size = [{}], 0
+    for k, v in state.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    for old in out.glob("model*.safetensors"):
+        old.unlink()
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out / name), metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
-    bt.save_tokenizer(out)
+    tok.save(out)
     (out / "special_tokens_map.json").unlink(
         missing_ok=True
     )  # optional; keeps $OUT under 8 files
@@ -366,6 +494,9 @@ def export(model: Llama, out: Path, parity_ids=None, log=print):
         ref = ref.to(dev).eval()
         with torch.no_grad(), torch.autocast(dev.type, enabled=False):
             logits = ref(torch.tensor([parity_ids], device=dev)).float().cpu()
+        # the logits of the last positions, at most 1M of them (a large vocabulary's
+        # file stays under the device's 16 MiB)
+        logits = logits[:, -max(1, min(logits.shape[1], 2**20 // logits.shape[-1])):].contiguous()
         save_file(
             {
                 "input_ids": torch.tensor([parity_ids], dtype=torch.int32),
@@ -373,9 +504,8 @@ def export(model: Llama, out: Path, parity_ids=None, log=print):
             },
             str(out / "parity.safetensors"),
         )
-    log(
-        f"exported to {out} ({(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB)"
-    )
+    size = sum(f.stat().st_size for f in out.glob("model*.safetensors"))
+    log(f"exported to {out} ({size / 1e6:.2f} MB in {len(names)} file(s))")
 
 
 # ---------------------------------------------------------------------------
@@ -383,31 +513,66 @@ def export(model: Llama, out: Path, parity_ids=None, log=print):
 # token under argmax == greedy decoding gives the answer).
 
 
+_EVAL_CACHE: dict = {}
+
+
+def _eval_examples(ctx, n, seed, tok: Tok, mixture: str):
+    """(name, prompt, answer) to check: the bench's tasks, and for the ruler mixture the
+    leaderboard's, on the held-out book, sized in the model's tokens."""
+    key = (ctx, n, seed, tok.path, mixture)
+    if key not in _EVAL_CACHE:
+        _EVAL_CACHE[key] = _make_eval_examples(ctx, n, seed, tok, mixture)
+    return _EVAL_CACHE[key]
+
+
+def _make_eval_examples(ctx, n, seed, tok: Tok, mixture: str):
+    out = []
+    if tok.path is None:
+        for task in tasks.TASKS:
+            out += [(task, e.prompt, e.answer) for e in tasks.make_examples(task, n, ctx, seed=seed)]
+        return out
+    # kv_lookup's hex keys take several tokens a character: not in the subword mixture
+    for task in ("niah_multikey", "variable_tracking"):
+        for i in range(n):  # sized in bytes
+            e = tasks.make_example(task, int(ctx * tok.chars_per_token * 0.9), seed=seed, index=i)
+            out.append((task, e.prompt, e.answer))
+    if mixture == "ruler" and ctx >= 1024:
+        for task in ruler.RULER_TASKS:
+            for e in ruler.make_ruler_examples(task, n, ctx - 64, seed, tok.count):
+                answers = e.answers
+                if task in ("niah_multivalue", "cwe"):  # in the text's order, as trained
+                    mark = " {}" if task == "niah_multivalue" else ". {} "
+                    answers = sorted(answers, key=lambda a: e.prompt.find(mark.format(a)) % (1 << 62))
+                said = {"niah_multivalue": ", ", "cwe": ", ", "vt": " "}.get(task, "")
+                out.append(("ruler:" + task, e.prompt, said.join(answers)))
+    return out
+
+
 @torch.no_grad()
-def eval_retrieval(model, ctx, n, seed, device, amp, batch=8):
+def eval_retrieval(model, ctx, n, seed, device, amp, tok: Tok, mixture: str, batch=8):
+    """Teacher-forced exact match of every answer token (argmax == greedy decoding gives
+    the answer; answers the scorer takes in any order are checked in the text's order,
+    the order the ruler mixture trains)."""
     model.eval()
-    res = {}
-    for task in tasks.TASKS:
-        exs = tasks.make_examples(task, n, ctx, seed=seed)
-        ok = 0
-        for i in range(0, n, batch):
-            chunk = exs[i : i + batch]
-            seqs = [bt.encode(e.prompt + e.answer) for e in chunk]
-            T = max(len(s) for s in seqs)
-            ids = torch.full((len(seqs), T), bt.PAD_ID, dtype=torch.long)
-            for j, s in enumerate(seqs):
-                ids[j, : len(s)] = torch.tensor(s)
-            ids = ids.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                pred = model(ids).argmax(-1)
-            for j, e in enumerate(chunk):
-                p = bt.encode(e.prompt)
-                a = len(e.answer.encode())
-                got = pred[j, len(p) - 1 : len(p) - 1 + a]
-                ok += bool((got == ids[j, len(p) : len(p) + a]).all())
-        res[task] = ok / n
+    res: dict = {}
+    examples = [e for e in _eval_examples(ctx, n, seed, tok, mixture) if e[2] is not None]
+    for i in range(0, len(examples), batch):
+        chunk = examples[i : i + batch]
+        prompts = [np.concatenate([[tok.bos], tok.encode(p)]) for _, p, _ in chunk]
+        answers = [tok.encode(a) for _, _, a in chunk]
+        T = max(len(p) + len(a) for p, a in zip(prompts, answers))
+        ids = torch.full((len(chunk), T), tok.pad, dtype=torch.long)
+        for j, (p, a) in enumerate(zip(prompts, answers)):
+            ids[j, : len(p) + len(a)] = torch.from_numpy(np.concatenate([p, a]).astype(np.int64))
+        ids = ids.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            pred = model(ids).argmax(-1)
+        for j, ((name, _, _), p, a) in enumerate(zip(chunk, prompts, answers)):
+            got = pred[j, len(p) - 1 : len(p) - 1 + len(a)]
+            ok = bool((got == ids[j, len(p) : len(p) + len(a)]).all())
+            res.setdefault(name, []).append(ok)
     model.train()
-    return res
+    return {k: sum(v) / len(v) for k, v in res.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -474,6 +639,17 @@ def main():
         default="",
         help="start from this model.safetensors instead of random weights",
     )
+    ap.add_argument(
+        "--tokenizer",
+        default="",
+        help="a tokenizer.json (subword_tokenizer.py); default: the byte tokenizer",
+    )
+    ap.add_argument(
+        "--mixture",
+        default="reference",
+        choices=sorted(MIXTURES),
+        help="the task mixture: the bench's tasks, or with the leaderboard's (ruler)",
+    )
     args = ap.parse_args()
 
     t_start = time.time()
@@ -500,14 +676,15 @@ def main():
         f"torch {torch.__version__} device {device} corpus {len(corpus):,} bytes args {vars(args)}"
     )
 
+    tok = Tok(args.tokenizer or None)
+    CONFIG.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos, eos_token_id=tok.eos,
+                  pad_token_id=tok.pad)
     if args.config:
         CONFIG.update(json.loads(args.config))
     model = Llama(CONFIG)
     init_weights(model, args.seed)
     if args.init:
-        from safetensors.torch import load_file
-
-        model.load_state_dict({k: v.float() for k, v in load_file(args.init).items()})
+        model.load_state_dict({k: v.float() for k, v in load_weights(args.init).items()})
         log(f"initialised from {args.init}")
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -533,9 +710,9 @@ def main():
         [int(x) for x in args.phase_steps.split(",")] if args.phase_steps else None
     )
     total_steps_fixed = sum(fixed_steps) if fixed_steps else None
-    parity_ids = bt.encode(
+    parity_ids = [tok.bos] + tok.encode(
         tasks.make_example("niah_single", 1024, seed=7, depth=0.5).prompt
-    )
+    ).tolist()
 
     sdpa_ctx = None
     if device.type == "cuda" or args.amp:
@@ -562,7 +739,7 @@ def main():
 
     for pi, (L, frac, B) in enumerate(phases):
         phase_end_time += frac * args.time_budget
-        ds = Batches(corpus, L, B, args.seed, pi)
+        ds = Batches(corpus, L, B, args.seed, pi, tok, args.mixture)
         dl = torch.utils.data.DataLoader(
             ds,
             batch_size=None,
@@ -654,7 +831,7 @@ def main():
                 t_log, tok_log = time.time(), 0
             now = time.time()
             if args.eval_every and now - last_eval >= args.eval_every:
-                r = eval_retrieval(model, min(L, 4096), args.eval_n, 999, device, amp)
+                r = eval_retrieval(model, min(L, 4096), args.eval_n, 999, device, amp, tok, args.mixture)
                 evals.append({"step": step, "ctx": min(L, 4096), **r})
                 log(
                     f"eval step {step} ctx {min(L, 4096)} (seed 999, n={args.eval_n}): "
@@ -662,7 +839,7 @@ def main():
                 )
                 last_eval = time.time()
             if args.ckpt_every and now - last_ckpt >= args.ckpt_every:
-                export(model, out, log=log)
+                export(model, out, tok, log=log)
                 last_ckpt = time.time()
         del it, dl
         phase_steps_done.append(ph_step)
@@ -673,12 +850,13 @@ def main():
         f"training done: {step} steps, {tokens_seen / 1e6:.1f}M tokens, {train_time:.0f}s; "
         f"replay with --phase-steps {','.join(map(str, phase_steps_done))}"
     )
-    export(model, out, parity_ids=parity_ids, log=log)
+    export(model, out, tok, parity_ids=parity_ids, log=log)
 
     final = {}
     for ctx in [int(c) for c in args.final_ctx.split(",") if c]:
         r = eval_retrieval(
-            model, ctx, args.final_eval_n, 4321, device, amp, batch=max(1, 32768 // ctx)
+            model, ctx, args.final_eval_n, 4321, device, amp, tok, args.mixture,
+            batch=max(1, 32768 // ctx),
         )
         final[ctx] = r
         log(

@@ -3,8 +3,9 @@
 Import it before anything imports MLX (``mlx``, ``mlx_lm``): on Linux it points MLX's CPU
 back-end at an installed OpenBLAS, which only works before MLX is loaded (``_blas.py``).
 
-``REFERENCE_MODEL`` is the folder of the embedded reference model, loadable offline with
-``mlx_lm.load(str(REFERENCE_MODEL))``.
+``REFERENCE_MODEL`` is the folder of the embedded byte-level reference model (the bench's
+default), ``REFERENCE_SUBWORD_MODEL`` the one with subword tokens (the leaderboard's and
+the README's); each loads offline with ``mlx_lm.load(str(folder))``.
 
 >>> from veloxquant_mlx import KVCacheConfig
 >>> from veloxquant_mlx.cache.options import StreamingLLMOptions
@@ -26,7 +27,7 @@ from .integrations.cache_classes import register_cache_classes  # noqa: E402
 
 register_cache_classes()  # saved prompt caches load after `import veloxquant_mlx` alone
 
-from .reference import REFERENCE_MODEL  # noqa: E402
+from .reference import REFERENCE_MODEL, REFERENCE_SUBWORD_MODEL  # noqa: E402
 
 # The mlx-lm integration imports mlx-lm (slow); load it on first use.
 _LAZY = {
@@ -41,6 +42,7 @@ _LAZY = {
 __all__ = [
     "KVCacheConfig",
     "REFERENCE_MODEL",
+    "REFERENCE_SUBWORD_MODEL",
     "SlowBLASWarning",
     "UnimplementedMethodWarning",
     "VeloxQuantDeprecationWarning",

@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default=None, metavar="PATH|HUB_ID",
         help="a local mlx-lm model folder (config.json + *.safetensors) or a Hugging Face "
-             "hub id; default: 'reference', the embedded reference model",
+             "hub id; default: 'reference', the embedded byte-level reference model; 'reference-subword', the embedded subword one",
     )
     _add_method_args(p)
     p.add_argument("--prompt", required=True, help="the prompt text (required)")
@@ -460,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help=doc,
         description=doc + " Arguments after -- go to mlx_lm.server (its --model may be a "
-        "folder, a hub id or 'reference', the embedded model, which is the default).",
+        "folder, a hub id, 'reference', the embedded byte-level model, which is the default, or 'reference-subword', the embedded subword one).",
         usage="veloxquant serve [--method M] [--set FIELD=VALUE ...] [--no-batching] "
               "[--kv-memory GB] -- "
               "[mlx_lm.server args]",
@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default=None, metavar="PATH|HUB_ID",
         help="the model to calibrate for: a local mlx-lm model folder or a Hugging Face hub "
-             "id; default: 'reference', the embedded reference model",
+             "id; default: 'reference', the embedded byte-level reference model; 'reference-subword', the embedded subword one",
     )
     p.add_argument("--method", required=True, type=method_key,
                    help="the method whose codebooks to fit (required; vecinfer has a "

@@ -9,13 +9,14 @@ from pathlib import Path
 
 from ._generated.deprecations import CONFIG_FIELD_USERS, CONFIG_FIELDS
 from .cache.config import KVCacheConfig, describe_fields_read
-from .reference import REFERENCE_MODEL
+from .reference import EMBEDDED_MODELS, REFERENCE_MODEL
 from .registry import METHODS, implemented_methods
 
 MODEL_HELP = (
     "a model is a local folder holding config.json and weights (*.safetensors), or a "
     "Hugging Face hub id such as mlx-community/Qwen3-0.6B-4bit; 'reference' (the default) "
-    "is the embedded reference model"
+    "is the embedded byte-level reference model, 'reference-subword' the embedded one with "
+    "subword tokens"
 )
 DTYPES = ["auto", "float16", "bfloat16", "float32"]
 DTYPE_HELP = (
@@ -92,8 +93,10 @@ def config_from_args(method: str, assignments: list[str] | None) -> KVCacheConfi
 
 def resolve_model(path_or_id: str | None) -> str:
     """A local model folder (checked) or a hub id; CLIError saying what a model needs."""
-    if path_or_id in (None, "reference"):
+    if path_or_id is None:
         return str(REFERENCE_MODEL)
+    if path_or_id in EMBEDDED_MODELS:
+        return str(EMBEDDED_MODELS[path_or_id])
     path = Path(path_or_id).expanduser()
     if path.exists():
         if not path.is_dir():

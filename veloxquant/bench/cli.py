@@ -61,7 +61,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument(
         "--model", default=None, metavar="PATH|HUB_ID",
         help="a local mlx-lm model folder (config.json + *.safetensors) or a Hugging Face "
-             "hub id; default: 'reference', the embedded reference model",
+             "hub id; default: 'reference', the embedded byte-level reference model; 'reference-subword', the embedded subword one",
     )
     p.add_argument("--methods", default="all",
                    help="'all' (default: every implemented method) or a comma-separated list "
