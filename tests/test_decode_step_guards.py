@@ -32,8 +32,8 @@ def test_a_decode_step_reads_no_array_value_on_the_host(method):
 # The step's graph as a ratio to the full cache's (tiny llama, whole model: see
 # benchmarks/notes/decode_graph.md), measured when each entry was written.
 OVER_GRAPH_BOUND = {
-    "vecinfer": 2.89, "kvquant": 1.81,
-    "cachegen": 2.17, "gear": 1.54,
+    "vecinfer": 2.89, "kvquant": 1.32,
+    "gear": 1.54,
     "nsnquant": 1.41, "kvtc": 2.10, "amc": 5.37, "a2ats": 1.72,
     "spectral": 3.41,
     "minicache": 1.94,  # its merge was evaluated by its own host read, mid-step, until that went

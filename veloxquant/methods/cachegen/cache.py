@@ -33,8 +33,9 @@ What stays resident (``nbytes``): the fixed-length codes, packed at the layer's 
 full-precision tail. What is saved (``state``, ``stored_nbytes``): the coded streams and
 their uint16 tables, the scales, the anchors' streams, the tail (``quant/coded_cache.py``).
 Attention never reads a stream: a prompt chunk attends over the reconstructed history plus
-itself, a decode step over the resident codes reconstructed (``AnchoredScores``, the
-pure-MLX path on every device) and the tail, merged in one softmax.
+itself, a decode step over the resident codes read where they lie (``AnchoredScores``:
+group-affine products over the packed deltas and anchors, no decoded copy of the history)
+and the tail, merged in one softmax.
 """
 
 from __future__ import annotations

@@ -19,12 +19,13 @@ spread every token's deltas over the whole grid again. With ``use_delta=False`` 
 token is coded directly, with its own scales. What is kept: codes packed at ``bits`` per
 symbol (uint32 words), float16 scales (one per token per channel group; with deltas one
 per anchor group per channel group), and the anchors' 8-bit codes and scales. Attention reads ``AnchoredScores`` (the ``PackedScores`` protocol of
-``kernels/decode.py``): the run reconstructed in float32 (transient), then one matrix
-product; the pure-MLX path on every device.
+``kernels/decode.py``): the packed codes as they are, one group-affine product for the
+deltas and one for the anchors (keys and values alike), never a decoded copy of the run.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -175,7 +176,15 @@ def reconstruct(codec: AnchoredCodec, codes, scales, anchor_codes=None, anchor_s
 
 @dataclass(frozen=True)
 class AnchoredScores:
-    """A run's keys or values as decode attention reads them (``PackedScores``)."""
+    """A run's keys or values as decode attention reads them (``PackedScores``): the
+    packed codes read where they lie, never unpacked into a copy of the history.
+
+    A token's delta is affine in its code per channel group, ``s (q - m) = s q - m s``,
+    so one ``quantized_matmul`` (its group-affine form, ``mx.quantize``'s bit order; the
+    CPU) or one dequantization and product (a GPU) reads the deltas, with the anchor
+    group's step repeated over its G tokens; the anchors' own term is one more such
+    product over the 8-bit anchors (keys: ``q a`` per anchor group, repeated over its
+    tokens; values: the probabilities summed per anchor group, times the anchors)."""
 
     codec: AnchoredCodec
     count: int
@@ -185,8 +194,44 @@ class AnchoredScores:
     def n_heads(self) -> int:
         return self.views[0].shape[1]
 
+    def _token_affine(self):
+        """The codes with one (scale, bias) per token and channel group."""
+        c, codes, s = self.codec, self.views[0], self.views[1].astype(mx.float32)
+        if c.use_delta:  # one step per anchor group: repeated over its tokens
+            b, h, n_groups, w = s.shape
+            s = mx.broadcast_to(s[:, :, :, None], (b, h, n_groups, c.group, w)).reshape(b, h, -1, w)
+        return codes, s, s * _neg_offset(c.bits), c.bits
+
+    def _anchors(self):
+        a_codes, a_scales = self.views[2], self.views[3].astype(mx.float32)
+        return a_codes, a_scales, a_scales * _neg_offset(ANCHOR_BITS), ANCHOR_BITS
+
+    def _matmul(self, x, packed, transpose: bool) -> mx.array:
+        codes, scales, biases, bits = packed
+        if mx.default_device() == mx.cpu:
+            return mx.quantized_matmul(x, codes, scales, biases, transpose=transpose,
+                                       group_size=self.codec.group, bits=bits)
+        w = mx.dequantize(codes, scales, biases, group_size=self.codec.group, bits=bits)
+        return x @ (w.swapaxes(-1, -2) if transpose else w)
+
     def scores(self, q: mx.array) -> mx.array:
-        return q @ reconstruct(self.codec, *self.views).swapaxes(-1, -2)
+        s = self._matmul(q, self._token_affine(), transpose=True)
+        if not self.codec.use_delta:
+            return s
+        b, h, r, n = s.shape
+        anchors = self._matmul(q, self._anchors(), transpose=True)  # (B, H, R, n / G)
+        return (s.reshape(b, h, r, n // self.codec.group, self.codec.group) + anchors[..., None]).reshape(s.shape)
 
     def mix(self, p: mx.array) -> mx.array:
-        return p @ reconstruct(self.codec, *self.views)
+        o = self._matmul(p, self._token_affine(), transpose=False)
+        if not self.codec.use_delta:
+            return o
+        b, h, r, n = p.shape
+        per_group = p.reshape(b, h, r, n // self.codec.group, self.codec.group).sum(axis=-1)
+        return o + self._matmul(per_group, self._anchors(), transpose=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _neg_offset(bits: int) -> mx.array:
+    """``-qmax`` in float32, made once: a symmetric code's bias per unit of scale."""
+    return mx.array(-qmax(bits), mx.float32)

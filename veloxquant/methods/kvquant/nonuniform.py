@@ -19,9 +19,11 @@ Keys may be kept pre-RoPE (``quant/prerope.py``): de-rotated at their positions 
 encoding, rotated again when read.
 
 Reading: ``NonUniformScores`` (the ``PackedScores`` protocol of ``kernels/decode.py``)
-is the one pass a decode step makes over the packed run: indices unpacked and looked up in
-the codebook, scaled and offset per group (two fused elementwise passes), the outlier
-table scattered over that tile, then ``q K^T`` or ``p V`` as one matrix product. It reads
+is the one pass a decode step makes over the packed run: every bit plane unpacked in one
+fused pass, the indices read from the codebooks laid end to end (one gather, a unit's
+codebook id offsetting its indices) and scaled and offset per group in the same fused
+pass, the outlier table scattered over that tile (its indices in one fused pass), then
+``q K^T`` or ``p V`` as one matrix product. It reads
 the packed form directly: the history is never decoded into the model's dtype, nor
 concatenated with the other parts. No fused GPU kernel reads codebooks, so this is the
 pure-MLX path on every device.
@@ -36,7 +38,7 @@ import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
 from ...quant import codebook as cb
-from ...quant.outliers import per_tail, restore_channel_groups, restore_vectors, split_channel_groups, split_vectors
+from ...quant.outliers import per_tail, restore_vectors, split_channel_groups, split_vectors
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import from_pre_rope_channels, to_pre_rope
 
@@ -211,29 +213,37 @@ class NonUniformTokens:
         channel = c.axis == "channel"
         units = n // g if channel else n
         if channel:
-            codes = cb.unpack_planes(self.codes.buffer[..., : n // 32])  # (B, H, D, n)
+            planes = self.codes.buffer[..., : n // 32]
+            flat = (*planes.shape[:-2], n)  # (B, H, D, n)
+            codes = _unpack(planes, (*flat[:-1], units, g))
             offsets, ranges = self.offsets.buffer[..., :units], self.ranges.buffer[..., :units]
-            shape = (*codes.shape[:-1], units, g)
         else:
             d = self.offsets.buffer.shape[-1] * g
-            codes = cb.unpack_planes(self.codes.buffer[:, :, :n])  # (B, H, n, 32 W)
-            codes = codes if codes.shape[-1] == d else codes[..., :d]
+            planes = self.codes.buffer[:, :, :n]
+            flat = (*planes.shape[:2], n, d)  # (B, H, n, D)
+            if planes.shape[-1] * 32 == d:
+                codes = _unpack(planes, (*flat[:-1], d // g, g))
+            else:
+                codes = _unpack(planes, (*flat[:-1], planes.shape[-1] * 32))[..., :d].reshape(*flat[:-1], d // g, g)
             offsets, ranges = self.offsets.buffer[:, :, :n], self.ranges.buffer[:, :, :n]
-            shape = (*codes.shape[:-1], d // g, g)
-        x = cb.lookup(codes.reshape(shape), self._tables(units, channel))
-        x = (x * ranges[..., None] + offsets[..., None]).reshape(codes.shape)
+        x = _centroids(codes, self.books.buffer, self._book_ids(units, channel), ranges, offsets)
         if self.out_pos.buffer is not None:
             pos, val = self.out_pos.buffer[:, :, :units], self.out_val.buffer[:, :, :units]
-            x = restore_channel_groups(x, pos, val, g) if channel else restore_vectors(x, pos, val)
+            if channel:
+                x = _restore_channel_groups(x, pos, val, g, flat)
+            else:
+                x = restore_vectors(x.reshape(flat), pos, val)
+        x = x.reshape(flat)
         if self.rotary is not None:
             x = from_pre_rope_channels(x, self.start, self.rotary)
         return x
 
-    def _tables(self, units: int, channel: bool) -> mx.array:
+    def _book_ids(self, units: int, channel: bool) -> mx.array | None:
+        """Each unit's codebook id, shaped to broadcast over its codes (None: one codebook)."""
         if self.books.length == 1 or self.book_ids is None:
-            return self.books.buffer[0]
-        tables = self.books.buffer[self.book_ids.buffer[:units]]  # (units, 2^b)
-        return tables.reshape(1, 1, 1, units, 1, -1) if channel else tables.reshape(1, 1, units, 1, 1, -1)
+            return None
+        ids = self.book_ids.buffer[:units]
+        return ids.reshape(units, 1) if channel else ids.reshape(units, 1, 1)
 
     def decode(self, dtype) -> mx.array | None:
         """The valid tokens (B, H, count, D) in ``dtype`` (transient: prefill chunks and tests)."""
@@ -283,6 +293,73 @@ class NonUniformTokens:
                 yield f"{name} codebook id", int(ids.max()), f"below the {self.books.length} codebooks kept"
         if k and n and int(self.out_pos.view().max()) >= (head_dim * c.group if channel else head_dim):
             yield f"{name} outlier position", int(self.out_pos.view().max()), "inside its vector"
+
+
+@functools.lru_cache(maxsize=None)
+def _shifts(bits: int):
+    """The shifts of an index's bits: along a plane's word (32), across the planes (bits);
+    evaluated once (a constant, not a node of every step's graph)."""
+    along = mx.arange(32, dtype=mx.uint32)
+    across = mx.arange(bits, dtype=mx.uint32)[:, None, None]
+    mx.eval(along, across)
+    return along, across
+
+
+@mx.compile
+def _unpack_all(planes, along, across):  # (..., bits, W) -> (..., 1, W, 32): every plane in one pass
+    return (((planes[..., None] >> along) & 1) << across).sum(axis=-3, keepdims=True)
+
+
+def _unpack(planes: mx.array, shape) -> mx.array:
+    """(..., bits, W) bit planes -> the W * 32 uint32 indices of each row (``codebook.pack_planes``)
+    in ``shape``."""
+    return _unpack_all(planes, *_shifts(planes.shape[-2])).reshape(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _scatter_index_fn(group: int, n: int):
+    def index(pos, start):  # a group's (channel * group + token) -> channel * n + token
+        p = pos.astype(mx.int32)
+        return (p // group) * n + start + p % group
+
+    return mx.compile(index)
+
+
+def _restore_channel_groups(dense: mx.array, pos: mx.array, values: mx.array, group: int, shape) -> mx.array:
+    """``outliers.restore_channel_groups`` with its index arithmetic in one fused pass;
+    ``dense`` in any shape of the per-channel (..., D, n) = ``shape``'s elements."""
+    *lead, d, n = shape
+    start = _group_starts(pos.shape[-2], group)
+    flat = _scatter_index_fn(group, n)(pos, start)
+    out = mx.put_along_axis(dense.reshape(*lead, d * n), flat.reshape(*lead, -1),
+                            values.reshape(*lead, -1).astype(dense.dtype), axis=-1)
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _group_starts(units: int, group: int) -> mx.array:
+    """Each group's first token (units, 1), int32, evaluated (the group counts a step meets
+    change once per flush)."""
+    start = (mx.arange(units, dtype=mx.int32) * group)[:, None]
+    mx.eval(start)
+    return start
+
+
+@functools.lru_cache(maxsize=None)
+def _centroids_fn(per_unit: bool):
+    def centroids(codes, books, ranges, offsets, *ids):
+        if per_unit:  # each unit's codebook: its row of the codebooks laid end to end
+            codes = codes + ids[0].astype(mx.uint32) * books.shape[-1]
+        return mx.take(books.reshape(-1), codes) * ranges[..., None] + offsets[..., None]
+
+    return mx.compile(centroids)
+
+
+def _centroids(codes, books, ids, ranges, offsets) -> mx.array:
+    """``c[idx] * rho + o`` per group (codes (..., units, g), uint32), each unit read with
+    its codebook (``ids`` None: the first, row 0 of ``books``): one gather from the
+    codebooks laid end to end (a few centroids each)."""
+    return _centroids_fn(ids is not None)(codes, books, ranges, offsets, *(() if ids is None else (ids,)))
 
 
 @dataclass(frozen=True)
