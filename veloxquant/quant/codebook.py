@@ -17,7 +17,7 @@ centroids; what is stored per value is the centroid's index.
   ``searchsorted`` on the midpoints gives), as ``2^b - 1`` fused comparisons: no
   (values x centroids) array is formed.
 - **Indices** are packed as bit planes (``pack_planes``): ``b`` uint32 words per 32
-  consecutive indices, word p holding bit p of each, so that unpacking (``unpack_planes``)
+  consecutive indices, word p holding bit p of each, so that unpacking
   is elementwise at every width (3 and 5 bits included) and fuses into one compiled pass.
 - **Lookup** (``lookup``): ``c[k] = c_0 + sum_j (c_j - c_{j-1}) [k >= j]``, fused
   elementwise (no gather, slow on the CPU), with one codebook or one per row (``tables``),
@@ -111,23 +111,6 @@ def pack_planes(idx: mx.array, bits: int) -> mx.array:
 
 
 @functools.lru_cache(maxsize=None)
-def _unpack_fn(bits: int):
-    def unpack(*planes):
-        k = (planes[0] >> _SHIFTS) & 1
-        for p, plane in enumerate(planes[1:], start=1):
-            k = k | (((plane >> _SHIFTS) & 1) << p)
-        return k.astype(mx.float32)
-
-    return mx.compile(unpack)
-
-
-def unpack_planes(planes: mx.array) -> mx.array:
-    """(..., bits, W) bit planes -> (..., W * 32) float32 indices."""
-    *lead, bits, w = planes.shape
-    k = _unpack_fn(bits)(*[planes[..., p, :, None] for p in range(bits)])
-    return k.reshape(*lead, w * 32)
-
-
 # -- fitting ------------------------------------------------------------------------------------
 def _sample(z: mx.array, weights: mx.array, seed: int):
     z, weights = z.reshape(-1), weights.reshape(-1)

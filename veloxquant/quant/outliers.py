@@ -90,14 +90,3 @@ def split_channel_groups(x: mx.array, k: int, group: int, dtype=None):
 def restore_vectors(dense: mx.array, pos: mx.array, values: mx.array) -> mx.array:
     """Outliers written over ``dense`` (..., n)."""
     return mx.put_along_axis(dense, pos.astype(mx.int32), values.astype(dense.dtype), axis=-1)
-
-
-def restore_channel_groups(dense: mx.array, pos: mx.array, values: mx.array, group: int) -> mx.array:
-    """Outliers written over per-channel ``dense`` (..., D, n); ``pos``/``values`` (..., n/group, m)."""
-    *lead, d, n = dense.shape
-    pos = pos.astype(mx.int32)
-    start = (mx.arange(pos.shape[-2], dtype=mx.int32) * group)[:, None]
-    flat = (pos // group) * n + start + pos % group
-    out = mx.put_along_axis(dense.reshape(*lead, d * n), flat.reshape(*lead, -1),
-                            values.reshape(*lead, -1).astype(dense.dtype), axis=-1)
-    return out.reshape(*lead, d, n)

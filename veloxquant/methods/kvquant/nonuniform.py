@@ -326,7 +326,7 @@ def _scatter_index_fn(group: int, n: int):
 
 
 def _restore_channel_groups(dense: mx.array, pos: mx.array, values: mx.array, group: int, shape) -> mx.array:
-    """``outliers.restore_channel_groups`` with its index arithmetic in one fused pass;
+    """Outliers written over per-channel values, the index arithmetic in one fused pass;
     ``dense`` in any shape of the per-channel (..., D, n) = ``shape``'s elements."""
     *lead, d, n = shape
     start = _group_starts(pos.shape[-2], group)
