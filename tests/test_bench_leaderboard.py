@@ -35,13 +35,29 @@ def test_integer_search_starts_above_refused_values_and_finds_the_nearest():
     # full = 5000: the search stops early only within 25 bytes of the target
     value, nbytes = lb.search(measure, "snap_budget", 5000, 5000, 1024, measured)
     assert (value, nbytes) == (50, 5020)
-    assert len(calls) == len(set(calls)) < 40  # bisection, each value measured once
+    assert len(calls) == len(set(calls)) < 40  # each value measured once
     before = len(calls)  # a second target reuses what the first measured
     assert lb.search(measure, "snap_budget", 5000, 5000, 1024, measured) == (50, 5020)
     assert len(calls) == before
     # with a looser tolerance (0.5% of a larger full cache) a nearby value ends it early
     value, nbytes = lb.search(measure, "snap_budget", 5000, 102_400, 1024, {})
     assert abs(nbytes - 5000) <= 0.005 * 102_400
+
+
+def test_integer_search_reads_a_linear_budget_off_the_line_in_few_prefills():
+    # each measurement is a prefill of the whole prompt: bytes linear in a budget (plus a
+    # fixed part) are found by interpolation, where bisection of [1, 4096] took 12
+    measure, calls = _counting(lambda v: 6144 * min(v, 4096) + 99_000)
+    full = 6144 * 4096 + 99_000
+    value, nbytes = lb.search(measure, "snap_budget", full / 2, full, 4096, {})
+    assert abs(nbytes - full / 2) <= 0.005 * full
+    assert len(calls) <= 3
+
+
+def test_integer_search_still_halves_bytes_far_from_a_line():
+    measure, calls = _counting(lambda v: v ** 3)
+    value, nbytes = lb.search(measure, "snap_budget", 1000 ** 3, 1000 ** 3, 4096, {})
+    assert abs(nbytes - 1000 ** 3) <= 0.005 * 1000 ** 3 and len(calls) <= 2 * 12 + 2
 
 
 def test_float_search_follows_bytes_that_fall_as_the_value_rises():

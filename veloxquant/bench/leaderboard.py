@@ -114,6 +114,12 @@ def search(measure: Callable[[Any], float | None], field_name: str, target: floa
     while (hi - lo > 1 if is_int else steps < FLOAT_STEPS):
         steps += 1
         mid = (lo + hi) // 2 if is_int else (lo + hi) / 2
+        if is_int and steps % 2:
+            # a budget's bytes are close to linear in it: every other step reads the value
+            # off the line through the bracket's ends (each measurement is a prefill of
+            # the whole prompt), the steps between halve the bracket whatever the shape
+            guess = _interpolated(lo, hi, measured.get(lo), measured.get(hi), target)
+            mid = mid if guess is None else min(max(guess, lo + 1), hi - 1)
         b = at(mid)
         if close(b):
             break
@@ -122,6 +128,13 @@ def search(measure: Callable[[Any], float | None], field_name: str, target: floa
         else:
             hi = mid
     return _nearest(measured, target)
+
+
+def _interpolated(lo: int, hi: int, b_lo, b_hi, target: float) -> int | None:
+    """The integer where the line through (lo, b_lo) and (hi, b_hi) meets ``target``."""
+    if b_lo is None or b_hi is None or b_lo == b_hi:
+        return None
+    return round(lo + (target - b_lo) / (b_hi - b_lo) * (hi - lo))
 
 
 @dataclass
