@@ -512,7 +512,7 @@ def test_batched_generation_equals_each_sequence_alone_bit_for_bit(method, monke
 # computes a batch's matrix products in another summation order than one sequence's (gemm
 # against gemv), and a fit turns that rounding into other choices (tokens, kept codes), so
 # their batch-equals-alone check runs in a process on MLX's own BLAS, which rounds alike.
-FITTED_TO_THE_PROMPT = ("vecinfer", "kvquant", "palu", "kvtc", "amc", "anchorkv", "spectral")
+FITTED_TO_THE_PROMPT = ("vecinfer", "kvquant", "palu", "kvtc", "amc", "anchorkv", "spectral", "xkv")
 
 
 def test_fitted_methods_batch_like_alone_under_mlx_blas():

@@ -116,10 +116,16 @@ def refusal(cache: Any) -> str:
 
 # -- copies: one model context per sequence ----------------------------------------------
 # A sequence's layers share one ModelContext (per-layer budgets, what one layer leaves for
-# the next). Copying each layer's cache on its own would give every layer its own copy of
-# it; mlx-lm merges and extracts layer by layer, layer 0 first, so the copy made for a
-# sequence's first compressed layer is kept here, by the original's id, for its other
-# layers. Merges and extracts keep separate tables, so that neither picks up a copy the
+# the next) whose ``layers`` list is the sequence's prompt cache: cross-layer methods reach
+# a neighbour through it (cache/cross_layer.py). mlx-lm merges and extracts layer by layer,
+# layer 0 first, with nothing run in between; the context is deep-copied once, at the
+# sequence's first compressed layer, which copies its compressed layers with it, each
+# linked to the copied context, and every layer's copy is the one in the copied context's
+# ``layers`` (a copy made apart from it would read its neighbours' stale copies). The
+# model's own caches in ``layers`` (layers the method does not compress: mlx-lm batches
+# them itself) are not copied: the copied context holds None for them. The copy is kept
+# here, by the original's id, until the sequence's last compressed layer has taken its
+# copy. Merges and extracts keep separate tables, so that neither picks up a copy the
 # other made.
 _CONTEXT_COPIES: dict[str, dict[int, tuple[weakref.ref, Any]]] = {"merge": {}, "extract": {}}
 
@@ -134,17 +140,27 @@ def _context_copy(context: Any, layer: int, purpose: str) -> Any:
     if entry is None or first_layer or entry[0]() is not context:
         for key in [k for k, (ref, _) in copies.items() if ref() is None]:
             del copies[key]
-        entry = (weakref.ref(context), copy.deepcopy(context))
+        memo = {id(c): None for c in (context.layers or ())
+                if c is not None and not isinstance(c, CompressedKVCache)}
+        entry = (weakref.ref(context), copy.deepcopy(context, memo))
         copies[id(context)] = entry
+    if held and layer == held[-1]:  # every compressed layer of the sequence has its copy
+        copies.pop(id(context), None)
     return entry[1]
 
 
 def copy_single(cache: Any, purpose: str) -> Any:
     """An independent copy of a single-sequence cache (``purpose``: "merge" or "extract");
-    the copies of one sequence's layers share one copied context."""
+    the copies of one sequence's layers share one copied context, whose ``layers`` are
+    those copies."""
     context = getattr(cache, "context", None)
-    memo = {} if context is None else {id(context): _context_copy(context, cache.layer, purpose)}
-    return copy.deepcopy(cache, memo)
+    if context is None:
+        return copy.deepcopy(cache)
+    copied = _context_copy(context, cache.layer, purpose)
+    layers = context.layers or []
+    if cache.layer < len(layers) and layers[cache.layer] is cache:
+        return copied.layers[cache.layer]
+    return copy.deepcopy(cache, {id(context): copied})
 
 
 def merge(cls: type, caches: list) -> "BatchCache":
