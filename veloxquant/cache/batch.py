@@ -33,8 +33,14 @@ batch layouts rely on): a class says in its own body ``batchable = True`` (packe
 its base has a packed layout that accepts it, per sequence otherwise) or ``batchable =
 "per_sequence"``. A class without it has no ``merge`` (``CompressedKVCache.merge`` raises
 AttributeError), so mlx-lm does not batch it, and our integration replaces mlx-lm's
-generic refusal with one naming the method and the methods that batch. Nothing ever
-falls back to an uncompressed cache.
+generic refusal with one naming the method, why it does not batch (``why_not_batchable``:
+a class that cannot batch says why in its body, ``batchable = False`` with
+``batch_refusal = "..."``) and the methods that batch. Nothing ever falls back to an
+uncompressed cache.
+
+Cross-layer methods (xkv, xquant, minicache) batch per sequence: a layer reads its
+neighbours through its sequence's model context, and each sequence's copies share one
+copied context whose ``layers`` are those copies (see "copies" below).
 
 The quantized stores (``quant/store.py`` and the stores built on it) batch per sequence,
 except the plain ``QuantizedKVStore`` of a class that keeps ``QuantizedCache``'s decode
@@ -101,14 +107,29 @@ def batchable_methods() -> list[str]:
     return out
 
 
+def why_not_batchable(cache: Any) -> str:
+    """Why ``cache`` does not batch: the class's own ``batch_refusal`` (a method that cannot
+    batch says why in its body, next to ``batchable = False``), a composed cache (a storage
+    under an eviction method), or a class that has not opted in."""
+    cls = type(cache)
+    reason = cls.__dict__.get("batch_refusal")
+    if reason:
+        return reason
+    storage = getattr(getattr(cache, "config", None), "storage", None)
+    if batch_mode(cls) is not None and storage is not None:
+        return (f"it is a composed cache (storage={type(storage).__name__}(...) under an eviction "
+                "method): no batch layout holds its quantized slots")
+    return ("its class has not opted in (no `batchable`: it is not checked to give each "
+            "sequence of a batch what it gives alone)")
+
+
 def refusal(cache: Any) -> str:
-    """Why ``cache``'s method does not batch, naming it and the methods that do."""
+    """Why ``cache``'s method does not batch, naming it, the reason and the methods that do."""
     method = cache.config.method
     return (
         f"method {method!r} ({type(cache).__name__}) does not support batched generation "
-        "(mlx-lm's batch_generate, BatchGenerator, the server's continuous batching): its "
-        "class has not opted in (no `batchable`: it is not checked to give each sequence of a "
-        "batch what it gives alone), and VeloxQuant never falls back to an uncompressed cache. "
+        f"(mlx-lm's batch_generate, BatchGenerator, the server's continuous batching): "
+        f"{why_not_batchable(cache)}; VeloxQuant never falls back to an uncompressed cache. "
         "Generate one sequence at a time (mlx_lm.generate / stream_generate), or use a method "
         "that batches: " + ", ".join(batchable_methods())
     )
@@ -496,4 +517,4 @@ class PackedLayout:
 
 
 __all__ = ["BatchCache", "PACKED", "PackedLayout", "PER_SEQUENCE", "batch_mode", "batchable_methods",
-           "merge", "refusal"]
+           "merge", "refusal", "why_not_batchable"]
