@@ -299,6 +299,10 @@ def test_a_composed_cache_does_not_batch():
     assert not hasattr(cache[0], "merge")
     with pytest.raises(AttributeError, match="with a storage does not batch"):
         cache[0].merge
+    message = test_conformance._refusal_checked(model, [cache, make_prompt_cache(model, cache[0].config)],
+                                                "method 'snapkv'")
+    assert "it is a composed cache (storage=KIVIOptions(...) under an eviction method)" in message
+    assert "not opted in" not in message
 
 
 # -- the bench ----------------------------------------------------------------------------------

@@ -512,7 +512,7 @@ def test_batched_generation_equals_each_sequence_alone_bit_for_bit(method, monke
 # computes a batch's matrix products in another summation order than one sequence's (gemm
 # against gemv), and a fit turns that rounding into other choices (tokens, kept codes), so
 # their batch-equals-alone check runs in a process on MLX's own BLAS, which rounds alike.
-FITTED_TO_THE_PROMPT = ("vecinfer", "kvquant", "palu", "kvtc", "amc", "anchorkv", "spectral")
+FITTED_TO_THE_PROMPT = ("vecinfer", "kvquant", "palu", "kvtc", "amc", "anchorkv", "spectral", "xkv")
 
 
 def test_fitted_methods_batch_like_alone_under_mlx_blas():
@@ -603,7 +603,22 @@ def test_a_subclass_of_a_batching_class_does_not_batch():
               for _ in range(2)]
     assert batch_module.batch_mode(_FullNotOptedIn) is None and not hasattr(caches[0][0], "merge")
     assert hasattr(make_prompt_cache(model, cfg)[0], "merge")
-    _refusal_checked(model, caches, "_FullNotOptedIn")
+    assert "its class has not opted in" in _refusal_checked(model, caches, "_FullNotOptedIn")
+
+
+class _FullRefusing(FullCache):
+    batchable = False
+    batch_refusal = "its rows are a test's own (the reason its class gives)"
+
+
+def test_a_class_that_cannot_batch_gives_its_reason_in_the_refusal():
+    model = tiny_model("llama")
+    cfg = config("full", {})
+    caches = [[_FullRefusing(c.config, c.context, c.layer) for c in make_prompt_cache(model, cfg)]
+              for _ in range(2)]
+    message = _refusal_checked(model, caches, "_FullRefusing")
+    assert "batching): its rows are a test's own (the reason its class gives); VeloxQuant" in message
+    assert "not opted in" not in message
 
 
 class _FullBadOptIn(FullCache):

@@ -166,3 +166,47 @@ def test_a_deep_copy_links_to_its_own_owner():
     a = mx.concatenate([model(t.reshape(1, 1), cache=cache)[:, -1] for t in tokens[112:118]])
     b = mx.concatenate([model(t.reshape(1, 1), cache=clone)[:, -1] for t in tokens[112:118]])
     assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("method", list(SETTINGS))
+def test_a_batch_keeps_each_sequences_layers_linked_to_each_other(method):
+    """mlx-lm merges (and extracts) a batch layer by layer: every sequence's copied layers
+    share one copied context whose ``layers`` are those very copies, so a layer reaches its
+    own sequence's neighbours in the batch, never a stale copy of them (before, each layer
+    was copied apart from the context's copies: layer 1 read a frozen copy of layer 0); no
+    copy stays behind in the module's table once the last layer has taken its own."""
+    from veloxquant_mlx.cache import batch as batch_module
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    caches = [make_prompt_cache(model, config(method, SETTINGS[method])) for _ in range(2)]
+    for seed, cache in enumerate(caches):
+        drive(model, cache, prompt(60 + 20 * seed, seed=seed), decode=2)
+    batch = [caches[0][i].merge([c[i] for c in caches]) for i in range(4)]
+    assert not batch_module._CONTEXT_COPIES["merge"]
+    for b, original in enumerate(caches):
+        mine = [layer.seqs[b] for layer in batch]
+        ctx = mine[0].context
+        assert ctx is not original[0].context and ctx is not batch[0].seqs[1 - b].context
+        assert all(c.context is ctx for c in mine) and ctx.layers == mine
+        assert all(c.owner is mine[c.layer_group[c.owner_position]] for c in mine)
+        assert all(x is not y for x, y in zip(mine, original))
+    extracted = [layer.extract(1) for layer in batch]
+    assert not batch_module._CONTEXT_COPIES["extract"]
+    ctx = extracted[0].context
+    assert ctx.layers == extracted and ctx is not batch[0].seqs[1].context
+    assert all(x is not y for x, y in zip(extracted, (layer.seqs[1] for layer in batch)))
+
+
+def test_a_batch_copy_of_a_context_leaves_the_models_own_caches_out():
+    """A layer the method does not compress (the model's own cache, which mlx-lm batches
+    itself) is not copied with a sequence's context: the copy holds None there."""
+    from mlx_lm.models.cache import KVCache
+
+    from veloxquant_mlx.cache import batch as batch_module
+    from veloxquant_mlx.methods.xkv import XKVCache
+
+    cfg = config("xkv", {})
+    ctx = ModelContext(cfg, 3, (1, 2))
+    ctx.layers = [KVCache(), XKVCache(cfg, ctx, 1), XKVCache(cfg, ctx, 2)]
+    copies = [batch_module.copy_single(c, "merge") for c in ctx.layers[1:]]
+    assert copies[0].context.layers == [None] + copies and copies[1].owner is copies[0]

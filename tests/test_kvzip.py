@@ -227,3 +227,48 @@ def test_per_layer_budgets_from_the_model_context_set_the_global_total():
     prefill_with_reconstruction(model, tok, prompt(200).tolist(), cache)
     kept = sum(int((c.kept_positions >= 0).sum()) for c in cache)
     assert kept == 2 * 16 + 2 * 64  # H_kv x min(budget_l, T), summed over layers
+
+
+def test_the_pass_per_sequence_then_a_batch_answers_like_each_sequence_alone():
+    """kvzip batches per sequence (``batchable = "per_sequence"``): contexts compressed by
+    their own reconstruction pass, then their questions batched through mlx-lm's
+    BatchGenerator, give each sequence's greedy tokens, and its kept positions, as the
+    same cache answering alone (log-probs to the float rounding of batched projections);
+    no fall-back runs. The pass itself refuses a batch's cache, saying what to do."""
+    import batching
+    from mlx_lm.generate import BatchGenerator
+
+    model, tok = tiny_model("llama"), char_tokenizer()
+    contexts, questions, steps = [prompt(200, seed=1), prompt(150, seed=2)], [prompt(12, seed=3), prompt(7, seed=4)], 6
+    settled = []
+    for ctx in contexts:
+        cache = kvzip_cache(model, kvzip_budget=32)
+        prefill_with_reconstruction(model, tok, ctx.tolist(), cache)
+        settled.append(cache)
+    alone = [batching.run_alone(model, lambda c=c: copy.deepcopy(c), q.tolist(), steps)
+             for c, q in zip(settled, questions)]
+    tokens, logprobs, extracted = {}, {}, {}
+    gen = BatchGenerator(model, max_tokens=steps)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the pass ran: no fall-back in the batch
+            uids = gen.insert([q.tolist() for q in questions], [steps] * 2,
+                              caches=[copy.deepcopy(c) for c in settled])
+            while responses := gen.next_generated():
+                for r in responses:
+                    tokens.setdefault(r.uid, []).append(r.token)
+                    logprobs.setdefault(r.uid, []).append(r.logprobs)
+                    if r.finish_reason is not None:
+                        extracted[r.uid] = r.prompt_cache
+                batch = batching.batch_caches(gen)
+                if batch:
+                    with pytest.raises(ValueError, match="a batch's cache.*each sequence's own cache"):
+                        prefill_with_reconstruction(model, tok, contexts[0].tolist(), batch)
+    finally:
+        gen.close()
+    for uid, (a_tokens, a_logprobs, a_cache) in zip(uids, alone):
+        assert tokens[uid] == a_tokens
+        assert all(mx.allclose(x, y, atol=1e-4, rtol=1e-4) for x, y in zip(logprobs[uid], a_logprobs))
+        for b, a in zip(extracted[uid], a_cache):
+            assert (b.offset, b.stored_length, b.nbytes, b.padded) == (a.offset, a.stored_length, a.nbytes, a.padded)
+            assert mx.array_equal(b.kept_positions, a.kept_positions)

@@ -135,11 +135,13 @@ def _abandon(port: int, body: dict, after: float) -> None:
         time.sleep(after)
 
 
-def test_xkv_server_refuses_over_limit_prompts_at_once_and_drops_abandoned_requests(tmp_path):
-    """xkv serves one request at a time: a prompt over xkv_max_ctx, or over the model's
-    8,192 positions, is refused with a 400 naming the limit, at once; a non-streaming request
-    with max_tokens=10**30 whose client went away stops, and the next request is answered."""
-    server, port, log = _start(tmp_path, "--method", "xkv", "--set", "xkv_max_ctx=64")
+@pytest.mark.parametrize("serving", [(), ("--no-batching",)], ids=["batching", "one-at-a-time"])
+def test_xkv_server_refuses_over_limit_prompts_at_once_and_drops_abandoned_requests(tmp_path, serving):
+    """xkv, with continuous batching (it batches per sequence) and one request at a time: a
+    prompt over xkv_max_ctx, or over the model's 8,192 positions, is refused with a 400
+    naming the limit, at once; a non-streaming request with max_tokens=10**30 whose client
+    went away stops, and the next request is answered."""
+    server, port, log = _start(tmp_path, "--method", "xkv", "--set", "xkv_max_ctx=64", *serving)
     try:
         started = time.time()
         status, reply = _post(port, {"prompt": "a" * 200, "max_tokens": 4}, timeout=20)
@@ -156,6 +158,7 @@ def test_xkv_server_refuses_over_limit_prompts_at_once_and_drops_abandoned_reque
         output = _stop(server, log)
     assert "client closed its connection" in output, output
     assert "Traceback" not in output, output
+    assert ("continuous batching" in output) is not serving, output
 
 
 def test_huge_max_tokens_is_capped_at_the_methods_limit(tmp_path):

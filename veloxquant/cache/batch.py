@@ -33,8 +33,14 @@ batch layouts rely on): a class says in its own body ``batchable = True`` (packe
 its base has a packed layout that accepts it, per sequence otherwise) or ``batchable =
 "per_sequence"``. A class without it has no ``merge`` (``CompressedKVCache.merge`` raises
 AttributeError), so mlx-lm does not batch it, and our integration replaces mlx-lm's
-generic refusal with one naming the method and the methods that batch. Nothing ever
-falls back to an uncompressed cache.
+generic refusal with one naming the method, why it does not batch (``why_not_batchable``:
+a class that cannot batch says why in its body, ``batchable = False`` with
+``batch_refusal = "..."``) and the methods that batch. Nothing ever falls back to an
+uncompressed cache.
+
+Cross-layer methods (xkv, xquant, minicache) batch per sequence: a layer reads its
+neighbours through its sequence's model context, and each sequence's copies share one
+copied context whose ``layers`` are those copies (see "copies" below).
 
 The quantized stores (``quant/store.py`` and the stores built on it) batch per sequence,
 except the plain ``QuantizedKVStore`` of a class that keeps ``QuantizedCache``'s decode
@@ -101,14 +107,29 @@ def batchable_methods() -> list[str]:
     return out
 
 
+def why_not_batchable(cache: Any) -> str:
+    """Why ``cache`` does not batch: the class's own ``batch_refusal`` (a method that cannot
+    batch says why in its body, next to ``batchable = False``), a composed cache (a storage
+    under an eviction method), or a class that has not opted in."""
+    cls = type(cache)
+    reason = cls.__dict__.get("batch_refusal")
+    if reason:
+        return reason
+    storage = getattr(getattr(cache, "config", None), "storage", None)
+    if batch_mode(cls) is not None and storage is not None:
+        return (f"it is a composed cache (storage={type(storage).__name__}(...) under an eviction "
+                "method): no batch layout holds its quantized slots")
+    return ("its class has not opted in (no `batchable`: it is not checked to give each "
+            "sequence of a batch what it gives alone)")
+
+
 def refusal(cache: Any) -> str:
-    """Why ``cache``'s method does not batch, naming it and the methods that do."""
+    """Why ``cache``'s method does not batch, naming it, the reason and the methods that do."""
     method = cache.config.method
     return (
         f"method {method!r} ({type(cache).__name__}) does not support batched generation "
-        "(mlx-lm's batch_generate, BatchGenerator, the server's continuous batching): its "
-        "class has not opted in (no `batchable`: it is not checked to give each sequence of a "
-        "batch what it gives alone), and VeloxQuant never falls back to an uncompressed cache. "
+        f"(mlx-lm's batch_generate, BatchGenerator, the server's continuous batching): "
+        f"{why_not_batchable(cache)}; VeloxQuant never falls back to an uncompressed cache. "
         "Generate one sequence at a time (mlx_lm.generate / stream_generate), or use a method "
         "that batches: " + ", ".join(batchable_methods())
     )
@@ -116,10 +137,16 @@ def refusal(cache: Any) -> str:
 
 # -- copies: one model context per sequence ----------------------------------------------
 # A sequence's layers share one ModelContext (per-layer budgets, what one layer leaves for
-# the next). Copying each layer's cache on its own would give every layer its own copy of
-# it; mlx-lm merges and extracts layer by layer, layer 0 first, so the copy made for a
-# sequence's first compressed layer is kept here, by the original's id, for its other
-# layers. Merges and extracts keep separate tables, so that neither picks up a copy the
+# the next) whose ``layers`` list is the sequence's prompt cache: cross-layer methods reach
+# a neighbour through it (cache/cross_layer.py). mlx-lm merges and extracts layer by layer,
+# layer 0 first, with nothing run in between; the context is deep-copied once, at the
+# sequence's first compressed layer, which copies its compressed layers with it, each
+# linked to the copied context, and every layer's copy is the one in the copied context's
+# ``layers`` (a copy made apart from it would read its neighbours' stale copies). The
+# model's own caches in ``layers`` (layers the method does not compress: mlx-lm batches
+# them itself) are not copied: the copied context holds None for them. The copy is kept
+# here, by the original's id, until the sequence's last compressed layer has taken its
+# copy. Merges and extracts keep separate tables, so that neither picks up a copy the
 # other made.
 _CONTEXT_COPIES: dict[str, dict[int, tuple[weakref.ref, Any]]] = {"merge": {}, "extract": {}}
 
@@ -134,17 +161,27 @@ def _context_copy(context: Any, layer: int, purpose: str) -> Any:
     if entry is None or first_layer or entry[0]() is not context:
         for key in [k for k, (ref, _) in copies.items() if ref() is None]:
             del copies[key]
-        entry = (weakref.ref(context), copy.deepcopy(context))
+        memo = {id(c): None for c in (context.layers or ())
+                if c is not None and not isinstance(c, CompressedKVCache)}
+        entry = (weakref.ref(context), copy.deepcopy(context, memo))
         copies[id(context)] = entry
+    if held and layer == held[-1]:  # every compressed layer of the sequence has its copy
+        copies.pop(id(context), None)
     return entry[1]
 
 
 def copy_single(cache: Any, purpose: str) -> Any:
     """An independent copy of a single-sequence cache (``purpose``: "merge" or "extract");
-    the copies of one sequence's layers share one copied context."""
+    the copies of one sequence's layers share one copied context, whose ``layers`` are
+    those copies."""
     context = getattr(cache, "context", None)
-    memo = {} if context is None else {id(context): _context_copy(context, cache.layer, purpose)}
-    return copy.deepcopy(cache, memo)
+    if context is None:
+        return copy.deepcopy(cache)
+    copied = _context_copy(context, cache.layer, purpose)
+    layers = context.layers or []
+    if cache.layer < len(layers) and layers[cache.layer] is cache:
+        return copied.layers[cache.layer]
+    return copy.deepcopy(cache, {id(context): copied})
 
 
 def merge(cls: type, caches: list) -> "BatchCache":
@@ -480,4 +517,4 @@ class PackedLayout:
 
 
 __all__ = ["BatchCache", "PACKED", "PackedLayout", "PER_SEQUENCE", "batch_mode", "batchable_methods",
-           "merge", "refusal"]
+           "merge", "refusal", "why_not_batchable"]

@@ -777,12 +777,22 @@ def prefill_with_reconstruction(model: nn.Module, tokenizer, context, cache: lis
     Then continue as usual: ``mlx_lm.stream_generate(model, tokenizer, question,
     prompt_cache=cache)`` (a deep copy of the cache answers each of several questions).
     KVzip needs this step; without it a prompt that ends over the budget is compressed
-    by its documented fall-back (which warns). Batch size 1.
+    by its documented fall-back (which warns). Batch size 1: run it on each sequence's
+    cache, then batch them (``batch_generate(..., prompt_caches=...)``): each sequence
+    keeps the choice its own pass made.
     """
     import time
 
     import mlx.core as mx
 
+    from ..cache.batch import BatchCache
+
+    if any(isinstance(c, BatchCache) for c in cache):
+        raise ValueError(
+            "prefill_with_reconstruction: this is a batch's cache (merged by mlx-lm's batching); "
+            "the pass probes one sequence's context: run it on each sequence's own cache "
+            "(make_prompt_cache), then batch the questions with batch_generate(..., "
+            "prompt_caches=[...]) or BatchGenerator.insert(..., caches=[...])")
     layers = reconstruction_layers(cache)
     if not layers:
         methods = sorted({getattr(getattr(c, "config", None), "method", type(c).__name__) for c in cache})

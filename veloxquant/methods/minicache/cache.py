@@ -61,6 +61,7 @@ def _cat(a, b):
 
 
 class MiniCacheCache(CrossLayer, CompressedKVCache):
+    batchable = "per_sequence"  # its own decode steps (merged rows); a pair merges within one sequence (cache/batch.py)
     requires_attention_hook = True
     owner_position = -1  # the deeper layer merges and keeps the merged directions
 
