@@ -248,7 +248,7 @@ def test_bench_help_is_plain_text_and_says_what_the_defaults_are(capsys):
     text = " ".join(_help(capsys, "bench").split())
     assert "``" not in text and ":class:" not in text
     assert "--seed SEED picks the held-out text window" in text
-    assert "(default: bench-out)" in text and "'reference', the embedded reference model" in text
+    assert "(default: bench-out)" in text and "'reference', the embedded byte-level reference model; 'reference-subword'" in text
     quick = re.search(r"--quick (.*?) --synthetic", text).group(1)
     assert "context 1024 tokens" in quick and "one setting per method" in quick
     assert "with --quick 1024" in text  # --context says what --quick uses
