@@ -160,3 +160,30 @@ def test_memory_is_the_cards_formula():
 def test_a_width_that_cannot_be_stored_is_refused_by_name():
     with pytest.raises(ValueError, match=r"svdq_bit_schedule=\(8, 7\).*width 7.*allowed: 0"):
         svdq(svdq_bit_schedule=(8, 7))
+
+
+def test_a_cache_saved_with_one_entry_per_segment_loads_as_its_joined_span():
+    """The default schedule's two 1-bit segments are stored as one span; a file written
+    before that keeps them apart (each channel quantized alone, so the old arrays are the
+    span's channel slices): it loads, and decodes as the cache that was saved."""
+    keys, values = kv(400)
+    cache = svdq(svdq_bit_schedule=(8, 4, 2, 1, 1, 0, 0, 0))
+    prompt_then_decode(cache, keys, values, 300)
+    tokens = cache.store.keys.runs[0].tokens
+    (first, span), = [(i, s) for i, s in tokens.spans if s.bits == 1]
+    old = [s for s in tokens.segments if s.bits == 1]
+    assert len(old) == 2 and span.stop - span.start == sum(s.stop - s.start for s in old)
+    state = cache.state
+    arrays = dict(state["arrays"])
+    for suffix in ("_codes", "_scales", "_biases"):
+        joined = arrays.pop(f"k{first}{suffix}")
+        at = 0
+        for j, s in enumerate(old):
+            width = s.stop - s.start
+            arrays[f"k{first + j}{suffix}"] = joined[:, :, at:at + width]
+            at += width
+    loaded = SVDqCache.from_state({"arrays": arrays, "meta": state["meta"]})
+    again = loaded.state["arrays"]
+    assert again.keys() == state["arrays"].keys()
+    assert all(mx.array_equal(again[n], state["arrays"][n])
+               for n in again if again[n] is not None)

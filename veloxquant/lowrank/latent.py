@@ -251,9 +251,25 @@ class LatentTokens:
         return out
 
     def restore(self, prefix: str, arrays: dict[str, Any], flushed: int) -> None:
+        arrays = self._spans_joined(prefix, arrays)
         for name, kept in self.arrays(prefix).items():
             kept.reset(arrays.get(name))
         self.flushed = flushed
+
+    def _spans_joined(self, prefix: str, arrays: dict[str, Any]) -> dict[str, Any]:
+        """A file saved before adjacent alike segments were stored as one span holds each
+        segment's arrays under its own index: they are joined along the channels, which
+        is what the span stores (channels are quantized one by one)."""
+        out = dict(arrays)
+        firsts = [i for i, _ in self.spans] + [len(self.segments)]
+        for i, end in zip(firsts, firsts[1:]):
+            if end - i < 2:
+                continue
+            for suffix, axis in (("_codes", 2), ("_scales", 2), ("_biases", 2), ("_exact", 3)):
+                parts = [arrays.get(f"{prefix}{j}{suffix}") for j in range(i, end)]
+                if all(p is not None for p in parts):
+                    out[f"{prefix}{i}{suffix}"] = mx.concatenate(parts, axis=axis)
+        return out
 
     def problems(self, name: str):
         """(field, found, expected) where the segments contradict the token count."""
