@@ -66,6 +66,15 @@ def test_float_search_follows_bytes_that_fall_as_the_value_rises():
     assert value == pytest.approx(4.0, abs=0.05) and nbytes == pytest.approx(250, abs=5)
 
 
+def test_a_field_bounded_by_another_is_searched_inside_the_bounds_that_run():
+    # adakv's average bits: [1, 8] by its own rule, [2, 4] by its lowest and highest widths
+    measure, calls = _counting(lambda v: None if not 2 <= v <= 4 else 1000.0 * v)
+    value, nbytes = lb.search(measure, "adakv_target_avg_bits", 3000.0, 8000.0, 1024, {},
+                              inside=(2.0, 2.5, 3.0, 4.0))
+    assert value == pytest.approx(3.0, abs=0.05) and nbytes == pytest.approx(3000, abs=50)
+    assert lb.search(measure, "adakv_target_avg_bits", 3000.0, 8000.0, 1024, {}) is None
+
+
 def test_choices_are_all_measured():
     measure, calls = _counting({2: 10, 4: 20, 8: 40}.get)
     assert lb.search(measure, "kv_bits", 18, 64, 1024, {}) == (4, 20)

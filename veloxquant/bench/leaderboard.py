@@ -62,12 +62,14 @@ def _nearest(measured: dict, target: float):
 
 
 def search(measure: Callable[[Any], float | None], field_name: str, target: float,
-           full: float, context: int, measured: dict) -> tuple[Any, float] | None:
+           full: float, context: int, measured: dict, inside=()) -> tuple[Any, float] | None:
     """(value, bytes) of ``field_name`` whose measured bytes are nearest ``target``.
 
     ``measure(value)`` gives the bytes at that value (None where the value is refused);
     ``measured`` keeps every measurement, so a second target reuses the first's. Bytes
-    are taken to move one way with the value, up or down: the ends say which."""
+    are taken to move one way with the value, up or down: the ends say which. ``inside``:
+    values that may run where the field's own range ends do not (another field bounds it:
+    adakv's average bits lie between its lowest and highest widths)."""
     rule = RULES[field_name]
     close = lambda b: b is not None and abs(b - target) <= TOLERANCE * full  # noqa: E731
 
@@ -94,7 +96,21 @@ def search(measure: Callable[[Any], float | None], field_name: str, target: floa
         lo, hi = lo + (0 if rule.low_closed else nudge), hi - (0 if rule.high_closed else nudge)
     b_lo, b_hi = at(lo), at(hi)
     if b_hi is None:
-        return _nearest(measured, target)
+        # the top is refused: from a value that runs, the largest that does (refusals are
+        # validation, cheap)
+        good = next((v for v in inside if lo <= v <= hi and at(v) is not None), None)
+        if good is None:
+            return _nearest(measured, target)
+        bad = hi
+        for _ in range(64 if is_int else FLOAT_STEPS):
+            if is_int and bad - good <= 1:
+                break
+            mid = (bad + good) // 2 if is_int else (bad + good) / 2
+            if at(mid) is None:
+                bad = mid
+            else:
+                good = mid
+        hi, b_hi = good, at(good)
     if b_lo is None:
         # the smallest values are refused where they leave no room for the method's own
         # sinks and windows (snap_budget > n_sink + obs_window): start from the least
@@ -246,7 +262,8 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
                     value, nbytes = None, prefill_bytes(model, tokenizer, config_for(key, {}), probe)
                 else:
                     found = search(measure, name, (1 - target) * full_bytes, full_bytes,
-                                   context, measured)
+                                   context, measured,
+                                   dict(METHODS[key.partition("+")[0]].sweeps).get(name, ()))
                     if found is None:
                         raise ValueError(f"no value of {name} runs")
                     value, nbytes = found
