@@ -96,35 +96,19 @@ def search(measure: Callable[[Any], float | None], field_name: str, target: floa
         lo, hi = lo + (0 if rule.low_closed else nudge), hi - (0 if rule.high_closed else nudge)
     b_lo, b_hi = at(lo), at(hi)
     if b_hi is None:
-        # the top is refused: from a value that runs, the largest that does (refusals are
-        # validation, cheap)
+        # the top is refused (another field bounds this one): from a value that runs, the
+        # largest that does
         good = next((v for v in inside if lo <= v <= hi and at(v) is not None), None)
         if good is None:
             return _nearest(measured, target)
-        bad = hi
-        for _ in range(64 if is_int else FLOAT_STEPS):
-            if is_int and bad - good <= 1:
-                break
-            mid = (bad + good) // 2 if is_int else (bad + good) / 2
-            if at(mid) is None:
-                bad = mid
-            else:
-                good = mid
-        hi, b_hi = good, at(good)
+        hi = _last_accepted(at, good, hi, is_int)
+        b_hi = at(hi)
     if b_lo is None:
         # the smallest values are refused where they leave no room for the method's own
         # sinks and windows (snap_budget > n_sink + obs_window): start from the least
-        # accepted one, which refusals (cheap: validation) find by bisection
-        bad, good = lo, hi
-        for _ in range(64 if is_int else FLOAT_STEPS):
-            if (good - bad <= 1) if is_int else False:
-                break
-            mid = (bad + good) // 2 if is_int else (bad + good) / 2
-            if at(mid) is None:
-                bad = mid
-            else:
-                good = mid
-        lo, b_lo = good, at(good)
+        # accepted one
+        lo = _last_accepted(at, hi, lo, is_int)
+        b_lo = at(lo)
     rising = b_hi >= b_lo
     steps = 0
     while (hi - lo > 1 if is_int else steps < FLOAT_STEPS):
@@ -144,6 +128,20 @@ def search(measure: Callable[[Any], float | None], field_name: str, target: floa
         else:
             hi = mid
     return _nearest(measured, target)
+
+
+def _last_accepted(at, good, bad, is_int: bool):
+    """The accepted value nearest ``bad`` (refused) on the way from ``good`` (accepted),
+    by bisection: refusals are validation, cheap."""
+    for _ in range(64 if is_int else FLOAT_STEPS):
+        if is_int and abs(good - bad) <= 1:
+            break
+        mid = (bad + good) // 2 if is_int else (bad + good) / 2
+        if at(mid) is None:
+            bad = mid
+        else:
+            good = mid
+    return good
 
 
 def _interpolated(lo: int, hi: int, b_lo, b_hi, target: float) -> int | None:
