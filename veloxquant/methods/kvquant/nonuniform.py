@@ -298,11 +298,9 @@ class NonUniformTokens:
 @functools.lru_cache(maxsize=None)
 def _shifts(bits: int):
     """The shifts of an index's bits: along a plane's word (32), across the planes (bits);
-    evaluated once (a constant, not a node of every step's graph)."""
-    along = mx.arange(32, dtype=mx.uint32)
-    across = mx.arange(bits, dtype=mx.uint32)[:, None, None]
-    mx.eval(along, across)
-    return along, across
+    built once (the first step that reads them evaluates them with itself: no mx.eval, which
+    would wait for the steps mlx-lm's loop has queued)."""
+    return mx.arange(32, dtype=mx.uint32), mx.arange(bits, dtype=mx.uint32)[:, None, None]
 
 
 @mx.compile
@@ -338,11 +336,9 @@ def _restore_channel_groups(dense: mx.array, pos: mx.array, values: mx.array, gr
 
 @functools.lru_cache(maxsize=8)
 def _group_starts(units: int, group: int) -> mx.array:
-    """Each group's first token (units, 1), int32, evaluated (the group counts a step meets
-    change once per flush)."""
-    start = (mx.arange(units, dtype=mx.int32) * group)[:, None]
-    mx.eval(start)
-    return start
+    """Each group's first token (units, 1), int32, built once per group count (it changes
+    once per flush) and evaluated with the step that first reads it."""
+    return (mx.arange(units, dtype=mx.int32) * group)[:, None]
 
 
 @functools.lru_cache(maxsize=None)
