@@ -358,11 +358,15 @@ def ruler_parts(task: str, rng: random.Random, size: int, corpus: str, tok: Tok)
             n = m
     prompt = render(n)
     if task in ("niah_multivalue", "cwe"):
-        # the scorer takes these answers in any order; the target lists them as the text
-        # first shows them, an order the model can know (the generator's is random)
-        mark = " {}" if task == "niah_multivalue" else ". {} "
-        said = ", ".join(sorted(answers, key=lambda a: prompt.find(mark.format(a)) % (1 << 62)))
+        said = ", ".join(in_text_order(task, prompt, answers))
     return [(prompt, False), (said, True)]
+
+
+def in_text_order(task: str, prompt: str, answers) -> list:
+    """The answers of a task the scorer takes in any order (niah_multivalue, cwe) as the
+    text first shows them: an order the model can know (the generator's is random)."""
+    mark = " {}" if task == "niah_multivalue" else ". {} "
+    return sorted(answers, key=lambda a: prompt.find(mark.format(a)) % (1 << 62))
 
 
 def make_sequence(rng: random.Random, L: int, corpus: str, tok: Tok, mixture: str = "reference"):
@@ -540,9 +544,8 @@ def _make_eval_examples(ctx, n, seed, tok: Tok, mixture: str):
         for task in ruler.RULER_TASKS:
             for e in ruler.make_ruler_examples(task, n, ctx - 64, seed, tok.count):
                 answers = e.answers
-                if task in ("niah_multivalue", "cwe"):  # in the text's order, as trained
-                    mark = " {}" if task == "niah_multivalue" else ". {} "
-                    answers = sorted(answers, key=lambda a: e.prompt.find(mark.format(a)) % (1 << 62))
+                if task in ("niah_multivalue", "cwe"):  # as trained
+                    answers = in_text_order(task, e.prompt, answers)
                 said = {"niah_multivalue": ", ", "cwe": ", ", "vt": " "}.get(task, "")
                 out.append(("ruler:" + task, e.prompt, said.join(answers)))
     return out
