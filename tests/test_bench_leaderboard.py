@@ -105,6 +105,8 @@ def test_bad_arguments_are_refused_before_the_model_loads(capsys, tmp_path):
     assert "each ratio is in [0, 1)" in capsys.readouterr().err
     assert main(["bench", "--leaderboard", "--tasks", "niah,qa", "--out", out]) == 2
     assert "choose from niah_single" in capsys.readouterr().err
+    assert main(["bench", "--leaderboard", "--jobs", "0", "--out", out]) == 2
+    assert "--jobs 0: at least 1 process" in capsys.readouterr().err
 
 
 TINY = ["bench", "--leaderboard", "--methods", "snapkv,streaming_llm", "--ratios", "0.5",
@@ -133,6 +135,25 @@ def test_tiny_leaderboard(capsys, tmp_path):
     assert "pass --force" in capsys.readouterr().err
 
 
+def test_a_main_field_that_leaves_bytes_unchanged_runs_the_method_at_its_defaults(
+        capsys, tmp_path):
+    # a2ats keeps the exact K/V beside its codes: no retrieval fraction changes its bytes,
+    # and the nearest of equal bytes was the lowest fraction, 0 (no retrieval: 0 points)
+    assert lb.bytes_do_not_move({0.0: 1000, 0.5: 1024, 1.0: 1000}, full=1000)
+    assert not lb.bytes_do_not_move({0.0: 1000, 1.0: 900}, full=1000)
+    assert not lb.bytes_do_not_move({0.0: 1000, 1.0: None}, full=1000)
+    assert main(["bench", "--leaderboard", "--methods", "a2ats", "--ratios", "0.5",
+                 "--context", "300", "--examples", "1", "--tasks", "niah_single",
+                 "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "leaderboard.json").read_text())
+    row = data["rows"][1]
+    assert row["field"] == "a2ats_retrieval_fraction" and row["value"] is None
+    assert row["ratio"] <= 0.0  # its codes come on top of the exact K/V
+    assert "defaults (a2ats_retrieval_fraction does not change bytes)" in (
+        tmp_path / "leaderboard.md").read_text()
+    capsys.readouterr()
+
+
 @pytest.mark.slow
 def test_leaderboard_every_task_and_ratio(tmp_path):
     assert main(["bench", "--leaderboard", "--methods", "knorm,kivi", "--context", "1024",
@@ -143,3 +164,52 @@ def test_leaderboard_every_task_and_ratio(tmp_path):
         assert r["status"] == "ok" and set(r["scores"]) == set(data["tasks"])
         if r["method"] == "knorm":
             assert abs(r["ratio"] - r["target"]) < 0.01
+
+
+def _part(rows, **over):
+    base = {"context": 300, "tasks": ["niah_single"], "examples_per_task": 1,
+            "full_bytes": 1000, "probe_tokens": 256, "seed": 0, "partial": False,
+            "title": "T", "command": "c", "outputs": {}}
+    return {**base, **over, "rows": [r.__dict__ for r in rows]}
+
+
+def test_merge_takes_the_scored_baseline_and_every_parts_rows_in_order():
+    full = lb.Row("full", None, 0.0, None, None, 4.0, {"niah_single": 100.0}, 100.0)
+    unscored = lb.Row("full", None, 0.0, None, None, 4.0, status="not scored")
+    snap = lb.Row("snapkv", 0.5, 0.5, "snap_budget", 128, 2.0, {"niah_single": 0.0}, 0.0)
+    kivi = lb.Row("kivi", 0.5, 0.6, "kv_bits", 8, 1.6, {"niah_single": 100.0}, 100.0)
+    payload, rows = lb.merge([_part([full]), _part([unscored, snap]),
+                              _part([unscored, kivi], partial=True)])
+    assert [(r.method, r.status) for r in rows] == [("full", "ok"), ("snapkv", "ok"),
+                                                    ("kivi", "ok")]
+    assert payload["partial"] is True and payload["full_bytes"] == 1000
+    with pytest.raises(ValueError, match="full_bytes is 999"):
+        lb.merge([_part([full]), _part([unscored, snap], full_bytes=999)])
+    with pytest.raises(ValueError, match="no part scored the full cache"):
+        lb.merge([_part([unscored, snap])])
+
+
+def test_jobs_runs_each_method_in_a_part_and_resumes(capsys, tmp_path):
+    assert main([*TINY, "--jobs", "2", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "leaderboard.json").read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows) == ["full", "snapkv", "streaming_llm"] and data["partial"] is False
+    assert rows["full"]["scores"] == {"niah_single": 100.0}
+    # the same rows as one process gives (test_tiny_leaderboard's run, made again here)
+    single = tmp_path / "single"
+    assert main([*TINY, "--out", str(single)]) == 0
+    alone = {r["method"]: r for r in json.loads((single / "leaderboard.json").read_text())["rows"]}
+    assert rows == alone
+    parts = json.loads((tmp_path / "parts" / "snapkv" / "leaderboard.json").read_text())
+    assert parts["rows"][0]["status"] == "not scored"  # the baseline is answered once
+    assert "| full | - | 0.000 | - |" in (tmp_path / "parts" / "snapkv" / "leaderboard.md"
+                                          ).read_text().replace("not scored |", "")
+    capsys.readouterr()
+    # a finished part is reused: a rerun with --force scores nothing again
+    assert main([*TINY, "--jobs", "2", "--force", "--out", str(tmp_path)]) == 0
+    assert "reusing the finished parts of full, snapkv, streaming_llm" in capsys.readouterr().err
+    # a part run with other settings is not: another --examples reruns every part
+    assert main([*TINY[:-4], "--examples", "2", "--tasks", "niah_single", "--jobs", "2",
+                 "--force", "--out", str(tmp_path)]) == 0
+    assert "reusing" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "leaderboard.json").read_text())["examples_per_task"] == 2

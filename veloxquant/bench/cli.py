@@ -104,6 +104,12 @@ def add_bench_parser(sub) -> None:
                    help=f"with --leaderboard: examples per task (default: "
                         f"{LEADERBOARD['examples']}, with --quick "
                         f"{LEADERBOARD_QUICK['examples']})")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="with --leaderboard: run the methods in N processes at once, one "
+                        "method a process, each into OUT/parts/METHOD, then merge them into "
+                        "OUT; a part that finished in an earlier run is reused, so a "
+                        "stopped run resumes (default: 1, one process)")
+    p.add_argument("--baseline-unscored", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="bench-out", metavar="DIR",
                    help="folder for results.json, table.md and pareto.png "
                         "(default: bench-out)")
@@ -325,8 +331,12 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     if context < 256:
         raise BenchError(f"--leaderboard needs --context of at least 256 tokens, got {context}")
     methods = ["full"] + [m for m in select_methods(args.methods) if m != "full"]
+    if args.jobs < 1:
+        raise BenchError(f"--jobs {args.jobs}: at least 1 process")
     model_name = resolve_model(args.model)
     out = Path(args.out)
+    if args.jobs > 1:
+        return leaderboard_in_parts(args, methods, ratios, tasks, context, examples, out)
     if (out / "leaderboard.json").exists() and not args.force:
         raise BenchError(f"--out {out}: already holds a leaderboard ({out / 'leaderboard.json'});"
                          " choose another folder or pass --force to overwrite it")
@@ -348,7 +358,8 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
                          + ["--out", str(out)])
     started = time.perf_counter()
     payload = {"environment": report.environment(args.seed, model_name), "date": date,
-               "context": context, "ratios": ratios, "tasks": tasks,
+               "context": context, "ratios": ratios, "tasks": tasks, "seed": args.seed,
+               "title": title,
                "examples_per_task": examples, "command": command}
 
     def save(rows, partial: bool):
@@ -366,7 +377,9 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     try:
         result = leaderboard.run_leaderboard(
             model, tokenizer, methods, ratios, tasks, prompts, context, args.seed,
-            progress=progress, on_row=lambda rows: save(rows, partial=True))
+            progress=progress, on_row=lambda rows: save(rows, partial=True),
+            score_full=not args.baseline_unscored,
+            on_full=lambda nbytes, tokens: payload.update(full_bytes=nbytes, probe_tokens=tokens))
     finally:
         progress.close()
     payload.update(full_bytes=result["full_bytes"], probe_tokens=result["probe_tokens"],
@@ -376,7 +389,114 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     print((out / "leaderboard.md").read_text())
     print(f"wrote {out / 'leaderboard.md'}, {out / 'leaderboard.json'} and "
           f"{out / 'leaderboard.png'} ({time.perf_counter() - started:.0f} s)")
-    return 0 if all(r.status == "ok" for r in result["rows"]) else 1
+    return 0 if all(r.status in ("ok", "not scored") for r in result["rows"]) else 1
+
+
+def leaderboard_in_parts(args, methods, ratios, tasks, context, examples, out: Path) -> int:
+    """``--jobs N``: each method a ``veloxquant bench --leaderboard`` process of its own
+    (the baseline's scores in one part, the others measure its bytes only), N at a time,
+    then one table, plot and JSON merged from the parts."""
+    import json
+    import shlex
+    import signal
+    import subprocess
+
+    from . import leaderboard
+
+    if (out / "leaderboard.json").exists() and not args.force:
+        raise BenchError(f"--out {out}: already holds a leaderboard ({out / 'leaderboard.json'});"
+                         " choose another folder or pass --force to overwrite it")
+    parts_dir = out / "parts"
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    shared = ["--ratios", ",".join(f"{r:g}" for r in ratios), "--tasks", ",".join(tasks),
+              "--context", str(context), "--examples", str(examples), "--seed", str(args.seed),
+              "--dtype", args.dtype] + ([] if args.model in (None, "reference")
+                                        else ["--model", args.model])
+
+    def finished(key: str) -> bool:
+        """The part ran to its end with this run's settings (its command says which)."""
+        folder = parts_dir / key
+        own = shlex.join(["veloxquant", "bench", "--leaderboard", "--methods", key, *shared,
+                          "--out", str(folder)])
+        try:
+            data = json.loads((folder / "leaderboard.json").read_text())
+            return not data["partial"] and data["command"] == own
+        except (OSError, ValueError, KeyError):
+            return False
+
+    waiting = [m for m in methods if not finished(m)]
+    reused = [m for m in methods if m not in waiting]
+    if reused:
+        print(f"leaderboard: reusing the finished parts of {', '.join(reused)}", file=sys.stderr)
+    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    started, done, interrupted = time.perf_counter(), len(reused), False
+
+    def stop(signum, frame):  # `timeout`'s SIGTERM: merge what the parts have, as Ctrl-C does
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        while waiting or running:
+            while waiting and len(running) < args.jobs:
+                key = waiting.pop(0)
+                folder = parts_dir / key
+                folder.mkdir(exist_ok=True)
+                argv = (["bench", "--leaderboard", "--methods", key, *shared, "--out",
+                         str(folder), "--force"]
+                        + ([] if key == "full" else ["--baseline-unscored"]))
+                with open(folder / "log.txt", "w") as log:
+                    running[key] = (subprocess.Popen(
+                        [sys.executable, "-c", "import sys; from veloxquant_mlx.cli import "
+                         "main; sys.exit(main(sys.argv[1:]))", *argv],
+                        stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
+            time.sleep(0.5)
+            for key, (proc, t0) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[key]
+                done += 1
+                state = "done" if finished(key) else (
+                    f"stopped (exit {proc.returncode}; see {parts_dir / key / 'log.txt'})")
+                print(f"leaderboard [{done}/{len(methods)}] {key}: {state} in "
+                      f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"leaderboard: interrupted; merging what the parts in {parts_dir} hold, "
+              "marked partial (rerun the same command to resume)", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for proc, _ in running.values():
+            proc.terminate()
+        for proc, _ in running.values():
+            proc.wait()
+    parts = []
+    for key in methods:
+        try:
+            parts.append(json.loads((parts_dir / key / "leaderboard.json").read_text()))
+        except (OSError, ValueError):
+            print(f"leaderboard: {key} left no results (see {parts_dir / key / 'log.txt'})",
+                  file=sys.stderr)
+    try:
+        payload, rows = leaderboard.merge(parts)
+    except ValueError as exc:
+        raise BenchError(f"--jobs: the parts in {parts_dir} do not merge: {exc}") from None
+    command = shlex.join(["veloxquant", "bench", "--leaderboard", "--methods",
+                          ",".join(methods[1:]) or "full", *shared, "--jobs", str(args.jobs),
+                          "--out", str(out)])
+    payload.update(command=command, elapsed_s=time.perf_counter() - started,
+                   parts=[str(parts_dir / m) for m in methods])
+    payload["partial"] = payload["partial"] or interrupted or len(parts) < len(methods)
+    title = payload.get("title", f"leaderboard at {context} tokens") + (
+        " (PARTIAL)" if payload["partial"] else "")
+    leaderboard.write(out, payload, rows, tasks, title, command)
+    leaderboard.plot(out / "leaderboard.png", rows, title)
+    print((out / "leaderboard.md").read_text())
+    print(f"wrote {out / 'leaderboard.md'}, {out / 'leaderboard.json'} and "
+          f"{out / 'leaderboard.png'} from {len(parts)} parts "
+          f"({time.perf_counter() - started:.0f} s)")
+    if interrupted:
+        return 130
+    return 0 if len(parts) == len(methods) and all(r.status == "ok" for r in rows) else 1
 
 
 def run_synthetic(runs, args, settings, console, finished) -> None:

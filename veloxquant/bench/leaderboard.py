@@ -56,6 +56,19 @@ def config_for(key: str, setting: dict):
     return config
 
 
+#: a main field whose settings all hold bytes within this fraction of the full cache's of
+#: one another trades something else, not bytes
+FLAT = 0.05
+
+
+def bytes_do_not_move(measured: dict, full: float) -> bool:
+    """Every setting measured holds about the same bytes: the main field trades something
+    else (a2ats's retrieval fraction trades attention reads; its buffers differ by an
+    allocation step) and no ratio can be aimed at through it."""
+    ok = [b for b in measured.values() if b is not None]
+    return len(ok) >= 2 and max(ok) - min(ok) <= FLAT * full
+
+
 def _nearest(measured: dict, target: float):
     ok = [(v, b) for v, b in measured.items() if b is not None]
     return min(ok, key=lambda vb: (abs(vb[1] - target), vb[0])) if ok else None
@@ -205,8 +218,12 @@ def make_examples(tokenizer, tasks, examples_per_task: int, context: int, seed: 
 
 
 def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, examples: list,
-                    context: int, seed: int, progress=None, on_row=lambda rows: None) -> dict:
-    """Every method at every ratio; ``on_row`` gets the rows so far after each one."""
+                    context: int, seed: int, progress=None, on_row=lambda rows: None,
+                    score_full: bool = True, on_full=lambda full_bytes, tokens: None) -> dict:
+    """Every method at every ratio; ``on_row`` gets the rows so far after each one.
+    ``score_full=False``: the full cache's bytes are measured (every ratio is a fraction
+    of them) but its examples are not answered; a part of a ``--jobs`` run, whose
+    baseline another part scores."""
     from .tasks import load_default_filler
 
     text = tokenizer.encode(load_default_filler())
@@ -218,6 +235,7 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
     probe = text[start:start + length]
     full_config = config_for("full", {})
     full_bytes = prefill_bytes(model, tokenizer, full_config, probe)
+    on_full(full_bytes, len(probe))  # a partial save then says what its ratios are of
     tick = progress.tick if progress else (lambda: None)
     rows: list[Row] = []
     scored: dict = {}
@@ -239,8 +257,9 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
     label = "full"
     if progress:
         progress.start(label)
-    add(Row("full", None, 0.0, None, None, full_bytes / len(probe)),
-        scored_run("full", None, full_config))
+    add(Row("full", None, 0.0, None, None, full_bytes / len(probe),
+            status="ok" if score_full else "not scored"),
+        scored_run("full", None, full_config) if score_full else None)
     for key in (m for m in methods if m != "full"):
         name = main_field(key.partition("+")[0])
         measured: dict = {}
@@ -265,7 +284,12 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
                     if found is None:
                         raise ValueError(f"no value of {name} runs")
                     value, nbytes = found
-                config = config_for(key, {} if name is None else {name: value})
+                    if bytes_do_not_move(measured, full_bytes):
+                        # the nearest of equal bytes would be the field's lowest value,
+                        # an arbitrary pick that may cripple the method: its defaults
+                        value = None
+                        nbytes = prefill_bytes(model, tokenizer, config_for(key, {}), probe)
+                config = config_for(key, {} if value is None else {name: value})
                 row = Row(key, target, 1 - nbytes / full_bytes, name, value, nbytes / len(probe))
                 add(row, scored_run(key, value, config))
             except Exception as exc:  # noqa: BLE001 - recorded in the table, the run goes on
@@ -274,6 +298,32 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
     return {"rows": rows, "full_bytes": full_bytes, "probe_tokens": len(probe),
             "examples": len(examples), "outputs": {f"{k}|{v}": r["outputs"]
                                                    for (k, v), r in scored.items()}}
+
+
+#: what every part of one leaderboard must share for its rows to stand in one table
+SHARED = ("context", "tasks", "examples_per_task", "full_bytes", "probe_tokens", "seed")
+
+
+def merge(parts: list[dict]) -> tuple[dict, list[Row]]:
+    """One leaderboard from parts that ran methods in separate processes (``--jobs``):
+    the baseline row from the part that scored it, then each part's method rows in the
+    parts' order. A ValueError names a part whose prompts or full cache differ."""
+    if not parts:
+        raise ValueError("no parts to merge")
+    first = parts[0]
+    for part in parts[1:]:
+        for key in SHARED:
+            if part.get(key) != first.get(key):
+                raise ValueError(f"part {part.get('command')!r}: {key} is {part.get(key)!r}, "
+                                 f"the first part's is {first.get(key)!r}")
+    rows = [Row(**r) for part in parts for r in part["rows"]]
+    full = [r for r in rows if r.method == "full" and r.status == "ok"]
+    if not full:
+        raise ValueError("no part scored the full cache (run one with --methods full)")
+    merged = {k: v for k, v in first.items() if k not in ("rows", "outputs", "command")}
+    merged["outputs"] = {k: v for part in parts for k, v in part.get("outputs", {}).items()}
+    merged["partial"] = any(part.get("partial") for part in parts)
+    return merged, [full[0]] + [r for r in rows if r.method != "full"]
 
 
 def _pct(x) -> str:
@@ -287,12 +337,16 @@ def markdown(rows: list[Row], tasks, title: str, command: str | None = None) -> 
         lines += ["```sh", command, "```", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        setting = "-" if r.field is None else f"{r.field}={r.value:g}" if isinstance(
-            r.value, float) else f"{r.field}={r.value}"
+        setting = ("-" if r.field is None
+                   else f"defaults ({r.field} does not change bytes)"
+                   if r.value is None and r.status == "ok"
+                   else f"{r.field}={r.value:g}" if isinstance(r.value, float)
+                   else f"{r.field}={r.value}")
         cells = [r.method, "-" if r.target is None else f"{r.target:g}",
                  "-" if math.isnan(r.ratio) else f"{r.ratio:.3f}", setting,
                  _pct(r.bytes_per_token), *(_pct(r.scores.get(t)) for t in tasks),
-                 _pct(r.average) if r.status == "ok" else f"failed: {r.error}"]
+                 _pct(r.average) if r.status == "ok" else r.status if r.error is None
+                 else f"failed: {r.error}"]
         lines.append("| " + " | ".join(cells) + " |")
     targets = sorted({r.target for r in rows if r.target is not None})
     lines += ["", "Average score by target ratio (the ratio reached in brackets), as kvpress "
@@ -311,7 +365,8 @@ def markdown(rows: list[Row], tasks, title: str, command: str | None = None) -> 
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "ratio: the compression ratio reached, 1 - (KV bytes after prefilling a "
               "prompt of the leaderboard's length, in whole 256-token steps) / (the full cache's); target ratio: the one "
-              "aimed at; setting: the value of the method's main field that came nearest; "
+              "aimed at; setting: the value of the method's main field that came nearest (its "
+              "defaults where that field leaves the bytes unchanged); "
               "task columns and average: RULER scores in percent (all references found, "
               "or for qa any)."]
     return "\n".join(lines) + "\n"
