@@ -130,8 +130,10 @@ def reference_kv():
 
 def test_spectral_later_values_stay_within_a_factor_of_the_prompts(reference_kv):
     """4 bits, a 128-token prompt, 1,024 tokens: the last 256 values within 1.3x the
-    prompt values' error (measured 1.11x; 1.74x with the basis frozen at the prompt), the
-    keys no worse than the prompt's (0.73x; 0.88x frozen)."""
+    prompt values' error (measured 1.08x; 1.74x with the basis frozen at the prompt), the
+    keys within 1.4x the prompt's (1.19x: the prompt's keys are the sample the codebooks
+    were trained on, later ones are not; later keys 0.118, 0.123 with the N(0, σ²)
+    codebooks, whose prompt keys were worse: 0.170 against 0.099)."""
     from test_spectral import spectral
 
     keys, values = reference_kv
@@ -142,7 +144,7 @@ def test_spectral_later_values_stay_within_a_factor_of_the_prompts(reference_kv)
     later = slice(TOTAL - 256, TOTAL)
     e_prompt, e_later = rel_err(v_hat[:, :, :PROMPT], values[:, :, :PROMPT]), rel_err(v_hat[:, :, later], values[:, :, later])
     assert e_later <= 1.3 * e_prompt, (e_later / e_prompt, e_prompt, e_later)
-    assert rel_err(k_hat[:, :, later], keys[:, :, later]) <= rel_err(k_hat[:, :, :PROMPT], keys[:, :, :PROMPT])
+    assert rel_err(k_hat[:, :, later], keys[:, :, later]) <= 1.4 * rel_err(k_hat[:, :, :PROMPT], keys[:, :, :PROMPT])
     assert [r.count for r in cache.store.key_runs] == [256, 256, 512, 0]
 
 

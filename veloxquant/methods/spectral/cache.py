@@ -18,8 +18,11 @@ A configuration of the eigenbasis store (``methods/spectral/eigen_store.py``). P
    ``b_high = b_low + 1``: keys ``b_high - 1`` bits on the e semantic coordinates (one of
    b_high is the sign), values ``b_high``; both ``b_low`` on the tail.
 3. **Encode** every token as it comes (prefill and decode, no window): ‖x‖ in float16,
-   ``z = Vᵀ(x/‖x‖)``, nearest Lloyd-Max centroid of ``N(0, σ²)`` per coordinate
-   (``σ_head² = mean λ[:e]``, ``σ_tail² = mean λ[e:]``).
+   ``z = Vᵀ(x/‖x‖)``, nearest centroid per coordinate of its block's Lloyd-Max codebook,
+   trained (as the paper does) on the coordinates the basis was fitted on, per KV head, in
+   units of ``σ_head² = mean λ[:e]`` and ``σ_tail² = mean λ[e:]`` (the repo's engine
+   takes the codebooks of ``N(0, σ²)`` instead, which clips coordinates far above their
+   block's mean variance: ``eigen_store.py``).
 4. **QJL** (``spectral_apply_qjl``): ``sign(S r)`` of the residual's semantic part and its
    norm (float16). Chosen against the repo (the card's pitfall): the stored norm is
    ``‖r_sem‖``, the semantic part's, not the whole residual's, which makes the correction
@@ -36,8 +39,9 @@ A configuration of the eigenbasis store (``methods/spectral/eigen_store.py``). P
 (the basis comes from the prompt), so there is nothing for the name to locate.
 Memory per token and head, in bits: keys ``e b_high + (d - e) b_low + 32`` with QJL,
 ``e (b_high - 1) + (d - e) b_low + 16`` without; values ``e_v b_high + (d - e_v) b_low + 16``;
-each row padded to whole 32-bit words; plus the bases (float32 d x d), two σ and the
-e x e sketch per head and tensor.
+each row padded to whole 32-bit words; plus the bases (float32 d x d), two σ, the two
+codebooks (2^b_high + 2^b_low float32 centroids at most) and the e x e sketch per head and
+tensor.
 """
 
 from __future__ import annotations

@@ -10,11 +10,18 @@ until it holds at least D of them (fewer span only part of the space, and every 
 direction would get the tail's σ fitted on nothing), then fits on all of them.
 
 **Codes** (``EigenCodec``): ``z = Vᵀ(x / ‖x‖)``; the first ``e`` coordinates (the semantic
-subspace) take the ``head_bits`` Lloyd-Max codebook of ``N(0, σ_head²)``, the others the
-``tail_bits`` codebook of ``N(0, σ_tail²)``, with ``σ_head² = mean λ[:e]`` and
-``σ_tail² = mean λ[e:]`` (floored at ``SIGMA_FLOOR σ_head``). The codebooks are the
-Lloyd-Max quantizers of a unit Gaussian (``gaussian_codebook``: ``quant/codebook.py``'s
-weighted Lloyd on the density), computed once per width, scaled by σ. A row
+subspace) take a ``head_bits`` codebook, the others a ``tail_bits`` one, each in units of
+its block's σ (``σ_head² = mean λ[:e]``, ``σ_tail² = mean λ[e:]``, floored at
+``SIGMA_FLOOR σ_head``). The codebooks are Lloyd-Max quantizers **trained on the
+coordinates the basis was fitted on** (``trained_table``: per batch row, KV head and block),
+as the paper builds them ("a codebook trained on signal dimensions and a separate codebook
+for noise dimensions", its §3 and appendix), not the repo engine's Lloyd-Max codebook of
+``N(0, σ²)``: one σ per block cannot hold coordinates whose variances differ (on the
+reference models' keys λ_1 holds 0.3-0.8 of the mass, 30-100 times the block's mean
+at d_eff = head_dim), so the Gaussian codebook clipped the strongest coordinate to its
+outermost level, 36-53% key error at 8 bits (a trained codebook spans the data's range).
+Later runs (refits) keep the first run's codebooks (in σ units) with their own σ; a
+state saved without them reads with the Gaussian ones (``gaussian_codebook``). A row
 keeps its codes as one bit stream (``methods/spectral/bitfields.py``) and ‖x‖ in float16.
 
 **QJL** (keys, ``qjl``): the residual's semantic part ``r = (‖x‖ z - ‖x‖^ ẑ)[:e]`` (in the
@@ -73,6 +80,66 @@ def gaussian_codebook(bits: int) -> mx.array:
     return centroids
 
 
+TABLE_BINS = 4096  # histogram bins a trained codebook is fitted on (per row, over its range)
+TABLE_VALUES = 1 << 16  # values of a block a codebook is trained on, at most (evenly spaced rows)
+TABLE_ITERS = 16  # Lloyd steps of a trained codebook (from the high-rate start: within 1-2% of 64 steps)
+
+
+def nearest_rows(values: mx.array, centroids: mx.array, bits: int) -> mx.array:
+    """uint32 index of the nearest centroid of each value, one sorted codebook per row:
+    values (..., N), centroids (..., 2^bits) with the same leading dims. A binary search
+    over the midpoints (``bits`` gathers; ties go to the lower centroid, as ``cb.nearest``)."""
+    mids = (centroids[..., 1:] + centroids[..., :-1]) / 2
+    idx = mx.zeros(values.shape, mx.uint32)
+    for k in reversed(range(bits)):
+        cand = idx + (1 << k)
+        idx = mx.where(values > mx.take_along_axis(mids, cand - 1, axis=-1), cand, idx)
+    return idx
+
+
+def _table_error(points, mass, centroids, bits):
+    near = mx.take_along_axis(centroids, nearest_rows(points, centroids, bits), axis=-1)
+    return (mass * mx.square(points - near)).sum(axis=-1, keepdims=True)
+
+
+def trained_table(z: mx.array, bits: int) -> mx.array:
+    """A 2^bits Lloyd-Max codebook (sorted) trained on each row's values: z (..., N) ->
+    (..., 2^bits). Lloyd runs on a histogram of ``TABLE_BINS`` bins over the row's range
+    (each bin its mean, weighed by its count), started at the better of two grids: the
+    quantiles of the density's cube root (the high-rate optimum's point density, which
+    leaves Lloyd little to do) and uniform levels from -max|z| to max|z|. Lloyd steps never
+    increase the (binned) squared error, so the codebook fits no worse than uniform levels
+    over the data's range."""
+    lead, n_values = z.shape[:-1], z.shape[-1]
+    z = z.reshape(-1, n_values).astype(mx.float32)
+    rows, n = z.shape[0], 1 << bits
+    reach = mx.maximum(mx.abs(z).max(axis=-1, keepdims=True), 1e-30)
+    u = z / reach
+    bins = mx.clip(mx.floor((u + 1) * (TABLE_BINS / 2)), 0, TABLE_BINS - 1).astype(mx.uint32)
+    flat = (bins + (mx.arange(rows, dtype=mx.uint32) * TABLE_BINS)[:, None]).reshape(-1)
+    mass = mx.zeros((rows * TABLE_BINS,), mx.float32).at[flat].add(mx.ones(flat.shape, mx.float32))
+    total = mx.zeros((rows * TABLE_BINS,), mx.float32).at[flat].add(u.reshape(-1))
+    mass, total = mass.reshape(rows, TABLE_BINS), total.reshape(rows, TABLE_BINS)
+    centres = (mx.arange(TABLE_BINS, dtype=mx.float32) + 0.5) * (2 / TABLE_BINS) - 1
+    points = mx.where(mass > 0, total / mx.maximum(mass, 1.0), centres)
+    density = mx.power(mass, 1 / 3)  # the high-rate optimum's point density (Panter-Dite): p^(1/3)
+    cdf = mx.cumsum(density, axis=-1) / density.sum(axis=-1, keepdims=True)
+    target = (mx.arange(n, dtype=mx.float32) + 0.5) / n
+    at = mx.minimum((cdf[:, :, None] < target).sum(axis=1), TABLE_BINS - 1).astype(mx.uint32)
+    quantile = mx.take_along_axis(points, at, axis=-1)
+    uniform = mx.broadcast_to(mx.linspace(-1.0, 1.0, n), (rows, n))
+    better = _table_error(points, mass, quantile, bits) <= _table_error(points, mass, uniform, bits)
+    c = mx.where(better, quantile, uniform)
+    offsets = (mx.arange(rows, dtype=mx.uint32) * n)[:, None]
+    weighted = (mass * points).reshape(-1)
+    for _ in range(TABLE_ITERS):
+        slot = (nearest_rows(points, c, bits) + offsets).reshape(-1)
+        m = mx.zeros((rows * n,), mx.float32).at[slot].add(mass.reshape(-1)).reshape(rows, n)
+        t = mx.zeros((rows * n,), mx.float32).at[slot].add(weighted).reshape(rows, n)
+        c = mx.where(m > 0, t / mx.maximum(m, 1e-30), c)
+    return (mx.sort(c, axis=-1) * reach).reshape(*lead, n)
+
+
 def eigenbasis(x: mx.array) -> tuple[mx.array, mx.array]:
     """(V, λ) of the unit rows of ``x`` (B, H, n, D): V (B, H, D, D) with the eigenvectors
     as columns, λ (B, H, D) decreasing, both float32; from at most ``FIT_SAMPLE_TOKENS``
@@ -110,25 +177,56 @@ class EigenCodec:
     def n_norms(self) -> int:
         return 2 if self.qjl else 1
 
+    def table_sizes(self, d: int) -> tuple[int, int]:
+        """Centroids of the semantic and of the tail codebook."""
+        _, head, tail = self.widths(d)
+        return 1 << head, 1 << tail
+
+    def train(self, z: mx.array, sigma: mx.array) -> mx.array:
+        """(B, H, 2^head + 2^tail) float32: the two codebooks, in units of their block's σ,
+        trained on the unit rows' coordinates ``z`` (B, H, n, D) in the basis (on evenly
+        spaced rows holding at most ``TABLE_VALUES`` of a block's values)."""
+        b, h, n, d = z.shape
+        e, head_bits, tail_bits = self.widths(d)
+        tables = []
+        for block, bits, scale in ((slice(0, e), head_bits, sigma[:, :, None, :1]),
+                                   (slice(e, d), tail_bits, sigma[:, :, None, 1:])):
+            width = block.stop - block.start
+            step = -(-n * width // TABLE_VALUES)
+            values = z[:, :, ::step, block] / scale
+            tables.append(trained_table(values.reshape(b, h, -1), bits))
+        return mx.concatenate(tables, axis=-1)
+
+    def tables(self, stored: mx.array | None, d: int, lead: tuple[int, int]):
+        """(semantic, tail) codebooks (B, H, size) in σ units: the stored ones, or for a state
+        saved without them the Lloyd-Max codebooks of a unit Gaussian."""
+        sizes = self.table_sizes(d)
+        if stored is None:
+            _, head_bits, tail_bits = self.widths(d)
+            return (mx.broadcast_to(gaussian_codebook(head_bits), (*lead, sizes[0])),
+                    mx.broadcast_to(gaussian_codebook(tail_bits), (*lead, sizes[1])))
+        return stored[..., : sizes[0]], stored[..., sizes[0]:]
+
     def sigmas(self, eigenvalues: mx.array, d: int) -> mx.array:
         e = self.widths(d)[0]
         head = mx.maximum(mx.sqrt(eigenvalues[..., :e].mean(axis=-1)), 1e-12)
         tail = mx.maximum(mx.sqrt(eigenvalues[..., e:].mean(axis=-1)), SIGMA_FLOOR * head)
         return mx.stack([head, tail], axis=-1)  # (B, H, 2)
 
-    def encode(self, x, basis, sigma, sketch):
+    def encode(self, x, basis, sigma, sketch, tables=None):
         """float32 rows (B, H, n, D) -> (words (B, H, n, W) uint32, norms (B, H, n, 1|2) float16)."""
-        d = x.shape[-1]
+        b, h, n, d = x.shape
         e, head_bits, tail_bits = self.widths(d)
         norm = mx.linalg.norm(x, axis=-1, keepdims=True)
         norm16 = norm.astype(mx.float16)
         z = (x / mx.maximum(norm, 1e-30)) @ basis
         s = sigma[:, :, None, :]
-        head = cb.nearest(z[..., :e] / s[..., :1], gaussian_codebook(head_bits))
-        tail = cb.nearest(z[..., e:] / s[..., 1:], gaussian_codebook(tail_bits))
-        fields, norms = [(head, head_bits), (tail, tail_bits)], [norm16]
+        book_head, book_tail = self.tables(tables, d, (b, h))
+        head = nearest_rows((z[..., :e] / s[..., :1]).reshape(b, h, n * e), book_head, head_bits)
+        tail = nearest_rows((z[..., e:] / s[..., 1:]).reshape(b, h, n * (d - e)), book_tail, tail_bits)
+        fields, norms = [(head.reshape(b, h, n, e), head_bits), (tail.reshape(b, h, n, d - e), tail_bits)], [norm16]
         if self.qjl:
-            z_head = gaussian_codebook(head_bits)[head] * s[..., :1]
+            z_head = mx.take_along_axis(book_head, head, axis=-1).reshape(b, h, n, e) * s[..., :1]
             residual = norm * z[..., :e] - norm16.astype(mx.float32) * z_head
             fields.append((residual @ sketch.T >= 0, 1))
             norms.append(mx.linalg.norm(residual, axis=-1, keepdims=True).astype(mx.float16))
@@ -150,6 +248,7 @@ class EigenTokens:
         self.basis: mx.array | None = None  # (B, H, D, D) float32
         self.sigma: mx.array | None = None  # (B, H, 2) float32
         self.sketch: mx.array | None = None  # (e, e) float32 (QJL only)
+        self.tables: mx.array | None = None  # (B, H, 2^head + 2^tail) float32, σ units (trained at the fit)
 
     @property
     def count(self) -> int:
@@ -160,8 +259,12 @@ class EigenTokens:
         return self.basis.shape[-1]
 
     def fit(self, x: mx.array) -> None:
+        """The basis and the codebooks, both from (at most ``FIT_SAMPLE_TOKENS`` of) ``x``."""
         d = x.shape[-1]
+        x = sample_rows(x)
         self.install(*eigenbasis(x))
+        unit = x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
+        self.tables = self.codec.train(unit @ self.basis, self.sigma)
         self.moment = mx.zeros((*x.shape[:2], d, d), mx.float32)
 
     def install(self, basis: mx.array, eigenvalues: mx.array) -> None:
@@ -180,6 +283,7 @@ class EigenTokens:
         run = EigenTokens(self.codec, rotary=self.rotary, seed=self.seed, step_tokens=self.step,
                           start=self.start + self.count)
         run.install(v[..., ::-1], mx.maximum(w[..., ::-1], 0.0))
+        run.tables = self.tables  # in σ units: they carry over to the new basis's σ
         run.moment, run.seen = self.moment, self.seen
         return run
 
@@ -191,7 +295,7 @@ class EigenTokens:
              else x.astype(mx.float32))
         if self.basis is None:
             self.fit(x)
-        words, norms = self.codec.encode(x, self.basis, self.sigma, self.sketch)
+        words, norms = self.codec.encode(x, self.basis, self.sigma, self.sketch, self.tables)
         if self.moment is not None:
             unit = x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
             self.moment = self.moment + unit.swapaxes(-1, -2) @ unit
@@ -202,7 +306,7 @@ class EigenTokens:
 
     def coordinates(self):
         """The codes of every buffered row (spare room included: zero norms, zero rows)."""
-        return _coordinates(self.codec, self.dim, self.words.buffer, self.norms.buffer, self.sigma)
+        return _coordinates(self.codec, self.dim, self.words.buffer, self.norms.buffer, self.sigma, self.tables)
 
     def decode(self, dtype) -> mx.array | None:
         """The valid rows (B, H, count, D) in ``dtype``, post-RoPE again for keys (transient)."""
@@ -219,7 +323,7 @@ class EigenTokens:
 
     def arrays(self, prefix: str):
         out = {f"{prefix}_words": self.words, f"{prefix}_norms": self.norms,
-               f"{prefix}_basis": self.basis, f"{prefix}_sigma": self.sigma}
+               f"{prefix}_basis": self.basis, f"{prefix}_sigma": self.sigma, f"{prefix}_tables": self.tables}
         if self.codec.qjl:
             out[f"{prefix}_sketch"] = self.sketch
         return out
@@ -240,17 +344,24 @@ class EigenTokens:
             got = (self.words.buffer.shape[-1], self.norms.buffer.shape[-1] if self.norms.buffer is not None else None)
             if got != want:
                 yield f"{name} words and norms per row", got, f"{want} ({self.codec.layout(head_dim)} bit fields)"
+        if self.tables is not None and self.tables.shape[-1] != sum(self.codec.table_sizes(head_dim)):
+            yield f"{name} codebooks (centroids a head)", self.tables.shape[-1], f"{self.codec.table_sizes(head_dim)}"
         if self.codec.qjl and (self.sketch is None or tuple(self.sketch.shape) != (e, e)):
             yield f"{name} QJL sketch", None if self.sketch is None else tuple(self.sketch.shape), (e, e)
 
 
-def _coordinates(codec: EigenCodec, d: int, words, norms, sigma):
-    e, head_bits, tail_bits = codec.widths(d)
+def _coordinates(codec: EigenCodec, d: int, words, norms, sigma, tables=None):
     fields = unpack_fields(words, codec.layout(d))
+    b, h = words.shape[:2]
     s = sigma[:, :, None, :]
-    # a gather, not codebook.lookup's fused steps: tables of up to 512 centroids
-    z = mx.concatenate([gaussian_codebook(head_bits)[fields[0].astype(mx.uint32)] * s[..., :1],
-                        gaussian_codebook(tail_bits)[fields[1].astype(mx.uint32)] * s[..., 1:]], axis=-1)
+    book_head, book_tail = codec.tables(tables, d, (b, h))
+
+    def looked_up(book, codes):  # a gather per row's codebook (tables of up to 512 centroids)
+        flat = codes.astype(mx.uint32).reshape(b, h, -1)
+        return mx.take_along_axis(book, flat, axis=-1).reshape(codes.shape)
+
+    z = mx.concatenate([looked_up(book_head, fields[0]) * s[..., :1],
+                        looked_up(book_tail, fields[1]) * s[..., 1:]], axis=-1)
     scaled = z * norms[..., :1].astype(mx.float32)
     if not codec.qjl:
         return scaled, None, None
@@ -424,7 +535,7 @@ class EigenStore(PackedStore):
                 for field in ("words", "norms"):
                     if f"{name}_{field}" in arrays:
                         getattr(run, field).reset(arrays[f"{name}_{field}"])
-                for field in ("basis", "sigma", "sketch"):
+                for field in ("basis", "sigma", "sketch", "tables"):
                     if f"{name}_{field}" in arrays:
                         setattr(run, field, arrays[f"{name}_{field}"])
                 runs.append(run)
