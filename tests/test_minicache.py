@@ -137,6 +137,41 @@ def test_memory_of_a_pair_is_the_card_formula_within_the_growth_step():
     assert caches[0].nbytes == sum(g.nbytes for g in (caches[0].m_k, caches[0].m_v))
 
 
+def _six_layer_prompt_bytes(threshold):
+    """nbytes of each layer of the reference-subword layout (6 layers, start_frac 0.5: pair
+    (3, 4), layer 5 alone) after one prompt chunk of T tokens (buffers then hold it exactly)."""
+    caches = layered("minicache", 6, minicache_start_frac=0.5, minicache_retention_threshold=threshold)
+    ks, vs = kv(T, 6)
+    feed(caches, ks, vs, T)
+    assert [c.role for c in caches] == ["alone"] * 3 + ["first", "second", "alone"]
+    return caches
+
+
+def test_a_merged_pair_saves_exactly_one_layer_of_directions_less_two_magnitudes():
+    """The merge runs on a prompt and keeps one copy: against the exact cache, a pair whose
+    tokens are all merged saves (d - 2) elements per token, head and tensor, to the byte
+    (the second layer's two () int32 row counters aside)."""
+    h, d, s = 2, 32, 4
+    caches = _six_layer_prompt_bytes(-1.0)
+    exact = 2 * h * T * d * s  # one layer's keys and values
+    assert [c.nbytes for c in caches[:3] + caches[5:]] == [exact] * 4
+    assert caches[3].pending_k is None and caches[3].nbytes == 2 * h * T * s  # magnitudes only
+    assert caches[4].ret_k_where.length == caches[4].ret_v_where.length == 0  # none retained
+    assert sum(c.nbytes for c in caches) == 6 * exact - 2 * h * T * (d - 2) * s + 2 * 4
+
+
+def test_a_threshold_no_pair_reaches_costs_more_than_the_exact_cache():
+    """Every pair retained (cosine below the threshold everywhere, as 0.9 is on the reference
+    models, whose adjacent layers' rows are near orthogonal): both originals are kept, plus
+    two magnitudes and a (row, token) int32 index per token, head and tensor: more bytes
+    than leaving the pair exact, nothing saved."""
+    h, d, s = 2, 32, 4
+    caches = _six_layer_prompt_bytes(1.5)
+    assert caches[4].ret_k_where.length == caches[4].ret_v_where.length == h * T  # all retained
+    exact = 2 * h * T * d * s
+    assert sum(c.nbytes for c in caches) == 6 * exact + 2 * h * T * (2 * s + 8) + 2 * 4
+
+
 def test_pairs_beyond_minicache_max_ctx_are_refused_naming_the_field():
     caches = layered("minicache", 2, minicache_start_frac=0.0, minicache_max_ctx=100)
     ks, vs = kv(T, 2)
