@@ -1,0 +1,26 @@
+#!/bin/bash
+# Install MLX's CUDA build and mlx-lm into /tmp/site on the device, once per warm machine,
+# and put the working tree on the path as veloxquant_mlx (shim/). The CUDA wheel travels in
+# three pieces of 30 MB (the working tree and a call's carry share 64 MiB): calls 1 and 2
+# carry .device/c1 and .device/c2 and copy them to /tmp/p; the call that sources this
+# carries .device/c3. Each process keeps at most 2 GB of freed buffers and 12 GB in all,
+# so several share one GPU (14 processes without limits ran out of GPU memory and then hit
+# illegal accesses). Usage: source benchmarks/install_on_device.sh
+if [ ! -d /tmp/site/mlx ]; then
+  wheel=/tmp/$(cat /tmp/p/cuda-wheel-name)
+  cat /tmp/p/whole.part.00 /tmp/p/whole.part.01 .device/c3/whole.part.02 > "$wheel" &&
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/p/mlx-*.whl \
+      "$wheel" /tmp/p/mlx_lm-*.whl || return 1
+fi
+export PYTHONPATH=/tmp/site:$PWD/shim PYTHONUNBUFFERED=1
+rm -rf shim && mkdir -p shim && cp -r veloxquant shim/veloxquant_mlx &&
+  cp -r generated shim/veloxquant_mlx/_generated
+cat > shim/sitecustomize.py <<'PY'
+try:
+    import mlx.core as mx
+    mx.set_cache_limit(2 << 30)
+    mx.set_memory_limit(int(__import__("os").environ.get("VQ_MEMORY_LIMIT_GB", "12")) << 30)
+except ImportError:
+    pass
+PY
+python3 -c "import veloxquant_mlx, mlx.core as mx; print(mx.default_device(), mx.__version__)"
