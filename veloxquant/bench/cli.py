@@ -348,14 +348,10 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     title = "leaderboard: " + report.title(model_name, context, date, False).removeprefix(
         "veloxquant bench: ") + f", {examples} examples a task"
-    # the run's full settings, so that the line reruns it whatever the defaults become
     command = shlex.join(["veloxquant", "bench", "--leaderboard", "--methods",
-                          ",".join(methods[1:]) or "full", "--ratios",
-                          ",".join(f"{r:g}" for r in ratios), "--tasks", ",".join(tasks),
-                          "--context", str(context), "--examples", str(examples), "--seed",
-                          str(args.seed), "--dtype", args.dtype]
-                         + ([] if args.model in (None, "reference") else ["--model", args.model])
-                         + ["--out", str(out)])
+                          ",".join(methods[1:]) or "full",
+                          *leaderboard_settings(args, ratios, tasks, context, examples),
+                          "--out", str(out)])
     started = time.perf_counter()
     payload = {"environment": report.environment(args.seed, model_name), "date": date,
                "context": context, "ratios": ratios, "tasks": tasks, "seed": args.seed,
@@ -392,6 +388,16 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     return 0 if all(r.status in ("ok", "not scored") for r in result["rows"]) else 1
 
 
+def leaderboard_settings(args, ratios, tasks, context: int, examples: int) -> list[str]:
+    """A leaderboard's settings as arguments, in its recorded command's order: the line
+    reruns it whatever the defaults become, and a ``--jobs`` part is reused only when its
+    recorded command has them."""
+    return (["--ratios", ",".join(f"{r:g}" for r in ratios), "--tasks", ",".join(tasks),
+             "--context", str(context), "--examples", str(examples), "--seed", str(args.seed),
+             "--dtype", args.dtype]
+            + ([] if args.model in (None, "reference") else ["--model", args.model]))
+
+
 def leaderboard_in_parts(args, methods, ratios, tasks, context, examples, out: Path) -> int:
     """``--jobs N``: each method a ``veloxquant bench --leaderboard`` process of its own
     (the baseline's scores in one part, the others measure its bytes only), N at a time,
@@ -408,10 +414,7 @@ def leaderboard_in_parts(args, methods, ratios, tasks, context, examples, out: P
                          " choose another folder or pass --force to overwrite it")
     parts_dir = out / "parts"
     parts_dir.mkdir(parents=True, exist_ok=True)
-    shared = ["--ratios", ",".join(f"{r:g}" for r in ratios), "--tasks", ",".join(tasks),
-              "--context", str(context), "--examples", str(examples), "--seed", str(args.seed),
-              "--dtype", args.dtype] + ([] if args.model in (None, "reference")
-                                        else ["--model", args.model])
+    shared = leaderboard_settings(args, ratios, tasks, context, examples)
 
     def finished(key: str) -> bool:
         """The part ran to its end with this run's settings (its command says which)."""

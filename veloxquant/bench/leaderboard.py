@@ -13,6 +13,7 @@ ratio each row reached is stated beside the one it aimed at.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -264,6 +265,10 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
         name = main_field(key.partition("+")[0])
         measured: dict = {}
 
+        @functools.cache  # the method's bytes at its defaults: one prefill, whatever the ratios
+        def default_bytes(key=key):
+            return prefill_bytes(model, tokenizer, config_for(key, {}), probe)
+
         def measure(value, key=key, name=name):
             try:
                 return prefill_bytes(model, tokenizer, config_for(key, {name: value}), probe)
@@ -276,7 +281,7 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
                 progress.start(label)
             try:
                 if name is None:
-                    value, nbytes = None, prefill_bytes(model, tokenizer, config_for(key, {}), probe)
+                    value, nbytes = None, default_bytes()
                 else:
                     found = search(measure, name, (1 - target) * full_bytes, full_bytes,
                                    context, measured,
@@ -287,8 +292,7 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
                     if bytes_do_not_move(measured, full_bytes):
                         # the nearest of equal bytes would be the field's lowest value,
                         # an arbitrary pick that may cripple the method: its defaults
-                        value = None
-                        nbytes = prefill_bytes(model, tokenizer, config_for(key, {}), probe)
+                        value, nbytes = None, default_bytes()
                 config = config_for(key, {} if value is None else {name: value})
                 row = Row(key, target, 1 - nbytes / full_bytes, name, value, nbytes / len(probe))
                 add(row, scored_run(key, value, config))
