@@ -63,6 +63,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..quant import affine
 from .kivi_decode_cuda_src import CUDA_COMBINE_SOURCE, CUDA_HEADER, CUDA_SOURCE
 from .kivi_decode_cuda_folded_src import CUDA_FOLDED_HEADER, CUDA_FOLDED_SOURCE
 from .kivi_decode_cuda_frag_src import CUDA_FRAG_HEADER, CUDA_FRAG_SOURCE, cuda_frag_bounds
@@ -900,7 +901,7 @@ def affine_key_scores(q, codes, scales, biases, count, bits, group_size):
     if _pure_path() == "qmm":
         return mx.quantized_matmul(q, codes, scales, biases, transpose=False,
                                    group_size=group_size, bits=bits)
-    keys_t = mx.dequantize(codes, scales, biases, group_size=group_size, bits=bits)
+    keys_t = affine.dequantize(codes, scales, biases, group_size, bits)
     return q @ keys_t.astype(mx.float32)
 
 
@@ -911,5 +912,5 @@ def affine_value_mix(p, codes, scales, biases, count, bits, group_size):
     if _pure_path() == "qmm":
         return mx.quantized_matmul(p, codes, scales, biases, transpose=False,
                                    group_size=group_size, bits=bits)
-    values = mx.dequantize(codes, scales, biases, group_size=group_size, bits=bits)
+    values = affine.dequantize(codes, scales, biases, group_size, bits)
     return p @ values.astype(mx.float32)

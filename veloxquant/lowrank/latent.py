@@ -67,6 +67,7 @@ import mlx.core as mx
 from ..cache.buffers import GrowingArray
 from ..kernels import kivi_decode as kd
 from ..kernels.decode import DecodePart
+from ..quant import affine
 from ..quant.affine import SUPPORTED_BITS
 from ..quant.cache import QuantizedCache
 from ..quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
@@ -297,7 +298,7 @@ def _channel_mix(p, codes, scales, biases, bits, group):
     """``p L`` over per-channel packed latents L (channels, tokens): (B, G, R, channels)."""
     if kd._pure_path() == "qmm":
         return mx.quantized_matmul(p, codes, scales, biases, transpose=True, group_size=group, bits=bits)
-    latents_t = mx.dequantize(codes, scales, biases, group_size=group, bits=bits)
+    latents_t = affine.dequantize(codes, scales, biases, group, bits)
     return p @ latents_t.astype(mx.float32).swapaxes(-1, -2)
 
 

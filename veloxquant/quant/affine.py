@@ -84,7 +84,14 @@ def quantize(x: mx.array, group_size: int, bits: int):
 
 
 def dequantize(codes, scales, minima, group_size: int, bits: int, dtype=None):
-    out = mx.dequantize(codes, scales, minima, group_size=group_size, bits=bits)
+    """``mx.dequantize`` of packed words along the last axis, in the scales' dtype (or
+    ``dtype``). 1-bit words are unpacked here on every device: MLX 0.32.4's CUDA back-end
+    reads them wrongly (relative error 1.5; benchmarks/results/affine_widths_h200.md)."""
+    if bits == 1:
+        q = unpack_codes(codes, 1).astype(scales.dtype).reshape(*scales.shape, group_size)
+        out = (q * scales[..., None] + minima[..., None]).reshape(*codes.shape[:-1], -1)
+    else:
+        out = mx.dequantize(codes, scales, minima, group_size=group_size, bits=bits)
     return out if dtype is None else out.astype(dtype)
 
 

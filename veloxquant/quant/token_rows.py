@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..kernels import kivi_decode as kd
-from .affine import _MIN_SCALE, SUPPORTED_BITS, pack_codes, unpack_codes
+from .affine import _MIN_SCALE, SUPPORTED_BITS, dequantize, pack_codes, unpack_codes
 from .packed import AffineLayout
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -76,7 +76,7 @@ def dequantize_rows(codes, scales, minima, group: int, bits: int, dtype=None) ->
     if _mlx_has(bits, group):
         if dtype is not None and dtype == mx.float32:
             scales, minima = scales.astype(mx.float32), minima.astype(mx.float32)
-        out = mx.dequantize(codes, scales, minima, group_size=group, bits=bits)
+        out = dequantize(codes, scales, minima, group, bits)
     else:
         q = unpack_codes(codes, bits).astype(mx.float32).reshape(*scales.shape, group)
         out = q * scales[..., None].astype(mx.float32) + minima[..., None].astype(mx.float32)

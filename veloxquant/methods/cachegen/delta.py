@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
-from ...quant.affine import pack_codes, unpack_codes
+from ...quant.affine import dequantize, pack_codes, unpack_codes
 
 ANCHOR_BITS = 8
 _MIN_SCALE = 2.0**-20  # an all-zero group: codes at zero, reconstructed exactly
@@ -211,7 +211,7 @@ class AnchoredScores:
         if mx.default_device() == mx.cpu:
             return mx.quantized_matmul(x, codes, scales, biases, transpose=transpose,
                                        group_size=self.codec.group, bits=bits)
-        w = mx.dequantize(codes, scales, biases, group_size=self.codec.group, bits=bits)
+        w = dequantize(codes, scales, biases, self.codec.group, bits)
         return x @ (w.swapaxes(-1, -2) if transpose else w)
 
     def scores(self, q: mx.array) -> mx.array:

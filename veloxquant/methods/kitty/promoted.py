@@ -139,7 +139,7 @@ class PromotedScores:
         index = self.index[:, :, :nb].astype(mx.int32) if index is None else index
         scales, codes = self._up_scales(index), self.up[:, :, :nb]
         if self.up_bits in SUPPORTED_BITS:
-            return mx.dequantize(codes, scales, mx.zeros_like(scales), group_size=g, bits=self.up_bits)
+            return dequantize(codes, scales, mx.zeros_like(scales), g, self.up_bits)
         return unpack_codes(codes, self.up_bits).astype(mx.float32) * mx.repeat(scales, g, axis=-1)
 
     def _up_scales(self, index: mx.array) -> mx.array:
