@@ -221,7 +221,8 @@ def table(results) -> list[str]:
     for r in results:
         base = next(b for b in results if b["context"] == r["context"] and b["method"] == BASELINE)
         if r.get("error"):
-            rows.append(f"| {r['context']} | {r['method']} | failed: {r['error'][:90]} |||||||||||")
+            what = r["error"] if r["error"].startswith("skipped") else f"failed: {r['error'][:90]}"
+            rows.append(f"| {r['context']} | {r['method']} | {what} |||||||||||")
             continue
         rows.append(
             f"| {r['context']} | {r['method']} | {r['kv_bytes']:,} | {r['kv_bytes'] / base['kv_bytes']:.3f} "
@@ -248,6 +249,10 @@ def main() -> None:
                     help="overlapped: steps run as mlx-lm's generate_step runs them (default); "
                          "completed: each step timed to completion (host and device apart)")
     ap.add_argument("--out", default=None, help="write every figure as JSON here")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds after which no further method starts its prefill: the ones "
+                         "prefilled by then are timed and tabled, the rest are rows marked skipped "
+                         "(a run under a time limit still ends with its table)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                     help="auto: float32 on the CPU (MLX's fast CPU path), float16 on a GPU")
     args = ap.parse_args()
@@ -265,10 +270,17 @@ def main() -> None:
     dtype = (mx.float32 if on_cpu else mx.float16) if args.dtype == "auto" else getattr(mx, args.dtype)
     model = build_model(args.preset, dtype)
     results = []
+    started = time.perf_counter()
     for context in args.contexts:
         names = [BASELINE, *[m for m in args.methods if m != BASELINE]]
         states, figures = {}, {}
         for name in names:
+            if (args.budget_s is not None and name != BASELINE
+                    and time.perf_counter() - started > args.budget_s):
+                results.append({"method": name, "context": context,
+                                "error": f"skipped: --budget-s {args.budget_s:g} spent before its prefill"})
+                print(f"  {name:30s} {context:7d}: skipped (--budget-s spent)", flush=True)
+                continue
             try:
                 cache, y, figures[name] = start(model, METHODS[name], context, args.prefill_repeats)
                 states[name] = (cache, y)
