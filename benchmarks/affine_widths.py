@@ -18,6 +18,8 @@ equal" is exact. Run on a GPU: ``python benchmarks/affine_widths.py``.
 
 from __future__ import annotations
 
+import argparse
+
 import veloxquant_mlx  # noqa: F401  first: it may load OpenBLAS
 
 import mlx.core as mx  # noqa: E402
@@ -62,6 +64,7 @@ def check(bits: int, group: int, dtype) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"device {mx.default_device()}, MLX {mx.__version__}", flush=True)
     rows = []
     for dtype in (mx.float16, mx.float32):

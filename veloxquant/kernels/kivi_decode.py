@@ -63,7 +63,6 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..quant import affine
 from .kivi_decode_cuda_src import CUDA_COMBINE_SOURCE, CUDA_HEADER, CUDA_SOURCE
 from .kivi_decode_cuda_folded_src import CUDA_FOLDED_HEADER, CUDA_FOLDED_SOURCE
 from .kivi_decode_cuda_frag_src import CUDA_FRAG_HEADER, CUDA_FRAG_SOURCE, cuda_frag_bounds
@@ -175,6 +174,16 @@ def _unpack_codes(words: mx.array, bits: int) -> mx.array:
     shifts = mx.arange(pack, dtype=mx.uint32) * bits
     codes = (words[..., None] >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*words.shape[:-1], words.shape[-1] * pack).astype(mx.float32)
+
+
+def dequantize(codes, scales, biases, group_size: int, bits: int) -> mx.array:
+    """``mx.dequantize`` along the last axis, in the scales' dtype, but 1-bit words unpacked
+    here on every device: MLX 0.32.4's CUDA back-end reads them wrongly (relative error 1.5;
+    benchmarks/results/affine_widths_h200.md)."""
+    if bits != 1:
+        return mx.dequantize(codes, scales, biases, group_size=group_size, bits=bits)
+    q = _unpack_codes(codes, 1).astype(scales.dtype).reshape(*scales.shape, group_size)
+    return (q * scales[..., None] + biases[..., None]).reshape(*codes.shape[:-1], -1)
 
 
 def _dequant_keys_f32(k_codes, k_scales, k_biases, n_kq, bits, group_size):
@@ -901,7 +910,7 @@ def affine_key_scores(q, codes, scales, biases, count, bits, group_size):
     if _pure_path() == "qmm":
         return mx.quantized_matmul(q, codes, scales, biases, transpose=False,
                                    group_size=group_size, bits=bits)
-    keys_t = affine.dequantize(codes, scales, biases, group_size, bits)
+    keys_t = dequantize(codes, scales, biases, group_size, bits)
     return q @ keys_t.astype(mx.float32)
 
 
@@ -912,5 +921,5 @@ def affine_value_mix(p, codes, scales, biases, count, bits, group_size):
     if _pure_path() == "qmm":
         return mx.quantized_matmul(p, codes, scales, biases, transpose=False,
                                    group_size=group_size, bits=bits)
-    values = affine.dequantize(codes, scales, biases, group_size, bits)
+    values = dequantize(codes, scales, biases, group_size, bits)
     return p @ values.astype(mx.float32)

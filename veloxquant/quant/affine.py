@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..kernels import kivi_decode as kd
+
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)  # what mx.quantize / mx.dequantize pack
 _MIN_SCALE = 1e-6  # a constant group gets this scale and codes 0: x_hat == x exactly
 
@@ -84,14 +86,9 @@ def quantize(x: mx.array, group_size: int, bits: int):
 
 
 def dequantize(codes, scales, minima, group_size: int, bits: int, dtype=None):
-    """``mx.dequantize`` of packed words along the last axis, in the scales' dtype (or
-    ``dtype``). 1-bit words are unpacked here on every device: MLX 0.32.4's CUDA back-end
-    reads them wrongly (relative error 1.5; benchmarks/results/affine_widths_h200.md)."""
-    if bits == 1:
-        q = unpack_codes(codes, 1).astype(scales.dtype).reshape(*scales.shape, group_size)
-        out = (q * scales[..., None] + minima[..., None]).reshape(*codes.shape[:-1], -1)
-    else:
-        out = mx.dequantize(codes, scales, minima, group_size=group_size, bits=bits)
+    """The packed words' values along the last axis, in the scales' dtype (or ``dtype``):
+    ``kivi_decode.dequantize`` (``mx.dequantize``, 1-bit words unpacked by our own code)."""
+    out = kd.dequantize(codes, scales, minima, group_size, bits)
     return out if dtype is None else out.astype(dtype)
 
 
