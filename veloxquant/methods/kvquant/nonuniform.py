@@ -19,11 +19,12 @@ Keys may be kept pre-RoPE (``quant/prerope.py``): de-rotated at their positions 
 encoding, rotated again when read.
 
 Reading: ``NonUniformScores`` (the ``PackedScores`` protocol of ``kernels/decode.py``)
-is the one pass a decode step makes over the packed run: every bit plane unpacked in one
-fused pass, the indices read from the codebooks laid end to end (one gather, a unit's
-codebook id offsetting its indices) and scaled and offset per group in the same fused
-pass, the outlier table scattered over that tile (its indices in one fused pass), then
-``q K^T`` or ``p V`` as one matrix product. It reads
+is the one pass a decode step makes over the packed run, compiled as one graph
+(``_dense_graph``): every bit plane unpacked at once, per group a table of its codebook's
+centroids scaled and offset (``c * rho + o``, 2^bits entries) read by index with one
+gather, the outlier table scattered over that tile, pre-RoPE keys rotated back (one
+reversed view of the channel halves), then ``q K^T`` or ``p V`` as one matrix product.
+It reads
 the packed form directly: the history is never decoded into the model's dtype, nor
 concatenated with the other parts. No fused GPU kernel reads codebooks, so this is the
 pure-MLX path on every device.
@@ -38,9 +39,9 @@ import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
 from ...quant import codebook as cb
-from ...quant.outliers import per_tail, restore_vectors, split_channel_groups, split_vectors
+from ...quant.outliers import per_tail, split_channel_groups, split_vectors
 from ...quant.packed import GROWTH_TOKENS
-from ...quant.prerope import from_pre_rope_channels, to_pre_rope
+from ...quant.prerope import _angles, to_pre_rope
 
 
 @dataclass(frozen=True)
@@ -206,44 +207,44 @@ class NonUniformTokens:
             units = [a.capacity for a in (self.out_pos, self.book_ids) if a is not None and a.buffer is not None]
         return min(rooms + units)
 
-    def dense(self) -> mx.array:
-        """float32 reconstruction of ``capacity`` tokens in the storage layout: (B, H, n, D)
-        per token, (B, H, D, n) per channel (post-RoPE again for pre-RoPE keys)."""
+    def _read(self) -> tuple["_Read", tuple]:
+        """How the kept arrays are read (the compiled pass's settings) and its inputs, over
+        ``capacity`` tokens: every buffer sliced to it (a no-op where it is the buffer's
+        room), the memoised shift, group-start and rotary tables after them."""
         c, g, n = self.codec, self.codec.group, self.capacity
         channel = c.axis == "channel"
         units = n // g if channel else n
         if channel:
-            planes = self.codes.buffer[..., : n // 32]
-            flat = (*planes.shape[:-2], n)  # (B, H, D, n)
-            codes = _unpack(planes, (*flat[:-1], units, g))
-            offsets, ranges = self.offsets.buffer[..., :units], self.ranges.buffer[..., :units]
+            args = [self.codes.buffer[..., : n // 32], self.books.buffer,
+                    self.ranges.buffer[..., :units], self.offsets.buffer[..., :units]]
         else:
-            d = self.offsets.buffer.shape[-1] * g
-            planes = self.codes.buffer[:, :, :n]
-            flat = (*planes.shape[:2], n, d)  # (B, H, n, D)
-            if planes.shape[-1] * 32 == d:
-                codes = _unpack(planes, (*flat[:-1], d // g, g))
-            else:
-                codes = _unpack(planes, (*flat[:-1], planes.shape[-1] * 32))[..., :d].reshape(*flat[:-1], d // g, g)
-            offsets, ranges = self.offsets.buffer[:, :, :n], self.ranges.buffer[:, :, :n]
-        x = _centroids(codes, self.books.buffer, self._book_ids(units, channel), ranges, offsets)
-        if self.out_pos.buffer is not None:
-            pos, val = self.out_pos.buffer[:, :, :units], self.out_val.buffer[:, :, :units]
+            args = [self.codes.buffer[:, :, :n], self.books.buffer,
+                    self.ranges.buffer[:, :, :n], self.offsets.buffer[:, :, :n]]
+        args += _shifts(c.bits)
+        per_unit = self.books.length > 1 and self.book_ids is not None
+        if per_unit:
+            args.append(self.book_ids.buffer[:units])
+        outliers = self.out_pos.buffer is not None
+        if outliers:
+            args += [self.out_pos.buffer[:, :, :units], self.out_val.buffer[:, :, :units]]
             if channel:
-                x = _restore_channel_groups(x, pos, val, g, flat)
-            else:
-                x = restore_vectors(x.reshape(flat), pos, val)
-        x = x.reshape(flat)
-        if self.rotary is not None:
-            x = from_pre_rope_channels(x, self.start, self.rotary)
-        return x
+                args.append(_group_starts(units, g))
+        rope = None
+        if channel and self.rotary is not None:
+            rope = self.rotary.traditional
+            args += _rotation(self.rotary, self.codes.buffer.shape[2], self.start, n, rope)
+        return _Read(channel, g, per_unit, outliers, rope), tuple(args)
 
-    def _book_ids(self, units: int, channel: bool) -> mx.array | None:
-        """Each unit's codebook id, shaped to broadcast over its codes (None: one codebook)."""
-        if self.books.length == 1 or self.book_ids is None:
-            return None
-        ids = self.book_ids.buffer[:units]
-        return ids.reshape(units, 1) if channel else ids.reshape(units, 1, 1)
+    def dense(self) -> mx.array:
+        """float32 reconstruction of ``capacity`` tokens in the storage layout: (B, H, n, D)
+        per token, (B, H, D, n) per channel (post-RoPE again for pre-RoPE keys)."""
+        how, args = self._read()
+        return _read_fn(how, False)(*args)
+
+    def times_dense(self, left: mx.array) -> mx.array:
+        """``left @ dense()`` in the same compiled pass as the reconstruction (float32)."""
+        how, args = self._read()
+        return _read_fn(how, True)(left, *args)
 
     def decode(self, dtype) -> mx.array | None:
         """The valid tokens (B, H, count, D) in ``dtype`` (transient: prefill chunks and tests)."""
@@ -303,37 +304,6 @@ def _shifts(bits: int):
     return mx.arange(32, dtype=mx.uint32), mx.arange(bits, dtype=mx.uint32)[:, None, None]
 
 
-@mx.compile
-def _unpack_all(planes, along, across):  # (..., bits, W) -> (..., 1, W, 32): every plane in one pass
-    return (((planes[..., None] >> along) & 1) << across).sum(axis=-3, keepdims=True)
-
-
-def _unpack(planes: mx.array, shape) -> mx.array:
-    """(..., bits, W) bit planes -> the W * 32 uint32 indices of each row (``codebook.pack_planes``)
-    in ``shape``."""
-    return _unpack_all(planes, *_shifts(planes.shape[-2])).reshape(shape)
-
-
-@functools.lru_cache(maxsize=None)
-def _scatter_index_fn(group: int, n: int):
-    def index(pos, start):  # a group's (channel * group + token) -> channel * n + token
-        p = pos.astype(mx.int32)
-        return (p // group) * n + start + p % group
-
-    return mx.compile(index)
-
-
-def _restore_channel_groups(dense: mx.array, pos: mx.array, values: mx.array, group: int, shape) -> mx.array:
-    """Outliers written over per-channel values, the index arithmetic in one fused pass;
-    ``dense`` in any shape of the per-channel (..., D, n) = ``shape``'s elements."""
-    *lead, d, n = shape
-    start = _group_starts(pos.shape[-2], group)
-    flat = _scatter_index_fn(group, n)(pos, start)
-    out = mx.put_along_axis(dense.reshape(*lead, d * n), flat.reshape(*lead, -1),
-                            values.reshape(*lead, -1).astype(dense.dtype), axis=-1)
-    return out
-
-
 @functools.lru_cache(maxsize=8)
 def _group_starts(units: int, group: int) -> mx.array:
     """Each group's first token (units, 1), int32, built once per group count (it changes
@@ -341,21 +311,88 @@ def _group_starts(units: int, group: int) -> mx.array:
     return (mx.arange(units, dtype=mx.int32) * group)[:, None]
 
 
+@dataclass(frozen=True)
+class _Read:
+    """What a read of a run depends on besides its arrays' shapes."""
+
+    channel: bool  # per channel (B, H, D, n), else per token (B, H, n, D)
+    group: int
+    per_unit: bool  # several codebooks: each unit reads its own (``book_ids``)
+    outliers: bool
+    rope: bool | None  # pre-RoPE keys rotated back (True: traditional pairs); None: no rotation
+
+
+def _dense_graph(how: _Read, planes, books, ranges, offsets, along, across, *extra):
+    """The reconstruction (``NonUniformTokens.dense``), float32: every bit plane unpacked
+    at once; per unit (group) a table of its codebook's centroids scaled and offset,
+    ``c * rho + o`` (2^bits entries, at most the group's), read by index with one gather
+    (``c[idx] * rho + o`` exactly); the outliers written over that; pre-RoPE keys rotated back with one reversed
+    view of the channel halves (or pairs)."""
+    extra, g = list(extra), how.group
+    codes = (((planes[..., None] >> along) & 1) << across).sum(axis=-3, keepdims=True)  # (..., 1, W, 32)
+    lead = planes.shape[:2]
+    if how.channel:  # (B, H, D, bits, W) -> (B, H, D, units, g)
+        d, n = planes.shape[2], planes.shape[-1] * 32
+        units, flat = n // g, (*lead, d, n)
+        codes = codes.reshape(*lead, d, units, g)
+    else:  # (B, H, n, bits, W) -> (B, H, n, D/g, g)
+        n, d = planes.shape[2], offsets.shape[-1] * g
+        units, flat = n, (*lead, n, d)
+        if planes.shape[-1] * 32 == d:
+            codes = codes.reshape(*lead, n, d // g, g)
+        else:
+            codes = codes.reshape(*lead, n, -1)[..., :d].reshape(*lead, n, d // g, g)
+    ids = extra.pop(0) if how.per_unit else None
+    if books.shape[-1] <= g:  # a table per unit, no larger than its group
+        if ids is not None:  # each unit's own codebook: (units, 2^bits), per token (n, 1, 2^bits)
+            books = mx.take(books, ids if how.channel else ids.reshape(units, 1), axis=0)
+        table = books * ranges[..., None] + offsets[..., None]  # (..., units, 2^bits)
+        x = mx.take_along_axis(table, codes, axis=-1)
+    else:  # small groups: the centroids read from the codebooks laid end to end, then scaled
+        if ids is not None:  # a unit's codebook id offsets its indices
+            ids = ids.astype(mx.uint32) * books.shape[-1]
+            codes = codes + (ids.reshape(units, 1) if how.channel else ids.reshape(units, 1, 1))
+        x = mx.take(books.reshape(-1), codes) * ranges[..., None] + offsets[..., None]
+    if how.outliers:
+        pos, val = extra.pop(0), extra.pop(0)
+        if how.channel:  # a group's (channel * g + token) -> channel * n + token
+            pos = pos.astype(mx.int32)
+            index = (pos // g) * n + extra.pop(0) + pos % g
+            x = mx.put_along_axis(x.reshape(*lead, d * n), index.reshape(*lead, -1),
+                                  val.reshape(*lead, -1).astype(x.dtype), axis=-1)
+        else:
+            x = mx.put_along_axis(x.reshape(flat), pos.astype(mx.int32), val.astype(x.dtype), axis=-1)
+    if how.rope is None:
+        return x.reshape(flat)
+    # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin: x cos + x_swapped (-sin, sin)
+    cos, signed_sin = extra
+    if how.rope:  # pairs (2i, 2i + 1): (..., D/2, 2, n)
+        x = x.reshape(*lead, d // 2, 2, n)
+        swapped = x[..., ::-1, :]
+    else:  # halves: (..., 2, D/2, n)
+        x = x.reshape(*lead, 2, d // 2, n)
+        swapped = x[:, :, ::-1]
+    return (x * cos + swapped * signed_sin).reshape(flat)
+
+
+@functools.lru_cache(maxsize=1)
+def _rotation(rotary, dims: int, start: int, n: int, traditional: bool):
+    """cos and (-sin, sin) of positions start.. in the shapes ``_dense_graph`` reads: built
+    once per run length (shared by every layer) and evaluated with the step that first
+    reads them."""
+    cos, sin = _angles(rotary, dims, start, n)  # (D/2, n)
+    if traditional:
+        return cos[:, None], mx.stack([-sin, sin], axis=1)  # (D/2, 1, n), (D/2, 2, n)
+    return cos, mx.stack([-sin, sin])  # (D/2, n), (2, D/2, n)
+
+
 @functools.lru_cache(maxsize=None)
-def _centroids_fn(per_unit: bool):
-    def centroids(codes, books, ranges, offsets, *ids):
-        if per_unit:  # each unit's codebook: its row of the codebooks laid end to end
-            codes = codes + ids[0].astype(mx.uint32) * books.shape[-1]
-        return mx.take(books.reshape(-1), codes) * ranges[..., None] + offsets[..., None]
-
-    return mx.compile(centroids)
-
-
-def _centroids(codes, books, ids, ranges, offsets) -> mx.array:
-    """``c[idx] * rho + o`` per group (codes (..., units, g), uint32), each unit read with
-    its codebook (``ids`` None: the first, row 0 of ``books``): one gather from the
-    codebooks laid end to end (a few centroids each)."""
-    return _centroids_fn(ids is not None)(codes, books, ranges, offsets, *(() if ids is None else (ids,)))
+def _read_fn(how: _Read, product: bool):
+    """The reconstruction as one compiled pass (``product``: ``left @`` it, in the same
+    pass): the layers of a step, of equal shapes, replay one traced graph."""
+    if product:
+        return mx.compile(lambda left, *args: left @ _dense_graph(how, *args))
+    return mx.compile(lambda *args: _dense_graph(how, *args))
 
 
 @dataclass(frozen=True)
@@ -371,11 +408,12 @@ class NonUniformScores:
 
     def scores(self, q: mx.array) -> mx.array:
         """float32 ``q K^T`` (B, H, R, count) over per-channel keys."""
-        return (q @ self.tokens.dense())[..., : self.count]
+        scores = self.tokens.times_dense(q)
+        return scores if scores.shape[-1] == self.count else scores[..., : self.count]
 
     def mix(self, p: mx.array) -> mx.array:
         """float32 ``p V`` (B, H, R, D) over per-token values (p padded to the capacity)."""
         room = self.tokens.capacity - self.count
         if room:
             p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, room)])
-        return p @ self.tokens.dense()
+        return self.tokens.times_dense(p)

@@ -30,7 +30,9 @@ Decode attention reads the codes without rebuilding the history (``NSNKeys``,
 the per-chunk means are scored once per chunk; ``p X_hat = (sum_t p_t s1_t s2_t y_hat_t) H
 + sum_c (sum_{t in c} p_t s1_t) o_c``, one rotation per step. At 1 bit the keys' y_hat
 scores go through lookup tables (``vq.lookup_scores``); at 2 bits the signs differ per
-token, so the centroids are gathered by index and signed.
+token, so the centroids are gathered by index and signed. Each read is one compiled pass
+over the buffers' whole room (rows past the count are zeros: their scores are cut off,
+their weights are zero), so a step's shapes change only when the buffers grow.
 """
 
 from __future__ import annotations
@@ -68,11 +70,41 @@ def universal_codebook(bits: int, size: int, sub_dim: int, seed: int) -> mx.arra
 
 
 @functools.lru_cache(maxsize=1)
-def _sign_patterns() -> mx.array:
-    """(256, 8) float32: byte v's signs, channel k of the byte negative where bit k is set
-    (``pack_indices(y < 0, 1)``'s order). A constant of the process, like the codebook."""
-    bits = (mx.arange(256, dtype=mx.uint32)[:, None] >> mx.arange(8, dtype=mx.uint32)) & 1
-    return 1.0 - 2.0 * bits.astype(mx.float32)  # evaluated with the first step that reads it
+def _sign_tables() -> tuple[mx.array, mx.array]:
+    """Constants of the process, like the codebook, evaluated with the first step that
+    reads them: the 32 bit positions of a sign word (uint32), and (256, 8) float32 byte
+    patterns, channel k of the byte negative where bit k is set (``pack_indices(y < 0, 1)``'s
+    order), for head_dims that are not whole words."""
+    shifts = mx.arange(32, dtype=mx.uint32)
+    bits = (mx.arange(256, dtype=mx.uint32)[:, None] >> shifts[:8]) & 1
+    return shifts, 1.0 - 2.0 * bits.astype(mx.float32)
+
+
+def _y_hat(codebook, bits: int, idx_words, sign_words, head_dim: int, signs=None) -> mx.array:
+    """``NSNCodec.y_hat`` with the codebook (and the sign tables, ``_sign_tables()``) given:
+    the form traced into the decode step's compiled passes."""
+    index_bits, n = codebook.shape[0].bit_length() - 1, head_dim // codebook.shape[1]
+    if index_bits in (8, 16):
+        idx = mx.view(idx_words, mx.uint8 if index_bits == 8 else mx.uint16)
+        idx = idx if idx.shape[-1] == n else idx[..., :n]
+        y = codebook[idx].reshape(*idx.shape[:-1], head_dim)
+    else:
+        y = gather_centroids(unpack_indices(idx_words, index_bits, n), codebook)
+    if bits == 1:
+        return y
+    shifts, patterns = signs if signs is not None else _sign_tables()
+    lead = y.shape[:-1]
+    if head_dim % 32 == 0:  # bit k of word w: channel 32 w + k negative
+        words = head_dim // 32
+        negative = (sign_words >> shifts if words == 1 else sign_words[..., None] >> shifts) & 1
+        y = y if words == 1 else y.reshape(*lead, words, 32)
+        return (y * (1.0 - 2.0 * negative.astype(mx.float32))).reshape(*lead, head_dim)
+    if head_dim % 8 == 0:
+        signs = mx.view(sign_words, mx.uint8)
+        signs = signs if signs.shape[-1] == head_dim // 8 else signs[..., :head_dim // 8]
+        return y * patterns[signs].reshape(*signs.shape[:-1], head_dim)
+    negative = unpack_indices(sign_words, 1, head_dim).astype(mx.bool_)
+    return mx.where(negative, -y, y)
 
 
 def nsn(x: mx.array):
@@ -121,23 +153,11 @@ class NSNCodec:
 
         Byte-wide indices (256 or 65536 centroids) are read as the words' bytes or half
         words (``pack_indices`` fills a word from its low bits: little-endian order), and
-        signs a byte at a time through the table of the 256 sign patterns: a decode step
-        reads the codes in a few operations, not a shift and mask per field."""
-        n = head_dim // self.sub_dim
-        if self.index_bits in (8, 16):
-            idx = mx.view(idx_words, mx.uint8 if self.index_bits == 8 else mx.uint16)
-            idx = idx if idx.shape[-1] == n else idx[..., :n]
-            y = self.codebook[idx].reshape(*idx.shape[:-1], head_dim)
-        else:
-            y = gather_centroids(unpack_indices(idx_words, self.index_bits, n), self.codebook)
-        if sign_words is None:
-            return y
-        if head_dim % 8 == 0:
-            signs = mx.view(sign_words, mx.uint8)
-            signs = signs if signs.shape[-1] == head_dim // 8 else signs[..., :head_dim // 8]
-            return y * _sign_patterns()[signs].reshape(*signs.shape[:-1], head_dim)
-        negative = unpack_indices(sign_words, 1, head_dim).astype(mx.bool_)
-        return mx.where(negative, -y, y)
+        signs a whole word at a time (a sign per bit, against the 32 bit positions), or a
+        byte at a time through the table of the 256 sign patterns where the head_dim is not
+        whole words: a decode step reads the codes in a few operations, not a shift and mask
+        per field."""
+        return _y_hat(self.codebook, self.bits, idx_words, sign_words, head_dim)
 
     def words(self, head_dim: int) -> tuple[int, int]:
         """uint32 words a token takes: indices, signs."""
@@ -180,6 +200,23 @@ class NSNTokens:
         means = self.mean.buffer[:, :, : n // self.chunk].astype(mx.float32)
         return y, norms[:, :, :1], norms[:, :, 1:], means
 
+    @property
+    def capacity(self) -> int:
+        """Whole chunks every buffer has room for: what the decode step computes over, so
+        that its compiled passes keep their shapes until the buffers grow (rows past
+        ``count`` are zeros: a zero norm, a centroid, no sign, a zero mean)."""
+        rooms = [self.idx.capacity, self.norms.capacity, self.mean.capacity * self.chunk]
+        if self.codec.bits == 2:
+            rooms.append(self.sign.capacity)
+        return min(rooms) // self.chunk * self.chunk
+
+    def read_args(self) -> tuple:
+        """The decode step's inputs over ``capacity`` tokens: index words, sign words (or
+        None), norms, means (stored dtypes; each slice a no-op where the buffers agree)."""
+        n = self.capacity
+        sign = self.sign.buffer[:, :, :n] if self.codec.bits == 2 else None
+        return self.idx.buffer[:, :, :n], sign, self.norms.buffer[:, :, :n], self.mean.buffer[:, :, : n // self.chunk]
+
     def decode(self, dtype) -> mx.array:
         y, s1, s2, means = self.parts(self.mean.buffer.shape[-1])
         b, h, t, d = y.shape
@@ -207,23 +244,47 @@ class _NSNReader:
         return self.tokens.norms.buffer.shape[1]
 
 
+def _key_scores(bits, head_dim, chunk, q, idx, sign, norms, means, codebook, shifts, patterns):
+    """``NSNKeys.scores`` over whole buffers (one compiled pass, ``_compiled``)."""
+    qh = rotate(q)
+    norms = norms.swapaxes(-1, -2)  # (B, H, 2, T)
+    s1, s2 = norms[:, :, :1].astype(mx.float32), norms[:, :, 1:].astype(mx.float32)
+    if bits == 1:  # no per-token signs: lookup tables
+        sub = codebook.shape[1]
+        idx = unpack_indices(idx, codebook.shape[0].bit_length() - 1, head_dim // sub)
+        main = lookup_scores(qh, idx, codebook)
+    else:
+        main = qh @ _y_hat(codebook, bits, idx, sign, head_dim, (shifts, patterns)).swapaxes(-1, -2)
+    shift = mx.repeat(q @ means.astype(mx.float32).swapaxes(-1, -2), chunk, axis=-1)  # q . o_c, per token
+    return s1 * (s2 * main + shift)
+
+
+def _value_mix(bits, head_dim, chunk, p, idx, sign, norms, means, codebook, shifts, patterns):
+    """``NSNValues.mix`` over whole buffers (one compiled pass, ``_compiled``)."""
+    norms = norms.swapaxes(-1, -2)  # (B, H, 2, T)
+    s1, s2 = norms[:, :, :1].astype(mx.float32), norms[:, :, 1:].astype(mx.float32)
+    w = p * s1  # (B, H, R, T)
+    b, h, r, n = w.shape
+    per_chunk = w.reshape(b, h, r, n // chunk, chunk).sum(axis=-1)
+    y = _y_hat(codebook, bits, idx, sign, head_dim, (shifts, patterns))
+    return rotate((w * s2) @ y) + per_chunk @ means.astype(mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(read, bits: int, head_dim: int, chunk: int):
+    """A read as one compiled pass: its shapes change only when the buffers grow."""
+    return mx.compile(lambda x, idx, sign, *rest: read(bits, head_dim, chunk, x, idx, sign, *rest))
+
+
 class NSNKeys(_NSNReader):
     """Coded keys: ``q K_hatᵀ`` from the codes, the query rotated once."""
 
     def scores(self, q: mx.array) -> mx.array:
         t, n = self.tokens, self.count
-        qh = rotate(q)
-        if t.codec.bits == 1:  # no per-token signs: lookup tables
-            idx = unpack_indices(t.idx.buffer[:, :, :n], t.codec.index_bits, self.head_dim // t.codec.sub_dim)
-            main = lookup_scores(qh, idx, t.codec.codebook)
-            norms = t.norms.buffer[:, :, :n].astype(mx.float32).swapaxes(-1, -2)
-            s1, s2 = norms[:, :, :1], norms[:, :, 1:]
-            means = t.mean.buffer[:, :, : n // t.chunk].astype(mx.float32)
-        else:
-            y, s1, s2, means = t.parts(self.head_dim)
-            main = qh @ y.swapaxes(-1, -2)
-        shift = mx.repeat(q @ means.swapaxes(-1, -2), t.chunk, axis=-1)  # q . o_c, per token
-        return s1 * (s2 * main + shift)
+        idx, sign, norms, means = t.read_args()
+        scores = _compiled(_key_scores, t.codec.bits, self.head_dim, t.chunk)(
+            q, idx, sign, norms, means, t.codec.codebook, *_sign_tables())
+        return scores if scores.shape[-1] == n else scores[..., :n]
 
 
 class NSNValues(_NSNReader):
@@ -231,11 +292,12 @@ class NSNValues(_NSNReader):
 
     def mix(self, p: mx.array) -> mx.array:
         t = self.tokens
-        y, s1, s2, means = t.parts(self.head_dim)
-        w = p * s1  # (B, H, R, T)
-        b, h, r, n = w.shape
-        per_chunk = w.reshape(b, h, r, n // t.chunk, t.chunk).sum(axis=-1)
-        return rotate((w * s2) @ y) + per_chunk @ means
+        idx, sign, norms, means = t.read_args()
+        room = norms.shape[2] - p.shape[-1]
+        if room:  # the weights of the rows past ``count``: zeros
+            p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, room)])
+        return _compiled(_value_mix, t.codec.bits, self.head_dim, t.chunk)(
+            p, idx, sign, norms, means, t.codec.codebook, *_sign_tables())
 
 
 class NSNStore(PackedStore):
