@@ -36,6 +36,44 @@ def test_dp_equals_brute_force_on_small_problems():
             assert np.isclose(sum(d[i, CHOICES.index(b)] for i, b in enumerate(got)), best, rtol=1e-12)
 
 
+
+def _allocate_width_by_width(d, choices, budget):
+    """The DP one width at a time (the form before issue 31's one pass a component)."""
+    widths = np.asarray(choices, np.int64)
+    dp = np.full(budget + 1, np.inf)
+    dp[0] = 0.0
+    pick = np.zeros((d.shape[0], budget + 1), np.int64)
+    for i in range(d.shape[0]):
+        best, arg = np.full(budget + 1, np.inf), np.zeros(budget + 1, np.int64)
+        for j in np.argsort(widths, kind="stable"):
+            if widths[j] > budget:
+                continue
+            cand = np.full(budget + 1, np.inf)
+            cand[widths[j]:] = dp[: budget + 1 - widths[j]] + d[i, j]
+            better = cand < best
+            best[better], arg[better] = cand[better], j
+        dp, pick[i] = best, arg
+    spent, out = int(np.argmin(dp)), np.zeros(d.shape[0], np.int64)
+    for i in range(d.shape[0] - 1, -1, -1):
+        out[i] = widths[pick[i, spent]]
+        spent -= out[i]
+    return out
+
+
+def test_the_one_pass_dp_picks_what_the_width_by_width_dp_picks():
+    """Ties included (zero variances, repeated widths, widths past the budget), and at the
+    default's scale (p = 1,024, 512 bits)."""
+    r = np.random.default_rng(1)
+    for trial in range(60):
+        p, budget = int(r.integers(1, 10)), int(r.integers(1, 30))
+        choices = tuple(r.choice([0, 1, 2, 3, 4, 6, 8, 16], size=int(r.integers(2, 6))).tolist()) + (0,)
+        lam = np.sort(r.gamma(0.5, 1.0, p))[::-1]
+        lam[p // 2:] *= trial % 2  # zero variances: ties go to fewer bits
+        d = uniform_distortion(lam, choices, 3.5)
+        assert np.array_equal(allocate(d, choices, budget), _allocate_width_by_width(d, choices, budget))
+    d = uniform_distortion(np.sort(r.gamma(0.5, 1.0, 1024))[::-1], CHOICES, 3.5)
+    assert np.array_equal(allocate(d, CHOICES, 512), _allocate_width_by_width(d, CHOICES, 512))
+
 @pytest.mark.parametrize("budget", [100, 256, 511, 512, 777, 1024, 2048])
 def test_the_allocation_spends_its_budget_exactly_non_increasing(budget):
     """A full-rank decaying spectrum (p = 256): every bit of the budget is spent (more bits

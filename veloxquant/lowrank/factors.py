@@ -22,7 +22,16 @@ rank k) on the CPU stream, where MLX runs them.
   does: the energy it finds is a lower bound of the exact top-r energy, so the rank it
   returns meets the fraction, never fewer directions than the exact rule's). Up to
   ``DIRECT_MAX`` rows or columns it takes the exact basis through the smaller side's Gram
-  matrix instead: one small eigenproblem costs less than the iterations' many.
+  matrix instead: one small eigenproblem costs less than the iterations' many. So it does
+  up to ``GRAM_MAX`` (2,048: xKV's two layers of 8 x 128 channels) for the energy rule and
+  for a rank past a third of the smaller side: the subspace iteration makes 22
+  eigenproblems of the iterated size (seven orthonormalisations of three passes, and the
+  Ritz step), the energy rule's doubling repeats it per size (32 .. 2,048: 133 of them and
+  seven host reads for a 0.95 rule needing 1,194 of 2,048 directions, issue 31), where
+  one eigenproblem of the Gram matrix (channels x channels: bounded by the model, not by
+  the tokens) gives the exact spectrum and basis with one host read. The total energy the
+  doubling compares with is summed per column first (one float32 sum over 8M squares
+  lost 1.2% of it and chose 1,135 directions for the exact rule's 1,194).
 - ``svd_factors``: the exact thin SVD through a QR first (tests and offline tools; not on
   a prefill path).
 - ``gram_basis``: the right singular vectors and singular values of a tall ``x`` through
@@ -117,12 +126,17 @@ OVERSAMPLE = 8  # extra directions a fixed-rank fit iterates on (randomized SVD'
 DIRECT_MAX = 512  # up to this many rows or columns, the exact basis through the smaller Gram matrix
 
 
+GRAM_MAX = 2048  # up to this many rows or columns, the energy rule (or a rank past a third) also takes it
+
+
 def _small_side_basis(x: mx.array):
     """(V (..., d, m), sigma (..., m)) of ``x`` (..., T, d), m = min(T, d), exact to float32
     rounding of the squared singular values, through the Gram matrix of the smaller side."""
     t, d = x.shape[-2:]
     if d <= t:
-        return _ritz(x, mx.broadcast_to(mx.eye(d), (*x.shape[:-2], d, d)))
+        _, v = mx.linalg.eigh(x.swapaxes(-1, -2) @ x, stream=mx.cpu)  # (d, d), ascending
+        v = v[..., ::-1]
+        return v, mx.sqrt(((x @ v) ** 2).sum(axis=-2))  # ‖x v_i‖: small values keep float32
     _, u = mx.linalg.eigh(x @ x.swapaxes(-1, -2), stream=mx.cpu)  # (T, T), ascending
     v = x.swapaxes(-1, -2) @ u[..., ::-1]  # V Σ
     sigma = mx.linalg.norm(v, axis=-2)
@@ -137,7 +151,8 @@ def randomized_basis(x: mx.array, rank: int | None, fraction: float = 1.0, sampl
     the largest over the batch (read on the host: a prefill step, never a decode step)."""
     xs = sample_rows(x, sample)
     m = min(xs.shape[-2:])
-    if m <= DIRECT_MAX:  # one small eigenproblem is cheaper than the iterations' many
+    wide = rank is None or 3 * (min(rank, m) + OVERSAMPLE) >= m  # the iterations would cost more
+    if m <= DIRECT_MAX or (m <= GRAM_MAX and wide):  # one eigenproblem, not the iterations' many
         v, sigma = _small_side_basis(xs)
         r = min(rank, m) if rank is not None else int(energy_rank(sigma, fraction).max())
         return v[..., :r], r
@@ -145,7 +160,7 @@ def randomized_basis(x: mx.array, rank: int | None, fraction: float = 1.0, sampl
         r = min(rank, m)
         v, _ = subspace_basis(xs, min(r + OVERSAMPLE, m))
         return v[..., :r], r
-    total = (xs**2).sum(axis=(-2, -1))
+    total = (xs**2).sum(axis=-2).sum(axis=-1)  # per column first: one float32 sum of T*d squares drifts
     k = min(START_RANK, m)
     while True:
         v, sigma = subspace_basis(xs, k)

@@ -40,8 +40,9 @@ def joint_factors(blocks: list[mx.array], rank: int | None, energy: float):
     None: the smallest r holding ``energy`` of the squared singular values (the largest
     over the batch); any rank is capped at min(T, G*H*d).
 
-    The basis ``V_r`` comes from a randomized SVD (``factors.randomized_basis``: subspace
-    iteration over at most ``FIT_SAMPLE_TOKENS`` tokens, eigenproblems of rank size only)
+    The basis ``V_r`` comes from ``factors.randomized_basis`` over at most
+    ``FIT_SAMPLE_TOKENS`` tokens (the Gram matrix's one eigenproblem up to ``GRAM_MAX``
+    channels for the energy rule, a randomized SVD with eigenproblems of rank size past it)
     instead of the exact SVD of the T x G*H*d matrix; ``A = X V_r`` over every token, so
     ``A B_l`` is X's projection on the basis. Under the energy rule the projection holds at
     least ``energy`` of the sampled rows' energy, with at least the exact rule's rank."""

@@ -31,11 +31,12 @@ Attention: a decode step scores the latent without rebuilding keys, ``q·k_t = (
 (``LatentKeys``), plus the exact keys, in one softmax (``kernels/decode.py``, pure-MLX
 path); a prompt chunk attends over the rebuilt keys plus its own.
 
-Adapted: the joint SVD is a randomized one (``lowrank/factors.py``'s ``randomized_basis``: subspace
-iteration over at most 4,096 evenly spaced tokens, eigenproblems of rank size, no QR or SVD
-over the T x G*n_kv*d matrix on the prefill path; within 2% of the exact rank-r error in
-tests/test_xkv.py; up to 512 tokens or channels, one eigh of the smaller side's Gram
-matrix); keys are post-RoPE (mlx-lm hands them so; every layer rotates token t by the
+Adapted: the joint SVD is a bounded one (``lowrank/factors.py``'s ``randomized_basis``: over at
+most 4,096 evenly spaced tokens, no QR or SVD over the T x G*n_kv*d matrix on the prefill
+path; up to 512 tokens or channels, and up to 2,048 for the energy rule or a rank past a
+third of them, one eigh of the smaller side's Gram matrix: the exact basis and rank, one
+host read per group; past that a randomized SVD, subspace iteration with eigenproblems of
+rank size, within 2% of the exact rank-r error in tests/test_xkv.py); keys are post-RoPE (mlx-lm hands them so; every layer rotates token t by the
 same angle, so the group stays aligned, at a higher rank than pre-RoPE keys); the latent
 is quantized (the paper keeps it in fp16); no selective reconstruction.
 """

@@ -3,8 +3,8 @@
 Component i (variance ``λ_i``) coded at ``b`` bits costs ``D_i(b)``; choose ``b_i`` from a
 set of allowed widths to minimise ``Σ D_i(b_i)`` subject to ``Σ b_i <= budget``.
 ``dp[c]`` is the least distortion of the components so far spending exactly ``c`` bits;
-each component relaxes it once per allowed width, O(p * budget * |choices|) numpy work,
-then the widths are read back. Ties go to fewer bits (a component of zero variance gets
+each component relaxes it for every allowed width in one numpy pass (O(p * budget *
+|choices|) work in p passes, not p * |choices|), then the widths are read back. Ties go to fewer bits (a component of zero variance gets
 none), so the optimum spends the whole budget whenever more bits still lower the
 distortion and the budget is a sum of allowed widths.
 
@@ -39,20 +39,22 @@ def allocate(distortion: np.ndarray, choices, budget: int) -> np.ndarray:
     widths = np.asarray(choices, np.int64)
     p = d.shape[0]
     order = np.argsort(widths, kind="stable")  # ascending, so a tie keeps the fewer bits
+    order = order[widths[order] <= budget]
+    if not order.size and p:
+        raise ValueError(f"no allocation of widths {sorted(set(widths.tolist()))} fits {budget} bits")
+    top = int(widths[order].max()) if order.size else 0
+    # every allowed width at once (issue 31: one pass a component, not one a width): row j of
+    # ``shifted`` reads dp[c - w_j], through ``top`` leading infinities for c < w_j
+    shifted = np.arange(budget + 1)[None] - widths[order][:, None] + top
     dp = np.full(budget + 1, np.inf)
     dp[0] = 0.0
     pick = np.zeros((p, budget + 1), np.int16)
+    padded = np.full(budget + 1 + top, np.inf)
     for i in range(p):
-        best, arg = np.full(budget + 1, np.inf), np.zeros(budget + 1, np.int16)
-        for j in order:
-            w = widths[j]
-            if w > budget:
-                continue
-            cand = np.full(budget + 1, np.inf)
-            cand[w:] = dp[: budget + 1 - w] + d[i, j]
-            better = cand < best
-            best[better], arg[better] = cand[better], j
-        dp, pick[i] = best, arg
+        padded[top:] = dp
+        cand = padded[shifted] + d[i, order][:, None]
+        j = np.argmin(cand, axis=0)  # the first of equal minima: the fewer bits, as before
+        dp, pick[i] = np.take_along_axis(cand, j[None], axis=0)[0], order[j]
     spent = int(np.argmin(dp))  # the first of equal minima: the fewest bits
     if not np.isfinite(dp[spent]):
         raise ValueError(f"no allocation of widths {sorted(set(widths.tolist()))} fits {budget} bits")
