@@ -1,7 +1,8 @@
 """Saved prompt-cache sizes: cachegen and kvtc against kivi at the same bit width.
 
 Prefills the embedded reference model on ``--context`` tokens of its held-out text, once
-per setting, saves the cache with mlx-lm's ``save_prompt_cache`` and reports the file
+per setting, saves the cache with ``veloxquant_mlx.save_prompt_cache`` (the entropy-coded
+methods' coded form; mlx-lm's own save writes their resident form) and reports the file
 size, the bytes per token, the cache's resident ``nbytes`` (what attention reads) and,
 for the entropy-coded methods, ``stored_nbytes`` (the arrays of the saved form), with the
 ratio of each file to kivi's at the same width. Widths: kivi ``kv_bits``; cachegen
@@ -23,11 +24,10 @@ import tempfile
 import time
 
 import veloxquant_mlx  # noqa: F401  (before mlx: the system BLAS)
-from veloxquant_mlx import REFERENCE_MODEL, KVCacheConfig, make_prompt_cache
+from veloxquant_mlx import REFERENCE_MODEL, KVCacheConfig, make_prompt_cache, save_prompt_cache
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.models.cache import save_prompt_cache
 
 
 def settings(h: int, d: int):
@@ -86,7 +86,7 @@ def main(argv=None):
 
     head = (f"Saved prompt caches of the reference model ({len(model.layers)} layers, {h} KV heads x "
             f"head_dim {d}, {args.dtype}), {args.context:,} tokens of held-out text, "
-            "`mlx_lm.models.cache.save_prompt_cache`; `.venv/bin/python benchmarks/saved_size.py "
+            "`veloxquant_mlx.save_prompt_cache`; `.venv/bin/python benchmarks/saved_size.py "
             f"--context {args.context} --dtype {args.dtype}`. Resident: the caches' `nbytes` (what "
             "attention reads); stored arrays: the saved form's arrays (`stored_nbytes`; kivi: its "
             "state); the file adds its header and meta.\n\n"

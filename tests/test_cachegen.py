@@ -7,11 +7,10 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from conformance import config
 from tiny_models import prompt, tiny_model
-from veloxquant_mlx import make_prompt_cache
+from veloxquant_mlx import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from veloxquant_mlx.methods.cachegen.cache import _lanes, layer_bits
 from veloxquant_mlx.quant import entropy
 from veloxquant_mlx.methods.cachegen.delta import AnchoredCodec, AnchoredTokens, dequantize_symmetric

@@ -116,13 +116,17 @@ def test_corrupted_values_are_refused_by_the_checksum(tmp_path):
 
 
 # -- damaged files: every problem names the file and the layer ------------------------------
-def test_a_missing_array_is_named_with_the_file_and_layer(tmp_path):
-    """Before: cachegen without ``v_stream`` failed inside the cache with KeyError 'v_stream'."""
-    path, _, _ = _saved(tmp_path, "cachegen", decode=2)
+@pytest.mark.parametrize("save,name", [(save_prompt_cache, "v_stream"), (save_prompt_cache, "v_anchor_scales"),
+                                       (mlx_lm_save, "v_codes"), (mlx_lm_save, "v_anchor_codes")])
+def test_a_missing_array_is_named_with_the_file_and_layer(tmp_path, save, name):
+    """Before: cachegen without ``v_stream`` failed inside the cache with KeyError 'v_stream'.
+    Our save writes the coded form (its checksum dropped here, as mlx-lm's save has none),
+    mlx-lm's the resident one: both name what is missing."""
+    path, _, _ = _saved(tmp_path, "cachegen", decode=2, save=save)
     arrays, metadata = mx.load(str(path), return_metadata=True)
-    del arrays["1.arrays.v_stream"]
-    mx.save_safetensors(str(path), arrays, metadata)
-    with pytest.raises(CacheStateError, match=r"cache.safetensors: .*layer 1 .*'v_stream' is missing"):
+    del arrays[f"1.arrays.{name}"]
+    mx.save_safetensors(str(path), arrays, {k: v for k, v in metadata.items() if "sha256" not in k})
+    with pytest.raises(CacheStateError, match=rf"cache.safetensors: .*layer 1 .*'{name}' is missing"):
         load_prompt_cache(path)
 
 

@@ -1,16 +1,16 @@
-"""Entropy coding of cachegen and kvtc costs each token one pass of the coder, whatever
-reads ``state`` (mlx-lm reads it after every prefill chunk), and a file holds the codes."""
+"""Entropy coding of cachegen and kvtc costs each token one pass of the coder, however often
+the coded form is read (``stored_nbytes``, a save), and a file holds the codes. ``state``
+(mlx-lm reads it after every prefill chunk) codes nothing: tests/test_coded_state.py."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from conformance import config
 from tiny_models import prompt, tiny_model
-from veloxquant_mlx import make_prompt_cache
+from veloxquant_mlx import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from veloxquant_mlx.quant import coded_cache, entropy
 
 SEGMENT = 64  # tokens a sealed segment needs in these tests (a multiple of cachegen's group)
@@ -51,12 +51,15 @@ def _symbols_held(cache) -> int:
 
 
 def _prefill_as_mlx_lm(method, n_chunks=CHUNKS, chunk=CHUNK):
+    """mlx-lm's prefill (``state`` evaluated after each chunk), the coded size read after
+    each chunk too (the most often anything reads the coded form)."""
     model = tiny_model("llama", num_hidden_layers=2)
     cache = make_prompt_cache(model, config(method, SETTINGS[method]))
     tokens = prompt(n_chunks * chunk + 1)
     for i in range(n_chunks):
         model(tokens[i * chunk : (i + 1) * chunk][None], cache=cache)
         mx.eval([c.state for c in cache])
+        assert all(c.stored_nbytes > 0 for c in cache)
     return model, cache, tokens
 
 
@@ -65,22 +68,22 @@ def test_a_prefill_read_chunk_by_chunk_codes_each_token_once(method, coder_calls
     _, cache, _ = _prefill_as_mlx_lm(method)
     assert sum(coder_calls) == _symbols_held(cache) > 0
     calls = len(coder_calls)
-    mx.eval([c.state for c in cache])
+    mx.eval([c.stored_arrays() for c in cache])
     assert len(coder_calls) == calls  # a second read codes nothing
 
 
 @pytest.mark.parametrize("method", ["cachegen", "kvtc"])
-def test_reading_state_twice_codes_nothing_the_second_time(method, coder_calls):
+def test_reading_the_coded_form_twice_codes_nothing_the_second_time(method, coder_calls):
     """A short history (an open segment) is coded once too, until the cache grows."""
     _, cache, _ = _prefill_as_mlx_lm(method, n_chunks=1, chunk=80)
-    first = [c.state for c in cache]
     calls = len(coder_calls)
     assert calls > 0
-    second = [c.state for c in cache]
+    first = [c.stored_arrays() for c in cache]
+    second = [c.stored_arrays() for c in cache]
     assert len(coder_calls) == calls
     for a, b in zip(first, second):
-        assert a["arrays"].keys() == b["arrays"].keys()
-        assert all(mx.array_equal(a["arrays"][k], b["arrays"][k]) for k in a["arrays"])
+        assert a.keys() == b.keys()
+        assert all(mx.array_equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("method", ["cachegen", "kvtc"])
@@ -96,7 +99,7 @@ def test_a_saved_cache_of_several_segments_loads_to_the_same_codes_and_saves_aga
     assert len(coder_calls) == calls  # the loaded segments are saved as read
     assert open(path, "rb").read() == open(again, "rb").read()
     for a, b in zip(cache, loaded):
-        assert a.state["arrays"]["k_segments"].shape[0] >= 2
+        assert a.stored_arrays()["k_segments"].shape[0] >= 2
         for x, y in ((a.store.keys, b.store.keys), (a.store.values, b.store.values)):
             assert x.count == y.count and mx.array_equal(x.codes.view(), y.codes.view())
         ka, va = a.dequantized(mx.float32)

@@ -14,6 +14,7 @@ A file written by ``save_prompt_cache`` here is an ordinary mlx-lm prompt-cache 
 (mlx-lm's loader reads it) whose metadata also holds a checksum of every array and a
 fingerprint of the model (its config and a hash of a few weight slices): a same-shaped
 model with other weights, or a file edited or damaged after saving, is refused by name.
+Entropy-coded caches are written in their coded form (``save_prompt_cache`` below).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_lm_cache
 
 from ..cache.base import CacheStateError, CompressedKVCache
+from ..quant.coded_cache import coded_states
 
 CHECKSUM_KEY = "veloxquant_arrays_sha256"
 FINGERPRINT_KEY = "veloxquant_model_fingerprint"
@@ -95,12 +97,18 @@ def model_fingerprint(model) -> str:
 
 def save_prompt_cache(path: str, cache: list, model: Any = None, metadata: dict[str, str] | None = None):
     """mlx-lm's ``save_prompt_cache``, with a checksum of the arrays and, given ``model``,
-    its fingerprint in the file's metadata (``load_prompt_cache`` here checks both)."""
+    its fingerprint in the file's metadata (``load_prompt_cache`` here checks both).
+
+    Entropy-coded caches (cachegen, kvtc: ``quant/coded_cache.py``) are written in their
+    coded form here: their ``state`` gives it only while this save reads it. mlx-lm's own
+    ``save_prompt_cache`` is not patched: a file it writes holds their resident form (the
+    fixed-length codes: larger, and loaded by either loader just the same)."""
     metadata = dict(metadata or {})
     if model is not None:
         metadata[FINGERPRINT_KEY] = model_fingerprint(model)
         metadata[MODEL_KEY] = describe_model(model)
-    mlx_lm_cache.save_prompt_cache(str(path), cache, metadata)
+    with coded_states():
+        mlx_lm_cache.save_prompt_cache(str(path), cache, metadata)
     arrays, file_metadata = mx.load(str(path), return_metadata=True)
     file_metadata = {**file_metadata, f"0.{CHECKSUM_KEY}": arrays_checksum(arrays)}
     mx.save_safetensors(str(path), arrays, file_metadata)

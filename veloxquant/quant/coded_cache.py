@@ -3,46 +3,75 @@
 Attention cannot read an entropy-coded stream without decoding all of it at every step,
 so such a cache keeps two forms of the same symbols:
 
-- **resident** (what attention reads, what ``nbytes`` counts): the store's fixed-length
-  codes, scales and full-precision rows, as ``QuantizedCache`` keeps them;
-- **stored** (what ``state`` holds, so what ``save_prompt_cache`` writes, and what
+- **resident** (what attention reads, what ``nbytes`` counts, and what ``state`` holds):
+  the store's fixed-length codes, scales and full-precision rows, as ``QuantizedCache``
+  keeps them, with ``meta["form"] = "resident"``. mlx-lm's generate (and
+  ``bench.runner.prefill``) evaluates ``state`` after every prefill chunk: reading it
+  costs no entropy coding and no host read, only the arrays the cache already holds;
+- **coded** (what ``save_prompt_cache`` of ``veloxquant_mlx`` writes, and what
   ``stored_nbytes`` counts): the method's ``stored_arrays()``, its symbols entropy-coded
   (``quant/entropy.py``) with their tables, plus what is not coded (scales, bases, the
-  full-precision rows).
+  full-precision rows), with ``meta["form"] = "coded"``. ``state`` gives it only inside
+  ``coded_states()`` (this thread), which ``integrations/saved.py`` enters while mlx-lm's
+  ``save_prompt_cache`` reads the states; a file saved by mlx-lm's own
+  ``save_prompt_cache`` holds the resident form (larger, and loadable the same way).
 
-mlx-lm reads ``state`` after every prefill chunk, so the coded form must not cost a pass
-over the whole history each time: a run's codes are coded in segments
-(``CodedSegments``), each with its own tables (the released CacheGen codec's per-chunk
-CDFs). Tokens become a sealed segment, coded once and kept on the host, when at least
-``SEGMENT_TOKENS`` of them are not coded yet at a read of ``state``; fewer are coded as
-the open segment, kept until the run grows. A prompt prefilled in chunks of at least
-``SEGMENT_TOKENS`` tokens is coded chunk by chunk, each once; a second read of ``state``
-codes nothing. The kept segments are host memory besides ``nbytes`` (the size of the
+Coding runs on the host, so the coded form is built in segments (``CodedSegments``), each
+with its own tables (the released CacheGen codec's per-chunk CDFs) and kept: tokens become
+a sealed segment, coded once, when at least ``SEGMENT_TOKENS`` of them are not coded yet
+at a save (or a read of ``stored_nbytes``); fewer are coded as the open segment, kept
+until the run grows. Saving twice, or saving after reading ``stored_nbytes``, codes each
+sealed segment once. The kept segments are host memory besides ``nbytes`` (the size of the
 coded form, ``stored_nbytes``, below the resident codes').
 
-Loading decodes the streams back into the resident codes (``restore_stored``): a loaded
-cache holds exactly the codes it was saved with.
+Loading takes either form (``restore_stored``): the resident arrays as they are, or the
+coded streams decoded back into the resident codes (a file without ``form`` in its meta,
+saved before the resident form existed, is the coded form); either way the same checks
+apply and a loaded cache holds exactly the codes it was saved with.
 """
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from ..cache.base import CompressedKVCache
+from ..cache.base import CacheStateError, CompressedKVCache
 from .cache import QuantizedCache
 
 
 SEGMENT_TOKENS = 4096  # the fewest tokens a sealed segment codes: its tables stay ~2% of its size
+FORMS = ("resident", "coded")
+
+_saving = threading.local()
+
+
+@contextmanager
+def coded_states():
+    """While active (in this thread; nests), ``state`` of an ``EntropyCodedCache`` is its
+    coded form: entered by ``integrations.saved.save_prompt_cache`` around mlx-lm's save."""
+    depth = getattr(_saving, "depth", 0)
+    _saving.depth = depth + 1
+    try:
+        yield
+    finally:
+        _saving.depth = depth
+
+
+def coding_states() -> bool:
+    """Whether ``state`` gives the coded form here (inside ``coded_states()``)."""
+    return getattr(_saving, "depth", 0) > 0
 
 
 class CodedSegments:
     """The coded form of one growing run of codes, in segments of tokens [start, end).
 
     ``code(start, end)`` returns the segment's coded arrays by name (1-D numpy arrays);
-    it is called once per sealed segment and once per state of the open one. Segments are
+    it is called once per sealed segment and once per read of the open one (a save, or
+    ``stored_nbytes``) while the run does not grow. Segments are
     dropped when the run they coded is replaced or holds fewer tokens than they cover.
     """
 
@@ -101,26 +130,43 @@ def split_segments(prefix: str, arrays: dict[str, mx.array], names: tuple[str, .
 
 class EntropyCodedCache(QuantizedCache):
     def stored_arrays(self) -> dict[str, mx.array]:
-        """The saved form, by name (entropy-coded streams, their tables, the rest)."""
+        """The coded form, by name (entropy-coded streams, their tables, the rest)."""
         raise NotImplementedError
 
     def restore_stored(self, meta: dict[str, Any], arrays: dict[str, mx.array]) -> None:
-        """Rebuild the resident form from ``stored_arrays()``'s output."""
+        """Rebuild the store from a saved state of either form (``saved_form(meta)``):
+        ``stored_arrays()``'s output, or the resident arrays of ``state``."""
         raise NotImplementedError
 
     @property
     def stored_nbytes(self) -> int:
-        """Bytes of the arrays the saved form holds (the file adds its header and meta)."""
+        """Bytes of the arrays the coded form holds (the file adds its header and meta)."""
         return sum(a.nbytes for a in self.stored_arrays().values() if a is not None)
 
     @property
     def state(self) -> dict[str, Any]:
-        meta = CompressedKVCache.state.fget(self)["meta"]
-        return {"arrays": self.stored_arrays(), "meta": meta}
+        """The resident form (no coding, no host read); the coded form inside
+        ``coded_states()``."""
+        resident = CompressedKVCache.state.fget(self)
+        if coding_states():
+            return {"arrays": self.stored_arrays(), "meta": {**resident["meta"], "form": "coded"}}
+        # derived arrays (kvtc's field layout: a tuple) and empty ones (None) are not kept
+        arrays = {k: v for k, v in resident["arrays"].items() if isinstance(v, mx.array)}
+        return {"arrays": arrays, "meta": {**resident["meta"], "form": "resident"}}
 
     @state.setter
     def state(self, state: dict[str, Any]) -> None:
         CompressedKVCache.state.fset(self, state)
+
+    def saved_form(self, meta: dict[str, Any]) -> str:
+        """The form of a saved state, ``"resident"`` or ``"coded"`` (a state without
+        ``form`` was saved before there were two: coded)."""
+        form = meta.get("form", "coded")
+        if form not in FORMS:
+            raise CacheStateError(
+                f"saved cache, layer {self.layer} ({type(self).__name__}, method "
+                f"{self.config.method!r}): form is {form!r}, expected one of {FORMS}")
+        return form
 
     def _restore_meta(self, meta) -> None:
         self.restore_stored(meta, self.__dict__.pop("_saved_arrays", {}))

@@ -28,10 +28,12 @@ Per layer, keys and values alike (``methods/cachegen/delta.py``):
   one pooled table (a per-channel table of 255 entries would outweigh the 1/G of tokens
   it codes). Zero counts need no smoothing: the table is the data's own.
 
-What stays resident (``nbytes``): the fixed-length codes, packed at the layer's width
-(the anchor's zero delta included), float16 scales (per token, or per anchor group), anchor codes and scales, the
-full-precision tail. What is saved (``state``, ``stored_nbytes``): the coded streams and
-their uint16 tables, the scales, the anchors' streams, the tail (``quant/coded_cache.py``).
+What stays resident (``nbytes``, and ``state``: what mlx-lm evaluates after each prefill
+chunk, with no coding): the fixed-length codes, packed at the layer's width (the anchor's
+zero delta included), float16 scales (per token, or per anchor group), anchor codes and
+scales, the full-precision tail. What ``veloxquant_mlx.save_prompt_cache`` writes (the
+coded form, ``stored_nbytes``): the coded streams and their uint16 tables, the scales, the
+anchors' streams, the tail (``quant/coded_cache.py``); a file of either form loads.
 Attention never reads a stream: a prompt chunk attends over the reconstructed history plus
 itself, a decode step over the resident codes read where they lie (``AnchoredScores``:
 group-affine products over the packed deltas and anchors, no decoded copy of the history)
@@ -118,29 +120,44 @@ class CacheGenCache(EntropyCodedCache):
         return out
 
     def restore_stored(self, meta, arrays):
+        """Either saved form: the resident codes as they are, or the coded segments decoded
+        into them; the store, its width and the checks are the same."""
+        coded = self.saved_form(meta) == "coded"
         self.store = self.make_store(int(meta["bits"]))
         self.store.k_buf.reset(arrays.get("k_buf"))
         self.store.v_buf.reset(arrays.get("v_buf"))
         if self.kv_shape is None:
             return
         b, h, d_k, d_v = self.kv_shape
-        pooled = not self.config.options.cachegen_per_channel
         for prefix, run, d in (("k", self.store.keys, d_k), ("v", self.store.values, d_v)):
             if f"{prefix}_scales" not in arrays:
                 continue
             c, scales = run.codec, arrays[f"{prefix}_scales"]
-            names = ("stream", "table") + (("anchor_stream", "anchor_table") if c.use_delta else ())
-            segments = split_segments(prefix, arrays, names)
-            n = segments[-1][1] if segments else 0
+            anchor_scales = arrays[f"{prefix}_anchor_scales"] if c.use_delta else None
+            if coded:
+                names = ("stream", "table") + (("anchor_stream", "anchor_table") if c.use_delta else ())
+                segments = split_segments(prefix, arrays, names)
+                source, n = f"{prefix}_segments", segments[-1][1] if segments else 0
+            else:
+                codes = arrays[f"{prefix}_codes"]
+                anchors = arrays[f"{prefix}_anchor_codes"] if c.use_delta else None
+                for name, x in ((f"{prefix}_codes", codes), (f"{prefix}_scales", scales),
+                                (f"{prefix}_anchor_codes", anchors), (f"{prefix}_anchor_scales", anchor_scales)):
+                    if x is not None and (x.ndim != 4 or tuple(x.shape[:2]) != (b, h)):
+                        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected ({b}, {h}, tokens, "
+                                         f"...): the batch x kv heads of kv_shape {self.kv_shape}")
+                source, n = f"{prefix}_codes", codes.shape[2]
             if (n // c.group if c.use_delta else n) != scales.shape[2]:
-                raise ValueError(f"{prefix}_segments cover {n} tokens, which {prefix}_scales "
+                raise ValueError(f"{source} cover {n} tokens, which {prefix}_scales "
                                  f"({scales.shape[2]} rows) does not")
-            codes = [self._decode_segment(c, part, b, h, d, end - start, prefix, i)
-                     for i, (start, end, part) in enumerate(segments)]
-            run.put(mx.concatenate([s for s, _ in codes], axis=2), scales,
-                    mx.concatenate([a for _, a in codes], axis=2) if c.use_delta else None,
-                    arrays.get(f"{prefix}_anchor_scales"), exact=True)
-            self.coded_segments(prefix).adopt(run, segments)
+            if coded:
+                parts = [self._decode_segment(c, part, b, h, d, end - start, prefix, i)
+                         for i, (start, end, part) in enumerate(segments)]
+                codes = mx.concatenate([s for s, _ in parts], axis=2)
+                anchors = mx.concatenate([a for _, a in parts], axis=2) if c.use_delta else None
+            run.put(codes, scales, anchors, anchor_scales, exact=True, packed=not coded)
+            if coded:
+                self.coded_segments(prefix).adopt(run, segments)
 
     def _decode_segment(self, c, part, b: int, h: int, d: int, n: int, prefix: str = "k", index: int = 0):
         """The (codes, anchor codes) of one coded segment of n tokens, unpacked uint32; a

@@ -112,14 +112,16 @@ class AnchoredTokens:
     def append(self, x: mx.array) -> None:
         self.put(*self.encode(x))
 
-    def put(self, codes, scales, anchor_codes=None, anchor_scales=None, exact=False) -> None:
+    def put(self, codes, scales, anchor_codes=None, anchor_scales=None, exact=False, packed=False) -> None:
         """Keep computed (unpacked) codes after the tokens already kept; ``exact``: replace
-        what is kept by them, exactly sized (a restored state)."""
+        what is kept by them, exactly sized (a restored state); ``packed``: the codes and
+        anchor codes come packed already (a resident state)."""
         keep = (lambda g, x: g.reset(x)) if exact else (lambda g, x: g.append(x))
-        keep(self.codes, pack_codes(codes, self.codec.bits))
+        pack = (lambda x, bits: x) if packed else pack_codes
+        keep(self.codes, pack(codes, self.codec.bits))
         keep(self.scales, scales)
         if self.codec.use_delta:
-            keep(self.anchor_codes, pack_codes(anchor_codes, ANCHOR_BITS))
+            keep(self.anchor_codes, pack(anchor_codes, ANCHOR_BITS))
             keep(self.anchor_scales, anchor_scales)
 
     def unpacked(self):

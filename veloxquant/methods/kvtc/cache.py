@@ -19,10 +19,12 @@ Per layer, keys and values each (``methods/kvtc/transform.py``, ``methods/kvtc/w
 - codes per kept component, then (saved form) rANS with one frequency table per
   component, made from its codes (``quant/entropy.py``; the paper uses DEFLATE).
 
-What stays resident (``nbytes``): sinks and window rows, the float16 mean and kept basis
-columns, widths and steps, per middle token the codes packed at their widths (the bit
-budget, rounded up to 32-bit words). What is
-saved (``state``, ``stored_nbytes``): the same with the codes entropy-coded. A prompt chunk
+What stays resident (``nbytes``, and ``state``: what mlx-lm evaluates after each prefill
+chunk, with no coding): sinks and window rows, the float16 mean and kept basis columns,
+widths and steps, per middle token the codes packed at their widths (the bit budget,
+rounded up to 32-bit words). What ``veloxquant_mlx.save_prompt_cache`` writes (the coded
+form, ``stored_nbytes``): the same with the codes entropy-coded (``quant/coded_cache.py``);
+a file of either form loads. A prompt chunk
 attends over the reconstructed history plus itself; a decode step over the sinks and
 the coded middle plus window (``TransformScores``: keys rebuilt and rotated, values mixed
 in the PCA domain), merged by log-sum-exp, on the pure-MLX path.
@@ -105,6 +107,9 @@ class KVTCCache(EntropyCodedCache):
         return {"stream": stream, "table": table}
 
     def restore_stored(self, meta, arrays):
+        """Either saved form: the resident packed codes as they are, or the coded segments
+        decoded and packed; the store, its rotary and codecs and the checks are the same."""
+        coded = self.saved_form(meta) == "coded"
         rotary = None if meta.get("rotary", "none") == "none" else Rotary.from_json(meta["rotary"])
         self.store = s = self.make_store(rotary)
         s.keys.rotary = rotary  # as saved, whatever this process's context says
@@ -116,9 +121,10 @@ class KVTCCache(EntropyCodedCache):
                 continue
             run.codec = c = TransformCodec(*(arrays[f"{prefix}_{f}"] for f in ("mean", "basis", "bits", "step")))
             run.heads = (self.kv_shape[1], self.kv_shape[dim])
-            k = c.bits.size
-            if n and k:
-                b = self.kv_shape[0]
+            k, b = c.bits.size, self.kv_shape[0]
+            if coded:
+                if not (n and k):
+                    continue
                 segments = split_segments(prefix, arrays, ("stream", "table"))
                 if (segments[-1][1] if segments else 0) != n:
                     raise ValueError(f"{prefix}_segments cover {segments[-1][1] if segments else 0} "
@@ -128,6 +134,15 @@ class KVTCCache(EntropyCodedCache):
                     lanes = entropy.unpack(part["stream"], part["table"], b * (end - start),
                                            1 << to_numpy(c.bits).astype(np.int64), k)
                     parts.append(lanes.reshape(k, b, end - start).transpose(1, 2, 0))
-                codes = np.concatenate(parts, axis=1)
-                run.codes.reset(c.fields.pack(mx.array(codes.astype(np.uint32))))
+                codes = c.fields.pack(mx.array(np.concatenate(parts, axis=1).astype(np.uint32)))
+            else:
+                if not n:
+                    continue
+                codes = arrays[f"{prefix}_codes"]
+                if tuple(codes.shape) != (b, n, c.fields.n_words):
+                    raise ValueError(f"{prefix}_codes has shape {tuple(codes.shape)}, expected ({b}, {n}, "
+                                     f"{c.fields.n_words}): batch, the {n} coded tokens, the words of "
+                                     f"{prefix}_bits' {int(c.bits.astype(mx.int32).sum())} bits")
+            run.codes.reset(codes)
+            if coded:
                 self.coded_segments(prefix).adopt(run, segments)
