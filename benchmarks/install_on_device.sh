@@ -5,7 +5,9 @@
 # carry .device/c1 and .device/c2 and copy them to /tmp/p; the call that sources this
 # carries .device/c3. Each process keeps at most 2 GB of freed buffers and 12 GB in all,
 # so several share one GPU (14 processes without limits ran out of GPU memory and then hit
-# illegal accesses). Usage: source benchmarks/install_on_device.sh
+# illegal accesses). veloxquant_mlx is imported first in every process, so that MLX's CPU
+# back-end (the CPU stream's linear algebra in fits) uses the system OpenBLAS.
+# Usage: source benchmarks/install_on_device.sh
 if [ ! -d /tmp/site/mlx ]; then
   wheel=/tmp/$(cat /tmp/p/cuda-wheel-name)
   cat /tmp/p/whole.part.00 /tmp/p/whole.part.01 .device/c3/whole.part.02 > "$wheel" &&
@@ -16,6 +18,13 @@ export PYTHONPATH=/tmp/site:$PWD/shim PYTHONUNBUFFERED=1
 rm -rf shim && mkdir -p shim && cp -r veloxquant shim/veloxquant_mlx &&
   cp -r generated shim/veloxquant_mlx/_generated
 cat > shim/sitecustomize.py <<'PY'
+try:
+    # veloxquant_mlx first: it loads the system OpenBLAS before MLX binds its CPU back-end to
+    # the reference BLAS (veloxquant/_blas.py); importing mlx here first left every CPU-stream
+    # eigh/svd/qr of the device's runs on the reference BLAS (a SlowBLASWarning said so)
+    import veloxquant_mlx  # noqa: F401
+except ImportError:
+    pass
 try:
     import mlx.core as mx
     mx.set_cache_limit(2 << 30)
