@@ -213,3 +213,20 @@ def test_jobs_runs_each_method_in_a_part_and_resumes(capsys, tmp_path):
                  "--force", "--out", str(tmp_path)]) == 0
     assert "reusing" not in capsys.readouterr().err
     assert json.loads((tmp_path / "leaderboard.json").read_text())["examples_per_task"] == 2
+
+
+def test_a_flat_main_field_hands_the_ratio_to_the_methods_next_swept_field(capsys, tmp_path):
+    # spectral's effective dimension leaves its bytes unchanged; kv_bits, swept after it,
+    # sets them: the ratio is searched through kv_bits, not given up for the defaults
+    assert lb.byte_fields("spectral") == ["spectral_key_d_eff", "kv_bits"]
+    assert lb.byte_fields("snapkv") == ["snap_budget"] and lb.byte_fields("full") == []
+    assert main(["bench", "--leaderboard", "--methods", "spectral", "--ratios", "0.25,0.75",
+                 "--context", "1024", "--examples", "1", "--tasks", "niah_single",
+                 "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "leaderboard.json").read_text())
+    rows = data["rows"][1:]
+    assert [r["field"] for r in rows] == ["kv_bits", "kv_bits"]
+    assert rows[0]["value"] > rows[1]["value"]  # more bytes kept at the lower ratio
+    assert set(data["outputs"]) == {"full|None", *(f"spectral|kv_bits={r['value']}" for r in rows)}
+    assert "| spectral | 0.25 |" in (tmp_path / "leaderboard.md").read_text()
+    capsys.readouterr()

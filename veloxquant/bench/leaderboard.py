@@ -41,6 +41,15 @@ def main_field(method: str) -> str | None:
     return next((f for f in info.fields if f.endswith("_budget")), None)
 
 
+def byte_fields(method: str) -> list[str]:
+    """The fields a ratio is searched through, in turn: the main field, then the method's
+    other swept fields (spectral's effective dimension leaves its bytes unchanged; its
+    ``kv_bits``, swept after it, sets them)."""
+    first = main_field(method)
+    rest = [name for name, _ in METHODS[method].sweeps if name != first]
+    return [] if first is None else [first, *rest]
+
+
 def config_for(key: str, setting: dict):
     """The config of ``key`` (a method, or METHOD+kiviBITS) with ``setting`` applied."""
     from ..cache.config import KVCacheConfig
@@ -241,10 +250,12 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
     rows: list[Row] = []
     scored: dict = {}
 
-    def scored_run(key, value, config):
-        if (key, value) not in scored:
-            scored[(key, value)] = score_examples(model, tokenizer, config, examples, tick)
-        return scored[(key, value)]
+    def scored_run(key, setting, config):
+        """``setting``: the value of the method's main field, or "FIELD=VALUE" of another
+        (spectral's d_eff and kv_bits may share a value), None at the defaults."""
+        if (key, setting) not in scored:
+            scored[(key, setting)] = score_examples(model, tokenizer, config, examples, tick)
+        return scored[(key, setting)]
 
     def add(row: Row, result: dict | None):
         if result is not None:
@@ -262,14 +273,15 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
             status="ok" if score_full else "not scored"),
         scored_run("full", None, full_config) if score_full else None)
     for key in (m for m in methods if m != "full"):
-        name = main_field(key.partition("+")[0])
-        measured: dict = {}
+        fields = byte_fields(key.partition("+")[0])
+        sweeps = dict(METHODS[key.partition("+")[0]].sweeps)
+        measured: dict = {name: {} for name in fields}  # per field: value -> bytes
 
         @functools.cache  # the method's bytes at its defaults: one prefill, whatever the ratios
         def default_bytes(key=key):
             return prefill_bytes(model, tokenizer, config_for(key, {}), probe)
 
-        def measure(value, key=key, name=name):
+        def measure(value, name, key=key):
             try:
                 return prefill_bytes(model, tokenizer, config_for(key, {name: value}), probe)
             except Exception:  # noqa: BLE001 - a value the method refuses is not a candidate
@@ -279,23 +291,28 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
             label = f"{key} at ratio {target}"
             if progress:
                 progress.start(label)
+            name = fields[0] if fields else None
             try:
-                if name is None:
-                    value, nbytes = None, default_bytes()
+                ran = False  # some value of some field runs
+                for candidate in fields:
+                    found = search(functools.partial(measure, name=candidate), candidate,
+                                   (1 - target) * full_bytes, full_bytes, context,
+                                   measured[candidate], sweeps.get(candidate, ()))
+                    ran = ran or found is not None
+                    if found is not None and not bytes_do_not_move(measured[candidate], full_bytes):
+                        (value, nbytes), name = found, candidate
+                        break
                 else:
-                    found = search(measure, name, (1 - target) * full_bytes, full_bytes,
-                                   context, measured,
-                                   dict(METHODS[key.partition("+")[0]].sweeps).get(name, ()))
-                    if found is None:
-                        raise ValueError(f"no value of {name} runs")
-                    value, nbytes = found
-                    if bytes_do_not_move(measured, full_bytes):
-                        # the nearest of equal bytes would be the field's lowest value,
-                        # an arbitrary pick that may cripple the method: its defaults
-                        value, nbytes = None, default_bytes()
+                    if fields and not ran:
+                        raise ValueError(f"no value of {fields[0]} runs")
+                    # every field's settings hold about the same bytes: the nearest of equal
+                    # bytes would be a field's lowest value, an arbitrary pick that may
+                    # cripple the method: its defaults
+                    value, nbytes = None, default_bytes()
                 config = config_for(key, {} if value is None else {name: value})
                 row = Row(key, target, 1 - nbytes / full_bytes, name, value, nbytes / len(probe))
-                add(row, scored_run(key, value, config))
+                setting = value if value is None or name == fields[0] else f"{name}={value}"
+                add(row, scored_run(key, setting, config))
             except Exception as exc:  # noqa: BLE001 - recorded in the table, the run goes on
                 add(Row(key, target, math.nan, name, None, math.nan, status="failed",
                         error=f"{type(exc).__name__}: {exc}"), None)
@@ -369,8 +386,9 @@ def markdown(rows: list[Row], tasks, title: str, command: str | None = None) -> 
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "ratio: the compression ratio reached, 1 - (KV bytes after prefilling a "
               "prompt of the leaderboard's length, in whole 256-token steps) / (the full cache's); target ratio: the one "
-              "aimed at; setting: the value of the method's main field that came nearest (its "
-              "defaults where that field leaves the bytes unchanged); "
+              "aimed at; setting: the value that came nearest of the method's main field, or of "
+              "its next swept field where the main one leaves the bytes unchanged (its defaults "
+              "where none moves them); "
               "task columns and average: RULER scores in percent (all references found, "
               "or for qa any)."]
     return "\n".join(lines) + "\n"
