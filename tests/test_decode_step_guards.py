@@ -34,7 +34,7 @@ def test_a_decode_step_reads_no_array_value_on_the_host(method):
 OVER_GRAPH_BOUND = {
     "vecinfer": 2.72,
     "gear": 1.54,
-    "kvtc": 1.81, "amc": 5.02, "a2ats": 1.72,
+    "kvtc": 1.81, "amc": 5.02,
     "spectral": 3.24,
     "minicache": 1.77,  # its merge was evaluated by its own host read, mid-step, until that went
     # composed (issue 36): the step also writes the full-precision ring and masks its

@@ -110,7 +110,8 @@ class A2ATSCache(CompressedKVCache):
         return RetrievalStore(
             bits=o.a2ats_codebook_bits, sub_dim=s, window=o.a2ats_window, n_sink=N_SINK,
             fraction=o.a2ats_retrieval_fraction, frame=self._frame, query_offset=o.a2ats_b,
-            codebook=codebook, metric=metric, learn_metric=learn, beta=o.a2ats_beta, seed=self.layer)
+            codebook=codebook, metric=metric, learn_metric=learn, beta=o.a2ats_beta, seed=self.layer,
+            rotary=self.rotary)
 
     def _frame(self, x, positions):
         return derotate(x, positions, self.rotary)

@@ -17,6 +17,12 @@ taken in (``frame``: e.g. keys rotated back to pre-RoPE). A decode step:
    the window. With ``k`` covering every candidate this is exact attention over every
    token (``mx.fast.scaled_dot_product_attention`` over the stored rows).
 
+Steps 1-3 are one compiled pass (``_step_graph``) over the buffers' allocated room: its
+shapes change only when the buffers grow (the counts and k come in as arrays), the room past
+the coded tokens scores -inf, and a fixed number of rows (what k and the window can keep at
+most in that room) is gathered, those past the kept ones masked. ``selected`` is the same
+choice made directly (the indices themselves: tests and inspection).
+
 A prompt chunk attends exactly over every stored row plus itself. The codebook is given
 or fitted by k-means on the stored keys' sub-vectors when the first step retrieves
 (before, codes are not needed); tokens are coded then and at each later step (exact rows
@@ -29,12 +35,15 @@ codebook is then fitted in the L frame (k-means on ``kL``, ``C = C_L L^-1``).
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
 
 from ...cache.base import causal_mask
 from ...cache.buffers import GrowingArray
+from ...cache.rope import Rotary
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.vq import kmeans, lookup_scores, nearest
 
@@ -81,7 +90,8 @@ class RetrievalStore:
     def __init__(self, *, bits: int, sub_dim: int, window: int, n_sink: int, fraction: float,
                  frame: Callable, query_offset: int = 0, codebook: mx.array | None = None,
                  metric: mx.array | None = None, learn_metric: bool = False, beta: float = 1.0,
-                 seed: int = 0):
+                 seed: int = 0, rotary: Rotary | None = None):
+        self.rotary = rotary  # when given, ``frame`` is ``derotate`` with it (queries framed in the step's pass)
         self.bits, self.sub_dim, self.window, self.n_sink = bits, sub_dim, window, n_sink
         self.fraction, self.frame, self.query_offset, self.seed = fraction, frame, query_offset, seed
         # exact rows and their unpacked indices grow with what they hold (geometric): a short
@@ -187,22 +197,30 @@ class RetrievalStore:
         return union + first, repeat
 
     def decode_attention(self, queries, *, scale, position: int) -> mx.array:
-        chosen = self.selected(queries, position)
-        t = self.length
+        """Attention of a decode query (B, Hq, 1, D) at ``position``: a retrieving step is one
+        compiled pass (``_step_graph``) over the buffers' room; the schedule (how many
+        to pick, whether to code) reads only the Python counts."""
+        t, first = self.length, self.n_sink
+        n_cand = t - self.window - first
+        k = min(int(self.fraction * t), n_cand)
         k_all, v_all = self.rows(t)
-        if chosen is None:
+        if n_cand <= 0 or k >= n_cand:
             return mx.fast.scaled_dot_product_attention(queries, k_all, v_all, scale=scale)
-        idx, repeat = chosen
-        pick = lambda x: mx.take_along_axis(x, idx[..., None], axis=2)  # noqa: E731
-        first, stop = self.n_sink, self.codes.length if idx.shape[-1] else t - self.window
-        keys = mx.concatenate([k_all[:, :, :first], pick(k_all), k_all[:, :, stop:]], axis=2)
-        values = mx.concatenate([v_all[:, :, :first], pick(v_all), v_all[:, :, stop:]], axis=2)
-        b, h, m = repeat.shape
-        keep = mx.concatenate([mx.ones((b, h, first), mx.bool_), ~repeat,
-                               mx.ones((b, h, t - stop), mx.bool_)], axis=-1)
-        gqa = queries.shape[1] // h
-        mask = mx.repeat(keep[:, :, None, None, :], gqa, axis=2).reshape(b, h * gqa, 1, keep.shape[-1])
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        if k == 0:  # the sinks and the window
+            keys = mx.concatenate([k_all[:, :, :first], k_all[:, :, t - self.window:]], axis=2)
+            values = mx.concatenate([v_all[:, :, :first], v_all[:, :, t - self.window:]], axis=2)
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+        stop = self.coded_until()
+        k = min(k, stop - first)
+        inside = self.rotary is not None  # the query framed in the pass, else by ``frame`` here
+        framed = queries if inside else self.frame(queries, mx.array([position - self.query_offset]))
+        frame = _frame_tables(self.rotary, queries.shape[-1]) if inside else ()
+        keys, values, codes = self.keys.buffer, self.values.buffer, self.codes.buffer
+        how = _Step(first, self.fraction, self.window, float(scale), inside)
+        n = codes.shape[2] - first  # candidates' room
+        return _step_fn(how)(queries, framed, keys, values, codes, self.centroids, mx.array(t),
+                             mx.array(stop), mx.array([n - k]), mx.array(float(position - self.query_offset)),
+                             _positions(keys.shape[2]), *frame)
 
     # -- what is kept -------------------------------------------------------------------------
     def arrays(self) -> dict[str, Any]:
@@ -231,3 +249,85 @@ class RetrievalStore:
             yield "coded keys", self.codes.length, f"at most the {self.keys.length} stored"
         if self.codes.length and self.centroids is None:
             yield "codebook", None, f"a codebook for the {self.codes.length} coded keys"
+
+
+# -- the retrieving decode step, one compiled pass ----------------------------------------------
+@dataclass(frozen=True)
+class _Step:
+    """What a retrieving step's pass depends on besides its inputs' shapes."""
+
+    first: int  # sinks
+    fraction: float
+    window: int
+    scale: float
+    rotary: bool  # the query framed in the pass (by the ``_frame_tables``), else it comes framed
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(room: int):
+    """Each stored row's position (room,), int32, built once per room (it changes only when
+    the buffers grow) and evaluated with the step that first reads it."""
+    return mx.arange(room, dtype=mx.int32)
+
+
+@functools.lru_cache(maxsize=8)
+def _frame_tables(rotary: Rotary, dims: int):
+    """``derotate`` at one position p as ``x cos(p w) + (x P) sin(p w)``: w (D,), each
+    channel's angle per position, and P (D, D), the signed permutation taking each rotary
+    pair (x1, x2) to (x2, -x1); built once per rotary setting, evaluated with the first step."""
+    w = rotary.inverse_frequencies(dims)
+    half = dims // 2
+    pair = mx.arange(dims) // 2 if rotary.traditional else mx.arange(dims) % half
+    partner = mx.arange(dims) ^ 1 if rotary.traditional else (mx.arange(dims) + half) % dims
+    second = (mx.arange(dims) % 2 == 1) if rotary.traditional else (mx.arange(dims) >= half)
+    # y_i = x_i cos + sign_i x_partner(i) sin: +x2 for a first member, -x1 for a second
+    sign = mx.where(second, -1.0, 1.0)
+    perm = (mx.arange(dims)[:, None] == partner[None, :]).astype(mx.float32) * sign[None, :]
+    return w[pair], perm
+
+
+def _step_graph(how: _Step, queries, framed, keys, values, codes, centroids, t, stop, kth_at, pos,
+                rows, *frame):
+    """Sparse attention of a decode query over the buffers' room (``RetrievalStore.selected``
+    and the attention over its choice, with static shapes): ``t`` tokens stored, ``stop``
+    coded, the k-th largest score at ``kth_at`` of the sorted candidates, the query framed
+    at ``pos``. Scores of the candidates (coded tokens past the sinks; the room past them
+    scores -inf), per query head the top ``k`` with ties at the k-th score to the latest,
+    their union over the KV head's query heads, then the sinks, the chosen and the window
+    (coded..stored) gathered in token order: one sort of the room with kept rows first. The
+    number gathered is fixed by the room, rows past those kept masked out. The KV head's
+    query heads attend as its rows of queries."""
+    b, hq, _, d = queries.shape
+    h, room = keys.shape[1], keys.shape[2]
+    gqa, first = hq // h, how.first
+    q = framed.astype(mx.float32)
+    if how.rotary:
+        w, perm = frame
+        q = q * mx.cos(pos * w) + (q @ perm) * mx.sin(pos * w)
+    scores = lookup_scores(q.reshape(b, h, gqa, d), codes[:, :, first:], centroids)
+    n = scores.shape[-1]
+    cand = rows[first : first + n] if first + n <= room else mx.arange(first, first + n, dtype=mx.int32)
+    approx = mx.where(cand < stop, scores, -mx.inf)
+    kth = mx.take(mx.sort(approx, axis=-1), kth_at, axis=-1)  # the k-th largest
+    above, tied = approx > kth, approx == kth
+    need = (n - kth_at) - above.sum(axis=-1, keepdims=True)  # k - above
+    chosen = (above | (tied & (mx.cumsum(tied, axis=-1, reverse=True) <= need))).any(axis=2)
+    if first + n > room:
+        chosen = chosen[..., : room - first]
+    chosen = mx.pad(chosen, [(0, 0), (0, 0), (first, room - first - chosen.shape[-1])])
+    keep = chosen | (rows < first) | ((rows >= stop) & (rows < t))
+    # at most k a query head (k <= fraction * room), and the window under 2 windows
+    most = min(room, first + min(gqa * int(how.fraction * room), n) + how.window + max(1, how.window) - 1)
+    order = mx.sort(mx.where(keep, rows, rows + room), axis=-1)[..., :most]
+    valid = order < room
+    idx = mx.where(valid, order, order - room)[..., None]
+    k_sel = mx.take_along_axis(keys, idx, axis=2)
+    v_sel = mx.take_along_axis(values, idx, axis=2)
+    out = mx.fast.scaled_dot_product_attention(queries.reshape(b, h, gqa, d), k_sel, v_sel,
+                                               scale=how.scale, mask=valid[:, :, None, :])
+    return out.reshape(b, hq, 1, d)
+
+
+@functools.lru_cache(maxsize=None)
+def _step_fn(how: _Step):
+    return mx.compile(functools.partial(_step_graph, how))
