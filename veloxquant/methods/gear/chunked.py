@@ -10,14 +10,17 @@ per (batch, head). What is kept, in the factors' dtype:
 
 r is the widest chunk's rank: a narrower chunk's factors are zero-padded (kept and
 counted), and a wider one widens what is kept (a copy when it arrives, never at a step).
-Never the dense L. ``LowRankTerm`` reads the factors at a decode step: scores
-``q Lᵀ = (q B_c) A_tᵀ`` (``q B`` for every chunk, gathered per token) and mixes
-``p L = Σ_c (Σ_{t in c} p_t A_t) B_cᵀ`` (the per-chunk sums as differences of one cumulative
-sum at the chunk ends), O(T r) each: no scatter (slow in MLX on the CPU), no dense L.
+Never the dense L. ``LowRankTerm`` reads the factors at a decode step, over the buffers'
+room (rows past the valid ones are zeros): scores ``q Lᵀ = (q B_c) A_tᵀ`` (``q B`` for every
+chunk, gathered per token) and mixes ``p L = Σ_g (Σ_{t in g} p_t A_t) B_c(g)ᵀ`` over groups
+of tokens (chunks start at multiples of the quantization group: a prompt flushes whole
+groups, a decode chunk is n_b tokens), B gathered per group; O(T r) and O(T d r / group):
+no scatter (slow in MLX on the CPU), no dense L.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -25,6 +28,8 @@ import mlx.core as mx
 from ...cache.buffers import GrowingArray
 
 CHUNK_STEP = 2  # chunks of room added to ``b`` at a time (a copy of B, which is small)
+# factors -> (buffers, stamp, views): the views a decode step reads (``ChunkedFactors.term``)
+_VIEWS: "weakref.WeakKeyDictionary[ChunkedFactors, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _widen(g: GrowingArray, rank: int) -> None:
@@ -67,8 +72,26 @@ class ChunkedFactors:
         self.a.append(_pad(a, rank))
         self.b.append(_pad(b, rank)[:, :, None])
 
-    def term(self) -> "LowRankTerm":
-        return LowRankTerm(self.a.view(), self.b.view(), self.chunk.view(), self.ends.view())
+    def term(self, room: int, group: int, scores: bool) -> "LowRankTerm":
+        """What decode reads over ``room`` tokens (the backbone's buffers' room): the whole
+        buffers (their room zeros), the valid count, and the views of them that the read
+        takes (``token_scores`` for keys' ``scores``, ``group_mix`` for values, chunks
+        starting at multiples of ``group``). The views share the buffers' memory (they are
+        not more to keep, so they are held beside the factors, not in them: ``_VIEWS``) and
+        are made once per chunk kept, so a step reads them as evaluated arrays."""
+        buffers = (self.a.buffer, self.b.buffer, self.chunk.buffer)
+        stamp = (self.count, self.n_chunks, room, group, scores)
+        memo = _VIEWS.get(self)
+        if memo is None or memo[1] != stamp or any(x is not y for x, y in zip(memo[0], buffers)):
+            a, b, chunk = buffers
+            a, chunk = _fit(a, room, 2), _fit(chunk, room, 0)
+            if scores:
+                views = (a[:, :, None], b, chunk)
+            else:
+                views = (a.reshape(*a.shape[:2], 1, room // group, group, a.shape[-1]), b.swapaxes(-1, -2),
+                         chunk[::group])
+            memo = _VIEWS[self] = (buffers, stamp, views)
+        return LowRankTerm(*buffers, self.count, memo[2])
 
     def dense(self) -> mx.array:
         """L of every token (B, H, T, d), float32, chunk by chunk (transient: prefill and
@@ -106,24 +129,55 @@ class ChunkedFactors:
 
 @dataclass(frozen=True)
 class LowRankTerm:
-    """The additive low-rank term of a decode step, over the valid rows and chunks: ``a``
-    (B, H, T, r), ``b`` (B, H, C, d, r), ``chunk`` (T,), ``ends`` (C,)."""
+    """The additive low-rank term of a decode step, read over the buffers' whole room (rows
+    past the valid ones are zeros): ``a`` (B, H, T, r), ``b`` (B, H, C, d, r), ``chunk``
+    (T,), ``count`` valid tokens. ``scores``/``mix`` over the valid tokens; the decode step
+    traces ``token_scores``/``group_mix`` into its one compiled pass (``reader.py``)."""
 
     a: mx.array
     b: mx.array
     chunk: mx.array
-    ends: mx.array
+    count: int
+    views: tuple  # what ``token_scores`` or ``group_mix`` reads (``ChunkedFactors.term``)
 
     def scores(self, q: mx.array) -> mx.array:
-        """(B, H, R, T) float32 ``q Lᵀ`` for float32 queries (B, H, R, d)."""
-        qb = (q[:, :, None] @ self.b.astype(mx.float32)).swapaxes(2, 3)  # (B, H, R, C, r)
-        per_token = mx.take(qb, self.chunk, axis=3)  # (B, H, R, T, r): one gather
-        return (per_token * self.a.astype(mx.float32)[:, :, None]).sum(axis=-1)
+        """(B, H, R, count) float32 ``q Lᵀ`` for float32 queries (B, H, R, d)."""
+        return token_scores(q, *self.views)[..., : self.count]
 
     def mix(self, p: mx.array) -> mx.array:
-        """(B, H, R, d) float32 ``p L`` for float32 probabilities (B, H, R, T)."""
-        w = mx.cumsum(p[..., None] * self.a.astype(mx.float32)[:, :, None], axis=3)  # (B, H, R, T, r)
-        through = mx.take(w, self.ends - 1, axis=3)  # Σ up to each chunk's end: (B, H, R, C, r)
-        before = mx.pad(through[:, :, :, :-1], [(0, 0), (0, 0), (0, 0), (1, 0), (0, 0)])
-        per_chunk = (through - before).swapaxes(2, 3)  # (B, H, C, R, r)
-        return (per_chunk @ self.b.astype(mx.float32).swapaxes(-1, -2)).sum(axis=2)
+        """(B, H, R, d) float32 ``p L`` for float32 probabilities (B, H, R, count)."""
+        a = self.views[0]
+        room = a.shape[3] * a.shape[4] - p.shape[-1]
+        p = p if not room else mx.pad(p, [(0, 0)] * 3 + [(0, room)])
+        return group_mix(p, *self.views, mx.zeros((*p.shape[:3], self.views[1].shape[-1]), mx.float32))
+
+
+def _fit(x: mx.array, n: int, axis: int) -> mx.array:
+    """``x`` cut or zero-padded to ``n`` rows along ``axis`` (a no-op where it has them)."""
+    have = x.shape[axis]
+    if have > n:
+        return x[(slice(None),) * axis + (slice(0, n),)]
+    if have < n:
+        return mx.pad(x, [(0, 0)] * axis + [(0, n - have)] + [(0, 0)] * (x.ndim - axis - 1))
+    return x
+
+
+def token_scores(q: mx.array, a: mx.array, b: mx.array, chunk: mx.array) -> mx.array:
+    """(B, H, R, n) float32 ``q Lᵀ`` over ``n`` rows of room, for ``a`` (B, H, 1, n, r):
+    ``q B_c`` for every chunk, gathered per token (one gather), times the token's row of A."""
+    qb = (q[:, :, None] @ b.astype(mx.float32)).swapaxes(2, 3)  # (B, H, R, C, r)
+    per_token = mx.take(qb, chunk, axis=3)  # (B, H, R, n, r)
+    return (per_token * a.astype(mx.float32)).sum(axis=-1)
+
+
+def group_mix(p: mx.array, a: mx.array, b_t: mx.array, chunk_of_group: mx.array, out: mx.array) -> mx.array:
+    """``out`` (B, H, R, d) plus ``p L`` (float32) for weights ``p`` (B, H, R, n) over ``n``
+    rows of room, zero past the valid ones, chunks starting at multiples of a group of
+    tokens: ``a`` (B, H, 1, groups, group, r), ``b_t`` (B, H, C, r, d), ``chunk_of_group``
+    (groups,). Per group ``Σ_t p_t A_t``, then one product with B gathered per group (its
+    chunk's) and added to ``out``: O(n r + n d r / group)."""
+    bs, h, r, n = p.shape
+    _, _, _, groups, group, rank = a.shape
+    per_group = (p.reshape(bs, h, r, groups, group, 1) * a.astype(mx.float32)).sum(axis=4, keepdims=True)
+    b_g = mx.take(b_t, chunk_of_group, axis=2).astype(mx.float32)  # (B, H, groups, r, d)
+    return mx.addmm(out, per_group.reshape(bs, h, r, groups * rank), b_g.reshape(bs, h, groups * rank, -1))

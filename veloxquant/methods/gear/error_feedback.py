@@ -25,7 +25,7 @@ For a chunk X (B, H, n, D) of keys or values, per (batch, head), in float32:
 ``x_hat = D_hat + A Bᵀ + scatter(delta)``. ``ErrorFeedbackTokens`` keeps the backbone as
 ``PackedTokens`` (what the fused kernel reads), the factors as ``ChunkedFactors``
 (``methods/gear/chunked.py``) and the outliers as a ``SparseTable`` (``sparse.py``); decode
-reads them as ``ResidualScores`` (``residual.py``). With rank 0 and no outliers it is the
+reads them as one compiled pass (``reader.py``: a ``ResidualScores``). With rank 0 and no outliers it is the
 backbone alone, bit for bit, and its layout is the plain ``AffineLayout``.
 """
 
@@ -39,8 +39,8 @@ import mlx.core as mx
 from ...lowrank.factors import energy_rank, gram_basis, power_iteration, rank_cap
 from ...quant.outliers import per_tail, tail_indices
 from ...quant.packed import GroupAffine, PackedTokens
-from ...quant.residual import ResidualScores
 from .chunked import ChunkedFactors
+from .reader import ErrorFeedbackScores, backbone_room
 from .sparse import SparseTable, channel_index_dtype
 
 RANK_CAP_FRACTION = 0.05  # the card's cap on the energy rule (the paper's ranks: a few %)
@@ -155,10 +155,10 @@ class ErrorFeedbackTokens:
         if outliers is not None:
             self.sparse.append(*outliers)
 
-    def _terms(self) -> tuple:
+    def _terms(self, room: int) -> tuple:
         terms = []
         if self.factors is not None and self.factors.count:
-            terms.append(self.factors.term())
+            terms.append(self.factors.term(room, self.codec.base.group, scores=self.codec.per_channel))
         if self.sparse is not None and self.sparse.entries:
             terms.append(self.sparse.term(self.head_dim(), self.count))
         return tuple(terms)
@@ -179,7 +179,7 @@ class ErrorFeedbackTokens:
         base = self.base.layout(empty)
         if self.factors is None and self.sparse is None:
             return base
-        return ResidualScores(base, self._terms())
+        return ErrorFeedbackScores(base, self._terms(backbone_room(base)) if self.count else ())
 
     def expected_shapes(self, head_dim: int):
         return self.base.expected_shapes(head_dim)

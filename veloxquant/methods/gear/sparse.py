@@ -53,8 +53,9 @@ class SparseTable:
         self.index.append(index)
 
     def term(self, head_dim: int, count: int) -> "SparseTerm":
-        """What decode reads for a run of ``count`` tokens of ``head_dim`` channels."""
-        return SparseTerm(self.orientation, self.delta.view(), self.index.view(), head_dim, count)
+        """What decode reads for a run of ``count`` tokens of ``head_dim`` channels: the
+        whole buffers (their room zeros: no entry, or one adding zero at token 0)."""
+        return SparseTerm(self.orientation, self.delta.buffer, self.index.buffer, head_dim, count)
 
     def arrays(self, prefix: str) -> dict[str, GrowingArray]:
         return {f"{prefix}_sp_delta": self.delta, f"{prefix}_sp_index": self.index}
@@ -75,17 +76,29 @@ class SparseTable:
             yield "sparse table index", int(index.max()), f"below {bound}"
 
 
-@functools.lru_cache(maxsize=8)
-def _heads(n: int) -> mx.array:
-    """(n, 1) int32 0..n-1: the first index of a scatter over (batch row x head, position)
-    (a constant, computed with the first step that reads it)."""
-    return mx.arange(n, dtype=mx.int32)[:, None]
+@functools.lru_cache(maxsize=16)
+def row_offsets(b: int, h: int, r: int, n: int) -> mx.array:
+    """(R, B, H, 1, 1) int32: where each (batch row, head, query row) of a (B, H, R, n)
+    array starts, flattened, the query rows leading (a constant, computed with the first
+    step that reads it)."""
+    rows = mx.arange(b * h * r, dtype=mx.int32).reshape(b, h, r) * n
+    return rows.transpose(2, 0, 1)[..., None, None]
+
+
+def along_rows(out: mx.array, x: mx.array, delta: mx.array, index: mx.array, offsets: mx.array) -> mx.array:
+    """``out`` (B, H, R, n) float32 plus ``x[r, row] * delta[row, j]`` at ``index[row, j]``,
+    for ``x`` (B, H, R, rows) read along the table's own rows (a broadcast, no gather):
+    one scatter-add into ``out`` flattened, ``offsets`` its ``row_offsets``. The entries
+    run (R, B, H, rows, k): the table broadcasts against the query rows as it is."""
+    where = offsets + index.astype(mx.int32)  # (R, B, H, rows, k)
+    contrib = x.transpose(2, 0, 1, 3)[..., None] * delta.astype(mx.float32)
+    return out.reshape(-1).at[where].add(contrib).reshape(out.shape)
 
 
 @dataclass(frozen=True)
 class SparseTerm:
-    """The table as decode reads it: ``delta``/``index`` valid entries of a run of ``count``
-    tokens of ``head_dim`` channels."""
+    """The table as decode reads it: ``delta``/``index`` the whole buffers of a run of
+    ``count`` tokens of ``head_dim`` channels (rows or entries past the valid ones zeros)."""
 
     orientation: str
     delta: mx.array
@@ -94,13 +107,17 @@ class SparseTerm:
     count: int
 
     def _flat(self):
-        """Each entry's token and channel (B, H, N) int32, and its value (B, H, N, 1)."""
-        b, h, rows, k = self.delta.shape
+        """Each entry's token and channel (B, H, N) int32, and its value (B, H, N, 1) (rows
+        of tokens past ``count``, a buffer's room, left out)."""
+        delta, index = self.delta, self.index
+        if self.orientation == "token" and delta.shape[2] > self.count:
+            delta, index = delta[:, :, : self.count], index[:, :, : self.count]
+        b, h, rows, k = delta.shape
         own = mx.broadcast_to(mx.arange(rows, dtype=mx.int32)[:, None], (b, h, rows, k))
-        other = self.index.astype(mx.int32)
+        other = index.astype(mx.int32)
         token, channel = (own, other) if self.orientation == "token" else (other, own)
         flat = lambda x: x.reshape(b, h, rows * k)  # noqa: E731
-        return flat(token), flat(channel), flat(self.delta.astype(mx.float32))[..., None]
+        return flat(token), flat(channel), flat(delta.astype(mx.float32))[..., None]
 
     @staticmethod
     def _rows(x: mx.array, where: mx.array) -> mx.array:
@@ -116,28 +133,27 @@ class SparseTerm:
         out = mx.zeros((b * h * n, r), mx.float32).at[flat].add(rows.reshape(-1, r))
         return out.reshape(b, h, n, r).swapaxes(-1, -2)
 
-    def _along_rows(self, x: mx.array, where: mx.array, n: int) -> mx.array:
-        """(B, H, R, n): ``x[r, row] * delta[row, j]`` summed at ``where[row, j]``, for ``x``
-        (B, H, R, rows) read along the table's own rows (no gather: a broadcast), one
-        scatter of whole query rows indexed by (batch row and head, position)."""
-        b, h, rows, k = self.delta.shape
-        r = x.shape[2]
-        contrib = self.delta.astype(mx.float32)[..., None] * x.swapaxes(-1, -2)[:, :, :, None, :]
-        out = mx.zeros((b * h, n, r), mx.float32).at[_heads(b * h), where.reshape(b * h, rows * k)].add(
-            contrib.reshape(b * h, rows * k, r))
-        return out.reshape(b, h, n, r).swapaxes(-1, -2)
+    def inputs(self) -> tuple:
+        return self.delta, self.index
+
+    def _along_rows(self, x: mx.array, n: int) -> mx.array:
+        b, h, r = x.shape[:3]
+        rows = self.delta.shape[2]
+        x = x if x.shape[-1] == rows else mx.pad(x, [(0, 0)] * 3 + [(0, rows - x.shape[-1])])
+        out = along_rows(mx.zeros((b, h, r, n), mx.float32), x, self.delta, self.index, row_offsets(b, h, r, n))
+        return out
 
     def scores(self, q: mx.array) -> mx.array:
         """(B, H, R, count) float32: ``s[r, token] += q[r, channel] * delta``."""
         if self.orientation == "channel":  # a channel's entries: q broadcasts along them
-            return self._along_rows(q, self.index, self.count)
+            return self._along_rows(q, self.count)
         token, channel, delta = self._flat()
         return self._scatter(token, self._rows(q, channel) * delta, self.count)
 
     def mix(self, p: mx.array) -> mx.array:
         """(B, H, R, head_dim) float32: ``o[r, channel] += p[r, token] * delta``."""
         if self.orientation == "token":  # a token's entries: p broadcasts along them
-            return self._along_rows(p, self.index, self.head_dim)
+            return self._along_rows(p, self.head_dim)
         token, channel, delta = self._flat()
         return self._scatter(channel, self._rows(p, token) * delta, self.head_dim)
 
