@@ -12,8 +12,9 @@ window exactly sized; a decode step writes its row in place (``RecentRows``), an
 ``CODE_EVERY`` rows past the window wait, they leave together and are coded in one batch
 (the window then holds ``window`` to ``window + CODE_EVERY - 1`` rows): a step between
 codes nothing. A prompt chunk attends over the reconstructed history plus
-itself (``PackedStore``); a decode step over two parts merged by log-sum-exp: the sinks,
-and the coded middle followed by the window's rows.
+itself (``PackedStore``); a decode step over the sinks, the coded middle and the window's
+rows under one softmax, as one compiled pass (``decode_step.py``; the parts' path,
+``decode_parts``, where the store is not yet in that steady state).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray, RecentRows
-from ...kernels.decode import DecodePart
-from ...quant.store import VALUE_ROOM, WINDOW_STEP, PackedStore
+from ...kernels.decode import DecodePart, decode_attention
+from ...quant.store import VALUE_ROOM, WINDOW_STEP, PackedStore, _empty
+from . import decode_step
 
 CODE_EVERY = VALUE_ROOM  # decode rows coded at once: the window's buffer has that much room
 
@@ -95,6 +97,16 @@ class SinkWindowStore(PackedStore):
         parts.append(DecodePart(self.keys.layout(empty) if coded else None, self.k_win.view(),
                                 self.values.layout(empty) if coded else None, self.v_win.view()))
         return parts
+
+    def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
+        """A decode step: store the token, then attend in one compiled pass
+        (``decode_step.py``) where the parts are the steady state's, else part by part."""
+        self.commit(keys, values)
+        out = decode_step.decode_attention(self, queries, scale, most_held=self.window + CODE_EVERY - 1)
+        if out is not None:
+            return out
+        return decode_attention(queries, self.decode_parts(_empty(queries.dtype)), scale=scale,
+                                use_kernel=use_kernel, n_kv_heads=keys.shape[1])
 
     # -- a restored state must agree with the policy ------------------------------------------
     def layout_problems(self, head_dims: tuple[int, int]):
