@@ -36,8 +36,11 @@ channel only); scores that need keys read them dequantized.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
+from ..kernels import kivi_decode as kd
 from ..quant.groups import check_divides
 from ..quant.packed import AffineLayout
 from ..quant.token_rows import TokenRows, compiled_quantizer, dequantize_rows, packs, quantize_rows
@@ -93,20 +96,57 @@ class QuantizedSlots:
     def view(self, name: str) -> mx.array | None:
         if not self.quantized or name not in ("keys", "values"):
             return self.slots.view(name)
-        p = name[0]
-        codes = self.slots.view(f"{p}_codes")
-        if codes is None:
+        g = self.slots.arrays
+        codes, scales, biases = (g[f"{name[0]}_{part}"] for part in ("codes", "scales", "biases"))
+        if codes.view() is None:
             return None
-        return dequantize_rows(codes, self.slots.view(f"{p}_scales"), self.slots.view(f"{p}_biases"),
-                               self.group, self.bits)
+        # one compiled pass over the buffers' room (retraced only when they grow), then the rows held
+        rows = _dequantize_pass(self.group, self.bits)(codes.buffer, scales.buffer, biases.buffer)
+        return rows if codes.length == codes.capacity else rows[:, :, : codes.length]
 
     def write(self, new: dict[str, mx.array]) -> None:
         if self.quantized:
             keys, values = new.pop("keys"), new.pop("values")
+            if self._appends_one(keys):
+                return self._append_one(keys, values, new)
             if self.window:
                 self._ring_write(keys, values)
             new = {**self._encode(keys, values), **new}
         self.slots.write(new)
+
+    def _appends_one(self, keys: mx.array) -> bool:
+        """A decode step's token appended into room the buffers already have (no free
+        slot to fill, no growth): the steady state, one compiled pass (``_append_one``)."""
+        if keys.shape[2] != 1 or self.slots.free is not None or self.slots.rows == 0:
+            return False
+        grown = list(self.slots.arrays.values())
+        room = grown[0].capacity
+        return grown[0].length < room and all(g.capacity == room and g.length == grown[0].length for g in grown)
+
+    def _append_one(self, keys: mx.array, values: mx.array, new: dict[str, mx.array]) -> None:
+        """``write`` of one token, the steady state: the token's keys and values quantized
+        (one pass over both: rows are independent, so the codes are ``_encode``'s), its
+        rows written at the end of every slot array and, with a window, into the ring."""
+        d_k, d_v = keys.shape[-1], values.shape[-1]
+        if d_k != d_v or keys.dtype != values.dtype:  # one pass needs one row shape
+            new = {**self._encode(keys, values), **new}
+            if self.window:
+                self._ring_write(keys, values)
+            return self.slots.write(new)
+        self._encode_checks(d_k, d_v)
+        arrays = self.slots.arrays
+        row = mx.array([arrays["k_codes"].length], mx.int32)
+        rings = (self.k_ring, self.v_ring, mx.array([self.ring_next], mx.int32)) if self.window else ()
+        step = _append_pass(self.bits, self.group, len(self.extra), bool(self.window))
+        out = step(keys, values, row, *[arrays[n].buffer for n in PACKED],
+                   *[arrays[n].buffer for n in self.extra], *[new[n] for n in self.extra], *rings)
+        for name, buffer in zip((*PACKED, *self.extra), out):
+            arrays[name].buffer = buffer
+            arrays[name].length += 1
+        if self.window:
+            self.k_ring, self.v_ring = out[-2:]
+            self.ring_next = (self.ring_next + 1) % self.window
+            self.ring_fill = min(self.window, self.ring_fill + 1)
 
     def _ring_write(self, keys, values) -> None:
         """The newest rows into the ring, in place (order is free: attention needs none)."""
@@ -186,12 +226,14 @@ class QuantizedSlots:
                            f"kv_bits={self.bits}, kivi_group_size={self.group}")
 
     # -- quantization -----------------------------------------------------------------------
-    def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
-        d_k, d_v = keys.shape[-1], values.shape[-1]
+    def _encode_checks(self, d_k: int, d_v: int) -> None:
         check_divides(GROUP_FIELD, self.group, d_k, d_v)
         if not (packs(d_k, self.bits) and packs(d_v, self.bits)):
             raise ValueError(f"kv_bits={self.bits}: codes of head_dim {d_k} (values {d_v}) do not "
                              "fill whole 32-bit words; allowed: a head_dim that does")
+
+    def _encode(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
+        self._encode_checks(keys.shape[-1], values.shape[-1])
         if keys.shape[2] == 1:  # a decode step: one compiled graph, the same codes
             encode = compiled_quantizer(self.group, self.bits)
         else:
@@ -239,24 +281,89 @@ class QuantizedSlots:
     def attend_one(self, queries: mx.array, scale: float, offset: int = 0) -> mx.array:
         """One query token over every slot, read packed: (B, Hq, 1, D). One softmax over
         one run of rows: no partial states to merge (``kernels/decode.py``'s several-part
-        path), which keeps the step's graph small."""
+        path), which keeps the step's graph small. One compiled pass over the buffers'
+        whole room (rows past the slot count masked, the counts passed as arrays): it
+        retraces only when the buffers grow."""
+        g = self.slots.arrays
+        n = self.ring_fill
+        attend = _attend_pass(self.bits, self.group, float(scale), kd._pure_path(),
+                              n > 0, n == self.window)
+        rings = (self.k_ring, self.v_ring, mx.array(n, mx.int32)) if n else ()
+        return attend(queries, *[g[name].buffer for name in PACKED], g["positions"].buffer,
+                      mx.array(self.rows, mx.int32), mx.array(offset - n, mx.int32), *rings)
+
+
+def _dequantize_pass(group: int, bits: int):
+    return _dequantize_compiled(group, bits, mx.default_device() == mx.cpu and 32 % bits == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _dequantize_compiled(group: int, bits: int, unpacked_here: bool):
+    """``dequantize_rows`` at (group, bits) as one compiled graph. On the CPU, where
+    ``mx.dequantize`` expands into a graph of one shift per code in a word, the words are
+    unpacked here in one shift (the same values, bit for bit: ``code * scale + minimum``
+    in the scales' dtype, as ``mx.dequantize`` computes them)."""
+
+    def dequantize(codes, scales, biases):
+        if not unpacked_here:
+            return dequantize_rows(codes, scales, biases, group, bits)
+        shifts = mx.arange(32 // bits, dtype=mx.uint32) * bits
+        q = ((codes[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*scales.shape, group)
+        return (q.astype(scales.dtype) * scales[..., None] + biases[..., None]).reshape(*codes.shape[:-1], -1)
+
+    return mx.compile(dequantize)
+
+
+@functools.lru_cache(maxsize=None)
+def _append_pass(bits: int, group: int, n_extra: int, ring: bool):
+    """``QuantizedSlots._append_one``'s pass: (keys, values, row, the six packed buffers,
+    the extra buffers, the extra rows[, k_ring, v_ring, ring row]) -> the new buffers."""
+
+    def step(keys, values, row, *rest):
+        packed, extra, extra_rows = rest[:6], rest[6 : 6 + n_extra], rest[6 + n_extra : 6 + 2 * n_extra]
+        codes, scales, minima = quantize_rows(mx.concatenate([keys, values], axis=2), group, bits)
+        rows = (codes[:, :, :1], scales[:, :, :1], minima[:, :, :1],
+                codes[:, :, 1:], scales[:, :, 1:], minima[:, :, 1:], *extra_rows)
+        out = [mx.slice_update(b, r, row, axes=(2,)) for b, r in zip((*packed, *extra), rows)]
+        if ring:
+            k_ring, v_ring, ring_row = rest[6 + 2 * n_extra :]
+            out += [mx.slice_update(k_ring, keys, ring_row, axes=(2,)),
+                    mx.slice_update(v_ring, values, ring_row, axes=(2,))]
+        return out
+
+    return mx.compile(step)
+
+
+@functools.lru_cache(maxsize=None)
+def _attend_pass(bits: int, group: int, scale: float, path: str, ring: bool, ring_full: bool):
+    """``QuantizedSlots.attend_one``'s pass: (queries, the six packed buffers, positions,
+    rows, ring start[, k_ring, v_ring, ring fill]) -> the attention output. Rows past
+    ``rows`` and the ring's tokens' packed copies (positions >= ring start) are masked."""
+
+    def attend(queries, kc, ks, kb, vc, vs, vb, positions, rows, ring_start, *rings):
         b, hq, _, d = queries.shape
-        keys, values = TokenRows(self._layout("k")), TokenRows(self._layout("v"))
+        room = kc.shape[2]
+        keys = TokenRows(AffineLayout(kc, ks, kb, room, bits, group, "token"))
+        values = TokenRows(AffineLayout(vc, vs, vb, room, bits, group, "token"))
         h = keys.n_heads
         q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
         s = keys.scores(q)
-        n = self.ring_fill
-        if not n:
+        hidden = mx.arange(room) >= rows
+        if ring:
+            hidden = hidden | (positions >= ring_start)
+        s = mx.where(hidden[..., None, :], -float("inf"), s)
+        if not ring:
             p = mx.softmax(s, axis=-1, precise=True)
             return values.mix(p).reshape(b, hq, 1, -1).astype(queries.dtype)
-        in_ring = self.slots.view("positions") >= offset - n
-        s = mx.where(in_ring[:, :, None], -float("inf"), s)
-        ring_k = self.k_ring[:, :, :n].astype(mx.float32)
-        s = mx.concatenate([s, q @ ring_k.swapaxes(-1, -2)], axis=-1)
-        p = mx.softmax(s, axis=-1, precise=True)
-        rows = self.rows
-        o = values.mix(p[..., :rows]) + p[..., rows:] @ self.v_ring[:, :, :n].astype(mx.float32)
+        k_ring, v_ring, fill = rings
+        r = q @ k_ring.astype(mx.float32).swapaxes(-1, -2)
+        if not ring_full:
+            r = mx.where(mx.arange(k_ring.shape[2]) >= fill, -float("inf"), r)
+        p = mx.softmax(mx.concatenate([s, r], axis=-1), axis=-1, precise=True)
+        o = values.mix(p[..., :room]) + p[..., room:] @ v_ring.astype(mx.float32)
         return o.reshape(b, hq, 1, -1).astype(queries.dtype)
+
+    return mx.compile(attend)
 
 
 def slot_store(config, names: tuple[str, ...]):
