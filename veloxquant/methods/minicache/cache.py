@@ -34,7 +34,7 @@ table grows by their number, once a chunk). A decode step reads nothing: the tab
 rows reserved ahead, ``RESERVE_TOKENS`` decode tokens at a time, at the rate the prompt
 retained plus a margin (``min(1, 2 f + 1/16)`` of the pairs, f the prompt's fraction; all
 of them before any prompt was merged), and a step writes its retained pairs into the rows
-after the ``used`` ones on the device (``slerp.write_retained``); pairs past the reserved
+after the ``used`` ones on the device (``decode_step.merge_decode``, as ``slerp.write_retained``); pairs past the reserved
 rows are merged after all and counted (``ret_*_dropped``): an adaptation, where the paper
 keeps every retained pair.
 """
@@ -49,8 +49,8 @@ import mlx.core as mx
 from ...cache.base import CompressedKVCache, causal_mask
 from ...cache.buffers import GrowingArray
 from ...cache.cross_layer import CrossLayer, CrossLayerError, consecutive_groups
-from .slerp import MergedRows, norms, retained_entries, slerp_merge, write_retained
-from ...kernels.decode import DecodePart, decode_attention
+from . import decode_step
+from .slerp import MergedRows, norms, retained_entries, slerp_merge
 
 _TENSORS = ("k", "v")
 RESERVE_TOKENS = 64  # decode tokens whose retained pairs a reservation of table rows covers
@@ -127,8 +127,7 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
             tail_k, tail_v = (self.pending_k, self.pending_v) if role == "first" else self._new
             merged = self.merged("k"), self.merged("v")
         if queries.shape[2] == 1 and merged[0] is not None:
-            out = decode_attention(queries, [DecodePart(merged[0], tail_k, merged[1], tail_v)],
-                                   scale=scale, use_kernel=False)
+            out = self._decode_attention(queries, tail_k, tail_v, scale)
         else:
             k, v = tail_k, tail_v
             if merged[0] is not None:
@@ -162,6 +161,21 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
         where, delta = getattr(self, f"ret_{x}_where"), getattr(self, f"ret_{x}_delta")
         return MergedRows(self.shared[f"e_{x}"].buffer, m, count, where.view(), delta.view())
 
+    def _decode_attention(self, queries, tail_k, tail_v, scale):
+        """What ``decode_attention`` computes over ``merged`` and the tail, as one compiled
+        pass over the buffers' room (``decode_step.py``)."""
+        n = self.n_merged
+        parts = []
+        for x in _TENSORS:
+            e = (self.group_shared if self.role == "first" else self.shared)[f"e_{x}"].buffer
+            part = [e, getattr(self, f"m_{x}").buffer]
+            if self.role == "second":
+                where = getattr(self, f"ret_{x}_where")
+                part += [where.buffer, getattr(self, f"ret_{x}_delta").buffer, where.length] if where.length else []
+            parts.append(part)
+        (ek, mk, *tk), (ev, mv, *tv) = parts
+        return decode_step.decode_attention(queries, ek, mk, ev, mv, n, tail_k, tail_v, tk, tv, scale=scale)
+
     def take_pending(self, start: int, n: int):
         """The first layer's rows of tokens [start, start + n), which leave it (merged)."""
         held = 0 if self.pending_k is None else self.pending_k.shape[2]
@@ -170,8 +184,8 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
                 f"layer {self.layer} holds unmerged rows of tokens [{self.offset - held}, "
                 f"{self.offset}), its pair's next layer merges [{start}, {start + n}): layers "
                 "must be updated in order, each once per forward pass")
-        rows = self.pending_k[:, :, :n], self.pending_v[:, :, :n]
         rest = held > n
+        rows = (self.pending_k[:, :, :n], self.pending_v[:, :, :n]) if rest else (self.pending_k, self.pending_v)
         self.pending_k = mx.contiguous(self.pending_k[:, :, n:]) if rest else None
         self.pending_v = mx.contiguous(self.pending_v[:, :, n:]) if rest else None
         return rows
@@ -180,6 +194,9 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
         o = self.config.options
         start, n = self.n_merged, keys.shape[2]
         first = self.member(self.layer_group[0])
+        if n == 1:
+            self._merge_decode(first.take_pending(start, n), (keys, values), start)
+            return
         merged = []
         for x, own, theirs in zip(_TENSORS, (keys, values), first.take_pending(start, n)):
             e, m, retained, delta = slerp_merge(theirs, own, o.minicache_slerp_t,
@@ -187,10 +204,7 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
             self.shared[f"e_{x}"].append(e)
             getattr(self, f"m_{x}").append(m)
             merged.append((x, retained, delta))
-        if n > 1:
-            self._merge_prompt(merged, start)
-        else:
-            self._merge_decode(merged, start)
+        self._merge_prompt(merged, start)
 
     def _merge_prompt(self, merged, start: int) -> None:
         found = total = 0
@@ -206,21 +220,32 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
         self.retained_rate = min(1.0, 2 * found / total + 1 / 16)
         self._decode_merges = 0  # a new reservation at the next decode token
 
-    def _merge_decode(self, merged, start: int) -> None:
-        for x, retained, delta in merged:
+    def _merge_decode(self, theirs, own, start: int) -> None:
+        """A decode token's pair merged and its retained pairs written into the reserved
+        rows, keys and values in one compiled pass (``decode_step.merge_decode``)."""
+        o = self.config.options
+        per_tensor = []
+        for x, x1, x2 in zip(_TENSORS, theirs, own):
             where, table = getattr(self, f"ret_{x}_where"), getattr(self, f"ret_{x}_delta")
             used = getattr(self, f"ret_{x}_used")
             if used is None or self._decode_merges % RESERVE_TOKENS == 0:  # a Python schedule
-                rows = math.ceil(self.retained_rate * retained.size * RESERVE_TOKENS)
+                b, h = x2.shape[:2]
+                rows = math.ceil(self.retained_rate * b * h * RESERVE_TOKENS)
                 if used is None:
                     used = mx.array(where.length, mx.int32)
                 where.append(mx.zeros((rows, 2), mx.int32))
-                table.append(mx.zeros((rows, delta.shape[-1]), delta.dtype))
-            where.buffer, table.buffer, used, dropped = write_retained(
-                where.buffer, table.buffer, used, where.length, retained, delta, start)
+                table.append(mx.zeros((rows, x2.shape[-1]), x2.dtype))
+            per_tensor.append((x1, x2, where.buffer, table.buffer, used, where.length,
+                               getattr(self, f"ret_{x}_dropped")))
+        results = decode_step.merge_decode(o.minicache_slerp_t, o.minicache_retention_threshold, start,
+                                           per_tensor)
+        for x, (e, m, where, table, used, dropped) in zip(_TENSORS, results):
+            self.shared[f"e_{x}"].append(e)
+            getattr(self, f"m_{x}").append(m)
+            getattr(self, f"ret_{x}_where").buffer = where
+            getattr(self, f"ret_{x}_delta").buffer = table
             setattr(self, f"ret_{x}_used", used)
-            before = getattr(self, f"ret_{x}_dropped")
-            setattr(self, f"ret_{x}_dropped", dropped if before is None else before + dropped)
+            setattr(self, f"ret_{x}_dropped", dropped)
         self._decode_merges += 1
 
     # -- what is kept ----------------------------------------------------------------------------------

@@ -52,21 +52,26 @@ def _compiled_merge(t: float, threshold: float):
 
 
 def _slerp_merge(x1: mx.array, x2: mx.array, t: float, threshold: float):
-    u1, _ = _unit(x1.astype(mx.float32))
-    u2, m2 = _unit(x2.astype(mx.float32))
-    cos = mx.clip((u1 * u2).sum(axis=-1), -1.0, 1.0)
+    # per-row quantities kept as (..., 1) columns (keepdims): no squeeze and re-expand nodes
+    def unit(x):
+        m = mx.sqrt((x * x).sum(axis=-1, keepdims=True))
+        return x / mx.maximum(m, 1e-30), m
+
+    u1, _ = unit(x1.astype(mx.float32))
+    u2, m2 = unit(x2.astype(mx.float32))
+    cos = mx.clip((u1 * u2).sum(axis=-1, keepdims=True), -1.0, 1.0)
     omega = mx.arccos(cos)
     sin = mx.sin(omega)
     small = omega < SMALL_ANGLE
-    safe = mx.where(small, 1.0, sin)[..., None]
-    w1 = mx.where(small[..., None], 1.0 - t, mx.sin((1.0 - t) * omega)[..., None] / safe)
-    w2 = mx.where(small[..., None], t, mx.sin(t * omega)[..., None] / safe)
-    e, _ = _unit(w1 * u1 + w2 * u2)
+    safe = mx.where(small, 1.0, sin)
+    w1 = mx.where(small, 1.0 - t, mx.sin((1.0 - t) * omega) / safe)
+    w2 = mx.where(small, t, mx.sin(t * omega) / safe)
+    e, _ = unit(w1 * u1 + w2 * u2)
     retained = (cos < threshold) | ((sin < SMALL_ANGLE) & (cos < 0))
-    e = mx.where(retained[..., None], u1, e).astype(x2.dtype)
+    e = mx.where(retained, u1, e).astype(x2.dtype)
     m2 = m2.astype(x2.dtype)
-    delta = x2.astype(mx.float32) - m2.astype(mx.float32)[..., None] * e.astype(mx.float32)
-    return e, m2, retained, delta.astype(x2.dtype)
+    delta = x2.astype(mx.float32) - m2.astype(mx.float32) * e.astype(mx.float32)
+    return e, m2[..., 0], retained[..., 0], delta.astype(x2.dtype)
 
 
 def retained_entries(retained: mx.array, delta: mx.array, start: int):

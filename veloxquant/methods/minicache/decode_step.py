@@ -1,0 +1,154 @@
+"""A minicache decode step as compiled passes over the buffers' room.
+
+What ``kernels/decode.py``'s joint path computes over ``MergedRows`` and the exact tail,
+and what ``slerp.slerp_merge`` plus ``slerp.write_retained`` compute for a decode token's
+pair, with shapes that change only when the buffers grow: the merged directions and
+magnitudes are read over the rows both buffers hold room for (rows past the merged count
+score -inf: their weights are zero), the retained table over its whole buffer (rows past
+its length weigh zero and point at row 0, token 0), and every count (merged tokens, the
+table's rows, its used rows, the token's position) comes in as a small array. The passes
+are lru_cached per static setting (scale, t, threshold), so they are traced again only
+when a buffer grows; the row indices are built once per size, lazily, and evaluated with
+the first step that reads them. Nothing here reads an array's value on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from .slerp import _slerp_merge
+
+
+@functools.lru_cache(maxsize=16)
+def rows(n: int) -> mx.array:
+    """``arange(n)`` int32, built once per size (evaluated with the step that reads it)."""
+    return mx.arange(n, dtype=mx.int32)
+
+
+@functools.lru_cache(maxsize=8)
+def _heads(n: int) -> tuple[mx.array, mx.array]:
+    """The (row, 0) pairs of ``n`` rows, int32 (n, 2), and the token column's selector [0, 1]:
+    a decode token's retained entries are ``base + start * column``."""
+    return mx.stack([mx.arange(n, dtype=mx.int32), mx.zeros((n,), mx.int32)], axis=1), mx.array([0, 1], mx.int32)
+
+
+def count(n: int) -> mx.array:
+    return mx.array(n, dtype=mx.int32)
+
+
+# -- attention ------------------------------------------------------------------------------
+def _table(where, delta, n_rows, table_rows):
+    """The retained table's rows past ``n_rows`` as zeros (row 0, token 0, no difference)."""
+    valid = (table_rows < n_rows)[:, None]
+    return where * valid.astype(where.dtype), delta.astype(mx.float32) * valid.astype(mx.float32)
+
+
+def _attend(scale: float, tables: tuple[bool, bool], queries, ek, mk, ev, mv, n, token_rows, tail_k,
+            tail_v, *table_args):
+    b, hq, _, d = queries.shape
+    h = ek.shape[1]
+    r = min(ek.shape[2], mk.shape[2], ev.shape[2], mv.shape[2])
+    ek, mk, ev, mv = (x if x.shape[2] == r else x[:, :, :r] for x in (ek, mk, ev, mv))
+    q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
+    g = q.shape[2]
+    ekf, evf = ek.astype(mx.float32), ev.astype(mx.float32)
+    mkf, mvf = mk.astype(mx.float32)[:, :, None], mv.astype(mx.float32)[:, :, None]
+    s = (q @ ekf.swapaxes(-1, -2)) * mkf
+    if tables[0]:
+        where, delta = _table(*table_args[:4])
+        table_args = table_args[4:]
+        head = where[:, 0]
+        index = head * r + where[:, 1]
+        q_rows = q.reshape(b * h, g, d)[head]  # (n, R, d)
+        extra = (q_rows @ delta[:, :, None])[..., 0]  # (n, R)
+        flat = s.transpose(0, 1, 3, 2).reshape(b * h * r, g)
+        flat = flat.at[index].add(extra)
+        s = flat.reshape(b, h, r, g).transpose(0, 1, 3, 2)
+    s = mx.where(token_rows[:r] < n, s, -mx.inf)
+    tail = q @ tail_k.astype(mx.float32).swapaxes(-1, -2)
+    p = mx.softmax(mx.concatenate([s, tail], axis=-1), axis=-1)
+    pm = p[..., :r]
+    o = (pm * mvf) @ evf
+    if tables[1]:
+        where, delta = _table(*table_args[:4])
+        head = where[:, 0]
+        index = head * r + where[:, 1]
+        weights = pm.transpose(0, 1, 3, 2).reshape(b * h * r, g)[index]  # (n, R)
+        extra = weights[..., None] * delta[:, None]  # (n, R, d)
+        o = o.reshape(b * h, g, d).at[head].add(extra).reshape(b, h, g, d)
+    o = o + p[..., r:] @ tail_v.astype(mx.float32)
+    return o.reshape(queries.shape).astype(queries.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _attend_fn(scale: float, tables: tuple[bool, bool]):
+    return mx.compile(functools.partial(_attend, scale, tables))
+
+
+def decode_attention(queries, ek, mk, ev, mv, n: int, tail_k, tail_v, k_table, v_table, *, scale: float):
+    """One query token over the merged history and the exact tail: the merged directions
+    ``e*`` (B, H, room, d) and magnitudes ``m*`` (B, H, room') as whole buffers, the first
+    ``n`` tokens valid; ``*_table``: [] or the second layer's retained (where, delta) whole
+    buffers and the rows they hold."""
+    room = max(x.shape[2] for x in (ek, mk, ev, mv))
+    args = [queries, ek, mk, ev, mv, count(n), rows(room), tail_k, tail_v]
+    for table in (k_table, v_table):
+        if table:
+            where, delta, n_rows = table
+            args += [where, delta, count(n_rows), rows(where.shape[0])]
+    return _attend_fn(float(scale), (bool(k_table), bool(v_table)))(*args)
+
+
+# -- the pair's merge -----------------------------------------------------------------------
+def _write(where, table, used, reserved, before, retained, delta, start, base, column):
+    """``slerp.write_retained``, with the counts as integer identities of the running
+    count: ``keep.sum() == min(total, reserved - used)`` (``used <= reserved``)."""
+    b, h, _ = retained.shape
+    flag = retained.reshape(-1)
+    running = mx.cumsum(flag.astype(mx.int32))
+    pos = used + running - 1
+    fits = flag & (pos < reserved)
+    target = mx.where(fits, pos, 0)
+    keep = fits.astype(mx.int32)[:, None]
+    where = where.at[target].add((base + start * column) * keep)  # (b*H + h, start) where kept
+    table = table.at[target].add(delta.reshape(b * h, -1) * keep.astype(delta.dtype))
+    total = used + running[-1]
+    new_used = mx.minimum(total, reserved)
+    dropped = total - new_used
+    return where, table, new_used, dropped if before is None else before + dropped
+
+
+def _merge(t: float, threshold: float, counted: bool, start, base, column, *args):
+    out = []
+    for x1, x2, where, table, used, reserved, *before in (args[:7], args[7:]):
+        e, m, retained, delta = _slerp_merge(x1, x2, t, threshold)
+        out += [e, m, *_write(where, table, used, reserved, before[0] if counted else None,
+                              retained, delta, start, base, column)]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_fn(t: float, threshold: float, counted: bool):
+    return mx.compile(functools.partial(_merge, t, threshold, counted))
+
+
+def merge_decode(t: float, threshold: float, start: int, per_tensor):
+    """A decode token's pair merged and its retained pairs written, keys and values at once:
+    ``per_tensor`` holds, for keys then values, (first layer's row, second layer's row,
+    where buffer, table buffer, used (array), reserved rows (int), dropped before (array or
+    None)). Returns, per tensor, (e, m, where, table, used, dropped)."""
+    counted = per_tensor[0][6] is not None
+    b, h = per_tensor[0][0].shape[:2]
+    args = []
+    for x1, x2, where, table, used, reserved, before in per_tensor:
+        args += [x1, x2, where, table, used, count(reserved)]
+        if counted:
+            args.append(before)
+    if not counted:  # pad to the fixed layout of seven a tensor
+        args = args[:6] + [None] + args[6:] + [None]
+    # None is no array: pass a placeholder the pass ignores
+    args = [count(0) if a is None else a for a in args]
+    out = _merge_fn(float(t), float(threshold), counted)(count(start), *_heads(b * h), *args)
+    return out[:6], out[6:]
