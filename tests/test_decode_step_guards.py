@@ -30,7 +30,7 @@ def test_a_decode_step_reads_no_array_value_on_the_host(method):
 
 
 # The step's graph as a ratio to the full cache's (tiny llama, whole model: see
-# benchmarks/notes/decode_graph.md), remeasured on 2026-12-02 after the graph cuts of that day.
+# benchmarks/notes/decode_graph.md), remeasured on 2026-12-03 after the compiled-pass cuts of that day.
 OVER_GRAPH_BOUND = {
     "vecinfer": 2.72,
     "amc": 5.02,
