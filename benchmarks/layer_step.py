@@ -27,7 +27,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from veloxquant_mlx.cache.attention_hook import hooked_sdpa  # noqa: E402
 from veloxquant_mlx.cache.options import KIVIOptions, SnapKVOptions  # noqa: E402
 from veloxquant_mlx.kernels.decode import decode_attention  # noqa: E402
-from veloxquant_mlx.quant.store import _empty  # noqa: E402
+from veloxquant_mlx.quant.store import absent_buffer  # noqa: E402
 
 LAYERS, HQ, HKV, D = 32, 32, 8, 128
 CONFIGS = {
@@ -59,7 +59,7 @@ def layer(cache, q, k, v, mode):
         k, v = cache.update_and_fetch(k, v)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
     if mode == "attend-only":
-        parts = cache.store.decode_parts(_empty(q.dtype))
+        parts = cache.store.decode_parts(absent_buffer(q.dtype))
         return decode_attention(q, parts, scale=scale, use_kernel=cache.use_kernel, n_kv_heads=HKV)
     if mode == "commit-only":
         cache.store.commit(k, v)

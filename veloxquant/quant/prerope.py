@@ -41,7 +41,8 @@ def to_pre_rope(keys: mx.array, start: int, rotary: Rotary) -> mx.array:
 
 
 @functools.lru_cache(maxsize=1)
-def _angles(rotary: Rotary, dims: int, start: int, n: int):
+def rotary_angles(rotary: Rotary, dims: int, start: int, n: int):
+    """cos and sin of the rotary angles of ``n`` positions from ``start``: (D/2, n) each."""
     angle = rotary.inverse_frequencies(dims)[:, None] * mx.arange(start, start + n).astype(mx.float32)
     return mx.cos(angle), mx.sin(angle)  # (D/2, n)
 
@@ -56,7 +57,7 @@ _rotate = mx.compile(_rotate_pairs, shapeless=True)
 def from_pre_rope_channels(keys_t: mx.array, start: int, rotary: Rotary) -> mx.array:
     """Post-RoPE keys in the per-channel layout (..., D, n) from pre-RoPE ones."""
     *lead, d, n = keys_t.shape
-    cos, sin = _angles(rotary, d, start, n)
+    cos, sin = rotary_angles(rotary, d, start, n)
     if rotary.traditional:  # pairs (2i, 2i + 1)
         pairs = keys_t.reshape(*lead, d // 2, 2, n)
         y1, y2 = _rotate(pairs[..., 0, :], pairs[..., 1, :], cos, sin)

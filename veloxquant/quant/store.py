@@ -53,7 +53,7 @@ def _rows(x) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _empty(dtype) -> mx.array:
+def absent_buffer(dtype) -> mx.array:
     """The stand-in of an absent packed buffer, made once (never written: a graph node less
     a layer and step)."""
     return mx.zeros((0,), dtype)
@@ -96,7 +96,7 @@ class PackedStore:
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
         """A decode step: store the token, attend over every part of the packed cache."""
         self.commit(keys, values)
-        parts = self.decode_parts(_empty(queries.dtype))
+        parts = self.decode_parts(absent_buffer(queries.dtype))
         return decode_attention(queries, parts, scale=scale, use_kernel=use_kernel,
                                 n_kv_heads=keys.shape[1])
 
@@ -198,7 +198,7 @@ class QuantizedKVStore(PackedStore):
             return super().decode_attention(queries, keys, values, scale=scale, use_kernel=use_kernel)
         self.k_win.append(keys)
         self.v_win.append(values)
-        out = decode_attention(queries, self.decode_parts(_empty(queries.dtype)), scale=scale,
+        out = decode_attention(queries, self.decode_parts(absent_buffer(queries.dtype)), scale=scale,
                                use_kernel=use_kernel, n_kv_heads=keys.shape[1])
         self._flush_windows()
         return out

@@ -41,7 +41,7 @@ from ...cache.buffers import GrowingArray
 from ...quant import codebook as cb
 from ...quant.outliers import per_tail, split_channel_groups, split_vectors
 from ...quant.packed import GROWTH_TOKENS
-from ...quant.prerope import _angles, to_pre_rope
+from ...quant.prerope import rotary_angles, to_pre_rope
 
 
 @dataclass(frozen=True)
@@ -380,7 +380,7 @@ def _rotation(rotary, dims: int, start: int, n: int, traditional: bool):
     """cos and (-sin, sin) of positions start.. in the shapes ``_dense_graph`` reads: built
     once per run length (shared by every layer) and evaluated with the step that first
     reads them."""
-    cos, sin = _angles(rotary, dims, start, n)  # (D/2, n)
+    cos, sin = rotary_angles(rotary, dims, start, n)  # (D/2, n)
     if traditional:
         return cos[:, None], mx.stack([-sin, sin], axis=1)  # (D/2, 1, n), (D/2, 2, n)
     return cos, mx.stack([-sin, sin])  # (D/2, n), (2, D/2, n)
