@@ -25,6 +25,7 @@ divide head_dim, and the head_dim must admit the rotation where the method rotat
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,8 @@ from ..kernels.decode import DecodePart
 from .cache import QuantizedCache
 from .packed import GROWTH_TOKENS
 from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, joined_history
-from .vq import CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, rotation_problem
+from .vq import (CodebookKeys, CodebookValues, ProductVQ, _fields, index_words, kmeans, nearest,
+                 rotation_problem)
 
 SMOOTH_FLOOR = 1e-4  # smallest per-channel smoothing factor
 
@@ -92,6 +94,60 @@ def codec_arrays(key: ProductVQ | None, value: ProductVQ | None) -> dict[str, mx
             "value_centroids": None if value is None else value.centroids}
 
 
+# -- the steady state's coding of the token leaving the window, as one compiled pass ---------
+# (``_encode_fn``: what ``ProductVQ.encode`` computes); the index fields' shifts and one-hot
+# word tables (``vq._fields``) are constants built once outside the pass (module-level
+# caches), evaluated with the first step that reads them.
+
+
+def _packed(codes, shift, spill, back, at_word, at_next):
+    """``pack_indices`` of (..., n) uint32 codes from its field layout: each field put in its
+    words by a one-hot (n, W) table and summed (fields never overlap: a sum is an or)."""
+    low = codes << shift
+    high = mx.where(spill, codes >> back, 0).astype(mx.uint32)
+    return (low[..., None] * at_word + high[..., None] * at_next).sum(axis=-2).astype(mx.uint32)
+
+
+@functools.lru_cache(maxsize=None)
+def _pack_arrays(n: int, bits: int) -> tuple[mx.array, ...]:
+    """``vq._fields``' shifts, and one-hot (n, W) uint32 tables of each field's word and next word."""
+    word, shift, spill, nxt, back = _fields(n, bits)
+    slots = mx.arange(index_words(n, bits), dtype=mx.uint32)
+    return (shift, spill, back, (word[:, None] == slots).astype(mx.uint32),
+            (nxt[:, None] == slots).astype(mx.uint32))
+
+
+@functools.lru_cache(maxsize=None)
+def _encode_fn(bits: int, scaled: bool, rotated: bool):
+    def run(x, centroids, scale, *fields):
+        codec = ProductVQ(centroids, bits, scale if scaled else None, rotated)
+        y = codec.to_code_space(x)
+        idx = nearest(y.reshape(*y.shape[:-1], -1, codec.sub_dim), centroids)
+        return _packed(idx, *fields)
+
+    return mx.compile(run)
+
+
+def _how(codec: ProductVQ) -> tuple:
+    return codec.bits, codec.scale is not None, codec.rotated
+
+
+@functools.lru_cache(maxsize=1)
+def _no_scale() -> mx.array:
+    return mx.zeros((0,), mx.float32)
+
+
+def _scale_arg(codec: ProductVQ) -> mx.array:
+    return codec.scale if codec.scale is not None else _no_scale()
+
+
+def encode_one(codec: ProductVQ, x: mx.array) -> mx.array:
+    """``codec.encode(x)`` as one compiled pass."""
+    n = x.shape[-1] // codec.sub_dim
+    fn = _encode_fn(*_how(codec))
+    return fn(x, codec.centroids, _scale_arg(codec), *_pack_arrays(n, codec.bits))
+
+
 class CodebookStore(PackedStore):
     def __init__(self, window: int, fit: CodebookFit, codecs: tuple[ProductVQ, ProductVQ] | None = None):
         self.window, self.fitter = window, fit
@@ -131,6 +187,10 @@ class CodebookStore(PackedStore):
             self.k_win.append(keys)
             self.v_win.append(values)
             if self.k_win.held > self.window:
+                if self.key_codec is not None:  # the steady state: one token coded in one pass each
+                    self.k_codes.append(encode_one(self.key_codec, self.k_win.pop_front(1)))
+                    self.v_codes.append(encode_one(self.value_codec, self.v_win.pop_front(1)))
+                    return
                 held_k, held_v = self.k_win.view(), self.v_win.view()
                 self._encode(self.k_win.pop_front(1), self.v_win.pop_front(1), held_k, held_v)
             return

@@ -69,6 +69,7 @@ from ...quant.cache import QuantizedCache
 from ...quant.prerope import model_rotary, to_pre_rope
 from ...quant.saliency import n_salient, probe_attention_sums
 from ...quant.token_rows import TokenGroups
+from . import decode_step
 from .projection import pca_basis
 from .token_tiers import TieredRowsStore
 
@@ -221,8 +222,10 @@ class AMCCache(QuantizedCache):
                 self.store.commit_step(k, v, self._step_tiers(k, start))
             else:
                 self.store.commit(k, v, *self._all_high(k))
-            out = decode_attention(queries, self.store.decode_parts(None), scale=scale, use_kernel=False,
-                                   n_kv_heads=k.shape[1])
+            out = decode_step.decode_attention(self.store, queries, scale)
+            if out is None:
+                out = decode_attention(queries, self.store.decode_parts(None), scale=scale, use_kernel=False,
+                                       n_kv_heads=k.shape[1])
             return mx.depends(out, self._step_writes())
         old_k, old_v = self.store.history(k.dtype)
         all_k = k if old_k is None else mx.concatenate([old_k, k], axis=2)

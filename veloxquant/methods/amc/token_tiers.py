@@ -22,8 +22,9 @@ positions, when the rotary settings are given). A decode step's room comes from 
 counters: each tier grows by its share of the decode tokens, and a token whose tier is
 full for its head goes to the nearest tier with room. Every token is coded as it arrives
 (no window). A prompt chunk attends over the decoded history plus itself; a decode step
-over one part per non-empty tier, merged by log-sum-exp, on the pure-MLX path (per-token
-rows: ``TokenRows``, ``quantized_matmul`` over the packed codes on the CPU).
+writes its token and attends over every tier's whole buffer under one softmax, each as one
+compiled pass (``decode_step.py``; the parts below, ``decode_parts``, before every tier
+has buffers).
 """
 
 from __future__ import annotations
@@ -210,6 +211,12 @@ class TieredRowsStore(PackedStore):
         """One token (B, H, 1, D) in its tier (B, H, 1) uint8, or, for a head whose tier is
         full, the nearest tier with room (ties toward the finer one); the tiers it took."""
         caps = self._step_capacities()
+        from . import decode_step  # noqa: PLC0415 (it reads this module's MASKED)
+
+        taken = decode_step.commit_step(self, keys, values, tiers, caps)
+        if taken is not None:
+            self.flags.append(taken)
+            return taken
         room = mx.stack([(mx.zeros(tiers.shape[:2], mx.int32) if kt.counts is None else kt.counts) < cap - 1
                          for kt, cap in zip(self.k_tiers, caps)], axis=-1)  # (B, H, T)
         order = mx.arange(len(caps))
