@@ -215,11 +215,15 @@ def test_jobs_runs_each_method_in_a_part_and_resumes(capsys, tmp_path):
     assert json.loads((tmp_path / "leaderboard.json").read_text())["examples_per_task"] == 2
 
 
+def test_the_fields_a_ratio_is_searched_through_are_the_main_field_then_the_other_sweeps():
+    assert lb.byte_fields("spectral") == ["spectral_key_d_eff", "kv_bits"]
+    assert lb.byte_fields("snapkv") == ["snap_budget"] and lb.byte_fields("full") == []
+
+
+@pytest.mark.slow  # 15 s: two settings of spectral searched and scored at 1,024 tokens
 def test_a_flat_main_field_hands_the_ratio_to_the_methods_next_swept_field(capsys, tmp_path):
     # spectral's effective dimension leaves its bytes unchanged; kv_bits, swept after it,
     # sets them: the ratio is searched through kv_bits, not given up for the defaults
-    assert lb.byte_fields("spectral") == ["spectral_key_d_eff", "kv_bits"]
-    assert lb.byte_fields("snapkv") == ["snap_budget"] and lb.byte_fields("full") == []
     assert main(["bench", "--leaderboard", "--methods", "spectral", "--ratios", "0.25,0.75",
                  "--context", "1024", "--examples", "1", "--tasks", "niah_single",
                  "--out", str(tmp_path)]) == 0
