@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
+
+
+@functools.lru_cache(maxsize=16)
+def row_indices(n: int) -> mx.array:
+    """``arange(n)`` int32, built once per size: a compiled decode pass's row positions over
+    a buffer's room (it changes only when the buffer grows), evaluated with the step that
+    first reads it."""
+    return mx.arange(n, dtype=mx.int32)
+
+
+def fitted_rows(x: mx.array, n: int, axis: int) -> mx.array:
+    """``x`` cut or zero-padded to ``n`` rows along ``axis`` (a no-op where it has them)."""
+    have = x.shape[axis]
+    if have > n:
+        return x[(slice(None),) * axis + (slice(0, n),)]
+    if have < n:
+        return mx.pad(x, [(0, 0)] * axis + [(0, n - have)] + [(0, 0)] * (x.ndim - axis - 1))
+    return x
 
 
 def _along(axis: int, start: int, stop: int):

@@ -37,8 +37,8 @@ from ..kernels.decode import DecodePart
 from .cache import QuantizedCache
 from .packed import GROWTH_TOKENS
 from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, joined_history
-from .vq import (CodebookKeys, CodebookValues, ProductVQ, _fields, index_words, kmeans, nearest,
-                 rotation_problem)
+from .vq import (CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, nearest,
+                 pack_with_tables, packing_tables, rotation_problem)
 
 SMOOTH_FLOOR = 1e-4  # smallest per-channel smoothing factor
 
@@ -95,26 +95,9 @@ def codec_arrays(key: ProductVQ | None, value: ProductVQ | None) -> dict[str, mx
 
 
 # -- the steady state's coding of the token leaving the window, as one compiled pass ---------
-# (``_encode_fn``: what ``ProductVQ.encode`` computes); the index fields' shifts and one-hot
-# word tables (``vq._fields``) are constants built once outside the pass (module-level
-# caches), evaluated with the first step that reads them.
-
-
-def _packed(codes, shift, spill, back, at_word, at_next):
-    """``pack_indices`` of (..., n) uint32 codes from its field layout: each field put in its
-    words by a one-hot (n, W) table and summed (fields never overlap: a sum is an or)."""
-    low = codes << shift
-    high = mx.where(spill, codes >> back, 0).astype(mx.uint32)
-    return (low[..., None] * at_word + high[..., None] * at_next).sum(axis=-2).astype(mx.uint32)
-
-
-@functools.lru_cache(maxsize=None)
-def _pack_arrays(n: int, bits: int) -> tuple[mx.array, ...]:
-    """``vq._fields``' shifts, and one-hot (n, W) uint32 tables of each field's word and next word."""
-    word, shift, spill, nxt, back = _fields(n, bits)
-    slots = mx.arange(index_words(n, bits), dtype=mx.uint32)
-    return (shift, spill, back, (word[:, None] == slots).astype(mx.uint32),
-            (nxt[:, None] == slots).astype(mx.uint32))
+# (``_encode_fn``: what ``ProductVQ.encode`` computes), the indices packed through
+# ``vq.packing_tables`` (constants built once outside the pass, evaluated with the first
+# step that reads them).
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,7 +106,7 @@ def _encode_fn(bits: int, scaled: bool, rotated: bool):
         codec = ProductVQ(centroids, bits, scale if scaled else None, rotated)
         y = codec.to_code_space(x)
         idx = nearest(y.reshape(*y.shape[:-1], -1, codec.sub_dim), centroids)
-        return _packed(idx, *fields)
+        return pack_with_tables(idx, *fields)
 
     return mx.compile(run)
 
@@ -145,7 +128,7 @@ def encode_one(codec: ProductVQ, x: mx.array) -> mx.array:
     """``codec.encode(x)`` as one compiled pass."""
     n = x.shape[-1] // codec.sub_dim
     fn = _encode_fn(*_how(codec))
-    return fn(x, codec.centroids, _scale_arg(codec), *_pack_arrays(n, codec.bits))
+    return fn(x, codec.centroids, _scale_arg(codec), *packing_tables(n, codec.bits))
 
 
 class CodebookStore(PackedStore):

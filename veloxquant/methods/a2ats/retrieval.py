@@ -42,7 +42,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ...cache.base import causal_mask
-from ...cache.buffers import GrowingArray
+from ...cache.buffers import GrowingArray, row_indices
 from ...cache.rope import Rotary
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.vq import kmeans, lookup_scores, nearest
@@ -220,7 +220,7 @@ class RetrievalStore:
         n = codes.shape[2] - first  # candidates' room
         return _step_fn(how)(queries, framed, keys, values, codes, self.centroids, mx.array(t),
                              mx.array(stop), mx.array([n - k]), mx.array(float(position - self.query_offset)),
-                             _positions(keys.shape[2]), *frame)
+                             row_indices(keys.shape[2]), *frame)
 
     # -- what is kept -------------------------------------------------------------------------
     def arrays(self) -> dict[str, Any]:
@@ -261,13 +261,6 @@ class _Step:
     window: int
     scale: float
     rotary: bool  # the query framed in the pass (by the ``_frame_tables``), else it comes framed
-
-
-@functools.lru_cache(maxsize=8)
-def _positions(room: int):
-    """Each stored row's position (room,), int32, built once per room (it changes only when
-    the buffers grow) and evaluated with the step that first reads it."""
-    return mx.arange(room, dtype=mx.int32)
 
 
 @functools.lru_cache(maxsize=8)

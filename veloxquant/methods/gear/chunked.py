@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ...cache.buffers import GrowingArray
+from ...cache.buffers import GrowingArray, fitted_rows
 
 CHUNK_STEP = 2  # chunks of room added to ``b`` at a time (a copy of B, which is small)
 # factors -> (buffers, stamp, views): the views a decode step reads (``ChunkedFactors.term``)
@@ -84,7 +84,7 @@ class ChunkedFactors:
         memo = _VIEWS.get(self)
         if memo is None or memo[1] != stamp or any(x is not y for x, y in zip(memo[0], buffers)):
             a, b, chunk = buffers
-            a, chunk = _fit(a, room, 2), _fit(chunk, room, 0)
+            a, chunk = fitted_rows(a, room, 2), fitted_rows(chunk, room, 0)
             if scores:
                 views = (a[:, :, None], b, chunk)
             else:
@@ -150,16 +150,6 @@ class LowRankTerm:
         room = a.shape[3] * a.shape[4] - p.shape[-1]
         p = p if not room else mx.pad(p, [(0, 0)] * 3 + [(0, room)])
         return group_mix(p, *self.views, mx.zeros((*p.shape[:3], self.views[1].shape[-1]), mx.float32))
-
-
-def _fit(x: mx.array, n: int, axis: int) -> mx.array:
-    """``x`` cut or zero-padded to ``n`` rows along ``axis`` (a no-op where it has them)."""
-    have = x.shape[axis]
-    if have > n:
-        return x[(slice(None),) * axis + (slice(0, n),)]
-    if have < n:
-        return mx.pad(x, [(0, 0)] * axis + [(0, n - have)] + [(0, 0)] * (x.ndim - axis - 1))
-    return x
 
 
 def token_scores(q: mx.array, a: mx.array, b: mx.array, chunk: mx.array) -> mx.array:

@@ -18,7 +18,8 @@ import mlx.core as mx
 
 from ...kernels import kivi_decode as kd
 from ...quant.residual import ResidualScores
-from .chunked import LowRankTerm, _fit, group_mix, token_scores
+from ...cache.buffers import fitted_rows
+from .chunked import LowRankTerm, group_mix, token_scores
 from .sparse import SparseTerm, along_rows, row_offsets
 
 
@@ -48,7 +49,7 @@ def _value_pass(bits, group, lowrank, sparse, p, codes, scales, biases, *rest):
         rest = rest[3:]
     if sparse:  # per token: p's token broadcasts along its entries
         delta, index, offsets = rest
-        o = along_rows(o, p, _fit(delta, n, 2), _fit(index, n, 2), offsets)
+        o = along_rows(o, p, fitted_rows(delta, n, 2), fitted_rows(index, n, 2), offsets)
     return o
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ...cache.buffers import fitted_rows, row_indices
 from ...cache.rope import Rotary
 from ...quant.packed import GROWTH_TOKENS
 from .transform import unpack_fields
@@ -93,15 +94,8 @@ def _step_fn(how: _Step):
 
 
 @functools.lru_cache(maxsize=8)
-def _rows(room: int) -> mx.array:
-    """Each row's index in a room of ``room`` rows, int32: built once per room, evaluated
-    with the step that first reads it."""
-    return mx.arange(room, dtype=mx.int32)
-
-
-@functools.lru_cache(maxsize=8)
 def _rows_along_tokens(room: int) -> mx.array:
-    """``_rows`` shaped (1, 1, room, 1), to gather along the tokens of (B, H, T, D) rows."""
+    """``row_indices`` shaped (1, 1, room, 1), to gather along the tokens of (B, H, T, D) rows."""
     return mx.arange(room, dtype=mx.int32).reshape(1, 1, room, 1)
 
 
@@ -118,16 +112,6 @@ def _angles(rotary: Rotary, d: int, start: int, room: int) -> tuple[mx.array, mx
     return mx.stack([cos, cos], axis=axis), mx.stack([sin, -sin], axis=axis)
 
 
-def _room(words: mx.array, rows: int) -> mx.array:
-    """The buffer's first ``rows`` rows (zeros after what it holds)."""
-    have = words.shape[1]
-    if have == rows:
-        return words
-    if have > rows:
-        return words[:, :rows]
-    return mx.pad(words, [(0, 0), (0, rows - have), (0, 0)])
-
-
 def decode_attention(store, queries, scale: float, most_held: int) -> mx.array | None:
     """The store's decode attention as one compiled pass (``most_held``: the most rows its
     window holds); None where its parts are not the steady state's three (sinks, coded
@@ -141,7 +125,7 @@ def decode_attention(store, queries, scale: float, most_held: int) -> mx.array |
     room = -(-n // GROWTH_TOKENS) * GROWTH_TOKENS
     rotary = keys.rotary
     if rotary is None:
-        cos = sin = _rows(0)
+        cos = sin = row_indices(0)
     else:
         cos, sin = _angles(rotary, keys.heads[1], keys.start, room)
     codecs = [(*run.codec.fields.arrays(), run.codec.bits, run.codec.step, run.codec.basis, run.codec.mean)
@@ -149,6 +133,6 @@ def decode_attention(store, queries, scale: float, most_held: int) -> mx.array |
     how = _Step(float(scale), None if rotary is None else rotary.traditional)
     counts = [mx.array(x, dtype=mx.int32) for x in (n, win_k.start, win_k.held)]
     return _step_fn(how)(
-        queries, sink_k.buffer, sink_v.buffer, win_k.buffer, win_v.buffer, *counts, _rows(room),
-        _rows(most_held), _rows_along_tokens(most_held), cos, sin, _room(keys.codes.buffer, room), *codecs[0],
-        _room(values.codes.buffer, room), *codecs[1])
+        queries, sink_k.buffer, sink_v.buffer, win_k.buffer, win_v.buffer, *counts, row_indices(room),
+        row_indices(most_held), _rows_along_tokens(most_held), cos, sin, fitted_rows(keys.codes.buffer, room, 1), *codecs[0],
+        fitted_rows(values.codes.buffer, room, 1), *codecs[1])

@@ -18,13 +18,8 @@ import functools
 
 import mlx.core as mx
 
+from ...cache.buffers import row_indices
 from .slerp import _slerp_merge
-
-
-@functools.lru_cache(maxsize=16)
-def rows(n: int) -> mx.array:
-    """``arange(n)`` int32, built once per size (evaluated with the step that reads it)."""
-    return mx.arange(n, dtype=mx.int32)
 
 
 @functools.lru_cache(maxsize=8)
@@ -93,11 +88,11 @@ def decode_attention(queries, ek, mk, ev, mv, n: int, tail_k, tail_v, k_table, v
     ``n`` tokens valid; ``*_table``: [] or the second layer's retained (where, delta) whole
     buffers and the rows they hold."""
     room = max(x.shape[2] for x in (ek, mk, ev, mv))
-    args = [queries, ek, mk, ev, mv, count(n), rows(room), tail_k, tail_v]
+    args = [queries, ek, mk, ev, mv, count(n), row_indices(room), tail_k, tail_v]
     for table in (k_table, v_table):
         if table:
             where, delta, n_rows = table
-            args += [where, delta, count(n_rows), rows(where.shape[0])]
+            args += [where, delta, count(n_rows), row_indices(where.shape[0])]
     return _attend_fn(float(scale), (bool(k_table), bool(v_table)))(*args)
 
 
