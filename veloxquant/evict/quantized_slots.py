@@ -301,15 +301,12 @@ def _dequantize_pass(group: int, bits: int):
 def _dequantize_compiled(group: int, bits: int, unpacked_here: bool):
     """``dequantize_rows`` at (group, bits) as one compiled graph. On the CPU, where
     ``mx.dequantize`` expands into a graph of one shift per code in a word, the words are
-    unpacked here in one shift (the same values, bit for bit: ``code * scale + minimum``
-    in the scales' dtype, as ``mx.dequantize`` computes them)."""
+    unpacked in one shift (``kivi_decode.unpacked_affine``: the same values, bit for bit)."""
 
     def dequantize(codes, scales, biases):
         if not unpacked_here:
             return dequantize_rows(codes, scales, biases, group, bits)
-        shifts = mx.arange(32 // bits, dtype=mx.uint32) * bits
-        q = ((codes[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*scales.shape, group)
-        return (q.astype(scales.dtype) * scales[..., None] + biases[..., None]).reshape(*codes.shape[:-1], -1)
+        return kd.unpacked_affine(codes, scales, biases, group, bits)
 
     return mx.compile(dequantize)
 

@@ -182,7 +182,14 @@ def dequantize(codes, scales, biases, group_size: int, bits: int) -> mx.array:
     benchmarks/results/affine_widths_h200.md)."""
     if bits != 1:
         return mx.dequantize(codes, scales, biases, group_size=group_size, bits=bits)
-    q = _unpack_codes(codes, 1).astype(scales.dtype).reshape(*scales.shape, group_size)
+    return unpacked_affine(codes, scales, biases, group_size, bits)
+
+
+def unpacked_affine(codes, scales, biases, group_size: int, bits: int) -> mx.array:
+    """``mx.dequantize``'s values bit for bit (``code * scale + bias`` in the scales' dtype),
+    the words (``32 % bits == 0``) unpacked here in one shift: where MLX's own reading is
+    wrong (1 bit on CUDA) or, on the CPU, a graph of one shift per code in a word."""
+    q = _unpack_codes(codes, bits).astype(scales.dtype).reshape(*scales.shape, group_size)
     return (q * scales[..., None] + biases[..., None]).reshape(*codes.shape[:-1], -1)
 
 
