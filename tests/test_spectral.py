@@ -19,6 +19,7 @@ from veloxquant_mlx.methods.spectral.bitfields import pack_fields, row_words, un
 from veloxquant_mlx.methods.spectral import eigen_store as es
 from veloxquant_mlx.methods.spectral.eigen_store import EigenCodec, EigenTokens, gaussian_codebook
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
+from veloxquant_mlx.quant.prerope import from_pre_rope_channels
 from feeding import stored_decode_attention
 
 ROPE = Rotary(10000.0)
@@ -69,6 +70,24 @@ def test_bit_fields_round_trip_at_mixed_widths():
     for (codes, _), back in zip(fields, unpack_fields(words, ((4, 3), (60, 2), (4, 1)))):
         assert mx.array_equal(codes.astype(mx.float32), back)
     del key
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+def test_the_qjl_correction_of_pre_rope_keys_equals_turning_each_tokens_directions(traditional):
+    """Per rotary pair the turned product is two sums against the angle tables; it must
+    equal rotating every token's copy of the directions (the old (e, D, n) form), in both
+    rotary layouts, to float32 rounding of sums of ~D terms."""
+    b, h, r, d, e, n, start = 1, 3, 4, 64, 4, 37, 100
+    rot = Rotary(10000.0, traditional)
+    q = mx.random.normal((b, h, r, d), key=mx.random.key(1))
+    directions = mx.random.normal((b, h, d, e), key=mx.random.key(2))
+    signs = mx.where(mx.random.normal((b, h, n, e), key=mx.random.key(3)) > 0, 1.0, -1.0)
+    turned = from_pre_rope_channels(mx.broadcast_to(directions.swapaxes(-1, -2)[..., None], (b, h, e, d, n)),
+                                    start, rot)
+    explicit = ((q[:, :, None] @ turned) * signs.transpose(0, 1, 3, 2)[:, :, :, None]).sum(axis=2)
+    got = es._turned_correction(q, directions, signs, start, rot)
+    assert got.shape == explicit.shape == (b, h, r, n)
+    assert mx.abs(got - explicit).max().item() <= 1e-6 * d * mx.abs(explicit).max().item()
 
 
 def test_the_basis_is_orthonormal_and_eight_bits_reconstruct_within_one_percent():

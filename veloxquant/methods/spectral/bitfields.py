@@ -4,15 +4,15 @@ A codec whose coordinates do not share one width (a few leading coordinates at o
 width, the rest at another, plus sign bits) keeps each row as the concatenation of its
 fields' bits, least significant bit first, padded to whole uint32 words: a row of fields
 ``(n_i, b_i)`` takes ``ceil(sum n_i b_i / 32)`` words, so the padding is under 32 bits a
-row whatever the widths. Packing and unpacking are elementwise shifts and one sum, the
-same at every width.
+row whatever the widths: the layout of ``quant/bitfields.py`` (kvtc's per-component
+widths), which reads them.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-_SHIFTS = mx.arange(32, dtype=mx.uint32)
+from ...quant.bitfields import runs_layout
 
 
 def row_words(layout: tuple[tuple[int, int], ...]) -> int:
@@ -20,12 +20,16 @@ def row_words(layout: tuple[tuple[int, int], ...]) -> int:
     return -(-sum(n * b for n, b in layout) // 32)
 
 
+_SHIFTS = mx.arange(32, dtype=mx.uint32)
+
+
 def pack_fields(fields: list[tuple[mx.array, int]]) -> mx.array:
-    """Fields (..., n_i) of codes below ``2**b_i`` -> (..., words) uint32, in order."""
+    """Fields (..., n_i) of codes below ``2**b_i`` -> (..., words) uint32, in order. Every
+    bit is spread out and summed into its word: the rows packed at once are few (a decode
+    step's token), where this takes fewer operations than placing each code."""
     bits = []
     for codes, width in fields:
-        codes = codes.astype(mx.uint32)
-        planes = (codes[..., None] >> mx.arange(width, dtype=mx.uint32)) & 1
+        planes = (codes.astype(mx.uint32)[..., None] >> mx.arange(width, dtype=mx.uint32)) & 1
         bits.append(planes.reshape(*codes.shape[:-1], -1))
     stream = mx.concatenate(bits, axis=-1) if len(bits) > 1 else bits[0]
     *lead, n = stream.shape
@@ -38,10 +42,9 @@ def pack_fields(fields: list[tuple[mx.array, int]]) -> mx.array:
 
 def unpack_fields(words: mx.array, layout: tuple[tuple[int, int], ...]) -> list[mx.array]:
     """Inverse of ``pack_fields``: (..., words) -> the fields (..., n_i) as float32 codes."""
-    stream = ((words[..., None] >> _SHIFTS) & 1).reshape(*words.shape[:-1], -1)
+    codes = runs_layout(tuple(layout), words.ndim).unpack(words).astype(mx.float32)
     out, at = [], 0
-    for n, width in layout:
-        bits = stream[..., at : at + n * width].reshape(*words.shape[:-1], n, width)
-        out.append((bits << mx.arange(width, dtype=mx.uint32)).sum(axis=-1).astype(mx.float32))
-        at += n * width
+    for n, _ in layout:
+        out.append(codes[..., at : at + n])
+        at += n
     return out

@@ -53,7 +53,7 @@ from ...lowrank.factors import sample_rows
 from ...quant import codebook as cb
 from .bitfields import pack_fields, row_words, unpack_fields
 from ...quant.packed import GROWTH_TOKENS
-from ...quant.prerope import from_pre_rope_channels, to_pre_rope
+from ...quant.prerope import from_pre_rope_channels, rotary_angles, to_pre_rope
 from ...quant.store import PackedStore
 
 RANGE_SIGMAS = 6.0  # the quadrature range, in σ (the repo starts its search on ±3.5σ; wider keeps the tails)
@@ -368,6 +368,24 @@ def _coordinates(codec: EigenCodec, d: int, words, norms, sigma, tables=None):
     return scaled, 2 * fields[2] - 1, norms[..., 1:2].astype(mx.float32)
 
 
+def _turned_correction(q, directions, signs, start: int, rotary) -> mx.array:
+    """``sum_j sign_tj (q . R_t u_j)`` (B, H, R, n) for the n tokens of a run from ``start``:
+    queries q (B, H, R, D), pre-RoPE directions u (B, H, D, e), signs (B, H, n, e), R_t the
+    rotation at position ``start + t``. For a rotary pair (x1, x2) at angle a,
+    ``q . R u = cos a (q1 u1 + q2 u2) + sin a (q2 u1 - q1 u2)``, so the n rotations are two
+    products with the (D/2, n) angle tables, never n turned copies of the directions."""
+    d, n = q.shape[-1], signs.shape[2]
+    cos, sin = rotary_angles(rotary, d, start, n)
+    u = directions.swapaxes(-1, -2)[:, :, None]  # (B, H, 1, e, D)
+    if rotary.traditional:  # pairs (2i, 2i + 1)
+        q1, q2, u1, u2 = q[..., 0::2], q[..., 1::2], u[..., 0::2], u[..., 1::2]
+    else:  # halves
+        q1, q2, u1, u2 = q[..., : d // 2], q[..., d // 2 :], u[..., : d // 2], u[..., d // 2 :]
+    q1, q2 = q1[..., None, :], q2[..., None, :]  # (B, H, R, 1, D/2)
+    along = (q1 * u1 + q2 * u2) @ cos + (q2 * u1 - q1 * u2) @ sin  # (B, H, R, e, n)
+    return (along * signs.swapaxes(-1, -2)[:, :, None]).sum(axis=-2)
+
+
 @dataclass(frozen=True)
 class EigenScores:
     """An ``EigenTokens`` run as the pure-MLX decode path reads it (``PackedScores``)."""
@@ -395,10 +413,7 @@ class EigenScores:
             if t.rotary is None:
                 corr = (q @ directions) @ signs.swapaxes(-1, -2)
             else:  # each token's directions turned to its position
-                b, h, d, cap = *directions.shape[:3], scaled.shape[2]
-                turned = mx.broadcast_to(directions.swapaxes(-1, -2)[..., None], (b, h, e, d, cap))
-                turned = from_pre_rope_channels(turned, t.start, t.rotary)  # (B, H, e, D, cap)
-                corr = ((q[:, :, None] @ turned) * signs.transpose(0, 1, 3, 2)[:, :, :, None]).sum(axis=2)
+                corr = _turned_correction(q, directions, signs, t.start, t.rotary)
             s = s + (QJL_SCALE / e) * corr * rho.swapaxes(-1, -2)
         return s[..., : self.count]
 

@@ -1,0 +1,161 @@
+"""Where a decode step's device time goes: the kernels of steady-state decode steps, per
+method, measured by NVIDIA Nsight Compute (``ncu``) on a CUDA machine.
+
+A random-weight model of the chosen preset's layer shape (fewer layers: every layer does
+the same work), a prompt prefilled as mlx-lm does it, ``--warm`` decode steps, then
+``--steps`` captured steps (between ``cudaProfilerStart`` and ``cudaProfilerStop``). ncu
+times each kernel alone (serialised), so the figures are device time per kernel without the
+gaps between launches; the count of launches shows what the gaps would cost. Per method:
+launches and device microseconds a layer and step, and the kernels that take the most.
+
+    # on the device, one process per method under ncu, then the table
+    python benchmarks/decode_kernels.py --out-dir $OUT/kernels --methods "mlx-lm KVCache" kivi-4bit kvquant
+    python benchmarks/decode_kernels.py --report $OUT/kernels > kernels.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import glob
+import io
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _cudart():
+    for pattern in ("/tmp/site/nvidia/cuda_runtime/lib/libcudart.so*", "/usr/local/cuda/lib64/libcudart.so*",
+                    "/tmp/site/**/libcudart.so*"):
+        for path in sorted(glob.glob(pattern, recursive=True)):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    raise SystemExit("libcudart not found: cudaProfilerStart is needed to capture the steady-state steps")
+
+
+def capture(method: str, preset: str, layers: int, context: int, warm: int, steps: int) -> None:
+    """Run one method: prefill, ``warm`` steps, then ``steps`` steps inside the profiler's range."""
+    sys.path.insert(0, str(HERE))
+    import decode as bench  # noqa: E402  (imports veloxquant_mlx before mlx)
+
+    import mlx.core as mx
+
+    bench.PRESETS[preset] = {**bench.PRESETS[preset], "num_hidden_layers": layers}
+    model = bench.build_model(preset, mx.float16)
+    config = bench.METHODS[method] if method in bench.METHODS else bench.KVCacheConfig(method=method)
+    cache, y, _ = bench.start(model, config, context, prefill_repeats=1)
+    for _ in range(warm):
+        y, _ = bench.step(model, cache, y)
+    mx.synchronize()
+    cudart = _cudart()
+    cudart.cudaProfilerStart()
+    for _ in range(steps):
+        y, _ = bench.step(model, cache, y)
+    mx.synchronize()
+    cudart.cudaProfilerStop()
+
+
+def run_all(args) -> None:
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for method in args.methods:
+        name = method.replace(" ", "_").replace("+", "plus")
+        cmd = ["ncu", "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv",
+               sys.executable, __file__, "--one", method, "--preset", args.preset, "--layers", str(args.layers),
+               "--context", str(args.context), "--warm", str(args.warm), "--steps", str(args.steps)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        (out / f"{name}.csv").write_text(done.stdout)
+        (out / f"{name}.err").write_text(done.stderr)
+        (out / f"{name}.json").write_text(json.dumps({
+            "method": method, "rc": done.returncode, "layers": args.layers, "steps": args.steps,
+            "context": args.context, "preset": args.preset}))
+        print(f"{method}: rc {done.returncode}", flush=True)
+
+
+def parse(csv_text: str) -> list[tuple[str, float]]:
+    """(kernel name, microseconds) per launch from ncu's CSV."""
+    start = csv_text.find('"ID"')
+    if start < 0:
+        return []
+    rows = []
+    for row in csv.DictReader(io.StringIO(csv_text[start:])):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        value = float(row["Metric Value"].replace(",", ""))
+        unit = row.get("Metric Unit", "nsecond")
+        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(unit, 1e-3)
+        rows.append((row["Kernel Name"], value * scale))
+    return rows
+
+
+def short(name: str, width: int = 48) -> str:
+    name = name.split("(")[0]
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def report(directory: str, top: int) -> None:
+    lines = ["| method | launches a layer and step | device us a layer and step | vs fp16 | top kernels (us a layer and step) |",
+             "|---|---:|---:|---:|---|"]
+    metas = sorted(Path(directory).glob("*.json"))
+    base_us = None
+    results = []
+    for meta_path in metas:
+        meta = json.loads(meta_path.read_text())
+        launches = parse(meta_path.with_suffix(".csv").read_text())
+        per = meta["layers"] * meta["steps"]
+        if not launches:
+            results.append((meta["method"], None, None, f"no kernels captured (rc {meta['rc']})"))
+            continue
+        by_name = defaultdict(float)
+        for name, us in launches:
+            by_name[short(name)] += us
+        total = sum(us for _, us in launches) / per
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+        tops = "; ".join(f"{n} {us / per:.1f}" for n, us in ranked)
+        results.append((meta["method"], len(launches) / per, total, tops))
+        if meta["method"] == "mlx-lm KVCache":
+            base_us = total
+    for method, n, us, tops in results:
+        if n is None:
+            lines.append(f"| {method} | | | | {tops} |")
+            continue
+        ratio = f"{us / base_us:.2f}x" if base_us else ""
+        lines.append(f"| {method} | {n:.1f} | {us:.1f} | {ratio} | {tops} |")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--methods", nargs="+", default=["mlx-lm KVCache", "full", "kivi-4bit"])
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--layers", type=int, default=2, help="layers of the preset's shape (default 2)")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--warm", type=int, default=40, help="decode steps before the captured ones")
+    ap.add_argument("--steps", type=int, default=4, help="captured decode steps")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds a method's ncu run may take")
+    ap.add_argument("--out-dir")
+    ap.add_argument("--report", metavar="DIR", help="print the table of a finished --out-dir")
+    ap.add_argument("--top", type=int, default=5)
+    args = ap.parse_args()
+    if args.one:
+        capture(args.one, args.preset, args.layers, args.context, args.warm, args.steps)
+    elif args.report:
+        report(args.report, args.top)
+    elif args.out_dir:
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        run_all(args)
+    else:
+        ap.error("--out-dir (run under ncu) or --report DIR")
+
+
+if __name__ == "__main__":
+    main()
