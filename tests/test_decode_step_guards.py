@@ -30,15 +30,20 @@ def test_a_decode_step_reads_no_array_value_on_the_host(method):
 
 
 # The step's graph as a ratio to the full cache's (tiny llama, whole model: see
-# benchmarks/notes/decode_graph.md), remeasured on 2026-12-03 after the compiled-pass cuts of that day.
+# benchmarks/notes/decode_graph.md), remeasured on 2026-12-03 after the compiled-pass cuts of that day (minicache, h2o+kivi2: later that day).
 OVER_GRAPH_BOUND = {
     "vecinfer": 2.48,
     "amc": 3.85,
     "spectral": 3.61,
-    "minicache": 1.46,  # a compiled read and merge; still: the pair's SLERP and its retained-pair scatters
+    # a compiled read and merge (retained tables read unmasked: 1.46 -> 1.43); still: the
+    # pair's SLERP for keys and values (17 nodes each), the retained pairs' cumsum/scatter
+    # writes (4 scatters) and the second layer's table reads (gather + scatter per table)
+    "minicache": 1.43,
     # composed (issue 36): h2o's every step also dequantizes the kept keys for its
-    # accumulated attention (snapkv+kivi4 and tova+kivi4 are under the bound: 1.23)
-    "h2o+kivi2": 1.43,
+    # accumulated attention (one compiled pass over the room now, 1.43 -> 1.37; still: the
+    # dequantization and the float32 score matmul/softmax/mean a layer, which the mass needs
+    # bit for bit; snapkv+kivi4 and tova+kivi4 are under the bound: 1.21)
+    "h2o+kivi2": 1.37,
 }
 GRAPH_BOUND = 1.3
 

@@ -27,6 +27,7 @@ text degenerates.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -37,6 +38,13 @@ from ..cache.base import CompressedKVCache, causal_mask
 from .attention import attention_mass, attention_weights
 from .quantized_slots import QuantizedSlots, slot_store
 from .select import top_k_sorted
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(shape: tuple[int, ...]) -> mx.array:
+    """float32 zeros of ``shape``, built once (a decode step's new token state: no op a step)."""
+    return mx.zeros(shape, mx.float32)
+
 
 RECENT_FLOOR = 32  # newest tokens kept by a method that sets recent_floor, at least
 # Decode steps between two evictions of a method whose paper evicts a token every step:
@@ -204,7 +212,7 @@ class ScoredEvictionCache(CompressedKVCache):
     def new_token_state(self, keys: mx.array, values: mx.array) -> dict[str, mx.array]:
         """Initial per-token state of new tokens (B, Hkv, N); zeros unless overridden."""
         b, h, n, _ = keys.shape
-        return {name: mx.zeros((b, h, n), mx.float32) for name in self.token_state}
+        return {name: _zeros((b, h, n)) for name in self.token_state}
 
     def observe(self, inputs: ScoreInputs) -> None:
         """After every attention call: accumulate ``token_state`` (default: nothing)."""

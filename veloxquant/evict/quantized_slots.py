@@ -104,6 +104,18 @@ class QuantizedSlots:
         rows = _dequantize_pass(self.group, self.bits)(codes.buffer, scales.buffer, biases.buffer)
         return rows if codes.length == codes.capacity else rows[:, :, : codes.length]
 
+    def room_keys(self) -> mx.array | None:
+        """The keys of every slot over the buffers' whole room, dequantized (rows past
+        ``rows`` are spare room): what a compiled score over the room reads; None before
+        the store is packed."""
+        if not self.quantized:
+            return None
+        g = self.slots.arrays
+        codes, scales, biases = (g[f"k_{part}"] for part in ("codes", "scales", "biases"))
+        if codes.buffer is None:
+            return None
+        return _dequantize_pass(self.group, self.bits)(codes.buffer, scales.buffer, biases.buffer)
+
     def write(self, new: dict[str, mx.array]) -> None:
         if self.quantized:
             keys, values = new.pop("keys"), new.pop("values")
@@ -319,8 +331,8 @@ def _append_pass(bits: int, group: int, n_extra: int, ring: bool):
     def step(keys, values, row, *rest):
         packed, extra, extra_rows = rest[:6], rest[6 : 6 + n_extra], rest[6 + n_extra : 6 + 2 * n_extra]
         codes, scales, minima = quantize_rows(mx.concatenate([keys, values], axis=2), group, bits)
-        rows = (codes[:, :, :1], scales[:, :, :1], minima[:, :, :1],
-                codes[:, :, 1:], scales[:, :, 1:], minima[:, :, 1:], *extra_rows)
+        (kc, vc), (ks, vs), (km, vm) = (mx.split(x, 2, axis=2) for x in (codes, scales, minima))
+        rows = (kc, ks, km, vc, vs, vm, *extra_rows)
         out = [mx.slice_update(b, r, row, axes=(2,)) for b, r in zip((*packed, *extra), rows)]
         if ring:
             k_ring, v_ring, ring_row = rest[6 + 2 * n_extra :]

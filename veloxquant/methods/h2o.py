@@ -16,8 +16,12 @@ re-rotated for scoring.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
+from ..cache.buffers import row_indices
+from ..evict.quantized_slots import QuantizedSlots
 from ..evict.base import EVICT_EVERY, Roles, Schedule, ScoredEvictionCache
 
 
@@ -30,6 +34,14 @@ class H2OCache(ScoredEvictionCache):
 
     def observe(self, inputs):
         decay, n = self.options.h2o_decay, inputs.n_new
+        packed = n == 1 and inputs.every_key_visible and isinstance(self.store, QuantizedSlots)
+        room = self.store.room_keys() if packed else None
+        if room is not None:  # a decode step over packed keys: one compiled pass over the room
+            grown = self.store.arrays["mass"]
+            step = _decode_mass(float(inputs.scale), float(decay))
+            grown.buffer = step(inputs.queries, room, grown.buffer, mx.array(self.store.rows, mx.int32),
+                                row_indices(room.shape[2]))
+            return
         # a decode step's one query needs no weight (decay ** 0)
         new = inputs.mass(query_weights=None if n == 1 else decay ** mx.arange(n - 1, -1, -1, dtype=mx.float32))
         old = inputs.state("mass")
@@ -37,3 +49,24 @@ class H2OCache(ScoredEvictionCache):
 
     def score(self, inputs):
         return inputs.state("mass")
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_mass(scale: float, decay: float):
+    """A decode step's ``observe`` over the packed store's room: ``attention_mass`` of the
+    one query over the dequantized keys of every slot (rows past the slot count masked:
+    their weight is 0, and the softmax of the kept rows is the same to the bit), added to
+    the decayed mass; returns the mass buffer (rows past the count: spare room, never
+    read). One compiled graph; its shapes change only when the buffers grow."""
+
+    def step(queries, keys, mass, rows, row_ids):
+        b, hq, nq, d = queries.shape
+        hkv = keys.shape[1]
+        q = queries.reshape(b, hkv, hq // hkv, nq, d).astype(mx.float32)
+        logits = (q * scale) @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
+        logits = mx.where(row_ids < rows, logits, -float("inf"))
+        weights = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+        new = weights.sum(axis=3).mean(axis=2)
+        return (mass if decay == 1.0 else mass * decay) + new
+
+    return mx.compile(step)

@@ -34,14 +34,11 @@ def count(n: int) -> mx.array:
 
 
 # -- attention ------------------------------------------------------------------------------
-def _table(where, delta, n_rows, table_rows):
-    """The retained table's rows past ``n_rows`` as zeros (row 0, token 0, no difference)."""
-    valid = (table_rows < n_rows)[:, None]
-    return where * valid.astype(where.dtype), delta.astype(mx.float32) * valid.astype(mx.float32)
-
-
 def _attend(scale: float, tables: tuple[bool, bool], queries, ek, mk, ev, mv, n, token_rows, tail_k,
             tail_v, *table_args):
+    # The retained tables are read over their whole buffers: rows past those held are zeros
+    # (reserved rows are appended as zeros, a buffer's room is zeros, minicache is never
+    # trimmed), which point at row 0, token 0 and add exactly 0 there.
     b, hq, _, d = queries.shape
     h = ek.shape[1]
     r = min(ek.shape[2], mk.shape[2], ev.shape[2], mv.shape[2])
@@ -52,8 +49,8 @@ def _attend(scale: float, tables: tuple[bool, bool], queries, ek, mk, ev, mv, n,
     mkf, mvf = mk.astype(mx.float32)[:, :, None], mv.astype(mx.float32)[:, :, None]
     s = (q @ ekf.swapaxes(-1, -2)) * mkf
     if tables[0]:
-        where, delta = _table(*table_args[:4])
-        table_args = table_args[4:]
+        where, delta = table_args[0], table_args[1].astype(mx.float32)
+        table_args = table_args[2:]
         head = where[:, 0]
         index = head * r + where[:, 1]
         q_rows = q.reshape(b * h, g, d)[head]  # (n, R, d)
@@ -67,7 +64,7 @@ def _attend(scale: float, tables: tuple[bool, bool], queries, ek, mk, ev, mv, n,
     pm = p[..., :r]
     o = (pm * mvf) @ evf
     if tables[1]:
-        where, delta = _table(*table_args[:4])
+        where, delta = table_args[0], table_args[1].astype(mx.float32)
         head = where[:, 0]
         index = head * r + where[:, 1]
         weights = pm.transpose(0, 1, 3, 2).reshape(b * h * r, g)[index]  # (n, R)
@@ -91,8 +88,8 @@ def decode_attention(queries, ek, mk, ev, mv, n: int, tail_k, tail_v, k_table, v
     args = [queries, ek, mk, ev, mv, count(n), row_indices(room), tail_k, tail_v]
     for table in (k_table, v_table):
         if table:
-            where, delta, n_rows = table
-            args += [where, delta, count(n_rows), row_indices(where.shape[0])]
+            where, delta, _ = table  # whole buffers: rows past those held are zeros (see _attend)
+            args += [where, delta]
     return _attend_fn(float(scale), (bool(k_table), bool(v_table)))(*args)
 
 
