@@ -19,7 +19,7 @@ from veloxquant_mlx.cache.options import VecInferOptions
 from veloxquant_mlx.cli import main
 from veloxquant_mlx.reference import REFERENCE_MODEL
 from veloxquant_mlx.methods.vecinfer import VecInferCache
-from veloxquant_mlx.methods.vecinfer.calibration import CalibrationError, collect_kv, read_calibration
+from veloxquant_mlx.cache.calibration import CalibrationError, collect_kv, read_calibration
 from veloxquant_mlx.quant.vq_store import smoothing_factors
 
 SETTINGS = {"key_codebook_bits": 8, "value_codebook_bits": 4}  # small codebooks: a fast fit

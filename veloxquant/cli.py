@@ -146,7 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import mlx_lm
 
     from .integrations.mlx_lm import make_prompt_cache, prefill_with_reconstruction, reconstruction_layers
-    from .methods.vecinfer.calibration import CalibrationError
+    from .cache.calibration import CalibrationError
 
     model, tokenizer, model_config = load_model(args.model)
     dtype = compute_dtype(args.dtype)
@@ -353,9 +353,9 @@ def _calibration_text(path: str | None) -> tuple[str, str]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """Fit a method's codebooks offline: run the model over a text, collect each layer's
-    keys and values, fit, and write a safetensors file that a config points to
-    (calibration_file)."""
+    """Fit a method's per-layer arrays offline (vecinfer's codebooks, kvtc's PCA codecs):
+    run the model over a text, collect each layer's keys and values, fit, and write a
+    safetensors file that a config points to (calibration_file)."""
     _positive("--tokens", args.tokens)
     _positive("--iters", args.iters)
     check_method(args.method)
@@ -380,9 +380,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .methods.vecinfer.calibration import IDENTITY, collect_kv, model_identity, write_calibration
+    from .cache.calibration import IDENTITY, collect_kv, model_identity, write_calibration
 
     model, tokenizer, _ = load_model(args.model)
+    model_args = getattr(model, "args", None)
     check_config_for_model(config, model)
     dtype = compute_dtype(args.dtype)
     if dtype is not None:
@@ -399,21 +400,26 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         kv = collect_kv(model, mx.array(tokens), progress=lambda done, n: bar.update(task, completed=done))
         layers = {}
         for i, (keys, values) in kv.items():
-            task = bar.add_task(f"layer {i} codebooks", total=None)
+            task = bar.add_task(f"layer {i}", total=None)
 
             def report(name, done, total, task=task, i=i):
                 bar.update(task, description=f"layer {i} {name}", completed=done, total=total)
 
-            layers[i] = cls.calibrate(keys, values, config, iters=args.iters, seed=args.seed, progress=report)
+            try:
+                layers[i] = cls.calibrate(keys, values, config, iters=args.iters, seed=args.seed,
+                                          progress=report, model_args=model_args)
+            except ValueError as exc:  # settings this text or model cannot be fitted with
+                raise CLIError(f"--method {args.method}: {exc}") from None
             mx.eval(layers[i])
-    identity = model_identity(getattr(model, "args", None))
+    identity = model_identity(model_args)
     metadata = {
         "method": args.method, **{f: getattr(config, f) for f in cls.calibration_fields},
+        **(cls.calibration_metadata(model_args) if hasattr(cls, "calibration_metadata") else {}),
         "model": args.model or "reference", **{k: identity[k] for k in IDENTITY if k in identity},
         "tokens": len(tokens), "text": text_name, "iterations": args.iters, "seed": args.seed,
     }
     write_calibration(str(out), layers, metadata)
-    print(f"wrote {out}: {args.method} codebooks for {len(layers)} layers of {metadata['model']} "
+    print(f"wrote {out}: {args.method} calibration for {len(layers)} layers of {metadata['model']} "
           f"({len(tokens)} tokens of {text_name}); use it with "
           f"KVCacheConfig(method={args.method!r}, calibration_file={str(out)!r}) or "
           f"--set calibration_file={out}")
@@ -488,12 +494,13 @@ def build_parser() -> argparse.ArgumentParser:
              "id; default: 'reference', the embedded byte-level reference model; 'reference-subword', the embedded subword one",
     )
     p.add_argument("--method", required=True, type=method_key,
-                   help="the method whose codebooks to fit (required; vecinfer has a "
+                   help="the method whose arrays to fit (required; vecinfer and kvtc have a "
                         "calibration step)")
     p.add_argument(
         "--set", action="append", metavar="FIELD=VALUE",
-        help="a field of the method's options the codebooks depend on (vecinfer: "
-             "key_sub_dim, value_sub_dim, key_codebook_bits, value_codebook_bits); a config "
+        help="a field of the method's options the fit depends on (vecinfer: "
+             "key_sub_dim, value_sub_dim, key_codebook_bits, value_codebook_bits; kvtc: "
+             "kvtc_bit_budget, kvtc_bit_choices, kvtc_beta); a config "
              "using the file must have the same values; repeatable",
     )
     p.add_argument("--out", default=None, metavar="FILE",
@@ -507,10 +514,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"the end of the default text (the bench measures its start) (default: "
                         f"{CALIBRATE_TOKENS})")
     p.add_argument("--iters", type=int, default=CALIBRATE_ITERS,
-                   help=f"most k-means iterations per codebook, at least 1 (default: "
+                   help=f"most k-means iterations per codebook (vecinfer; kvtc's fit does not "
+                        f"iterate), at least 1 (default: "
                         f"{CALIBRATE_ITERS})")
     p.add_argument("--seed", type=int, default=0,
-                   help="seeds the k-means initialisation and sampling (default: 0)")
+                   help="seeds the k-means initialisation and sampling (vecinfer; kvtc's fit is "
+                        "unseeded) (default: 0)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     p.set_defaults(func=cmd_calibrate)
 

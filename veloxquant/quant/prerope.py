@@ -26,7 +26,11 @@ from ..cache.rope import Rotary, derotate
 
 
 def model_rotary(context) -> Rotary | None:
-    args = getattr(context, "model_args", None)
+    return args_rotary(getattr(context, "model_args", None))
+
+
+def args_rotary(args) -> Rotary | None:
+    """``model_rotary`` of mlx-lm ``ModelArgs`` (None: unknown, or not undoable here)."""
     if args is None or getattr(args, "partial_rotary_factor", 1.0) not in (1, 1.0, None):
         return None
     try:

@@ -1,16 +1,29 @@
-"""KVTC, adapted: a per-layer PCA fitted on the prompt, DP bit allocation, entropy coding.
+"""KVTC: a per-layer PCA basis, DP bit allocation, entropy coding; calibrated offline or fitted on the prompt.
 
 Per layer, keys and values each (``methods/kvtc/transform.py``, ``methods/kvtc/window_store.py``):
 
 - the first ``N_SINK`` = 4 tokens (the paper's s) and the newest ``residual_window``
   tokens (the config's window, 128 by default: the paper's w) stay in full precision;
-- when the first token leaves the window, a basis is fitted on every token then held past
-  the sinks (the prompt's, for a prompt longer than s + w): the rows are the token's heads
-  concatenated (``p = H * d``, the card's scope; batch rows pooled), keys rotated back
-  before RoPE when the model's rotary settings are known (post-RoPE otherwise, e.g. a
-  cache built without a model context); mean, covariance and eigenpairs in float64 on
-  the host. The basis is then frozen: later prompt chunks and decode tokens are coded
-  with it (the paper calibrates one cross-layer basis offline: the adaptation);
+- the codec (mean, basis, widths, steps) of the rows: a token's heads concatenated
+  (``p = H * d``, the card's scope; batch rows pooled), keys rotated back before RoPE when
+  the model's rotary settings are known (post-RoPE otherwise, e.g. a cache built without
+  a model context). It comes from one of two places, and is frozen once there:
+
+  - with the config's ``calibration_file`` (the paper's procedure): a file written by
+    ``veloxquant calibrate --method kvtc`` for this model, these settings and this key
+    rotary (refused otherwise, naming the file, the field and both values), read when
+    the first token leaves the window: no fit at all on the prefill path. The paper
+    calibrates one basis across layers; the file holds one per layer, fitted as below on
+    the calibration text's tokens past the sinks and before the window, as a one-chunk
+    prompt of that text is fitted (``KVTCCache.calibrate``; a file is made for one
+    ``residual_window``);
+  - without it (adapted, "local PCA"): fitted when the first token leaves the window, on
+    the rows then leaving it (a prompt chunk's tokens past the sinks and before the window;
+    at a decode step, the leaving rows and the window): mean and covariance (of at most
+    4,096 evenly spaced rows) in float32 on the default device, the p x p eigenproblem on
+    the CPU;
+
+  later prompt chunks and decode tokens are coded with it;
 - widths by exact dynamic programming over ``kvtc_bit_choices`` under
   ``kvtc_bit_budget`` bits per token per layer for each of K and V (over the p channels),
   distortion ``λ`` for a dropped component and ``Δ²/12`` for a uniform quantizer over
@@ -35,51 +48,102 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ...cache.calibration import layer_calibration
 from ...cache.rope import Rotary
 from ...quant import entropy
 from ...quant.coded_cache import EntropyCodedCache, join_segments, split_segments, to_numpy
 from ...quant.packed import GROWTH_TOKENS
-from ...quant.prerope import model_rotary
+from ...quant.prerope import args_rotary, model_rotary
 from .transform import TransformCodec, TransformTokens
 from .window_store import SinkWindowStore
 
 N_SINK = 4
 MAX_BITS = 16  # a code fits one word or straddles two
+CODEC = ("mean", "basis", "bits", "step")  # a TransformCodec's arrays, as saved and calibrated
+CALIBRATED = tuple(f"{prefix}_{name}" for prefix in "kv" for name in CODEC)
+
+
+def rotary_name(rotary: Rotary | None) -> str:
+    """How a run's key rotary is written in a saved state and a calibration file."""
+    return rotary.to_json() if rotary else "none"
 
 
 class KVTCCache(EntropyCodedCache):
     batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    # the fields a calibration file's codecs depend on: the window's too, as it decides
+    # which of the text's rows are fitted (the sinks are a constant)
+    calibration_fields = ("kvtc_bit_budget", "kvtc_bit_choices", "kvtc_beta", "residual_window")
+
     @property
     def group(self) -> int:  # no channel groups: any head_dim
         return 1
 
     def make_store(self, rotary: Rotary | None = None):
-        bad = [b for b in self.config.options.kvtc_bit_choices
-               if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BITS]
-        if bad:
-            raise ValueError(f"kvtc_bit_choices={self.config.options.kvtc_bit_choices!r} holds {bad!r}: "
-                             f"allowed: integer widths from 0 to {MAX_BITS}")
+        _check_choices(self.config.options)
         rotary = rotary or model_rotary(self.context)
         return SinkWindowStore(TransformTokens(GROWTH_TOKENS, rotary, N_SINK),
                                TransformTokens(GROWTH_TOKENS, None, N_SINK),
                                n_sink=N_SINK, window=self.config.residual_window, fit=self._fit)
 
+    def _init_storage(self) -> None:
+        super()._init_storage()
+        if self.config.calibration_file and self.context is not None:  # a wrong file fails at once
+            self._calibration(None)
+
     def update_and_fetch(self, keys, values):
-        o = self.config.options
-        most = max(o.kvtc_bit_choices) * keys.shape[1] * min(keys.shape[3], values.shape[3])
-        if o.kvtc_bit_budget > most:
-            raise ValueError(
-                f"kvtc_bit_budget={o.kvtc_bit_budget} is more than this model's layers can spend: "
-                f"allowed up to max(kvtc_bit_choices) * kv heads * head_dim = {most}")
+        _check_budget(self.config.options, keys, values)
+        if self.config.calibration_file and self.kv_shape is None:  # the file meets the keys
+            self._calibration((keys.shape[1], keys.shape[-1]))
         return super().update_and_fetch(keys, values)
 
+    def _calibration(self, kv_shape) -> dict[str, mx.array]:
+        """This layer's codec arrays in ``calibration_file``, checked against the config,
+        the model, the keys' shape (when known) and the keys' rotary."""
+        return layer_calibration(self.config, self.calibration_fields, CALIBRATED, self.layer,
+                                 model_args=getattr(self.context, "model_args", None), kv_shape=kv_shape,
+                                 cache_metadata={"key_rotary": rotary_name(self.store.keys.rotary)})
+
     def _fit(self, run: TransformTokens, x: mx.array) -> None:
+        if self.config.calibration_file:  # calibrated offline: prefill only projects and codes
+            prefix = "k" if run is self.store.keys else "v"
+            arrays = self._calibration(self.kv_shape[1:3])
+            run.codec = TransformCodec(*(arrays[f"{prefix}_{name}"] for name in CODEC))
+            return
         o = self.config.options
         run.fit(x, o.kvtc_bit_budget, o.kvtc_bit_choices, o.kvtc_beta)
 
+    # -- offline calibration (``veloxquant calibrate --method kvtc``) -----------------------
+    @classmethod
+    def calibrate(cls, keys, values, config, *, iters: int, seed: int, progress=None, model_args=None):
+        """A layer's codec arrays from its post-RoPE keys and values (B, H, T, D) of a text:
+        the fit a one-chunk prompt of those tokens gets, on its tokens past the sinks and
+        before the window (keys rotated back with ``model_args``' rotary, as the cache
+        does). ``iters`` and ``seed`` change nothing: the fit is exact and unseeded."""
+        o = config.options
+        _check_choices(o)
+        _check_budget(o, keys, values)
+        end = keys.shape[2] - config.residual_window
+        if end <= N_SINK:
+            raise ValueError(f"{keys.shape[2]} calibration tokens leave none to fit: kvtc fits the tokens "
+                             f"past its {N_SINK} sinks and before residual_window={config.residual_window}")
+        arrays = {}
+        for done, (prefix, x, rotary) in enumerate((("k", keys, args_rotary(model_args)), ("v", values, None))):
+            run = TransformTokens(GROWTH_TOKENS, rotary, N_SINK)
+            run.fit(x[:, :, N_SINK:end], o.kvtc_bit_budget, o.kvtc_bit_choices, o.kvtc_beta)
+            arrays.update({f"{prefix}_{name}": getattr(run.codec, name) for name in CODEC})
+            if progress:
+                progress("keys and values", done + 1, 2)
+        return arrays
+
+    @classmethod
+    def calibration_metadata(cls, model_args) -> dict[str, str]:
+        """What the file's codecs depend on besides the fields: the rotary the keys were
+        fitted under (a cache whose keys are rotated otherwise refuses the file)."""
+        return {"key_rotary": rotary_name(args_rotary(model_args))}
+
     def _meta(self):
         rotary = self.store.keys.rotary
-        return {"coded": self.store.keys.count, "rotary": rotary.to_json() if rotary else "none"}
+        return {"coded": self.store.keys.count, "rotary": rotary_name(rotary)}
 
     # -- the saved form ------------------------------------------------------------------
     def stored_arrays(self):
@@ -90,8 +154,7 @@ class KVTCCache(EntropyCodedCache):
             c = run.codec
             if c is None:
                 continue
-            out.update({f"{prefix}_mean": c.mean, f"{prefix}_basis": c.basis, f"{prefix}_bits": c.bits,
-                        f"{prefix}_step": c.step})
+            out.update({f"{prefix}_{f}": getattr(c, f) for f in CODEC})
             if run.count and c.bits.size:
                 segments = self.coded_segments(prefix).segments(run, run.count,
                                                                 lambda a, b, run=run: self._code(run, a, b))
@@ -119,7 +182,7 @@ class KVTCCache(EntropyCodedCache):
         for prefix, run, dim in (("k", s.keys, 2), ("v", s.values, 3)):
             if f"{prefix}_basis" not in arrays:
                 continue
-            run.codec = c = TransformCodec(*(arrays[f"{prefix}_{f}"] for f in ("mean", "basis", "bits", "step")))
+            run.codec = c = TransformCodec(*(arrays[f"{prefix}_{f}"] for f in CODEC))
             run.heads = (self.kv_shape[1], self.kv_shape[dim])
             k, b = c.bits.size, self.kv_shape[0]
             if coded:
@@ -146,3 +209,18 @@ class KVTCCache(EntropyCodedCache):
             run.codes.reset(codes)
             if coded:
                 self.coded_segments(prefix).adopt(run, segments)
+
+
+def _check_choices(options) -> None:
+    bad = [b for b in options.kvtc_bit_choices if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BITS]
+    if bad:
+        raise ValueError(f"kvtc_bit_choices={options.kvtc_bit_choices!r} holds {bad!r}: "
+                         f"allowed: integer widths from 0 to {MAX_BITS}")
+
+
+def _check_budget(options, keys: mx.array, values: mx.array) -> None:
+    most = max(options.kvtc_bit_choices) * keys.shape[1] * min(keys.shape[3], values.shape[3])
+    if options.kvtc_bit_budget > most:
+        raise ValueError(
+            f"kvtc_bit_budget={options.kvtc_bit_budget} is more than this model's layers can spend: "
+            f"allowed up to max(kvtc_bit_choices) * kv heads * head_dim = {most}")

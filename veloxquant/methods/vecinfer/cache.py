@@ -40,7 +40,7 @@ lookup-table scores against dequantize-then-attend: ``benchmarks/vq_decode_cpu.p
 
 from __future__ import annotations
 
-from .calibration import layer_calibration
+from ...cache.calibration import layer_calibration
 from ...quant.vq import ProductVQ
 from ...quant.vq_store import CodebookCache, CodebookFit, CodebookStore, codec_arrays
 
@@ -85,7 +85,8 @@ class VecInferCache(CodebookCache):
         return super().update_and_fetch(keys, values)
 
     @classmethod
-    def calibrate(cls, keys, values, config, *, iters: int, seed: int, progress=None):
-        """A layer's calibration arrays from its keys and values (B, H, T, D)."""
+    def calibrate(cls, keys, values, config, *, iters: int, seed: int, progress=None, model_args=None):
+        """A layer's calibration arrays from its keys and values (B, H, T, D); the codebooks
+        are fitted post-RoPE, as the cache receives keys, so ``model_args`` is not needed."""
         fit = cls.fit_spec(config, iters=iters, sample=CALIBRATION_SAMPLE, seed=seed)
         return codec_arrays(*fit.fit(keys, values, progress))

@@ -2,19 +2,22 @@
 
 ``veloxquant calibrate`` runs a model over a text (``collect_kv``: mlx-lm's own caches,
 so the keys are post-RoPE, as our caches receive them), lets the method fit its arrays
-per layer (a method class with ``calibrate`` and ``calibration_fields``), and writes
-them with ``write_calibration``. A config points at the file (``calibration_file``); each
-layer's cache reads its arrays through ``layer_calibration``, which refuses a file made
-for another method, other settings or another model, naming the file, the field and
-both values.
+per layer (a cache class with ``calibrate``, ``calibration_fields`` and, where its arrays
+depend on more than those, ``calibration_metadata``), and writes them with
+``write_calibration``. A config points at the file (``calibration_file``); each layer's
+cache reads its arrays through ``layer_calibration``, which refuses a file made for
+another method, other settings or another model, naming the file, the field and both
+values. Files are read once per file version and process, whatever the number of layers
+and caches reading them.
 
 File layout: arrays ``layer{i}.{name}`` for each calibrated layer i; string metadata
 (JSON values): ``format`` (``veloxquant-calibration``), ``version``, ``method``, the
-method's ``calibration_fields`` (e.g. sub-vector widths and codebook bits), ``layers``
-(calibrated layer indices), the model's identity (``model``: its folder name or hub id;
-``model_type``, ``num_hidden_layers``, ``hidden_size``, ``num_key_value_heads``,
-``head_dim``, ``vocab_size``, ``rope_theta``, from its config), and how the fit was made
-(``tokens``, ``text``, ``iterations``, ``seed``).
+method's ``calibration_fields`` (e.g. vecinfer's sub-vector widths and codebook bits,
+kvtc's bit budget), what its ``calibration_metadata`` adds, ``layers`` (calibrated layer
+indices), the model's identity (``model``: its folder name or hub id; ``model_type``,
+``num_hidden_layers``, ``hidden_size``, ``num_key_value_heads``, ``head_dim``,
+``vocab_size``, ``rope_theta``, from its config), and how the fit was made (``tokens``,
+``text``, ``iterations``, ``seed``).
 """
 
 from __future__ import annotations
@@ -109,17 +112,24 @@ def _refuse(path, meta, field, in_file, other, where):
                            f"{made_for}, but {other!r} in the {where}")
 
 
+def _as_stored(value: Any) -> Any:
+    """``value`` as the file's JSON metadata gives it back (a tuple as a list)."""
+    return json.loads(json.dumps(value))
+
+
 def layer_calibration(config, fields: tuple[str, ...], names: tuple[str, ...], layer: int, *,
-                      model_args: Any = None, kv_shape: tuple[int, int] | None = None) -> dict[str, mx.array]:
+                      model_args: Any = None, kv_shape: tuple[int, int] | None = None,
+                      cache_metadata: dict[str, Any] | None = None) -> dict[str, mx.array]:
     """Layer ``layer``'s arrays ``names`` from ``config.calibration_file``, after checking
     the file against the config's method and ``fields``, the model's identity (when its
-    ``model_args`` are known) and the layer's (kv heads, head_dim) (when known)."""
+    ``model_args`` are known), the layer's (kv heads, head_dim) (when known) and what the
+    cache computes from its model as ``calibration_metadata`` does (``cache_metadata``)."""
     path = config.calibration_file
     arrays, meta = read_calibration(path)
     if meta.get("method") != config.method:
         _refuse(path, meta, "method", meta.get("method"), config.method, "config")
     for name in fields:
-        if meta.get(name) != getattr(config, name):
+        if meta.get(name) != _as_stored(getattr(config, name)):
             _refuse(path, meta, name, meta.get(name), getattr(config, name), "config")
     for name, value in model_identity(model_args).items():
         if name in meta and meta[name] != value:
@@ -128,6 +138,9 @@ def layer_calibration(config, fields: tuple[str, ...], names: tuple[str, ...], l
         for name, value in zip(("num_key_value_heads", "head_dim"), kv_shape):
             if meta.get(name) != value:
                 _refuse(path, meta, name, meta.get(name), value, f"keys of layer {layer}")
+    for name, value in (cache_metadata or {}).items():
+        if meta.get(name) != _as_stored(value):
+            _refuse(path, meta, name, meta.get(name), value, f"cache of layer {layer}")
     if layer not in meta.get("layers", []):
         raise CalibrationError(f"calibration_file={path!r}: layer {layer} is not in the file "
                                f"(its layers: {meta.get('layers')})")
