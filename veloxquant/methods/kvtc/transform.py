@@ -14,7 +14,7 @@ What is kept: ``μ`` and the kept columns of ``V`` in float16 (encoding and deco
 use the rounded ones, so a saved and reloaded codec decodes the same codes to the same
 rows), the widths (uint8) and steps (float32), and per token the kept components' codes
 packed at their widths, one after the other, into ``ceil(Σ b_i / 32)`` uint32 words
-(``FieldLayout``; a code may straddle two words), so a token holds its bit budget.
+(``quant/bitfields.py``'s ``FieldLayout``; a code may straddle two words), so a token holds its bit budget.
 
 ``TransformTokens`` is a growing run of such tokens. Keys are coded pre-RoPE when the
 model's rotary settings are known (``cache/rope.py``: rotated back at their positions,
@@ -35,66 +35,8 @@ import numpy as np
 from ...cache.buffers import GrowingArray
 from ...cache.rope import Rotary, derotate
 from ...lowrank.factors import gram_basis
+from ...quant.bitfields import FieldLayout
 from .allocation import allocate, uniform_distortion, uniform_step
-
-
-@dataclass(frozen=True)
-class FieldLayout:
-    """Where each component's code lies in a token's packed words: codes of ``bits[i]``
-    bits one after the other from bit 0 of word 0; a code that crosses a word boundary
-    keeps its high bits at the bottom of the next word. Each array is (1, 1, k), shaped
-    for the (B, tokens, n_words) words a run keeps (the decode step reads them as they are)."""
-
-    word: mx.array  # (1, 1, k) int32, the word holding the code's low bits
-    next_word: mx.array  # (1, 1, k) int32, the word holding its high bits (itself if none)
-    shift: mx.array  # (1, 1, k) uint32, the code's low bit in its word
-    high_shift: mx.array  # (1, 1, k) uint32, 32 - shift where the code crosses, else 0
-    crosses: mx.array  # (1, 1, k) bool
-    mask: mx.array  # (1, 1, k) uint32, 2**bits - 1
-    n_words: int
-
-    @classmethod
-    def of(cls, bits: np.ndarray) -> "FieldLayout":
-        bits = np.asarray(bits, dtype=np.int64)
-        start = np.cumsum(bits) - bits
-        word, shift = start // 32, start % 32
-        crosses = shift + bits > 32
-        n_words = max(1, -(-int(bits.sum()) // 32))
-        arrays = (word.astype(np.int32), np.minimum(word + 1, n_words - 1).astype(np.int32),
-                  shift.astype(np.uint32), np.where(crosses, 32 - shift, 0).astype(np.uint32), crosses,
-                  ((1 << bits) - 1).astype(np.uint32))
-        return cls(*(mx.array(a.reshape(1, 1, -1)) for a in arrays), n_words)
-
-    def arrays(self) -> tuple[mx.array, ...]:
-        """What the layout holds (derived from the widths: counted, never saved)."""
-        return self.word, self.next_word, self.shift, self.high_shift, self.crosses, self.mask
-
-    def _for(self, ndim: int) -> tuple[mx.array, ...]:
-        """The arrays shaped for rows of ``ndim`` dimensions (the last one the fields')."""
-        if ndim == 3:
-            return self.arrays()
-        return tuple(a.reshape((1,) * (ndim - 1) + (-1,)) for a in self.arrays())
-
-    def pack(self, codes: mx.array) -> mx.array:
-        """(..., k) codes -> (..., n_words) uint32."""
-        c = codes.astype(mx.uint32)
-        word, next_word, shift, high_shift, crosses, _ = self._for(c.ndim)
-        low = c << shift
-        high = mx.where(crosses, c >> high_shift, 0).astype(mx.uint32)
-        words = mx.zeros((*c.shape[:-1], self.n_words), mx.uint32)
-        # fields never overlap, so adding them is or-ing them
-        return words.at[..., self.word.reshape(-1)].add(low).at[..., self.next_word.reshape(-1)].add(high)
-
-    def unpack(self, words: mx.array) -> mx.array:
-        """(..., n_words) uint32 -> (..., k) uint32 codes."""
-        return unpack_fields(words, *self._for(words.ndim))
-
-
-def unpack_fields(words, word, next_word, shift, high_shift, crosses, mask) -> mx.array:
-    """``FieldLayout.unpack`` from its arrays (shaped for ``words``' dimensions)."""
-    low = mx.take_along_axis(words, word, axis=-1) >> shift
-    high = mx.where(crosses, mx.take_along_axis(words, next_word, axis=-1) << high_shift, 0)
-    return (low | high.astype(mx.uint32)) & mask
 
 
 @dataclass(frozen=True)
