@@ -1,8 +1,12 @@
-"""The pure-MLX decode path's products on a GPU: ``p V`` (weights over T tokens times values)
-and ``q Kᵀ``, one query token's GQA rows a KV head, float32 as the pure path runs them
-against split and float16 forms of the same product. Each variant is checked against the
-float64 numpy product, then timed as ``--chain`` independent calls in one evaluation
-(back-to-back launches: per-call device time plus launch cost, no host sync between).
+"""The pure-MLX decode path's products on a GPU: ``q Kᵀ`` then ``p V`` for one query token's
+GQA rows a KV head, float32 as the pure path runs them, against split and float16 forms of
+the same products and fp16 SDPA.
+
+Each variant is checked against the float64 numpy products, then timed two ways:
+``independent``, ``--chain`` calls that share no data in one evaluation (MLX's CUDA graphs
+may run them side by side), and ``chained``, each call's queries the previous call's output
+(as a decode step's layers are: one call at a time on the GPU, so a product with few
+blocks pays its full latency).
 
     python benchmarks/skinny_matmul.py --tokens 4096 32768
 """
@@ -32,18 +36,30 @@ def split_mix(p, v, chunk):
     return out
 
 
-def timed(fn, chain, repeats=5):
-    outs = [fn() for _ in range(chain)]
-    mx.eval(outs)
+def _best(build, repeats):
+    mx.eval(build())
     best = float("inf")
     for _ in range(repeats):
-        outs = [fn() for _ in range(chain)]
+        outs = build()
         mx.synchronize()
         t0 = time.perf_counter()
         mx.eval(outs)
         mx.synchronize()
         best = min(best, time.perf_counter() - t0)
-    return best / chain * 1e6
+    return best
+
+
+def timed(attend, q, chain, repeats=5):
+    """(independent, chained) microseconds a call of ``attend(q) -> q-shaped``."""
+    independent = _best(lambda: [attend(q) for _ in range(chain)], repeats) / chain
+
+    def chained():
+        x = q
+        for _ in range(chain):
+            x = attend(x)
+        return x
+
+    return independent * 1e6, _best(chained, repeats) / chain * 1e6
 
 
 def main():
@@ -54,35 +70,41 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--chain", type=int, default=64)
     args = ap.parse_args()
-    rows = ["| tokens | product | variant | us a call | max rel err vs float64 |", "|---:|---|---|---:|---:|"]
+    b, h, r, d = 1, args.heads, args.rows, args.dim
+    rows = ["| tokens | variant | independent us a call | chained us a call | max rel err vs float64 |",
+            "|---:|---|---:|---:|---:|"]
     for t in args.tokens:
         rng = np.random.default_rng(t)
-        p64 = rng.random((1, args.heads, args.rows, t))
-        p64 /= p64.sum(-1, keepdims=True)
-        v64 = rng.standard_normal((1, args.heads, t, args.dim))
-        q64 = rng.standard_normal((1, args.heads, args.rows, args.dim)) / np.sqrt(args.dim)
-        ref_mix, ref_scores = p64 @ v64, q64 @ v64.swapaxes(-1, -2)
-        p32, v32, q32 = (mx.array(x.astype(np.float32)) for x in (p64, v64, q64))
-        v16 = v32.astype(mx.float16)
-        vt32 = mx.contiguous(v32.swapaxes(-1, -2))
+        k64, v64 = rng.standard_normal((b, h, t, d)), rng.standard_normal((b, h, t, d))
+        q64 = rng.standard_normal((b, h, r, d)) / np.sqrt(d)
+        s64 = q64 @ k64.swapaxes(-1, -2)
+        p64 = np.exp(s64 - s64.max(-1, keepdims=True))
+        ref = (p64 / p64.sum(-1, keepdims=True)) @ v64
+        k32, v32, q32 = (mx.array(x.astype(np.float32)) for x in (k64, v64, q64))
+        k16, v16 = k32.astype(mx.float16), v32.astype(mx.float16)
+        kt32 = mx.contiguous(k32.swapaxes(-1, -2))
+
+        def softmax_mix(scores, mix):
+            return mix(mx.softmax(scores, axis=-1))
+
         variants = {
-            ("p V", "float32 (the pure path)"): lambda: p32 @ v32,
-            ("p V", "float32, values cast from float16"): lambda: p32 @ v16.astype(mx.float32),
-            ("p V", "float32 split 256"): lambda: split_mix(p32, v32, 256),
-            ("p V", "float32 split 512"): lambda: split_mix(p32, v32, 512),
-            ("p V", "float32 split 1024"): lambda: split_mix(p32, v32, 1024),
-            ("p V", "float16 p, float16 V"): lambda: p32.astype(mx.float16) @ v16,
-            ("p V", "float16 split 512"): lambda: split_mix(p32.astype(mx.float16), v16, 512),
-            ("p V", "(Vᵀ pᵀ)ᵀ float32"): lambda: (vt32 @ p32.swapaxes(-1, -2)).swapaxes(-1, -2),
-            ("q Kᵀ", "float32, K (T, D) transposed"): lambda: q32 @ v32.swapaxes(-1, -2),
-            ("q Kᵀ", "float32, Kᵀ (D, T) contiguous"): lambda: q32 @ vt32,
-            ("q Kᵀ", "float16 q, float16 K"): lambda: q32.astype(mx.float16) @ v16.swapaxes(-1, -2),
+            "float32 q Kᵀ, p V (the pure path)": lambda q: softmax_mix(q @ k32.swapaxes(-1, -2), lambda p: p @ v32),
+            "float32, Kᵀ (D, T) contiguous": lambda q: softmax_mix(q @ kt32, lambda p: p @ v32),
+            "float32, K and V cast from float16": lambda q: softmax_mix(
+                q @ k16.astype(mx.float32).swapaxes(-1, -2), lambda p: p @ v16.astype(mx.float32)),
+            "float32, p V split 512": lambda q: softmax_mix(q @ k32.swapaxes(-1, -2), lambda p: split_mix(p, v32, 512)),
+            "float32, p V split 128": lambda q: softmax_mix(q @ k32.swapaxes(-1, -2), lambda p: split_mix(p, v32, 128)),
+            "float16 products, float32 softmax": lambda q: softmax_mix(
+                (q.astype(mx.float16) @ k16.swapaxes(-1, -2)).astype(mx.float32),
+                lambda p: (p.astype(mx.float16) @ v16).astype(mx.float32)),
+            "fp16 SDPA (GQA rows as query heads)": lambda q: mx.fast.scaled_dot_product_attention(
+                q.astype(mx.float16).reshape(b, h * r, 1, d), k16, v16, scale=1.0).reshape(b, h, r, d).astype(mx.float32),
         }
-        for (product, name), fn in variants.items():
-            out = np.array(fn().astype(mx.float32), dtype=np.float64)
-            ref = ref_mix if product == "p V" else ref_scores
+        for name, attend in variants.items():
+            out = np.array(attend(q32), dtype=np.float64)
             err = np.abs(out - ref).max() / np.abs(ref).max()
-            rows.append(f"| {t} | {product} | {name} | {timed(fn, args.chain):.1f} | {err:.1e} |")
+            independent, chained = timed(attend, q32, args.chain)
+            rows.append(f"| {t} | {name} | {independent:.1f} | {chained:.1f} | {err:.1e} |")
             print(rows[-1], flush=True)
     print("\n".join(rows))
 

@@ -336,6 +336,20 @@ def test_frag_plan_covers_every_token_once(n_kq, n_vq, T, BH, bits):
         assert ns == max(ns_tail, 1) and tail0 == 0
 
 
+def test_short_contexts_at_a_measured_width_take_the_short_split_target(monkeypatch):
+    """Up to FRAG_SHORT_TOKENS at 4 bits below FRAG_MANY_HEADS kv heads, the short target
+    (notes/decode_kernels.md: 99 blocks, 38.1 -> 27.7 us at 4k on the H200); past it, at
+    an unmeasured width or with many heads, the wave targets. Its plans still cover every
+    token once."""
+    assert kd.frag_target_blocks(8, 4096, 4) == kd.FRAG_TARGET_BLOCKS_SHORT[4]
+    assert kd.frag_target_blocks(8, 4097, 4) == kd.FRAG_TARGET_BLOCKS
+    assert kd.frag_target_blocks(8, 4096, 2) == kd.FRAG_TARGET_BLOCKS
+    assert kd.frag_target_blocks(64, 1024, 4) == kd.FRAG_TARGET_BLOCKS_MANY_HEADS
+    monkeypatch.setattr(kd, "frag_target_blocks", lambda BH: kd.FRAG_TARGET_BLOCKS_SHORT[4])
+    for n_kq, n_vq, t, bh in ((4032, 3968, 4096, 8), (960, 896, 1024, 8), (4032, 3968, 4096, 24)):
+        test_frag_plan_covers_every_token_once(n_kq, n_vq, t, bh, 4)
+
+
 @pytest.mark.parametrize("BH", [1, 8, 31, 32, 64, 512])
 def test_frag_split_target_fits_one_wave_of_its_launch_bounds(BH):
     """The plan's one wave must fit the blocks the launch bounds keep resident on the

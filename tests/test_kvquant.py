@@ -16,6 +16,7 @@ from veloxquant_mlx.cache.options import KVQuantOptions
 from veloxquant_mlx.cache.rope import Rotary
 from veloxquant_mlx.methods.kvquant import KVQuantCache
 from veloxquant_mlx.quant import codebook as cb
+from veloxquant_mlx.methods.kvquant import nonuniform
 from veloxquant_mlx.methods.kvquant.nonuniform import NonUniform
 from veloxquant_mlx.quant.outliers import per_tail
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
@@ -285,6 +286,24 @@ def test_decode_attention_matches_attention_over_the_reconstructed_cache(rope, r
     ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=0.125)
     out = stored_decode_attention(cache, q, 0.125)
     assert mx.allclose(out, ref, atol=2e-5, rtol=1e-4), float(mx.abs(out - ref).max())
+
+
+@pytest.mark.parametrize("rope, bits", [(False, 3), (True, 4)])
+def test_the_cuda_table_read_gives_the_gathers_values_bit_for_bit(rope, bits, monkeypatch):
+    """On CUDA each code's centroid is chosen by a chain of selects instead of the axis
+    gather (notes/decode_kernels.md): the same decode step, both ways, must agree exactly."""
+    keys, values = kv(300, seed=23)
+    cache = kvquant(rotary_context() if rope else None, kvquant_bits=bits, kvquant_n_sink=3)
+    feed(cache, keys[:, :, :299], values[:, :, :299], 128)
+    feed(cache, keys[:, :, 299:], values[:, :, 299:], 1)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(24))
+    nonuniform._read_fn.cache_clear()
+    gathered = stored_decode_attention(cache, q, 0.125)
+    monkeypatch.setattr(nonuniform, "gpu_backend", lambda: "cuda")
+    nonuniform._read_fn.cache_clear()  # the compiled reads are traced anew, the selects in them
+    selected = stored_decode_attention(cache, q, 0.125)
+    nonuniform._read_fn.cache_clear()
+    assert mx.array_equal(gathered, selected)
 
 
 def test_a_decode_step_never_decodes_the_history(monkeypatch):

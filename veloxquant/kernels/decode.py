@@ -204,7 +204,7 @@ def _mixed(w, reads, normalised: bool = False) -> mx.array:
     for n, v in reads:
         part_w = w if n == w.shape[-1] else w[..., at : at + n]
         if isinstance(v, mx.array):
-            r = part_w @ v.astype(mx.float32)
+            r = kd.token_mix(part_w, v.astype(mx.float32))
         elif isinstance(v, AffineLayout):
             r = kd.affine_value_mix(part_w, v.codes, v.scales, v.biases, n, v.bits, v.group)
         elif normalised and n == w.shape[-1] and hasattr(v, "mix_normalised"):

@@ -392,11 +392,21 @@ FRAG_MIN_BLOCKS = 6
 FRAG_TARGET_BLOCKS_MANY_HEADS = 528
 FRAG_MIN_BLOCKS_MANY_HEADS = 4
 FRAG_MANY_HEADS = 32
+#: frag's split target below FRAG_MANY_HEADS kv heads at contexts up to FRAG_SHORT_TOKENS,
+#: per code width where one was measured (4 bits: benchmarks/notes/decode_kernels.md); a
+#: short context's tiles in the wave target's many blocks leave each block too little work
+FRAG_SHORT_TOKENS = 4096
+FRAG_TARGET_BLOCKS_SHORT = {4: 99}
 
 
-def frag_target_blocks(BH: int) -> int:
-    """The frag kernel's split target for a call over ``BH`` kv heads."""
-    return FRAG_TARGET_BLOCKS_MANY_HEADS if BH >= FRAG_MANY_HEADS else FRAG_TARGET_BLOCKS
+def frag_target_blocks(BH: int, tokens: int | None = None, bits: int | None = None) -> int:
+    """The frag kernel's split target for a call over ``BH`` kv heads (and, where known,
+    ``tokens`` a sequence at ``bits``)."""
+    if BH >= FRAG_MANY_HEADS:
+        return FRAG_TARGET_BLOCKS_MANY_HEADS
+    if tokens is not None and tokens <= FRAG_SHORT_TOKENS and bits in FRAG_TARGET_BLOCKS_SHORT:
+        return FRAG_TARGET_BLOCKS_SHORT[bits]
+    return FRAG_TARGET_BLOCKS
 
 
 def frag_launch_bounds(BH: int) -> int:
@@ -613,7 +623,7 @@ def _main_plan(backend, queries, cache, scale, bits, group_size, algo=None):
             scale)
     if algo == "frag":
         key = (backend, algo, frag_launch_bounds(B * H))
-        ns, params, template, _, _ = _frag_launch_args(*args, frag_target_blocks(B * H))
+        ns, params, template, _, _ = _frag_launch_args(*args, frag_target_blocks(B * H, T, bits))
         return _get_kernels(*key)[0], ns, FRAG_NT, params, template, cache, key
     key = (backend, algo, 0)
     target = FOLDED_TARGET_BLOCKS if algo == "folded" else DEFAULT_TARGET_BLOCKS
@@ -921,6 +931,27 @@ def affine_key_scores(q, codes, scales, biases, count, bits, group_size):
     return q @ keys_t.astype(mx.float32)
 
 
+#: tokens per batch entry of a product over the token axis on CUDA (``token_mix``)
+SPLIT_TOKENS = 512
+
+
+def token_mix(w: mx.array, v: mx.array) -> mx.array:
+    """``w @ v`` for weights (..., R, T) over rows (..., T, D): a decode step's ``p V``. On
+    CUDA, from 2 * SPLIT_TOKENS tokens, the token axis is cut into SPLIT_TOKENS-token batch
+    entries whose products are summed: cuBLAS tiles the small (R, D) output into a few
+    blocks that each walk every token, which leaves the GPU idle while a layer's attention
+    waits on it (benchmarks/notes/decode_kernels.md). Elsewhere the one product."""
+    t = w.shape[-1]
+    if t < 2 * SPLIT_TOKENS or gpu_backend() != "cuda":
+        return w @ v
+    whole = t - t % SPLIT_TOKENS
+    *lead, r, _ = w.shape
+    ws = w[..., :whole].reshape(*lead, r, whole // SPLIT_TOKENS, SPLIT_TOKENS).swapaxes(-3, -2)
+    vs = v[..., :whole, :].reshape(*v.shape[:-2], whole // SPLIT_TOKENS, SPLIT_TOKENS, v.shape[-1])
+    out = (ws @ vs).sum(axis=-3)
+    return out if whole == t else out + w[..., whole:] @ v[..., whole:, :]
+
+
 def affine_value_mix(p, codes, scales, biases, count, bits, group_size):
     """Pure-MLX ``p V`` (B, H, R, D), float32, over per-token packed values; ``p``
     (B, H, R, count) float32. Any width mx.quantize packs."""
@@ -929,4 +960,4 @@ def affine_value_mix(p, codes, scales, biases, count, bits, group_size):
         return mx.quantized_matmul(p, codes, scales, biases, transpose=False,
                                    group_size=group_size, bits=bits)
     values = dequantize(codes, scales, biases, group_size, bits)
-    return p @ values.astype(mx.float32)
+    return token_mix(p, values.astype(mx.float32))

@@ -299,7 +299,7 @@ def _channel_mix(p, codes, scales, biases, bits, group):
     if kd._pure_path() == "qmm":
         return mx.quantized_matmul(p, codes, scales, biases, transpose=True, group_size=group, bits=bits)
     latents_t = affine.dequantize(codes, scales, biases, group, bits)
-    return p @ latents_t.astype(mx.float32).swapaxes(-1, -2)
+    return kd.token_mix(p, latents_t.astype(mx.float32).swapaxes(-1, -2))
 
 
 def _per_head(basis: mx.array, mean: mx.array, g: int):

@@ -159,7 +159,7 @@ class TokenRows:
         if self._qmm():
             out = mx.quantized_matmul(p, *self._valid(), transpose=False, group_size=x.group, bits=x.bits)
         else:
-            out = p @ self.rows()
+            out = kd.token_mix(p, self.rows())
         return out if self.channel is None else out * self.channel[:, :, None, :]
 
 
@@ -179,4 +179,4 @@ class PlainRows:
         return q @ self.rows[:, :, : self.count].astype(mx.float32).swapaxes(-1, -2)
 
     def mix(self, p: mx.array) -> mx.array:
-        return p @ self.rows[:, :, : self.count].astype(mx.float32)
+        return kd.token_mix(p, self.rows[:, :, : self.count].astype(mx.float32))

@@ -40,6 +40,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from ..kernels.kivi_decode import token_mix
+
 MAX_BITS = 16
 NEAREST_CHUNK = 1 << 19  # distances formed at a time by ``nearest``
 Progress = Callable[[int, int], None]
@@ -304,4 +306,4 @@ class CodebookValues(_CodebookRows):
 
     def mix(self, p: mx.array) -> mx.array:
         rows = self.codec.from_code_space(gather_centroids(self.indices(), self.codec.centroids))
-        return p @ rows
+        return token_mix(p, rows)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
+from ...kernels.kivi_decode import gpu_backend, token_mix
 from ...quant import codebook as cb
 from ...quant.outliers import per_tail, split_channel_groups, split_vectors
 from ...quant.packed import GROWTH_TOKENS
@@ -322,6 +323,19 @@ class _Read:
     rope: bool | None  # pre-RoPE keys rotated back (True: traditional pairs); None: no rotation
 
 
+def _table_read(table: mx.array, codes: mx.array) -> mx.array:
+    """``table[..., codes]`` along the last axis, exactly: a gather on the CPU; on CUDA a
+    chain of selects, one per entry, which a compiled pass fuses into one elementwise
+    kernel (MLX's axis gather took twice as long at these shapes:
+    benchmarks/notes/decode_kernels.md)."""
+    if gpu_backend() != "cuda":
+        return mx.take_along_axis(table, codes, axis=-1)
+    out = mx.broadcast_to(table[..., :1], codes.shape)
+    for j in range(1, table.shape[-1]):
+        out = mx.where(codes == j, table[..., j : j + 1], out)
+    return out
+
+
 def _dense_graph(how: _Read, planes, books, ranges, offsets, along, across, *extra):
     """The reconstruction (``NonUniformTokens.dense``), float32: every bit plane unpacked
     at once; per unit (group) a table of its codebook's centroids scaled and offset,
@@ -347,7 +361,7 @@ def _dense_graph(how: _Read, planes, books, ranges, offsets, along, across, *ext
         if ids is not None:  # each unit's own codebook: (units, 2^bits), per token (n, 1, 2^bits)
             books = mx.take(books, ids if how.channel else ids.reshape(units, 1), axis=0)
         table = books * ranges[..., None] + offsets[..., None]  # (..., units, 2^bits)
-        x = mx.take_along_axis(table, codes, axis=-1)
+        x = _table_read(table, codes)
     else:  # small groups: the centroids read from the codebooks laid end to end, then scaled
         if ids is not None:  # a unit's codebook id offsets its indices
             ids = ids.astype(mx.uint32) * books.shape[-1]
@@ -391,7 +405,7 @@ def _read_fn(how: _Read, product: bool):
     """The reconstruction as one compiled pass (``product``: ``left @`` it, in the same
     pass): the layers of a step, of equal shapes, replay one traced graph."""
     if product:
-        return mx.compile(lambda left, *args: left @ _dense_graph(how, *args))
+        return mx.compile(lambda left, *args: token_mix(left, _dense_graph(how, *args)))
     return mx.compile(lambda *args: _dense_graph(how, *args))
 
 
