@@ -3,9 +3,10 @@
 The first ``n_sink`` tokens stay in full precision for good; the newest ``window`` tokens
 too; a token leaving the window joins the coded middle (keys and values together, each
 in its own run: ``transform.TransformTokens`` or anything with its interface, ``fit``
-included). The runs are fitted when the first token leaves the window, on every token
-then held past the sinks (the leaving ones and the window), and frozen after: later
-prompt chunks and decode tokens are coded with that fit.
+included). The runs are fitted when the first token leaves the window, on the rows then
+leaving it (a prompt chunk's rows before its new window; at a decode step, the leaving
+rows and the window), and frozen after: later prompt chunks and decode tokens are coded
+with that fit.
 
 A prompt chunk moves what overflows the window into the runs at once and keeps the
 window exactly sized; a decode step writes its row in place (``RecentRows``), and once
