@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx.quant.bitfields import FieldLayout
+from veloxquant_mlx.quant.packed import FieldLayout
 
 
 @pytest.mark.parametrize("widths", [(8, 6, 4, 4, 3, 3, 2, 1, 1), (16, 16, 3, 16, 1), (1,) * 33, (4,), (0, 3, 0, 8)])

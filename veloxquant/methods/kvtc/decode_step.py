@@ -28,7 +28,7 @@ import mlx.core as mx
 from ...cache.buffers import fitted_rows, row_indices
 from ...cache.rope import Rotary
 from ...quant.packed import GROWTH_TOKENS
-from ...quant.bitfields import unpack_fields
+from ...quant.packed import unpack_fields
 
 
 @dataclass(frozen=True)

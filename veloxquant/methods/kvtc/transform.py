@@ -14,7 +14,7 @@ What is kept: ``μ`` and the kept columns of ``V`` in float16 (encoding and deco
 use the rounded ones, so a saved and reloaded codec decodes the same codes to the same
 rows), the widths (uint8) and steps (float32), and per token the kept components' codes
 packed at their widths, one after the other, into ``ceil(Σ b_i / 32)`` uint32 words
-(``quant/bitfields.py``'s ``FieldLayout``; a code may straddle two words), so a token holds its bit budget.
+(``quant/packed.py``'s ``FieldLayout``; a code may straddle two words), so a token holds its bit budget.
 
 ``TransformTokens`` is a growing run of such tokens. Keys are coded pre-RoPE when the
 model's rotary settings are known (``cache/rope.py``: rotated back at their positions,
@@ -35,7 +35,7 @@ import numpy as np
 from ...cache.buffers import GrowingArray
 from ...cache.rope import Rotary, derotate
 from ...lowrank.factors import gram_basis
-from ...quant.bitfields import FieldLayout
+from ...quant.packed import FieldLayout
 from .allocation import allocate, uniform_distortion, uniform_step
 
 

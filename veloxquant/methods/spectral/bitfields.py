@@ -4,7 +4,7 @@ A codec whose coordinates do not share one width (a few leading coordinates at o
 width, the rest at another, plus sign bits) keeps each row as the concatenation of its
 fields' bits, least significant bit first, padded to whole uint32 words: a row of fields
 ``(n_i, b_i)`` takes ``ceil(sum n_i b_i / 32)`` words, so the padding is under 32 bits a
-row whatever the widths: the layout of ``quant/bitfields.py`` (kvtc's per-component
+row whatever the widths: the layout of ``quant/packed.py``'s ``FieldLayout`` (kvtc's per-component
 widths), which reads them.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ...quant.bitfields import runs_layout
+from ...quant.packed import runs_layout
 
 
 def row_words(layout: tuple[tuple[int, int], ...]) -> int:
