@@ -13,7 +13,7 @@ from veloxquant_mlx.quant.token_rows import PlainRows
 @pytest.fixture
 def on_cuda(monkeypatch):
     """token_mix as it runs on CUDA (the split), on this CPU."""
-    monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kd, "_splits_tokens", lambda: True)
 
 
 def weights_and_rows(t, lead=(2, 3), r=4, d=64, seed=0):
@@ -49,3 +49,46 @@ def test_the_pure_paths_readers_take_the_split(on_cuda, monkeypatch):
     mixed = kd.affine_value_mix(w, codes, scales, biases, t, 4, 32)
     assert mx.abs(mixed - w @ mx.dequantize(codes, scales, biases, group_size=32, bits=4)).max().item() <= 1e-6 * t ** 0.5
     assert calls == [t, t]
+
+
+# kivi itself is read by its fused kernel on a GPU (its pure reference is a check)
+SPLIT_READERS = ["kitty", "skvq", "zipcache", "kvquant", "palu", "vecinfer", "amc", "kvtc",
+                 "turboquant", "spectral"]
+
+
+@pytest.mark.parametrize("method", SPLIT_READERS)
+def test_a_decode_through_the_split_equals_the_one_product(method, monkeypatch):
+    """Whole-model greedy decode on a tiny llama, the GPU's pure path (no
+    quantized_matmul; this CPU runs no kernel; compile off so the split is chosen at each call): with the split forced at 16-token entries,
+    each method's history product goes through it (counted) and the log-probabilities
+    equal the one product's to float32 rounding of the reordered sums."""
+    from conformance import PROMPT, config, profile
+    from tiny_models import prompt, tiny_model
+    from veloxquant_mlx import make_prompt_cache
+
+    model, tokens = tiny_model(), prompt(PROMPT)
+    cfg = config(method, profile(method).compressing)
+
+    def run():
+        cache = make_prompt_cache(model, cfg)
+        logits = model(tokens[None], cache=cache)[:, -1]
+        out = []
+        for _ in range(6):
+            y = mx.argmax(logits, axis=-1)
+            out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            logits = model(y[:, None], cache=cache)[:, -1]
+        return mx.stack(out)
+
+    monkeypatch.setattr(kd, "_pure_path", lambda: "reference")  # the GPU's: no quantized_matmul
+    mx.disable_compile()
+    try:
+        plain = run()
+        splits = []
+        monkeypatch.setattr(kd, "SPLIT_TOKENS", 16)
+        monkeypatch.setattr(kd, "_splits_tokens", lambda: splits.append(1) or True)
+        split = run()
+    finally:
+        mx.enable_compile()
+    assert splits, f"{method}: no history product went through token_mix"
+    # log-probabilities of ~ln(256) in float32 (an ulp ~5e-7), sums reordered: a few ulps
+    assert mx.abs(split - plain).max().item() <= 1e-5

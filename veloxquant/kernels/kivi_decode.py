@@ -935,6 +935,11 @@ def affine_key_scores(q, codes, scales, biases, count, bits, group_size):
 SPLIT_TOKENS = 512
 
 
+def _splits_tokens() -> bool:
+    """Whether ``token_mix`` cuts the token axis here (CUDA only: measured there)."""
+    return gpu_backend() == "cuda"
+
+
 def token_mix(w: mx.array, v: mx.array) -> mx.array:
     """``w @ v`` for weights (..., R, T) over rows (..., T, D): a decode step's ``p V``. On
     CUDA, from 2 * SPLIT_TOKENS tokens, the token axis is cut into SPLIT_TOKENS-token batch
@@ -942,7 +947,7 @@ def token_mix(w: mx.array, v: mx.array) -> mx.array:
     blocks that each walk every token, which leaves the GPU idle while a layer's attention
     waits on it (benchmarks/notes/decode_kernels.md). Elsewhere the one product."""
     t = w.shape[-1]
-    if t < 2 * SPLIT_TOKENS or gpu_backend() != "cuda":
+    if t < 2 * SPLIT_TOKENS or not _splits_tokens():
         return w @ v
     whole = t - t % SPLIT_TOKENS
     *lead, r, _ = w.shape

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...cache.rope import Rotary, derotate
+from ...kernels.kivi_decode import token_mix
 from ...quant.token_rows import dequantize_rows, quantize_rows
 from .token_tiers import MASKED
 
@@ -56,9 +57,9 @@ def _graph(how: _Step, queries, counts, tiers, projections, positions):
         pt = p[..., at : at + n]
         at += n
         if basis is None:
-            part = pt @ vals
+            part = token_mix(pt, vals)
         else:
-            part = (pt @ vals) @ basis.swapaxes(-1, -2) + pt.sum(axis=-1, keepdims=True) * mean[:, :, None]
+            part = token_mix(pt, vals) @ basis.swapaxes(-1, -2) + pt.sum(axis=-1, keepdims=True) * mean[:, :, None]
         o = part if o is None else o + part
     return o.reshape(queries.shape).astype(queries.dtype)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ...kernels.kivi_decode import token_mix
 from ...lowrank.factors import FIT_SAMPLE_TOKENS, gram_basis
 
 
@@ -47,7 +48,7 @@ class RotatedRows:
         return q @ self.rows.swapaxes(-1, -2)
 
     def mix(self, p: mx.array) -> mx.array:
-        return p @ self.rows
+        return token_mix(p, self.rows)
 
 
 @dataclass(frozen=True)

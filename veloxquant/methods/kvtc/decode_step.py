@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from ...cache.buffers import fitted_rows, row_indices
 from ...cache.rope import Rotary
+from ...kernels.kivi_decode import token_mix
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.packed import unpack_fields
 
@@ -76,7 +77,7 @@ def _step_graph(how: _Step, queries, sink_k, sink_v, win_k, win_v, n_coded, win_
     w = v_basis.reshape(h, d, -1).swapaxes(-1, -2).astype(mx.float32)  # (H, k, d)
     mean = v_mean.reshape(1, h, 1, d).astype(mx.float32)
     o = p[..., :n_sink] @ sink_v.astype(mx.float32)
-    o = o + ((p_coded @ y) @ w + p_coded.sum(axis=-1, keepdims=True) * mean)
+    o = o + (token_mix(p_coded, y) @ w + p_coded.sum(axis=-1, keepdims=True) * mean)
     o = o + p[..., n_sink + room :] @ win_v.astype(mx.float32)
     return o.reshape(queries.shape).astype(queries.dtype)
 

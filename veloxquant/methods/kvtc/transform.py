@@ -34,6 +34,7 @@ import numpy as np
 
 from ...cache.buffers import GrowingArray
 from ...cache.rope import Rotary, derotate
+from ...kernels.kivi_decode import token_mix
 from ...lowrank.factors import gram_basis
 from ...quant.packed import FieldLayout
 from .allocation import allocate, uniform_distortion, uniform_step
@@ -178,4 +179,4 @@ class TransformScores:
         y = self.codec.coefficients(self.codes)[:, None]  # (B, 1, T, k)
         w = self.codec.basis.astype(mx.float32).reshape(h, d, -1)  # (H, d, k)
         mean = self.codec.mean.astype(mx.float32).reshape(1, h, 1, d)
-        return (p @ y) @ w.swapaxes(-1, -2) + p.sum(axis=-1, keepdims=True) * mean
+        return token_mix(p, y) @ w.swapaxes(-1, -2) + p.sum(axis=-1, keepdims=True) * mean

@@ -49,6 +49,7 @@ import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
 from ...kernels.decode import DecodePart
+from ...kernels.kivi_decode import token_mix
 from ...lowrank.factors import sample_rows
 from ...quant import codebook as cb
 from .bitfields import pack_fields, row_words, unpack_fields
@@ -423,7 +424,7 @@ class EigenScores:
         room = t.words.capacity - self.count
         if room:
             p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, room)])
-        return (p @ t.coordinates()[0]) @ t.basis.swapaxes(-1, -2)
+        return token_mix(p, t.coordinates()[0]) @ t.basis.swapaxes(-1, -2)
 
 
 class EigenStore(PackedStore):

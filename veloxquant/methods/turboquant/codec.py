@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
+from ...kernels.kivi_decode import token_mix
 from ...quant import codebook as cb
 from ...quant import hadamard
 from ...quant.packed import GROWTH_TOKENS
@@ -274,4 +275,4 @@ class TurboScores:
         if room:
             p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, room)])
         d = t.dim
-        return (p @ self._rows(d)) @ _matrices(t.codec, d)[1]
+        return token_mix(p, self._rows(d)) @ _matrices(t.codec, d)[1]
