@@ -92,3 +92,23 @@ def test_a_decode_through_the_split_equals_the_one_product(method, monkeypatch):
     assert splits, f"{method}: no history product went through token_mix"
     # log-probabilities of ~ln(256) in float32 (an ulp ~5e-7), sums reordered: a few ulps
     assert mx.abs(split - plain).max().item() <= 1e-5
+
+
+def test_the_gpus_pure_path_dequantizes_float16_scales_straight_to_float32(monkeypatch):
+    """Without quantized_matmul (a GPU), packed keys and values are dequantized with their
+    scales and biases in float32: rows come out in float32 (no float16 rounding of each
+    value, no second pass to cast them)."""
+    monkeypatch.setattr(kd, "_pure_path", lambda: "reference")
+    t, d, g = 256, 64, 32
+    w, v = weights_and_rows(t, lead=(1, 2))
+    codes, scales, biases = mx.quantize(v, group_size=g, bits=4)
+    scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+    exact = mx.dequantize(codes, scales.astype(mx.float32), biases.astype(mx.float32), group_size=g, bits=4)
+    mixed = kd.affine_value_mix(w, codes, scales, biases, t, 4, g)
+    assert mx.abs(mixed - w @ exact).max().item() <= 1e-6
+    q = mx.random.normal((1, 2, 4, d), key=mx.random.key(5))
+    k_codes, k_scales, k_biases = mx.quantize(v.swapaxes(-1, -2), group_size=g, bits=4)  # per channel
+    k_scales, k_biases = k_scales.astype(mx.float16), k_biases.astype(mx.float16)
+    keys_t = mx.dequantize(k_codes, k_scales.astype(mx.float32), k_biases.astype(mx.float32), group_size=g, bits=4)
+    scores = kd.affine_key_scores(q, k_codes, k_scales, k_biases, t, 4, g)
+    assert mx.abs(scores - q @ keys_t).max().item() <= 1e-5

@@ -927,8 +927,9 @@ def affine_key_scores(q, codes, scales, biases, count, bits, group_size):
     if _pure_path() == "qmm":
         return mx.quantized_matmul(q, codes, scales, biases, transpose=False,
                                    group_size=group_size, bits=bits)
-    keys_t = dequantize(codes, scales, biases, group_size, bits)
-    return q @ keys_t.astype(mx.float32)
+    # float32 scales: the dequantization writes float32 rows, no second pass to cast them
+    keys_t = dequantize(codes, scales.astype(mx.float32), biases.astype(mx.float32), group_size, bits)
+    return q @ keys_t
 
 
 #: tokens per batch entry of a product over the token axis on CUDA (``token_mix``)
@@ -964,5 +965,5 @@ def affine_value_mix(p, codes, scales, biases, count, bits, group_size):
     if _pure_path() == "qmm":
         return mx.quantized_matmul(p, codes, scales, biases, transpose=False,
                                    group_size=group_size, bits=bits)
-    values = dequantize(codes, scales, biases, group_size, bits)
-    return token_mix(p, values.astype(mx.float32))
+    values = dequantize(codes, scales.astype(mx.float32), biases.astype(mx.float32), group_size, bits)
+    return token_mix(p, values)
