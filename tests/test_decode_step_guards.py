@@ -32,7 +32,6 @@ def test_a_decode_step_reads_no_array_value_on_the_host(method):
 # The step's graph as a ratio to the full cache's (tiny llama, whole model: see
 # benchmarks/notes/decode_graph.md), remeasured on 2026-12-03 after the compiled-pass cuts of that day (minicache, h2o+kivi2: later that day).
 OVER_GRAPH_BOUND = {
-    "vecinfer": 2.48,
     "amc": 3.85,
     "spectral": 3.61,
     # a compiled read and merge (retained tables read unmasked: 1.46 -> 1.43); still: the

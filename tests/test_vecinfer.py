@@ -13,10 +13,10 @@ from veloxquant_mlx.cache.options import VecInferOptions
 from veloxquant_mlx.methods.vecinfer import VecInferCache
 from veloxquant_mlx.quant import vq
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
-from veloxquant_mlx.quant.store import VALUE_ROOM
+from veloxquant_mlx.quant.store import VALUE_ROOM, PackedStore
 from veloxquant_mlx.quant.vq import (CodebookKeys, ProductVQ, index_words, kmeans, pack_indices, relative_error,
                                      unpack_indices)
-from veloxquant_mlx.quant.vq_store import CodebookFit, smoothing_factors
+from veloxquant_mlx.quant.vq_store import CodebookFit, CodebookStore, smoothing_factors
 
 SMALL = dict(key_codebook_bits=6, value_codebook_bits=4)  # fits from a short prompt are lossy
 
@@ -104,25 +104,44 @@ def test_lookup_table_scores_equal_the_scores_of_the_dequantized_keys():
 
 
 def test_a_decode_step_scores_keys_through_lookup_tables_never_rebuilding_the_history(monkeypatch):
+    # The steady-state step (CodebookStore.decode_attention) is held bit for bit to the general
+    # path (commit, then the joint softmax over decode_parts), whose keys are scored by one
+    # lookup_scores call (q~ . C tables gathered by index); neither decodes the coded history.
     keys, values = kv(200)
-    cache = vecinfer(residual_length=16, **SMALL)
-    feed_chunks(cache, keys[:, :, :199], values[:, :, :199], 199)
-    calls = []
-    real = vq.lookup_scores
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(4))
+    k, v = keys[:, :, 199:], values[:, :, 199:]
 
-    def refuse(*a, **k):
+    def refuse(*a, **kw):
         raise AssertionError("a decode step decoded the coded history")
 
     monkeypatch.setattr(ProductVQ, "decode", refuse)
-    monkeypatch.setattr(vq, "lookup_scores", lambda *a: calls.append(a[1].shape) or real(*a))
-    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(4))
-    k, v = keys[:, :, 199:], values[:, :, 199:]
-    cache.update_and_fetch(k, v)
-    out = cache.attend(q, k, v, scale=128**-0.5, mask=None)
-    assert calls == [(1, 2, 184, 32)]  # one table lookup over the 184 coded tokens' 32 sub-spaces
+    outs, states = [], []
+    for general in (True, False):
+        cache = vecinfer(residual_length=16, **SMALL)
+        feed_chunks(cache, keys[:, :, :199], values[:, :, :199], 199)
+        calls = []
+        real = vq.lookup_scores
+        with monkeypatch.context() as m:
+            m.setattr(vq, "lookup_scores", lambda *a: calls.append(a[1].shape) or real(*a))
+            if general:
+                m.setattr(CodebookStore, "decode_attention", PackedStore.decode_attention)
+            else:  # the step reads no index through the general readers
+                for name in ("unpack_indices", "gather_centroids"):
+                    m.setattr(vq, name, refuse)
+            cache.update_and_fetch(k, v)
+            outs.append(cache.attend(q, k, v, scale=128**-0.5, mask=None))
+            mx.eval(outs[-1])
+        # general: one table lookup over the 184 coded tokens' 32 sub-spaces; steady: the
+        # same lookup, gathered from the whole code buffer without lookup_scores
+        assert calls == ([(1, 2, 184, 32)] if general else [])
+        states.append(cache.state["arrays"])
+    assert mx.array_equal(outs[0], outs[1])
+    assert states[0].keys() == states[1].keys()
+    assert all(mx.array_equal(states[0][n], states[1][n]) for n in states[0] if states[0][n] is not None)
     monkeypatch.undo()
     all_k, all_v = cache.dequantized(mx.float32)
     ref = mx.fast.scaled_dot_product_attention(q, all_k, all_v, scale=128**-0.5)
+    out = outs[1]
     assert mx.allclose(out, ref, atol=1e-5, rtol=1e-4), float(mx.abs(out - ref).max())
 
 

@@ -17,7 +17,8 @@ counted in ``nbytes``.
 Attention: a prompt chunk attends over the decoded history plus itself; a decode step over
 one part, keys read through lookup tables (``CodebookKeys``), values through centroids
 gathered by index (``CodebookValues``), the window as the part's full-precision tail: the
-pure-MLX path on every device.
+pure-MLX path on every device. The steady state's step (window full, codebooks fixed) does
+the same arithmetic in a graph of fewer operations (``CodebookStore.decode_attention``).
 
 ``CodebookCache`` is the ``QuantizedCache`` of such methods: its ``sub_dim_fields`` must
 divide head_dim, and the head_dim must admit the rotation where the method rotates.
@@ -31,14 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache.buffers import GrowingArray, RecentRows
 from ..kernels.decode import DecodePart
+from ..kernels.kivi_decode import token_mix
 from .cache import QuantizedCache
 from .packed import GROWTH_TOKENS
 from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, joined_history
 from .vq import (CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, nearest,
-                 pack_with_tables, packing_tables, rotation_problem)
+                 pack_with_tables, packing_tables, rotate, rotation_problem)
 
 SMOOTH_FLOOR = 1e-4  # smallest per-channel smoothing factor
 
@@ -131,6 +134,140 @@ def encode_one(codec: ProductVQ, x: mx.array) -> mx.array:
     return fn(x, codec.centroids, _scale_arg(codec), *packing_tables(n, codec.bits))
 
 
+# -- the steady state's decode step, in few graph nodes ----------------------------------------
+# A decode step of the steady state (the window full, the codebooks fixed) stores its token
+# and attends with the arithmetic that ``commit``, ``decode_parts`` and the joint softmax of
+# ``kernels/decode.py`` perform there, the same operations (matrix products of the same
+# shapes included) on the same values, so that every code, score, probability and output is
+# bit for bit theirs; what changes is the number of operations in the step's graph (issue 30's
+# CPU guard):
+# - indices are read from the whole code buffers (their shapes change only when they grow,
+#   so each compiled pass is traced once per growth) and cut to the coded tokens after the
+#   gather; an index is a sum over its token's words of ``((w >> r) << l) & m`` (its bits in
+#   each word, 0 where it holds none) fused with the gather's offsets in one compiled pass,
+#   with no per-index slice (``unpack_indices``' way);
+# - the keys' lookup (``lookup_scores``) gathers from the flat tables with each query row's
+#   offsets in the index; the values' centroids (``gather_centroids``) are gathered by element;
+# - a codebook is cast to float32, and -2c and c.c formed, in one fused pass shared by the
+#   token's coding and the reads; the queries' scaling and smoothing are one fused pass;
+# - the window's leaving row and its rows after it come from one split of its buffer, and the
+#   probabilities' coded and window parts likewise.
+
+
+@functools.lru_cache(maxsize=None)
+def _bit_tables(n: int, bits: int, rep: int = 1, flat: bool = False) -> tuple[mx.array, ...]:
+    """Where the bits of each of ``n`` packed indices lie in a token's W words: (n * rep, W)
+    uint32 right shifts, left shifts and masks, ``((w >> r) << l) & m`` being the index's bits
+    held by word w (0 where it holds none; the words' parts are disjoint, so their sum is the
+    index). ``rep``: each index's row repeated (one per element it selects); ``flat``: (n * rep,)
+    columns, for one word a token."""
+    w = index_words(n, bits)
+    r, l, m = (np.zeros((n, w), np.uint32) for _ in range(3))
+    for j in range(n):
+        word, shift = divmod(j * bits, 32)
+        low = min(bits, 32 - shift)
+        r[j, word], m[j, word] = shift, (1 << low) - 1
+        if low < bits:  # the rest spills into the next word, from its bit 0
+            l[j, word + 1], m[j, word + 1] = low, ((1 << (bits - low)) - 1) << low
+    return tuple(mx.array(np.repeat(t, rep, axis=0)[:, 0] if flat else np.repeat(t, rep, axis=0))
+                 for t in (r, l, m))
+
+
+@functools.lru_cache(maxsize=None)
+def _key_offsets(b: int, h: int, r: int, n: int, w: int, k: int) -> mx.array:
+    """(B, H, R, 1, n, W) uint32: where query row r's table of sub-space j starts in the flat
+    (B, H, R, n, K) tables, in column 0 (0 in the others: the sum over a token's words adds
+    it once)."""
+    rows = np.arange(b * h * r).reshape(b, h, r, 1, 1) * n
+    out = np.zeros((b, h, r, 1, n, w), np.uint32)
+    out[..., 0] = (rows + np.arange(n)) * k
+    return mx.array(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _value_offsets(n: int, s: int, w: int) -> mx.array:
+    """(n * s, W) uint32: element e's column ``e % s`` of its centroid, in column 0 ((n * s,)
+    for one word a token)."""
+    out = np.zeros((n * s, w), np.uint32)
+    out[:, 0] = np.tile(np.arange(s), n)
+    return mx.array(out[:, 0] if w == 1 else out)
+
+
+@functools.lru_cache(maxsize=None)
+def _column_tables(n: int, bits: int) -> tuple[mx.array, ...]:
+    """``packing_tables`` with the per-index ones as (n, 1) columns."""
+    shift, spill, back, at_word, at_next = packing_tables(n, bits)
+    return shift[:, None], spill[:, None], back[:, None], at_word, at_next
+
+
+def _codebook(centroids):
+    """A codebook in float32 (as ``nearest`` and the readers cast it), -2c and c.c; c.c as
+    (-2c)^2 / 4, exact (powers of two; the centroids are float16), so that the three come
+    from one fused pass."""
+    c = centroids.astype(mx.float32)
+    m2c = -2.0 * c
+    return c, m2c, m2c * m2c * 0.25
+
+
+def _queries(queries, lam, scale: float, scaled: bool):
+    """The step's scaled float32 queries (B, H, R, D), as the joint softmax scales them, and
+    q * lambda, ``ProductVQ.query_to_code_space`` before its rotation."""
+    q = queries.astype(mx.float32) * scale
+    return q, (q * lam if scaled else q)
+
+
+def _encode(x, m2c, sq, lam, shift, spill, back, at_word, at_next, scaled: bool, rotated: bool):
+    """``ProductVQ.encode`` of one token (B, H, 1, D) from its codebook's -2c and c.c:
+    ``to_code_space``, ``nearest``'s [y, 1] [-2c | c.c]^T and argmin, ``pack_with_tables``."""
+    y = x.astype(mx.float32)
+    if scaled:
+        y = y / lam
+    if rotated:
+        y = rotate(y)
+    b, h, _, d = y.shape
+    s = m2c.shape[1]
+    ext = mx.concatenate([m2c, sq.sum(axis=-1, keepdims=True)], axis=1).T  # (s+1, K)
+    flat = mx.pad(y.reshape(-1, s), [(0, 0), (0, 1)], constant_values=1.0)
+    idx = mx.argmin(flat @ ext, axis=-1, keepdims=True).astype(mx.uint32).reshape(b, h, d // s, 1)
+    low = idx << shift
+    high = mx.where(spill, idx >> back, 0).astype(mx.uint32)
+    return (low * at_word + high * at_next).sum(axis=-2, keepdims=True).astype(mx.uint32)
+
+
+def _key_index(words, r, l, m, off):
+    """Flat indices (B, H, R, rows, n, 1) into the step's lookup tables of the whole key code
+    buffer (B, H, rows, W): each token's indices plus their query row's table offsets (one
+    word a token: no sum)."""
+    if words.shape[-1] == 1:
+        return (((words[:, :, None, :, :, None] >> r) << l) & m) + off
+    w = words[:, :, None, :, None, :]
+    return ((((w >> r) << l) & m) + off).sum(axis=-1, keepdims=True)
+
+
+def _value_index(words, r, l, m, s, off):
+    """Flat centroid indices (B, H, rows, n * s) of the whole value code buffer: element e of a
+    token reads centroid ``idx[e // s]``'s column ``e % s`` (one word a token: no sum)."""
+    if words.shape[-1] == 1:  # the tables as (n * s,) rows
+        return ((((words >> r) << l) & m) * s) + off
+    w = words[:, :, :, None, :]
+    return (((((w >> r) << l) & m) * s) + off).sum(axis=-1)
+
+
+_codebook_fn = mx.compile(_codebook)
+_key_index_fn = mx.compile(_key_index)
+_value_index_fn = mx.compile(_value_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _queries_fn(scale: float, scaled: bool):
+    return mx.compile(functools.partial(_queries, scale=scale, scaled=scaled))
+
+
+@functools.lru_cache(maxsize=None)
+def _encode_step_fn(scaled: bool, rotated: bool):
+    return mx.compile(functools.partial(_encode, scaled=scaled, rotated=rotated))
+
+
 class CodebookStore(PackedStore):
     def __init__(self, window: int, fit: CodebookFit, codecs: tuple[ProductVQ, ProductVQ] | None = None):
         self.window, self.fitter = window, fit
@@ -185,6 +322,49 @@ class CodebookStore(PackedStore):
             k_all, v_all = mx.contiguous(k_all[:, :, n_old:]), mx.contiguous(v_all[:, :, n_old:])
         self.k_win.reset(k_all if k_all.shape[2] else None)
         self.v_win.reset(v_all if v_all.shape[2] else None)
+
+    def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
+        """A decode step. In the steady state (the window full, the codebooks fixed) the token
+        is stored and the step attended in few graph nodes (see above), bit for bit what
+        ``commit`` and the joint softmax over ``decode_parts`` give; otherwise through them."""
+        if not (keys.shape[2] == 1 and self.window and self.key_codec is not None
+                and self.k_win.held == self.window and self.dims is not None):
+            return super().decode_attention(queries, keys, values, scale=scale, use_kernel=use_kernel)
+        kc, vc = self.key_codec, self.value_codec
+        (d_k, d_v), (b, hq) = self.dims, queries.shape[:2]
+        h = keys.shape[1]
+        r, n_k, n_v, s_k, s_v = hq // h, d_k // kc.sub_dim, d_v // vc.sub_dim, kc.sub_dim, vc.sub_dim
+        k_c32, k_m2c, k_sq = _codebook_fn(kc.centroids)
+        v_c32, v_m2c, v_sq = _codebook_fn(vc.centroids)
+        # the token leaving the window, coded
+        self.k_win.append(keys)
+        self.v_win.append(values)
+        (k_old, k_tail), (v_old, v_tail) = self.k_win.pop_front_and_view(1), self.v_win.pop_front_and_view(1)
+        lam = _scale_arg(kc)
+        self.k_codes.append(_encode_step_fn(kc.scale is not None, kc.rotated)(
+            k_old, k_m2c, k_sq, lam, *_column_tables(n_k, kc.bits)))
+        self.v_codes.append(_encode_step_fn(vc.scale is not None, vc.rotated)(
+            v_old, v_m2c, v_sq, _scale_arg(vc), *_column_tables(n_v, vc.bits)))
+        count = self.count
+        # scores: the coded keys through lookup tables (q~ . C per sub-space), then the window's
+        q, qt = _queries_fn(scale, kc.scale is not None)(queries.reshape(b, h, r, d_k), lam)
+        if kc.rotated:
+            qt = rotate(qt)
+        tables = (qt.reshape(-1, s_k) @ k_c32.T).reshape(-1)  # (B*H*R*n*K,)
+        words = self.k_codes.buffer
+        at = _key_index_fn(words, *_bit_tables(n_k, kc.bits),
+                           _key_offsets(b, h, r, n_k, words.shape[-1], k_c32.shape[0]))
+        coded = mx.take(tables, at).sum(axis=(-2, -1))[..., :count]
+        window = q @ k_tail.astype(mx.float32).swapaxes(-1, -2)
+        p_coded, p_window = mx.split(mx.softmax(mx.concatenate([coded, window], axis=-1), axis=-1),
+                                     [count], axis=-1)
+        # values: centroids gathered by index, then the window's rows
+        words = self.v_codes.buffer
+        at = _value_index_fn(words, *_bit_tables(n_v, vc.bits, s_v, words.shape[-1] == 1), s_v,
+                             _value_offsets(n_v, s_v, words.shape[-1]))
+        v_rows = mx.take(v_c32.reshape(-1), at)[:, :, :count]
+        o = token_mix(p_coded, v_rows) + token_mix(p_window, v_tail.astype(mx.float32))
+        return o.reshape(queries.shape).astype(queries.dtype)
 
     # -- reading --------------------------------------------------------------------------
     def history(self, dtype) -> tuple[mx.array | None, mx.array | None]:

@@ -31,7 +31,8 @@ scores keys in the score domain: ``q~ = (q * lambda) H`` once per step, a table
 ``q~_j . C_K`` per sub-space, then a gather by index and a sum (``CodebookKeys``); values
 are centroids gathered by index (``CodebookValues``); the window is the part's
 full-precision tail. Everything takes the pure-MLX path, on every device: no fused
-kernel reads codebooks (the paper's CUDA kernels are not ported). CPU time of the
+kernel reads codebooks (the paper's CUDA kernels are not ported); the steady state's step
+takes that arithmetic in few graph operations (``quant/vq_store.py``). CPU time of the
 lookup-table scores against dequantize-then-attend: ``benchmarks/vq_decode_cpu.py``
 (results in ``benchmarks/results/vq_decode_cpu.md``).
 
