@@ -16,9 +16,10 @@ from feeding import feed, prompt_then_steps, synthetic_kvq
 from paper_rule import evict_every_step, no_recent_floor  # noqa: F401  (fixtures)
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import H2OOptions, KeyformerOptions
+from veloxquant_mlx.evict.prng import MASK64, mix64
 from veloxquant_mlx.methods import keyformer as keyformer_module
 from veloxquant_mlx.methods.h2o import H2OCache
-from veloxquant_mlx.methods.keyformer import KeyformerCache, noise_key
+from veloxquant_mlx.methods.keyformer import KeyformerCache, gumbel_noise, noise_stream
 
 # these tests replay the papers' rules: a token leaves at every decode step
 pytestmark = pytest.mark.usefixtures("evict_every_step")
@@ -109,12 +110,31 @@ def test_without_noise_at_tau_1_the_selection_is_h2os_cumulative_softmax_top_k()
     assert len(checked) == n - 119 and kf.stored_length == budget
 
 
-def _simulate(k, q, n_prompt, chunk, budget, sink, recent, seed, layer, tau, elements):
+def _fmix32(h):
+    """murmur3's 32-bit finaliser, in numpy (arrays: their products wrap silently)."""
+    h = np.atleast_1d(np.asarray(h, np.uint32))
+    h = (h ^ (h >> np.uint32(16))) * np.uint32(0x85EBCA6B)
+    h = (h ^ (h >> np.uint32(13))) * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _zeta(seed, layer, head, q_position, k_positions):
+    """The documented noise, in numpy: -log(-log(u)) for u from a hash of (seed, layer, query
+    head, query position, key position), float32 as the cache computes it."""
+    s = mix64(mix64(seed & MASK64) ^ layer)
+    row = _fmix32(_fmix32(np.uint32(head) ^ np.uint32(s & 0xFFFFFFFF)) ^ np.uint32(q_position))
+    col = _fmix32(np.asarray(k_positions).astype(np.uint32) ^ np.uint32(s >> 32))
+    h = ((row ^ col) * np.uint32(0x85EBCA6B)) | np.uint32(1)
+    u = h.astype(np.float32) * np.float32((1 - 2.0**-24) * 2.0**-32)
+    return -np.log(np.maximum(-np.log(u), np.float32(2.0**-25)))
+
+
+def _simulate(k, q, n_prompt, chunk, budget, sink, recent, seed, layer, tau):
     """Naive Keyformer, per head, on the slot layout the cache uses (an evicted token's slot
     takes the next token; the prompt's end keeps the top tokens in position order). Noise is
-    drawn per block of queries (at most ``elements`` logits) with the documented keys,
-    noise_key(seed, layer, the block's first query position), shape (B, Hkv, G, block
-    queries, slots). Returns the kept positions per head after every step."""
+    the documented formula per logit (``_zeta``): (seed, layer, query head, query position,
+    key position), whatever the cache's blocks. Returns the kept positions per head after
+    every step."""
     kn, qn = np.array(k[0], np.float32), np.array(q[0], np.float32)
     slots = [[] for _ in range(HKV)]
     score = [[] for _ in range(HKV)]
@@ -135,16 +155,13 @@ def _simulate(k, q, n_prompt, chunk, budget, sink, recent, seed, layer, tau, ele
             slots[h] += new
             score[h] += [0.0] * len(new)
         rows = len(slots[0])
-        block = max(1, min(256, elements // (HKV * GROUP * rows)))
-        noise = np.concatenate([
-            np.array(mx.random.gumbel((1, HKV, GROUP, min(block, n - b0), rows), key=noise_key(seed, layer, p0 + b0)))
-            for b0 in range(0, n, block)], axis=3)
         for h in range(HKV):
             pos = np.array(slots[h])
             for g in range(GROUP):
                 for i in range(n):
                     x = qn[h * GROUP + g, p0 + i] @ kn[h, pos].T * SCALE
-                    z = np.where(pos <= p0 + i, (x + noise[0, h, g, i]) / tau(step), -np.inf)
+                    zeta = _zeta(seed, layer, h * GROUP + g, p0 + i, pos)
+                    z = np.where(pos <= p0 + i, (x + zeta) / tau(step), -np.inf)
                     e = np.exp(z - z.max())
                     for j, f in enumerate(e / e.sum()):
                         score[h][j] += f
@@ -167,7 +184,7 @@ def _simulate(k, q, n_prompt, chunk, budget, sink, recent, seed, layer, tau, ele
 def test_accumulated_gumbel_scores_match_a_step_by_step_simulation(sink, recent, seed, elements, monkeypatch):
     """Noise on, tau annealed from 0.5 to 2 over 12 steps: the cache's kept tokens after the
     prompt and after every decode step equal the naive simulation's (600 logits a block:
-    prompt chunks are scored a few queries at a time, each block with its own noise)."""
+    prompt chunks are scored a few queries at a time; the noise is per logit either way)."""
     monkeypatch.setattr(keyformer_module, "SCORE_ELEMENTS", elements)
     n_prompt, n, budget, layer = 60, 110, 24, 3
     k, v, q = synthetic(n, seed=4)
@@ -175,7 +192,7 @@ def test_accumulated_gumbel_scores_match_a_step_by_step_simulation(sink, recent,
                 keyformer_seed=seed, keyformer_tau_init=0.5, keyformer_tau_end=2.0,
                 keyformer_anneal_steps=12)
     cache = KeyformerCache(KVCacheConfig(options=KeyformerOptions(**opts)), layer=layer)
-    expected = iter(_simulate(k, q, n_prompt, 25, budget, sink, recent, seed, layer, cache.tau, elements))
+    expected = iter(_simulate(k, q, n_prompt, 25, budget, sink, recent, seed, layer, cache.tau))
     got = []
     run(cache, k, v, q, n_prompt, chunk=25, after_each=lambda c, seen: got.append(kept_sets(c)))
     for mine, naive in zip(got, expected):
@@ -251,10 +268,114 @@ def test_the_decode_step_uses_the_annealed_temperature():
     assert float(diff) > 1e-3  # tau_1 = 1 + 2/3 against 1 + 2/30
 
 
-def test_noise_keys_differ_per_seed_layer_and_step_and_draw_standard_gumbel_noise():
-    keys = {tuple(noise_key(s, l, p).tolist()) for s in (0, 1, -1) for l in (0, 1, 2) for p in (0, 1, 4095)}
-    assert len(keys) == 27
-    assert mx.array_equal(noise_key(-1, 2, 7), noise_key(-1, 2, 7))
-    zeta = mx.random.gumbel((200_000,), key=noise_key(0, 0, 0))
-    assert abs(float(zeta.mean()) - 0.5772) < 0.01  # Euler's constant
-    assert abs(float(zeta.var()) - 3.14159**2 / 6) < 0.03
+def _noise(seed=0, layer=0, heads=4, n=512):
+    """The noise of ``heads`` query heads x n queries x n keys at positions 0 .. n - 1, float64."""
+    positions = mx.arange(n)
+    z = gumbel_noise(noise_stream(seed, layer, 1, heads), positions, positions[None, None])
+    return np.array(z[0], np.float64)
+
+
+def test_the_noise_is_standard_gumbel_and_uncorrelated_between_neighbours():
+    """2**20 draws (4 heads x 512 queries x 512 keys): mean, variance, Kolmogorov-Smirnov
+    distance and neighbour correlations within what that many i.i.d. Gumbel(0, 1) draws give
+    (6 standard errors; KS at its 1% critical value)."""
+    z = _noise()
+    n = z.size
+    assert n >= 1_000_000 and np.isfinite(z).all()
+    euler, var = 0.5772156649, np.pi**2 / 6
+    assert abs(z.mean() - euler) < 6 * np.sqrt(var / n)
+    # the sample variance's standard error: sigma^2 sqrt((kurtosis - 1) / n), Gumbel's kurtosis 5.4
+    assert abs(z.var() - var) < 6 * var * np.sqrt(4.4 / n)
+    x = np.sort(z.ravel())
+    cdf = np.exp(-np.exp(-x))
+    ks = max((np.arange(1, n + 1) / n - cdf).max(), (cdf - np.arange(n) / n).max())
+    assert ks < 1.63 / np.sqrt(n)
+    bound = 6 / np.sqrt(n)
+    for a, b in [(z[:, :, :-1], z[:, :, 1:]),  # (q, k) against (q, k + 1)
+                 (z[:, :-1, :], z[:, 1:, :]),  # (q, k) against (q + 1, k)
+                 (z[:, :-1, :-1], z[:, 1:, 1:]),  # (q, k) against (q + 1, k + 1)
+                 (z[:-1], z[1:])]:  # neighbouring heads
+        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < bound
+
+
+def test_the_seed_and_the_layer_change_the_noise_and_nothing_else_does():
+    base = _noise(seed=0, layer=0, heads=2, n=256)
+    assert np.array_equal(base, _noise(seed=0, layer=0, heads=2, n=256))
+    for other in (_noise(seed=1, layer=0, heads=2, n=256), _noise(seed=-1, layer=0, heads=2, n=256),
+                  _noise(seed=0, layer=1, heads=2, n=256)):
+        assert (base != other).mean() > 0.999
+        assert abs(np.corrcoef(base.ravel(), other.ravel())[0, 1]) < 6 / np.sqrt(base.size)
+    # a logit's noise is its own, whatever else is asked for at the same time
+    part = gumbel_noise(noise_stream(0, 0, 1, 2), mx.arange(100, 110), mx.array([[[3, 200, 7]]]))
+    assert np.array_equal(np.array(part[0], np.float64), base[:, 100:110][:, :, [3, 200, 7]])
+
+
+def test_the_scores_are_the_noisy_softmax_of_the_documented_noise(monkeypatch):
+    """The fused pass adds ``gumbel_noise`` to every logit: the scores after a chunked prompt
+    (a few queries a block) equal sum softmax((x + zeta) / tau) with that noise."""
+    monkeypatch.setattr(keyformer_module, "SCORE_ELEMENTS", 600)
+    n, tau, seed, layer = 90, 0.7, 5, 2
+    k, v, q = synthetic(n, seed=9)
+    cache = KeyformerCache(KVCacheConfig(options=KeyformerOptions(
+        keyformer_budget=512, keyformer_tau=tau, keyformer_seed=seed)), layer=layer)
+    for start in range(0, n, 40):
+        feed(cache, k, v, q, start, min(n, start + 40))
+    positions = mx.arange(n)
+    zeta = gumbel_noise(noise_stream(seed, layer, 1, HKV * GROUP), positions, positions[None, None])
+    x = (q * SCALE) @ mx.repeat(k, GROUP, axis=1).swapaxes(-1, -2)  # (1, Hq, n, n)
+    x = mx.where(positions[None] <= positions[:, None], (x + zeta) / tau, -float("inf"))
+    expected = mx.softmax(x, axis=-1).reshape(1, HKV, GROUP, n, n).sum(axis=(2, 3))[0]
+    assert mx.allclose(cache.store.view("score")[0], expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("elements", [2**21, 600])
+@pytest.mark.parametrize("chunk", [47, 13])
+def test_the_scores_do_not_depend_on_the_block_size_or_the_chunking(chunk, elements, monkeypatch):
+    """Noise on, evictions on: two block sizes and two prompt chunkings against one chunk in
+    big blocks give the same scores (to float rounding: the sums run in another order) and
+    the same kept tokens after the prompt and after every decode step."""
+    n_prompt, n = 94, 130
+    k, v, q = synthetic(n, seed=10)
+    opts = KeyformerOptions(keyformer_budget=40, keyformer_n_sink=2, keyformer_seed=3, keyformer_tau=0.8)
+    history = {}
+    for key in ("reference", "other"):
+        if key == "other":
+            monkeypatch.setattr(keyformer_module, "SCORE_ELEMENTS", elements)
+        cache = KeyformerCache(KVCacheConfig(options=opts), layer=1)
+        seen = history[key] = []
+        run(cache, k, v, q, n_prompt, chunk=n_prompt if key == "reference" else chunk,
+            after_each=lambda c, _: seen.append((kept_sets(c), np.array(c.store.view("score")[0]))))
+    assert len(history["reference"]) == len(history["other"]) == n - n_prompt + 1
+    for (kept_a, score_a), (kept_b, score_b) in zip(history["reference"], history["other"]):
+        assert kept_a == kept_b
+        np.testing.assert_allclose(score_a, score_b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_uniform_is_never_0_or_1_and_the_noise_is_finite_at_the_hash_extremes():
+    """u = float32(h | 1) * (1 - 2**-24) / 2**32 for h = (row ^ column) * M: h = 0 and
+    h = 2**32 - 1 (the row ^ column that M maps there) give finite noise at Gumbel's two
+    ends, -log(-log(u)) for u = 2**-32 (1 - 2**-24) and u = 1 - 2**-24."""
+    m_inverse = pow(0x85EBCA6B, -1, 2**32)
+    rows = mx.array([0, 0, 0, 7], mx.uint32)
+    cols = mx.array([0, m_inverse * 0xFFFFFFFF % 2**32, m_inverse * 0x80000000 % 2**32, 7], mx.uint32)
+    zeta = np.array(keyformer_module._zeta(rows, cols), np.float64)
+    u = np.array([2.0**-32 * (1 - 2.0**-24), 1 - 2.0**-24, 0.5 * (1 - 2.0**-24), 2.0**-32 * (1 - 2.0**-24)])
+    np.testing.assert_allclose(zeta, -np.log(-np.log(u)), rtol=1e-5)
+    assert np.isfinite(zeta).all() and zeta.min() > -3.2 and zeta.max() < 16.7
+
+
+def test_a_prompt_blocks_noise_is_one_fused_kernel_over_the_logits():
+    """The noisy, scaled, masked logits of a prompt block come from one compiled kernel (MLX
+    fuses at most 11 chained ops): no full-size intermediate besides the logits."""
+    import io
+    import re
+
+    n = 64
+    k, v, q = synthetic(n, seed=11)
+    positions = mx.broadcast_to(mx.arange(n)[None, None], (1, HKV, n))
+    mass = keyformer_module.gumbel_mass(q, k, SCALE, 0, positions, 0.7, noise_stream(0, 0, 1, HKV * GROUP, HKV))
+    dot = io.StringIO()
+    mx.export_to_dot(dot, mass)
+    kernels = [name for name in re.findall(r'label ="([A-Za-z]+)', dot.getvalue()) if name.startswith("Compiled")]
+    with_logs = [name for name in kernels if "Log" in name]
+    assert len(with_logs) == 1 and "Select" in with_logs[0] and "Divide" in with_logs[0], kernels

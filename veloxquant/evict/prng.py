@@ -2,7 +2,8 @@
 
 A draw depends only on the seed, the layer and the step's position, never on MLX's
 global seed or on what was drawn before, so a saved, loaded or copied cache draws what
-a fresh one would. The hash is splitmix64's finaliser (keyformer's noise and cam's gate draw from it).
+a fresh one would. The hash is splitmix64's finaliser (cam's gate draws from ``step_key``;
+keyformer keys its per-logit position hash with ``mix64``).
 """
 
 from __future__ import annotations

@@ -20,11 +20,24 @@ Temperature at step t (0 for the prompt, then 1, 2, ... for the decode steps aft
 ``keyformer_tau`` when set; else tau_init + (tau_end - tau_init) * min(t, A) / A for
 A = ``keyformer_anneal_steps`` > 0; else tau_init (tau_end then has no effect).
 
-Noise comes from explicit MLX PRNG keys, never the global seed: each block of queries
-draws with ``mx.random.key`` of a hash of ``keyformer_seed``, the layer and the position
-of the block's first query (at a decode step, its token's position). It depends only on
-the seed, the layer and the step, so a saved, loaded or copied cache draws what a fresh
-one would.
+Noise is a counter-based hash of the positions, never MLX's global seed or PRNG: zeta of a
+logit is -log(-log(u)) for u in (0, 1), never 0 or 1, from a 32-bit hash of its sequence
+row and query head (numbered b * Hq + h), query position and key position, keyed by
+``keyformer_seed`` and the layer. With r and c the halves of splitmix64's finaliser of
+(seed, layer) and fmix32 murmur3's finaliser: row = fmix32(fmix32(head ^ r) ^ query
+position), column = fmix32(key position ^ c), h = (row ^ column) * 0x85EBCA6B and
+u = float32(h | 1) * (1 - 2**-24) / 2**32. It is computed elementwise in the compiled
+pass that scales and masks a block's logits (``gumbel_mass``: one kernel, no full-size
+intermediate besides the logits), and is i.i.d. Gumbel(0, 1) per sequence, query head,
+query and key as in the paper (the tests check its moments, its Kolmogorov-Smirnov
+distance and its neighbours' correlations over 2**20 draws). It replaced
+``mx.random.gumbel`` draws per block of queries (a threefry draw per logit, its bits,
+uniforms and logs each a full-size pass), which were the prefill's cost
+(benchmarks/notes/prefill.md). A logit's
+noise depends only on the seed, the layer and its coordinates, so the scores do not depend
+on the block size (``SCORE_ELEMENTS``) or on how the prompt is chunked (a decode step's
+query gets the same formula at its position), and a saved, loaded or copied cache draws
+what a fresh one would.
 
 Adapted: an absolute budget and protected sinks instead of the paper's prompt percentages
 (kv_cache 60%, recent 30%); the anneal runs over ``keyformer_anneal_steps`` instead of
@@ -35,38 +48,135 @@ nothing is un-rotated or re-rotated for scoring.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
+import numpy as np
 
 from ..evict.attention import reduce_query_blocks
 from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
-from ..evict.prng import step_key
+from ..evict.prng import MASK64, mix64
 
 SCORE_ELEMENTS = 2**21  # logits per scoring block (8 MiB in float32)
-noise_key = step_key  # the noise of the query block that starts at a position
 
 
-def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, key_at=None) -> mx.array:
+def _fmix32(h: mx.array) -> mx.array:
+    """murmur3's 32-bit finaliser on uint32: a bijection, every output bit depends on every input bit."""
+    h = (h ^ (h >> 16)) * 0x85EBCA6B
+    h = (h ^ (h >> 13)) * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+def _fmix32_int(h: int) -> int:
+    """``_fmix32`` on a Python int."""
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@functools.lru_cache(maxsize=1024)
+def noise_stream(seed: int, layer: int, b: int, hq: int, hkv: int | None = None) -> tuple[mx.array, mx.array]:
+    """A layer's noise keys: splitmix64's finaliser of (seed, layer) (as ``evict/prng.py``
+    hashes) gives a 32-bit row key r and column key c; the keys are fmix32(head ^ r) for the
+    query heads numbered b * Hq + h, shaped (B, Hkv, Hq / Hkv, 1, 1) (``hkv``) or (B, Hq, 1, 1),
+    and c, uint32. Host arithmetic, cached: a decode step builds no op for them."""
+    s = mix64(mix64(seed & MASK64) ^ layer)
+    heads = [_fmix32_int(h ^ (s & 0xFFFFFFFF)) for h in range(b * hq)]
+    shape = (b, hq, 1, 1) if hkv is None else (b, hkv, hq // hkv, 1, 1)
+    return mx.array(np.array(heads, np.uint32).reshape(shape)), mx.array(s >> 32, mx.uint32)
+
+
+def _row_hash(head_keys, q_positions):
+    """A hash per (sequence row and query head, query position): distinct per position."""
+    return _fmix32(head_keys ^ q_positions.astype(mx.uint32))
+
+
+def _col_hash(col_key, k_positions):
+    """A hash per key position: distinct per position."""
+    return _fmix32(k_positions.astype(mx.uint32) ^ col_key)
+
+
+_U = (1 - 2.0**-24) * 2.0**-32  # (h | 1) * _U for a uint32 h: in [2**-32, 1 - 2**-24], never 0 or 1
+
+
+def _log_e(rows, cols):
+    """log(E) for E = -log(u) ~ Exp(1), so that zeta = -log(E) ~ Gumbel(0, 1), from a logit's
+    row and column hashes: h = (rows ^ cols) * an odd constant, u = float32(h | 1) *
+    (1 - 2**-24) / 2**32, in (0, 1) and never 0 or 1 (float32 keeps h's 24 leading bits).
+    -log(u) is at least 2**-24 where log is exact near 1; the floor of 2**-25 is for a
+    fast-math log that returns 0 there. log, not log1p: MLX's CPU vectorizes log, not log1p."""
+    u = (((rows ^ cols) * 0x85EBCA6B) | 1).astype(mx.float32) * _U
+    return mx.log(mx.maximum(-mx.log(u), 2.0**-25))
+
+
+def _noisy(x, rows, cols, tau):
+    """(x + zeta) / tau, one kernel: MLX fuses chains of at most 11 ops (compile.cpp's
+    max_compile_depth), and this is 11: xor, *, |, astype, *, log, -, max, log, -, /."""
+    return (x - _log_e(rows, cols)) / tau
+
+
+def _noisy_causal(x, rows, cols, tau, k_positions, q_positions):
+    """``_noisy`` where the key is at most at the query's position, -inf elsewhere; the mask
+    is taken on x's side of the sum, off the noise's chain, so that it stays one kernel."""
+    return (mx.where(k_positions <= q_positions, x, -float("inf")) - _log_e(rows, cols)) / tau
+
+
+def _zeta(rows, cols):
+    return -_log_e(rows, cols)
+
+
+# A prompt's blocks are traced per shape: a shapeless trace broadcasts both operands of every
+# binary op, which doubles the chain and splits it into 4 kernels with a full-size
+# intermediate each; traced per shape, one kernel reads the block's logits and writes the
+# noisy ones. A decode step (one query, one key more every step) is traced shapeless, once
+# for all steps: its block is one row per head.
+_noisy_block, _noisy_causal_block = mx.compile(_noisy), mx.compile(_noisy_causal)
+_noisy_step = mx.compile(_noisy, shapeless=True)
+_row_hash, _col_hash = (mx.compile(f, shapeless=True) for f in (_row_hash, _col_hash))
+
+
+def gumbel_noise(stream, q_positions, k_positions) -> mx.array:
+    """The noise the scores add, (B, Hq, N, n) float32: zeta of each query head (sequence row
+    b, head h), the query at ``q_positions`` (N,) and the key at ``k_positions`` (B, Hq or 1,
+    n), for ``stream = noise_stream(seed, layer, B, Hq)`` (the formula ``gumbel_mass`` fuses;
+    for tests)."""
+    rows = _row_hash(stream[0], q_positions[:, None])
+    return _zeta(rows, _col_hash(stream[1], k_positions[:, :, None]))
+
+
+def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, stream=None) -> mx.array:
     """sum over queries and a KV group's heads of softmax((x + zeta) / tau): (B, Hkv, n).
 
     queries (B, Hq, N, D) at positions q_start .. q_start + N - 1; keys (B, Hkv, n, D) at
-    ``k_positions`` (B, Hkv, n); ``key_at(position)`` gives the noise key of the block of
-    queries starting at that position (None: no noise, softmax(x / tau)). A key a query
-    cannot see adds 0 (keys are at most at the last query's position). Blocks hold at most
-    SCORE_ELEMENTS logits, one block at a time (``reduce_query_blocks``); the noise of a
-    block is drawn from its first query's position, so the block size is kept fixed.
+    ``k_positions`` (B, Hkv, n); ``stream``: ``noise_stream(seed, layer, B, Hq, Hkv)``, the noise's keys
+    (None: no noise, softmax(x / tau)). zeta of a logit is a hash of its sequence row,
+    query head, query position and key position (``gumbel_noise``), so the mass does not
+    depend on the block size. A key a query cannot see adds 0 (keys are at most at the last
+    query's position). Blocks hold at most SCORE_ELEMENTS logits, one block at a time
+    (``reduce_query_blocks``).
     """
     b, hq, n_queries, d = queries.shape
     hkv = keys.shape[1]
     k = keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
+    if stream is not None:
+        cols = _col_hash(stream[1], k_positions[:, :, None, None, :])  # (B, Hkv, 1, 1, n)
+        tau_array = mx.array(tau, mx.float32)
 
     def block(q, start, stop):
         q = q.reshape(b, hkv, hq // hkv, stop - start, d).astype(mx.float32)
         x = (q * scale) @ k  # (B, Hkv, G, block, n)
-        if key_at is not None:
-            x = x + mx.random.gumbel(x.shape, key=key_at(q_start + start))
-        x = x if tau == 1 else x / tau
-        if start < n_queries - 1:  # the last query (a decode step's only one) sees every key
+        causal = start < n_queries - 1  # the last query (a decode step's only one) sees every key
+        if causal or stream is not None:
             q_positions = mx.arange(q_start + start, q_start + stop)[:, None]
+        if stream is not None:
+            rows = _row_hash(stream[0], q_positions)  # (B, Hkv, G, block, 1)
+            if causal:
+                x = _noisy_causal_block(x, rows, cols, tau_array, k_positions[:, :, None, None, :], q_positions)
+            else:
+                x = (_noisy_step if n_queries == 1 else _noisy_block)(x, rows, cols, tau_array)
+            return mx.softmax(x, axis=-1, precise=True).sum(axis=(2, 3))
+        x = x if tau == 1 else x / tau
+        if causal:
             x = mx.where(k_positions[:, :, None, None, :] <= q_positions, x, -float("inf"))
         return mx.softmax(x, axis=-1, precise=True).sum(axis=(2, 3))
 
@@ -80,10 +190,11 @@ class KeyformerCache(ScoredEvictionCache):
     recent_floor = RECENT_FLOOR  # the contract's default recent window is 0 (module docstring)
     state_from_queries = True
     gumbel_noise = True  # False (tests only): score with softmax(x / tau), no noise
-    batchable = "per_sequence"  # its noise keys take the offset as a number (packed: one per sequence)
+    batchable = "per_sequence"  # its noise positions take the offset as a number (packed: one per sequence)
 
-    def noise_key(self, position: int) -> mx.array:
-        return noise_key(self.options.keyformer_seed, self.layer, position)
+    def noise_stream(self, queries, keys) -> tuple[mx.array, mx.array]:
+        b, hq = queries.shape[:2]
+        return noise_stream(self.options.keyformer_seed, self.layer, b, hq, keys.shape[1])
 
     def tau(self, step: int) -> float:
         o = self.options
@@ -99,7 +210,7 @@ class KeyformerCache(ScoredEvictionCache):
         step = 0 if prompt else self.decode_steps + 1  # the base counts this step after observe
         mass = gumbel_mass(
             inputs.queries, inputs.keys, inputs.scale, self.offset - inputs.n_new, inputs.positions,
-            self.tau(step), self.noise_key if self.gumbel_noise else None,
+            self.tau(step), self.noise_stream(inputs.queries, inputs.keys) if self.gumbel_noise else None,
         )
         self.store.update("score", inputs.state("score") + mass)
 
