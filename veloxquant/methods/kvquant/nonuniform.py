@@ -21,9 +21,11 @@ encoding, rotated again when read.
 Reading: ``NonUniformScores`` (the ``PackedScores`` protocol of ``kernels/decode.py``)
 is the one pass a decode step makes over the packed run, compiled as one graph
 (``_dense_graph``): every bit plane unpacked at once, per group a table of its codebook's
-centroids scaled and offset (``c * rho + o``, 2^bits entries) read by index with one
-gather, the outlier table scattered over that tile, pre-RoPE keys rotated back (one
-reversed view of the channel halves), then ``q K^T`` or ``p V`` as one matrix product.
+centroids scaled and offset (``c * rho + o``, 2^bits entries) read by index (one gather
+on the CPU, a fused chain of selects on CUDA: ``_table_read``), the outlier table
+scattered over that tile, pre-RoPE keys rotated back (one reversed view of the channel
+halves), then ``q K^T`` or ``p V`` as one matrix product (``p V`` cut along the tokens
+on CUDA: ``kernels/kivi_decode.token_mix``).
 It reads
 the packed form directly: the history is never decoded into the model's dtype, nor
 concatenated with the other parts. No fused GPU kernel reads codebooks, so this is the
@@ -339,7 +341,7 @@ def _table_read(table: mx.array, codes: mx.array) -> mx.array:
 def _dense_graph(how: _Read, planes, books, ranges, offsets, along, across, *extra):
     """The reconstruction (``NonUniformTokens.dense``), float32: every bit plane unpacked
     at once; per unit (group) a table of its codebook's centroids scaled and offset,
-    ``c * rho + o`` (2^bits entries, at most the group's), read by index with one gather
+    ``c * rho + o`` (2^bits entries, at most the group's), read by index (``_table_read``)
     (``c[idx] * rho + o`` exactly); the outliers written over that; pre-RoPE keys rotated back with one reversed
     view of the channel halves (or pairs)."""
     extra, g = list(extra), how.group
