@@ -3,7 +3,8 @@ generation.
 
 A random-weight llama (no download), prompts prefilled the way mlx-lm does it (2048-token
 chunks, then the last token alone), then single-token decode steps, the methods taking
-turns (rounds x steps each) so that the machine's drift hits them alike. Steps run the way
+turns (rounds x steps each, after ``--warmup-rounds`` untimed ones) so that the machine's
+drift hits them alike. Steps run the way
 mlx-lm's ``generate_step`` runs them (``--timing overlapped``, the default: the next step's
 graph is built while the device runs this one, so a cache that reads a value on the host
 while building a step shows as a slower token); ``--timing completed`` times each step to
@@ -241,6 +242,9 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--steps", type=int, default=8, help="decode steps per method per round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of interleaved timing")
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="untimed interleaved rounds before the timed ones (a round's steps share "
+                         "one overlapped figure, so a slow first round moves the median)")
     ap.add_argument("--prefill-repeats", type=int, default=2,
                     help="warm prefills per method after its first (the median is reported)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS),
@@ -290,6 +294,8 @@ def main() -> None:
                 results.append({"method": name, "context": context, "error": f"{type(exc).__name__}: {exc}",
                                 "traceback": traceback.format_exc(limit=4)})
                 print(f"  {name:30s} {context:7d}: failed: {exc}", flush=True)
+        if args.warmup_rounds:
+            time_interleaved(model, states, args.steps, args.warmup_rounds, args.timing == "overlapped")
         times = time_interleaved(model, states, args.steps, args.rounds, args.timing == "overlapped")
         for name in states:
             r = {"method": name, "context": context, **summary(figures[name], times[name])}
@@ -301,7 +307,8 @@ def main() -> None:
         del states
     results.sort(key=lambda r: (r["context"], names.index(r["method"])))
     env = {"mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
-           "preset": args.preset, "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds, "timing": args.timing,
+           "preset": args.preset, "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds,
+           "warmup_rounds": args.warmup_rounds, "timing": args.timing,
            "prefill_repeats": args.prefill_repeats}
     print("\n" + "\n".join(table(results)))
     if args.out:
