@@ -296,7 +296,7 @@ class EigenTokens:
              else x.astype(mx.float32))
         if self.basis is None:
             self.fit(x)
-        words, norms = self.codec.encode(x, self.basis, self.sigma, self.sketch, self.tables)
+        words, norms = _encode_fn(self.codec)(x, self.basis, self.sigma, self.sketch, self.tables)
         if self.moment is not None:
             unit = x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
             self.moment = self.moment + unit.swapaxes(-1, -2) @ unit
@@ -307,7 +307,7 @@ class EigenTokens:
 
     def coordinates(self):
         """The codes of every buffered row (spare room included: zero norms, zero rows)."""
-        return _coordinates(self.codec, self.dim, self.words.buffer, self.norms.buffer, self.sigma, self.tables)
+        return _coordinates_fn(self.codec, self.dim)(self.words.buffer, self.norms.buffer, self.sigma, self.tables)
 
     def decode(self, dtype) -> mx.array | None:
         """The valid rows (B, H, count, D) in ``dtype``, post-RoPE again for keys (transient)."""
@@ -349,6 +349,18 @@ class EigenTokens:
             yield f"{name} codebooks (centroids a head)", self.tables.shape[-1], f"{self.codec.table_sizes(head_dim)}"
         if self.codec.qjl and (self.sketch is None or tuple(self.sketch.shape) != (e, e)):
             yield f"{name} QJL sketch", None if self.sketch is None else tuple(self.sketch.shape), (e, e)
+
+
+@functools.lru_cache(maxsize=None)
+def _encode_fn(codec: EigenCodec):
+    """``codec.encode`` as one compiled pass (its elementwise chains fused)."""
+    return mx.compile(codec.encode)
+
+
+@functools.lru_cache(maxsize=None)
+def _coordinates_fn(codec: EigenCodec, d: int):
+    """``_coordinates`` as one compiled pass."""
+    return mx.compile(functools.partial(_coordinates, codec, d))
 
 
 def _coordinates(codec: EigenCodec, d: int, words, norms, sigma, tables=None):
