@@ -25,6 +25,7 @@ shapes).
     python benchmarks/decode.py --preset llama3-8b --contexts 4096 32768 131072
     python benchmarks/decode.py --methods "mlx-lm KVCache" kivi-4bit --out decode.json
     python benchmarks/decode.py --preset llama3-8b --contexts 4096 --methods all   # every method at its defaults
+    python benchmarks/decode.py --preset llama3-8b --contexts 4096 --methods all --isolate   # each in its own process
     python benchmarks/decode.py --preset tiny --contexts 256 --steps 2 --rounds 1   # a CPU check
     python benchmarks/decode.py --preset llama3-8b --contexts 4096 32768 --methods \
         "snapkv 2048" "snapkv 2048 + kivi-4bit" "h2o 2048 + kivi-2bit" "tova 2048 + kivi-4bit"
@@ -37,8 +38,12 @@ import gc
 import json
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache  # first: it may load OpenBLAS
 
@@ -220,11 +225,11 @@ def table(results) -> list[str]:
             "| host ms a step | host vs fp16 | device ms a step |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        base = next(b for b in results if b["context"] == r["context"] and b["method"] == BASELINE)
         if r.get("error"):
             what = r["error"] if r["error"].startswith("skipped") else f"failed: {r['error'][:90]}"
             rows.append(f"| {r['context']} | {r['method']} | {what} |||||||||||")
             continue
+        base = next(b for b in results if b["context"] == r["context"] and b["method"] == BASELINE)
         rows.append(
             f"| {r['context']} | {r['method']} | {r['kv_bytes']:,} | {r['kv_bytes'] / base['kv_bytes']:.3f} "
             f"| {r['peak_bytes'] / 2**20:.1f} | {r['peak_bytes'] / base['peak_bytes']:.2f} "
@@ -259,6 +264,10 @@ def main() -> None:
                          "(a run under a time limit still ends with its table)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                     help="auto: float32 on the CPU (MLX's fast CPU path), float16 on a GPU")
+    ap.add_argument("--isolate", action="store_true",
+                    help="each method in a process of its own, beside its own baseline: many "
+                         "caches taking turns in one process slow every method unequally "
+                         "(benchmarks/notes/decode_host_bound.md)")
     args = ap.parse_args()
     if "all" in args.methods:
         for key in implemented_methods():
@@ -269,6 +278,8 @@ def main() -> None:
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         ap.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    if args.isolate:
+        return run_isolated(args)
 
     on_cpu = mx.default_device() == mx.cpu
     dtype = (mx.float32 if on_cpu else mx.float16) if args.dtype == "auto" else getattr(mx, args.dtype)
@@ -314,6 +325,55 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"environment": env, "results": results}, f, indent=2)
+
+
+def run_isolated(args) -> None:
+    """Each method in a child process beside its own baseline (``--methods BASELINE m``);
+    the table holds each method's rows with ratios to the baseline of its own process."""
+    passed = ["--preset", args.preset, "--contexts", *map(str, args.contexts), "--steps", str(args.steps),
+              "--rounds", str(args.rounds), "--warmup-rounds", str(args.warmup_rounds),
+              "--prefill-repeats", str(args.prefill_repeats), "--timing", args.timing, "--dtype", args.dtype]
+    names = [m for m in dict.fromkeys(args.methods) if m != BASELINE]
+    runs, lines, started = {}, [], time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, name in enumerate(names):
+            out = Path(tmp) / f"{i}.json"
+            if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+                runs[name] = _failed(name, args.contexts, f"skipped: --budget-s {args.budget_s:g} spent "
+                                                           "before its process started")
+            else:
+                print(f"[{i + 1}/{len(names)}] {name}", flush=True)
+                done = subprocess.run([sys.executable, __file__, *passed, "--methods", BASELINE, name,
+                                       "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True)
+                if done.returncode == 0 and out.exists():
+                    runs[name] = json.loads(out.read_text())["results"]
+                else:
+                    tail = " ".join(done.stdout.strip().splitlines()[-2:])[-160:]
+                    runs[name] = _failed(name, args.contexts, f"process exited {done.returncode}: {tail}")
+            mine = _method_rows(name, runs[name])
+            lines += mine
+            print("\n".join(mine), flush=True)
+    print("\n" + "\n".join([*table([])[:2], *lines]))
+    if args.out:
+        env = {"mlx": mx.__version__, "device": str(mx.default_device()), "preset": args.preset,
+               "steps": args.steps, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
+               "timing": args.timing, "prefill_repeats": args.prefill_repeats, "isolated": True}
+        with open(args.out, "w") as f:
+            json.dump({"environment": env, "runs": runs}, f, indent=2)
+
+
+def _failed(name, contexts, why) -> list[dict]:
+    return [{"method": name, "context": c, "error": why} for c in contexts]
+
+
+def _method_rows(name, results) -> list[str]:
+    """The table rows of ``name`` from one process's results (its baseline's where it failed)."""
+    bases = {r["context"] for r in results if r["method"] == BASELINE and not r.get("error")}
+    shown = [r for r in results if r["method"] == name and (r["context"] in bases or r.get("error"))]
+    shown += [{**r, "method": name, "error": f"baseline {r['error']}"} for r in results
+              if r["method"] == BASELINE and r.get("error")]
+    return [line for r in shown for line in table([r, *[b for b in results if b["method"] == BASELINE]])[2:3]]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,13 @@ BASELINE = "mlx-lm KVCache"
 
 def rows_of(path: Path) -> dict[tuple[str, int], dict]:
     """(method, context) -> the row's ratios to its run's baseline (failed rows skipped)."""
-    results = json.loads(path.read_text())["results"]
+    data = json.loads(path.read_text())
+    if "runs" in data:  # decode.py --isolate: each method beside its own process's baseline
+        return {key: row for results in data["runs"].values() for key, row in _rows(path, results).items()}
+    return _rows(path, data["results"])
+
+
+def _rows(path: Path, results: list[dict]) -> dict[tuple[str, int], dict]:
     base = {r["context"]: r for r in results if r["method"] == BASELINE and not r.get("error")}
     out = {}
     for r in results:

@@ -32,3 +32,18 @@ def test_ratios_are_to_each_runs_baseline_and_the_latest_run_wins(tmp_path):
     assert ("broken", 4096) not in rows
     lines = decode_merge.table(rows)
     assert [l.split("|")[2].strip() for l in lines[2:]] == ["snapkv", "kivi"]  # by decode ratio
+
+
+def test_an_isolated_runs_methods_are_each_to_their_own_processs_baseline(tmp_path):
+    """decode.py --isolate writes {"runs": {method: results}}, one baseline per process."""
+    def process(base_tps, method, tps):
+        slow = json.loads(_run(tmp_path / "x.json", base_tps, [(method, tps)]).read_text())
+        return slow["results"]
+
+    path = tmp_path / "isolated.json"
+    path.write_text(json.dumps({"runs": {"kivi": process(50.0, "kivi", 40.0), "h2o": process(200.0, "h2o", 100.0),
+                                         "broken": [{"method": "broken", "context": 4096,
+                                                     "error": "process exited 1: Killed"}]}}))
+    rows = decode_merge.rows_of(path)
+    assert rows[("kivi", 4096)]["decode"] == 0.8 and rows[("h2o", 4096)]["decode"] == 0.5
+    assert rows[("kivi", 4096)]["run"] == "isolated" and ("broken", 4096) not in rows
