@@ -1,0 +1,111 @@
+"""What one operation costs the host to submit, by kind, on this machine's default device.
+
+``benchmarks/notes/decode_host_bound.md`` found a compressed cache's decode step on the
+H200 bound by the host, and most of the host's time in ``mx.async_eval``: MLX's CUDA
+back-end encodes every node of the graph on the calling thread. This times that per
+operation kind. Each kind is a chain of ``--ops`` dependent operations (so none is
+skipped or fused), built, submitted and waited for apart; per operation: the build,
+submission and wait in microseconds (medians over ``--repeats``). Kinds are the
+operations a decode step is made of: small and large elementwise ops, views that launch
+nothing, MLX's own matrix-vector kernel, a batched product that cuBLAS serves, the fused
+attention, a compiled fused chain, ``mx.dequantize``, a slice write, a gather.
+
+    python benchmarks/submit_cost.py                 # on the device, after install_on_device.sh
+    python benchmarks/submit_cost.py --ops 32 --repeats 2 --tokens 256   # a CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+
+
+def kinds(tokens: int, dtype):
+    """name -> (inputs, one operation: x -> x of the same shape and dtype)."""
+    g = mx.random.normal
+    q_small = (g((1, 8, 4, 128)) * 0.1).astype(dtype)
+    rows = (g((1, 8, tokens, 128)) * 0.1).astype(dtype)
+    w_vec = (g((4096, 4096)) * (1 / 64)).astype(dtype)
+    keys = (g((1, 8, 128, tokens)) * 0.1).astype(dtype)
+    back = (g((1, 8, tokens, 128)) * (1 / tokens)).astype(dtype)
+    k, v = rows, rows
+    packed, scales, biases = mx.quantize(rows.reshape(-1, 128), group_size=32, bits=4)
+    index = mx.random.randint(0, tokens, (1, 8, tokens, 1)).astype(mx.uint32)
+
+    @mx.compile
+    def fused(x):
+        return mx.maximum(x * 0.5 + 0.25, x) - mx.exp(x * 0.01) + 1.0
+
+    def write(x):
+        x[:, :, 3:4, :] = x[:, :, 5:6, :] * 0.5
+        return x
+
+    return {
+        "add (1x8x4x128)": (q_small, lambda x: x + 0.5),
+        f"add (1x8x{tokens}x128)": (rows, lambda x: x + 0.5),
+        "six views (transposes, reshapes, a broadcast)": (
+            q_small, lambda x: mx.broadcast_to(x.swapaxes(2, 3).reshape(1, 8, 128, 4)[None], (1, 1, 8, 128, 4))
+            .reshape(1, 8, 128, 4).swapaxes(2, 3)),
+        "matrix-vector (1x4096 @ 4096x4096)": (g((1, 4096)).astype(dtype), lambda x: (x @ w_vec) * 0.5),
+        f"batched product (8x4x128 @ 8x128x{tokens}, back)": (q_small, lambda x: (x @ keys) @ back),
+        f"fused attention (32 heads over {tokens} rows)": (
+            q_small.reshape(1, 32, 1, 128),
+            lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=0.088)),
+        "compiled elementwise chain (6 ops)": (q_small, fused),
+        f"dequantize 4-bit ({tokens}x8 rows of 128), added": (
+            rows, lambda x: x + mx.dequantize(packed, scales, biases, group_size=32, bits=4)
+            .reshape(rows.shape).astype(dtype)),
+        "slice write": (rows, write),
+        f"gather along the tokens ({tokens})": (rows, lambda x: mx.take_along_axis(x, index, axis=2) + x),
+    }
+
+
+def time_chain(x, op, n_ops, repeats):
+    parts = []
+    mx.eval(op(x))  # first use: compilation, kernel loading
+    for _ in range(repeats):
+        mx.eval(x)
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(n_ops):
+            y = op(y)
+        t1 = time.perf_counter()
+        mx.async_eval(y)
+        t2 = time.perf_counter()
+        mx.eval(y)
+        t3 = time.perf_counter()
+        parts.append((t1 - t0, t2 - t1, t3 - t2))
+    return [statistics.median(p[i] for p in parts) * 1e6 / n_ops for i in range(3)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", type=int, default=256, help="dependent operations in a chain")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    dtype = mx.float32 if mx.default_device() == mx.cpu else mx.float16
+    rows = []
+    for name, (x, op) in kinds(args.tokens, dtype).items():
+        build, submit, wait = time_chain(x, op, args.ops, args.repeats)
+        rows.append({"kind": name, "build_us": build, "submit_us": submit, "wait_us": wait})
+        print(f"{name:52s} build {build:7.2f}  submit {submit:7.2f}  wait {wait:8.2f} us an op", flush=True)
+    print(f"\n{mx.default_device()}, MLX {mx.__version__}, {args.ops} dependent ops a chain, "
+          f"median of {args.repeats}\n")
+    print("| operation | build us | submit us | wait us (device, after submission) |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['kind']} | {r['build_us']:.2f} | {r['submit_us']:.2f} | {r['wait_us']:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"mlx": mx.__version__, "device": str(mx.default_device()), "ops": args.ops,
+                       "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
