@@ -34,9 +34,8 @@ class H2OCache(ScoredEvictionCache):
 
     def observe(self, inputs):
         decay, n = self.options.h2o_decay, inputs.n_new
-        packed = n == 1 and inputs.every_key_visible and isinstance(self.store, QuantizedSlots)
-        room = self.store.room_keys() if packed else None
-        if room is not None:  # a decode step over packed keys: one compiled pass over the room
+        room = self._key_room() if n == 1 and inputs.every_key_visible else None
+        if room is not None:  # a decode step: one compiled pass over the keys' whole room
             grown = self.store.arrays["mass"]
             step = _decode_mass(float(inputs.scale), float(decay))
             grown.buffer = step(inputs.queries, room, grown.buffer, mx.array(self.store.rows, mx.int32),
@@ -50,11 +49,20 @@ class H2OCache(ScoredEvictionCache):
     def score(self, inputs):
         return inputs.state("mass")
 
+    def _key_room(self):
+        """Every slot's keys over the buffer's whole room (rows past ``rows``: spare room),
+        dequantized where the store is packed; None before the store has a buffer. Its
+        shape changes only when the buffer grows, so the compiled pass is traced again
+        only then, and the layers of a step replay one trace."""
+        if isinstance(self.store, QuantizedSlots):
+            return self.store.room_keys()
+        return self.store.arrays["keys"].buffer
+
 
 @functools.lru_cache(maxsize=None)
 def _decode_mass(scale: float, decay: float):
-    """A decode step's ``observe`` over the packed store's room: ``attention_mass`` of the
-    one query over the dequantized keys of every slot (rows past the slot count masked:
+    """A decode step's ``observe`` over the store's room: ``attention_mass`` of the one
+    query over the keys of every slot (rows past the slot count masked:
     their weight is 0, and the softmax of the kept rows is the same to the bit), added to
     the decayed mass; returns the mass buffer (rows past the count: spare room, never
     read). One compiled graph; its shapes change only when the buffers grow."""
