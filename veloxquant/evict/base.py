@@ -217,6 +217,16 @@ class ScoredEvictionCache(CompressedKVCache):
     def observe(self, inputs: ScoreInputs) -> None:
         """After every attention call: accumulate ``token_state`` (default: nothing)."""
 
+    def key_room(self) -> mx.array | None:
+        """Every slot's keys over the buffer's whole room (rows past ``store.rows``: spare
+        room), dequantized where the store is packed; None before there is a buffer. A
+        decode step's compiled score over it (rows past the count masked) keeps one shape
+        until the buffer grows, so it is traced again only then, and the layers of a step
+        replay one trace."""
+        if isinstance(self.store, QuantizedSlots):
+            return self.store.room_keys()
+        return self.store.arrays["keys"].buffer
+
     # -- storage ---------------------------------------------------------------------------
     @property
     def stored_length(self) -> int:

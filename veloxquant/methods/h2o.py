@@ -21,7 +21,6 @@ import functools
 import mlx.core as mx
 
 from ..cache.buffers import row_indices
-from ..evict.quantized_slots import QuantizedSlots
 from ..evict.base import EVICT_EVERY, Roles, Schedule, ScoredEvictionCache
 
 
@@ -34,7 +33,7 @@ class H2OCache(ScoredEvictionCache):
 
     def observe(self, inputs):
         decay, n = self.options.h2o_decay, inputs.n_new
-        room = self._key_room() if n == 1 and inputs.every_key_visible else None
+        room = self.key_room() if n == 1 and inputs.every_key_visible else None
         if room is not None:  # a decode step: one compiled pass over the keys' whole room
             grown = self.store.arrays["mass"]
             step = _decode_mass(float(inputs.scale), float(decay))
@@ -49,14 +48,6 @@ class H2OCache(ScoredEvictionCache):
     def score(self, inputs):
         return inputs.state("mass")
 
-    def _key_room(self):
-        """Every slot's keys over the buffer's whole room (rows past ``rows``: spare room),
-        dequantized where the store is packed; None before the store has a buffer. Its
-        shape changes only when the buffer grows, so the compiled pass is traced again
-        only then, and the layers of a step replay one trace."""
-        if isinstance(self.store, QuantizedSlots):
-            return self.store.room_keys()
-        return self.store.arrays["keys"].buffer
 
 
 @functools.lru_cache(maxsize=None)

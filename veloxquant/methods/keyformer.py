@@ -53,6 +53,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
+from ..cache.buffers import row_indices
 from ..evict.attention import reduce_query_blocks
 from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 from ..evict.prng import MASK64, mix64
@@ -183,6 +184,27 @@ def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, stream=None) ->
     return reduce_query_blocks(queries, keys.shape[2], block, elements=SCORE_ELEMENTS)
 
 
+@functools.lru_cache(maxsize=None)
+def _decode_score(scale: float):
+    """A decode step's ``observe`` over the store's room: ``gumbel_mass`` of the one query
+    (at ``q_position`` (1, 1)) over the keys of every slot, their noise from the slots'
+    positions, rows past the slot count masked after the noise (their weight is 0; the
+    kept rows' softmax is the same to the bit), added to the score buffer; returns the
+    buffer (rows past the count: spare room, never read). One compiled graph; its shapes
+    change only when the buffers grow."""
+
+    def step(queries, keys, positions, score, rows, row_ids, q_position, tau, head_keys, col_key):
+        b, hq, _, d = queries.shape
+        hkv = keys.shape[1]
+        q = queries.reshape(b, hkv, hq // hkv, 1, d).astype(mx.float32)
+        x = (q * scale) @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
+        noisy = _noisy_step(x, _row_hash(head_keys, q_position), _col_hash(col_key, positions[:, :, None, None, :]), tau)
+        noisy = mx.where(row_ids < rows, noisy, -float("inf"))
+        return score + mx.softmax(noisy, axis=-1, precise=True).sum(axis=(2, 3))
+
+    return mx.compile(step)
+
+
 class KeyformerCache(ScoredEvictionCache):
     roles = Roles(budget="keyformer_budget", n_sink="keyformer_n_sink", recent="keyformer_recent")
     schedule = Schedule(prefill_end=True, decode_every=EVICT_EVERY)
@@ -208,6 +230,16 @@ class KeyformerCache(ScoredEvictionCache):
     def observe(self, inputs):
         prompt = inputs.n_new > 1 or self.in_prompt  # a prompt chunk, or the prompt's last token
         step = 0 if prompt else self.decode_steps + 1  # the base counts this step after observe
+        room = None if prompt or not self.gumbel_noise or not inputs.every_key_visible else self.key_room()
+        if room is not None:  # a decode step: one compiled pass over the keys' whole room
+            grown = self.store.arrays["score"]
+            rows = self.store.rows
+            grown.buffer = _decode_score(float(inputs.scale))(
+                inputs.queries, room, self.store.arrays["positions"].buffer, grown.buffer,
+                mx.array(rows, mx.int32), row_indices(room.shape[2]),
+                mx.array([[self.offset - 1]], mx.int32), mx.array(self.tau(step), mx.float32),
+                *self.noise_stream(inputs.queries, room))
+            return
         mass = gumbel_mass(
             inputs.queries, inputs.keys, inputs.scale, self.offset - inputs.n_new, inputs.positions,
             self.tau(step), self.noise_stream(inputs.queries, inputs.keys) if self.gumbel_noise else None,

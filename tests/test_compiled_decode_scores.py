@@ -1,7 +1,8 @@
-"""H2O's decode step adds its query's attention to the mass in one compiled pass over the
-keys' whole room, plain or packed store: the same log-probabilities and the same mass on
-every kept slot, bit for bit, as the reference (``attention_mass`` over the kept keys),
-through evictions, with and without decay, in float32 and float16."""
+"""H2O's and Keyformer's decode steps add their query's (noisy) attention to each slot's
+score in one compiled pass over the keys' whole room, plain or packed store: the same
+log-probabilities and the same score on every kept slot, bit for bit, as the reference
+(``attention_mass`` / ``gumbel_mass`` over the kept keys), through evictions, in float32
+and float16."""
 
 import pytest
 
@@ -11,24 +12,29 @@ import numpy as np
 
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
-from veloxquant_mlx.cache.options import H2OOptions, KIVIOptions
-from veloxquant_mlx.methods import h2o
+from veloxquant_mlx.cache.options import H2OOptions, KeyformerOptions, KIVIOptions
+from veloxquant_mlx.evict.base import ScoredEvictionCache
+from veloxquant_mlx.methods import h2o, keyformer
 
 STEPS = 70  # two evictions (every 32 steps) after the prompt's
 
 
+PASSES = {"h2o": (h2o, "_decode_mass", "mass"), "keyformer": (keyformer, "_decode_score", "score")}
+
+
 def _decode(config, dtype, compiled: bool, monkeypatch):
+    module, pass_name, state = PASSES[config.method]
     calls = []
     if not compiled:
-        monkeypatch.setattr(h2o.H2OCache, "_key_room", lambda self: None)
+        monkeypatch.setattr(ScoredEvictionCache, "key_room", lambda self: None)
     else:
-        real = h2o._decode_mass
+        real = getattr(module, pass_name)
 
         def counted(*args):
             calls.append(args)
             return real(*args)
 
-        monkeypatch.setattr(h2o, "_decode_mass", counted)
+        monkeypatch.setattr(module, pass_name, counted)
     model = tiny_model("llama")
     model.set_dtype(dtype)
     cache = make_prompt_cache(model, config)
@@ -41,7 +47,7 @@ def _decode(config, dtype, compiled: bool, monkeypatch):
         logits = model(y[None], cache=cache)[:, -1, :].astype(mx.float32)
         y = mx.argmax(logits, axis=-1)
         logprobs.append(np.array(logits - mx.logsumexp(logits, keepdims=True)))
-    masses = [np.array(c.store.view("mass")) for c in cache]
+    masses = [np.array(c.store.view(state)) for c in cache]
     monkeypatch.undo()
     return np.stack(logprobs), masses, len(calls)
 
@@ -51,8 +57,12 @@ def _decode(config, dtype, compiled: bool, monkeypatch):
     dict(options=H2OOptions(h2o_budget=40)),
     dict(options=H2OOptions(h2o_budget=36, h2o_decay=0.9, h2o_n_sink=2, h2o_grace=4)),
     dict(options=H2OOptions(h2o_budget=40), storage=KIVIOptions(kivi_group_size=32), kv_bits=4),
-], ids=["plain", "decay", "kivi4"])
-def test_the_compiled_mass_equals_the_reference_bit_for_bit(settings, dtype, monkeypatch):
+    dict(options=KeyformerOptions(keyformer_budget=40)),
+    dict(options=KeyformerOptions(keyformer_budget=36, keyformer_anneal_steps=50, keyformer_n_sink=2,
+                                  keyformer_recent=6, keyformer_seed=7)),
+    dict(options=KeyformerOptions(keyformer_budget=40), storage=KIVIOptions(kivi_group_size=32), kv_bits=4),
+], ids=["h2o", "h2o-decay", "h2o-kivi4", "keyformer", "keyformer-anneal", "keyformer-kivi4"])
+def test_the_compiled_score_equals_the_reference_bit_for_bit(settings, dtype, monkeypatch):
     config = KVCacheConfig(**settings)
     lp_ref, mass_ref, _ = _decode(config, dtype, compiled=False, monkeypatch=monkeypatch)
     lp, mass, calls = _decode(config, dtype, compiled=True, monkeypatch=monkeypatch)
