@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode as bench  # noqa: E402  (imports veloxquant_mlx before mlx)
+from submit_cost import build_submit_wait, medians  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
@@ -71,16 +72,9 @@ def build(model, cache, y):
 def idle_anatomy(model, cache, y, steps):
     parts = []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        next_y = build(model, cache, y)
-        t1 = time.perf_counter()
-        mx.async_eval(next_y)
-        t2 = time.perf_counter()
-        mx.eval(next_y)
-        t3 = time.perf_counter()
-        parts.append((t1 - t0, t2 - t1, t3 - t2))
-        y = next_y
-    return y, [statistics.median(p[i] for p in parts) * 1e3 for i in range(3)]
+        y, part = build_submit_wait(lambda: build(model, cache, y))
+        parts.append(part)
+    return y, medians(parts, 1e3)
 
 
 def overlapped_ms(model, cache, y, steps):
@@ -111,8 +105,9 @@ def blocking_calls(model, cache, y, block_ms):
             started[id(frame)] = (frame.f_lineno, time.perf_counter())
         return local
 
-    def tracer(frame, event, arg):
-        return local if frame.f_code.co_filename.startswith(ROOT) else None
+    def tracer(frame, event, arg):  # this checkout's code, not its venv's packages nor this script
+        name = frame.f_code.co_filename
+        return local if name.startswith(ROOT) and "site-packages" not in name and name != __file__ else None
 
     sys.settrace(tracer)
     try:
@@ -155,9 +150,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--probes", type=int, default=3)
     ap.add_argument("--busy-ms", type=float, default=40.0)
-    ap.add_argument("--block-ms", type=float, default=2.0)
+    ap.add_argument("--block-ms", type=float, default=None,
+                    help="a traced line that took longer blocked (default: a quarter of --busy-ms)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    args.block_ms = args.busy_ms / 4 if args.block_ms is None else args.block_ms
     for key in set(args.methods) & set(bench.implemented_methods()):
         bench.METHODS.setdefault(key, bench.KVCacheConfig(method=key))
     if args.layers:

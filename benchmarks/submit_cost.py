@@ -64,22 +64,33 @@ def kinds(tokens: int, dtype):
     }
 
 
+def build_submit_wait(build):
+    """Run ``build()`` (it returns the arrays of a lazy graph), submit its result
+    (``mx.async_eval``) and wait for it: (result, (build s, submit s, wait s))."""
+    t0 = time.perf_counter()
+    out = build()
+    t1 = time.perf_counter()
+    mx.async_eval(out)
+    t2 = time.perf_counter()
+    mx.eval(out)
+    return out, (t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+
+def medians(parts, per: float = 1.0) -> list[float]:
+    """The median of each part over ``parts`` ((build, submit, wait) tuples), times ``per``."""
+    return [statistics.median(p[i] for p in parts) * per for i in range(3)]
+
+
 def time_chain(x, op, n_ops, repeats):
-    parts = []
-    mx.eval(op(x))  # first use: compilation, kernel loading
-    for _ in range(repeats):
-        mx.eval(x)
-        t0 = time.perf_counter()
+    def chain():
         y = x
         for _ in range(n_ops):
             y = op(y)
-        t1 = time.perf_counter()
-        mx.async_eval(y)
-        t2 = time.perf_counter()
-        mx.eval(y)
-        t3 = time.perf_counter()
-        parts.append((t1 - t0, t2 - t1, t3 - t2))
-    return [statistics.median(p[i] for p in parts) * 1e6 / n_ops for i in range(3)]
+        return y
+
+    mx.eval(op(x))  # first use: compilation, kernel loading
+    mx.eval(x)
+    return medians([build_submit_wait(chain)[1] for _ in range(repeats)], 1e6 / n_ops)
 
 
 def main() -> None:

@@ -49,14 +49,14 @@ class H2OCache(ScoredEvictionCache):
         return inputs.state("mass")
 
 
-
 @functools.lru_cache(maxsize=None)
 def _decode_mass(scale: float, decay: float):
     """A decode step's ``observe`` over the store's room: ``attention_mass`` of the one
-    query over the keys of every slot (rows past the slot count masked:
-    their weight is 0, and the softmax of the kept rows is the same to the bit), added to
-    the decayed mass; returns the mass buffer (rows past the count: spare room, never
-    read). One compiled graph; its shapes change only when the buffers grow."""
+    query over the keys of every slot (rows past the slot count masked: their weight is 0,
+    and the kept rows' weights equal the unmasked softmax's, bit for bit on the CPU:
+    tests/test_compiled_decode_scores.py), added to the decayed mass; returns the mass
+    buffer (rows past the count: spare room, never read). One compiled graph; its shapes
+    change only when the buffers grow."""
 
     def step(queries, keys, mass, rows, row_ids):
         b, hq, nq, d = queries.shape

@@ -189,7 +189,8 @@ def _decode_score(scale: float):
     """A decode step's ``observe`` over the store's room: ``gumbel_mass`` of the one query
     (at ``q_position`` (1, 1)) over the keys of every slot, their noise from the slots'
     positions, rows past the slot count masked after the noise (their weight is 0; the
-    kept rows' softmax is the same to the bit), added to the score buffer; returns the
+    kept rows' weights equal the unmasked softmax's, bit for bit on the CPU:
+    tests/test_compiled_decode_scores.py), added to the score buffer; returns the
     buffer (rows past the count: spare room, never read). One compiled graph; its shapes
     change only when the buffers grow."""
 
@@ -198,8 +199,8 @@ def _decode_score(scale: float):
         hkv = keys.shape[1]
         q = queries.reshape(b, hkv, hq // hkv, 1, d).astype(mx.float32)
         x = (q * scale) @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
-        noisy = _noisy_step(x, _row_hash(head_keys, q_position), _col_hash(col_key, positions[:, :, None, None, :]), tau)
-        noisy = mx.where(row_ids < rows, noisy, -float("inf"))
+        cols = _col_hash(col_key, positions[:, :, None, None, :])
+        noisy = mx.where(row_ids < rows, _noisy_step(x, _row_hash(head_keys, q_position), cols, tau), -float("inf"))
         return score + mx.softmax(noisy, axis=-1, precise=True).sum(axis=(2, 3))
 
     return mx.compile(step)
@@ -233,10 +234,9 @@ class KeyformerCache(ScoredEvictionCache):
         room = None if prompt or not self.gumbel_noise or not inputs.every_key_visible else self.key_room()
         if room is not None:  # a decode step: one compiled pass over the keys' whole room
             grown = self.store.arrays["score"]
-            rows = self.store.rows
             grown.buffer = _decode_score(float(inputs.scale))(
                 inputs.queries, room, self.store.arrays["positions"].buffer, grown.buffer,
-                mx.array(rows, mx.int32), row_indices(room.shape[2]),
+                mx.array(self.store.rows, mx.int32), row_indices(room.shape[2]),
                 mx.array([[self.offset - 1]], mx.int32), mx.array(self.tau(step), mx.float32),
                 *self.noise_stream(inputs.queries, room))
             return
