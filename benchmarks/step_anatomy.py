@@ -9,7 +9,8 @@ waits for the device (an array read on the host, an op that synchronises) serial
 pipeline. Per method, after ``--warm`` steps:
 
 - idle: ``--steps`` steps each built, submitted and waited for in turn, so the three
-  parts are apart (medians);
+  parts are apart (medians); and the operations of one step's graph, counted, so that the
+  submission's cost per operation shows;
 - busy: ``--probes`` steps each built as the overlapped loop builds them, the previous
   step submitted and a chain of matrix products of about ``--busy-ms`` queued behind it;
   a build that takes about that long waited for the device. The innermost lines of this
@@ -27,6 +28,7 @@ import json
 import linecache
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -75,6 +77,19 @@ def idle_anatomy(model, cache, y, steps):
         y, part = build_submit_wait(lambda: build(model, cache, y))
         parts.append(part)
     return y, medians(parts, 1e3)
+
+
+def step_nodes(model, cache, y):
+    """One step built, its graph's operations counted (``mx.export_to_dot``: evaluated arrays
+    are leaves), then evaluated: (next token, operations). Their count against ``submit``
+    gives what one operation costs to submit on this device."""
+    next_y = build(model, cache, y)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "step.dot"
+        mx.export_to_dot(str(path), next_y)
+        nodes = sum("shape=rectangle" in line for line in path.read_text().splitlines())
+    mx.eval(next_y)
+    return next_y, nodes
 
 
 def overlapped_ms(model, cache, y, steps):
@@ -169,6 +184,7 @@ def main() -> None:
                 for _ in range(args.warm):
                     y, _ = bench.step(model, cache, y)
                 y, (host, submit, wait) = idle_anatomy(model, cache, y, args.steps)
+                y, nodes = step_nodes(model, cache, y)
                 y, wall = overlapped_ms(model, cache, y, args.steps)
                 y, busy_build, slow = busy_anatomy(model, cache, y, args.probes, args.busy_ms,
                                                    args.block_ms, calibrated)
@@ -178,21 +194,23 @@ def main() -> None:
                 continue
             top = [{"code": c, "where": w, "ms": round(ms, 2)} for (c, w), ms in slow.most_common(6)]
             rows.append({"method": name, "context": context, "build_ms": host, "submit_ms": submit,
-                         "wait_ms": wait, "overlapped_ms": wall, "busy_build_ms": busy_build,
+                         "wait_ms": wait, "nodes": nodes, "overlapped_ms": wall, "busy_build_ms": busy_build,
                          "blocking": top, "first_prefill_s": fig["prefill_first_s"]})
-            print(f"{name:24s} {context}: build {host:.2f} submit {submit:.2f} wait {wait:.2f} | "
+            print(f"{name:24s} {context}: build {host:.2f} submit {submit:.2f} wait {wait:.2f} | {nodes} ops | "
                   f"overlapped {wall:.2f} ms/token | build while busy {busy_build:.2f} ms | "
                   f"blocked: {top[:3]}", flush=True)
     print(f"\nbusy chain: {args.busy_ms:g} ms queued before each probe build\n")
-    print("| context | method | build ms | submit ms | wait ms | overlapped ms a token | build ms while the device is busy | lines that blocked (ms) |")
-    print("|---:|---|---:|---:|---:|---:|---:|---|")
+    print("| context | method | build ms | submit ms | wait ms | ops a step | submit us an op "
+          "| overlapped ms a token | build ms while the device is busy | lines that blocked (ms) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['context']} | {r['method']} | {r['error'][:80]} ||||||")
+            print(f"| {r['context']} | {r['method']} | {r['error'][:80]} ||||||||")
             continue
         blocked = "; ".join(f"{b['code']} at {b['where']} {b['ms']:.1f}" for b in r["blocking"][:3]) or "-"
         print(f"| {r['context']} | {r['method']} | {r['build_ms']:.2f} | {r['submit_ms']:.2f} | "
-              f"{r['wait_ms']:.2f} | {r['overlapped_ms']:.2f} | {r['busy_build_ms']:.2f} | {blocked} |")
+              f"{r['wait_ms']:.2f} | {r['nodes']} | {r['submit_ms'] * 1e3 / r['nodes']:.2f} | "
+              f"{r['overlapped_ms']:.2f} | {r['busy_build_ms']:.2f} | {blocked} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"mlx": mx.__version__, "device": str(mx.default_device()),
                                               "busy_ms": args.busy_ms, "rows": rows}, indent=2))
