@@ -1,5 +1,6 @@
-"""Node counts of one steady-state decode step per method, as a ratio to the full cache
-(issue 30's CPU guard), and the cache operations generate_step's loop leaves unevaluated.
+"""Node counts of one steady-state decode step per method, per layer as a ratio to the full
+cache's with MLX's fused operations counted one node each as on a GPU (issue 30's CPU
+guard), and the cache operations generate_step's loop leaves unevaluated.
 
     MLX_DEFAULT_DEVICE=cpu .venv/bin/python benchmarks/decode_graph.py > benchmarks/notes/decode_graph.md
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from decode_steps import decode_guards, step_graph  # noqa: E402
+from decode_steps import decode_guards, per_layer_ratio, step_graph  # noqa: E402
 from veloxquant_mlx.registry import implemented_methods  # noqa: E402
 
 
@@ -27,8 +28,10 @@ def main() -> None:
     print("4 warm-up steps, 40 steps run as mlx-lm's generate_step runs them, then 7 steps each")
     print("built from an evaluated state. *nodes*: operations in the step's graph (the next")
     print("token, its log-probabilities and every cache array it leaves unevaluated; median of")
-    print("the 7, whole model), *max*: the largest of the 7; *ratio*: to the full cache's;")
-    print("*extra / layer*: nodes beyond the full cache's per layer. *pending*: cache operations")
+    print("the 7, whole model; MLX's rms_norm, rope and unmasked attention one node each, as")
+    print("on a GPU), *max*: the largest of the 7; *ratio*: per layer, to the full cache's, the")
+    print("nodes outside the layers taken out; *extra / layer*: nodes beyond the full cache's per")
+    print("layer. *pending*: cache operations")
     print("the overlapped loop leaves unevaluated after 10, 20 and 30 of its steps; growing")
     print("from one to the next is a lazy graph that lengthens every step. *host reads*: the")
     print("sync detector's findings (tests/test_decode_step_guards.py).\n")
@@ -37,7 +40,7 @@ def main() -> None:
     for method in implemented_methods():
         reads, g = decode_guards(method)
         where = ", ".join(sorted({str(r) for r in reads})) or "-"
-        print(f"| {method} | {g.nodes} | {g.largest} | {g.nodes / full.nodes:.2f} | "
+        print(f"| {method} | {g.nodes} | {g.largest} | {per_layer_ratio(method):.2f} | "
               f"{(g.nodes - full.nodes) / g.layers:+.0f} | {'/'.join(map(str, g.pending))} | "
               f"{'yes' if g.grows else ''} | {where} |")
 

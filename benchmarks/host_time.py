@@ -33,6 +33,7 @@ import statistics
 import time
 
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache  # first: it may load OpenBLAS
+from veloxquant_mlx.registry import implemented_methods
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
@@ -145,7 +146,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="timed rounds (one step per method each)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), help=f"from: {', '.join(METHODS)}")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS),
+                    help=f"from: {', '.join(METHODS)}, or any method key (at its defaults)")
     ap.add_argument("--no-stub", action="store_true", help="the CPU's own path (no stubbed GPU path)")
     ap.add_argument("--profile", metavar="METHOD", help="cProfile the model calls of METHOD instead")
     ap.add_argument("--top", type=int, default=30)
@@ -154,6 +156,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float16", "float32"],
                     help="float32: MLX's fast CPU matmuls (the kernel is then simt); float16: frag, slow here")
     args = ap.parse_args()
+    for key in set(args.methods + [args.profile]) & set(implemented_methods()):
+        METHODS.setdefault(key, KVCacheConfig(method=key))
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown method(s) {unknown}; choose from {list(METHODS)} or a method key")
 
     model = build_model(args.layers, getattr(mx, args.dtype))
     tokens = mx.random.randint(0, model.args.vocab_size, (args.context,), key=mx.random.key(1))

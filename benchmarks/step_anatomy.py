@@ -163,22 +163,42 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["mlx-lm KVCache", "full", "h2o", "kivi-4bit"])
     ap.add_argument("--warm", type=int, default=12)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--probes", type=int, default=3)
+    ap.add_argument("--probes", type=int, default=3, help="steps built while the device is busy (at least 1)")
     ap.add_argument("--busy-ms", type=float, default=40.0)
     ap.add_argument("--block-ms", type=float, default=None,
                     help="a traced line that took longer blocked (default: a quarter of --busy-ms)")
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="JSON of every row, rewritten after each method (a run cut short keeps its rows)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds after which no further method starts: the rest are rows marked skipped")
     args = ap.parse_args()
+    if args.probes < 1:
+        ap.error(f"--probes {args.probes}: at least 1 (the busy build's median needs one)")
     args.block_ms = args.busy_ms / 4 if args.block_ms is None else args.block_ms
+    if "all" in args.methods:  # every implemented method at its defaults, after the named rows
+        named = [m for m in args.methods if m != "all"]
+        args.methods = named + [k for k in bench.implemented_methods() if k not in named]
     for key in set(args.methods) & set(bench.implemented_methods()):
         bench.METHODS.setdefault(key, bench.KVCacheConfig(method=key))
+    unknown = [m for m in args.methods if m not in bench.METHODS]
+    if unknown:
+        ap.error(f"unknown method(s) {unknown}; choose from {list(bench.METHODS)} or all")
     if args.layers:
         bench.PRESETS[args.preset] = {**bench.PRESETS[args.preset], "num_hidden_layers": args.layers}
     on_cpu = mx.default_device() == mx.cpu
     model = bench.build_model(args.preset, mx.float32 if on_cpu else mx.float16)
     calibrated, rows = {}, []
+    started = time.perf_counter()
+
+    def write_rows() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps({"mlx": mx.__version__, "device": str(mx.default_device()),
+                                                  "busy_ms": args.busy_ms, "rows": rows}, indent=2))
+
     for context in args.contexts:
         for name in args.methods:
+            if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+                rows.append({"method": name, "context": context, "error": f"skipped: past --budget-s {args.budget_s:g}"})
+                continue
             try:
                 cache, y, fig = bench.start(model, bench.METHODS[name], context, prefill_repeats=1)
                 for _ in range(args.warm):
@@ -191,6 +211,7 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - a failing method is a row
                 rows.append({"method": name, "context": context, "error": f"{type(exc).__name__}: {exc}"})
                 print(f"{name}: failed: {exc}", flush=True)
+                write_rows()
                 continue
             top = [{"code": c, "where": w, "ms": round(ms, 2)} for (c, w), ms in slow.most_common(6)]
             rows.append({"method": name, "context": context, "build_ms": host, "submit_ms": submit,
@@ -199,6 +220,7 @@ def main() -> None:
             print(f"{name:24s} {context}: build {host:.2f} submit {submit:.2f} wait {wait:.2f} | {nodes} ops | "
                   f"overlapped {wall:.2f} ms/token | build while busy {busy_build:.2f} ms | "
                   f"blocked: {top[:3]}", flush=True)
+            write_rows()
     print(f"\nbusy chain: {args.busy_ms:g} ms queued before each probe build\n")
     print("| context | method | build ms | submit ms | wait ms | ops a step | submit us an op "
           "| overlapped ms a token | build ms while the device is busy | lines that blocked (ms) |")
@@ -211,9 +233,7 @@ def main() -> None:
         print(f"| {r['context']} | {r['method']} | {r['build_ms']:.2f} | {r['submit_ms']:.2f} | "
               f"{r['wait_ms']:.2f} | {r['nodes']} | {r['submit_ms'] * 1e3 / r['nodes']:.2f} | "
               f"{r['overlapped_ms']:.2f} | {r['busy_build_ms']:.2f} | {blocked} |")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"mlx": mx.__version__, "device": str(mx.default_device()),
-                                              "busy_ms": args.busy_ms, "rows": rows}, indent=2))
+    write_rows()
 
 
 if __name__ == "__main__":

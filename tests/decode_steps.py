@@ -1,6 +1,6 @@
 """Decode steps driven the way mlx-lm's ``generate_step`` runs them, for the CPU guards
 of issue 30: a sync detector (host reads of array values from package code) and the
-node count of one steady-state step's graph."""
+node count of one steady-state step's graph, per layer, counted as a GPU runs it."""
 
 from __future__ import annotations
 
@@ -76,11 +76,12 @@ def recording_host_reads():
             setattr(owner, name, original)
 
 
-def prefilled(method: str, arch: str = "llama", n_prompt: int = PROMPT, chunk: int = 64):
-    """A tiny model and its caches under the method's compressing settings, the prompt
-    prefilled in chunks as ``generate_step`` does it (evaluating the caches' state after
-    each chunk); returns the model, the caches and the last prompt token."""
-    model = tiny_model(arch)
+def prefilled(method: str, arch: str = "llama", n_prompt: int = PROMPT, chunk: int = 64, layers: int | None = None):
+    """A tiny model (``layers`` layers, if given) and its caches under the method's
+    compressing settings, the prompt prefilled in chunks as ``generate_step`` does it
+    (evaluating the caches' state after each chunk); returns the model, the caches and the
+    last prompt token."""
+    model = tiny_model(arch) if layers is None else tiny_model(arch, num_hidden_layers=layers)
     cache = make_prompt_cache(model, config(method, profile(method).compressing))
     tokens = prompt(n_prompt)
     start = 0
@@ -161,11 +162,42 @@ def graph_nodes(outputs) -> int:
         return sum(1 for line in open(path) if "shape=rectangle" in line)
 
 
+_FUSED = ("rms_norm", "rope", "scaled_dot_product_attention")
+
+
+@contextlib.contextmanager
+def fused_ops_as_on_a_gpu():
+    """Count MLX's fused operations as the one node each is on a GPU.
+
+    On the CPU, ``mx.fast.rms_norm``, ``rope`` and ``scaled_dot_product_attention`` run as
+    graphs of primitive operations: a Llama layer of the full cache is 135 nodes there and
+    48 on the H200, so a cache's own operations weighed a third of what they weigh on
+    CUDA. Here each is one node (attention a ``Depends`` of the queries on the keys and
+    values, so that what made them stays in the graph). Attention with an array mask keeps MLX's
+    decomposition, as MLX's CUDA back-end does (benchmarks/notes/decode_host_bound.md).
+    The values computed meanwhile are wrong; only the graphs' sizes are read."""
+    real = {name: getattr(mx.fast, name) for name in _FUSED}
+
+    def attention(q, k, v, *args, **kwargs):
+        if isinstance(kwargs.get("mask"), mx.array):
+            return real["scaled_dot_product_attention"](q, k, v, *args, **kwargs)
+        return mx.depends([q], [k, v])[0]
+
+    try:
+        mx.fast.rms_norm = lambda x, *args, **kwargs: mx.stop_gradient(x)
+        mx.fast.rope = lambda x, *args, **kwargs: mx.stop_gradient(x)
+        mx.fast.scaled_dot_product_attention = attention
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(mx.fast, name, fn)
+
+
 @dataclass(frozen=True)
 class StepGraph:
     method: str
     layers: int
-    nodes: int  # median over the measured steps, the whole model
+    nodes: int  # median over the measured steps, the whole model, MLX's fused ops one node each
     largest: int  # the largest measured step (a flush or a refit, if one fell in)
     pending: tuple[int, ...]  # cache operations left unevaluated by generate_step's loop
 
@@ -182,14 +214,25 @@ def step_graph(method: str) -> StepGraph:
     return decode_guards(method)[1]
 
 
+def per_layer_ratio(method: str) -> float:
+    """A steady-state step's nodes per layer against the full cache's (issue 30's measure).
+    The model's nodes outside its layers (embedding, final norm, head, the step's
+    log-probabilities) are taken out first: they are twice the full cache's step at L
+    layers minus its step at 2L."""
+    full = step_graph("full")
+    outside = 2 * full.nodes - decode_guards("full", layers=2 * full.layers)[1].nodes
+    return (step_graph(method).nodes - outside) / (full.nodes - outside)
+
+
 @functools.lru_cache(maxsize=None)
-def decode_guards(method: str, steps: int = 7, apart: int = 10, arch: str = "llama"):
+def decode_guards(method: str, steps: int = 7, apart: int = 10, arch: str = "llama", layers: int | None = None):
     """One prefill for both guards: the host reads of ``4 * apart`` overlapped decode steps
     (after ``WARMUP``), what they leave unevaluated in the caches every ``apart`` steps,
-    then the graph of ``steps`` steady-state steps, each built from an evaluated state (its
-    outputs: the next token, its log-probabilities and every cache array it leaves
-    unevaluated; the median is the step's size)."""
-    model, cache, token = prefilled(method, arch)
+    then the graph of ``steps`` steady-state steps, each built from an evaluated state and
+    counted under :func:`fused_ops_as_on_a_gpu` (its outputs: the next token, its
+    log-probabilities and every cache array it leaves unevaluated; the median is the
+    step's size). ``layers``: the tiny model's layer count, if not its own."""
+    model, cache, token = prefilled(method, arch, layers=layers)
     y = decode_overlapped(model, cache, token, WARMUP)
     pending = []
     with recording_host_reads() as reads:
@@ -199,10 +242,11 @@ def decode_guards(method: str, steps: int = 7, apart: int = 10, arch: str = "lla
             if block:
                 pending.append(graph_nodes(cache_arrays(cache)))
     counts = []
-    for _ in range(steps):
+    with fused_ops_as_on_a_gpu():
+        for _ in range(steps):
+            mx.eval(y, cache_arrays(cache))
+            y, logprobs = step(model, cache, y)
+            counts.append(graph_nodes([y, logprobs, *cache_arrays(cache)]))
         mx.eval(y, cache_arrays(cache))
-        y, logprobs = step(model, cache, y)
-        counts.append(graph_nodes([y, logprobs, *cache_arrays(cache)]))
-    mx.eval(y, cache_arrays(cache))
     graph = StepGraph(method, len(model.layers), sorted(counts)[len(counts) // 2], max(counts), tuple(pending))
     return list(reads), graph

@@ -1,13 +1,14 @@
 """Issue 30's CPU guards, for every implemented method: a steady-state decode step, run
 the way mlx-lm's generate_step runs it, reads no array value on the host (a sync), and
-its graph is no bigger than 1.3x the full cache's."""
+its graph is no bigger than 1.3x the full cache's per layer, counted as a GPU runs it."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from conformance import COMPOSED
-from decode_steps import host_reads_while_decoding, step_graph
+from decode_steps import fused_ops_as_on_a_gpu, graph_nodes, host_reads_while_decoding, per_layer_ratio, step_graph
 from veloxquant_mlx.registry import implemented_methods
 
 # Methods whose decode step still reads values on the host, and why (strict: a fixed
@@ -29,20 +30,49 @@ def test_a_decode_step_reads_no_array_value_on_the_host(method):
     assert not reads, f"{method}: {len(reads)} host reads in 40 decode steps: " + "; ".join(distinct)
 
 
-# The step's graph as a ratio to the full cache's (tiny llama, whole model: see
-# benchmarks/notes/decode_graph.md), remeasured on 2026-12-03 after the compiled-pass cuts of that day (minicache, h2o+kivi2: later that day).
+# A step's graph per layer as a ratio to the full cache's, MLX's fused operations counted
+# one node each as on a GPU (tiny llama, the conformance suite's compressing settings:
+# decode_steps.per_layer_ratio), recorded on 2026-12-03. Before, the whole model's graph
+# was counted on the CPU, where those operations are graphs of their own: the full
+# cache's layer was 135 nodes there against 48 on the H200, and 37 of 42 methods passed.
+# Against the H200's counts at 4k (defaults) and the paths CUDA takes that this does not
+# (a CUDA kernel, or the pure-MLX reading that replaces quantized_matmul on a GPU):
+# benchmarks/notes/decode_host_bound.md.
 OVER_GRAPH_BOUND = {
-    "amc": 3.85,
-    "spectral": 2.94,  # encode and read compiled (3.61 before); still: the per-token encode (binary-search gathers) and the QJL read
-    # a compiled read and merge (retained tables read unmasked: 1.46 -> 1.43); still: the
-    # pair's SLERP for keys and values (17 nodes each), the retained pairs' cumsum/scatter
-    # writes (4 scatters) and the second layer's table reads (gather + scatter per table)
-    "minicache": 1.43,
-    # composed (issue 36): h2o's every step also dequantizes the kept keys for its
-    # accumulated attention (one compiled pass over the room now, 1.43 -> 1.37; still: the
-    # dequantization and the float32 score matmul/softmax/mean a layer, which the mass needs
-    # bit for bit; snapkv+kivi4 and tova+kivi4 are under the bound: 1.21)
-    "h2o+kivi2": 1.37,
+    "amc": 10.00,  # writes every token into all 3 tiers branchless, reads all 3
+    "spectral": 7.19,  # the per-token encode (binary-search gathers) and the QJL read
+    # a compiled read and merge; still: the pair's SLERP for keys and values, the retained
+    # pairs' cumsum/scatter writes and the second layer's table reads
+    "minicache": 2.56,
+    # composed (issue 36): h2o's every step dequantizes the kept keys for its accumulated
+    # attention (the float32 score matmul/softmax/mean a layer, which the mass needs bit for bit)
+    "h2o+kivi2": 2.35,
+    "vecinfer": 2.13,
+    "kvquant": 2.10,
+    "palu": 2.08,
+    "gear": 2.06,
+    "cachegen": 2.04,
+    "a2ats": 2.04,
+    "nsnquant": 2.02,
+    "kvtc": 2.02,
+    "kitty": 2.00,
+    "adakv": 1.92,
+    "tova+kivi4": 1.88,
+    "snapkv+kivi4": 1.88,
+    "zipcache": 1.85,
+    "svdq": 1.83,
+    "anchorkv": 1.83,
+    "turboquant": 1.75,
+    "skvq": 1.71,
+    "nestedkv": 1.63,  # padded heads: attention with an array mask, decomposed on CUDA too
+    "age_tiered": 1.56,
+    "qfilters": 1.50,
+    "xquant": 1.50,
+    "keyformer": 1.48,
+    "kivi": 1.40,  # the CPU's quantized_matmul reading; the CUDA kernel is 0.98 on the H200
+    "h2o": 1.35,
+    "xkv": 1.35,
+    "squeeze": 1.31,
 }
 GRAPH_BOUND = 1.3
 
@@ -53,14 +83,22 @@ GROWING_LAZY_STATE = {
 
 
 @pytest.mark.parametrize("method", [
-    _expect(m, {k: f"a decode step's graph is {r:.2f}x the full cache's" for k, r in OVER_GRAPH_BOUND.items()})
+    _expect(m, {k: f"a decode step's graph is {r:.2f}x the full cache's per layer" for k, r in OVER_GRAPH_BOUND.items()})
     for m in (*implemented_methods(), *COMPOSED)])
-def test_a_decode_steps_graph_is_at_most_1_3x_the_full_caches(method):
+def test_a_decode_steps_graph_is_at_most_1_3x_the_full_caches_per_layer(method):
     full, graph = step_graph("full"), step_graph(method)
-    ratio = graph.nodes / full.nodes
+    ratio = per_layer_ratio(method)
     assert ratio <= GRAPH_BOUND, (
-        f"{method}: a decode step's graph has {graph.nodes} nodes, {ratio:.2f}x the full cache's "
-        f"{full.nodes} ({(graph.nodes - full.nodes) / graph.layers:+.0f} a layer)")
+        f"{method}: a decode step's graph is {ratio:.2f}x the full cache's per layer "
+        f"({graph.nodes} nodes against {full.nodes} in {graph.layers} layers)")
+
+
+@pytest.mark.parametrize("method", sorted(OVER_GRAPH_BOUND))
+def test_a_decode_step_over_the_bound_grows_no_larger_than_recorded(method):
+    ratio = per_layer_ratio(method)
+    assert ratio <= OVER_GRAPH_BOUND[method] + 0.01, (
+        f"{method}: a decode step's graph is {ratio:.2f}x the full cache's per layer, above "
+        f"the {OVER_GRAPH_BOUND[method]:.2f}x recorded in OVER_GRAPH_BOUND")
 
 
 @pytest.mark.parametrize("method", [_expect(m, GROWING_LAZY_STATE) for m in (*implemented_methods(), *COMPOSED)])
@@ -69,3 +107,19 @@ def test_cache_state_left_unevaluated_does_not_grow_step_after_step(method):
     assert not step_graph(method).grows, (
         f"{method}: cache operations left unevaluated by generate_step's loop after 10, 20, 30 "
         f"steps: {pending}")
+
+
+def test_fused_ops_count_one_node_each_and_masked_attention_stays_decomposed():
+    x, w, mask = mx.ones((1, 2, 3, 8)), mx.ones((8,)), mx.ones((3, 3), dtype=mx.bool_)
+    mx.eval(x, w, mask)
+
+    def layer(mask=None):
+        h = mx.fast.rope(mx.fast.rms_norm(x, w, 1e-5), 8, traditional=False, base=1e4, scale=1.0, offset=0)
+        return mx.fast.scaled_dot_product_attention(h, x, x, scale=1.0, mask=mask)
+
+    with fused_ops_as_on_a_gpu():
+        fused, masked = graph_nodes([layer()]), graph_nodes([layer(mask)])
+    plain = graph_nodes([layer()])
+    assert fused == 3
+    assert masked > fused + 5 and plain > fused + 5
+    assert mx.fast.rms_norm(x, w, 1e-5).shape == x.shape  # the real ops are back
