@@ -103,3 +103,25 @@ def test_plan_rebuilt_when_the_kernels_are_replaced(fake_cuda, monkeypatch):
     monkeypatch.setattr(kd, "_KERNELS", {})
     kd.kivi_decode_attention(*args, **kw)
     assert len(fake_cuda) == 2 and len(other) == 2  # the new kernels ran, not the cached ones
+
+
+@pytest.mark.parametrize("bits,n_kq,n_kres,n_vq,n_vres,dtype", [
+    (4, 512, 37, 421, 128, mx.float16),
+    (2, 256, 0, 256, 0, mx.float16),      # a packed part without a window: stand-ins for the window
+    (4, 512, 37, 421, 128, mx.float32),
+])
+def test_partials_of_a_part_launch_what_the_uncached_path_launches(fake_cuda, monkeypatch, bits, n_kq,
+                                                                   n_kres, n_vq, n_vres, dtype):
+    args = _case(bits, n_kq, n_kres, n_vq, n_vres, dtype)
+    kw = dict(scale=0.088, bits=bits, group_size=32)
+    ref = kd._partials("cuda", *args, **kw)
+    planned = []
+    real_plan = kd._main_plan
+    monkeypatch.setattr(kd, "_main_plan", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
+    first = kd.decode_partials("cuda", *args, **kw)
+    again = kd.decode_partials("cuda", *args, **kw)  # another layer of the step: the cached plan
+    assert len(planned) == 1 and len(kd._STEP_PLANS) == 1 and len(fake_cuda) == 3
+    _same(fake_cuda[0], fake_cuda[1])
+    _same(fake_cuda[0], fake_cuda[2])
+    for r, a, b in zip(ref, first, again):
+        assert r.shape == a.shape == b.shape and r.dtype == a.dtype == b.dtype

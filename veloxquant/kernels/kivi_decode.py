@@ -649,7 +649,12 @@ def _launch(backend, queries, *cache, scale, bits, group_size, algo=None):
 def decode_partials(backend, queries, *cache, scale, bits, group_size):
     """The dispatcher's kernel over one layout, before the merge: (o_part, ml_part), the
     per-split partial softmax states (base-2 max and sum, unnormalised output), which
-    partials of other layouts over other tokens may join (``kernels/decode.py``)."""
+    partials of other layouts over other tokens may join (``kernels/decode.py``). Launched
+    from the cached :class:`_StepPlan` of the layout where one applies (a multi-part
+    store's other layers reuse it)."""
+    plan = _step_plan(backend, (queries, *cache), bits, group_size, scale)
+    if plan is not None:
+        return plan.partials((queries, *cache))
     return _partials(backend, queries, *cache, scale=scale, bits=bits, group_size=group_size)
 
 
@@ -789,8 +794,8 @@ class _StepPlan:
         main, comb = (_KERNELS.get(k, (None, None)) for k in self.kernel_keys)
         return main[0] is self.main and comb[1] is self.comb
 
-    def launch(self, args):
-        """The same two launches as :func:`_launch` (main kernel, then the merge)."""
+    def partials(self, args):
+        """The main kernel's launch of :func:`_partials`: (o_part, ml_part)."""
         q, kc, ks, kb, _, kr, _, vc, vs, vb, _, vr, _ = args
         bufs = [kc, ks, kb, None, kr, None, vc, vs, vb, None, vr]
         for i, x in self.standins.items():
@@ -798,7 +803,11 @@ class _StepPlan:
         o_part, ml_part = self.main(
             inputs=[q, bufs[0], bufs[1], bufs[2], bufs[4], bufs[6], bufs[7], bufs[8], bufs[10],
                     self.params], **self.main_kw)
-        (out,) = self.comb(inputs=[o_part, ml_part], **self.comb_kw)
+        return o_part, ml_part
+
+    def launch(self, args):
+        """The same two launches as :func:`_launch` (main kernel, then the merge)."""
+        (out,) = self.comb(inputs=list(self.partials(args)), **self.comb_kw)
         return out
 
 
