@@ -1,6 +1,6 @@
 """Node counts of one steady-state decode step per method, per layer as a ratio to the full
-cache's with MLX's fused operations counted one node each as on a GPU (issue 30's CPU
-guard), and the cache operations generate_step's loop leaves unevaluated.
+cache's, each step built and counted as MLX's CUDA back-end builds it (issue 30's CPU
+guard: tests/decode_steps.steps_as_on_cuda), and the cache operations generate_step's loop leaves unevaluated.
 
     MLX_DEFAULT_DEVICE=cpu .venv/bin/python benchmarks/decode_graph.py > benchmarks/notes/decode_graph.md
 """
@@ -28,8 +28,8 @@ def main() -> None:
     print("4 warm-up steps, 40 steps run as mlx-lm's generate_step runs them, then 7 steps each")
     print("built from an evaluated state. *nodes*: operations in the step's graph (the next")
     print("token, its log-probabilities and every cache array it leaves unevaluated; median of")
-    print("the 7, whole model; MLX's rms_norm, rope and unmasked attention one node each, as")
-    print("on a GPU), *max*: the largest of the 7; *ratio*: per layer, to the full cache's, the")
+    print("the 7, whole model, built as MLX's CUDA back-end builds it: fused operations and")
+    print("kernel launches one node each, the package's GPU paths), *max*: the largest of the 7; *ratio*: per layer, to the full cache's, the")
     print("nodes outside the layers taken out; *extra / layer*: nodes beyond the full cache's per")
     print("layer. *pending*: cache operations")
     print("the overlapped loop leaves unevaluated after 10, 20 and 30 of its steps; growing")

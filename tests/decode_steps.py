@@ -1,6 +1,7 @@
 """Decode steps driven the way mlx-lm's ``generate_step`` runs them, for the CPU guards
 of issue 30: a sync detector (host reads of array values from package code) and the
-node count of one steady-state step's graph, per layer, counted as a GPU runs it."""
+node count of one steady-state step's graph, per layer, built and counted as MLX's CUDA
+back-end builds it."""
 
 from __future__ import annotations
 
@@ -193,6 +194,73 @@ def fused_ops_as_on_a_gpu():
             setattr(mx.fast, name, fn)
 
 
+_EVALUATED_ZEROS: dict = {}
+
+
+def _one_node(outputs, inputs) -> list[mx.array]:
+    """One graph node whose outputs have the given (shape, dtype)s and that depends on every
+    array in ``inputs``: evaluated zeros (leaves) behind one ``Depends``."""
+    zeros = []
+    for shape, dtype in outputs:
+        key = (tuple(shape), dtype)
+        if key not in _EVALUATED_ZEROS:
+            _EVALUATED_ZEROS[key] = mx.zeros(shape, dtype)
+            mx.eval(_EVALUATED_ZEROS[key])
+        zeros.append(_EVALUATED_ZEROS[key])
+    return mx.depends(zeros, [a for a in inputs if isinstance(a, mx.array)])
+
+
+class _LaunchNode:
+    """What ``mx.fast.cuda_kernel`` returns, as a graph sees it: one node a launch."""
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, **_):
+        return _one_node(list(zip(output_shapes, output_dtypes)), inputs)
+
+
+@contextlib.contextmanager
+def steps_as_on_cuda():
+    """Build decode steps as they are built on MLX's CUDA back-end, for counting their graphs.
+
+    Besides :func:`fused_ops_as_on_a_gpu`: the package's code sees a GPU
+    (``mx.default_device()``) with CUDA kernels (``kivi_decode.gpu_backend``), so it takes the
+    paths it takes there (a fused kernel where one applies, the pure-MLX reading where
+    ``quantized_matmul`` would serve on the CPU); each kernel launch is one node, and so is
+    each ``mx.dequantize`` / ``mx.quantize``, which the CPU runs as graphs of shifts. The
+    arrays still live on the CPU and the values are wrong; only the graphs' sizes are read."""
+    from veloxquant_mlx.kernels import kivi_decode as kd
+
+    saved = (mx.default_device, mx.dequantize, mx.quantize, getattr(mx.fast, "cuda_kernel", None),
+             kd.gpu_backend, kd.kernel_self_check, dict(kd._KERNELS))
+    gpu = mx.Device(mx.gpu)
+
+    def dequantize(w, scales, biases=None, group_size=64, bits=4, **_):
+        return _one_node([((*w.shape[:-1], w.shape[-1] * 32 // bits), scales.dtype)], [w, scales, biases])[0]
+
+    def quantize(w, group_size=64, bits=4, **_):
+        lead, n = w.shape[:-1], w.shape[-1]
+        return tuple(_one_node([((*lead, n * bits // 32), mx.uint32), ((*lead, n // group_size), w.dtype),
+                                ((*lead, n // group_size), w.dtype)], [w]))
+
+    try:
+        mx.default_device = lambda: gpu
+        mx.dequantize, mx.quantize = dequantize, quantize
+        mx.fast.cuda_kernel = lambda **_: _LaunchNode()
+        kd.gpu_backend = lambda: "cuda"
+        kd.kernel_self_check = lambda *key: True  # a launch node has no values to check
+        kd._KERNELS.clear()
+        kd._STEP_PLANS.clear()
+        with fused_ops_as_on_a_gpu():
+            yield
+    finally:
+        mx.default_device, mx.dequantize, mx.quantize = saved[:3]
+        if saved[3] is not None:
+            mx.fast.cuda_kernel = saved[3]
+        kd.gpu_backend, kd.kernel_self_check = saved[4:6]
+        kd._KERNELS.clear()
+        kd._KERNELS.update(saved[6])
+        kd._STEP_PLANS.clear()
+
+
 @dataclass(frozen=True)
 class StepGraph:
     method: str
@@ -229,7 +297,7 @@ def decode_guards(method: str, steps: int = 7, apart: int = 10, arch: str = "lla
     """One prefill for both guards: the host reads of ``4 * apart`` overlapped decode steps
     (after ``WARMUP``), what they leave unevaluated in the caches every ``apart`` steps,
     then the graph of ``steps`` steady-state steps, each built from an evaluated state and
-    counted under :func:`fused_ops_as_on_a_gpu` (its outputs: the next token, its
+    counted under :func:`steps_as_on_cuda` (its outputs: the next token, its
     log-probabilities and every cache array it leaves unevaluated; the median is the
     step's size). ``layers``: the tiny model's layer count, if not its own."""
     model, cache, token = prefilled(method, arch, layers=layers)
@@ -242,7 +310,7 @@ def decode_guards(method: str, steps: int = 7, apart: int = 10, arch: str = "lla
             if block:
                 pending.append(graph_nodes(cache_arrays(cache)))
     counts = []
-    with fused_ops_as_on_a_gpu():
+    with steps_as_on_cuda():
         for _ in range(steps):
             mx.eval(y, cache_arrays(cache))
             y, logprobs = step(model, cache, y)
