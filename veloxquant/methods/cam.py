@@ -41,6 +41,8 @@ Victims are taken in blocks, so the victim x window weights stay bounded.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from ..evict.base import EVICT_EVERY, Roles, Schedule, ScoredEvictionCache
@@ -77,6 +79,41 @@ def merge_gate(a_e: mx.array, mean: mx.array) -> mx.array:
     """p = clamp(ā_e / mean, 0, 1); 0/0 -> 0, x/0 -> 1."""
     ratio = a_e / mean
     return mx.clip(mx.where(mx.isnan(ratio), 0.0, ratio), 0.0, 1.0)
+
+
+def merge_plan(mode: str, merge_keys: bool, cos, a_e, a_w, u, m):
+    """Victims (B, H, nb): targets (B, H, nb, m) in the window, M * w_j, and the keys'
+    pull M * w_j * λ_j (None unless ``merge_keys``)."""
+    idx, w = merge_weights(mode, cos, a_e.shape, m)
+    a_j = mx.take_along_axis(mx.broadcast_to(a_w[:, :, None], (*a_e.shape, a_w.shape[-1])), idx, -1)
+    mean = (w * a_j).sum(-1) if mode == "sim_weighted" else a_w.mean(-1, keepdims=True)
+    p = merge_gate(a_e, mean)
+    coef = (p if u is None else (u < p).astype(mx.float32))[..., None] * w
+    if not merge_keys:
+        return idx, coef, None
+    lam = a_e[..., None] / (a_e[..., None] + a_j)
+    return idx, coef, coef * mx.where(mx.isnan(lam), 0.0, lam)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_fn(mode: str, merge_keys: bool, m: int, drawn: bool):
+    """One block of victims' contribution to the window, compiled: (the values' increment,
+    the keys' pull-weighted sum and the pulls' sum; zeros without ``merge_keys``), from
+    (keys, values, victim ids, the window's keys, ā, the window's ā[, the gate's draws])."""
+
+    def contribution(keys, values, ids, k_w, a, a_w, u=None):
+        b, h, n_w = a_w.shape
+        k_e, v_e = gather_tokens(keys, ids), gather_tokens(values, ids)
+        cos = cosine(k_e, k_w) if mode == "sim_weighted" else None
+        idx, coef, pull = merge_plan(mode, merge_keys, cos, mx.take_along_axis(a, ids, -1), a_w, u, m)
+        zeros = mx.zeros((b, h, ids.shape[-1], n_w), mx.float32)  # victims x window
+        dv = mx.put_along_axis(zeros, idx, coef, axis=-1).swapaxes(-1, -2) @ v_e.astype(mx.float32)
+        if pull is None:
+            return dv, mx.zeros(k_w.shape, mx.float32), mx.zeros((b, h, n_w), mx.float32)
+        dense = mx.put_along_axis(zeros, idx, pull, axis=-1)
+        return dv, dense.swapaxes(-1, -2) @ k_e.astype(mx.float32), dense.sum(axis=-2)
+
+    return mx.compile(contribution)
 
 
 class CaMCache(ScoredEvictionCache):
@@ -129,47 +166,31 @@ class CaMCache(ScoredEvictionCache):
             self._put_rows("keys", slots, k + pull[:, :, 0, :, None] * (k_e.astype(mx.float32) - k))
 
     def _merge_many(self, keys, values, victims, window, a, u, m):
-        """The prompt's end: every victim straight into the window, in blocks of victims."""
+        """Every victim straight into the window, in blocks of victims (a decode step's
+        ``EVICT_EVERY`` victims are one block: one compiled pass, traced once)."""
         k_w, v_w = gather_tokens(keys, window), gather_tokens(values, window)
         a_w = mx.take_along_axis(a, window, axis=-1)
         b, h, n_w = window.shape
         gone = victims.shape[-1]
         block = max(1, MERGE_ELEMENTS // (b * h * n_w))
-        dv, k_num = mx.zeros(v_w.shape, mx.float32), mx.zeros(k_w.shape, mx.float32)
-        k_sum = mx.zeros((b, h, n_w), mx.float32)
+        merge_keys = self.options.cam_merge_keys
+        contribution = _block_fn(self.options.cam_merge, merge_keys, m, u is not None)
+        dv = k_num = k_sum = None
         for start in range(0, gone, block):
             ids = victims[..., start : start + block]
-            k_e, v_e = gather_tokens(keys, ids), gather_tokens(values, ids)
-            cos = cosine(k_e, k_w) if self.options.cam_merge == "sim_weighted" else None
-            u_b = None if u is None else u[..., start : start + block]
-            idx, coef, pull = self._plan(cos, mx.take_along_axis(a, ids, -1), a_w, u_b, m)
-            zeros = mx.zeros((b, h, ids.shape[-1], n_w), mx.float32)  # victims x window
-            dv = dv + mx.put_along_axis(zeros, idx, coef, axis=-1).swapaxes(-1, -2) @ v_e.astype(mx.float32)
-            if pull is not None:
-                dense = mx.put_along_axis(zeros, idx, pull, axis=-1)
-                k_num = k_num + dense.swapaxes(-1, -2) @ k_e.astype(mx.float32)
-                k_sum = k_sum + dense.sum(axis=-2)
+            drawn = () if u is None else (u[..., start : start + block],)
+            parts = contribution(keys, values, ids, k_w, a, a_w, *drawn)
+            dv, k_num, k_sum = parts if dv is None else [x + y for x, y in zip((dv, k_num, k_sum), parts)]
             if start + block < gone:  # bound the graph: one block's weights at a time
                 mx.eval(dv, k_num, k_sum)
         self._put_rows("values", window, v_w.astype(mx.float32) + dv)
-        if self.options.cam_merge_keys:  # toward the pull-weighted mean, at most all the way
+        if merge_keys:  # toward the pull-weighted mean, at most all the way
             strength = mx.minimum(k_sum, 1.0) / mx.where(k_sum > 0, k_sum, 1.0)
             k = k_w.astype(mx.float32)
             self._put_rows("keys", window, k + strength[..., None] * (k_num - k_sum[..., None] * k))
 
     def _plan(self, cos, a_e, a_w, u, m):
-        """Victims (B, H, nb): targets (B, H, nb, m) in the window, M * w_j, and the keys'
-        pull M * w_j * λ_j (None unless cam_merge_keys)."""
-        mode = self.options.cam_merge
-        idx, w = merge_weights(mode, cos, a_e.shape, m)
-        a_j = mx.take_along_axis(mx.broadcast_to(a_w[:, :, None], (*a_e.shape, a_w.shape[-1])), idx, -1)
-        mean = (w * a_j).sum(-1) if mode == "sim_weighted" else a_w.mean(-1, keepdims=True)
-        p = merge_gate(a_e, mean)
-        coef = (p if u is None else (u < p).astype(mx.float32))[..., None] * w
-        if not self.options.cam_merge_keys:
-            return idx, coef, None
-        lam = a_e[..., None] / (a_e[..., None] + a_j)
-        return idx, coef, coef * mx.where(mx.isnan(lam), 0.0, lam)
+        return merge_plan(self.options.cam_merge, self.options.cam_merge_keys, cos, a_e, a_w, u, m)
 
     def _put_rows(self, name, slots, rows):
         """Overwrite the rows at ``slots`` (B, H, n) of one stored array."""
