@@ -3,9 +3,10 @@
 What a decode step costs the host on a GPU is the model call before ``mx.eval``: Python
 and MLX building the graph. The CUDA path of the quantized caches cannot run here, but its
 host side can: ``--stub`` (the default) makes ``kivi_decode.gpu_backend()`` answer "cuda"
-and replaces ``mx.fast.cuda_kernel`` by a stand-in whose launches return zeros of the
-right shapes, so the Python that checks layouts, plans the split and builds the launch
-runs as it would on CUDA. The stand-in's own cost (one ``mx.zeros`` an output) is not
+and makes each ``mx.fast.cuda_kernel`` launch one graph node (zeros of the right shapes
+behind a ``Depends`` on its inputs: ``tests/decode_steps.cuda_kernels_as_launch_nodes``),
+so the Python that checks layouts, plans the split and builds the launch runs as it would
+on CUDA. The stand-in's own cost (one ``mx.depends`` a launch) is not
 MLX's cost of a custom-kernel call on CUDA (~12 us, notes): these are CPU host-time
 figures with stub kernels, not GPU timings, good for comparing the Python around them.
 
@@ -30,7 +31,9 @@ import cProfile
 import io
 import pstats
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache  # first: it may load OpenBLAS
 from veloxquant_mlx.registry import implemented_methods
@@ -43,6 +46,9 @@ from veloxquant_mlx.bench.runner import prefill  # noqa: E402
 from veloxquant_mlx.cache.options import KIVIOptions, SnapKVOptions, StreamingLLMOptions  # noqa: E402
 from veloxquant_mlx.kernels import kivi_decode as kd  # noqa: E402
 from veloxquant_mlx.quant import store as store_module  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from decode_steps import cuda_kernels_as_launch_nodes  # noqa: E402
 
 BASELINE = "mlx-lm KVCache"
 METHODS = {
@@ -67,30 +73,9 @@ def build_model(layers: int, dtype):
     return model
 
 
-class _StubKernel:
-    """What ``mx.fast.cuda_kernel`` returns, minus the kernel: zeros of the output shapes."""
-
-    def __call__(self, *, inputs, output_shapes, output_dtypes, **_):
-        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
-
-
-@contextlib.contextmanager
 def stubbed_gpu_path():
-    """The dispatcher believes it runs on CUDA; kernel launches return zeros."""
-    saved = kd.gpu_backend, mx.fast.cuda_kernel, dict(kd._KERNELS), kd.kernel_self_check
-    kd.gpu_backend = lambda: "cuda"
-    mx.fast.cuda_kernel = lambda **_: _StubKernel()
-    kd.kernel_self_check = lambda *key: True  # the stubs' zeros would fail the self-check
-    kd._KERNELS.clear()
-    kd._STEP_PLANS.clear()
-    try:
-        yield
-    finally:
-        kd.gpu_backend, mx.fast.cuda_kernel = saved[:2]
-        kd.kernel_self_check = saved[3]
-        kd._KERNELS.clear()
-        kd._KERNELS.update(saved[2])
-        kd._STEP_PLANS.clear()
+    """The dispatcher believes it runs on CUDA; each kernel launch is one graph node."""
+    return cuda_kernels_as_launch_nodes()
 
 
 def make_cache(model, config):
@@ -110,6 +95,9 @@ class _UncachedPlan:
 
     def launch(self, args):
         return kd._launch(self.backend, *args, **self.kw, algo=self.algo)
+
+    def partials(self, args):
+        return kd._partials(self.backend, *args, **self.kw, algo=self.algo)
 
 
 def _switchable(new_plan, new_empty):
@@ -167,7 +155,7 @@ def main() -> None:
     names = [args.profile] if args.profile else [BASELINE, *[m for m in args.methods if m != BASELINE]]
     if args.uncached:
         names = [x for n in names for x in ([n + " uncached", n] if n.startswith("kivi") else [n])]
-        kd._step_plan, store_module._empty = _switchable(kd._step_plan, store_module._empty)
+        kd._step_plan, store_module.absent_buffer = _switchable(kd._step_plan, store_module.absent_buffer)
     states = {}
     for name in names:
         cache = make_cache(model, METHODS[name.removesuffix(" uncached")])

@@ -218,19 +218,41 @@ class _LaunchNode:
 
 
 @contextlib.contextmanager
+def cuda_kernels_as_launch_nodes():
+    """The package's dispatchers believe they run on CUDA (``kivi_decode.gpu_backend``) and
+    each ``mx.fast.cuda_kernel`` launch is one graph node (evaluated zeros behind a
+    ``Depends`` on its inputs): the Python that checks layouts, plans the launch and builds
+    it runs as on CUDA, on the CPU (also ``benchmarks/host_time.py``'s host timings)."""
+    from veloxquant_mlx.kernels import kivi_decode as kd
+
+    saved = (getattr(mx.fast, "cuda_kernel", None), kd.gpu_backend, kd.kernel_self_check, dict(kd._KERNELS))
+    try:
+        mx.fast.cuda_kernel = lambda **_: _LaunchNode()
+        kd.gpu_backend = lambda: "cuda"
+        kd.kernel_self_check = lambda *key: True  # a launch node has no values to check
+        kd._KERNELS.clear()
+        kd._STEP_PLANS.clear()
+        yield
+    finally:
+        if saved[0] is not None:
+            mx.fast.cuda_kernel = saved[0]
+        kd.gpu_backend, kd.kernel_self_check = saved[1:3]
+        kd._KERNELS.clear()
+        kd._KERNELS.update(saved[3])
+        kd._STEP_PLANS.clear()
+
+
+@contextlib.contextmanager
 def steps_as_on_cuda():
     """Build decode steps as they are built on MLX's CUDA back-end, for counting their graphs.
 
-    Besides :func:`fused_ops_as_on_a_gpu`: the package's code sees a GPU
-    (``mx.default_device()``) with CUDA kernels (``kivi_decode.gpu_backend``), so it takes the
-    paths it takes there (a fused kernel where one applies, the pure-MLX reading where
-    ``quantized_matmul`` would serve on the CPU); each kernel launch is one node, and so is
-    each ``mx.dequantize`` / ``mx.quantize``, which the CPU runs as graphs of shifts. The
-    arrays still live on the CPU and the values are wrong; only the graphs' sizes are read."""
-    from veloxquant_mlx.kernels import kivi_decode as kd
-
-    saved = (mx.default_device, mx.dequantize, mx.quantize, getattr(mx.fast, "cuda_kernel", None),
-             kd.gpu_backend, kd.kernel_self_check, dict(kd._KERNELS))
+    Besides :func:`fused_ops_as_on_a_gpu` and :func:`cuda_kernels_as_launch_nodes`: the
+    package's code sees a GPU (``mx.default_device()``), so it takes the paths it takes
+    there (the pure-MLX reading where ``quantized_matmul`` would serve on the CPU), and each
+    ``mx.dequantize`` / ``mx.quantize`` is one node, as on a GPU (the CPU runs them as graphs
+    of shifts). The arrays still live on the CPU and the values are wrong; only the graphs'
+    sizes are read."""
+    saved = (mx.default_device, mx.dequantize, mx.quantize)
     gpu = mx.Device(mx.gpu)
 
     def dequantize(w, scales, biases=None, group_size=64, bits=4, **_):
@@ -244,21 +266,10 @@ def steps_as_on_cuda():
     try:
         mx.default_device = lambda: gpu
         mx.dequantize, mx.quantize = dequantize, quantize
-        mx.fast.cuda_kernel = lambda **_: _LaunchNode()
-        kd.gpu_backend = lambda: "cuda"
-        kd.kernel_self_check = lambda *key: True  # a launch node has no values to check
-        kd._KERNELS.clear()
-        kd._STEP_PLANS.clear()
-        with fused_ops_as_on_a_gpu():
+        with cuda_kernels_as_launch_nodes(), fused_ops_as_on_a_gpu():
             yield
     finally:
-        mx.default_device, mx.dequantize, mx.quantize = saved[:3]
-        if saved[3] is not None:
-            mx.fast.cuda_kernel = saved[3]
-        kd.gpu_backend, kd.kernel_self_check = saved[4:6]
-        kd._KERNELS.clear()
-        kd._KERNELS.update(saved[6])
-        kd._STEP_PLANS.clear()
+        mx.default_device, mx.dequantize, mx.quantize = saved
 
 
 @dataclass(frozen=True)
