@@ -242,6 +242,18 @@ def cuda_kernels_as_launch_nodes():
         kd._STEP_PLANS.clear()
 
 
+def _clear_package_caches() -> None:
+    """Empty every ``functools`` cache of the package's modules: compiled passes traced and
+    kernels made on one side of :func:`steps_as_on_cuda` are not reused on the other (a
+    trace made under it would take its CUDA paths outside it; one made before it would be
+    counted with the CPU's)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("veloxquant_mlx"):
+            for value in list(vars(module).values()):
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+
+
 @contextlib.contextmanager
 def steps_as_on_cuda():
     """Build decode steps as they are built on MLX's CUDA back-end, for counting their graphs.
@@ -264,12 +276,14 @@ def steps_as_on_cuda():
                                 ((*lead, n // group_size), w.dtype)], [w]))
 
     try:
+        _clear_package_caches()
         mx.default_device = lambda: gpu
         mx.dequantize, mx.quantize = dequantize, quantize
         with cuda_kernels_as_launch_nodes(), fused_ops_as_on_a_gpu():
             yield
     finally:
         mx.default_device, mx.dequantize, mx.quantize = saved
+        _clear_package_caches()
 
 
 @dataclass(frozen=True)
