@@ -42,11 +42,13 @@ class SlotStore:
     def write(self, new: dict[str, mx.array]) -> None:
         """Store new tokens (each array (B, H, N, ...)): the free slot first, then appended."""
         if self.free is not None:
-            slot = self.free[:, :, None]
+            slot, index = self.free[:, :, None], {}  # one index per rank, shared by the arrays
             for name, grown in self.arrays.items():
-                row = new[name][:, :, :1]
-                index = slot.reshape(*slot.shape, *(1,) * (row.ndim - 3))
-                grown.buffer = mx.put_along_axis(grown.buffer, index, row, axis=2)
+                rows = new[name]
+                row = rows if rows.shape[2] == 1 else rows[:, :, :1]  # a decode token: no slice
+                if row.ndim not in index:
+                    index[row.ndim] = slot.reshape(*slot.shape, *(1,) * (row.ndim - 3))
+                grown.buffer = mx.put_along_axis(grown.buffer, index[row.ndim], row, axis=2)
             self.free = None
             new = {name: rows[:, :, 1:] for name, rows in new.items()}
         if new[self.names[0]].shape[2]:
