@@ -290,7 +290,7 @@ def steps_as_on_cuda():
 class StepGraph:
     method: str
     layers: int
-    nodes: int  # median over the measured steps, the whole model, MLX's fused ops one node each
+    nodes: int  # median over the measured steps, the whole model, as MLX's CUDA back-end builds it
     largest: int  # the largest measured step (a flush or a refit, if one fell in)
     pending: tuple[int, ...]  # cache operations left unevaluated by generate_step's loop
 
@@ -307,21 +307,24 @@ def step_graph(method: str) -> StepGraph:
     return decode_guards(method)[1]
 
 
-def per_layer_ratio(method: str) -> float:
-    """A steady-state step's nodes per layer against the full cache's (issue 30's measure).
-    The model's nodes outside its layers (embedding, final norm, head, the step's
+def per_layer_ratio(method: str, largest: bool = False) -> float:
+    """A steady-state step's nodes per layer against the full cache's steady step (issue 30's
+    measure); ``largest``: the largest of the measured steps (a flush, an eviction, a refit)
+    instead. The model's nodes outside its layers (embedding, final norm, head, the step's
     log-probabilities) are taken out first: they are twice the full cache's step at L
     layers minus its step at 2L."""
     full = step_graph("full")
     outside = 2 * full.nodes - decode_guards("full", layers=2 * full.layers)[1].nodes
-    return (step_graph(method).nodes - outside) / (full.nodes - outside)
+    graph = step_graph(method)
+    return ((graph.largest if largest else graph.nodes) - outside) / (full.nodes - outside)
 
 
 @functools.lru_cache(maxsize=None)
-def decode_guards(method: str, steps: int = 7, apart: int = 10, arch: str = "llama", layers: int | None = None):
+def decode_guards(method: str, steps: int = 40, apart: int = 10, arch: str = "llama", layers: int | None = None):
     """One prefill for both guards: the host reads of ``4 * apart`` overlapped decode steps
     (after ``WARMUP``), what they leave unevaluated in the caches every ``apart`` steps,
-    then the graph of ``steps`` steady-state steps, each built from an evaluated state and
+    then the graph of ``steps`` steps (more than the eviction base's 32 between evictions,
+    so that periodic work falls in), each built from an evaluated state and
     counted under :func:`steps_as_on_cuda` (its outputs: the next token, its
     log-probabilities and every cache array it leaves unevaluated; the median is the
     step's size). ``layers``: the tiny model's layer count, if not its own."""
