@@ -65,7 +65,8 @@ def nearest(z: mx.array, centroids: mx.array) -> mx.array:
     """uint32 index of the nearest centroid of each z (ties go to the lower centroid)."""
     c = centroids.astype(mx.float32)
     mids = (c[1:] + c[:-1]) / 2
-    return _nearest_fn(c.shape[0])(z, *[mids[j] for j in range(mids.shape[0])])
+    # one-element slices (views), not scalar indexing (a gather each, which no pass fuses)
+    return _nearest_fn(c.shape[0])(z, *[mids[j : j + 1] for j in range(mids.shape[0])])
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,3 +191,20 @@ def refit(hist: mx.array, centroids: mx.array, iters: int) -> mx.array:
     centres = (mx.arange(HIST_BINS, dtype=mx.float32) + 0.5) * (2 / HIST_BINS) - 1
     points = mx.where(mass > 0, total / mx.where(mass > 0, mass, 1.0), centres)
     return lloyd(points, mass, centroids, iters)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_refit(iters: int):
+    """``refit`` at ``iters`` steps as one compiled graph of (hist, centroids): a decode
+    step's refit, traced once (its shapes do not change)."""
+    return mx.compile(lambda hist, centroids: refit(hist, centroids, iters))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_accumulate():
+    return mx.compile(lambda seen, z, weights: seen + histogram(z, weights))
+
+
+def accumulate(seen: mx.array | None, z: mx.array, weights: mx.array) -> mx.array:
+    """``seen`` plus the histogram of (``z``, ``weights``), in one compiled graph."""
+    return histogram(z, weights) if seen is None else _compiled_accumulate()(seen, z, weights)

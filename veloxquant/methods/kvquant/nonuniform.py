@@ -180,8 +180,7 @@ class NonUniformTokens:
 
     def _observe(self, z, weights) -> None:
         if self.hist is not None:
-            seen = cb.histogram(z, weights)
-            self.hist.reset(seen if self.hist.buffer is None else self.hist.buffer + seen)
+            self.hist.reset(cb.accumulate(self.hist.buffer, z, weights))
             self.observed_since_fit = True
 
     def refit(self) -> None:
@@ -191,7 +190,7 @@ class NonUniformTokens:
             return
         if not self.observed_since_fit:
             return
-        self.books.append(cb.refit(self.hist.buffer, self.centroids, self.codec.iters)[None])
+        self.books.append(cb.compiled_refit(self.codec.iters)(self.hist.buffer, self.centroids)[None])
         self.hist.reset(mx.zeros_like(self.hist.buffer))
         self.observed_since_fit = False
 
