@@ -77,14 +77,14 @@ GRAPH_BOUND = 1.3
 # 20-90 ms each time it came round, against 7-40 ms for a steady one
 # (benchmarks/results/periodic_steps_4k_s47.md), and its cost follows its graph's size.
 PERIODIC_STEP = {
-    "full": 1.12, "vecinfer": 2.79, "kivi": 1.85, "svdq": 5.79, "kitty": 3.67, "adakv": 6.52,
-    "xquant": 2.55, "kvquant": 7.35, "palu": 5.60, "cachegen": 7.33, "minicache": 2.85,
+    "full": 1.12, "vecinfer": 2.79, "kivi": 1.54, "svdq": 5.79, "kitty": 3.67, "adakv": 6.52,
+    "xquant": 2.24, "kvquant": 6.38, "palu": 5.60, "cachegen": 7.33, "minicache": 2.85,
     "gear": 7.75, "zipcache": 6.00, "snapkv": 1.27, "streaming_llm": 0.96, "h2o": 1.77,
     "tova": 2.04, "pyramidkv": 1.18, "squeeze": 1.29, "chunkkv": 1.27, "cam": 3.44, "xkv": 1.44,
-    "nsnquant": 5.58, "knorm": 1.94, "skvq": 3.35, "qfilters": 1.48, "keyformer": 1.90,
+    "nsnquant": 5.58, "knorm": 1.94, "skvq": 2.60, "qfilters": 1.48, "keyformer": 1.90,
     "morphkv": 2.42, "kvzip": 1.27, "kvtc": 5.54, "curdkv": 1.27, "nestedkv": 1.81, "amc": 8.58,
     "a2ats": 3.06, "anchorkv": 1.96, "rocketkv": 1.21, "age_tiered": 6.00, "spectral": 7.58,
-    "turboquant": 4.31, "snapkv+kivi4": 2.58, "h2o+kivi2": 2.85, "tova+kivi4": 3.12,
+    "turboquant": 2.71, "snapkv+kivi4": 2.58, "h2o+kivi2": 2.85, "tova+kivi4": 3.12,
 }
 
 # Cache state that generate_step's loop never evaluates (it is not in the logits' graph),

@@ -105,10 +105,11 @@ class PackedTokens:
             return self.scales.length * self.codec.group
         return self.codes.length
 
-    def append(self, x: mx.array, one_token: bool = False) -> None:
-        """Encode ``x`` (B, H, n, D) and store it after the tokens already kept;
-        ``one_token``: a decode step's single token, through the compiled encoder."""
-        codes, scales, biases = (self.codec.encode_one(x) if one_token else self.codec.encode(x))
+    def append(self, x: mx.array, decoding: bool = False) -> None:
+        """Encode ``x`` (B, H, n, D) and store it after the tokens already kept.
+        ``decoding``: a decode step's write (its token, or the block it flushes), whose
+        shapes recur, so it goes through the compiled encoder (traced once a shape)."""
+        codes, scales, biases = (self.codec.encode_one(x) if decoding else self.codec.encode(x))
         self.codes.append(codes)
         self.scales.append(scales)
         self.biases.append(biases)

@@ -97,7 +97,7 @@ class SinkKVStore(Sinks, QuantizedKVStore):
         self.v_win.append(values)
         if self.v_win.held >= self.window + self.value_flush:
             n = self.v_win.held - self.window
-            self.values.append(self.v_win.pop_front(n), one_token=n == 1)
+            self.values.append(self.v_win.pop_front(n), decoding=True)
             self.v_win.compact()
 
     @property

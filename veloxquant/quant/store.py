@@ -182,15 +182,15 @@ class QuantizedKVStore(PackedStore):
         if self.sliding_keys:
             n = self.slide_block
             if self.k_win.held >= self.window + n:
-                self.keys.append(self.k_win.pop_front(n), one_token=n == 1)
-                self.values.append(self.v_win.pop_front(n), one_token=n == 1)
+                self.keys.append(self.k_win.pop_front(n), decoding=True)
+                self.values.append(self.v_win.pop_front(n), decoding=True)
             return
         if self.k_win.held == self.key_block:
-            self.keys.append(self.k_win.view())
+            self.keys.append(self.k_win.view(), decoding=True)
             self.k_win.truncate(0)  # its room stays: the next block fills it without growing
         if self.v_win.held >= self.window + self.value_flush:
             n = self.v_win.held - self.window
-            self.values.append(self.v_win.pop_front(n), one_token=n == 1)
+            self.values.append(self.v_win.pop_front(n), decoding=True)
             self.v_win.compact()  # rows from 0 again: the kernels read the buffer itself
 
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:

@@ -152,7 +152,7 @@ class NonUniformTokens:
         return self.books.buffer[self.books.length - 1]
 
     # -- writing ---------------------------------------------------------------------------
-    def append(self, x: mx.array, one_token: bool = False) -> None:
+    def append(self, x: mx.array, decoding: bool = False) -> None:
         """Encode ``x`` (B, H, n, D) after the tokens kept (per channel: n a multiple of 32
         and of the group); the first call fits the codebook on its own data."""
         c, dtype = self.codec, x.dtype
@@ -162,7 +162,7 @@ class NonUniformTokens:
             z, weights, offsets, ranges, pos, val = c.prepare(x, dtype)
             self.books.append(cb.fit(z, c.bits, c.iters, weights)[None])
             codes = c.assign(z, self.centroids)
-        elif one_token:
+        elif decoding:
             codes, offsets, ranges, pos, val, z, weights = _compiled_encode(c, dtype)(x, self.centroids)
             self._observe(z, weights)
         else:

@@ -4,7 +4,7 @@
 ``QuantizedKVStore``) with:
 
 - key and value storage given, not built from a group-affine codec: ``PackedTokens`` or
-  anything with its interface (``count``, ``append(x, one_token=False)``, ``decode``,
+  anything with its interface (``count``, ``append(x, decoding=False)``, ``decode``,
   ``layout``, ``arrays``), plus ``problems(name, head_dim)`` for what a restored state
   must satisfy, ``refit()`` when its codec can be refreshed, and ``rotary``/``start`` when
   it keeps keys pre-RoPE (``methods/kvquant/nonuniform.py``'s ``NonUniformTokens``);
@@ -45,12 +45,12 @@ class StreamingStore(SinkKVStore):
         """A decode step: rows written in place, a block flushed when whole, maybe a refit."""
         self.k_win.append(keys)
         if self.k_win.held == self.key_block:
-            self.keys.append(self.k_win.view())
+            self.keys.append(self.k_win.view(), decoding=True)
             self.k_win.reset(None)
         if self.window or self.value_flush > 1:
             self._step_values(values)
         else:
-            self.values.append(values, one_token=True)
+            self.values.append(values, decoding=True)
         self.steps += 1
         if self.refit_interval and self.steps % self.refit_interval == 0:
             for storage in (self.keys, self.values):

@@ -72,9 +72,9 @@ class ClippedTokens(PackedTokens):
         for rows in (self.codes, self.scales, self.biases):
             rows.limit = limit  # room never grows past ``limit`` rows while they fit
 
-    def append(self, x: mx.array, alpha: mx.array, one_token: bool = False) -> None:
+    def append(self, x: mx.array, alpha: mx.array, decoding: bool = False) -> None:
         c = self.codec
-        quantize = compiled_quantizer(c.group, c.bits, clipped=True) if one_token else (
+        quantize = compiled_quantizer(c.group, c.bits, clipped=True) if decoding else (
             lambda x, alpha: quantize_rows(x, c.group, c.bits, alpha))
         codes, scales, biases = quantize(x, alpha)
         self.codes.append(codes)

@@ -107,14 +107,14 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
             self.v_win.append(values)
             if self.k_win.held >= self.window + FLUSH:
                 n = self.k_win.held - self.window
-                self._pack(self.k_win.pop_front(n), self.v_win.pop_front(n), one_token=n == 1)
+                self._pack(self.k_win.pop_front(n), self.v_win.pop_front(n), decoding=True)
             return
         k_all, v_all = _cat(self.k_res, keys), _cat(self.v_res, values)
         n_old = k_all.shape[2] - self.window
         if n_old > 0:
             if not self.fitted:
                 k_all, v_all = self._fit(k_all, v_all)
-            self._pack(k_all[:, :, :n_old], v_all[:, :, :n_old], one_token=n_old == 1)
+            self._pack(k_all[:, :, :n_old], v_all[:, :, :n_old], decoding=n_old == 1)
             keep = n_old < k_all.shape[2]
             k_all = mx.contiguous(k_all[:, :, n_old:]) if keep else None
             v_all = mx.contiguous(v_all[:, :, n_old:]) if keep else None
@@ -138,9 +138,9 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
         self.alpha_v = search_clip(values, self.group, self.values.codec.bits, self.clip_grid)
         return keys, values
 
-    def _pack(self, keys, values, one_token: bool) -> None:
-        self.keys.append(keys, self.alpha_k, one_token)
-        self.values.append(values, self.alpha_v, one_token)
+    def _pack(self, keys, values, decoding: bool) -> None:
+        self.keys.append(keys, self.alpha_k, decoding)
+        self.values.append(values, self.alpha_v, decoding)
 
     # -- reading --------------------------------------------------------------------------
     def history(self, dtype) -> tuple[mx.array | None, mx.array | None]:

@@ -152,13 +152,20 @@ _SHIFTS = mx.arange(32, dtype=mx.uint32)
 
 
 @functools.lru_cache(maxsize=None)
-def _encoder(codec: TurboCodec, d: int, compiled: bool):
-    lv = sphere_levels(codec.level_bits, d)
-    r = codec.rotation(d)
+def _encoder_constants(codec: TurboCodec, d: int):
+    """The rotation, the sketch's transpose (evaluated) and the bit weights, shared by the
+    compiled and plain encoders: made by a prompt's first encode, so a decode step that
+    first compiles the encoder (a flushed block) evaluates nothing."""
     s_t = mx.contiguous(sketch(codec.seed, d).T) if codec.qjl else None
     if s_t is not None:
         mx.eval(s_t)
-    weights = mx.array([1 << p for p in range(codec.level_bits)], mx.uint32)[:, None]
+    return codec.rotation(d), s_t, mx.array([1 << p for p in range(codec.level_bits)], mx.uint32)[:, None]
+
+
+@functools.lru_cache(maxsize=None)
+def _encoder(codec: TurboCodec, d: int, compiled: bool):
+    lv = sphere_levels(codec.level_bits, d)
+    r, s_t, weights = _encoder_constants(codec, d)
 
     def encode(x):
         y = x.astype(mx.float32) @ r
@@ -212,9 +219,9 @@ class TurboTokens:
     def count(self) -> int:
         return self.words.length
 
-    def append(self, x: mx.array, one_token: bool = False) -> None:
+    def append(self, x: mx.array, decoding: bool = False) -> None:
         self.dim = x.shape[-1]
-        words, norms = self.codec.encode_one(x) if one_token else self.codec.encode(x)
+        words, norms = self.codec.encode_one(x) if decoding else self.codec.encode(x)
         self.words.append(words)
         self.norms.append(norms)
 

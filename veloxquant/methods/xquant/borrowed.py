@@ -56,7 +56,7 @@ class BorrowedCodes:
             return c[..., packed_length(start, self.codec.bits):packed_length(stop, self.codec.bits)]
         return c[:, :, start:stop]
 
-    def append(self, x: mx.array, one_token: bool = False) -> None:
+    def append(self, x: mx.array, decoding: bool = False) -> None:
         c = self.codec
         start, n = self.count, x.shape[2]
         q = unpack_codes(self._codes(start, start + n), c.bits).astype(mx.float32)
@@ -72,7 +72,7 @@ class BorrowedCodes:
             x_hat = (q.reshape(shape) * scale.astype(mx.float32) + low.astype(mx.float32)).reshape(data.shape)
             if c.axis == "channel":
                 x_hat = x_hat.swapaxes(-1, -2)
-            self.residual.append((x.astype(mx.float32) - x_hat).astype(x.dtype), one_token)
+            self.residual.append((x.astype(mx.float32) - x_hat).astype(x.dtype), decoding)
 
     def _base(self, empty: mx.array) -> AffineLayout:
         src = self.source()
