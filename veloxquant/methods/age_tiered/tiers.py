@@ -117,7 +117,7 @@ class RawTokens:
     def count(self) -> int:
         return self.rows.length
 
-    def append(self, x: mx.array) -> None:
+    def append(self, x: mx.array, decoding: bool = False) -> None:
         self.rows.append(x)
 
     def front(self, n: int) -> tuple[mx.array]:
@@ -195,27 +195,28 @@ class TieredStore(PackedStore):
             new_k, new_v = k[:, :, :whole], v[:, :, :whole]
         # a boundary that is not a multiple of the block is crossed between blocks
         if new_k is not None or ends[:-1] != list(accumulate(self.counts))[:-1]:
-            self._settle(ends, new_k, new_v, keys.dtype)
+            self._settle(ends, new_k, new_v, keys.dtype, decoding=n == 1)
 
-    def _settle(self, ends: list[int], new_k, new_v, dtype) -> None:
+    def _settle(self, ends: list[int], new_k, new_v, dtype, decoding: bool = False) -> None:
+        """``decoding``: a decode step's block (shapes that recur: the compiled encoders)."""
         packed = sum(self.counts)  # stored tokens before the new ones
         for i in range(len(self.tiers) - 1):  # older tiers pull from the fronts of younger ones
             j = i + 1
             while (want := min(ends[i], packed) - sum(self.counts[: i + 1])) > 0:
                 while not self.tiers[j].keys.count:
                     j += 1
-                self._demote(self.tiers[j], self.tiers[i], min(want, self.tiers[j].keys.count), dtype)
+                self._demote(self.tiers[j], self.tiers[i], min(want, self.tiers[j].keys.count), dtype, decoding)
         if new_k is None:
             return
         start = packed  # the new tokens go straight to the tiers their ages give them
         for tier, end in zip(self.tiers, ends):
             if end > start:
-                tier.keys.append(new_k[:, :, start - packed : end - packed])
-                tier.values.append(new_v[:, :, start - packed : end - packed])
+                tier.keys.append(new_k[:, :, start - packed : end - packed], decoding=decoding)
+                tier.values.append(new_v[:, :, start - packed : end - packed], decoding=decoding)
                 start = end
 
     @staticmethod
-    def _demote(src: Segment, dst: Segment, n: int, dtype) -> None:
+    def _demote(src: Segment, dst: Segment, n: int, dtype, decoding: bool = False) -> None:
         """Move the first ``n`` tokens of ``src`` to the end of ``dst``, re-encoded from
         their reconstruction when the codecs differ."""
         for s, d in ((src.keys, dst.keys), (src.values, dst.values)):
@@ -223,7 +224,7 @@ class TieredStore(PackedStore):
             if s.codec == d.codec:
                 d.append_encoded(encoded)
             else:
-                d.append(s.reconstruct(encoded, dtype))
+                d.append(s.reconstruct(encoded, dtype), decoding=decoding)
             s.drop_front(n)
 
     # -- reading --------------------------------------------------------------------------
