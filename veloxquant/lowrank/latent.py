@@ -434,7 +434,7 @@ class Latent:
         tokens = LatentTokens(self.codec.segments(basis.shape[-1]), self.group, self.step, tuple(basis.shape[:2]))
         self.runs.append(Run(mean, basis, tokens))
 
-    def append(self, x: mx.array) -> None:
+    def append(self, x: mx.array, decoding: bool = False) -> None:
         """Project ``x`` (B, G, n, g*d) onto the newest basis and keep its latents; its
         moments join the running ones (evaluated with the latents, which attention reads:
         a lazy sum left alone would lengthen at every step)."""

@@ -109,7 +109,7 @@ class AnchoredTokens:
         deltas = mx.where(first, 0.0, groups - anchor)
         return (*quantize_deltas(deltas, a_scales, c.bits, c.group), a_codes, a_scales)
 
-    def append(self, x: mx.array) -> None:
+    def append(self, x: mx.array, decoding: bool = False) -> None:
         self.put(*self.encode(x))
 
     def put(self, codes, scales, anchor_codes=None, anchor_scales=None, exact=False, packed=False) -> None:

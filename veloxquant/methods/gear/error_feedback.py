@@ -145,7 +145,7 @@ class ErrorFeedbackTokens:
         codes, c = self.base.codes.buffer, self.codec.base
         return codes.shape[2] if c.axis == "channel" else codes.shape[3] * 32 // c.bits
 
-    def append(self, x: mx.array) -> None:
+    def append(self, x: mx.array, decoding: bool = False) -> None:
         """Encode the chunk ``x`` (B, H, n, D) and keep it after the tokens already kept."""
         backbone, factors, outliers = self.codec.encode(x, offset=self.count)
         for kept, part in zip((self.base.codes, self.base.scales, self.base.biases), backbone):

@@ -208,7 +208,7 @@ class PromotedKeys:
     def count(self) -> int:
         return self.scales.length * self.codec.group
 
-    def append(self, x: mx.array) -> None:
+    def append(self, x: mx.array, decoding: bool = False) -> None:
         """Encode whole blocks ``x`` (B, H, n*block, D) after the keys already kept."""
         codes, scales, biases, up, index = self.codec.encode(x)
         self.codes.append(codes)

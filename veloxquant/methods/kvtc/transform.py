@@ -120,7 +120,7 @@ class TransformTokens:
         self.codec, lam, bits = fit_codec(rows.reshape(-1, rows.shape[-1]), budget, choices, beta)
         return lam, bits
 
-    def append(self, x: mx.array) -> None:
+    def append(self, x: mx.array, decoding: bool = False) -> None:
         self.codes.append(self.codec.fields.pack(self.codec.encode(self._rows(x, self.start + self.count))))
 
     def unpacked(self, start: int = 0, end: int | None = None) -> mx.array:

@@ -179,7 +179,7 @@ class NSNTokens:
     def count(self) -> int:
         return self.norms.length
 
-    def append(self, x: mx.array) -> None:
+    def append(self, x: mx.array, decoding: bool = False) -> None:
         """Code whole chunks x (B, H, n * chunk, D)."""
         b, h, t, d = x.shape
         y, s1, s2, o = nsn(x.reshape(b, h, t // self.chunk, self.chunk, d))

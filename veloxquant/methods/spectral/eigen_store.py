@@ -288,7 +288,7 @@ class EigenTokens:
         run.moment, run.seen = self.moment, self.seen
         return run
 
-    def append(self, x: mx.array) -> None:
+    def append(self, x: mx.array, decoding: bool = False) -> None:
         """Encode rows (B, H, n, D) after those kept (the first call fits the basis); their
         unit rows join the moment (evaluated with the codes, which attention reads: a
         lazy sum left alone would lengthen at every step)."""
