@@ -45,10 +45,10 @@ class ChunkedStore(PackedStore):
     def length(self) -> int:
         return self.keys.count + self.k_buf.length
 
-    def _flush(self, keys: mx.array, values: mx.array) -> None:
-        self.keys.append(keys)
+    def _flush(self, keys: mx.array, values: mx.array, decoding: bool = False) -> None:
+        self.keys.append(keys, decoding=decoding)
         if self.quantize_values:
-            self.values.append(values)
+            self.values.append(values, decoding=decoding)
 
     def commit(self, keys: mx.array, values: mx.array) -> None:
         if not self.quantize_values:
@@ -58,7 +58,7 @@ class ChunkedStore(PackedStore):
             if self.quantize_values:
                 self.v_buf.append(values)
             if self.k_buf.length == self.block:
-                self._flush(self.k_buf.view(), self.v_buf.view() if self.quantize_values else None)
+                self._flush(self.k_buf.view(), self.v_buf.view() if self.quantize_values else None, decoding=True)
                 self.k_buf.reset(None)
                 if self.quantize_values:
                     self.v_buf.reset(None)

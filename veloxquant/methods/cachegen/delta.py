@@ -79,6 +79,27 @@ class AnchoredCodec:
     use_delta: bool
 
 
+def encode_anchored(codec: AnchoredCodec, x: mx.array):
+    """``AnchoredTokens.encode`` at ``codec``."""
+    c = codec
+    if not c.use_delta:
+        return (*quantize_symmetric(x, c.bits, c.group), None, None)
+    b, h, n, d = x.shape
+    groups = x.astype(mx.float32).reshape(b, h, n // c.group, c.group, d)
+    a_codes, a_scales = quantize_symmetric(groups[:, :, :, 0], ANCHOR_BITS, c.group)
+    anchor = dequantize_symmetric(a_codes, a_scales, ANCHOR_BITS)[:, :, :, None]
+    first = (mx.arange(c.group) == 0)[:, None]  # the anchor's own delta is zero
+    deltas = mx.where(first, 0.0, groups - anchor)
+    return (*quantize_deltas(deltas, a_scales, c.bits, c.group), a_codes, a_scales)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_encoder(codec: AnchoredCodec):
+    """``encode_anchored`` at ``codec`` as one compiled graph (its arrays only: no anchors
+    without delta coding)."""
+    return mx.compile(lambda x: tuple(a for a in encode_anchored(codec, x) if a is not None))
+
+
 class AnchoredTokens:
     """A growing run of whole anchor groups in one ``AnchoredCodec`` (the interface of
     ``PackedTokens``: count, append, decode, layout, arrays, expected_shapes)."""
@@ -98,19 +119,14 @@ class AnchoredTokens:
     def encode(self, x: mx.array):
         """(B, H, n, D), n a multiple of the group -> (codes, scales, anchor codes, anchor
         scales), codes unpacked; anchors None without delta coding."""
-        c = self.codec
-        if not c.use_delta:
-            return (*quantize_symmetric(x, c.bits, c.group), None, None)
-        b, h, n, d = x.shape
-        groups = x.astype(mx.float32).reshape(b, h, n // c.group, c.group, d)
-        a_codes, a_scales = quantize_symmetric(groups[:, :, :, 0], ANCHOR_BITS, c.group)
-        anchor = dequantize_symmetric(a_codes, a_scales, ANCHOR_BITS)[:, :, :, None]
-        first = (mx.arange(c.group) == 0)[:, None]  # the anchor's own delta is zero
-        deltas = mx.where(first, 0.0, groups - anchor)
-        return (*quantize_deltas(deltas, a_scales, c.bits, c.group), a_codes, a_scales)
+        return encode_anchored(self.codec, x)
 
     def append(self, x: mx.array, decoding: bool = False) -> None:
-        self.put(*self.encode(x))
+        """``decoding``: a decode step's chunk (its shape recurs): the compiled encoder."""
+        if not decoding:
+            return self.put(*self.encode(x))
+        parts = _compiled_encoder(self.codec)(x)
+        self.put(*parts, *(None,) * (4 - len(parts)))
 
     def put(self, codes, scales, anchor_codes=None, anchor_scales=None, exact=False, packed=False) -> None:
         """Keep computed (unpacked) codes after the tokens already kept; ``exact``: replace
