@@ -96,7 +96,7 @@ def merge_plan(mode: str, merge_keys: bool, cos, a_e, a_w, u, m):
 
 
 @functools.lru_cache(maxsize=None)
-def _block_fn(mode: str, merge_keys: bool, m: int, drawn: bool):
+def _block_fn(mode: str, merge_keys: bool, m: int):
     """One block of victims' contribution to the window, compiled: (the values' increment,
     the keys' pull-weighted sum and the pulls' sum; zeros without ``merge_keys``), from
     (keys, values, victim ids, the window's keys, ā, the window's ā[, the gate's draws])."""
@@ -157,7 +157,8 @@ class CaMCache(ScoredEvictionCache):
         if self.options.cam_merge == "sim_weighted":  # over every stored key, then the window's
             cos = mx.take_along_axis(cosine(k_e, keys), window[:, :, None], axis=-1)
         a_w = mx.take_along_axis(a, window, axis=-1)
-        idx, coef, pull = self._plan(cos, mx.take_along_axis(a, victim, -1), a_w, u, m)
+        o = self.options
+        idx, coef, pull = merge_plan(o.cam_merge, o.cam_merge_keys, cos, mx.take_along_axis(a, victim, -1), a_w, u, m)
         slots = mx.take_along_axis(window, idx[:, :, 0], axis=-1)  # (B, H, m)
         self._put_rows("values", slots, gather_tokens(values, slots).astype(mx.float32)
                        + coef[:, :, 0, :, None] * v_e.astype(mx.float32))
@@ -174,7 +175,7 @@ class CaMCache(ScoredEvictionCache):
         gone = victims.shape[-1]
         block = max(1, MERGE_ELEMENTS // (b * h * n_w))
         merge_keys = self.options.cam_merge_keys
-        contribution = _block_fn(self.options.cam_merge, merge_keys, m, u is not None)
+        contribution = _block_fn(self.options.cam_merge, merge_keys, m)
         dv = k_num = k_sum = None
         for start in range(0, gone, block):
             ids = victims[..., start : start + block]
@@ -188,9 +189,6 @@ class CaMCache(ScoredEvictionCache):
             strength = mx.minimum(k_sum, 1.0) / mx.where(k_sum > 0, k_sum, 1.0)
             k = k_w.astype(mx.float32)
             self._put_rows("keys", window, k + strength[..., None] * (k_num - k_sum[..., None] * k))
-
-    def _plan(self, cos, a_e, a_w, u, m):
-        return merge_plan(self.options.cam_merge, self.options.cam_merge_keys, cos, a_e, a_w, u, m)
 
     def _put_rows(self, name, slots, rows):
         """Overwrite the rows at ``slots`` (B, H, n) of one stored array."""

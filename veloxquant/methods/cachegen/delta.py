@@ -79,9 +79,8 @@ class AnchoredCodec:
     use_delta: bool
 
 
-def encode_anchored(codec: AnchoredCodec, x: mx.array):
-    """``AnchoredTokens.encode`` at ``codec``."""
-    c = codec
+def encode_anchored(c: AnchoredCodec, x: mx.array):
+    """``AnchoredTokens.encode`` at codec ``c``."""
     if not c.use_delta:
         return (*quantize_symmetric(x, c.bits, c.group), None, None)
     b, h, n, d = x.shape
