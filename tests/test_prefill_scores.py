@@ -96,3 +96,33 @@ def test_snapkv_scoring_one_head_at_a_time_holds_one_heads_logits(monkeypatch):
     mx.eval(cache.score(inputs))
     peak = mx.get_peak_memory() - base
     assert peak <= 4 * head_logits + 8 * hkv * t * 4, (peak / 2**20, head_logits / 2**20)
+
+
+# Graph nodes of one 2,048-token chunk's scoring against 4,096 keys at the 8B layer's heads
+# (32/8 x 128, float16), as MLX's CUDA back-end builds it: what the host submits for it. On
+# the H200 the blocks' kernel launches and passes were the scoring's cost
+# (benchmarks/notes/prefill.md): h2o 1,182 nodes and 7.7 ms before its group's heads became one
+# product's rows and its sums a product, keyformer 2,822 nodes and 14.1 ms with blocks a
+# quarter of the shared size.
+PROMPT_SCORING_NODES = {"h2o": 1057, "keyformer": 709}
+
+
+@pytest.mark.parametrize("method", sorted(PROMPT_SCORING_NODES))
+def test_prompt_scoring_of_a_chunk_builds_a_bounded_graph(method):
+    from decode_steps import graph_nodes, steps_as_on_cuda
+    from veloxquant_mlx.methods import keyformer
+
+    hq, hkv, d, n, c = 32, 8, 128, 4096, 2048
+    q, k = mx.zeros((1, hq, c, d), mx.float16), mx.zeros((1, hkv, n, d), mx.float16)
+    k_pos = mx.broadcast_to(mx.arange(n)[None, None], (1, hkv, n))
+    q_pos = mx.arange(n - c, n)
+    weights = 0.98 ** mx.arange(c - 1, -1, -1, dtype=mx.float32)
+    mx.eval(q, k, k_pos, q_pos, weights)
+    with steps_as_on_cuda():
+        if method == "h2o":
+            mass = attention_mass(q, k, d**-0.5, q_pos, k_pos, weights)
+        else:
+            stream = keyformer.noise_stream(0, 0, 1, hq, hkv)
+            mass = keyformer.gumbel_mass(q, k, d**-0.5, n - c, k_pos, 1.0, stream)
+        nodes = graph_nodes([mass])
+    assert nodes <= 1.05 * PROMPT_SCORING_NODES[method], nodes

@@ -12,10 +12,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 QUERY_BLOCK = 256  # queries scored at a time, at most
-# Logits one block of queries may hold (32 MiB in float32). A block's weights take about
-# 3.3x that while it is scored (logits, masked logits, softmax: measured on the CPU), about
-# 110 MiB, below an 8B layer's MLP transient (2,048 tokens x 14,336 x 3 in float16), so
-# scoring never sets a prefill's peak. Larger blocks launch fewer kernels on a GPU.
+# Logits one block of queries may hold (32 MiB in float32). A block's scoring holds about
+# 3.3x that at its peak (measured on the CPU: tests/test_prefill_scores.py), about 104 MiB,
+# below an 8B layer's MLP transient (2,048 tokens x 14,336 x 3 in float16), so scoring
+# never sets a prefill's peak. On the H200, 2^24 scored one chunk alone faster but made
+# the whole 8B model's prefill slower at 32k and its peak above fp16's at 4k
+# (benchmarks/notes/prefill.md).
 SCORE_ELEMENTS = 2**23
 
 
@@ -76,14 +78,29 @@ def attention_mass(
     """Attention each key receives, summed over the queries, averaged over a KV group.
 
     ``query_weights`` (N,) weighs the queries (H2O's decay); None sums them. Returns
-    (B, Hkv, n) float32. Queries are taken in blocks (``reduce_query_blocks``).
+    (B, Hkv, n) float32. Queries are taken in blocks (``reduce_query_blocks``). The keys
+    are cast once; a KV group's query heads are one product's rows (no batch broadcast over
+    the group); the weighted sum over a block's rows is one product with the softmax (no
+    weighted copy of the block). The terms are ``attention_weights``'s, summed in another
+    order.
     """
-    def block(q, start, stop):
-        qp = None if q_positions is None else (
-            q_positions[start:stop] if q_positions.ndim == 1 else q_positions[..., start:stop])
-        weights = attention_weights(q, keys, scale, qp, k_positions, dtype)
-        if query_weights is not None:
-            weights = weights * query_weights[start:stop, None]
-        return weights.sum(axis=3).mean(axis=2)
+    b, hq, nq, d = queries.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    dtype = keys.dtype if dtype is None else dtype
+    keys_t = keys.astype(dtype).swapaxes(-1, -2)
+    k = None if k_positions is None else k_positions[:, :, None, None, :]
 
-    return reduce_query_blocks(queries, keys.shape[2], block)
+    def block(q, start, stop):
+        m = stop - start
+        rows = q.reshape(b, hkv, g * m, d).astype(dtype)  # row i * m + j: head i's query j
+        logits = ((rows * scale) @ keys_t).reshape(b, hkv, g, m, n)
+        if k is not None:  # the mask is shared by a group's heads: (B, Hkv, 1, m, n)
+            qp = q_positions[start:stop] if q_positions.ndim == 1 else q_positions[..., start:stop]
+            qp = qp[None, None, None, :, None] if qp.ndim == 1 else qp[:, :, None, :, None]
+            logits = mx.where((k >= 0) & (k <= qp), logits, -float("inf"))
+        weights = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True).reshape(b, hkv, g * m, n)
+        w = mx.full((m,), 1.0 / g, mx.float32) if query_weights is None else query_weights[start:stop] / g
+        return (mx.tile(w, (g,))[None, None, None] @ weights)[:, :, 0]
+
+    return reduce_query_blocks(queries, n, block)

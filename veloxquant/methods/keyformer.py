@@ -54,11 +54,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.buffers import row_indices
-from ..evict.attention import reduce_query_blocks
+from ..evict.attention import SCORE_ELEMENTS, reduce_query_blocks  # a module global: tests vary the block
 from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 from ..evict.prng import MASK64, mix64
-
-SCORE_ELEMENTS = 2**21  # logits per scoring block (8 MiB in float32)
 
 
 def _fmix32(h: mx.array) -> mx.array:
@@ -158,14 +156,14 @@ def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, stream=None) ->
     """
     b, hq, n_queries, d = queries.shape
     hkv = keys.shape[1]
-    k = keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
+    k = keys.astype(mx.float32).swapaxes(-1, -2)  # a group's heads are one product's rows
     if stream is not None:
         cols = _col_hash(stream[1], k_positions[:, :, None, None, :])  # (B, Hkv, 1, 1, n)
         tau_array = mx.array(tau, mx.float32)
 
     def block(q, start, stop):
-        q = q.reshape(b, hkv, hq // hkv, stop - start, d).astype(mx.float32)
-        x = (q * scale) @ k  # (B, Hkv, G, block, n)
+        q = q.reshape(b, hkv, hq // hkv * (stop - start), d).astype(mx.float32)
+        x = ((q * scale) @ k).reshape(b, hkv, hq // hkv, stop - start, -1)  # (B, Hkv, G, block, n)
         causal = start < n_queries - 1  # the last query (a decode step's only one) sees every key
         if causal or stream is not None:
             q_positions = mx.arange(q_start + start, q_start + stop)[:, None]
