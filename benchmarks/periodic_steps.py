@@ -13,11 +13,13 @@ excess over the median in all; and the graph size (nodes) of a steady step after
 
     python benchmarks/periodic_steps.py --preset llama3-8b --contexts 4096 --steps 96 --methods kivi cachegen
     python benchmarks/periodic_steps.py --preset tiny --contexts 256 --steps 70 --methods kivi   # a CPU check
+    python benchmarks/periodic_steps.py --preset llama3-8b --methods svdq --cache-limit-gb 64 --no-gc   # spikes' causes
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -61,6 +63,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="runs over the same prompt, a fresh cache each")
     ap.add_argument("--spike", type=float, default=1.5, help="a step over this times the median spikes")
     ap.add_argument("--out")
+    ap.add_argument("--cache-limit-gb", type=float,
+                    help="MLX's cache of freed buffers (mx.set_cache_limit): past it, freed buffers go back "
+                         "to the device, which a CUDA free may wait for")
+    ap.add_argument("--no-gc", action="store_true", help="Python's garbage collector off while steps run")
     args = ap.parse_args()
     if args.runs < 1 or args.steps < 2:
         ap.error(f"--runs {args.runs} and --steps {args.steps}: at least 1 run of 2 steps")
@@ -69,6 +75,11 @@ def main() -> None:
     unknown = [m for m in args.methods if m not in bench.METHODS]
     if unknown:
         ap.error(f"unknown method(s) {unknown}; choose from {list(bench.METHODS)}")
+    if args.cache_limit_gb is not None:
+        mx.set_cache_limit(int(args.cache_limit_gb * 2**30))
+    if args.no_gc:
+        gc.collect()
+        gc.disable()
     on_cpu = mx.default_device() == mx.cpu
     model = bench.build_model(args.preset, mx.float32 if on_cpu else mx.float16)
     rows = []
