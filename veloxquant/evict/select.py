@@ -8,17 +8,24 @@ import mlx.core as mx
 
 
 def max_pool_same(scores: mx.array, kernel: int) -> mx.array:
-    """Max over a centred window of ``kernel`` along the last axis ("same" length)."""
+    """Max over a centred window of ``kernel`` along the last axis ("same" length).
+
+    Maxima over windows of 1, 2, 4, ... w tokens (w the largest power of two up to the
+    kernel), each from two of the previous; the kernel's window is then the maximum of
+    the two w-windows at its ends, which overlap. About log2(kernel) operations instead of
+    kernel - 1 (rocketkv's 63: 6 instead of 62), the same values: a maximum is exact.
+    """
     if kernel <= 1:
         return scores
     left, right = (kernel - 1) // 2, kernel // 2
     n = scores.shape[-1]
     pad = [(0, 0)] * (scores.ndim - 1) + [(left, right)]
-    padded = mx.pad(scores, pad, constant_values=-float("inf"))
-    out = padded[..., 0:n]
-    for i in range(1, kernel):
-        out = mx.maximum(out, padded[..., i : i + n])
-    return out
+    window = mx.pad(scores, pad, constant_values=-float("inf"))  # entry i: max over [i, i + w)
+    w = 1
+    while 2 * w <= kernel:
+        window = mx.maximum(window[..., :-w], window[..., w:])
+        w *= 2
+    return mx.maximum(window[..., :n], window[..., kernel - w : kernel - w + n])
 
 
 def top_k_sorted(scores: mx.array, k: int) -> mx.array:
