@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from veloxquant_mlx import KVCacheConfig  # first: it may load OpenBLAS
 
@@ -31,6 +33,14 @@ import mlx.core as mx  # noqa: E402
 
 from veloxquant_mlx.cache.options import KeyformerOptions  # noqa: E402
 from veloxquant_mlx.registry import METHODS  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill_layer import prefill as chunked_prefill, synthetic_layer  # noqa: E402
+
+
+def prefill(cache, k, v, q, chunk) -> float:
+    """Seconds to feed the prompt as ``prefill_layer.prefill`` does, all chunks together."""
+    return sum(chunked_prefill(cache, k, v, q, chunk))
 
 
 def load_old(path: str):
@@ -58,21 +68,6 @@ def scorers(q, k, old):
     return out
 
 
-def prefill(cache, k, v, q, chunk) -> float:
-    """Seconds to feed the prompt and evaluate the last output and the cache's state."""
-    n = k.shape[2]
-    t0 = time.perf_counter()
-    for s in range(0, n - 1, chunk):
-        e = min(n - 1, s + chunk)
-        keys, values = cache.update_and_fetch(k[:, :, s:e], v[:, :, s:e])
-        out = cache.attend(q[:, :, s:e], keys, values, scale=k.shape[-1] ** -0.5, mask="causal" if e - s > 1 else None)
-        mx.eval(out, cache.state)  # a model's next layer needs the output
-    keys, values = cache.update_and_fetch(k[:, :, n - 1 :], v[:, :, n - 1 :])
-    out = cache.attend(q[:, :, n - 1 :], keys, values, scale=k.shape[-1] ** -0.5, mask=None)
-    mx.eval(out, cache.state)
-    return time.perf_counter() - t0
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("HQ", "HKV"))
@@ -86,11 +81,7 @@ def main():
     a = p.parse_args()
 
     hq, hkv = a.heads
-    dtype = getattr(mx, a.dtype)
-    shape = (1, hkv, a.context, a.head_dim)
-    k, v = (mx.random.normal(shape, key=mx.random.key(i)).astype(dtype) for i in (0, 1))
-    q = mx.random.normal((1, hq, a.context, a.head_dim), key=mx.random.key(2)).astype(dtype)
-    mx.eval(k, v, q)
+    k, v, q = synthetic_layer(hq, hkv, a.head_dim, a.context, getattr(mx, a.dtype))
 
     full_config = KVCacheConfig()
     kf_config = KVCacheConfig(options=KeyformerOptions(keyformer_budget=a.budget))

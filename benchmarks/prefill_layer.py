@@ -60,6 +60,15 @@ def prefill(cache, k, v, q, chunk) -> list[float]:
     return times
 
 
+def synthetic_layer(hq: int, hkv: int, head_dim: int, context: int, dtype):
+    """Keys, values (1, Hkv, T, D) and queries (1, Hq, T, D), standard normal, seeded, evaluated."""
+    shape = (1, hkv, context, head_dim)
+    k, v = (mx.random.normal(shape, key=mx.random.key(i)).astype(dtype) for i in (0, 1))
+    q = mx.random.normal((1, hq, context, head_dim), key=mx.random.key(2)).astype(dtype)
+    mx.eval(k, v, q)
+    return k, v, q
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("HQ", "HKV"))
@@ -73,11 +82,7 @@ def main():
     a = p.parse_args()
 
     hq, hkv = a.heads
-    dtype = getattr(mx, a.dtype)
-    shape = (1, hkv, a.context, a.head_dim)
-    k, v = (mx.random.normal(shape, key=mx.random.key(i)).astype(dtype) for i in (0, 1))
-    q = mx.random.normal((1, hq, a.context, a.head_dim), key=mx.random.key(2)).astype(dtype)
-    mx.eval(k, v, q)
+    k, v, q = synthetic_layer(hq, hkv, a.head_dim, a.context, getattr(mx, a.dtype))
 
     names = [BASELINE, "full"] + [m for m in a.methods if m not in (BASELINE, "full")]
     makers, first, failed = {}, {}, {}
