@@ -116,9 +116,28 @@ METHODS = {
 }
 
 
-def build_model(preset: str, dtype):
+def resolve_methods(names: list[str], ap: argparse.ArgumentParser, every_row: bool) -> list[str]:
+    """``--methods`` as rows of ``METHODS``: a method key at its defaults (added), 'all' for
+    every implemented method (and, with ``every_row``, this file's other rows); an unknown
+    name is the parser's error."""
+    implemented = implemented_methods()
+    if "all" in names:
+        names = [n for n in names if n != "all"] + implemented
+    for key in set(names) & set(implemented):
+        METHODS.setdefault(key, KVCacheConfig(method=key))
+    if every_row and set(implemented) <= set(names):
+        names = list(METHODS)
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        ap.error(f"--methods: unknown {unknown}; choose 'all', a method key or one of {list(METHODS)}")
+    return names
+
+
+def build_model(preset: str, dtype, layers: int | None = None):
+    """A random-weight llama of ``preset``'s shape (with ``layers`` layers of it, when given)."""
+    shape = {**PRESETS[preset], **({"num_hidden_layers": layers} if layers else {})}
     args = llama.ModelArgs(model_type="llama", head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                           tie_word_embeddings=False, **PRESETS[preset])
+                           tie_word_embeddings=False, **shape)
     mx.random.seed(0)
     model = llama.Model(args)
     model.set_dtype(dtype)
@@ -269,15 +288,7 @@ def main() -> None:
                          "caches taking turns in one process slow every method unequally "
                          "(benchmarks/notes/decode_host_bound.md)")
     args = ap.parse_args()
-    if "all" in args.methods:
-        for key in implemented_methods():
-            METHODS.setdefault(key, KVCacheConfig(method=key))
-        args.methods = list(METHODS)
-    for key in set(args.methods) & set(implemented_methods()):  # a method key: at its defaults
-        METHODS.setdefault(key, KVCacheConfig(method=key))
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown:
-        ap.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    args.methods = resolve_methods(args.methods, ap, every_row=True)
     if args.isolate:
         return run_isolated(args)
 
