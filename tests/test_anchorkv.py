@@ -108,6 +108,29 @@ def test_a_residual_is_orthogonal_to_its_anchor_up_to_the_stored_coefficient():
     assert bool((gamma < 0).any())  # |cos| picks anti-aligned anchors too
 
 
+def test_the_assignment_in_row_blocks_equals_it_in_one_and_holds_one_block(monkeypatch):
+    """Rows are assigned a block at a time (issue 31: a 128k prompt held 35 GB of row-anchor
+    products at once on the H200); each row's anchor, coefficient and residual are the ones
+    of the unblocked assignment, and the peak is a block's, not all M x k products'."""
+    from veloxquant_mlx.evict import attention
+
+    keys, _ = kv(4096, d=64)
+    anchors, x = keys[:, :, :1024], keys[:, :, 1024:]
+    whole = _assign(x, anchors)  # 2 x 3072 x 1024 products: one block at the default size
+    mx.eval(whole)
+    products = 2 * 3072 * 1024 * 4  # bytes of the float32 products, 25 MB
+    monkeypatch.setattr(attention, "SCORE_ELEMENTS", 2**16)  # 32 rows a block
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    blocked = _assign(x, anchors)
+    mx.eval(blocked)
+    peak = mx.get_peak_memory() - before
+    assert all(mx.array_equal(a, b) for a, b in zip(whole, blocked))
+    outputs = sum(a.nbytes for a in blocked)  # 1.6 MB; the blocks' concatenation doubles it
+    assert peak < 3 * outputs + products // 8, (peak, outputs, products)
+
+
 def part_bytes(part: AnchorPart) -> int:
     return sum(a.nbytes for a in part.arrays().values())
 
