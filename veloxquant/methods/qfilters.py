@@ -105,6 +105,8 @@ def query_filters(queries: mx.array) -> mx.array:
 def retention(queries, q_positions, keys, k_positions, kept, scale) -> mx.array:
     """Mass the queries' causal attention puts on the ``kept`` keys (B, Hkv, n) bool,
     averaged over the queries and the query heads of each KV head: (B, Hkv)."""
+    keys = keys.astype(mx.float32)  # once: a cast in every block left several alive at once
+
     def block(q, start, stop):
         w = attention_weights(q, keys, scale, q_positions[start:stop], k_positions)  # (B, Hkv, G, N, n)
         return (w * kept[:, :, None, None, :]).sum(axis=(-1, -2)).mean(axis=2)

@@ -58,6 +58,7 @@ def probe_attention_sums(queries, keys, scale, q_positions) -> mx.array:
     at positions 0..N-1. Probes are taken in blocks (``reduce_query_blocks``)."""
     b, h, n = keys.shape[0], keys.shape[1], keys.shape[2]
     k_positions = mx.broadcast_to(mx.arange(n), (b, h, n))
+    keys = keys.astype(mx.float32)  # once: a cast in every block left several alive at once
 
     def block(q, start, stop):
         return attention_weights(q, keys, scale, q_positions[start:stop], k_positions).sum(axis=(2, 3))
