@@ -88,3 +88,15 @@ def stored_decode_attention(cache, queries, scale):
         return store.attend(queries, scale=scale, use_kernel=cache.use_kernel, n_kv_heads=n_kv)
     parts = store.decode_parts(mx.zeros((0,), queries.dtype))
     return decode_attention(queries, parts, scale=scale, use_kernel=cache.use_kernel, n_kv_heads=n_kv)
+
+
+def peak_above_held(fn):
+    """``fn()`` evaluated, and the peak memory it took above what was held before it."""
+    import mlx.core as mx
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    out = fn()
+    mx.eval(out)
+    return out, mx.get_peak_memory() - before

@@ -15,7 +15,7 @@ from veloxquant_mlx.cache.options import AnchorKVOptions
 from veloxquant_mlx.methods.anchorkv.anchors import AnchorPart
 from veloxquant_mlx.methods.anchorkv.cache import AnchorKVCache, _assign, compress
 from veloxquant_mlx.methods.anchorkv.lloyd_max import RotatedGaussian, gaussian_levels
-from feeding import stored_decode_attention
+from feeding import peak_above_held, stored_decode_attention
 
 
 def anchorkv(**options):
@@ -120,12 +120,7 @@ def test_the_assignment_in_row_blocks_equals_it_in_one_and_holds_one_block(monke
     mx.eval(whole)
     products = 2 * 3072 * 1024 * 4  # bytes of the float32 products, 25 MB
     monkeypatch.setattr(attention, "SCORE_ELEMENTS", 2**16)  # 32 rows a block
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    before = mx.get_active_memory()
-    blocked = _assign(x, anchors)
-    mx.eval(blocked)
-    peak = mx.get_peak_memory() - before
+    blocked, peak = peak_above_held(lambda: _assign(x, anchors))
     assert all(mx.array_equal(a, b) for a, b in zip(whole, blocked))
     outputs = sum(a.nbytes for a in blocked)  # 1.6 MB; the blocks' concatenation doubles it
     assert peak < 3 * outputs + products // 8, (peak, outputs, products)

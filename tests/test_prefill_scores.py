@@ -13,7 +13,7 @@ import pytest
 import veloxquant_mlx  # noqa: F401  (before mlx)
 import mlx.core as mx
 
-from feeding import run_prompt, synthetic_kvq
+from feeding import peak_above_held, run_prompt, synthetic_kvq
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import H2OOptions, SnapKVOptions
 from veloxquant_mlx.evict import attention
@@ -156,12 +156,7 @@ def test_a_blocked_scorer_casts_the_keys_once(name, monkeypatch):
     whole = fn(queries, keys)  # 64 queries x 8192 keys x 32 heads: one block
     mx.eval(whole)
     monkeypatch.setattr(attention, "SCORE_ELEMENTS", 2**18)  # one query a block: 64 blocks
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    before = mx.get_active_memory()
-    blocked = fn(queries, keys)
-    mx.eval(blocked)
-    peak = mx.get_peak_memory() - before
+    blocked, peak = peak_above_held(lambda: fn(queries, keys))
     cast = keys.size * 4
     assert peak < 1.5 * cast, (peak, cast)
     assert mx.allclose(blocked, whole, rtol=64 * EPS32, atol=0)
