@@ -120,12 +120,12 @@ def resolve_methods(names: list[str], ap: argparse.ArgumentParser, every_row: bo
     """``--methods`` as rows of ``METHODS``: a method key at its defaults (added), 'all' for
     every implemented method (and, with ``every_row``, this file's other rows); an unknown
     name is the parser's error."""
-    implemented = implemented_methods()
-    if "all" in names:
+    implemented, everything = implemented_methods(), "all" in names
+    if everything:
         names = [n for n in names if n != "all"] + implemented
     for key in set(names) & set(implemented):
         METHODS.setdefault(key, KVCacheConfig(method=key))
-    if every_row and set(implemented) <= set(names):
+    if everything and every_row:
         names = list(METHODS)
     unknown = [m for m in names if m not in METHODS]
     if unknown:

@@ -80,6 +80,14 @@ def child(args) -> None:
                 break  # a longer context would fail the same way, and cost time
 
 
+def _forward_lines(stream, lines: queue.Queue) -> None:
+    """The child's lines into ``lines``, then None at its end (the parent waits on the
+    queue with a timeout, so that a silent child can be timed out)."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
 def parent(args) -> list[dict]:
     names = list(dict.fromkeys([BASELINE, *args.methods]))
     rows: list[dict] = []
@@ -91,8 +99,7 @@ def parent(args) -> list[dict]:
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
             lines: queue.Queue = queue.Queue()
-            threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
-                             daemon=True).start()
+            threading.Thread(target=_forward_lines, args=(proc.stdout, lines), daemon=True).start()
             current, started, killed = None, time.time(), False
             while True:
                 try:
