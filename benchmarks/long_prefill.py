@@ -7,7 +7,8 @@ time and memory). Per method and context: a fresh cache is prefilled the way mlx
 (``bench/runner.prefill``: chunks, then the last token), then two decode steps run; the
 figures are the first prefill's seconds (run-time compilation included: each method's first
 context is its first use in the process), the KV bytes held, the peak memory above what was
-held before, and the error where there is one.
+held before and the phase it came in (a chunk, the prompt's last token, the decode steps),
+each chunk's seconds and peak, and the error where there is one.
 
 Methods run one after another in a child process, which prints a JSON line when it starts a
 method and one per finished context. A CUDA error can leave a process unable to go on, and a
@@ -44,6 +45,35 @@ from decode import BASELINE, METHODS, PRESETS, build_model, make_cache, resolve_
 from veloxquant_mlx.bench.runner import prefill  # noqa: E402
 
 
+class Phases:
+    """Seconds and peak memory (above ``base``) of each prefill chunk, then of named phases:
+    where a method's peak or time goes (a fit at the first chunk, growth with the history,
+    the step at the prompt's end)."""
+
+    def __init__(self, base: int):
+        self.base, self.chunks, self.named = base, [], {}
+        self._restart()
+
+    def _restart(self) -> None:
+        mx.reset_peak_memory()
+        self._t0 = time.perf_counter()
+
+    def _read(self) -> tuple[float, int]:
+        return time.perf_counter() - self._t0, mx.get_peak_memory() - self.base
+
+    def after_chunk(self, n: int) -> None:
+        self.chunks.append(self._read())
+        self._restart()
+
+    def end(self, name: str) -> None:
+        self.named[name] = self._read()
+        self._restart()
+
+    def where_peak(self) -> str:
+        at = [(peak, f"chunk {i + 1}/{len(self.chunks)}") for i, (_, peak) in enumerate(self.chunks)]
+        return max(at + [(peak, name) for name, (_, peak) in self.named.items()], key=lambda a: a[0])[1]  # the first
+
+
 def run_one(model, config, context: int) -> dict:
     gc.collect()
     mx.clear_cache()
@@ -51,17 +81,24 @@ def run_one(model, config, context: int) -> dict:
     base = mx.get_active_memory()
     tokens = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(context))
     cache = make_cache(model, config)
+    phases = Phases(base)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, tokens)
+    logits = prefill(model, cache, tokens, after_chunk=phases.after_chunk)
     seconds = time.perf_counter() - t0
+    phases.end("last token")
     y = mx.argmax(logits)[None]
     t0 = time.perf_counter()
     for _ in range(2):
         y, _ = step(model, cache, y)
     steps_s = (time.perf_counter() - t0) / 2
+    phases.end("decode")
     finite = bool(mx.all(mx.isfinite(logits)).item())
+    peaks = [peak for _, peak in phases.chunks] + [peak for _, peak in phases.named.values()]
     return {"prefill_s": seconds, "step_s": steps_s, "kv_bytes": sum(c.nbytes for c in cache),
-            "peak_bytes": mx.get_peak_memory() - base, "finite_logits": finite}
+            "peak_bytes": max(peaks), "peak_in": phases.where_peak(), "finite_logits": finite,
+            "chunk_s": [round(t, 4) for t, _ in phases.chunks],
+            "chunk_peak_bytes": [peak for _, peak in phases.chunks],
+            "last_token": phases.named["last token"], "decode": phases.named["decode"]}
 
 
 def child(args) -> None:
@@ -146,22 +183,32 @@ def _line(r: dict) -> str:
         return f"{r['method']:28s} {r['context']:7d}: failed: {r['error'][:200]}"
     return (f"{r['method']:28s} {r['context']:7d}: prefill {r['prefill_s']:7.2f} s, step "
             f"{r['step_s'] * 1e3:7.1f} ms, KV {r['kv_bytes'] / 2**20:9.1f} MiB, peak "
-            f"{r['peak_bytes'] / 2**20:9.1f} MiB" + ("" if r["finite_logits"] else ", NON-FINITE logits"))
+            f"{r['peak_bytes'] / 2**20:9.1f} MiB in {r['peak_in']}; chunks {_spread(r['chunk_s'])} s"
+            + ("" if r["finite_logits"] else ", NON-FINITE logits"))
+
+
+def _spread(seconds: list[float]) -> str:
+    """First, median of the rest, last: a slow first chunk is compilation or a fit; a rising
+    median, work that grows with the history."""
+    if not seconds:
+        return "-"
+    rest = sorted(seconds[1:]) or seconds
+    return f"{seconds[0]:.2f}/{rest[len(rest) // 2]:.2f}/{seconds[-1]:.2f}"
 
 
 def table(rows: list[dict]) -> list[str]:
     out = ["| context | method | prefill s (first) | vs fp16 | KV MiB | KV vs fp16 | peak MiB | peak vs fp16 "
-           "| step ms | logits |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| peak in | step ms | logits |", "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     base = {r["context"]: r for r in rows if r["method"] == BASELINE and "error" not in r}
     for r in sorted(rows, key=lambda r: r["context"]):
         if "error" in r:
-            out.append(f"| {r['context']} | {r['method']} | failed: {r['error'][:160]} |||||||||")
+            out.append(f"| {r['context']} | {r['method']} | failed: {r['error'][:160]} ||||||||||")
             continue
         b = base.get(r["context"])
         ratio = (lambda k: f"{r[k] / b[k]:.2f}") if b else (lambda k: "-")
         out.append(f"| {r['context']} | {r['method']} | {r['prefill_s']:.2f} | {ratio('prefill_s')}x "
                    f"| {r['kv_bytes'] / 2**20:.1f} | {ratio('kv_bytes')} | {r['peak_bytes'] / 2**20:.1f} "
-                   f"| {ratio('peak_bytes')} | {r['step_s'] * 1e3:.1f} | "
+                   f"| {ratio('peak_bytes')} | {r['peak_in']} | {r['step_s'] * 1e3:.1f} | "
                    f"{'finite' if r['finite_logits'] else 'NON-FINITE'} |")
     return out
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from veloxquant_mlx.bench.runner import PREFILL_CHUNK
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "long_prefill.py"
 
 
@@ -28,6 +30,11 @@ def test_every_method_and_context_gets_a_row(tmp_path):
     held = {(r["method"], r["context"]): r["kv_bytes"] for r in rows}
     # the full cache holds what mlx-lm's does (room included); kivi's codes, less
     assert all(held["full", c] == held["mlx-lm KVCache", c] > held["kivi", c] for c in (96, 128))
+    for r in rows:  # one chunk per PREFILL_CHUNK tokens before the last; the peak is the phases' largest
+        assert len(r["chunk_s"]) == len(r["chunk_peak_bytes"]) == -(-(r["context"] - 1) // PREFILL_CHUNK)
+        phases = r["chunk_peak_bytes"] + [r["last_token"][1], r["decode"][1]]
+        assert r["peak_bytes"] == max(phases) > 0
+        assert r["peak_in"] == (["chunk 1/1"] + ["last token", "decode"])[phases.index(max(phases))]
 
 
 @pytest.mark.slow

@@ -7,11 +7,14 @@ import mlx.core as mx
 PREFILL_CHUNK = 2048  # mlx-lm's prefill_step_size
 
 
-def prefill(model, cache, tokens: mx.array, chunk: int = PREFILL_CHUNK, tokenizer=None) -> mx.array:
+def prefill(model, cache, tokens: mx.array, chunk: int = PREFILL_CHUNK, tokenizer=None,
+            after_chunk=None) -> mx.array:
     """Process a prompt in chunks, then its last token alone; return that token's logits.
 
     A cache that scores by a reconstruction pass (kvzip) gets it, given the ``tokenizer``
     its probe is written with: all but the last token are the context it compresses.
+    ``after_chunk(n)``, where given, runs after each evaluated chunk of ``n`` tokens (not
+    after the last token): a benchmark reads its time and peak memory there.
     """
     from ..integrations.mlx_lm import prefill_with_reconstruction, reconstruction_layers
 
@@ -22,6 +25,8 @@ def prefill(model, cache, tokens: mx.array, chunk: int = PREFILL_CHUNK, tokenize
         n = min(chunk, tokens.shape[0] - 1)
         model(tokens[:n][None], cache=cache)
         mx.eval([c.state for c in cache])
+        if after_chunk is not None:
+            after_chunk(n)
         tokens = tokens[n:]
     logits = model(tokens[None], cache=cache)[0, -1]
     mx.eval(logits)
