@@ -20,7 +20,7 @@ from veloxquant_mlx.methods.spectral import eigen_store as es
 from veloxquant_mlx.methods.spectral.eigen_store import EigenCodec, EigenTokens, gaussian_codebook
 from veloxquant_mlx.quant.packed import GROWTH_TOKENS
 from veloxquant_mlx.quant.prerope import from_pre_rope_channels
-from feeding import stored_decode_attention
+from feeding import peak_above_held, stored_decode_attention
 
 ROPE = Rotary(10000.0)
 
@@ -88,6 +88,21 @@ def test_the_qjl_correction_of_pre_rope_keys_equals_turning_each_tokens_directio
     got = es._turned_correction(q, directions, signs, start, rot)
     assert got.shape == explicit.shape == (b, h, r, n)
     assert mx.abs(got - explicit).max().item() <= 1e-6 * d * mx.abs(explicit).max().item()
+
+
+def test_the_qjl_correction_of_a_prompt_chunk_holds_no_query_by_direction_by_token_table():
+    """A prompt chunk's R queries against n pre-RoPE keys: the correction's transients are
+    the (D, n) signed sums and their turned copies, and the (R, n) result; an (R, e, n)
+    table (64 MiB here) made spectral's 4-layer prefill grow by gigabytes a chunk on the
+    H200 (benchmarks/notes/prefill.md, session 50)."""
+    b, h, r, d, e, n = 1, 1, 512, 128, 32, 1024
+    q = mx.random.normal((b, h, r, d), key=mx.random.key(1))
+    directions = mx.random.normal((b, h, d, e), key=mx.random.key(2))
+    signs = mx.where(mx.random.normal((b, h, n, e), key=mx.random.key(3)) > 0, 1.0, -1.0)
+    mx.eval(q, directions, signs)
+    out, peak = peak_above_held(lambda: es._turned_correction(q, directions, signs, 100, Rotary(10000.0, False)))
+    assert out.shape == (b, h, r, n)
+    assert peak <= 2 * out.nbytes + 8 * d * n * 4 < r * e * n * 4 // 4
 
 
 def test_the_basis_is_orthonormal_and_eight_bits_reconstruct_within_one_percent():

@@ -54,7 +54,7 @@ from ...lowrank.factors import sample_rows
 from ...quant import codebook as cb
 from .bitfields import pack_fields, row_words, unpack_fields
 from ...quant.packed import GROWTH_TOKENS
-from ...quant.prerope import from_pre_rope_channels, rotary_angles, to_pre_rope
+from ...quant.prerope import from_pre_rope_channels, to_pre_rope
 from ...quant.store import PackedStore
 
 RANGE_SIGMAS = 6.0  # the quadrature range, in σ (the repo starts its search on ±3.5σ; wider keeps the tails)
@@ -384,19 +384,13 @@ def _coordinates(codec: EigenCodec, d: int, words, norms, sigma, tables=None):
 def _turned_correction(q, directions, signs, start: int, rotary) -> mx.array:
     """``sum_j sign_tj (q . R_t u_j)`` (B, H, R, n) for the n tokens of a run from ``start``:
     queries q (B, H, R, D), pre-RoPE directions u (B, H, D, e), signs (B, H, n, e), R_t the
-    rotation at position ``start + t``. For a rotary pair (x1, x2) at angle a,
-    ``q . R u = cos a (q1 u1 + q2 u2) + sin a (q2 u1 - q1 u2)``, so the n rotations are two
-    products with the (D/2, n) angle tables, never n turned copies of the directions."""
-    d, n = q.shape[-1], signs.shape[2]
-    cos, sin = rotary_angles(rotary, d, start, n)
-    u = directions.swapaxes(-1, -2)[:, :, None]  # (B, H, 1, e, D)
-    if rotary.traditional:  # pairs (2i, 2i + 1)
-        q1, q2, u1, u2 = q[..., 0::2], q[..., 1::2], u[..., 0::2], u[..., 1::2]
-    else:  # halves
-        q1, q2, u1, u2 = q[..., : d // 2], q[..., d // 2 :], u[..., : d // 2], u[..., d // 2 :]
-    q1, q2 = q1[..., None, :], q2[..., None, :]  # (B, H, R, 1, D/2)
-    along = (q1 * u1 + q2 * u2) @ cos + (q2 * u1 - q1 * u2) @ sin  # (B, H, R, e, n)
-    return (along * signs.swapaxes(-1, -2)[:, :, None]).sum(axis=-2)
+    rotation at position ``start + t``. R_t is linear, so the sum is ``q . R_t w_t`` with
+    ``w_t = sum_j sign_tj u_j``: one (D, n) table of signed sums, turned to the tokens'
+    positions, then one product with the queries. Memory is O(n D) plus the (R, n) result;
+    a pairwise form against the angle tables held (R, e, n) at once, which for a prompt
+    chunk's R queries was gigabytes a layer."""
+    summed = directions @ signs.swapaxes(-1, -2).astype(directions.dtype)  # (B, H, D, n)
+    return q @ from_pre_rope_channels(summed, start, rotary)
 
 
 @dataclass(frozen=True)
