@@ -69,9 +69,10 @@ class Phases:
         self.named[name] = self._read()
         self._restart()
 
-    def where_peak(self) -> str:
+    def peak(self) -> tuple[int, str]:
+        """The largest peak of all phases, and the first phase that reached it."""
         at = [(peak, f"chunk {i + 1}/{len(self.chunks)}") for i, (_, peak) in enumerate(self.chunks)]
-        return max(at + [(peak, name) for name, (_, peak) in self.named.items()], key=lambda a: a[0])[1]  # the first
+        return max(at + [(peak, name) for name, (_, peak) in self.named.items()], key=lambda a: a[0])
 
 
 def run_one(model, config, context: int) -> dict:
@@ -93,9 +94,9 @@ def run_one(model, config, context: int) -> dict:
     steps_s = (time.perf_counter() - t0) / 2
     phases.end("decode")
     finite = bool(mx.all(mx.isfinite(logits)).item())
-    peaks = [peak for _, peak in phases.chunks] + [peak for _, peak in phases.named.values()]
+    peak, where = phases.peak()
     return {"prefill_s": seconds, "step_s": steps_s, "kv_bytes": sum(c.nbytes for c in cache),
-            "peak_bytes": max(peaks), "peak_in": phases.where_peak(), "finite_logits": finite,
+            "peak_bytes": peak, "peak_in": where, "finite_logits": finite,
             "chunk_s": [round(t, 4) for t, _ in phases.chunks],
             "chunk_peak_bytes": [peak for _, peak in phases.chunks],
             "last_token": phases.named["last token"], "decode": phases.named["decode"]}
