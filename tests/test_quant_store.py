@@ -196,3 +196,37 @@ def test_one_softmax_over_every_part_matches_the_merge_of_per_part_partials():
     bound = eps * (mx.abs(m).max().item() + math.log2(n) + 8) * mx.abs(v).max().item()
     assert mx.abs(joint - merged).max().item() <= bound
     assert not mx.array_equal(joint, merged)  # the joint path ran, not the merge
+
+
+def test_a_prompt_chunk_over_a_history_waits_for_the_layer_before_it(monkeypatch):
+    """Layer by layer through one prompt chunk (each layer's queries from the one before):
+    when layer 1's chunk has attended, layer 0's output is computed, not a graph waiting
+    for the end of the model. Left lazy, a GPU held every layer's decoded history at once
+    (the 8B shape at 32k: 11.7 GB against 2.5 GB paced, benchmarks/notes/prefill.md).
+    Without the GPU, not paced: the output stays a graph."""
+    from decode_steps import graph_nodes
+    from veloxquant_mlx.quant import store as store_module
+
+    monkeypatch.setattr(store_module, "PACE_ON_CPU", True)  # paced on a GPU only
+
+    stores = [QuantizedKVStore(GroupAffine(4, 32, "channel"), GroupAffine(4, 32, "token"),
+                               window=32, key_block=32, step_tokens=256) for _ in range(2)]
+    for i, store in enumerate(stores):
+        store.commit(*tokens(128, 10 + i))
+    mx.eval([a for s in stores for a in s.arrays().values() if isinstance(a, mx.array)])
+    q = mx.random.normal((B, H * G, 64, D), key=mx.random.key(7))
+    outs, wants = [], []
+    for i, store in enumerate(stores):
+        k, v = tokens(64, 20 + i)
+        old_k, old_v = store.history(mx.float32)
+        wants.append(mx.fast.scaled_dot_product_attention(
+            q, mx.concatenate([old_k, k], 2), mx.concatenate([old_v, v], 2), scale=D**-0.5, mask="causal"))
+        q = store.prefill_attention(q, k, v, scale=D**-0.5, mask="causal")
+        outs.append(q)
+    assert graph_nodes([outs[0]]) == 0
+    assert store_module._pacing.previous is outs[1]  # held until the next layer's chunk...
+    store_module.end_pacing()  # ...or a decode step
+    assert store_module._pacing.previous is None
+    monkeypatch.setattr(store_module, "PACE_ON_CPU", False)
+    assert graph_nodes([stores[0].prefill_attention(q, *tokens(8, 30), scale=D**-0.5, mask="causal")]) > 0
+    assert all(mx.array_equal(o, w) for o, w in zip(outs, wants))  # the same attention, scheduled earlier

@@ -15,6 +15,7 @@ import functools
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache, causal_mask
+from .store import end_pacing
 
 
 class QuantizedCache(CompressedKVCache):
@@ -90,6 +91,7 @@ class QuantizedCache(CompressedKVCache):
         chunk_k, chunk_v = self._take_chunk(sinks)
         self.observe(chunk_k, chunk_v, queries.shape[2])
         if queries.shape[2] == 1:
+            end_pacing()
             return self.store.decode_attention(queries, chunk_k, chunk_v, scale=scale,
                                                use_kernel=self.use_kernel)
         if isinstance(mask, mx.array):  # an array mask sized for layer 0: rebuild

@@ -21,6 +21,7 @@ at a decode step.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,40 @@ def _joined(parts: list):
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
+PACE_ON_CPU = False  # tests turn it on
+
+
+class _Pacing(threading.local):
+    previous: mx.array | None = None  # the last output ``paced`` scheduled in this thread
+
+
+_pacing = _Pacing()
+
+
+def paced(out: mx.array) -> mx.array:
+    """A prompt chunk's attention output over a decoded history, scheduled now; the host
+    then waits for the previous such output (the layer before it). Left lazy, the host
+    builds every layer's graph before the device runs them, and on a GPU each layer's
+    decoded history is held until its kernels finish: a whole model's histories at once.
+    Waiting one layer behind keeps the device fed while the host builds the next layer;
+    waiting for this layer (or for its queries, which an asynchronous evaluation signals
+    with its output) starves it (benchmarks/notes/prefill.md, session 51). The CPU
+    back-end shows no such pile-up, and there a chunk whose output nobody reads stays
+    uncomputed."""
+    if not (PACE_ON_CPU or mx.default_device() == mx.gpu):
+        return out
+    mx.async_eval(out)
+    previous, _pacing.previous = _pacing.previous, out
+    if previous is not None:
+        mx.eval(previous)
+    return out
+
+
+def end_pacing() -> None:
+    """A decode step: the prompt's last paced output is no longer held."""
+    _pacing.previous = None
+
+
 class PackedStore:
     """What every quantized store shares. A store provides ``commit`` (take new tokens in),
     ``history`` (every token decoded, in order), ``decode_parts``, ``length``, ``arrays``
@@ -91,7 +126,7 @@ class PackedStore:
         all_v = values if old_v is None else mx.concatenate([old_v, values], axis=2)
         out = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
         self.commit(keys, values)
-        return out
+        return paced(out)
 
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
         """A decode step: store the token, attend over every part of the packed cache."""

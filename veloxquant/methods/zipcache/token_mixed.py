@@ -39,7 +39,7 @@ from ...kernels.decode import DecodePart, decode_attention
 from .channel_scaled import channel_scale
 from ...quant.packed import GROWTH_TOKENS, PackedTokens
 from ...quant.saliency import n_salient, salient_split
-from ...quant.store import WINDOW_STEP, PackedStore, joined_history
+from ...quant.store import WINDOW_STEP, PackedStore, joined_history, paced
 from ...quant.token_rows import PlainRows, TokenGroups, TokenRows
 
 
@@ -177,7 +177,7 @@ class TokenMixedStore(PackedStore):
         self.compress(all_k[:, :, first:], all_v[:, :, first:], scores)
         self.k_buf.truncate(0)
         self.v_buf.truncate(0)
-        return out
+        return paced(out)
 
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
         """A decode step: the token joins the buffer, attention over the classes and the
