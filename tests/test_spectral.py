@@ -237,11 +237,18 @@ def test_with_qjl_decode_is_the_softmax_of_the_corrected_scores(context):
     assert not mx.allclose(got, attention(q / 0.125, k_hat, v_hat, 0.125), atol=1e-3)  # QJL did something
 
 
-def test_with_qjl_a_later_prompt_chunk_attends_with_the_corrected_scores_over_the_history():
+@pytest.mark.parametrize("block", [None, 16], ids=["one-block", "blocks-of-16"])
+@pytest.mark.parametrize("context", [None, rotary_context()], ids=["post-rope", "pre-rope"])
+def test_with_qjl_a_later_prompt_chunk_attends_with_the_corrected_scores_over_the_history(context, block, monkeypatch):
     """A chunk after the first: the history through the decode reader's corrected scores,
-    the chunk itself exact and causal, one softmax (not SDPA over the reconstruction)."""
+    the chunk itself exact and causal, one softmax (not SDPA over the reconstruction);
+    scored in blocks of the history (the last one short, pre-RoPE keys turned from each
+    block's first position), the online softmax equals it to float32 rounding."""
+    if block:  # 2 KV heads x 16 query rows score ``block`` tokens at a time
+        monkeypatch.setattr(es, "HISTORY_BLOCK_SCORES", 32 * block)
+        monkeypatch.setattr(es, "MIN_HISTORY_BLOCK", 1)
     k, v = structured(80), structured(80, seed=9)
-    cache = spectral()
+    cache = spectral(context)
     feed(cache, k[:, :, :72], v[:, :, :72], 40)
     q = mx.random.normal((1, 4, 8, 64), key=mx.random.key(5))
     history = cache.store.keys.reader().scores(q.reshape(1, 2, 16, 64) * 0.125)  # (1, 2, 16, 72)
@@ -257,6 +264,30 @@ def test_with_qjl_a_later_prompt_chunk_attends_with_the_corrected_scores_over_th
     sdpa = mx.fast.scaled_dot_product_attention(q, mx.concatenate([k_hat[:, :, :72], k[:, :, 72:]], axis=2),
                                                 mx.concatenate([v_hat, v[:, :, 72:]], axis=2), scale=0.125, mask="causal")
     assert not mx.allclose(got, sdpa, atol=1e-3)
+
+
+def test_a_prompt_chunk_scores_the_history_a_block_at_a_time(monkeypatch):
+    """A chunk of R query rows over n coded tokens holds one block's (R, block) scores at a
+    time, not (R, n): on the H200 the whole table was 8.6 GB a layer at 32k, and spectral
+    failed on CUDA (benchmarks/notes/prefill.md, session 50). Here the whole table is 16 MiB;
+    one softmax over it peaked at 80 MiB, the blocks (evaluated one at a time) at 7."""
+    h, d, n, r = 2, 64, 4096, 256
+    monkeypatch.setattr(es, "HISTORY_BLOCK_SCORES", h * 2 * r * 256)  # blocks of 256 tokens
+    cache = spectral()
+    feed(cache, structured(n, d, h), structured(n, d, h, seed=9), 1024)
+    k, v = structured(r, d, h, seed=3), structured(r, d, h, seed=4)
+    q = mx.random.normal((1, 2 * h, r, d), key=mx.random.key(5))
+    mx.eval(cache.store.keys.words.buffer, cache.store.values.words.buffer, q, k, v)
+    whole_table = 1 * h * (2 * r) * n * 4  # float32 scores of every query row against the history
+    assert es.history_block(h * 2 * r) == 256
+
+    def chunk():
+        cache.update_and_fetch(k, v)
+        return cache.attend(q, k, v, scale=0.125, mask="causal")
+
+    out, peak = peak_above_held(chunk)
+    assert out.shape == q.shape
+    assert peak < whole_table // 2, (peak, whole_table)
 
 
 # -- the QJL estimator ------------------------------------------------------------------------

@@ -55,13 +55,15 @@ from ...quant import codebook as cb
 from .bitfields import pack_fields, row_words, unpack_fields
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import from_pre_rope_channels, to_pre_rope
-from ...quant.store import PackedStore
+from ...quant.store import PackedStore, paced
 
 RANGE_SIGMAS = 6.0  # the quadrature range, in σ (the repo starts its search on ±3.5σ; wider keeps the tails)
 GRID_POINTS = 16384  # quadrature points of the Gaussian density over that range
 LLOYD_ITERS = 200  # (a tenth of them from 6 bits on)
 SIGMA_FLOOR = 1e-4  # σ_tail >= this fraction of σ_head
 QJL_SCALE = math.sqrt(math.pi / 2)
+HISTORY_BLOCK_SCORES = 1 << 26  # float32 scores of a prompt chunk against one block of the history (256 MiB)
+MIN_HISTORY_BLOCK = 256
 REFIT_GROWTH = 2  # a new basis each time the tokens held double since the prompt or the last refit
 
 
@@ -305,9 +307,13 @@ class EigenTokens:
         self.words.append(words)
         self.norms.append(norms)
 
-    def coordinates(self):
-        """The codes of every buffered row (spare room included: zero norms, zero rows)."""
-        return _coordinates_fn(self.codec, self.dim)(self.words.buffer, self.norms.buffer, self.sigma, self.tables)
+    def coordinates(self, rows: tuple[int, int] | None = None):
+        """The codes of every buffered row (spare room included: zero norms, zero rows), or
+        of the rows ``[first, end)``."""
+        words, norms = self.words.buffer, self.norms.buffer
+        if rows is not None:
+            words, norms = words[:, :, rows[0]:rows[1]], norms[:, :, rows[0]:rows[1]]
+        return _coordinates_fn(self.codec, self.dim)(words, norms, self.sigma, self.tables)
 
     def decode(self, dtype) -> mx.array | None:
         """The valid rows (B, H, count, D) in ``dtype``, post-RoPE again for keys (transient)."""
@@ -399,6 +405,7 @@ class EigenScores:
 
     tokens: EigenTokens
     count: int
+    rows: tuple[int, int] | None = None  # only the rows [first, end): a block of the run
 
     @property
     def n_heads(self) -> int:
@@ -408,36 +415,43 @@ class EigenScores:
         """float32 ``q Kᵀ`` (B, H, R, count) for scaled float32 queries (B, H, R, D), with
         the QJL correction when the codec keeps one (``qjl=False``: without it)."""
         t = self.tokens
-        scaled, signs, rho = t.coordinates()
+        scaled, signs, rho = t.coordinates(self.rows)
         basis = t.basis
+        start = t.start + (self.rows[0] if self.rows else 0)
         if t.rotary is None:
             s = (q @ basis) @ scaled.swapaxes(-1, -2)
         else:
-            s = q @ from_pre_rope_channels(basis @ scaled.swapaxes(-1, -2), t.start, t.rotary)
+            s = q @ from_pre_rope_channels(basis @ scaled.swapaxes(-1, -2), start, t.rotary)
         if signs is not None and qjl:
             e = signs.shape[-1]
             directions = basis[..., :e] @ t.sketch.T  # (B, H, D, e): S q_sem = directionsᵀ q
             if t.rotary is None:
                 corr = (q @ directions) @ signs.swapaxes(-1, -2)
             else:  # each token's directions turned to its position
-                corr = _turned_correction(q, directions, signs, t.start, t.rotary)
+                corr = _turned_correction(q, directions, signs, start, t.rotary)
             s = s + (QJL_SCALE / e) * corr * rho.swapaxes(-1, -2)
-        return s[..., : self.count]
+        return s if self.rows else s[..., : self.count]
 
     def mix(self, p: mx.array) -> mx.array:
-        """float32 ``p V`` (B, H, R, D) for probabilities (B, H, R, count)."""
+        """float32 ``p V`` (B, H, R, D) for probabilities (B, H, R, count), or over ``rows``."""
         t = self.tokens
-        room = t.words.capacity - self.count
+        room = 0 if self.rows else t.words.capacity - self.count
         if room:
             p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, room)])
-        return token_mix(p, t.coordinates()[0]) @ t.basis.swapaxes(-1, -2)
+        return token_mix(p, t.coordinates(self.rows)[0]) @ t.basis.swapaxes(-1, -2)
+
+
+def history_block(query_rows: int) -> int:
+    """Tokens of the history a prompt chunk scores at once: ``HISTORY_BLOCK_SCORES`` float32
+    scores over its ``query_rows`` (batch x KV heads x queries), at least ``MIN_HISTORY_BLOCK``."""
+    return max(MIN_HISTORY_BLOCK, HISTORY_BLOCK_SCORES // max(query_rows, 1))
 
 
 class EigenStore(PackedStore):
     """Keys and values, each a list of ``EigenTokens`` runs; every token coded as it comes
     (no window). With a key sketch a prompt chunk after the first attends over the history
-    with the QJL-corrected scores too (the store owns that softmax); otherwise over the
-    decoded history, as every quantized store does.
+    with the QJL-corrected scores too (the store owns that softmax, online over blocks of
+    the history); otherwise over the decoded history, as every quantized store does.
 
     Refits (issue 37): each time the tokens held double since the end of the prompt or the
     last refit (a Python counter, checked at decode steps), a new run of keys and of values
@@ -511,19 +525,31 @@ class EigenStore(PackedStore):
         b, hq, n, d = queries.shape
         h = keys.shape[1]
         q = queries.astype(mx.float32).reshape(b, h, hq // h * n, d) * scale
-        runs = [(k, v) for k, v in zip(self.key_runs, self.value_runs) if k.count]
-        old = [k.reader().scores(q) for k, _ in runs]
-        new = q @ keys.astype(mx.float32).swapaxes(-1, -2)
+        own = q @ keys.astype(mx.float32).swapaxes(-1, -2)
         if mask is not None:  # causal within the chunk (array masks arrive rebuilt as causal)
             causal = mx.tile(mx.arange(n)[:, None] >= mx.arange(n)[None], (hq // h, 1))
-            new = mx.where(causal, new, -mx.inf)
-        p = mx.softmax(mx.concatenate([*old, new], axis=-1), axis=-1, precise=True)
-        out, at = p[..., self.coded:] @ values.astype(mx.float32), 0
-        for (_, v), s in zip(runs, old):
-            out = out + v.reader().mix(p[..., at:at + s.shape[-1]])
-            at += s.shape[-1]
+            own = mx.where(causal, own, -mx.inf)
+        # an online softmax over the chunk, then the history a block at a time: the (R, n)
+        # scores of the whole history for every query row held gigabytes a layer
+        top = own.max(axis=-1, keepdims=True)  # finite: every row sees its own token
+        p = mx.exp(own - top)
+        total, out = p.sum(axis=-1, keepdims=True), p @ values.astype(mx.float32)
+        block = history_block(q.shape[0] * q.shape[1] * q.shape[2])
+        blocks = [(k, v, (first, min(first + block, k.count)))
+                  for k, v in zip(self.key_runs, self.value_runs) for first in range(0, k.count, block)]
+        for i, (k, v, rows) in enumerate(blocks):
+            s = EigenScores(k, k.count, rows).scores(q)
+            new_top = mx.maximum(top, s.max(axis=-1, keepdims=True))
+            p, fade = mx.exp(s - new_top), mx.exp(top - new_top)
+            total = total * fade + p.sum(axis=-1, keepdims=True)
+            out = out * fade + EigenScores(v, v.count, rows).mix(p)
+            top = new_top
+            if i + 1 < len(blocks):
+                # a prompt chunk, not a decode step: left lazy, the scheduler computes many
+                # blocks' scores before it reduces any (all of them, measured on the CPU)
+                mx.eval(out, total, top)
         self.commit(keys, values)
-        return out.reshape(b, hq, n, values.shape[-1]).astype(queries.dtype)
+        return paced((out / total).reshape(b, hq, n, values.shape[-1]).astype(queries.dtype))
 
     # -- what is kept ---------------------------------------------------------------------
     def arrays(self):
