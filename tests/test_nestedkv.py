@@ -357,3 +357,23 @@ def test_a_budget_below_the_protected_tokens_is_refused():
                 r"nestedkv_budget=60, nestedkv_n_sink=4, nestedkv_window=64")
     with pytest.raises(ValueError, match=expected):
         NestedKVOptions(nestedkv_budget=60)
+
+
+def test_the_anomalies_in_blocks_of_windows_equal_them_in_one_and_hold_a_block(monkeypatch):
+    """The block and sliding anchors are built a few windows at a time (each block with
+    the window before it; the last one short): every token's three anomalies are those
+    of one pass, bit for bit, and the peak is a block's, not the whole prompt's several
+    (n, D) anchors (one pass held 14 times the unit keys: 0.9 GB a layer at 16k, 8 heads)."""
+    from feeding import peak_above_held
+    from veloxquant_mlx.methods import nestedkv
+
+    n, w, h, d = 4099, 32, 4, 64
+    u = nestedkv.unit(mx.random.normal((1, h, n, d), key=mx.random.key(3)))
+    member = mx.broadcast_to(mx.arange(n)[None, None] >= 4, (1, h, n))
+    mx.eval(u, member)
+    monkeypatch.setattr(nestedkv, "ANOMALY_ELEMENTS", 1 << 40)  # one block
+    whole, whole_peak = peak_above_held(lambda: nestedkv.anomalies(u, member, w))
+    monkeypatch.setattr(nestedkv, "ANOMALY_ELEMENTS", 4 * h * w * (d + 1))  # 4 windows a block
+    blocked, peak = peak_above_held(lambda: nestedkv.anomalies(u, member, w))
+    assert mx.array_equal(whole, blocked)
+    assert peak < 4 * u.nbytes < whole_peak / 2, (peak, u.nbytes, whole_peak)

@@ -66,9 +66,35 @@ def cosine_anomaly(u: mx.array, anchor: mx.array) -> mx.array:
     return mx.clip(1.0 - (u * anchor).sum(-1) / mx.maximum(norm, EPS), 0.0, 2.0)
 
 
+ANOMALY_ELEMENTS = 1 << 21  # float32 elements of (rows, D + 1) one block of windows handles (8 MiB)
+
+
 def anomalies(u: mx.array, member: mx.array, window: int) -> mx.array:
     """(3, B, H, n): global, block and sliding anomalies of unit keys ``u`` (B, H, n, D) in
-    position order; ``member`` (B, H, n) says which tokens the anchors average."""
+    position order; ``member`` (B, H, n) says which tokens the anchors average.
+
+    The block and sliding anchors are (n, D) arrays, several of them at once: they are
+    made for ``ANOMALY_ELEMENTS`` at a time, whole windows with the window before them,
+    each block evaluated before the next is built (once a prompt, at its end; lazy, the
+    scheduler computes the blocks together). A token's anomalies do not depend on the
+    blocking."""
+    b, h, n, d = u.shape
+    glob = cosine_anomaly(u, (u * member[..., None]).sum(axis=2, keepdims=True))
+    per_block = max(1, ANOMALY_ELEMENTS // (b * h * window * (d + 1)))  # windows a block
+    local = []
+    for first in range(0, -(-n // window), per_block):
+        start = max(0, first - 1) * window  # the window before, for the first's sliding anchor
+        stop = min(n, (first + per_block) * window)
+        if local:
+            mx.eval(local[-1])
+        local.append(_local_anomalies(u[:, :, start:stop], member[:, :, start:stop], window)
+                     [..., first * window - start:])
+    return mx.stack([glob, *(local[0] if len(local) == 1 else mx.concatenate(local, axis=-1))])
+
+
+def _local_anomalies(u: mx.array, member: mx.array, window: int) -> mx.array:
+    """(2, B, H, n): block and sliding anomalies of tokens whose first is a window's first
+    (its first window has none before it)."""
     b, h, n, d = u.shape
     x = mx.concatenate([u * member[..., None], member[..., None].astype(u.dtype)], -1)  # + count
     blocks = mx.pad(x, [(0, 0), (0, 0), (0, -n % window), (0, 0)]).reshape(b, h, -1, window, d + 1)
@@ -79,8 +105,7 @@ def anomalies(u: mx.array, member: mx.array, window: int) -> mx.array:
     sliding = (before + prev_total - prev_before).reshape(b, h, -1, d + 1)[:, :, :n]  # W before i
     block = mx.broadcast_to(total, blocks.shape).reshape(b, h, -1, d + 1)[:, :, :n]
     sliding = mx.where(sliding[..., -1:] > 0, sliding[..., :-1], u)  # none before: its own key
-    return mx.stack([cosine_anomaly(u, x.sum(axis=2, keepdims=True)[..., :-1]),
-                     cosine_anomaly(u, block[..., :-1]), cosine_anomaly(u, sliding)])
+    return mx.stack([cosine_anomaly(u, block[..., :-1]), cosine_anomaly(u, sliding)])
 
 
 def rank_normalize(s: mx.array, candidate: mx.array) -> mx.array:
