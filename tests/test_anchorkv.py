@@ -126,6 +126,22 @@ def test_the_assignment_in_row_blocks_equals_it_in_one_and_holds_one_block(monke
     assert peak < 3 * outputs + products // 8, (peak, outputs, products)
 
 
+def test_two_large_blocks_of_the_assignment_are_not_computed_together(monkeypatch):
+    """Blocks chained lazily (``mx.depends``) ran together when they were few and large:
+    two blocks of 2,048 rows peaked at 8.5 times one block's row-anchor products (abs,
+    the norms' product, the cosines: about 3 arrays of that size a block, plus the
+    residuals); evaluated one after the other, 4.8."""
+    from veloxquant_mlx.evict import attention
+
+    x = mx.random.normal((1, 2, 4096, 64), key=mx.random.key(1))
+    anchors = mx.random.normal((1, 2, 256, 64), key=mx.random.key(2))
+    mx.eval(x, anchors)
+    monkeypatch.setattr(attention, "SCORE_ELEMENTS", 2 * 256 * 2048)  # two blocks
+    _, peak = peak_above_held(lambda: _assign(x, anchors))
+    block_products = 2 * 2048 * 256 * 4
+    assert peak < 6 * block_products, peak / block_products
+
+
 def part_bytes(part: AnchorPart) -> int:
     return sum(a.nbytes for a in part.arrays().values())
 

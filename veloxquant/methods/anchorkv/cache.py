@@ -61,19 +61,18 @@ def _pick(scores: mx.array, taken: mx.array, n: int) -> mx.array:
 def _assign(x: mx.array, anchors: mx.array):
     """(anchor index, float16 γ, residual) of each row of ``x`` (B, H, M, d) on ``anchors``.
 
-    Rows go in blocks of at most ``SCORE_ELEMENTS`` row-anchor products, each block after
-    the one before (``mx.depends``): all M x k at once held 35 GB at a 128k prompt (8B
-    shape). Each row's figures do not depend on the blocking."""
+    Rows go in blocks of at most ``SCORE_ELEMENTS`` row-anchor products, each evaluated
+    before the next is built (once a prompt, at its end): all M x k at once held 35 GB at
+    a 128k prompt (8B shape), and blocks only chained (``mx.depends``) were computed
+    together. Each row's figures do not depend on the blocking."""
     b, h, m, _ = x.shape
     norms = mx.sqrt((anchors * anchors).sum(-1))[:, :, None]
     rows = max(1, attention.SCORE_ELEMENTS // max(1, b * h * anchors.shape[2]))
-    parts, last = [], None
+    parts = []
     for start in range(0, m, rows):
-        block = x[:, :, start:start + rows]
-        if last is not None:
-            block = mx.depends(block, last)
-        parts.append(_assign_block(block, anchors, norms))
-        last = parts[-1][2]
+        if parts:
+            mx.eval(parts[-1])
+        parts.append(_assign_block(x[:, :, start:start + rows], anchors, norms))
     if len(parts) == 1:
         return parts[0]
     return tuple(mx.concatenate(column, axis=2) for column in zip(*parts))
