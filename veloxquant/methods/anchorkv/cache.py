@@ -58,24 +58,38 @@ def _pick(scores: mx.array, taken: mx.array, n: int) -> mx.array:
     return mx.put_along_axis(taken, idx, mx.array(True), axis=-1)
 
 
-def _assign(x: mx.array, anchors: mx.array):
-    """(anchor index, float16 γ, residual) of each row of ``x`` (B, H, M, d) on ``anchors``.
+def _assign(x: mx.array, anchors: mx.array, rows: mx.array | None = None, keep=None):
+    """(anchor index, float16 γ, residual) of each row of ``x`` (B, H, M, d), or of the rows
+    ``rows`` (B, H, M) of ``x``, on ``anchors``; with ``keep``, ``keep(start, stop, block,
+    residual)`` of each block instead of its residuals (its rows along its last axis).
 
     Rows go in blocks of at most ``SCORE_ELEMENTS`` row-anchor products, each evaluated
     before the next is built (once a prompt, at its end): all M x k at once held 35 GB at
     a 128k prompt (8B shape), and blocks only chained (``mx.depends``) were computed
-    together. Each row's figures do not depend on the blocking."""
-    b, h, m, _ = x.shape
+    together. Each row's figures do not depend on the blocking (but for the rounding of a
+    BLAS call over fewer rows: a float16 γ may round the other way)."""
+    b, h = x.shape[:2]
+    m = x.shape[2] if rows is None else rows.shape[-1]
     norms = mx.sqrt((anchors * anchors).sum(-1))[:, :, None]
-    rows = max(1, attention.SCORE_ELEMENTS // max(1, b * h * anchors.shape[2]))
+    per_block = max(1, attention.SCORE_ELEMENTS // max(1, b * h * anchors.shape[2]))
     parts = []
-    for start in range(0, m, rows):
+    for start in range(0, m, per_block):
         if parts:
             mx.eval(parts[-1])
-        parts.append(_assign_block(x[:, :, start:start + rows], anchors, norms))
+        stop = min(m, start + per_block)
+        block = x[:, :, start:stop] if rows is None else gather_tokens(x, rows[..., start:stop])
+        ref, gamma, residual = _assign_block(block, anchors, norms)
+        parts.append((ref, gamma, residual if keep is None else keep(start, stop, block, residual)))
     if len(parts) == 1:
         return parts[0]
-    return tuple(mx.concatenate(column, axis=2) for column in zip(*parts))
+    axes = (-1, -1, 2 if keep is None else -1)  # what ``keep`` gives runs along its last axis
+    return tuple(mx.concatenate(column, axis=axis) for column, axis in zip(zip(*parts), axes))
+
+
+def _residual_rows(x: mx.array, rows: mx.array, anchors: mx.array, ref: mx.array, gamma: mx.array):
+    """The residuals ``_assign_block`` gives the rows ``rows`` of ``x``, from their anchor
+    and γ: the chosen few are coded, the others' residuals are never held."""
+    return gather_tokens(x, rows) - gamma.astype(mx.float32)[..., None] * gather_tokens(anchors, ref)
 
 
 def _assign_block(x: mx.array, anchors: mx.array, norms: mx.array):
@@ -137,19 +151,27 @@ def compress(keys: mx.array, values: mx.array, o, codec: RotatedGaussian) -> tup
                           none.astype(mx.float16), mx.zeros((b, h, 0, words), mx.uint32),
                           none.astype(mx.float16), none), anchors
 
-    # 2. assignment
+    # 2. assignment, with 3. the utility of each residual, a block of the others at a time
     ka, va = gather_tokens(kf, anchors), gather_tokens(vf, anchors)
-    kn, vn = gather_tokens(kf, others), gather_tokens(vf, others)
-    k_ref, k_gamma, k_res = _assign(kn, ka)
-    v_ref, v_gamma, v_res = _assign(vn, va)
-
-    # 3. utility of a residual, per token
     a = mx.take_along_axis(alpha, others[:, :, None], axis=-1)  # (B, H, w, M)
     y = alpha @ vf
-    spread = (vn * vn).sum(-1)[:, :, None] - 2 * (y @ vn.swapaxes(-1, -2)) + (y * y).sum(-1)[..., None]
-    qr = (kf[:, :, s - w:] @ k_res.swapaxes(-1, -2)) * d ** -0.5
-    u_k = (a * a * qr * qr * spread).mean(axis=2)
-    u_v = (a * a).mean(axis=2) * (v_res * v_res).sum(-1)
+    yy = (y * y).sum(-1)[..., None]
+
+    def value_terms(start, stop, vn, v_res):  # (B, H, 1 + w, rows): |r^V|², then spread
+        spread = (vn * vn).sum(-1)[:, :, None] - 2 * (y @ vn.swapaxes(-1, -2)) + yy
+        return mx.concatenate([(v_res * v_res).sum(-1)[:, :, None], spread], axis=2)
+
+    v_ref, v_gamma, terms = _assign(vf, va, others, value_terms)
+    mx.eval(v_ref, v_gamma, terms)  # the values' pass done before the keys' is built
+    spread = terms[:, :, 1:]
+
+    def key_utility(start, stop, kn, k_res):
+        qr = (kf[:, :, s - w:] @ k_res.swapaxes(-1, -2)) * d ** -0.5
+        a_b = a[..., start:stop]
+        return (a_b * a_b * qr * qr * spread[..., start:stop]).mean(axis=2)
+
+    k_ref, k_gamma, u_k = _assign(kf, ka, others, key_utility)
+    u_v = (a * a).mean(axis=2) * terms[:, :, 0]
 
     # 4. budget, in bytes per head
     words, item = math.ceil(d * codec.bits / 32), keys.dtype.size
@@ -168,8 +190,12 @@ def compress(keys: mx.array, values: mx.array, o, codec: RotatedGaussian) -> tup
     if n_k:
         slot = mx.put_along_axis(slot, key_rows, mx.arange(1, n_k + 1, dtype=mx.int32), axis=-1)
     counts = (v_ref[..., None] == mx.arange(n_anchor)).sum(axis=2)
-    k_codes, k_scales = codec.encode(gather_tokens(k_res, key_rows))
-    v_codes, v_scales = codec.encode(gather_tokens(v_res, value_rows))
+    def coded(x, anchors_x, ref, gamma, chosen):  # the chosen residuals, made again
+        pick = lambda a: mx.take_along_axis(a, chosen, axis=-1)  # noqa: E731
+        return codec.encode(_residual_rows(x, pick(others), anchors_x, pick(ref), pick(gamma)))
+
+    k_codes, k_scales = coded(kf, ka, k_ref, k_gamma, key_rows)
+    v_codes, v_scales = coded(vf, va, v_ref, v_gamma, value_rows)
     take = lambda x: mx.take_along_axis(x, perm, axis=-1)  # noqa: E731
     return AnchorPart(
         anchor_k=gather_tokens(keys, anchors), anchor_v=gather_tokens(values, anchors),
