@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--methods", nargs="+", default=list(METHODS),
                     help=f"from: {', '.join(METHODS)}, or any method key (at its defaults)")
-    ap.add_argument("--no-stub", action="store_true", help="the CPU's own path (no stubbed GPU path)")
+    ap.add_argument("--no-stub", action="store_true", help="the device's own path (no stub: the CPU's path on the CPU, the kernels on a GPU)")
     ap.add_argument("--profile", metavar="METHOD", help="cProfile the model calls of METHOD instead")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--uncached", action="store_true",
@@ -188,7 +188,7 @@ def main() -> None:
 
     per_layer = {n: statistics.median(ts) / args.layers * 1e6 for n, ts in times.items()}
     print(f"context {args.context}, {args.layers} layers, {args.dtype}, {args.steps} steps, "
-          f"{'CPU path' if args.no_stub else 'GPU path stubbed'}; model call only, median")
+          f"{'no stub (the device path)' if args.no_stub else 'GPU path stubbed'}; model call only, median")
     print("| cache | host us a layer | vs KVCache |")
     print("|---|---:|---:|")
     for n in names:

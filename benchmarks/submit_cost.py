@@ -8,7 +8,11 @@ skipped or fused), built, submitted and waited for apart; per operation: the bui
 submission and wait in microseconds (medians over ``--repeats``). Kinds are the
 operations a decode step is made of: small and large elementwise ops, views that launch
 nothing, MLX's own matrix-vector kernel, a batched product that cuBLAS serves, the fused
-attention, a compiled fused chain, ``mx.dequantize``, a slice write, a gather.
+attention, a compiled fused chain, ``mx.dequantize``, a slice write, a gather; on a GPU
+also custom kernels (``mx.fast.cuda_kernel``/``metal_kernel``): a small one, the same with
+its source padded to the size of the fused KIVI kernel's, and the KIVI dispatcher's two
+launches (main kernel and merge) over a 4-bit cache. MLX builds a custom kernel's whole
+source at every call and hashes it at every submission, so its size may cost the host.
 
     python benchmarks/submit_cost.py                 # on the device, after install_on_device.sh
     python benchmarks/submit_cost.py --ops 32 --repeats 2 --tokens 256   # a CPU check
@@ -44,7 +48,7 @@ def kinds(tokens: int, dtype):
         x[:, :, 3:4, :] = x[:, :, 5:6, :] * 0.5
         return x
 
-    return {
+    kinds = {
         "add (1x8x4x128)": (q_small, lambda x: x + 0.5),
         f"add (1x8x{tokens}x128)": (rows, lambda x: x + 0.5),
         "six views (transposes, reshapes, a broadcast)": (
@@ -62,6 +66,67 @@ def kinds(tokens: int, dtype):
         "slice write": (rows, write),
         f"gather along the tokens ({tokens})": (rows, lambda x: mx.take_along_axis(x, index, axis=2) + x),
     }
+    kinds.update(custom_kernel_kinds(tokens, dtype))
+    return kinds
+
+
+#: the small custom kernel: out = x * 0.5 + 0.25, one thread an element
+_SMALL_SOURCE = """
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    out[i] = x[i] * static_cast<T>(0.5) + static_cast<T>(0.25);
+"""
+_SMALL_SOURCE_METAL = """
+    uint i = thread_position_in_grid.x;
+    out[i] = x[i] * static_cast<T>(0.5) + static_cast<T>(0.25);
+"""
+
+
+def custom_kernel_kinds(tokens: int, dtype) -> dict:
+    """The custom-kernel kinds, on a GPU back-end only (none on the CPU)."""
+    import veloxquant_mlx  # noqa: F401  (before the kernels module, as everywhere)
+    from veloxquant_mlx.kernels import kivi_decode as kd
+
+    backend = kd.gpu_backend()
+    if backend is None:
+        return {}
+    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+    small = _SMALL_SOURCE if backend == "cuda" else _SMALL_SOURCE_METAL
+    fused_size = len(kd.cuda_header(kd.FRAG_MIN_BLOCKS)) + len(kd.CUDA_FRAG_SOURCE)
+    padding = "// padding\n" * (fused_size // len("// padding\n"))
+
+    def kernel(source, name):
+        k = make(name=name, input_names=["x"], output_names=["out"], source=source)
+        return lambda x: k(inputs=[x], template=[("T", x.dtype)], grid=(x.size, 1, 1),
+                           threadgroup=(min(x.size, 256), 1, 1), output_shapes=[x.shape],
+                           output_dtypes=[x.dtype])[0]
+
+    q = (mx.random.normal((1, 32, 1, 128)) * 0.1).astype(dtype)
+    kinds = {
+        f"custom kernel, {len(small)} B of source (1x32x1x128)": (q, kernel(small, "vq_submit_small")),
+        f"custom kernel, {len(small) + len(padding)} B of source": (
+            q, kernel(padding + small, "vq_submit_padded")),
+    }
+    if dtype == mx.float16:
+        g = mx.random.normal
+        K, V = ((g((1, 8, tokens, 128)) * 0.5).astype(dtype) for _ in range(2))
+        cache = _kivi_layout(K, V, n_kres=64, n_vres=128, bits=4, group=32)
+        kinds[f"KIVI dispatcher, 4-bit, {tokens} tokens (main kernel + merge)"] = (
+            q, lambda x: kd.kivi_decode_attention(x, *cache, scale=128 ** -0.5, bits=4,
+                                                  group_size=32))
+    return kinds
+
+
+def _kivi_layout(K, V, n_kres, n_vres, bits, group):
+    """A KIVI-layout cache of (B, H, T, D) keys and values: keys quantized per channel and
+    values per token but for their last ``n_kres``/``n_vres`` rows."""
+    T = K.shape[2]
+    n_kq, n_vq = T - n_kres, T - n_vres
+    kc, ks, kb = mx.quantize(mx.contiguous(K[:, :, :n_kq].swapaxes(2, 3)), group_size=group,
+                             bits=bits)
+    vc, vs, vb = mx.quantize(V[:, :, :n_vq], group_size=group, bits=bits)
+    kr, vr = mx.contiguous(K[:, :, n_kq:]), mx.contiguous(V[:, :, n_vq:])
+    mx.eval(kc, ks, kb, vc, vs, vb, kr, vr)
+    return kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres
 
 
 def build_submit_wait(build):

@@ -1,0 +1,85 @@
+"""Where a prompt chunk's fit goes, part by part, on this machine's default device.
+
+Issue 31: gear's and palu's warm prefill on the H200 is 14.5x and 6.55x fp16's at 32k
+(``notes/prefill.md``). Their fits take eigendecompositions on MLX's CPU stream (MLX has no
+GPU ``eigh``), each a round trip between the device and the host. This times each part
+of one chunk's fit at the 8B layer's shape (1 x 8 KV heads x ``--tokens`` x 128), every
+part evaluated alone, medians of ``--repeats`` after one warm-up: the Gram product, the
+``eigh`` on the CPU stream (the Gram ready), ``gram_basis`` whole, the outliers' sort,
+GEAR's whole key and value encode at its defaults, a thin ``orthonormalize`` (power
+iteration's step), and palu's ``fit_basis`` over groups of 4 heads (a 512 x 512 eigh).
+
+    python benchmarks/fit_parts.py                        # on the device
+    MLX_DEFAULT_DEVICE=cpu python benchmarks/fit_parts.py --tokens 512 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import veloxquant_mlx  # noqa: F401  (first: it may load OpenBLAS)
+import mlx.core as mx  # noqa: E402
+
+from veloxquant_mlx.lowrank.factors import gram_basis, orthonormalize  # noqa: E402
+from veloxquant_mlx.lowrank.latent import fit_basis  # noqa: E402
+from veloxquant_mlx.methods.gear.error_feedback import ErrorFeedback  # noqa: E402
+from veloxquant_mlx.quant.outliers import tail_indices  # noqa: E402
+from veloxquant_mlx.quant.packed import GroupAffine  # noqa: E402
+
+
+def timed(fn, repeats: int) -> float:
+    """Median ms of ``fn()`` evaluated, after one warm-up call."""
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _arrays(tree) -> list:
+    """Every array of a nested tuple (None skipped): what an encode returns, all evaluated."""
+    if isinstance(tree, mx.array):
+        return [tree]
+    return [a for t in (tree or ()) for a in _arrays(t)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens of the chunk")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    dtype = mx.float32 if mx.default_device() == mx.cpu else mx.float16
+    mx.random.seed(0)
+    x = mx.random.normal((1, 8, args.tokens, 128)).astype(dtype)
+    xf = x.astype(mx.float32)
+    gram = xf.swapaxes(-1, -2) @ xf
+    thin = mx.random.normal((1, 8, args.tokens, 12))
+    grouped = mx.random.normal((1, 2, args.tokens, 512))
+    mx.eval(x, xf, gram, thin, grouped)
+    keys = ErrorFeedback(GroupAffine(2, 32, "channel"), None, 0.9, 0.01)
+    values = ErrorFeedback(GroupAffine(2, 32, "token"), None, 0.9, 0.01)
+    parts = {
+        "Gram product (8 x 128 x 128), float32": lambda: xf.swapaxes(-1, -2) @ xf,
+        "eigh of 8 Grams of 128 on the CPU stream": lambda: mx.linalg.eigh(gram, stream=mx.cpu)[1],
+        "gram_basis (Gram, eigh, singular values)": lambda: gram_basis(xf)[0],
+        "outliers' sort, keys (8 x 128 channels over the tokens)": lambda: tail_indices(xf.swapaxes(-1, -2), 10),
+        "outliers' sort, values (tokens x 128)": lambda: tail_indices(xf, 1),
+        "GEAR encode, keys (defaults)": lambda: _arrays(keys.encode(x)),
+        "GEAR encode, values (defaults)": lambda: _arrays(values.encode(x)),
+        "orthonormalize (8 x tokens x 12)": lambda: orthonormalize(thin),
+        "palu fit_basis (2 groups of 512 channels)": lambda: fit_basis(grouped, None, 0.9)[1],
+    }
+    print(f"{mx.default_device()}, MLX {mx.__version__}, {args.tokens} tokens, {dtype}, "
+          f"median of {args.repeats}\n")
+    print("| part | ms |")
+    print("|---|---:|")
+    for name, fn in parts.items():
+        print(f"| {name} | {timed(fn, args.repeats):.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
