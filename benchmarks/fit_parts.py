@@ -16,8 +16,8 @@ iteration's step), and palu's ``fit_basis`` over groups of 4 heads (a 512 x 512 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import veloxquant_mlx  # noqa: F401  (first: it may load OpenBLAS)
 import mlx.core as mx  # noqa: E402
@@ -28,16 +28,8 @@ from veloxquant_mlx.methods.gear.error_feedback import ErrorFeedback  # noqa: E4
 from veloxquant_mlx.quant.outliers import tail_indices  # noqa: E402
 from veloxquant_mlx.quant.packed import GroupAffine  # noqa: E402
 
-
-def timed(fn, repeats: int) -> float:
-    """Median ms of ``fn()`` evaluated, after one warm-up call."""
-    mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prompt_mass import timed  # noqa: E402  (median seconds after one warm-up call)
 
 
 def _arrays(tree) -> list:
@@ -78,7 +70,7 @@ def main() -> None:
     print("| part | ms |")
     print("|---|---:|")
     for name, fn in parts.items():
-        print(f"| {name} | {timed(fn, args.repeats):.2f} |", flush=True)
+        print(f"| {name} | {timed(fn, args.repeats) * 1e3:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
