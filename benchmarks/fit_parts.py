@@ -5,7 +5,7 @@ Issue 31: gear's and palu's warm prefill on the H200 is 14.5x and 6.55x fp16's a
 GPU ``eigh``), each a round trip between the device and the host. This times each part
 of one chunk's fit at the 8B layer's shape (1 x 8 KV heads x ``--tokens`` x 128), every
 part evaluated alone, medians of ``--repeats`` after one warm-up: the Gram product, the
-``eigh`` on the CPU stream (the Gram ready), ``gram_basis`` whole, the outliers' sort,
+``eigh`` on the CPU stream (the Gram ready; 8 heads, 16 in one call, 1), ``gram_basis`` whole, the outliers' sort,
 GEAR's whole key and value encode at its defaults, a thin ``orthonormalize`` (power
 iteration's step), and palu's ``fit_basis`` over groups of 4 heads (a 512 x 512 eigh).
 
@@ -49,14 +49,17 @@ def main() -> None:
     x = mx.random.normal((1, 8, args.tokens, 128)).astype(dtype)
     xf = x.astype(mx.float32)
     gram = xf.swapaxes(-1, -2) @ xf
+    grams = mx.concatenate([gram, gram * 0.5 + mx.eye(128)], axis=1)  # keys' and values' together
     thin = mx.random.normal((1, 8, args.tokens, 12))
     grouped = mx.random.normal((1, 2, args.tokens, 512))
-    mx.eval(x, xf, gram, thin, grouped)
+    mx.eval(x, xf, gram, grams, thin, grouped)
     keys = ErrorFeedback(GroupAffine(2, 32, "channel"), None, 0.9, 0.01)
     values = ErrorFeedback(GroupAffine(2, 32, "token"), None, 0.9, 0.01)
     parts = {
         "Gram product (8 x 128 x 128), float32": lambda: xf.swapaxes(-1, -2) @ xf,
         "eigh of 8 Grams of 128 on the CPU stream": lambda: mx.linalg.eigh(gram, stream=mx.cpu)[1],
+        "eigh of 16 Grams of 128 on the CPU stream (one call)": lambda: mx.linalg.eigh(grams, stream=mx.cpu)[1],
+        "eigh of 1 Gram of 128 on the CPU stream": lambda: mx.linalg.eigh(gram[:, :1], stream=mx.cpu)[1],
         "gram_basis (Gram, eigh, singular values)": lambda: gram_basis(xf)[0],
         "outliers' sort, keys (8 x 128 channels over the tokens)": lambda: tail_indices(xf.swapaxes(-1, -2), 10),
         "outliers' sort, values (tokens x 128)": lambda: tail_indices(xf, 1),
