@@ -48,7 +48,7 @@ def kinds(tokens: int, dtype):
         x[:, :, 3:4, :] = x[:, :, 5:6, :] * 0.5
         return x
 
-    kinds = {
+    table = {
         "add (1x8x4x128)": (q_small, lambda x: x + 0.5),
         f"add (1x8x{tokens}x128)": (rows, lambda x: x + 0.5),
         "six views (transposes, reshapes, a broadcast)": (
@@ -66,8 +66,8 @@ def kinds(tokens: int, dtype):
         "slice write": (rows, write),
         f"gather along the tokens ({tokens})": (rows, lambda x: mx.take_along_axis(x, index, axis=2) + x),
     }
-    kinds.update(custom_kernel_kinds(tokens, dtype))
-    return kinds
+    table.update(custom_kernel_kinds(tokens, dtype))
+    return table
 
 
 #: the small custom kernel: out = x * 0.5 + 0.25, one thread an element
@@ -101,7 +101,7 @@ def custom_kernel_kinds(tokens: int, dtype) -> dict:
                            output_dtypes=[x.dtype])[0]
 
     q = (mx.random.normal((1, 32, 1, 128)) * 0.1).astype(dtype)
-    kinds = {
+    table = {
         f"custom kernel, {len(small)} B of source (1x32x1x128)": (q, kernel(small, "vq_submit_small")),
         f"custom kernel, {len(small) + len(padding)} B of source": (
             q, kernel(padding + small, "vq_submit_padded")),
@@ -110,10 +110,10 @@ def custom_kernel_kinds(tokens: int, dtype) -> dict:
         g = mx.random.normal
         K, V = ((g((1, 8, tokens, 128)) * 0.5).astype(dtype) for _ in range(2))
         cache = _kivi_layout(K, V, n_kres=64, n_vres=128, bits=4, group=32)
-        kinds[f"KIVI dispatcher, 4-bit, {tokens} tokens (main kernel + merge)"] = (
+        table[f"KIVI dispatcher, 4-bit, {tokens} tokens (main kernel + merge)"] = (
             q, lambda x: kd.kivi_decode_attention(x, *cache, scale=128 ** -0.5, bits=4,
                                                   group_size=32))
-    return kinds
+    return table
 
 
 def _kivi_layout(K, V, n_kres, n_vres, bits, group):
