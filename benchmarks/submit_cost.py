@@ -25,7 +25,8 @@ import json
 import statistics
 import time
 
-import mlx.core as mx
+import veloxquant_mlx  # noqa: F401  (first: it may load OpenBLAS)
+import mlx.core as mx  # noqa: E402
 
 
 def kinds(tokens: int, dtype):
@@ -83,7 +84,6 @@ _SMALL_SOURCE_METAL = """
 
 def custom_kernel_kinds(tokens: int, dtype) -> dict:
     """The custom-kernel kinds, on a GPU back-end only (none on the CPU)."""
-    import veloxquant_mlx  # noqa: F401  (before the kernels module, as everywhere)
     from veloxquant_mlx.kernels import kivi_decode as kd
 
     backend = kd.gpu_backend()
