@@ -32,6 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prompt_mass import timed  # noqa: E402  (median seconds after one warm-up call)
 
 
+def _split_eigh(gram: mx.array, n: int):
+    """The heads' eighs as ``n`` calls, each on a CPU stream of its own (MLX runs each stream
+    on a thread of its own): whether LAPACK's problems run side by side."""
+    streams = [mx.new_stream(mx.cpu) for _ in range(n)]
+    heads = gram.shape[1]
+
+    def run():
+        return mx.concatenate([mx.linalg.eigh(gram[:, i * heads // n:(i + 1) * heads // n],
+                                              stream=s)[1] for i, s in enumerate(streams)], axis=1)
+
+    return run
+
+
 def _arrays(tree) -> list:
     """Every array of a nested tuple (None skipped): what an encode returns, all evaluated."""
     if isinstance(tree, mx.array):
@@ -60,6 +73,7 @@ def main() -> None:
         "eigh of 8 Grams of 128 on the CPU stream": lambda: mx.linalg.eigh(gram, stream=mx.cpu)[1],
         "eigh of 16 Grams of 128 on the CPU stream (one call)": lambda: mx.linalg.eigh(grams, stream=mx.cpu)[1],
         "eigh of 1 Gram of 128 on the CPU stream": lambda: mx.linalg.eigh(gram[:, :1], stream=mx.cpu)[1],
+        **{f"eigh of 8 Grams over {n} CPU streams (a call each)": _split_eigh(gram, n) for n in (2, 4, 8)},
         "gram_basis (Gram, eigh, singular values)": lambda: gram_basis(xf)[0],
         "outliers' sort, keys (8 x 128 channels over the tokens)": lambda: tail_indices(xf.swapaxes(-1, -2), 10),
         "outliers' sort, values (tokens x 128)": lambda: tail_indices(xf, 1),
