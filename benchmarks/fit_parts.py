@@ -5,7 +5,8 @@ Issue 31: gear's and palu's warm prefill on the H200 is 14.5x and 6.55x fp16's a
 GPU ``eigh``), each a round trip between the device and the host. This times each part
 of one chunk's fit at the 8B layer's shape (1 x 8 KV heads x ``--tokens`` x 128), every
 part evaluated alone, medians of ``--repeats`` after one warm-up: the Gram product, the
-``eigh`` on the CPU stream (the Gram ready; 8 heads, 16 in one call, 1), ``gram_basis`` whole, the outliers' sort,
+``eigh`` on the CPU stream (the Gram ready; 8 heads, 16 in one call, 1, and the 8 split over
+2, 4 and 8 CPU streams), ``gram_basis`` whole, the outliers' sort,
 GEAR's whole key and value encode at its defaults, a thin ``orthonormalize`` (power
 iteration's step), and palu's ``fit_basis`` over groups of 4 heads (a 512 x 512 eigh).
 
