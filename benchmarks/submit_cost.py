@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import veloxquant_mlx  # noqa: F401  (first: it may load OpenBLAS)
 import mlx.core as mx  # noqa: E402
@@ -86,6 +88,9 @@ def custom_kernel_kinds(tokens: int, dtype) -> dict:
     """The custom-kernel kinds, on a GPU back-end only (none on the CPU)."""
     from veloxquant_mlx.kernels import kivi_decode as kd
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import fused_attention  # noqa: E402  (its KIVI-layout cache builder)
+
     backend = kd.gpu_backend()
     if backend is None:
         return {}
@@ -109,24 +114,12 @@ def custom_kernel_kinds(tokens: int, dtype) -> dict:
     if dtype == mx.float16:
         g = mx.random.normal
         K, V = ((g((1, 8, tokens, 128)) * 0.5).astype(dtype) for _ in range(2))
-        cache = _kivi_layout(K, V, n_kres=64, n_vres=128, bits=4, group=32)
+        cache = fused_attention.make_cache(K, V, 64, 128, 4, 32, spare=False)
+        mx.eval(*[a for a in cache if isinstance(a, mx.array)])
         table[f"KIVI dispatcher, 4-bit, {tokens} tokens (main kernel + merge)"] = (
             q, lambda x: kd.kivi_decode_attention(x, *cache, scale=128 ** -0.5, bits=4,
                                                   group_size=32))
     return table
-
-
-def _kivi_layout(K, V, n_kres, n_vres, bits, group):
-    """A KIVI-layout cache of (B, H, T, D) keys and values: keys quantized per channel and
-    values per token but for their last ``n_kres``/``n_vres`` rows."""
-    T = K.shape[2]
-    n_kq, n_vq = T - n_kres, T - n_vres
-    kc, ks, kb = mx.quantize(mx.contiguous(K[:, :, :n_kq].swapaxes(2, 3)), group_size=group,
-                             bits=bits)
-    vc, vs, vb = mx.quantize(V[:, :, :n_vq], group_size=group, bits=bits)
-    kr, vr = mx.contiguous(K[:, :, n_kq:]), mx.contiguous(V[:, :, n_vq:])
-    mx.eval(kc, ks, kb, vc, vs, vb, kr, vr)
-    return kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres
 
 
 def build_submit_wait(build):
