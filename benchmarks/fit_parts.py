@@ -6,7 +6,7 @@ GPU ``eigh``), each a round trip between the device and the host. This times eac
 of one chunk's fit at the 8B layer's shape (1 x 8 KV heads x ``--tokens`` x 128), every
 part evaluated alone, medians of ``--repeats`` after one warm-up: the Gram product, the
 ``eigh`` on the CPU stream (the Gram ready; 8 heads, 16 in one call, 1, and the 8 split over
-2, 4 and 8 CPU streams), ``gram_basis`` whole, the outliers' sort,
+2, 4 and 8 CPU streams), ``gram_basis`` whole, ``leading_basis`` at GEAR's cap of 7 directions, the outliers' sort,
 GEAR's whole key and value encode at its defaults, a thin ``orthonormalize`` (power
 iteration's step), and palu's ``fit_basis`` over groups of 4 heads (a 512 x 512 eigh).
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import veloxquant_mlx  # noqa: F401  (first: it may load OpenBLAS)
 import mlx.core as mx  # noqa: E402
 
-from veloxquant_mlx.lowrank.factors import gram_basis, orthonormalize  # noqa: E402
+from veloxquant_mlx.lowrank.factors import gram_basis, leading_basis, orthonormalize  # noqa: E402
 from veloxquant_mlx.lowrank.latent import fit_basis  # noqa: E402
 from veloxquant_mlx.methods.gear.error_feedback import ErrorFeedback  # noqa: E402
 from veloxquant_mlx.quant.outliers import tail_indices  # noqa: E402
@@ -69,6 +69,7 @@ def main() -> None:
         "eigh of 1 Gram of 128 on the CPU stream": lambda: mx.linalg.eigh(gram[:, :1], stream=mx.cpu)[1],
         **{f"eigh of 8 Grams over {n} CPU streams (a call each)": _split_eigh(gram, n) for n in (2, 4, 8)},
         "gram_basis (Gram, eigh, singular values)": lambda: gram_basis(xf)[0],
+        "leading_basis, 7 directions (GEAR's cap; iterations on the CPU stream)": lambda: leading_basis(xf, 7),
         "outliers' sort, keys (8 x 128 channels over the tokens)": lambda: tail_indices(xf.swapaxes(-1, -2), 10),
         "outliers' sort, values (tokens x 128)": lambda: tail_indices(xf, 1),
         "GEAR encode, keys (defaults)": lambda: keys.encode(x),  # mx.eval takes the whole tree

@@ -1,7 +1,7 @@
 """Low-rank factors ``x ~ A Bᵀ`` of a batch of matrices ``x (..., T, d)``, float32, with
 no QR or SVD over the tokens: the work over the T rows is matrix products on the default
-device, and the only decompositions are ``eigh`` of small matrices (d x d, or k x k for a
-rank k) on the CPU stream, where MLX runs them.
+device, and the only decompositions are of small matrices (``eigh`` of d x d or k x k for a
+rank k, QR of d x k) on the CPU stream, where MLX runs them.
 
 - ``sample_rows``: at most ``FIT_SAMPLE_TOKENS`` evenly spaced rows, float32, non-finite
   entries zeroed (LAPACK refuses a NaN: one overflowed row must not stop a prefill).
@@ -10,12 +10,6 @@ rank k) on the CPU stream, where MLX runs them.
   passes: a float32 Gram squares the condition number, so the first passes only keep the
   span and the last one, on nearly orthonormal columns, is accurate; a dependent column
   comes back zero).
-- ``power_iteration``: subspace iteration from a seeded Gaussian start (GEAR's repo runs 3
-  loops); ``A = Q`` (T x r, orthonormal) and ``B = xᵀ Q`` (d x r), so ``A Bᵀ = Q Qᵀ x`` is an
-  orthogonal projection of ``x``: its error never exceeds ``‖x‖`` and is Eckart-Young's
-  optimum when r reaches the rank of ``x``. Q is orthonormalised at every loop (GEAR's
-  repo does it at the last loop only; the subspace is the same in exact arithmetic, and
-  float32 keeps the small directions this way).
 - ``randomized_basis``: the leading right singular vectors and values of ``x`` by subspace
   iteration on both sides and a Rayleigh-Ritz step (randomized SVD), for a given rank or
   for the smallest rank holding a fraction of the energy (the rank doubled until it
@@ -39,6 +33,17 @@ rank k) on the CPU stream, where MLX runs them.
   Exact (to float32 rounding of the squared singular values) up to the sample size;
   past it, a fit on a sample of the tokens (``tests/test_lowrank_fit.py`` bounds its
   reconstruction error against the exact SVD's).
+- ``leading_basis``: the leading k right singular vectors and values of ``x`` and its
+  total energy, for a k well below d: the Gram matrix ``xᵀx`` (d x d) is the one product
+  over the T rows, on the default device; subspace iteration on it (k + ``OVERSAMPLE``
+  columns from a seeded Gaussian start, ``POWER_ITERATIONS`` products, each orthonormalised
+  by a QR of the d x (k + p) product, then a Rayleigh-Ritz step) runs on the CPU stream as
+  one block: O(d² k) arithmetic and a single wait for the default device,
+  where a d x d ``eigh`` is O(d³) (1.6 ms per 128 x 128 problem on the H200's host,
+  ``benchmarks/notes/fits.md``). Randomized: the Ritz values never exceed the exact
+  singular values (but for the float32 Gram's rounding), so an energy rule on them keeps
+  at least the exact rule's rank; ``tests/test_lowrank_fit.py`` bounds the rank-k error
+  within 2% of the exact SVD's.
 - ``energy_rank``: the smallest r whose singular values hold a fraction of the energy
   (squared singular values) or of their mass (``power=1``).
 """
@@ -83,20 +88,6 @@ def orthonormalize(y: mx.array, passes: int = ORTHO_PASSES) -> mx.array:
             inv = mx.where(w > DEPENDENT, mx.rsqrt(mx.maximum(w, DEPENDENT)), 0.0)
         y = y @ (v * inv[..., None, :])
     return y
-
-
-def power_iteration(x: mx.array, rank: int, iterations: int = POWER_ITERATIONS, seed: int = SEED):
-    """(A, B): (..., T, r) and (..., d, r) with ``A Bᵀ = Q Qᵀ x``; ``rank <= min(T, d)``."""
-    *lead, t, d = x.shape
-    if not 0 < rank <= min(t, d) or iterations < 1:
-        raise ValueError(f"rank={rank} must be in 1..min(T={t}, d={d}); iterations={iterations} >= 1")
-    x = x.astype(mx.float32)
-    p = mx.random.normal((*lead, d, rank), key=mx.random.key(seed))
-    for i in range(iterations):
-        # both sides orthonormal: each product's condition number is σ_1/σ_r, not its square
-        q = orthonormalize(x @ (p if i == 0 else orthonormalize(p)))
-        p = x.swapaxes(-1, -2) @ q
-    return q, p
 
 
 def _ritz(x: mx.array, v: mx.array):
@@ -201,11 +192,61 @@ def gram_basis(x: mx.array, sample: int | None = None):
     return vectors, sigma
 
 
-def energy_rank(sigma: mx.array, fraction: float, power: int = 2) -> mx.array:
+_STARTS: dict[tuple[int, int, int], mx.array] = {}
+
+
+def _gaussian_start(d: int, width: int, seed: int) -> mx.array:
+    """The seeded Gaussian (d, width) every subspace iteration of that size starts from,
+    drawn once."""
+    key = (d, width, seed)
+    if key not in _STARTS:
+        _STARTS[key] = mx.random.normal((d, width), key=mx.random.key(seed), stream=mx.cpu)
+    return _STARTS[key]
+
+
+def gram_leading(gram: mx.array, k: int, iterations: int = POWER_ITERATIONS, seed: int = SEED):
+    """(V (..., d, k), eigenvalues (..., k), trace (...)) of the Gram matrices ``gram``
+    (..., d, d): ``leading_basis``'s work after the product over the rows, on the CPU stream
+    (d x width products and width x width eigenproblems: one wait for the Gram)."""
+    d = gram.shape[-1]
+    width = min(k + OVERSAMPLE, d)
+    with mx.stream(mx.cpu):
+        if 3 * width >= d:  # the iterations' eigenproblems would cost more than one of d x d
+            w, v = mx.linalg.eigh(gram)
+        else:
+            v = _gaussian_start(d, width, seed)
+            for _ in range(iterations):
+                v = mx.linalg.qr(gram @ v)[0]  # Householder on d x width: no pass over the tokens
+            w, u = mx.linalg.eigh(v.swapaxes(-1, -2) @ gram @ v)  # Rayleigh-Ritz, ascending
+            v = v @ u
+        leading = slice(-1, -k - 1, -1)  # the k largest, by decreasing value
+        return v[..., leading], w[..., leading], mx.trace(gram, axis1=-2, axis2=-1)
+
+
+def leading_basis(x: mx.array, k: int, iterations: int = POWER_ITERATIONS, seed: int = SEED):
+    """(V (..., d, k), sigma (..., k), energy (...)): approximate leading right singular
+    vectors and values of ``x`` (..., T, d) by decreasing value, from at most
+    ``FIT_SAMPLE_TOKENS`` of its rows (``sample_rows``; the values and the energy
+    rescaled to all T rows), and the energy ``‖x‖²``; float32."""
+    t, d = x.shape[-2:]
+    if not 0 < k <= min(t, d):
+        raise ValueError(f"k={k} must be in 1..min(T={t}, d={d})")
+    xs = sample_rows(x)
+    scale = t / xs.shape[-2]
+    v, w, energy = gram_leading(xs.swapaxes(-1, -2) @ xs, k, iterations, seed)
+    if scale != 1:
+        w, energy = w * scale, energy * scale
+    return v, mx.sqrt(mx.maximum(w, 0.0)), energy
+
+
+def energy_rank(sigma: mx.array, fraction: float, power: int = 2, total: mx.array | None = None) -> mx.array:
     """(...) int32: the smallest r with ``sum(sigma[:r]**p) >= fraction * sum(sigma**p)``;
-    ``power`` 2 is the spectral energy, 1 the singular-value mass (SVDq's and Palu's rule)."""
+    ``power`` 2 is the spectral energy, 1 the singular-value mass (SVDq's and Palu's rule).
+    ``total`` (...): the whole sum when ``sigma`` holds only the leading values (then
+    ``len(sigma)`` where they fall short)."""
     energy = mx.cumsum(sigma.astype(mx.float32) ** power, axis=-1)
-    below = (energy < fraction * energy[..., -1:]).sum(axis=-1)
+    whole = energy[..., -1:] if total is None else total[..., None]
+    below = (energy < fraction * whole).sum(axis=-1)
     return mx.minimum(below + 1, sigma.shape[-1]).astype(mx.int32)
 
 

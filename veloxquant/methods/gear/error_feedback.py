@@ -8,15 +8,20 @@ For a chunk X (B, H, n, D) of keys or values, per (batch, head), in float32:
    largest and as many smallest entries (``outliers.tail_indices``);
 2. **backbone**: those entries replaced by their vector's mean (GEAR's repo), the chunk
    quantized min-max in groups (``GroupAffine``, KIVI's grouping): ``D_hat``;
-3. **low rank**: ``R = X - D_hat``, zero at the outliers, approximated by ``A Bᵀ``
-   (``lowrank/factors.py``): a fixed rank by power iteration (orthonormalized through
-   rank x rank Gram eigenproblems, no QR over the chunk's tokens), or, with no rank given, the
-   energy rule over the SVD taken through R's Gram matrix (``gram_basis``: exact to
-   float32 up to 4,096 tokens a chunk; the smallest rank holding ``energy`` of R's spectral
-   energy, the largest over the chunk's heads, capped at ``ceil(RANK_CAP_FRACTION *
-   min(n, D))``: a quantization residual is nearly white and would otherwise take
-   almost every rank); kept at the cap, the columns past the rule's rank zero (the cap is
-   a Python value, the rule's rank an array: a chunk flush reads nothing on the host);
+3. **low rank**: ``R = X - D_hat``, zero at the outliers, approximated by ``A Bᵀ = R V Vᵀ``
+   with V the leading right singular vectors of R from ``lowrank.factors.leading_basis``
+   (R's d x d Gram matrix on the device, then subspace iteration on it, 3 products as
+   GEAR's 3 power-iteration loops, and a Rayleigh-Ritz step on the CPU stream: no
+   decomposition over the chunk's tokens, and a d x d one only where k + 8 reaches a third
+   of d, the 8B shape's cap of 7 being far below): a fixed rank, or, with no rank
+   given, the energy rule: the smallest rank holding ``energy`` of R's spectral energy
+   (``‖R‖²``), the largest over the chunk's heads, capped at ``ceil(RANK_CAP_FRACTION *
+   min(n, D))`` (a quantization residual is nearly white and would otherwise take almost
+   every rank). The rule reads the Ritz values of the cap's directions, which never
+   exceed the exact singular values: it keeps at least the exact rule's rank (issue 31:
+   an exact d x d eigh per head was 72 of gear's 83 ms per 4k layer on the H200). Kept at
+   the cap, the columns past the rule's rank zero (the cap is a Python value, the rule's
+   rank an array: a chunk flush reads nothing on the host);
 4. **sparse**: at the outliers, ``delta = X - D_hat - A Bᵀ`` (with A and B as kept), so
    they come back exactly (to the rounding of ``delta`` in the model dtype). GEAR's repo
    restores the outliers before adding the low-rank term, so they come back off by L
@@ -36,7 +41,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ...lowrank.factors import energy_rank, gram_basis, power_iteration, rank_cap
+from ...lowrank.factors import energy_rank, leading_basis, rank_cap
 from ...quant.outliers import per_tail, tail_indices
 from ...quant.packed import GroupAffine, PackedTokens
 from .chunked import ChunkedFactors
@@ -80,7 +85,10 @@ class ErrorFeedback:
         (a chunk flush is a decode step); the same product as ``factors``."""
         if self.rank is not None:
             rank = min(self.rank, *residual.shape[-2:])
-            return power_iteration(residual, rank) if rank else None
+            if not rank:
+                return None
+            b, _, _ = leading_basis(residual, rank)
+            return residual.astype(mx.float32) @ b, b
         a, b, need, _ = self._energy_factors(residual)
         keep = mx.arange(a.shape[-1]) < need
         return mx.where(keep, a, 0.0), mx.where(keep, b, 0.0)
@@ -89,10 +97,10 @@ class ErrorFeedback:
         """(A, B) at the cap rank, the energy rule's rank (an array: the largest over the
         chunk's heads) and the cap (``ceil(RANK_CAP_FRACTION * min(n, D))``)."""
         n, d = residual.shape[-2:]
-        b, sigma = gram_basis(residual)
-        a = residual.astype(mx.float32) @ b  # U Σ, from every row of the chunk
         cap = rank_cap(n, d, RANK_CAP_FRACTION)
-        return a[..., :cap], b[..., :cap], energy_rank(sigma, self.energy).max(), cap
+        b, sigma, total = leading_basis(residual, cap)
+        a = residual.astype(mx.float32) @ b  # U Σ, from every row of the chunk
+        return a, b, energy_rank(sigma, self.energy, total=total).max(), cap
 
     def encode(self, x: mx.array, offset: int = 0):
         """A chunk (B, H, n, D) -> backbone (codes, scales, biases), factors (A, B) or None,
