@@ -215,3 +215,26 @@ def test_the_model_decodes_equal_to_the_full_cache_when_the_window_covers_the_co
     lossy = KVCacheConfig(method="vecinfer", options=VecInferOptions(residual_length=16, **SMALL))
     out = run(model, make_prompt_cache(model, lossy), tokens, chunk=50, decode=8)
     assert not mx.allclose(out, ref, atol=1e-3, rtol=1e-3)
+
+
+def test_nearest_on_a_gpu_takes_large_blocks_paced_one_behind_and_a_decode_step_waits_for_nothing(monkeypatch):
+    """On a GPU the nearest-centroid search forms NEAREST_CHUNK_GPU distances a block (the
+    CPU's 128 rows a block at 4,096 centroids made vecinfer's 4k prompt 8,192 blocks of
+    launches a layer: 291 ms against 27 on the H200); blocks past one are scheduled and the
+    host waits for the block before (left lazy, every block's distances existed at once:
+    14 GB for one layer's keys). A decode step's rows are one block: no wait. The indices
+    are the CPU path's."""
+    x = mx.random.normal((3000, 4), key=mx.random.key(0))
+    c = mx.random.normal((256, 4), key=mx.random.key(1))
+    expected = vq.nearest(x, c)
+    calls = []
+    real_eval, real_async = mx.eval, mx.async_eval
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(mx, "eval", lambda *a: (calls.append("wait"), real_eval(*a))[1])
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (calls.append("schedule"), real_async(*a))[1])
+    monkeypatch.setattr(vq, "NEAREST_CHUNK_GPU", 256 * 1000)  # 1,000 rows a block: 3 blocks
+    got = vq.nearest(x, c)
+    assert calls == ["schedule", "schedule", "wait", "schedule", "wait"]
+    assert mx.array_equal(got, expected)
+    calls.clear()
+    assert mx.array_equal(vq.nearest(x[:256], c), expected[:256]) and calls == []  # one block

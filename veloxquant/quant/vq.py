@@ -11,8 +11,14 @@ A product-VQ codec cuts each head's vector (D channels) into ``D / s`` sub-vecto
   at (a seeded sample beyond). With no more points than centroids every point is a
   centroid. ``progress(done, total)`` is called after each iteration.
 - **Nearest centroid** (``nearest``): exact, ``argmin_c ||c||^2 - 2 x.c`` over blocks of
-  rows, so that no more than ``NEAREST_CHUNK`` distances exist at a time (4,096
-  centroids: 128 rows a block).
+  rows, so that no more than ``NEAREST_CHUNK`` distances exist at a time on the CPU (4,096
+  centroids: 128 rows a block, the fastest there) and ``NEAREST_CHUNK_GPU`` on a GPU, where
+  each block's three launches cost more than its arithmetic (vecinfer's 4k prompt is a
+  million key sub-vectors a layer: 8,192 blocks at the CPU's size). On a GPU, blocks
+  past the first are paced: each is scheduled, then the host waits for the one before,
+  so two blocks' distances exist at a time; left lazy, the device formed every block's
+  before reducing any (14 GB for those keys). A decode step's few rows are one block:
+  nothing waits there. ``benchmarks/notes/kernel_constants.md``.
 - **Packed indices** (``pack_indices``/``unpack_indices``): every width from 1 to 16
   bits, one little-endian bit stream per token (``affine.pack_codes``' order), padded to
   whole uint32 words per token: ``index_words(n, bits) = ceil(n * bits / 32)``. Unpacking
@@ -43,7 +49,8 @@ import mlx.core as mx
 from ..kernels.kivi_decode import token_mix
 
 MAX_BITS = 16
-NEAREST_CHUNK = 1 << 19  # distances formed at a time by ``nearest``
+NEAREST_CHUNK = 1 << 19  # distances formed at a time by ``nearest`` with the CPU as the device
+NEAREST_CHUNK_GPU = 1 << 24  # the same on a GPU (64 MiB of float32 distances a block)
 Progress = Callable[[int, int], None]
 
 
@@ -141,8 +148,15 @@ def nearest(x: mx.array, centroids: mx.array) -> mx.array:
     c = centroids.astype(mx.float32)
     ext = mx.concatenate([-2.0 * c, (c * c).sum(axis=-1, keepdims=True)], axis=1).T  # (s+1, K)
     flat = mx.concatenate([flat, mx.ones((flat.shape[0], 1), mx.float32)], axis=1)
-    rows = max(1, NEAREST_CHUNK // c.shape[0])
-    out = [mx.argmin(flat[i : i + rows] @ ext, axis=-1) for i in range(0, flat.shape[0], rows)]
+    on_cpu = mx.default_device() == mx.cpu
+    rows = max(1, (NEAREST_CHUNK if on_cpu else NEAREST_CHUNK_GPU) // c.shape[0])
+    out = []
+    for i in range(0, flat.shape[0], rows):
+        out.append(mx.argmin(flat[i : i + rows] @ ext, axis=-1))
+        if not on_cpu and flat.shape[0] > rows:  # a prompt's codes: pace the blocks (see above)
+            mx.async_eval(out[-1])
+            if len(out) > 1:
+                mx.eval(out[-2])
     idx = out[0] if len(out) == 1 else mx.concatenate(out)
     return idx.astype(mx.uint32).reshape(lead)
 
