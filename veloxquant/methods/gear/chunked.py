@@ -11,11 +11,12 @@ per (batch, head). What is kept, in the factors' dtype:
 r is the widest chunk's rank: a narrower chunk's factors are zero-padded (kept and
 counted), and a wider one widens what is kept (a copy when it arrives, never at a step).
 Never the dense L. ``LowRankTerm`` reads the factors at a decode step, over the buffers'
-room (rows past the valid ones are zeros): scores ``q Lᵀ = (q B_c) A_tᵀ`` (``q B`` for every
-chunk, gathered per token) and mixes ``p L = Σ_g (Σ_{t in g} p_t A_t) B_c(g)ᵀ`` over groups
-of tokens (chunks start at multiples of the quantization group: a prompt flushes whole
-groups, a decode chunk is n_b tokens), B gathered per group; O(T r) and O(T d r / group):
-no scatter (slow in MLX on the CPU), no dense L.
+room (rows past the valid ones are zeros), a group of tokens at a time (chunks start at
+multiples of the quantization group: a prompt flushes whole groups, a decode chunk is n_b
+tokens): scores ``q Lᵀ = (q B_c) A_tᵀ`` (``q B`` for every chunk, gathered per group, one
+product with the group's rows of A) and mixes ``p L = Σ_g (Σ_{t in g} p_t A_t) B_c(g)ᵀ``
+(one product per group, then B gathered per group); O(T r) and O(T d r / group): no
+scatter (slow in MLX on the CPU), no dense L, no table per token and rank.
 """
 
 from __future__ import annotations
@@ -85,11 +86,8 @@ class ChunkedFactors:
         if memo is None or memo[1] != stamp or any(x is not y for x, y in zip(memo[0], buffers)):
             a, b, chunk = buffers
             a, chunk = fitted_rows(a, room, 2), fitted_rows(chunk, room, 0)
-            if scores:
-                views = (a[:, :, None], b, chunk)
-            else:
-                views = (a.reshape(*a.shape[:2], 1, room // group, group, a.shape[-1]), b.swapaxes(-1, -2),
-                         chunk[::group])
+            a = a.reshape(*a.shape[:2], room // group, group, a.shape[-1])  # (B, H, groups, group, r)
+            views = (a.swapaxes(-1, -2), b, chunk[::group]) if scores else (a, b.swapaxes(-1, -2), chunk[::group])
             memo = _VIEWS[self] = (buffers, stamp, views)
         return LowRankTerm(*buffers, self.count, memo[2])
 
@@ -146,28 +144,34 @@ class LowRankTerm:
 
     def mix(self, p: mx.array) -> mx.array:
         """(B, H, R, d) float32 ``p L`` for float32 probabilities (B, H, R, count)."""
-        a = self.views[0]
-        room = a.shape[3] * a.shape[4] - p.shape[-1]
+        a = self.views[0]  # (B, H, groups, group, r)
+        room = a.shape[2] * a.shape[3] - p.shape[-1]
         p = p if not room else mx.pad(p, [(0, 0)] * 3 + [(0, room)])
         return group_mix(p, *self.views, mx.zeros((*p.shape[:3], self.views[1].shape[-1]), mx.float32))
 
 
-def token_scores(q: mx.array, a: mx.array, b: mx.array, chunk: mx.array) -> mx.array:
-    """(B, H, R, n) float32 ``q Lᵀ`` over ``n`` rows of room, for ``a`` (B, H, 1, n, r):
-    ``q B_c`` for every chunk, gathered per token (one gather), times the token's row of A."""
-    qb = (q[:, :, None] @ b.astype(mx.float32)).swapaxes(2, 3)  # (B, H, R, C, r)
-    per_token = mx.take(qb, chunk, axis=3)  # (B, H, R, n, r)
-    return (per_token * a.astype(mx.float32)).sum(axis=-1)
+def token_scores(q: mx.array, a_t: mx.array, b: mx.array, chunk_of_group: mx.array) -> mx.array:
+    """(B, H, R, n) float32 ``q Lᵀ`` over ``n`` rows of room, chunks starting at multiples of
+    a group of tokens: ``a_t`` (B, H, groups, r, group), ``b`` (B, H, C, d, r),
+    ``chunk_of_group`` (groups,). ``q B_c`` for every chunk, gathered per group (its
+    chunk's), then one product per group with the group's rows of A: O(T r) reads and no
+    (R, T, r) table (a gather of ``q B_c`` per token and a sum over r cost 430 us of a
+    layer's step at 32k on the H200, ``benchmarks/notes/decode_kernels.md``)."""
+    bs, h, groups, _, group = a_t.shape
+    qb = q[:, :, None] @ b.astype(mx.float32)  # (B, H, C, R, r)
+    s = mx.take(qb, chunk_of_group, axis=2) @ a_t.astype(mx.float32)  # (B, H, groups, R, group)
+    return s.swapaxes(2, 3).reshape(bs, h, q.shape[2], groups * group)
 
 
 def group_mix(p: mx.array, a: mx.array, b_t: mx.array, chunk_of_group: mx.array, out: mx.array) -> mx.array:
     """``out`` (B, H, R, d) plus ``p L`` (float32) for weights ``p`` (B, H, R, n) over ``n``
     rows of room, zero past the valid ones, chunks starting at multiples of a group of
-    tokens: ``a`` (B, H, 1, groups, group, r), ``b_t`` (B, H, C, r, d), ``chunk_of_group``
-    (groups,). Per group ``Σ_t p_t A_t``, then one product with B gathered per group (its
-    chunk's) and added to ``out``: O(n r + n d r / group)."""
+    tokens: ``a`` (B, H, groups, group, r), ``b_t`` (B, H, C, r, d), ``chunk_of_group``
+    (groups,). Per group ``Σ_t p_t A_t`` (one product per group), then one product with B
+    gathered per group (its chunk's) and added to ``out``: O(n r + n d r / group)."""
     bs, h, r, n = p.shape
-    _, _, _, groups, group, rank = a.shape
-    per_group = (p.reshape(bs, h, r, groups, group, 1) * a.astype(mx.float32)).sum(axis=4, keepdims=True)
+    _, _, groups, group, rank = a.shape
+    per_group = p.reshape(bs, h, r, groups, group).swapaxes(2, 3) @ a.astype(mx.float32)  # (B, H, groups, R, r)
     b_g = mx.take(b_t, chunk_of_group, axis=2).astype(mx.float32)  # (B, H, groups, r, d)
-    return mx.addmm(out, per_group.reshape(bs, h, r, groups * rank), b_g.reshape(bs, h, groups * rank, -1))
+    return mx.addmm(out, per_group.swapaxes(2, 3).reshape(bs, h, r, groups * rank),
+                    b_g.reshape(bs, h, groups * rank, -1))
