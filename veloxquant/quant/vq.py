@@ -17,8 +17,10 @@ A product-VQ codec cuts each head's vector (D channels) into ``D / s`` sub-vecto
   million key sub-vectors a layer: 8,192 blocks at the CPU's size). On a GPU, blocks
   past the first are paced: each is scheduled, then the host waits for the one before,
   so two blocks' distances exist at a time; left lazy, the device formed every block's
-  before reducing any (14 GB for those keys). A decode step's few rows are one block:
-  nothing waits there. ``benchmarks/notes/kernel_constants.md``.
+  before reducing any (14 GB for those keys). A decode step's rows are one block at every
+  method's defaults (vecinfer codes a token a step, a2ats a 128-token window against 256
+  centroids): nothing waits there; only a call past 64 MiB of distances waits, where
+  lazy blocks would hold them all. ``benchmarks/notes/kernel_constants.md``.
 - **Packed indices** (``pack_indices``/``unpack_indices``): every width from 1 to 16
   bits, one little-endian bit stream per token (``affine.pack_codes``' order), padded to
   whole uint32 words per token: ``index_words(n, bits) = ceil(n * bits / 32)``. Unpacking
