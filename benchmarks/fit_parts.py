@@ -30,7 +30,7 @@ from veloxquant_mlx.quant.outliers import tail_indices  # noqa: E402
 from veloxquant_mlx.quant.packed import GroupAffine  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompt_mass import timed  # noqa: E402  (median seconds after one warm-up call)
+from prompt_mass import print_parts  # noqa: E402  (medians after one warm-up call)
 
 
 def _split_eigh(gram: mx.array, n: int):
@@ -79,10 +79,7 @@ def main() -> None:
     }
     print(f"{mx.default_device()}, MLX {mx.__version__}, {args.tokens} tokens, {dtype}, "
           f"median of {args.repeats}\n")
-    print("| part | ms |")
-    print("|---|---:|")
-    for name, fn in parts.items():
-        print(f"| {name} | {timed(fn, args.repeats) * 1e3:.2f} |", flush=True)
+    print_parts(parts, args.repeats)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 from veloxquant_mlx.lowrank import factors  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompt_mass import timed  # noqa: E402  (median seconds after one warm-up call)
+from prompt_mass import print_parts  # noqa: E402  (medians after one warm-up call)
 
 NEWTON_SCHULZ_STEPS = 10
 
@@ -81,10 +81,7 @@ def main() -> None:
     }
     print(f"{mx.default_device()}, MLX {mx.__version__}, 8 heads x {args.tokens} tokens x 128, k = {k}, "
           f"median of {args.repeats}\n")
-    print("| part | ms |")
-    print("|---|---:|")
-    for name, fn in parts.items():
-        print(f"| {name} | {timed(fn, args.repeats) * 1e3:.2f} |", flush=True)
+    print_parts(parts, args.repeats)
     base = error(factors.leading_basis(x, k)[0])
     print(f"\nrank-{k} relative error: leading_basis {base:.6f}, "
           f"Newton-Schulz with Ritz {error(device_iteration(gram, k, True)):.6f}, "

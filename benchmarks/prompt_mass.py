@@ -36,6 +36,14 @@ def timed(fn, repeats):
     return statistics.median(ts)
 
 
+def print_parts(parts: dict, repeats: int) -> None:
+    """A "| part | ms |" table: each callable's ``timed`` median, printed as it comes."""
+    print("| part | ms |")
+    print("|---|---:|")
+    for name, fn in parts.items():
+        print(f"| {name} | {timed(fn, repeats) * 1e3:.2f} |", flush=True)
+
+
 def with_block_size(module, elements, fn):
     """``fn`` run with ``module.SCORE_ELEMENTS`` (logits a scoring block holds) set to ``elements``."""
     def run():
