@@ -13,11 +13,13 @@ A configuration of the chunked store (``quant/chunk_store.py``) with error-feedb
   dtype), with int32 token positions (keys) or uint8 channel indices (values). The card
   and the paper pick outliers by value, before quantizing, not the largest residuals.
 - **Low rank** ``A Bᵀ`` of ``R = X - D_hat`` (zero at the outliers): with ``gear_rank``
-  set, that rank (clipped to min(chunk tokens, head_dim)) by power iteration, 3 subspace
-  iterations from a seeded Gaussian (the repo's ``--loop 3``); 0 disables it. With
+  set, that rank (clipped to min(chunk tokens, head_dim)) by randomized subspace
+  iteration, 3 products from a seeded Gaussian (the repo's ``--loop 3``) on R's Gram
+  matrix and a Rayleigh-Ritz step (``error_feedback.py``); 0 disables it. With
   ``gear_rank=None`` (inferred, the card's rule): the smallest rank holding
   ``gear_energy_threshold`` of R's spectral energy, the largest over the chunk's heads,
-  capped at ``ceil(0.05 * min(chunk tokens, head_dim))``, its factors from an exact SVD.
+  capped at ``ceil(0.05 * min(chunk tokens, head_dim))``, from the same randomized fit
+  at the cap (within 2% of the exact SVD's error in tests).
   One rank for prefill and decode chunks (the repo's prefill/decode ranks 4/2 are not
   in the signature). A and B are kept in the model dtype; never the dense L.
 - **Streaming**: tokens wait in full precision. A prompt chunk is compressed at once as

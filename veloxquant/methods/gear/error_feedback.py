@@ -36,7 +36,6 @@ backbone alone, bit for bit, and its layout is the plain ``AffineLayout``.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -49,13 +48,12 @@ from .reader import ErrorFeedbackScores, backbone_room
 from .sparse import SparseTable, channel_index_dtype
 
 RANK_CAP_FRACTION = 0.05  # the card's cap on the energy rule (the paper's ranks: a few %)
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ErrorFeedback:
     base: GroupAffine
-    rank: int | None  # fixed rank (power iteration), 0 for none, None for the energy rule
+    rank: int | None  # fixed rank (leading_basis), 0 for none, None for the energy rule
     energy: float
     sparse_fraction: float
 
@@ -69,15 +67,12 @@ class ErrorFeedback:
 
     def factors(self, residual: mx.array):
         """(A, B) float32 of the chunk's residual (B, H, n, D), or None; under the energy
-        rule at exactly its rank (read on the host: tests and tools, never a decode step)."""
+        rule at exactly its rank, the cap where the cap's directions fall short (read on
+        the host: tests and tools, never a decode step)."""
         if self.rank is not None:
             return self.kept_factors(residual)
-        a, b, need, cap = self._energy_factors(residual)
-        need = int(need)
-        if need > cap:
-            logger.debug("energy %.3g needs rank %d of a %dx%d chunk: capped at %d", self.energy, need, *residual.shape[-2:], cap)
-        rank = min(need, cap)
-        return a[..., :rank], b[..., :rank]
+        a, b, need, _ = self._energy_factors(residual)
+        return a[..., :int(need)], b[..., :int(need)]
 
     def kept_factors(self, residual: mx.array):
         """(A, B) float32 as kept, or None: under the energy rule at the cap rank (a Python
