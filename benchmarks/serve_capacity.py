@@ -65,10 +65,12 @@ METHODS = {
     "pyramidkv 2048": KVCacheConfig(options=PyramidKVOptions(pyramid_budget=2048)),
 }
 # KIVI's packed batch attends through the pure-MLX path (the fused kernels take one length
-# per launch); this row batches it per sequence instead (each sequence's own attention,
-# through the fused kernel on a GPU), for the comparison in the same run.
-PER_SEQUENCE = "kivi 4-bit, per sequence"
-METHODS[PER_SEQUENCE] = METHODS["kivi 4-bit"]
+# per launch); its per-sequence row batches it per sequence instead (each sequence's own
+# attention, through the fused kernel on a GPU), for the comparison in the same run; so
+# does StreamingLLM's (packed since session 53), against its packed row.
+PER_SEQUENCE = {"kivi 4-bit, per sequence": "kivi 4-bit",
+                "streaming_llm 4+2044, per sequence": "streaming_llm 4+2044"}
+METHODS.update({row: METHODS[packed] for row, packed in PER_SEQUENCE.items()})
 
 
 _packer_for = batch_module.packer_for
@@ -176,7 +178,7 @@ def main() -> None:
     tokens = mx.random.randint(0, model.args.vocab_size, (args.prompt,), key=mx.random.key(args.prompt))
     rows = []
     for name in args.methods:
-        batch_module.packer_for = _packer_for if name != PER_SEQUENCE else (lambda cls: None)
+        batch_module.packer_for = _packer_for if name not in PER_SEQUENCE else (lambda cls: None)
         try:
             rows.append(measure(model, name, METHODS[name], tokens, budget, args.steps, args.max_seqs,
                                 args.prefill_repeats))

@@ -21,8 +21,9 @@ sequence, an ``mx.array``) for RoPE. ``merge`` on one of our classes returns a
   cache, position -1 for the eviction base, which its attention and score helpers
   already ignore). One attention call per layer for the batch; eviction decisions stay
   per sequence (each sequence's budget, its scores over its own slots, its free slot).
-  The dense cache (``FullPacked`` here), the eviction base (``evict/batch.py``) and the
-  quantized store (``quant/batch.py``) have one. Padding sits after a sequence's slots,
+  The dense cache (``FullPacked`` here), the eviction base (``evict/batch.py``),
+  StreamingLLM's sinks and ring (``methods/streaming_llm.py``) and the quantized store
+  (``quant/batch.py``) have one. Padding sits after a sequence's slots,
   so attention over a padded row adds exact zeros after the real terms; MLX's fused attention still sums a longer row in other
   blocks, so a sequence followed by padding may round differently from alone (by float
   rounding). The batch conformance tests hold packed runs to float

@@ -12,12 +12,17 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache
+from ..cache.batch import PackedLayout, grown_capacity, pad_rows, single_buffer
 from ..cache.buffers import GrowingArray
 
 
 class StreamingLLMCache(CompressedKVCache):
-    batchable = "per_sequence"  # no packed layout for its sinks + window buffers
+    batchable = True  # packed decode: StreamingPacked below
     evicts_tokens = True
+
+    @classmethod
+    def packed_layout(cls):
+        return StreamingPacked if cls is StreamingLLMCache else None
     def _init_storage(self) -> None:
         options = self.config.options
         self.n_sink, self.window = options.stream_n_sink, options.stream_window_size
@@ -129,3 +134,140 @@ class StreamingLLMCache(CompressedKVCache):
         self.offset -= n
         self.ring = self.filled
         return n
+
+
+class StreamingPacked(PackedLayout):
+    """StreamingLLM's packed decode layout: keys and values (B, H, rows, D), sequence b's
+    kept rows at 0 .. filled[b] - 1 in the order its own cache keeps them (sinks first,
+    then the window, a ring once full), the rows after them padding (masked by row). A
+    decode step writes each sequence's row where its cache alone would (its next row, or
+    its ring's), one write for the batch; attention is one call over the batch's rows."""
+
+    @staticmethod
+    def can_pack(single) -> bool:
+        return single.keys.buffer is not None
+
+    @classmethod
+    def pack(cls, singles) -> "StreamingPacked":
+        self = cls.__new__(cls)
+        self.shells = singles
+        self.n_sink, self.window = singles[0].n_sink, singles[0].window
+        self.step = singles[0].keys.step  # the singles' growth, for their capacities alone
+        self.filled = [s.filled for s in singles]
+        self.rings = [s.ring for s in singles]
+        self.capacities = [s.keys.capacity for s in singles]
+        self.offsets = [s.offset for s in singles]
+        room = max(self.capacities)
+        self.keys = mx.concatenate([pad_rows(s.keys.view(), room) for s in singles])
+        self.values = mx.concatenate([pad_rows(s.values.view(), room) for s in singles])
+        for s in singles:  # the shells keep their config, context and layer; not their rows
+            s.keys = GrowingArray(limit=s.capacity, geometric=True)
+            s.values = GrowingArray(limit=s.capacity, geometric=True)
+        self._sync()
+        return self
+
+    def _sync(self) -> None:
+        self.offset_array = mx.array(self.offsets, mx.int32)
+        self.filled_array = mx.array(self.filled, mx.int32)
+        self.padded = len(set(self.filled)) > 1
+
+    def _advance(self, b: int) -> int:
+        """The row sequence b's next token goes to (``StreamingLLMCache._decode_step``'s),
+        its counters moved on, its buffer's room as it would have grown alone."""
+        capacity = self.n_sink + self.window
+        if self.filled[b] < capacity:
+            row = self.filled[b]
+            self.capacities[b] = grown_capacity(self.capacities[b], row, 1, self.step, capacity, geometric=True)
+            self.filled[b] += 1
+            self.rings[b] = self.n_sink if self.filled[b] == capacity else self.filled[b]
+        else:
+            row = self.rings[b]
+            self.rings[b] = self.n_sink + (row - self.n_sink + 1) % self.window
+        return row
+
+    def update_and_fetch(self, keys, values):
+        shape = self.shells[0].kv_shape
+        if (keys.shape[1], keys.shape[3], values.shape[3]) != (shape[1], shape[2], shape[3]):
+            self.shells[0]._check_shape(keys[:1], values[:1])
+        rows = [self._advance(b) for b in range(len(self.shells))]
+        if max(rows) >= self.keys.shape[2]:  # a sequence not yet full outgrows the batch's room
+            room = max(self.capacities)
+            self.keys, self.values = pad_rows(self.keys, room), pad_rows(self.values, room)
+        if len(set(rows)) == 1:  # the same row in every sequence (the same lengths): in place
+            row = rows[0]
+            self.keys[:, :, row : row + 1] = keys
+            self.values[:, :, row : row + 1] = values
+        else:
+            index = mx.array(rows, mx.int32).reshape(-1, 1, 1, 1)
+            index = mx.broadcast_to(index, (*keys.shape[:3], 1))
+            self.keys = mx.put_along_axis(self.keys, index, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, index, values, axis=2)
+        self.offsets = [o + 1 for o in self.offsets]
+        self.offset_array = self.offset_array + 1
+        self._sync_filled()
+        n = max(self.filled)
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+    def _sync_filled(self) -> None:
+        padded = len(set(self.filled)) > 1
+        if padded or self.padded:
+            self.filled_array = mx.array(self.filled, mx.int32)
+        self.padded = padded
+
+    def _visible(self, rows: int) -> mx.array | None:
+        if not self.padded:
+            return None
+        return (mx.arange(rows)[None] < self.filled_array[:, None])[:, None, None, :]
+
+    def attend(self, queries, keys, values, *, scale, sinks=None):
+        mask = self._visible(keys.shape[2])
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+    def make_mask(self, N, return_array):
+        if N != 1:
+            raise ValueError("a packed StreamingLLM batch takes decode steps only (prompt chunks run per sequence)")
+        if not (return_array or self.padded):
+            return None
+        after = [min(f + 1, self.n_sink + self.window) for f in self.filled]  # rows held after the step
+        visible = mx.arange(max(after))[None] < mx.array(after, mx.int32)[:, None]
+        return visible[:, None, None, :]
+
+    def filter(self, keep: list[int]) -> None:
+        index = mx.array(keep, mx.int32)
+        self.shells = [self.shells[i] for i in keep]
+        for name in ("filled", "rings", "capacities", "offsets"):
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        self.keys, self.values = self.keys[index], self.values[index]
+        self._sync()
+
+    def extend(self, other: "StreamingPacked") -> None:
+        rows = max(self.keys.shape[2], other.keys.shape[2])
+        self.keys = mx.concatenate([pad_rows(self.keys, rows), pad_rows(other.keys, rows)])
+        self.values = mx.concatenate([pad_rows(self.values, rows), pad_rows(other.values, rows)])
+        self.shells += other.shells
+        for name in ("filled", "rings", "capacities", "offsets"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self._sync()
+
+    def _single(self, b: int, shell):
+        n, cap, limit = self.filled[b], self.capacities[b], self.n_sink + self.window
+        shell.keys = single_buffer(self.keys[b : b + 1, :, :n], cap, self.step, limit, geometric=True)
+        shell.values = single_buffer(self.values[b : b + 1, :, :n], cap, self.step, limit, geometric=True)
+        shell.ring, shell.offset = self.rings[b], self.offsets[b]
+        return shell
+
+    def is_trimmable(self) -> bool:
+        return self.offsets == self.filled  # nothing evicted yet, in any sequence
+
+    def size(self) -> int:
+        return max(self.filled)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes + self.offset_array.nbytes + self.filled_array.nbytes
+
+    @property
+    def state(self):
+        return [self.keys, self.values]
+
+    __deepcopy__ = CompressedKVCache.__deepcopy__
