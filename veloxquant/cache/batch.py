@@ -517,5 +517,19 @@ class PackedLayout:
         return [self._single(i, s) for i, s in enumerate(self.shells)]
 
 
-__all__ = ["BatchCache", "PACKED", "PackedLayout", "PER_SEQUENCE", "batch_mode", "batchable_methods",
+class RowsByLength:
+    """``attend`` of a dense packed layout whose sequence b holds rows 0 .. length_array[b]
+    - 1 (``padded``: the lengths differ, the rows after a sequence's own masked)."""
+
+    def _visible(self, rows: int) -> mx.array | None:
+        if not self.padded:
+            return None
+        return (mx.arange(rows)[None] < self.length_array[:, None])[:, None, None, :]
+
+    def attend(self, queries, keys, values, *, scale, sinks=None):
+        mask = self._visible(keys.shape[2])
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
+__all__ = ["BatchCache", "PACKED", "PackedLayout", "PER_SEQUENCE", "RowsByLength", "batch_mode", "batchable_methods",
            "merge", "refusal", "why_not_batchable"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache, causal_mask
-from ..cache.batch import PackedLayout, grown_capacity, pad_rows, single_buffer
+from ..cache.batch import PackedLayout, RowsByLength, grown_capacity, pad_rows, single_buffer
 from ..cache.buffers import GrowingArray
 
 
@@ -53,7 +53,7 @@ class FullCache(CompressedKVCache):
         return n
 
 
-class FullPacked(PackedLayout):
+class FullPacked(RowsByLength, PackedLayout):
     """The dense cache's packed decode layout: keys and values (B, H, rows, D), sequence
     b's tokens in rows 0 .. lengths[b] - 1, the rows after them padding (masked by row)."""
 
@@ -106,15 +106,6 @@ class FullPacked(PackedLayout):
         self.offset_array = self.offset_array + 1
         self.length_array = self.length_array + 1
         return self.keys.view(), self.values.view()
-
-    def _visible(self, rows: int) -> mx.array | None:
-        if not self.padded:
-            return None
-        return (mx.arange(rows)[None] < self.length_array[:, None])[:, None, None, :]
-
-    def attend(self, queries, keys, values, *, scale, sinks=None):
-        mask = self._visible(keys.shape[2])
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def make_mask(self, N, return_array):
         if N == 1 and not (return_array or self.padded):

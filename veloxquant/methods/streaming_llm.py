@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache
-from ..cache.batch import PackedLayout, grown_capacity, pad_rows, single_buffer
+from ..cache.batch import PackedLayout, RowsByLength, grown_capacity, pad_rows, single_buffer
 from ..cache.buffers import GrowingArray
 
 
@@ -136,7 +136,7 @@ class StreamingLLMCache(CompressedKVCache):
         return n
 
 
-class StreamingPacked(PackedLayout):
+class StreamingPacked(RowsByLength, PackedLayout):
     """StreamingLLM's packed decode layout: keys and values (B, H, rows, D), sequence b's
     kept rows at 0 .. filled[b] - 1 in the order its own cache keeps them (sinks first,
     then the window, a ring once full), the rows after them padding (masked by row). A
@@ -168,7 +168,7 @@ class StreamingPacked(PackedLayout):
 
     def _sync(self) -> None:
         self.offset_array = mx.array(self.offsets, mx.int32)
-        self.filled_array = mx.array(self.filled, mx.int32)
+        self.length_array = mx.array(self.filled, mx.int32)
         self.padded = len(set(self.filled)) > 1
 
     def _advance(self, b: int) -> int:
@@ -211,17 +211,8 @@ class StreamingPacked(PackedLayout):
     def _sync_filled(self) -> None:
         padded = len(set(self.filled)) > 1
         if padded or self.padded:
-            self.filled_array = mx.array(self.filled, mx.int32)
+            self.length_array = mx.array(self.filled, mx.int32)
         self.padded = padded
-
-    def _visible(self, rows: int) -> mx.array | None:
-        if not self.padded:
-            return None
-        return (mx.arange(rows)[None] < self.filled_array[:, None])[:, None, None, :]
-
-    def attend(self, queries, keys, values, *, scale, sinks=None):
-        mask = self._visible(keys.shape[2])
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def make_mask(self, N, return_array):
         if N != 1:
@@ -264,7 +255,7 @@ class StreamingPacked(PackedLayout):
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + self.offset_array.nbytes + self.filled_array.nbytes
+        return self.keys.nbytes + self.values.nbytes + self.offset_array.nbytes + self.length_array.nbytes
 
     @property
     def state(self):
