@@ -517,6 +517,15 @@ class PackedLayout:
         return [self._single(i, s) for i, s in enumerate(self.shells)]
 
 
+def check_step_rows(cache, keys, values) -> None:
+    """A packed decode step's rows against ``cache``'s recorded shape (one of the batch's
+    caches): its own ``_check_shape`` (the error naming what differs) only when the heads
+    or the head dims differ, so a step pays a tuple comparison."""
+    shape = cache.kv_shape
+    if (keys.shape[1], keys.shape[3], values.shape[3]) != (shape[1], shape[2], shape[3]):
+        cache._check_shape(keys[:1], values[:1])
+
+
 class RowsByLength:
     """``attend`` of a dense packed layout whose sequence b holds rows 0 .. length_array[b]
     - 1 (``padded``: the lengths differ, the rows after a sequence's own masked)."""
@@ -531,5 +540,5 @@ class RowsByLength:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-__all__ = ["BatchCache", "PACKED", "PackedLayout", "PER_SEQUENCE", "RowsByLength", "batch_mode", "batchable_methods",
+__all__ = ["BatchCache", "PACKED", "PackedLayout", "PER_SEQUENCE", "RowsByLength", "check_step_rows", "batch_mode", "batchable_methods",
            "merge", "refusal", "why_not_batchable"]

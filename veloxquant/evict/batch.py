@@ -35,7 +35,7 @@ from functools import cached_property
 import mlx.core as mx
 
 from ..cache.base import CacheStateError, CompressedKVCache
-from ..cache.batch import PackedLayout, grown_capacity, pad_rows, single_buffer
+from ..cache.batch import PackedLayout, check_step_rows, grown_capacity, pad_rows, single_buffer
 from .attention import attention_weights
 from .base import ScoredEvictionCache, ScoreInputs
 from .layer_budgets import LayerBudgets
@@ -153,9 +153,7 @@ class EvictionPacked(PackedLayout):
     def update_and_fetch(self, keys, values):
         w, store = self.worker, self.store
         b, h = keys.shape[:2]
-        shape = w.kv_shape
-        if (h, keys.shape[3], values.shape[3]) != (shape[1], shape[2], shape[3]):
-            w._check_shape(keys[:1], values[:1])
+        check_step_rows(w, keys, values)
         every = w.schedule.decode_every
         if every:  # each sequence's own store stops growing at its budget plus the steps between scorings
             self.limits = [s.budget + every for s in self.shells]

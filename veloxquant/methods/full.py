@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache, causal_mask
-from ..cache.batch import PackedLayout, RowsByLength, grown_capacity, pad_rows, single_buffer
+from ..cache.batch import PackedLayout, RowsByLength, check_step_rows, grown_capacity, pad_rows, single_buffer
 from ..cache.buffers import GrowingArray
 
 
@@ -85,9 +85,7 @@ class FullPacked(RowsByLength, PackedLayout):
         self.padded = len(set(self.lengths)) > 1
 
     def update_and_fetch(self, keys, values):
-        shape = self.shells[0].kv_shape
-        if (keys.shape[1], keys.shape[3], values.shape[3]) != (shape[1], shape[2], shape[3]):
-            self.shells[0]._check_shape(keys[:1], values[:1])
+        check_step_rows(self.shells[0], keys, values)
         if not self.padded:  # every sequence ends at the last row: plain appends
             self.keys.append(keys)
             self.values.append(values)

@@ -12,8 +12,19 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache
-from ..cache.batch import PackedLayout, RowsByLength, grown_capacity, pad_rows, single_buffer
+from ..cache.batch import PackedLayout, RowsByLength, check_step_rows, grown_capacity, pad_rows, single_buffer
 from ..cache.buffers import GrowingArray
+
+
+def next_row(filled: int, ring: int, n_sink: int, window: int) -> tuple[int, int, int]:
+    """(the row a decode token takes, rows filled after it, the ring after it): rows are
+    appended until sinks and window are full, then the window's rows are overwritten in
+    turn (the ring: the next one to overwrite)."""
+    capacity = n_sink + window
+    if filled < capacity:
+        filled += 1
+        return filled - 1, filled, n_sink if filled == capacity else filled
+    return ring, filled, n_sink + (ring - n_sink + 1) % window
 
 
 class StreamingLLMCache(CompressedKVCache):
@@ -80,13 +91,11 @@ class StreamingLLMCache(CompressedKVCache):
         return self._prefill_chunk(keys, values)
 
     def _decode_step(self, keys, values):
-        if self.filled < self.capacity:
+        row, _, self.ring = next_row(self.filled, self.ring, self.n_sink, self.window)
+        if row == self.filled:
             self.keys.append(keys)
             self.values.append(values)
-            self.ring = self.n_sink if self.filled == self.capacity else self.filled
         else:
-            row = self.ring
-            self.ring = self.n_sink + (row - self.n_sink + 1) % self.window
             self.keys.buffer[:, :, row : row + 1] = keys
             self.values.buffer[:, :, row : row + 1] = values
         # Attention at a single-token step needs no order, so the ring is returned as is.
@@ -174,21 +183,15 @@ class StreamingPacked(RowsByLength, PackedLayout):
     def _advance(self, b: int) -> int:
         """The row sequence b's next token goes to (``StreamingLLMCache._decode_step``'s),
         its counters moved on, its buffer's room as it would have grown alone."""
-        capacity = self.n_sink + self.window
-        if self.filled[b] < capacity:
-            row = self.filled[b]
-            self.capacities[b] = grown_capacity(self.capacities[b], row, 1, self.step, capacity, geometric=True)
-            self.filled[b] += 1
-            self.rings[b] = self.n_sink if self.filled[b] == capacity else self.filled[b]
-        else:
-            row = self.rings[b]
-            self.rings[b] = self.n_sink + (row - self.n_sink + 1) % self.window
+        row, filled, self.rings[b] = next_row(self.filled[b], self.rings[b], self.n_sink, self.window)
+        if filled > self.filled[b]:  # appended: the room its own buffer would have grown to
+            self.capacities[b] = grown_capacity(self.capacities[b], row, 1, self.step,
+                                                self.n_sink + self.window, geometric=True)
+        self.filled[b] = filled
         return row
 
     def update_and_fetch(self, keys, values):
-        shape = self.shells[0].kv_shape
-        if (keys.shape[1], keys.shape[3], values.shape[3]) != (shape[1], shape[2], shape[3]):
-            self.shells[0]._check_shape(keys[:1], values[:1])
+        check_step_rows(self.shells[0], keys, values)
         rows = [self._advance(b) for b in range(len(self.shells))]
         if max(rows) >= self.keys.shape[2]:  # a sequence not yet full outgrows the batch's room
             room = max(self.capacities)

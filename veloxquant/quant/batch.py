@@ -37,7 +37,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache, causal_mask
-from ..cache.batch import PackedLayout, grown_capacity
+from ..cache.batch import PackedLayout, check_step_rows, grown_capacity
 from ..kernels import kivi_decode as kd
 from .packed import GroupAffine
 from .store import QuantizedKVStore
@@ -183,9 +183,7 @@ class QuantizedPacked(PackedLayout):
 
     # -- a decode step ---------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
-        shape = self.shells[0].kv_shape
-        if (keys.shape[1], keys.shape[3], values.shape[3]) != (shape[1], shape[2], shape[3]):
-            self.shells[0]._check_shape(keys[:1], values[:1])
+        check_step_rows(self.shells[0], keys, values)
         self._pending = (keys, values)
         self.offsets = [o + 1 for o in self.offsets]
         self.offset_array = self.offset_array + 1
