@@ -64,10 +64,9 @@ METHODS = {
     # the same mean budget as the two rows above (its default, 512, is not comparable)
     "pyramidkv 2048": KVCacheConfig(options=PyramidKVOptions(pyramid_budget=2048)),
 }
-# KIVI's packed batch attends through the pure-MLX path (the fused kernels take one length
-# per launch); its per-sequence row batches it per sequence instead (each sequence's own
-# attention, through the fused kernel on a GPU), for the comparison in the same run; so
-# does StreamingLLM's (packed since session 53), against its packed row.
+# KIVI's packed batch attends in one launch of the fused kernel on CUDA; its per-sequence
+# row batches it per sequence instead (each sequence's own attention and launch), for the
+# comparison in the same run; so does StreamingLLM's, against its packed row.
 PER_SEQUENCE = {"kivi 4-bit, per sequence": "kivi 4-bit",
                 "streaming_llm 4+2044, per sequence": "streaming_llm 4+2044"}
 METHODS.update({row: METHODS[packed] for row, packed in PER_SEQUENCE.items()})
@@ -77,8 +76,14 @@ _packer_for = batch_module.packer_for
 
 
 def batched(cache: list, n: int) -> list:
-    """``n`` copies of one sequence's caches as one batch, merged as BatchGenerator does."""
-    return [c.merge([c] * n) for c in cache]
+    """``n`` copies of one sequence's caches as one batch, merged as BatchGenerator does. Ours
+    are copied first as whole sequences (``copy_single``: each copy's layers share a context
+    of their own), as distinct requests would be: merged ``n`` times, one sequence's layers
+    would share one copied context, and a per-sequence batch would hold one cache n times."""
+    if not hasattr(cache[0], "config"):  # mlx-lm's own caches
+        return [c.merge([c] * n) for c in cache]
+    seqs = [[batch_module.copy_single(c, "merge") for c in cache] for _ in range(n)]
+    return [c.merge([s[i] for s in seqs]) for i, c in enumerate(cache)]
 
 
 def overlapped(model, cache, y, steps):
@@ -126,19 +131,22 @@ def measure(model, name, config, tokens, budget, steps, max_seqs, repeats):
 
 
 def table(rows, budget) -> list[str]:
-    base = next((r for r in rows if r["cache"] == BASELINE and "error" not in r), None)
+    """Ratios against mlx-lm's fp16 batch cache ("vs fp16") and against ours, ``full`` (its
+    batches packed: one fused attention a layer where mlx-lm's masked one reads slowly)."""
+    base, full = (next((r for r in rows if r["cache"] == name and "error" not in r), None)
+                  for name in (BASELINE, "full"))
     out = ["| cache | KV MB a sequence | sequences held | vs fp16 | batch KV MB (of budget) "
-           "| decode tok/s (all) | vs fp16 | step ms | TTFT s (alone) | TTFT s, last of N |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| decode tok/s (all) | vs fp16 | vs full | step ms | TTFT s (alone) | TTFT s, last of N |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['cache']} | failed: {r['error']} |||||||||")
+            out.append(f"| {r['cache']} | failed: {r['error']} ||||||||||")
             continue
-        vs = (lambda k: f"{r[k] / base[k]:.2f}x" if base and base[k] else "-")
+        vs = (lambda k, b=base: f"{r[k] / b[k]:.2f}x" if b and b[k] else "-")
         out.append(
             f"| {r['cache']} | {r['bytes_per_seq'] / 1e6:.1f} | {r['held']} | {vs('held')} "
             f"| {r['batch_bytes'] / 1e6:.1f} ({r['batch_bytes'] / budget:.0%}) | {r['tok_s']:.1f} | {vs('tok_s')} "
-            f"| {r.get('step_s', 0) * 1e3:.1f} | {r['ttft_s']:.2f} | {r['ttft_s'] * r['held']:.1f} |")
+            f"| {vs('tok_s', full)} | {r.get('step_s', 0) * 1e3:.1f} | {r['ttft_s']:.2f} | {r['ttft_s'] * r['held']:.1f} |")
     return out
 
 

@@ -756,3 +756,46 @@ def test_cuda_source_emulated_on_cpu(tmp_path, monkeypatch, algo, R, bits, G, n_
     # kept by the codes at the top of their byte (KEEP 1): ~2^-22 too
     tol = {"simt": 1e-5, "folded": 1e-4, "frag": 1e-4}[algo]
     assert _rel(out, _f32(ref)) < tol
+
+
+@pytest.mark.parametrize("R,bits,G,target,rows", [
+    # CHECK_ROWS: tiles and tails of different lengths, a sequence without tiles, rings that
+    # wrap; target 4: the tail chunks in the tile blocks (TAIL_FIRST), 64: blocks of their own
+    (4, 4, 64, 4, kd.CHECK_ROWS),
+    (4, 4, 64, 64, kd.CHECK_ROWS),
+    # GQA 8 (two value products), 2-bit tiles spanning groups; equal rows (a batch of copies)
+    pytest.param(8, 2, 32, 6, ((256, 40, 288, 8, 0), (256, 40, 288, 8, 0)),
+                 marks=pytest.mark.slow),
+    pytest.param(3, 8, 128, 4, ((128, 3, 130, 1, 5), (384, 20, 400, 4, 2)), marks=pytest.mark.slow),
+])
+def test_frag_rows_source_emulated_on_cpu(tmp_path, R, bits, G, target, rows):
+    """A packed batch in one launch (ROWS): each sequence's output equals it attended alone
+    (the rows reference), whatever lies past its counts."""
+    skip_without_emulation()
+    q, bufs = kd.rows_case(128, R, bits, G, mx.float16, rows=rows)
+    kw = _kw(128, bits, G)
+    ns, params, template = kd._frag_rows_launch_args(
+        q.dtype, 128, R, bits, G, bufs[0].shape[3], rows, bufs[0].shape[1], kw["scale"], target)
+    kc, ks, kb, kr, vc, vs, vb, vr = bufs
+    args = (q, kc, ks, kb, 0, kr, 0, vc, vs, vb, 0, vr, 0)
+    out = emulate_cuda(args, kd.CUDA_FRAG_SOURCE, ns, kd.FRAG_NT, params, template, str(tmp_path))
+    assert np.isfinite(out).all(), "emulated kernel left outputs unwritten"
+    ref = kd.kivi_decode_attention_rows_reference(q.astype(mx.float32), *bufs, rows, **kw)
+    # as the single-sequence frag cases: float16 pairs for q*s and p*s, ~2^-22 each
+    for b in range(len(rows)):
+        assert _rel(out[b], _f32(ref[b])) < 1e-4, f"sequence {b} {rows[b]}"
+
+
+def test_frag_rows_plan_is_the_widest_sequences():
+    """The rows launch plans the split for the most tiles and tail chunks of any sequence, and
+    gives each sequence its own counts, first tail token and ring start."""
+    rows = ((256, 5, 257, 4, 3), (512, 37, 540, 9, 7), (0, 13, 0, 13, 11))
+    ns, params, template = kd._frag_rows_launch_args(mx.float16, 128, 4, 4, 64, 64, rows, 2,
+                                                     0.125, 4)
+    tt = kd._frag_tile(4)
+    # the widest: 512 // 32 = 16 tiles; tails (5 + 1) / 16 -> 1, (37 + 0) -> 3, 13 -> 1
+    t_fast, ns_tail, ns_single, tps, tail0 = kd._frag_plan(512, 540, 549, 6, 4, 4)
+    assert (ns, list(np.array(params[5:9]))) == (ns_single, [tps, t_fast, ns_tail, tail0])
+    assert list(np.array(params[kd.ROW_PARAMS0:])) == [
+        256, 5, 257, 4, 256 // tt * tt, 3, 512, 37, 540, 9, 512, 7, 0, 13, 0, 13, 0, 11]
+    assert dict(template)["ROWS"] is True

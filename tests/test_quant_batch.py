@@ -65,3 +65,30 @@ def test_a_packed_kivi_decode_step_reads_nothing_on_the_host():
             out = model(y, cache=merged)
             mx.async_eval(out)
     assert not reads, [str(r) for r in reads]
+
+
+def test_a_packed_kivi_batch_hands_each_sequence_its_counts_to_the_packed_launch(monkeypatch):
+    """Where the fused kernel reads a packed batch (CUDA, float16), the layout hands it each
+    sequence's counts and ring start (``kivi_decode_attention_rows``). Here the launch is its
+    reference, each sequence read alone from the packed buffers: the tokens must be those of
+    each sequence run alone, and every packed step's attention that one call."""
+    model, make = batching.rowwise_setup("kivi", {"kv_bits": 4, "residual_window": 32})
+    prompts = _prompts()
+    alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, MAX_TOKENS)]
+    launches = []
+
+    def rows_launch(queries, *buffers_and_rows, **kw):
+        launches.append(buffers_and_rows[-1])
+        return kd.kivi_decode_attention_rows_reference(queries, *buffers_and_rows, **kw)
+
+    monkeypatch.setattr(kd, "rows_kernel_applies", lambda *a, **k: True)
+    monkeypatch.setattr(kd, "kivi_decode_attention_rows", rows_launch)
+    monkeypatch.setattr(kd, "affine_key_scores", lambda *a: pytest.fail("the pure-MLX read ran"))
+    got = batching.run_batched(model, prompts, MAX_TOKENS, join_at=5)
+    # rings that have turned, sequences at different counts in one launch
+    assert any(len(rows) == 3 and len({r[0] for r in rows}) > 1 for rows in launches)
+    assert any(r[4] for rows in launches for r in rows)
+    for (tokens, logprobs, _), (a_tokens, a_logprobs, _) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())

@@ -45,14 +45,15 @@ copied context whose ``layers`` are those copies (see "copies" below).
 
 The quantized stores (``quant/store.py`` and the stores built on it) batch per sequence,
 except the plain ``QuantizedKVStore`` of a class that keeps ``QuantizedCache``'s decode
-steps (KIVI), which has a packed layout (``quant/batch.py``: per-sequence lengths and
-masks in the pure-MLX attention, flushes at each sequence's own steps). The other stores
+steps (KIVI), which has a packed layout (``quant/batch.py``: one launch of the fused frag
+kernel with each sequence's counts on CUDA in float16, else per-sequence lengths and masks
+in the pure-MLX attention; flushes at each sequence's own steps). The other stores
 attend over parts (sinks, segments, codebook codes, low-rank factors) whose boundaries
 move at each sequence's own steps; a packed layout for them would need per-sequence masks
 inside every part (the ``PackedScores`` codecs') and flushes for a subset of rows; per
 sequence, each store's decode runs unchanged (bit-identical to alone) and the model's
-projections and MLPs still run batched. The fused decode kernels take one length per
-launch, so packed quantized batches attend through the pure-MLX path.
+projections and MLPs still run batched. Where a fused kernel reads one KIVI sequence but
+none reads a packed batch (the other GPU shapes), KIVI batches per sequence.
 """
 
 from __future__ import annotations

@@ -65,7 +65,13 @@ import mlx.core as mx
 
 from .kivi_decode_cuda_src import CUDA_COMBINE_SOURCE, CUDA_HEADER, CUDA_SOURCE
 from .kivi_decode_cuda_folded_src import CUDA_FOLDED_HEADER, CUDA_FOLDED_SOURCE
-from .kivi_decode_cuda_frag_src import CUDA_FRAG_HEADER, CUDA_FRAG_SOURCE, cuda_frag_bounds
+from .kivi_decode_cuda_frag_src import (
+    CUDA_FRAG_HEADER,
+    CUDA_FRAG_SOURCE,
+    ROW_PARAMS,
+    ROW_PARAMS0,
+    cuda_frag_bounds,
+)
 from .kivi_decode_metal_src import METAL_COMBINE_SOURCE, METAL_HEADER, METAL_SOURCE
 
 __all__ = [
@@ -77,6 +83,8 @@ __all__ = [
     "kivi_decode_attention_qmm",
     "kivi_decode_attention_cuda",
     "kivi_decode_attention_metal",
+    "kivi_decode_attention_rows",
+    "kivi_decode_attention_rows_reference",
     "kernel_supports",
     "default_algo",
 ]
@@ -446,15 +454,20 @@ def _frag_plan(n_kq, n_vq, T, BH, bits, target_blocks):
     tt = _frag_tile(bits)
     t_fast = min(n_kq, n_vq) // tt * tt
     ns_tail = -(-(T - t_fast) // FRAG_TAIL)
-    n_tiles = t_fast // tt
+    return (t_fast, ns_tail, *_frag_split(t_fast // tt, ns_tail, BH, target_blocks))
+
+
+def _frag_split(n_tiles, ns_tail, BH, target_blocks):
+    """(blocks per kv head, tiles per block, first block with tail chunks) for ``n_tiles``
+    tiles and ``ns_tail`` tail chunks a kv head (:func:`_frag_plan`)."""
     if n_tiles == 0:
-        return t_fast, ns_tail, max(ns_tail, 1), 1, 0
+        return max(ns_tail, 1), 1, 0
     ns = max(1, min(n_tiles, target_blocks // BH))
     tps = -(-n_tiles // ns)
     ns = -(-n_tiles // tps)
     if (ns + ns_tail) * BH <= target_blocks:
-        return t_fast, ns_tail, ns + ns_tail, tps, ns
-    return t_fast, ns_tail, ns, tps, 0
+        return ns + ns_tail, tps, ns
+    return ns, tps, 0
 
 
 def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n_kres, n_vq,
@@ -471,8 +484,30 @@ def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n
     params = _params(n_kq, n_kres, n_vq, n_vres, scale, tps, t_fast, ns_tail, tail0)
     template = [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
                 ("GQA", gqa), ("NT", FRAG_NT), ("KVEC", 4 if key_words % 4 == 0 else 1),
-                ("KEEP", int(keep)), ("TAIL_FIRST", bool(tail_first))]
+                ("KEEP", int(keep)), ("TAIL_FIRST", bool(tail_first)), ("ROWS", False)]
     return ns, params, template, tail0, ns_tail
+
+
+def _frag_rows_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, rows, H, scale,
+                           target_blocks):
+    """The frag kernel's launch over a packed batch (template ROWS): (blocks per kv head,
+    params, template). ``rows[b]``: sequence b's (n_kq, n_kres, n_vq, n_vres, v_ring). The
+    split is planned for the most tiles and the most tail chunks of any sequence; each
+    sequence's counts, first tail token and ring start follow in ``params``."""
+    tt = _frag_tile(bits)
+    fast = [min(kq, vq) // tt * tt for kq, _, vq, _, _ in rows]
+    n_tiles = max(fast) // tt
+    ns_tail = max(-(-(kq + kr - f) // FRAG_TAIL) for (kq, kr, _, _, _), f in zip(rows, fast))
+    ns, tps, tail0 = _frag_split(n_tiles, ns_tail, len(rows) * H, target_blocks)
+    keep = FRAG_KEEP_OFFSET if tps <= FRAG_KEEP_MAX_TILES else 0
+    per_row = [n for row, f in zip(rows, fast) for n in (*row[:4], f, row[4])]
+    widest = [max(row[i] for row in rows) for i in range(4)]
+    params = _params(*widest, scale, tps, max(fast), ns_tail, tail0, *per_row)
+    assert params.size == ROW_PARAMS0 + ROW_PARAMS * len(rows)
+    template = [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
+                ("GQA", gqa), ("NT", FRAG_NT), ("KVEC", 4 if key_words % 4 == 0 else 1),
+                ("KEEP", int(keep)), ("TAIL_FIRST", tail0 == 0 and n_tiles > 0), ("ROWS", True)]
+    return ns, params, template
 
 
 def _chunk_launch_args(algo, dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n_kres,
@@ -765,6 +800,159 @@ def kivi_decode_attention(queries, k_codes, k_scales, k_biases, n_kq, k_res, n_k
     if _pure_path() == "qmm":
         return kivi_decode_attention_qmm(*args, **kw)
     return kivi_decode_attention_reference(*args, **kw)
+
+
+# ---------------------------------------------------------------------------------
+# a packed batch: one launch, counts per sequence
+# ---------------------------------------------------------------------------------
+
+
+def rows_kernel_applies(head_dim: int, bits: int, group_size: int, dtype,
+                        gqa: int = _MAX_GQA) -> bool:
+    """Whether :func:`kivi_decode_attention_rows` launches a kernel for this shape here (the
+    frag kernel's shapes, on CUDA; its self-check is asked at the first launch). ``gqa``
+    defaults to the widest a kernel takes: the check then holds for every narrower one."""
+    return (gpu_backend() == "cuda" and dtype == mx.float16 and bits in FRAG_DEFAULT_BITS
+            and kernel_supports(head_dim, gqa, bits, group_size, dtype, algo="frag"))
+
+
+def _unrolled_ring(v_res, b, n_vres, ring):
+    """Sequence b's value window in token order: ``n_vres`` rows of its ring from ``ring``."""
+    if not n_vres:
+        return None
+    return v_res[b:b + 1][:, :, (ring + mx.arange(n_vres)) % v_res.shape[2]]
+
+
+def kivi_decode_attention_rows_reference(queries, k_codes, k_scales, k_biases, k_res, v_codes,
+                                         v_scales, v_biases, v_res, rows, *, scale, bits,
+                                         group_size):
+    """The function of record for a packed batch (:func:`kivi_decode_attention_rows`):
+    each sequence through :func:`kivi_decode_attention_reference` on its own rows."""
+    return mx.concatenate([
+        kivi_decode_attention_reference(
+            queries[b:b + 1], k_codes[b:b + 1], k_scales[b:b + 1], k_biases[b:b + 1], n_kq,
+            k_res[b:b + 1], n_kres, v_codes[b:b + 1], v_scales[b:b + 1], v_biases[b:b + 1],
+            n_vq, _unrolled_ring(v_res, b, n_vres, ring), n_vres, scale=scale, bits=bits,
+            group_size=group_size)
+        for b, (n_kq, n_kres, n_vq, n_vres, ring) in enumerate(rows)])
+
+
+def _rows_launch(queries, buffers, rows, *, scale, bits, group_size):
+    """The frag kernel's launch over a packed batch, then the merge."""
+    kc, ks, kb, kr, vc, vs, vb, vr = buffers
+    B, Hq, _, D = queries.shape
+    H = kc.shape[1]
+    key = ("cuda", "frag", frag_launch_bounds(B * H))
+    widest = max(kq + kr_ for kq, kr_, _, _, _ in rows)
+    ns, params, template = _frag_rows_launch_args(
+        queries.dtype, D, Hq // H, bits, group_size, kc.shape[3], rows, H, scale,
+        frag_target_blocks(B * H, widest, bits))
+    o_part, ml_part = _get_kernels(*key)[0](
+        inputs=[queries, kc, ks, kb, kr, vc, vs, vb, vr, params], template=template,
+        grid=(ns * FRAG_NT, B * H, 1), threadgroup=(FRAG_NT, 1, 1),
+        output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
+        output_dtypes=[mx.float32, mx.float32], init_value=None)
+    return merge_partials("cuda", o_part, ml_part, queries.shape, queries.dtype)
+
+
+def kivi_decode_attention_rows(queries, k_codes, k_scales, k_biases, k_res, v_codes, v_scales,
+                               v_biases, v_res, rows, *, scale, bits, group_size):
+    """Decode attention over a packed batch of KIVI layouts in one launch of the frag kernel,
+    or None where it does not run here (:func:`rows_kernel_applies`, or its self-check
+    failed): the caller then reads the batch its own way.
+
+    The buffers are those of the module docstring with the batch first; sequence b holds
+    ``rows[b] = (n_kq, n_kres, n_vq, n_vres, v_ring)``: its first ``n_kq`` keys packed, then
+    ``n_kres`` full-precision keys from row 0 of ``k_res[b]``; its first ``n_vq`` values
+    packed, then ``n_vres`` full-precision values in a ring, token ``n_vq + i`` at row
+    ``(v_ring + i) % v_res.shape[2]`` of ``v_res[b]``. What lies past a sequence's counts is
+    never read. Host work: the split plan of the batch's widest sequence and one small int
+    array per distinct ``rows`` (kept for the next call: a step's other layers).
+    """
+    B, Hq, _, D = queries.shape
+    H = k_codes.shape[1]
+    if len(rows) != B or Hq % H or not rows_kernel_applies(D, bits, group_size, queries.dtype,
+                                                              Hq // H):
+        return None
+    if any(x.dtype != queries.dtype for x in (k_scales, k_biases, k_res, v_scales, v_biases, v_res)):
+        return None
+    if not rows_self_check(D, Hq // H, bits, group_size, queries.dtype):
+        return None
+    return _rows_launch(queries, (k_codes, k_scales, k_biases, k_res, v_codes, v_scales,
+                                  v_biases, v_res), rows, scale=scale, bits=bits,
+                        group_size=group_size)
+
+
+#: the rows self-check's batch: tiles and tails of different lengths, a sequence with no
+#: tile, and rings that wrap
+CHECK_ROWS = ((256, 5, 257, 4, 3), (512, 37, 540, 9, 7), (0, 13, 0, 13, 11))
+
+
+def rows_case(head_dim, gqa, bits, group_size, dtype, rows=CHECK_ROWS, n_kv_heads=2,
+              key_room=64, value_room=16, seed=0):
+    """A random packed batch for ``rows`` (:func:`kivi_decode_attention_rows`'s layout, each
+    buffer with room past its widest sequence, garbage in the room): (queries, the 8
+    buffers). The rings are ``value_room`` rows longer than the widest value window."""
+    B, H, D = len(rows), n_kv_heads, head_dim
+    kq_max, kr_max, vq_max, vr_max = (max(r[i] for r in rows) for i in range(4))
+    keys = mx.random.split(mx.random.key(seed), 5)  # own keys: global RNG untouched
+    kq_room = -(-(kq_max + key_room) // group_size) * group_size
+    t_all = max(max(r[0] + r[1] for r in rows) + key_room, kq_room, vq_max + value_room)
+    queries = mx.random.normal((B, H * gqa, 1, D), key=keys[0]).astype(dtype)
+    k_all = mx.random.normal((B, H, t_all, D), key=keys[1]).astype(dtype)
+    v_all = mx.random.normal((B, H, t_all, D), key=keys[2]).astype(dtype)
+    kc, ks, kb = mx.quantize(k_all[:, :, :kq_room].swapaxes(-1, -2), group_size=group_size, bits=bits)
+    vc, vs, vb = mx.quantize(v_all[:, :, :vq_max + value_room], group_size=group_size, bits=bits)
+    # each sequence's windows: its own tokens after its packed ones (the rest garbage)
+    k_res = mx.random.normal((B, H, kr_max + value_room, D), key=keys[3]).astype(dtype)
+    cap = vr_max + value_room
+    v_res = mx.random.normal((B, H, cap, D), key=keys[4]).astype(dtype) * 3
+    k_rows, v_rows = [], []
+    for b, (n_kq, n_kres, n_vq, n_vres, ring) in enumerate(rows):
+        k_rows.append(mx.concatenate([k_all[b:b + 1, :, n_kq:n_kq + n_kres],
+                                      k_res[b:b + 1, :, n_kres:]], axis=2))
+        slots = (ring + mx.arange(n_vres)) % cap
+        v_rows.append(_put_rows(v_res[b:b + 1], slots, v_all[b:b + 1, :, n_vq:n_vq + n_vres])
+                      if n_vres else v_res[b:b + 1])
+    return queries, (kc, ks, kb, mx.concatenate(k_rows), vc, vs, vb, mx.concatenate(v_rows))
+
+
+def _put_rows(buffer, slots, rows):
+    """``buffer`` (1, H, cap, D) with ``rows`` (1, H, n, D) written at ``slots`` (n,)."""
+    index = mx.broadcast_to(slots[None, None, :, None], rows.shape)
+    return mx.put_along_axis(buffer, index, rows, axis=2)
+
+
+_ROWS_SELF_CHECKS: dict = {}
+
+
+def rows_self_check(head_dim, gqa, bits, group_size, dtype) -> bool:
+    """:func:`kernel_self_check` for the rows launch: once per process and shape class,
+    against :func:`kivi_decode_attention_rows_reference` on :data:`CHECK_ROWS`; on a
+    mismatch this warns once and the rows launch answers None from then on."""
+    key = (head_dim, gqa, bits, group_size, dtype)
+    if key not in _ROWS_SELF_CHECKS:
+        try:
+            queries, buffers = rows_case(head_dim, gqa, bits, group_size, dtype)
+            kw = dict(scale=head_dim ** -0.5, bits=bits, group_size=group_size)
+            out = _rows_launch(queries, buffers, CHECK_ROWS, **kw).astype(mx.float32)
+            ref = kivi_decode_attention_rows_reference(queries, *buffers, CHECK_ROWS, **kw)
+            # the check's one host sync: once per process and shape class, at first use
+            error = (mx.abs(out - ref.astype(mx.float32)).max() / mx.abs(ref).max()).item()
+            tolerance = self_check_tolerance(dtype)
+            problem = None if error <= tolerance else (
+                f"max relative error {error:.3g} (allowed {tolerance:.3g})")
+        except Exception as exc:  # a kernel that does not compile or launch fails its check
+            problem = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        _ROWS_SELF_CHECKS[key] = problem
+        if problem is not None:
+            warnings.warn(
+                f"veloxquant: the fused CUDA decode kernel 'frag' over a packed batch "
+                f"(head_dim={head_dim}, gqa={gqa}, bits={bits}, group_size={group_size}, "
+                f"dtype={dtype}) failed its self-check against the pure-MLX reference: "
+                f"{problem}; packed batches of this shape attend through the pure-MLX path",
+                RuntimeWarning, stacklevel=2)
+    return _ROWS_SELF_CHECKS[key] is None
 
 
 class _StepPlan:

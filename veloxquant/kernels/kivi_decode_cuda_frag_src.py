@@ -41,7 +41,10 @@ bits up their byte, whose unit is at least 16, so the float32 sums lose ~6 bits 
 instead of ~10 (none at 8 bits); 2 every key code and the values as in 1; 3 every code.
 The dispatcher takes 1, or 0 where a block sums many tiles; 2 and 3 only the benchmarks),
 TAIL_FIRST (the block's tail chunks before its tiles, their partial kept in shared
-memory). ``params`` adds to the counts of the other kernels: tiles per block, the first
+memory), ROWS (a packed batch, ``kivi_decode_attention_rows``: sequence b's counts, its
+first tail token and its value window's ring start from its row of ``params``, from
+ROW_PARAMS0 on; the plan is the batch's widest, and a block past its sequence's tiles or
+tail chunks has nothing of them to do). ``params`` adds to the counts of the other kernels: tiles per block, the first
 tail token (a multiple of the tile), the number of tail chunks and the first block that
 takes them. The header of this kernel ends with :func:`cuda_frag_bounds` (launch bounds:
 the register budget).
@@ -52,7 +55,11 @@ benchmarks/results/fused_attention.md: 25 of 25, worst 9.8e-5); the other 2-bit 
 less (benchmarks/notes/fused_attention.md). The dispatcher uses folded at 2 bits.
 """
 
-from .kivi_decode_cuda_src import CUDA_PROLOGUE
+from .kivi_decode_cuda_src import CUDA_PROLOGUE_GRID, prologue_counts
+
+#: ROWS: where sequence b's counts start in ``params`` and how many it has (n_kq, n_kres,
+#: n_vq, n_vres, its first tile-free token, the first row of its value window)
+ROW_PARAMS0, ROW_PARAMS = 9, 6
 
 CUDA_FRAG_HEADER = r"""
 // code C of both words as a float16 pair (wa's, wb's): 1024 + code * 2^((C * BITS) % 8),
@@ -104,7 +111,9 @@ def cuda_frag_bounds(threads: int, min_blocks: int) -> str:
             f"__attribute__((global)) __attribute__((launch_bounds({threads}, {min_blocks})))"
             f"\n#endif\n")
 
-CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
+CUDA_FRAG_SOURCE = CUDA_PROLOGUE_GRID + rf"""
+  const auto* counts = ROWS ? params + ({ROW_PARAMS0} + {ROW_PARAMS} * b) : params;
+""" + prologue_counts("counts") + r"""
   constexpr int PACK = 32 / BITS;
   constexpr int NW = NT / 32;
   constexpr int TT = 8 * PACK;                   // tokens per tile
@@ -145,7 +154,8 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
 
   const int g = lane >> 2;
   const int q4 = lane & 3;
-  const int t_fast = params[6];
+  const int t_fast = ROWS ? counts[4] : params[6];
+  const int v_ring = ROWS ? counts[5] : 0;  // the value window's row of token n_vq
   const int ns_tail = params[7];  // tail chunks
   const int tail0 = params[8];    // the first block that takes tail chunks
   const bool has_tail = split >= tail0 && split - tail0 < ns_tail;
@@ -222,8 +232,8 @@ CUDA_FRAG_SOURCE = CUDA_PROLOGUE + r"""
               const uint32_t vw = v_codes[vq ? vrow_ * DW + c / PACK : 0];
               const float vs = vqk_to_f(v_scales[vq ? vrow_ * DG + c / GROUP : 0]);
               const float vb = vqk_to_f(v_biases[vq ? vrow_ * DG + c / GROUP : 0]);
-              const float vr =
-                  vqk_to_f(v_res[vq ? 0 : ((size_t)bh * CVR + (t - n_vq)) * HEAD_DIM + c]);
+              const int vrr = ROWS ? (v_ring + t - n_vq) % CVR : t - n_vq;
+              const float vr = vqk_to_f(v_res[vq ? 0 : ((size_t)bh * CVR + vrr) * HEAD_DIM + c]);
               const uint32_t code = (kw[x] >> (((tw + j) % PACK) * BITS)) & MASK;
               kx[j0 + j][x] = kq ? fmaf(ks[x], (float)code, kb[x]) : kr;
               vx[j0 + j][x] = vq ? fmaf(vs, (float)((vw >> ((c % PACK) * BITS)) & MASK), vb) : vr;

@@ -141,8 +141,9 @@ def _online_softmax(scores: str) -> str:
 
 
 # The main kernels' common start: thread roles, the (batch, kv head) and split of the
-# block, buffer capacities from the shape arguments, counts from `params`.
-CUDA_PROLOGUE = r"""
+# block, buffer capacities from the shape arguments (CUDA_PROLOGUE_GRID), then counts from
+# `params` (the frag kernel's may come from the block's row: CUDA_FRAG_SOURCE).
+CUDA_PROLOGUE_GRID = r"""
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
@@ -158,14 +159,24 @@ CUDA_PROLOGUE = r"""
   const int CKR = k_res_shape[2];
   const int CV = v_codes_shape[2];
   const int CVR = v_res_shape[2];
-  const int n_kq = params[0];
-  const int n_kres = params[1];
-  const int n_vq = params[2];
+"""
+
+
+def prologue_counts(counts: str) -> str:
+    """The prologue's counts, read from the int array ``counts`` (n_kq, n_kres, n_vq at
+    0-2); the scale and the split's chunks from ``params`` (4 and 5)."""
+    return rf"""
+  const int n_kq = {counts}[0];
+  const int n_kres = {counts}[1];
+  const int n_vq = {counts}[2];
   const float qscale = __int_as_float(params[4]);
   const int cpb = params[5];
   const int Tn = n_kq + n_kres;
   const size_t qrow = (size_t)b * Hq + (size_t)h * GQA;
 """
+
+
+CUDA_PROLOGUE = CUDA_PROLOGUE_GRID + prologue_counts("params")
 
 # Template constants: T (cache/query dtype), BITS, GROUP, HEAD_DIM, GQA (query heads per
 # kv head, <= 8), CHUNK (tokens per inner step), NT (threads per block, 128), TW (codes

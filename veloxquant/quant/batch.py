@@ -20,12 +20,14 @@ sequence's result after its own packed tokens; for a sequence not due, that writ
 its padding (never read), which costs less than selecting rows and keeps the step's graph
 one shape.
 
-Attention is the pure-MLX path (``kernels/kivi_decode.py``'s ``affine_key_scores`` and
+Attention is one launch of the fused frag kernel over the batch where it runs (CUDA,
+float16: ``kivi_decode_attention_rows``, each sequence's counts and ring start passed to the
+kernel), else the pure-MLX path (``kernels/kivi_decode.py``'s ``affine_key_scores`` and
 ``affine_value_mix``) with per-sequence masks: key scores over [packed keys | key window],
 each sequence's own slots valid, one softmax; the probabilities are then gathered into the
 values' order (the keys and the values are split at different tokens: KIVI flushes keys by
-blocks and values ``value_flush`` at a time). The fused CUDA/Metal kernels take one length per launch,
-not one per sequence, so a packed batch does not use them yet.
+blocks and values ``value_flush`` at a time). Where a fused kernel reads one sequence but
+none reads a packed batch (the simt and folded shapes, Metal), the batch stays per sequence.
 
 Each sequence's host counters mirror the buffers its own store would hold alone
 (``_Rows``: rows, start and capacity of every ``GrowingArray``), so that ``extract`` and
@@ -113,13 +115,27 @@ class QuantizedPacked(PackedLayout):
                    for name in ("update_and_fetch", "attend", "observe", "_take_chunk"))
 
     @staticmethod
-    def can_pack(single) -> bool:
-        store = getattr(single, "store", None)
-        if single.use_kernel and kd.gpu_backend() is not None:
-            # the fused kernel takes one length per launch: per sequence it beat this layout's
-            # pure-MLX read on the H200 (8B shape, 32k prompts: 280 against 66 tokens a second,
-            # benchmarks/results/serve_capacity-llama3-8b.md)
+    def _rows_kernel(single) -> bool:
+        """Whether a packed batch of ``single``'s sequences attends through the fused kernel's
+        packed launch (``kd.kivi_decode_attention_rows``)."""
+        store = single.store
+        kc, vc = store.keys.codec, store.values.codec
+        _, _, d_k, d_v = single.kv_shape
+        return (single.use_kernel and d_k == d_v and (kc.bits, kc.group) == (vc.bits, vc.group)
+                and kd.rows_kernel_applies(d_k, kc.bits, kc.group, store.v_win.buffer.dtype))
+
+    @classmethod
+    def can_pack(cls, single) -> bool:
+        if not cls._layout_fits(single):
             return False
+        # where a fused kernel reads one sequence but no packed launch reads the batch, per
+        # sequence beat this layout's pure-MLX read on the H200 (8B shape, 32k prompts: 280
+        # against 66 tokens a second, benchmarks/results/serve_capacity-llama3-8b.md)
+        return not (single.use_kernel and kd.gpu_backend() is not None) or cls._rows_kernel(single)
+
+    @staticmethod
+    def _layout_fits(single) -> bool:
+        store = getattr(single, "store", None)
         return (type(store) is QuantizedKVStore and store.attend_then_flush and store.window > 0
                 and store.value_flush <= store.window
                 and not store.segments and single.offset > 0 and store.v_win.held > 0
@@ -134,6 +150,7 @@ class QuantizedPacked(PackedLayout):
         self.key_codec, self.value_codec = first.keys.codec, first.values.codec
         self.window, self.key_block, self.value_flush = first.window, first.key_block, first.value_flush
         self.step_tokens = first.keys.scales.step * self.key_codec.group
+        self.rows_kernel = self._rows_kernel(singles[0])
         self.mirrors = [{name: _Rows(g) for name, g in s.store.arrays().items()} for s in singles]
         self.offsets = [s.offset for s in singles]
         _, h, d_k, d_v = singles[0].kv_shape
@@ -209,6 +226,14 @@ class QuantizedPacked(PackedLayout):
         b, hq, _, d_k = queries.shape
         h = self.kwin.shape[1]
         kq, kw, vq, vheld = (self._counts(n) for n in ("kq", "kw", "vq", "vheld"))
+        if self.rows_kernel:
+            kc = self.key_codec
+            out = kd.kivi_decode_attention_rows(
+                queries, self.kc, self.ks, self.kb, self.kwin, self.vc, self.vs, self.vb,
+                self.vwin, tuple(zip(kq, kw, vq, vheld, self.ring)), scale=scale, bits=kc.bits,
+                group_size=kc.group)
+            if out is not None:
+                return out
         n_kq, n_vq, cap = max(kq), max(vq), self.ring_size
         c = mx.array([kq, kw, vq, vheld, self.ring], mx.int32)[..., None]  # (5, B, 1)
         q = queries.astype(mx.float32).reshape(b, h, hq // h, d_k) * scale
