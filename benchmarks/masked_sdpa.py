@@ -16,6 +16,8 @@ from pathlib import Path
 import veloxquant_mlx  # noqa: F401  (first: it may load OpenBLAS)
 import mlx.core as mx  # noqa: E402
 
+from veloxquant_mlx.cache.batch import masked_decode_attention  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prompt_mass import timed  # noqa: E402  (median seconds after one warm-up call)
 
@@ -32,8 +34,9 @@ def main() -> None:
     q = mx.random.normal((B, 32, 1, 128), key=k[0]).astype(mx.float16)
     keys = mx.random.normal((B, 8, T, 128), key=k[1]).astype(mx.float16)
     values = mx.random.normal((B, 8, T, 128), key=k[2]).astype(mx.float16)
-    visible = mx.ones((B, 1, 1, T), dtype=mx.bool_)
-    masks = {"none": None, "boolean (B,1,1,T), all true": visible,
+    lengths = T - mx.arange(B) * (T // (2 * B))  # a batch of lengths from T/2 to T
+    visible = (mx.arange(T)[None] < lengths[:, None])[:, None, None, :]
+    masks = {"none": None, "boolean (B,1,1,T), lengths T/2..T": visible,
              "additive float16 (B,1,1,T)": mx.zeros((B, 1, 1, T), mx.float16)}
     mx.eval(q, keys, values, *[m for m in masks.values() if m is not None])
     print(f"{mx.default_device()} MLX {mx.__version__}; batch {B}, context {T}, {args.layers} calls")
@@ -45,6 +48,15 @@ def main() -> None:
                            for _ in range(args.layers)], args.repeats)
         base = base or t
         print(f"| {name} | {t * 1e3:.2f} | {t / base:.2f}x |", flush=True)
+    # the same boolean mask through masked_decode_attention (products, masked softmax, the
+    # values' product split over the token axis): checked, then timed
+    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=128 ** -0.5, mask=visible)
+    out = masked_decode_attention(q, keys, values, visible, scale=128 ** -0.5)
+    error = (mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max() / mx.abs(ref).max()).item()
+    t = timed(lambda: [masked_decode_attention(q, keys, values, visible, scale=128 ** -0.5)
+                       for _ in range(args.layers)], args.repeats)
+    print(f"| boolean, masked_decode_attention (max rel error {error:.1e}) | {t * 1e3:.2f} | "
+          f"{t / base:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""Attention of the dense packed batch layouts (cache/batch.py's ``RowsByLength``: the full
+cache's and StreamingLLM's packed batches) where the sequences' lengths differ: the masked
+decode attention equals MLX's fused attention under the same mask, and a batch of
+different lengths decodes through it with each sequence's tokens as alone."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import batching
+from veloxquant_mlx.cache import batch as batch_module
+
+
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-5), (mx.float16, 4 * 2.0 ** -11)])
+def test_masked_decode_attention_equals_the_fused_attention_under_the_same_mask(dtype, tol):
+    k = mx.random.split(mx.random.key(3), 3)
+    B, H, R, T, D = 3, 2, 4, 1100, 64  # T past two of token_mix's pieces on CUDA
+    q = mx.random.normal((B, H * R, 1, D), key=k[0]).astype(dtype)
+    keys = mx.random.normal((B, H, T, D), key=k[1]).astype(dtype)
+    values = mx.random.normal((B, H, T, D), key=k[2]).astype(dtype)
+    visible = (mx.arange(T)[None] < mx.array([T, 700, 5])[:, None])[:, None, None, :]
+    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D ** -0.5, mask=visible)
+    out = batch_module.masked_decode_attention(q, keys, values, visible, scale=D ** -0.5)
+    assert out.shape == ref.shape and out.dtype == dtype
+    error = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max() / mx.abs(ref).max()
+    assert error.item() < tol
+    # a row past a sequence's length moves nothing: its keys and values are not read
+    garbage = values.at[2, :, 5:].add(1e3)
+    again = batch_module.masked_decode_attention(q, keys, garbage, visible, scale=D ** -0.5)
+    assert mx.array_equal(again[2], out[2])
+
+
+def test_a_full_batch_of_different_lengths_decodes_packed_through_the_masked_attention(monkeypatch):
+    model, make = batching.rowwise_setup("full", {})
+    prompts = [list(range(3, 3 + n)) for n in (30, 90, 55)]
+    max_tokens = (9, 7, 8)
+    alone = [batching.run_alone(model, make, p, m) for p, m in zip(prompts, max_tokens)]
+    calls = []
+    masked = batch_module.masked_decode_attention
+    monkeypatch.setattr(batch_module, "masked_decode_attention",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or masked(q, *a, **kw))
+    got = batching.run_batched(model, prompts, max_tokens, join_at=3)
+    assert calls and max(calls) >= 2
+    for (tokens, logprobs, _), (a_tokens, a_logprobs, _) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
