@@ -51,6 +51,7 @@ from veloxquant_mlx.cache.options import (  # noqa: E402
     PyramidKVOptions,
     SnapKVOptions,
     StreamingLLMOptions,
+    XQuantOptions,
 )
 
 BASELINE = "mlx-lm KVCache"
@@ -64,6 +65,14 @@ METHODS = {
     # the same mean budget as the two rows above (its default, 512, is not comparable)
     "pyramidkv 2048": KVCacheConfig(options=PyramidKVOptions(pyramid_budget=2048)),
 }
+# the best of each other family by the bench's quality (the lowest KL of
+# results/bench-quick.md among its methods that keep fewer bytes than full at 1k tokens),
+# at their defaults: eviction's is streaming_llm, above
+BEST_OF_FAMILY = {"vector-quantization": "vecinfer", "quantization": "age_tiered", "hybrid": "gear",
+                  "cross-layer": "xquant", "low-rank": "palu", "coding": "kvtc", "merging": "cam"}
+METHODS.update({method: KVCacheConfig(method=method) for method in BEST_OF_FAMILY.values()})
+# xquant's shared codes cover at most xquant_max_ctx tokens (8,192 by default): room for 32k
+METHODS["xquant"] = KVCacheConfig(method="xquant", options=XQuantOptions(xquant_max_ctx=65536))
 # KIVI's packed batch attends in one launch of the fused kernel on CUDA; its per-sequence
 # row batches it per sequence instead (each sequence's own attention and launch), for the
 # comparison in the same run; so does StreamingLLM's, against its packed row.
