@@ -1,5 +1,6 @@
-"""Attention of the dense packed batch layouts (cache/batch.py's ``RowsByLength``: the full
-cache's and StreamingLLM's packed batches) where the sequences' lengths differ: the masked
+"""Attention of the packed batch layouts where the sequences' lengths differ (cache/batch.py's
+``RowsByLength``: the full cache's and StreamingLLM's; the eviction base's padded slots,
+evict/batch.py): the masked
 decode attention equals MLX's fused attention under the same mask, and a batch of
 different lengths decodes through it with each sequence's tokens as alone."""
 
@@ -10,6 +11,7 @@ import pytest
 
 import batching
 from veloxquant_mlx.cache import batch as batch_module
+from veloxquant_mlx.evict import batch as evict_batch
 
 
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-5), (mx.float16, 4 * 2.0 ** -11)])
@@ -31,15 +33,21 @@ def test_masked_decode_attention_equals_the_fused_attention_under_the_same_mask(
     assert mx.array_equal(again[2], out[2])
 
 
-def test_a_full_batch_of_different_lengths_decodes_packed_through_the_masked_attention(monkeypatch):
-    model, make = batching.rowwise_setup("full", {})
+@pytest.mark.parametrize("method,settings", [
+    ("full", {}),
+    # a prompt under the budget leaves its sequence fewer slots than the others: padding
+    ("snapkv", {"snap_budget": 48, "snap_obs_window": 8}),
+])
+def test_a_batch_of_different_lengths_decodes_packed_through_the_masked_attention(monkeypatch, method, settings):
+    model, make = batching.rowwise_setup(method, settings)
     prompts = [list(range(3, 3 + n)) for n in (30, 90, 55)]
     max_tokens = (9, 7, 8)
     alone = [batching.run_alone(model, make, p, m) for p, m in zip(prompts, max_tokens)]
     calls = []
     masked = batch_module.masked_decode_attention
-    monkeypatch.setattr(batch_module, "masked_decode_attention",
-                        lambda q, *a, **kw: calls.append(q.shape[0]) or masked(q, *a, **kw))
+    counted = lambda q, *a, **kw: calls.append(q.shape[0]) or masked(q, *a, **kw)  # noqa: E731
+    monkeypatch.setattr(batch_module, "masked_decode_attention", counted)
+    monkeypatch.setattr(evict_batch, "masked_decode_attention", counted)
     got = batching.run_batched(model, prompts, max_tokens, join_at=3)
     assert calls and max(calls) >= 2
     for (tokens, logprobs, _), (a_tokens, a_logprobs, _) in zip(got, alone):

@@ -548,7 +548,8 @@ class RowsByLength:
 
 
 def masked_decode_attention(queries, keys, values, visible, *, scale) -> mx.array:
-    """Decode attention (queries (B, Hq, 1, D)) over the rows ``visible`` (B, 1, 1, T) marks:
+    """Decode attention (queries (B, Hq, 1, D)) over the rows ``visible`` (B, 1 or Hkv, 1, T)
+    marks (per sequence, or per sequence and KV head):
     the scores' product, a float32 masked softmax, then the values' product over the token
     axis in pieces (``kivi_decode.token_mix``)."""
     b, hq, n, d = queries.shape

@@ -35,7 +35,14 @@ from functools import cached_property
 import mlx.core as mx
 
 from ..cache.base import CacheStateError, CompressedKVCache
-from ..cache.batch import PackedLayout, check_step_rows, grown_capacity, pad_rows, single_buffer
+from ..cache.batch import (
+    PackedLayout,
+    check_step_rows,
+    grown_capacity,
+    masked_decode_attention,
+    pad_rows,
+    single_buffer,
+)
 from .attention import attention_weights
 from .base import ScoredEvictionCache, ScoreInputs
 from .layer_budgets import LayerBudgets
@@ -190,11 +197,14 @@ class EvictionPacked(PackedLayout):
         w = self.worker
         b = queries.shape[0]
         positions = self.store.view("positions")
-        mask = None
-        if self.padded:
-            visible = (positions >= 0)[:, :, None, :]
-            mask = mx.repeat(visible, queries.shape[1] // positions.shape[1], axis=1)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if self.padded and sinks is None:  # MLX's fused attention with a mask: 5-10x slower on CUDA
+            out = masked_decode_attention(queries, keys, values, (positions >= 0)[:, :, None, :], scale=scale)
+        else:
+            mask = None
+            if self.padded:
+                visible = (positions >= 0)[:, :, None, :]
+                mask = mx.repeat(visible, queries.shape[1] // positions.shape[1], axis=1)
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         w.offset = self.offset_array.reshape(b, 1, 1)  # what protected() and a score read
         inputs = BatchScoreInputs(w, queries, scale, (self.offset_array - 1).reshape(b, 1, 1))
         w.observe(inputs)
