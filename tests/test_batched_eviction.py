@@ -74,3 +74,35 @@ def test_with_a_fixed_score_a_batched_eviction_keeps_what_evicting_every_step_ke
     for s in evictions:
         assert kept["batched"][s] == kept["every"][s], s
     assert kept["batched"][1] != kept["every"][1]  # in between, the batched cache holds more
+
+
+def test_keyformer_packed_with_an_annealed_temperature_equals_each_sequence_alone(monkeypatch):
+    """Keyformer's packed batch: each sequence scores with its own query position, the noise
+    it has alone and, annealing, its own temperature step (sequences that joined later are at
+    other steps): tokens, log-probs and kept slots as each sequence alone."""
+    import mlx.core as mx
+
+    import batching
+    from veloxquant_mlx.methods import keyformer as keyformer_module
+
+    model, make = batching.rowwise_setup("keyformer", {
+        "keyformer_budget": BUDGET, "keyformer_anneal_steps": 12, "keyformer_tau_init": 2.0,
+        "keyformer_tau_end": 0.5, "keyformer_recent": 4})
+    prompts = [list(range(7, 7 + n)) for n in (30, 90, 64, 75)]
+    max_tokens = (14, 9, 16, 11)
+    alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, max_tokens)]
+    temperatures, packed = [], keyformer_module._packed_decode_score
+
+    def recording(scale, noise):
+        step = packed(scale, noise)
+        return lambda *a: temperatures.append(a[5]) or step(*a)
+
+    monkeypatch.setattr(keyformer_module, "_packed_decode_score", recording)
+    got = batching.run_batched(model, prompts, max_tokens, join_at=3)
+    # packed steps ran, some with one temperature per sequence (steps that differ)
+    assert any(t.ndim == 5 and t.shape[0] > 1 for t in temperatures)
+    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
+        batching.assert_same_cache(cache, a_cache, exact=False)

@@ -124,6 +124,10 @@ class ScoreInputs:
         """A decode query over a store with no padding sees every stored token: no mask."""
         return self.n_new == 1 and not self.cache.padded
 
+    #: a packed batch's decode step (``evict/batch.py``): per sequence, the decode steps
+    #: counted before this one (its own schedule); None for a single cache
+    decode_steps: list[int] | None = None
+
     def mass(self, queries=None, query_positions=None, query_weights=None, dtype=mx.float32):
         """Attention mass per kept token (B, Hkv, rows) of ``queries`` (default: this update's)."""
         if queries is None:

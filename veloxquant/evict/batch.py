@@ -66,9 +66,10 @@ class BatchScoreInputs(ScoreInputs):
 
     every_key_visible = False  # sequences shorter than the store have padding slots
 
-    def __init__(self, cache, queries, scale, query_positions):
+    def __init__(self, cache, queries, scale, query_positions, decode_steps):
         super().__init__(cache, queries, scale)
         self.__dict__["query_positions"] = query_positions  # (B, 1, N)
+        self.decode_steps = list(decode_steps)
 
     @cached_property
     def last_query_weights(self) -> mx.array:
@@ -206,7 +207,7 @@ class EvictionPacked(PackedLayout):
                 mask = mx.repeat(visible, queries.shape[1] // positions.shape[1], axis=1)
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         w.offset = self.offset_array.reshape(b, 1, 1)  # what protected() and a score read
-        inputs = BatchScoreInputs(w, queries, scale, (self.offset_array - 1).reshape(b, 1, 1))
+        inputs = BatchScoreInputs(w, queries, scale, (self.offset_array - 1).reshape(b, 1, 1), self.decode_steps)
         w.observe(inputs)
         every, scoring = w.schedule.decode_every, []
         for i in range(b):

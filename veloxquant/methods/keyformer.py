@@ -37,7 +37,9 @@ uniforms and logs each a full-size pass), which were the prefill's cost
 noise depends only on the seed, the layer and its coordinates, so the scores do not depend
 on the block size (``SCORE_ELEMENTS``) or on how the prompt is chunked (a decode step's
 query gets the same formula at its position), and a saved, loaded or copied cache draws
-what a fresh one would.
+what a fresh one would. In a packed batch (``evict/batch.py``) each sequence's logits take
+the noise it would draw alone (its own query position, the head keys of row 0) and its own
+temperature step, so a batch keeps what each sequence keeps alone.
 
 Adapted: an absolute budget and protected sinks instead of the paper's prompt percentages
 (kv_cache 60%, recent 30%); the anneal runs over ``keyformer_anneal_steps`` instead of
@@ -193,15 +195,40 @@ def _decode_score(scale: float):
     change only when the buffers grow."""
 
     def step(queries, keys, positions, score, rows, row_ids, q_position, tau, head_keys, col_key):
-        b, hq, _, d = queries.shape
-        hkv = keys.shape[1]
-        q = queries.reshape(b, hkv, hq // hkv, 1, d).astype(mx.float32)
-        x = (q * scale) @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
-        cols = _col_hash(col_key, positions[:, :, None, None, :])
-        noisy = mx.where(row_ids < rows, _noisy_step(x, _row_hash(head_keys, q_position), cols, tau), -float("inf"))
-        return score + mx.softmax(noisy, axis=-1, precise=True).sum(axis=(2, 3))
+        return score + _step_mass(queries, keys, positions, row_ids < rows, q_position, tau,
+                                  (head_keys, col_key), scale)
 
     return mx.compile(step)
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_decode_score(scale: float, noise: bool):
+    """``_decode_score`` for a packed batch (``evict/batch.py``): sequence b's query at its
+    own position ``q_position[b]`` (B, 1, 1, 1, 1), each sequence's noise keys those it has
+    alone (its row 0: ``noise_stream`` of one sequence), its padding slots (position -1)
+    masked; ``tau`` a number or one per sequence (B, 1, 1, 1, 1)."""
+
+    def step(queries, keys, positions, score, q_position, tau, *stream):
+        visible = positions[:, :, None, None, :] >= 0
+        return score + _step_mass(queries, keys, positions, visible, q_position, tau,
+                                  stream if noise else None, scale)
+
+    return mx.compile(step)
+
+
+def _step_mass(queries, keys, positions, visible, q_position, tau, stream, scale):
+    """A decode query's ``gumbel_mass`` over the slots ``visible`` marks: (B, Hkv, slots)."""
+    b, hq, _, d = queries.shape
+    hkv = keys.shape[1]
+    q = queries.reshape(b, hkv, hq // hkv, 1, d).astype(mx.float32)
+    x = (q * scale) @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
+    if stream is None:
+        logits = x / tau
+    else:
+        cols = _col_hash(stream[1], positions[:, :, None, None, :])
+        logits = _noisy_step(x, _row_hash(stream[0], q_position), cols, tau)
+    noisy = mx.where(visible, logits, -float("inf"))
+    return mx.softmax(noisy, axis=-1, precise=True).sum(axis=(2, 3))
 
 
 class KeyformerCache(ScoredEvictionCache):
@@ -211,7 +238,7 @@ class KeyformerCache(ScoredEvictionCache):
     recent_floor = RECENT_FLOOR  # the contract's default recent window is 0 (module docstring)
     state_from_queries = True
     gumbel_noise = True  # False (tests only): score with softmax(x / tau), no noise
-    batchable = "per_sequence"  # its noise positions take the offset as a number (packed: one per sequence)
+    batchable = True
 
     def noise_stream(self, queries, keys) -> tuple[mx.array, mx.array]:
         b, hq = queries.shape[:2]
@@ -227,6 +254,8 @@ class KeyformerCache(ScoredEvictionCache):
         return o.keyformer_tau_init
 
     def observe(self, inputs):
+        if inputs.decode_steps is not None:
+            return self._observe_packed(inputs)
         prompt = inputs.n_new > 1 or self.in_prompt  # a prompt chunk, or the prompt's last token
         step = 0 if prompt else self.decode_steps + 1  # the base counts this step after observe
         room = None if prompt or not self.gumbel_noise or not inputs.every_key_visible else self.key_room()
@@ -243,6 +272,19 @@ class KeyformerCache(ScoredEvictionCache):
             self.tau(step), self.noise_stream(inputs.queries, inputs.keys) if self.gumbel_noise else None,
         )
         self.store.update("score", inputs.state("score") + mass)
+
+    def _observe_packed(self, inputs):
+        """A packed batch's decode step: each sequence's query at its own position, its own
+        temperature step and the noise it has alone, over its own slots."""
+        queries = inputs.queries
+        b, hq = queries.shape[:2]
+        taus = [self.tau(step + 1) for step in inputs.decode_steps]  # counted after observe
+        tau = mx.array(taus[0] if len(set(taus)) == 1 else taus, mx.float32)
+        mass = _packed_decode_score(float(inputs.scale), self.gumbel_noise)(
+            queries, inputs.keys, inputs.positions, inputs.state("score"),
+            inputs.query_positions.reshape(b, 1, 1, 1, 1), tau.reshape(tau.shape + (1,) * 4 if tau.ndim else ()),
+            *noise_stream(self.options.keyformer_seed, self.layer, 1, hq, inputs.keys.shape[1]))
+        self.store.update("score", mass)
 
     def score(self, inputs):
         return inputs.state("score")
