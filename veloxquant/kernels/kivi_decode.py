@@ -488,6 +488,7 @@ def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n
     return ns, params, template, tail0, ns_tail
 
 
+@functools.lru_cache(maxsize=64)  # a decode step's layers share their rows: one plan a step
 def _frag_rows_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, rows, H, scale,
                            target_blocks):
     """The frag kernel's launch over a packed batch (template ROWS): (blocks per kv head,
@@ -502,7 +503,7 @@ def _frag_rows_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, ro
     keep = FRAG_KEEP_OFFSET if tps <= FRAG_KEEP_MAX_TILES else 0
     per_row = [n for row, f in zip(rows, fast) for n in (*row[:4], f, row[4])]
     widest = [max(row[i] for row in rows) for i in range(4)]
-    params = _params(*widest, scale, tps, max(fast), ns_tail, tail0, *per_row)
+    params = mx.array([*widest, _scale_bits(scale), tps, max(fast), ns_tail, tail0, *per_row], mx.int32)
     assert params.size == ROW_PARAMS0 + ROW_PARAMS * len(rows)
     template = [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
                 ("GQA", gqa), ("NT", FRAG_NT), ("KVEC", 4 if key_words % 4 == 0 else 1),
@@ -581,12 +582,16 @@ def _plan(T: int, BH: int, chunk: int, target_blocks: int):
 _PARAMS_CACHE: "OrderedDict[tuple, mx.array]" = OrderedDict()
 
 
+def _scale_bits(scale) -> int:
+    """The bits of the float32 ``scale * log2(e)`` as an int32 (the kernels' params)."""
+    return struct.unpack("<i", struct.pack("<f", float(scale) * _LOG2E))[0]
+
+
 def _params(n_kq, n_kres, n_vq, n_vres, scale, cpb, *extra):
     key = (n_kq, n_kres, n_vq, n_vres, float(scale), cpb, *extra)
     arr = _PARAMS_CACHE.get(key)
     if arr is None:
-        sbits = struct.unpack("<i", struct.pack("<f", float(scale) * _LOG2E))[0]
-        arr = mx.array([n_kq, n_kres, n_vq, n_vres, sbits, cpb, *extra], dtype=mx.int32)
+        arr = mx.array([n_kq, n_kres, n_vq, n_vres, _scale_bits(scale), cpb, *extra], dtype=mx.int32)
         _PARAMS_CACHE[key] = arr
         if len(_PARAMS_CACHE) > 256:
             _PARAMS_CACHE.popitem(last=False)
