@@ -47,6 +47,7 @@ from decode import PRESETS, build_model, make_cache  # noqa: E402
 from veloxquant_mlx.bench.runner import prefill  # noqa: E402
 from veloxquant_mlx.cache import batch as batch_module  # noqa: E402
 from veloxquant_mlx.cache.options import (  # noqa: E402
+    KeyformerOptions,
     KIVIOptions,
     PyramidKVOptions,
     SnapKVOptions,
@@ -64,6 +65,7 @@ METHODS = {
     "streaming_llm 4+2044": KVCacheConfig(options=StreamingLLMOptions(stream_n_sink=4, stream_window_size=2044)),
     # the same mean budget as the two rows above (its default, 512, is not comparable)
     "pyramidkv 2048": KVCacheConfig(options=PyramidKVOptions(pyramid_budget=2048)),
+    "keyformer 2048": KVCacheConfig(options=KeyformerOptions(keyformer_budget=2048)),
 }
 # the best of each other family by the bench's quality (the lowest KL of
 # results/bench-quick.md among its methods that keep fewer bytes than full at 1k tokens),
@@ -75,9 +77,10 @@ METHODS.update({method: KVCacheConfig(method=method) for method in BEST_OF_FAMIL
 METHODS["xquant"] = KVCacheConfig(method="xquant", options=XQuantOptions(xquant_max_ctx=65536))
 # KIVI's packed batch attends in one launch of the fused kernel on CUDA; its per-sequence
 # row batches it per sequence instead (each sequence's own attention and launch), for the
-# comparison in the same run; so does StreamingLLM's, against its packed row.
+# comparison in the same run; so do StreamingLLM's and Keyformer's, against their packed rows.
 PER_SEQUENCE = {"kivi 4-bit, per sequence": "kivi 4-bit",
-                "streaming_llm 4+2044, per sequence": "streaming_llm 4+2044"}
+                "streaming_llm 4+2044, per sequence": "streaming_llm 4+2044",
+                "keyformer 2048, per sequence": "keyformer 2048"}
 METHODS.update({row: METHODS[packed] for row, packed in PER_SEQUENCE.items()})
 
 
