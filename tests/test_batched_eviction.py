@@ -106,3 +106,23 @@ def test_keyformer_packed_with_an_annealed_temperature_equals_each_sequence_alon
         for x, y in zip(logprobs, a_logprobs):
             assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
         batching.assert_same_cache(cache, a_cache, exact=False)
+
+
+def test_overrides_of_the_decode_steps_pack_only_where_their_own_class_vouches_for_them():
+    """QFilters overrides ``_evict``, ``is_trimmable`` and ``trim`` and says in its own body that
+    they act as the base's once its filter is fixed (``same_at_decode``, ``packs_now``): it
+    packs; a subclass that overrides ``_evict`` again has not said so, and does not."""
+    from veloxquant_mlx.evict.batch import EvictionPacked
+    from veloxquant_mlx.methods.qfilters import QFiltersCache
+
+    class Again(QFiltersCache):
+        def _evict(self, inputs, decode_step):
+            return super()._evict(inputs, decode_step)
+
+    class Inherits(QFiltersCache):
+        pass
+
+    assert EvictionPacked.accepts(QFiltersCache) and EvictionPacked.accepts(Inherits)
+    assert not EvictionPacked.accepts(Again)
+    cache = QFiltersCache(KVCacheConfig(method="qfilters"), None, 0)
+    assert not cache.packs_now()  # no filter before the first eviction: it may still change

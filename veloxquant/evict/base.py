@@ -164,6 +164,16 @@ class ScoredEvictionCache(CompressedKVCache):
     # whole chunks below the budget, or the budget moves with the offset).
     kept_count_follows_budget = True
     recent_floor = 0  # the recent window is at least min(this, budget // 4)
+    # A packed batch (evict/batch.py): arrays of a sequence besides its store (batch first)
+    # that the batch keeps joined for its worker; overrides of the base's decode steps that
+    # the class declaring them (in its own body) vouches act as the base's while
+    # ``packs_now`` holds.
+    sequence_state: tuple[str, ...] = ()
+    same_at_decode: tuple[str, ...] = ()
+
+    def packs_now(self) -> bool:
+        """Whether this sequence's cache may join a packed batch now."""
+        return True
 
     @classmethod
     def packed_layout(cls):

@@ -90,7 +90,10 @@ class EvictionPacked(PackedLayout):
             return False
         for name in DECODE_STEPS:
             mine = getattr(cls, name)
-            if mine is not getattr(ScoredEvictionCache, name) and mine not in SAME_AT_DECODE.get(name, ()):
+            if mine is getattr(ScoredEvictionCache, name) or mine in SAME_AT_DECODE.get(name, ()):
+                continue
+            owner = next(k for k in cls.__mro__ if name in k.__dict__)
+            if name not in owner.__dict__.get("same_at_decode", ()):
                 return False
         return True
 
@@ -98,7 +101,7 @@ class EvictionPacked(PackedLayout):
     def can_pack(single) -> bool:
         """A sequence past its prompt, nothing in flight, no per-head padding."""
         return (not single.in_prompt and single.window_queries is None and not single.padded
-                and single.store.rows > 0)
+                and single.store.rows > 0 and single.packs_now())
 
     # -- building ---------------------------------------------------------------------------
     @classmethod
@@ -130,6 +133,10 @@ class EvictionPacked(PackedLayout):
             for s in singles
         ])
         self.worker = _worker(singles[0], store)
+        for name in self.worker.sequence_state:  # joined for the worker, not kept twice
+            setattr(self.worker, name, mx.concatenate([getattr(s, name) for s in singles]))
+            for s in singles:
+                setattr(s, name, None)
         for s in singles:  # the shells keep config, context, options and budgets; not the rows
             s.store = SlotStore(self.names, step=self.step)
         self._sync()
@@ -279,6 +286,8 @@ class EvictionPacked(PackedLayout):
         for grown in self.store.arrays.values():
             grown.buffer = grown.buffer[index]
             grown.length = max(self.rows)
+        for name in self.worker.sequence_state:
+            setattr(self.worker, name, getattr(self.worker, name)[index])
         self.free = self.free[index]
         self._sync()
 
@@ -291,6 +300,8 @@ class EvictionPacked(PackedLayout):
             mine.length = max(mine.length, theirs.length)
         for name in ("shells", "rows", "capacities", "limits", "has_free", "offsets", "decode_steps"):
             getattr(self, name).extend(getattr(other, name))
+        for name in self.worker.sequence_state:
+            setattr(self.worker, name, mx.concatenate([getattr(self.worker, name), getattr(other.worker, name)]))
         self.free = mx.concatenate([self.free, other.free])
         self._mark_padding()
         self._sync()
@@ -302,6 +313,8 @@ class EvictionPacked(PackedLayout):
             block = self.store.arrays[name].buffer[i : i + 1, :, :n]
             store.arrays[name] = single_buffer(block, self.capacities[i], self.step, self.limits[i], self.geometric)
         store.free = self.free[i : i + 1] if self.has_free[i] else None
+        for name in self.worker.sequence_state:
+            setattr(cache, name, mx.contiguous(getattr(self.worker, name)[i : i + 1]))
         cache.store = store
         cache.offset = self.offsets[i]
         cache.decode_steps = self.decode_steps[i]
@@ -323,7 +336,8 @@ class EvictionPacked(PackedLayout):
 
     @property
     def nbytes(self) -> int:
-        return sum(g.nbytes for g in self.store.arrays.values()) + self.free.nbytes + self.offset_array.nbytes
+        joined = sum(getattr(self.worker, name).nbytes for name in self.worker.sequence_state)
+        return sum(g.nbytes for g in self.store.arrays.values()) + self.free.nbytes + self.offset_array.nbytes + joined
 
     @property
     def state(self):

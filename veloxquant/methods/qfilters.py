@@ -125,7 +125,11 @@ def calibration_stride(seen: int, capacity: int) -> int:
 class QFiltersCache(ScoredEvictionCache):
     roles = Roles(budget="qfilters_budget", n_sink="qfilters_n_sink", recent="qfilters_recent")
     schedule = Schedule(prefill_end=True, decode_every=1)
-    batchable = "per_sequence"  # its own _evict and trim, which the packed layout does not run
+    batchable = True
+    # Packed once calibrated: the filter is then fixed (each sequence's, joined), ``_evict``
+    # is the base's and ``trim`` has no calibration queries left to cut.
+    sequence_state = ("filter",)
+    same_at_decode = ("_evict", "is_trimmable", "trim")
     token_state = ("proj",)
     recent_floor = RECENT_FLOOR  # the contract's default recent window is 0 (module docstring)
 
@@ -133,6 +137,9 @@ class QFiltersCache(ScoredEvictionCache):
         super()._init_storage()
         self.filter = None  # (B, Hkv, D) float32, once calibrated
         self.calib = None  # (B, Hq, <= 2 * calib_tokens, D): queries n_sink + j * stride
+
+    def packs_now(self) -> bool:
+        return self.filter is not None
 
     # -- calibration queries: every stride-th after the sinks ---------------------------
     @property
