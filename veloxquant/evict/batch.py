@@ -24,8 +24,11 @@ Scores see per-sequence positions: ``ScoreInputs.query_positions`` is (B, 1, 1) 
 cache's ``offset`` (B, 1, 1) while a method's ``observe``/``score``/``protected`` run, so
 code written against positions (H2O's mass, TOVA's last query, L2Norm's norms, the
 sinks and the recent window) batches unchanged. A method class joins the packed layout
-only if it changes none of the base's decode steps (``accepts``); its scores must not
-depend on anything else per sequence (the batch conformance tests check each one).
+only if it changes none of the base's decode steps (``accepts``), or says in its own body
+which of its overrides act as the base's (``same_at_decode``, while ``packs_now`` holds);
+arrays a sequence keeps besides its store (``sequence_state``: QFilters' filter, MorphKV's
+last queries) are joined for the worker; its scores must not depend on anything else per
+sequence (the batch conformance tests check each one).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class EvictionPacked(PackedLayout):
     @staticmethod
     def accepts(cls: type) -> bool:
         """``cls`` decodes with the base's steps only (the ones reimplemented here)."""
-        if cls.window_in_decode:
+        if cls.window_in_decode and "window_queries" not in cls.sequence_state:
             return False
         for name in DECODE_STEPS:
             mine = getattr(cls, name)
@@ -99,8 +102,12 @@ class EvictionPacked(PackedLayout):
 
     @staticmethod
     def can_pack(single) -> bool:
-        """A sequence past its prompt, nothing in flight, no per-head padding."""
-        return (not single.in_prompt and single.window_queries is None and not single.padded
+        """A sequence past its prompt, nothing in flight (a class that keeps its last queries
+        at decode steps: all ``window`` of them), no per-head padding."""
+        queries = single.window_queries
+        window_ok = queries is None if not single.window_in_decode else (
+            queries is not None and queries.shape[2] == single.window)
+        return (not single.in_prompt and window_ok and not single.padded
                 and single.store.rows > 0 and single.packs_now())
 
     # -- building ---------------------------------------------------------------------------
@@ -213,6 +220,8 @@ class EvictionPacked(PackedLayout):
                 visible = (positions >= 0)[:, :, None, :]
                 mask = mx.repeat(visible, queries.shape[1] // positions.shape[1], axis=1)
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if w.window_in_decode:  # the last ``window`` queries, this step's included (as alone)
+            w.window_queries = mx.concatenate([w.window_queries[:, :, 1:], queries], axis=2)
         w.offset = self.offset_array.reshape(b, 1, 1)  # what protected() and a score read
         inputs = BatchScoreInputs(w, queries, scale, (self.offset_array - 1).reshape(b, 1, 1), self.decode_steps)
         w.observe(inputs)

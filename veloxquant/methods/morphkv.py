@@ -19,7 +19,8 @@ tokens and a step attends over up to ``budget + EVICT_EVERY``. The official code
 argmin's slot at every step (C + 1 attended, C = budget); here the ``EVICT_EVERY``
 lowest leave at once and the steps between only keep their queries. Evicting after this step's attention with a window
 that ends at this step's query is the official order (evict before the next step's
-attention, scored by the previous W queries), shifted by one call.
+attention, scored by the previous W queries), shifted by one call. A packed batch (``evict/batch.py``) keeps each sequence's W queries
+joined and scores each window at its own positions.
 
 Adapted or inferred: sinks (the official runs use none); the fusion is a sum (the card's
 default, inferred: no field selects it; the official max fusion is ``fusion = "max"``,
@@ -38,13 +39,15 @@ from ..evict.base import EVICT_EVERY, Roles, Schedule, ScoredEvictionCache
 
 def window_logits(queries, keys, scale, q_positions, k_positions) -> mx.array:
     """The card's buffer A: q·k·scale of each window query over the kept keys, float32,
-    -inf where the key comes after the query: (B, Hq, W, rows); q_positions (W,)."""
+    -inf where the key comes after the query: (B, Hq, W, rows); q_positions (W,), or
+    (B, 1, W) where each sequence's window ends at its own position (a packed batch)."""
     b, hq, w, d = queries.shape
     hkv = keys.shape[1]
     q = queries.reshape(b, hkv, hq // hkv, w, d).astype(mx.float32)
     logits = (q * scale) @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
     k = k_positions[:, :, None, None, :]
-    visible = (k >= 0) & (k <= q_positions[:, None])
+    q_at = q_positions[:, None] if q_positions.ndim == 1 else q_positions.reshape(b, 1, 1, w, 1)
+    visible = (k >= 0) & (k <= q_at)
     return mx.where(visible, logits, -float("inf")).reshape(b, hq, w, -1)
 
 
@@ -60,8 +63,9 @@ class MorphKVCache(ScoredEvictionCache):
     roles = Roles(budget="morphkv_budget", n_sink="morphkv_n_sink", recent="morphkv_window",
                   window="morphkv_window")
     schedule = Schedule(prefill_end=True, decode_every=EVICT_EVERY)
-    batchable = "per_sequence"  # its decode scores read recent queries; the packed layout keeps none
+    batchable = True
     window_in_decode = True
+    sequence_state = ("window_queries",)  # a packed batch keeps each sequence's last W queries
     fusion = "sum"  # "max": the official max_fused variant (tests only; no field selects it)
 
     def score(self, inputs):
@@ -69,6 +73,6 @@ class MorphKVCache(ScoredEvictionCache):
         b, hq, w, d = queries.shape
         # sum_g q_g . k = (sum_g q_g) . k: A summed over a group is one query's logits
         summed = queries.reshape(b, positions.shape[1], -1, w, d).astype(mx.float32).sum(axis=2)
-        logits = window_logits(summed, inputs.keys, inputs.scale, mx.arange(self.offset - w, self.offset), positions)
+        logits = window_logits(summed, inputs.keys, inputs.scale, self.offset - w + mx.arange(w), positions)
         candidates = ~self.protected(positions) & (positions >= 0)
         return fused_profile(logits, candidates, self.fusion)
