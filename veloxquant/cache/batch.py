@@ -554,7 +554,7 @@ def masked_decode_attention(queries, keys, values, visible, *, scale) -> mx.arra
     axis in pieces (``kivi_decode.token_mix``)."""
     b, hq, n, d = queries.shape
     h = keys.shape[1]
-    q = queries.reshape(b, h, hq // h * n, d) * mx.array(scale, queries.dtype)
+    q = queries.reshape(b, h, hq // h * n, d) * scale
     scores = (q @ keys.swapaxes(-1, -2)).astype(mx.float32)
     p = mx.softmax(mx.where(visible, scores, -mx.inf), axis=-1).astype(values.dtype)
     return token_mix(p, values).reshape(b, hq, n, values.shape[-1])
