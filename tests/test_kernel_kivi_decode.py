@@ -799,3 +799,30 @@ def test_frag_rows_plan_is_the_widest_sequences():
     assert list(np.array(params[kd.ROW_PARAMS0:])) == [
         256, 5, 257, 4, 256 // tt * tt, 3, 512, 37, 540, 9, 512, 7, 0, 13, 0, 13, 0, 11]
     assert dict(template)["ROWS"] is True
+
+
+def test_the_packed_launch_hands_the_kernel_the_batch_buffers_and_the_rows_plan(monkeypatch):
+    """What ``kivi_decode_attention_rows`` launches (no GPU here: the kernel is a stand-in
+    that records its call): the 8 buffers and the rows plan's params in the kernels' input
+    order, a block per kv head of every sequence, the ROWS template, then the merge."""
+    rows = kd.CHECK_ROWS
+    q, bufs = kd.rows_case(128, 4, 4, 64, mx.float16, rows=rows)
+    calls = {}
+
+    def main(**kw):
+        calls["main"] = kw
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(kd, "_get_kernels", lambda *a: (main, None))
+    monkeypatch.setattr(kd, "merge_partials", lambda *a: calls.setdefault("merge", a) and a[0])
+    kd._rows_launch(q, bufs, rows, scale=0.125, bits=4, group_size=64)
+    kw = calls["main"]
+    B, H = len(rows), bufs[0].shape[1]
+    ns, params, template = kd._frag_rows_launch_args(
+        mx.float16, 128, 4, 4, 64, bufs[0].shape[3], rows, H, 0.125,
+        kd.frag_target_blocks(B * H, max(r[0] + r[1] for r in rows), 4))
+    assert all(x is y for x, y in zip(kw["inputs"], [q, *bufs], strict=False)) and len(kw["inputs"]) == 10
+    assert mx.array_equal(kw["inputs"][9], params) and kw["template"] == template
+    assert kw["grid"] == (ns * kd.FRAG_NT, B * H, 1) and kw["threadgroup"] == (kd.FRAG_NT, 1, 1)
+    assert kw["output_shapes"] == [(B * 4 * H, ns, 128), (B * 4 * H, ns, 2)]
+    assert calls["merge"][3:] == (q.shape, q.dtype)

@@ -852,11 +852,8 @@ def _rows_launch(queries, buffers, rows, *, scale, bits, group_size):
     ns, params, template = _frag_rows_launch_args(
         queries.dtype, D, Hq // H, bits, group_size, kc.shape[3], rows, H, scale,
         frag_target_blocks(B * H, widest, bits))
-    o_part, ml_part = _get_kernels(*key)[0](
-        inputs=[queries, kc, ks, kb, kr, vc, vs, vb, vr, params], template=template,
-        grid=(ns * FRAG_NT, B * H, 1), threadgroup=(FRAG_NT, 1, 1),
-        output_shapes=[(B * Hq, ns, D), (B * Hq, ns, 2)],
-        output_dtypes=[mx.float32, mx.float32], init_value=None)
+    cache = (kc, ks, kb, None, kr, None, vc, vs, vb, None, vr, None)  # counts: in params
+    o_part, ml_part = launch_main(_get_kernels(*key)[0], queries, cache, ns, FRAG_NT, params, template)
     return merge_partials("cuda", o_part, ml_part, queries.shape, queries.dtype)
 
 

@@ -279,10 +279,11 @@ class KeyformerCache(ScoredEvictionCache):
         queries = inputs.queries
         b, hq = queries.shape[:2]
         taus = [self.tau(step + 1) for step in inputs.decode_steps]  # counted after observe
-        tau = mx.array(taus[0] if len(set(taus)) == 1 else taus, mx.float32)
+        tau = (mx.array(taus[0], mx.float32) if len(set(taus)) == 1
+               else mx.array(taus, mx.float32).reshape(b, 1, 1, 1, 1))
         mass = _packed_decode_score(float(inputs.scale), self.gumbel_noise)(
             queries, inputs.keys, inputs.positions, inputs.state("score"),
-            inputs.query_positions.reshape(b, 1, 1, 1, 1), tau.reshape(tau.shape + (1,) * 4 if tau.ndim else ()),
+            inputs.query_positions.reshape(b, 1, 1, 1, 1), tau,
             *noise_stream(self.options.keyformer_seed, self.layer, 1, hq, inputs.keys.shape[1]))
         self.store.update("score", mass)
 
