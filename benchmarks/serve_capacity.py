@@ -25,6 +25,7 @@ to first token of the last request when N arrive together and are prefilled in t
     python benchmarks/serve_capacity.py                                  # H200: 8B, 32k, 40 GB
     python benchmarks/serve_capacity.py --preset tiny --prompt 4096 --kv-gb 0.04 --steps 4 \
         --prefill-repeats 1                                              # a CPU check
+    python benchmarks/serve_capacity.py --mix 4       # lengths 8k, 16k, 24k, 32k in one batch
 """
 
 from __future__ import annotations
@@ -87,15 +88,17 @@ METHODS.update({row: METHODS[packed] for row, packed in PER_SEQUENCE.items()})
 _packer_for = batch_module.packer_for
 
 
-def batched(cache: list, n: int) -> list:
-    """``n`` copies of one sequence's caches as one batch, merged as BatchGenerator does. Ours
-    are copied first as whole sequences (``copy_single``: each copy's layers share a context
-    of their own), as distinct requests would be: merged ``n`` times, one sequence's layers
+def batched(caches: list, n: int) -> list:
+    """``n`` sequences as one batch, merged as BatchGenerator does: sequence i a copy of the
+    prefilled ``caches[i % len(caches)]`` (each a model's list of layer caches). Ours are
+    copied first as whole sequences (``copy_single``: each copy's layers share a context of
+    their own), as distinct requests would be: merged ``n`` times, one sequence's layers
     would share one copied context, and a per-sequence batch would hold one cache n times."""
-    if not hasattr(cache[0], "config"):  # mlx-lm's own caches
-        return [c.merge([c] * n) for c in cache]
-    seqs = [[batch_module.copy_single(c, "merge") for c in cache] for _ in range(n)]
-    return [c.merge([s[i] for s in seqs]) for i, c in enumerate(cache)]
+    picks = [caches[i % len(caches)] for i in range(n)]
+    if not hasattr(caches[0][0], "config"):  # mlx-lm's own caches
+        return [c.merge([p[i] for p in picks]) for i, c in enumerate(caches[0])]
+    seqs = [[batch_module.copy_single(c, "merge") for c in p] for p in picks]
+    return [c.merge([s[i] for s in seqs]) for i, c in enumerate(caches[0])]
 
 
 def overlapped(model, cache, y, steps):
@@ -111,32 +114,39 @@ def overlapped(model, cache, y, steps):
     return y, (time.perf_counter() - t0) / steps
 
 
-def measure(model, name, config, tokens, budget, steps, max_seqs, repeats):
+def measure(model, name, config, tokens, budget, steps, max_seqs, repeats, mix=1):
     for _ in range(repeats - 1):  # first use: compilation, kernel self-checks
         prefill(model, make_cache(model, config), tokens)
     gc.collect()
     mx.clear_cache()
-    cache = make_cache(model, config)
-    t0 = time.perf_counter()
-    logits = prefill(model, cache, tokens)
-    ttft = time.perf_counter() - t0
-    # two sequences batched as the real batch will be (its layout's room and windows
-    # included), decoded as long as it will be: their bytes at the end, each
-    probe = batched(cache, 2)
-    y = mx.broadcast_to(mx.argmax(logits)[None], (2,))
+    # the prompts: the whole one (its warm prefill timed), and with --mix the shorter ones
+    lengths = [tokens.size * (j + 1) // mix for j in range(mix)]
+    caches, firsts = [], []
+    for n in lengths:
+        cache = make_cache(model, config)
+        t0 = time.perf_counter()
+        logits = prefill(model, cache, tokens[:n])
+        ttft = time.perf_counter() - t0
+        caches.append(cache)
+        firsts.append(mx.argmax(logits))
+    # the batch's sequences, one of each length, batched as the real batch will be (its
+    # layout's room and windows included), decoded as long as it will be: their bytes at
+    # the end, each (two copies without --mix)
+    probe = batched(caches, max(2, mix))
+    y = mx.stack([firsts[i % mix] for i in range(max(2, mix))])
     for _ in range(steps + 2):
         y = mx.argmax(model(y[:, None], cache=probe)[:, -1], axis=-1)
         mx.eval(y)
-    per_seq = sum(c.nbytes for c in probe) / 2
+    per_seq = sum(c.nbytes for c in probe) / max(2, mix)
     del probe
     held = min(max_seqs, int(budget // per_seq))
     row = {"cache": name, "bytes_per_seq": per_seq, "held": held, "ttft_s": ttft}
     if held == 0:
         return {**row, "tok_s": 0.0, "batch_bytes": 0}
-    batch = batched(cache, held)
-    del cache
+    batch = batched(caches, held)
+    del caches, cache
     gc.collect()
-    y = mx.broadcast_to(mx.argmax(logits)[None], (held,))
+    y = mx.stack([firsts[i % mix] for i in range(held)])
     y, _ = overlapped(model, batch, y, 2)  # packs the batch, first-use work
     y, seconds = overlapped(model, batch, y, steps)
     return {**row, "tok_s": held / seconds, "step_s": seconds, "batch_bytes": sum(c.nbytes for c in batch)}
@@ -188,6 +198,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps")
     ap.add_argument("--max-seqs", type=int, default=256, help="most sequences a batch may hold")
     ap.add_argument("--prefill-repeats", type=int, default=2, help="prefills a method (the last is timed)")
+    ap.add_argument("--mix", type=int, default=1,
+                    help="prompt lengths in the batch: N lengths spread evenly up to --prompt, the "
+                         "sequences taking them in turn (1: every sequence at --prompt)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--out", default=None, help="markdown table (default benchmarks/results/serve_capacity-<preset>.md)")
@@ -201,7 +214,7 @@ def main() -> None:
         batch_module.packer_for = _packer_for if name not in PER_SEQUENCE else (lambda cls: None)
         try:
             rows.append(measure(model, name, METHODS[name], tokens, budget, args.steps, args.max_seqs,
-                                args.prefill_repeats))
+                                args.prefill_repeats, args.mix))
         except Exception as exc:  # a row that fails is shown failed, the others still run
             traceback.print_exc()
             rows.append({"cache": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
@@ -213,7 +226,9 @@ def main() -> None:
              "", f"`{command}`", "",
              f"{platform.node()} / {mx.default_device()} / MLX {mx.__version__} / {args.dtype}; "
              f"{args.steps} timed decode steps of the whole batch; TTFT alone: a warm prefill of one "
-             "prompt; TTFT, last of N: N prefills in turn (computed).", "", *table(rows, budget), ""]
+             "prompt; TTFT, last of N: N prefills in turn (computed)"
+             + (f"; prompts of {args.mix} lengths up to {args.prompt}, taken in turn, KV MB a sequence "
+                "their mean" if args.mix > 1 else "") + ".", "", *table(rows, budget), ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     plot(rows, out.with_suffix(".png"))
