@@ -16,7 +16,7 @@ from pathlib import Path
 import veloxquant_mlx  # noqa: F401  (first: it may load OpenBLAS)
 import mlx.core as mx  # noqa: E402
 
-from veloxquant_mlx.cache.batch import masked_decode_attention  # noqa: E402
+from veloxquant_mlx.kernels.decode import masked_decode_attention  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prompt_mass import timed  # noqa: E402  (median seconds after one warm-up call)

@@ -1,4 +1,4 @@
-"""Attention of the packed batch layouts where the sequences' lengths differ (cache/batch.py's
+"""Attention of the packed batch layouts where the sequences' lengths differ (kernels/decode.py's
 ``RowsByLength``: the full cache's and StreamingLLM's; the eviction base's padded slots,
 evict/batch.py): the masked
 decode attention equals MLX's fused attention under the same mask, and a batch of
@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 import batching
-from veloxquant_mlx.cache import batch as batch_module
+from veloxquant_mlx.kernels import decode as decode_module
 from veloxquant_mlx.evict import batch as evict_batch
 
 
@@ -23,13 +23,13 @@ def test_masked_decode_attention_equals_the_fused_attention_under_the_same_mask(
     values = mx.random.normal((B, H, T, D), key=k[2]).astype(dtype)
     visible = (mx.arange(T)[None] < mx.array([T, 700, 5])[:, None])[:, None, None, :]
     ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D ** -0.5, mask=visible)
-    out = batch_module.masked_decode_attention(q, keys, values, visible, scale=D ** -0.5)
+    out = decode_module.masked_decode_attention(q, keys, values, visible, scale=D ** -0.5)
     assert out.shape == ref.shape and out.dtype == dtype
     error = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max() / mx.abs(ref).max()
     assert error.item() < tol
     # a row past a sequence's length moves nothing: its keys and values are not read
     garbage = values.at[2, :, 5:].add(1e3)
-    again = batch_module.masked_decode_attention(q, keys, garbage, visible, scale=D ** -0.5)
+    again = decode_module.masked_decode_attention(q, keys, garbage, visible, scale=D ** -0.5)
     assert mx.array_equal(again[2], out[2])
 
 
@@ -44,9 +44,9 @@ def test_a_batch_of_different_lengths_decodes_packed_through_the_masked_attentio
     max_tokens = (9, 7, 8)
     alone = [batching.run_alone(model, make, p, m) for p, m in zip(prompts, max_tokens)]
     calls = []
-    masked = batch_module.masked_decode_attention
+    masked = decode_module.masked_decode_attention
     counted = lambda q, *a, **kw: calls.append(q.shape[0]) or masked(q, *a, **kw)  # noqa: E731
-    monkeypatch.setattr(batch_module, "masked_decode_attention", counted)
+    monkeypatch.setattr(decode_module, "masked_decode_attention", counted)
     monkeypatch.setattr(evict_batch, "masked_decode_attention", counted)
     got = batching.run_batched(model, prompts, max_tokens, join_at=3)
     assert calls and max(calls) >= 2

@@ -22,7 +22,8 @@ sequence, an ``mx.array``) for RoPE. ``merge`` on one of our classes returns a
   already ignore). One attention call per layer for the batch; eviction decisions stay
   per sequence (each sequence's budget, its scores over its own slots, its free slot).
   The dense cache (``FullPacked`` here), the eviction base (``evict/batch.py``),
-  StreamingLLM's sinks and ring (``methods/streaming_llm.py``) and the quantized store
+  StreamingLLM's sinks and ring (``methods/streaming_llm.py``; the dense ones attend through
+  ``kernels/decode.py``'s ``RowsByLength``) and the quantized store
   (``quant/batch.py``) have one. Padding sits after a sequence's slots,
   so attention over a padded row adds exact zeros after the real terms; MLX's fused attention still sums a longer row in other
   blocks, so a sequence followed by padding may round differently from alone (by float
@@ -64,7 +65,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..kernels.kivi_decode import token_mix
 from .base import CompressedKVCache, causal_mask
 from .buffers import GrowingArray, added_room
 
@@ -528,37 +528,5 @@ def check_step_rows(cache, keys, values) -> None:
         cache._check_shape(keys[:1], values[:1])
 
 
-class RowsByLength:
-    """``attend`` of a dense packed layout whose sequence b holds rows 0 .. length_array[b]
-    - 1 (``padded``: the lengths differ, the rows after a sequence's own masked). Equal
-    lengths take MLX's fused attention unmasked; differing ones ``masked_decode_attention``:
-    MLX 0.32.4's fused attention with any mask ran 9.6x its unmasked time on the H200 (batch
-    9 at 32k), this 1.8x (benchmarks/results/serve_h200_s54/README.md)."""
-
-    def _visible(self, rows: int) -> mx.array | None:
-        if not self.padded:
-            return None
-        return (mx.arange(rows)[None] < self.length_array[:, None])[:, None, None, :]
-
-    def attend(self, queries, keys, values, *, scale, sinks=None):
-        mask = self._visible(keys.shape[2])
-        if mask is not None and sinks is None and queries.shape[2] == 1:
-            return masked_decode_attention(queries, keys, values, mask, scale=scale)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-
-
-def masked_decode_attention(queries, keys, values, visible, *, scale) -> mx.array:
-    """Decode attention (queries (B, Hq, 1, D)) over the rows ``visible`` (B, 1 or Hkv, 1, T)
-    marks (per sequence, or per sequence and KV head):
-    the scores' product, a float32 masked softmax, then the values' product over the token
-    axis in pieces (``kivi_decode.token_mix``)."""
-    b, hq, n, d = queries.shape
-    h = keys.shape[1]
-    q = queries.reshape(b, h, hq // h * n, d) * scale
-    scores = (q @ keys.swapaxes(-1, -2)).astype(mx.float32)
-    p = mx.softmax(mx.where(visible, scores, -mx.inf), axis=-1).astype(values.dtype)
-    return token_mix(p, values).reshape(b, hq, n, values.shape[-1])
-
-
-__all__ = ["BatchCache", "PACKED", "PackedLayout", "PER_SEQUENCE", "RowsByLength", "check_step_rows", "batch_mode", "batchable_methods",
+__all__ = ["BatchCache", "PACKED", "PackedLayout", "PER_SEQUENCE", "check_step_rows", "batch_mode", "batchable_methods",
            "merge", "refusal", "why_not_batchable"]

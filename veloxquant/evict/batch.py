@@ -38,14 +38,8 @@ from functools import cached_property
 import mlx.core as mx
 
 from ..cache.base import CacheStateError, CompressedKVCache
-from ..cache.batch import (
-    PackedLayout,
-    check_step_rows,
-    grown_capacity,
-    masked_decode_attention,
-    pad_rows,
-    single_buffer,
-)
+from ..cache.batch import PackedLayout, check_step_rows, grown_capacity, pad_rows, single_buffer
+from ..kernels.decode import masked_decode_attention
 from .attention import attention_weights
 from .base import ScoredEvictionCache, ScoreInputs
 from .layer_budgets import LayerBudgets

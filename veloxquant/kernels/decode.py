@@ -15,6 +15,10 @@ kernel (parts no kernel reads add pure-MLX partials in the same form). Where non
 (the CPU, ``use_kernel=False``), every part's scores go under one softmax and each
 part's values take their slice of it: the partials' form would cost a decode step some
 eight operations a part plus a dozen for the merge, for the same sums.
+
+Packed batches of full-precision rows (the full cache's and StreamingLLM's, the eviction
+base's) attend here too where their sequences' lengths differ: ``masked_decode_attention``
+instead of MLX's fused attention with a mask (``RowsByLength``).
 """
 
 from __future__ import annotations
@@ -292,3 +296,38 @@ def merge_partials_mlx(o_part, ml_part, out_shape, dtype) -> mx.array:
     w = mx.power(2.0, m - top)  # an empty partial (max -inf) weighs nothing
     out = (w[..., None] * o_part).sum(axis=1) / (w * l).sum(axis=1)[..., None]
     return out.reshape(out_shape).astype(dtype)
+
+
+# -- packed batches whose sequences hold different numbers of rows --
+
+
+class RowsByLength:
+    """``attend`` of a dense packed layout whose sequence b holds rows 0 .. length_array[b]
+    - 1 (``padded``: the lengths differ, the rows after a sequence's own masked). Equal
+    lengths take MLX's fused attention unmasked; differing ones ``masked_decode_attention``:
+    MLX 0.32.4's fused attention with any mask ran 9.6x its unmasked time on the H200 (batch
+    9 at 32k), this 1.8x (benchmarks/results/serve_h200_s54/README.md)."""
+
+    def _visible(self, rows: int) -> mx.array | None:
+        if not self.padded:
+            return None
+        return (mx.arange(rows)[None] < self.length_array[:, None])[:, None, None, :]
+
+    def attend(self, queries, keys, values, *, scale, sinks=None):
+        mask = self._visible(keys.shape[2])
+        if mask is not None and sinks is None and queries.shape[2] == 1:
+            return masked_decode_attention(queries, keys, values, mask, scale=scale)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+
+def masked_decode_attention(queries, keys, values, visible, *, scale) -> mx.array:
+    """Decode attention (queries (B, Hq, 1, D)) over the rows ``visible`` (B, 1 or Hkv, 1, T)
+    marks (per sequence, or per sequence and KV head):
+    the scores' product, a float32 masked softmax, then the values' product over the token
+    axis in pieces (``kivi_decode.token_mix``)."""
+    b, hq, n, d = queries.shape
+    h = keys.shape[1]
+    q = queries.reshape(b, h, hq // h * n, d) * scale
+    scores = (q @ keys.swapaxes(-1, -2)).astype(mx.float32)
+    p = mx.softmax(mx.where(visible, scores, -mx.inf), axis=-1).astype(values.dtype)
+    return kd.token_mix(p, values).reshape(b, hq, n, values.shape[-1])

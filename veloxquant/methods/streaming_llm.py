@@ -12,7 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache
-from ..cache.batch import PackedLayout, RowsByLength, check_step_rows, grown_capacity, pad_rows, single_buffer
+from ..cache.batch import PackedLayout, check_step_rows, grown_capacity, pad_rows, single_buffer
+from ..kernels.decode import RowsByLength
 from ..cache.buffers import GrowingArray
 
 
