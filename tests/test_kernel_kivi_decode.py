@@ -762,7 +762,7 @@ def test_cuda_source_emulated_on_cpu(tmp_path, monkeypatch, algo, R, bits, G, n_
     # CHECK_ROWS: tiles and tails of different lengths, a sequence without tiles, rings that
     # wrap; target 4: the tail chunks in the tile blocks (TAIL_FIRST), 64: blocks of their own
     (4, 4, 64, 4, kd.CHECK_ROWS),
-    (4, 4, 64, 64, kd.CHECK_ROWS),
+    pytest.param(4, 4, 64, 64, kd.CHECK_ROWS, marks=pytest.mark.slow),
     # GQA 8 (two value products), 2-bit tiles spanning groups; equal rows (a batch of copies)
     pytest.param(8, 2, 32, 6, ((256, 40, 288, 8, 0), (256, 40, 288, 8, 0)),
                  marks=pytest.mark.slow),
