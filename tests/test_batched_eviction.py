@@ -126,3 +126,49 @@ def test_overrides_of_the_decode_steps_pack_only_where_their_own_class_vouches_f
     assert not EvictionPacked.accepts(Again)
     cache = QFiltersCache(KVCacheConfig(method="qfilters"), None, 0)
     assert not cache.packs_now()  # no filter before the first eviction: it may still change
+
+
+PACKED_EVICTING = {
+    "cam": (CaMCache, {"cam_budget": BUDGET}),
+    "keyformer": (KeyformerCache, {"keyformer_budget": BUDGET}),
+    "morphkv": (MorphKVCache, {"morphkv_budget": BUDGET}),
+    "h2o": (H2OCache, {"h2o_budget": BUDGET}),
+    "qfilters": (None, {"qfilters_budget": BUDGET}),
+}
+
+
+@pytest.mark.parametrize("method", list(PACKED_EVICTING))
+def test_a_packed_batch_evicts_at_each_sequences_own_steps_as_alone(method, monkeypatch):
+    """Evicting every 4 decode steps (so that packed steps evict within a short run; the
+    conformance batch test's runs end before the default EVICT_EVERY): sequences of
+    different lengths, joining later, evict at their own steps, and each keeps what it
+    keeps alone (CaM's merges into the kept rows included), tokens and kept arrays alike."""
+    import mlx.core as mx
+
+    import batching
+    from veloxquant_mlx.evict import batch as evict_batch
+
+    cls, settings = PACKED_EVICTING[method]
+    if cls is not None:
+        monkeypatch.setattr(cls, "schedule", replace(cls.schedule, decode_every=4))
+    model, make = batching.rowwise_setup(method, settings)
+    # the first two start together with prompts of one length: due at the same steps, with
+    # as many slots (CaM merges them as one group, each drawing its gate as alone)
+    prompts = [list(range(s, s + n)) for s, n in ((7, 90), (3, 90), (11, 30), (5, 75))]
+    max_tokens = (14, 9, 16, 11)
+    alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, max_tokens)]
+    evicted, real = [], evict_batch.EvictionPacked._evict
+
+    def counting(self, inputs, scoring):
+        over = [i for i in scoring if self.rows[i] > self.shells[i].budget]
+        evicted.append(len(over))
+        return real(self, inputs, scoring)
+
+    monkeypatch.setattr(evict_batch.EvictionPacked, "_evict", counting)
+    got = batching.run_batched(model, prompts, max_tokens, join_at=3)
+    assert max(evicted, default=0) >= 2, "no packed step evicted for several sequences"
+    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
+        batching.assert_same_cache(cache, a_cache, exact=False)

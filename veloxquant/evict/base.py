@@ -170,10 +170,19 @@ class ScoredEvictionCache(CompressedKVCache):
     # ``packs_now`` holds.
     sequence_state: tuple[str, ...] = ()
     same_at_decode: tuple[str, ...] = ()
+    # True on the cache a packed batch builds over a group of its sequences for
+    # ``before_eviction``: its rows are sequences that must each do what they do alone
+    # (a draw per row is the one a sequence alone makes), not one batch of rows
+    rows_alone = False
 
     def packs_now(self) -> bool:
         """Whether this sequence's cache may join a packed batch now."""
         return True
+
+    def before_eviction(self, inputs: ScoreInputs) -> None:
+        """What a method does to its kept rows before an eviction takes the lowest scored
+        (CaM merges the leaving tokens into the kept ones); nothing by default. A packed
+        batch runs it on the sequences due, grouped by their rows and positions."""
 
     @classmethod
     def packed_layout(cls):

@@ -27,8 +27,10 @@ sinks and the recent window) batches unchanged. A method class joins the packed 
 only if it changes none of the base's decode steps (``accepts``), or says in its own body
 which of its overrides act as the base's (``same_at_decode``, while ``packs_now`` holds);
 arrays a sequence keeps besides its store (``sequence_state``: QFilters' filter, MorphKV's
-last queries) are joined for the worker; its scores must not depend on anything else per
-sequence (the batch conformance tests check each one).
+last queries) are joined for the worker; what a method does to its rows before an eviction
+(``before_eviction``: CaM's merges) runs on a cache over each group of due sequences with
+as many slots at the same position; its scores must not depend on anything else per
+sequence (the batch conformance tests and tests/test_batched_eviction.py check each one).
 """
 
 from __future__ import annotations
@@ -236,6 +238,8 @@ class EvictionPacked(PackedLayout):
         if not one and not keep:
             return
         w = self.worker
+        if type(w).before_eviction is not ScoredEvictionCache.before_eviction:
+            self._before_eviction(inputs, one + keep)
         scores = mx.where(w.protected(inputs.positions), float("inf"), w.score(inputs))
         b, h = inputs.positions.shape[:2]
         if one:  # padding is protected (position -1 < n_sink): never the worst
@@ -246,6 +250,31 @@ class EvictionPacked(PackedLayout):
                 self.has_free[i] = True
         if keep:
             self._keep(scores, {i: budgets[i] for i in keep}, h)
+
+    def _before_eviction(self, inputs, due: list[int]) -> None:
+        """The method's ``before_eviction`` on the sequences ``due``, as alone: a single cache of
+        the method over each group of them that holds as many slots at the same position
+        (their slots sliced out, joined), its changed arrays written back into their slots."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i in due:
+            groups.setdefault((self.rows[i], self.offsets[i]), []).append(i)
+        for (rows, offset), members in groups.items():
+            index = mx.array(members, mx.int32)
+            cache = type(self.worker).__new__(type(self.worker))
+            cache.__dict__.update(self.worker.__dict__)
+            cache.store, cache.offset = SlotStore(self.names, step=self.step), offset
+            cache.rows_alone = True
+            sliced = {}
+            for name in self.names:
+                sliced[name] = cache.store.arrays[name].buffer = self.store.arrays[name].buffer[index, :, :rows]
+                cache.store.arrays[name].length = rows
+            for name in self.worker.sequence_state:
+                setattr(cache, name, getattr(self.worker, name)[index])
+            cache.before_eviction(ScoreInputs(cache, inputs.queries[index], inputs.scale))
+            for name in self.names:
+                changed = cache.store.arrays[name].buffer
+                if changed is not sliced[name]:
+                    self.store.arrays[name].buffer[index, :, :rows] = changed
 
     def _keep(self, scores, budgets: dict[int, int], heads: int) -> None:
         """Sequences in ``budgets`` keep their best slots (as ``SlotStore.keep`` does

@@ -37,6 +37,10 @@ with the last prompt query's attention (the cascade of one eviction per step, th
 tokens that are themselves about to leave, is not replayed). Several victims pulling one
 key pull it toward their weighted mean with strength min(1, their summed pull): convex.
 Victims are taken in blocks, so the victim x window weights stay bounded.
+
+A packed batch (``evict/batch.py``) merges before its eviction step as each sequence alone:
+``before_eviction`` on a cache over each group of due sequences that hold as many slots at
+the same position (``rows_alone``: each row draws the gate its sequence draws alone).
 """
 
 from __future__ import annotations
@@ -119,7 +123,8 @@ def _block_fn(mode: str, merge_keys: bool, m: int):
 class CaMCache(ScoredEvictionCache):
     roles = Roles(budget="cam_budget", n_sink="cam_n_sink")
     schedule = Schedule(prefill_end=True, decode_every=EVICT_EVERY)
-    batchable = "per_sequence"  # its own _evict (merging values), which the packed layout does not run
+    batchable = True
+    same_at_decode = ("_evict",)  # the base's after ``before_eviction``, which a packed batch runs
     gate_seed = 0  # the spec has no seed field: a fixed seed, kept in the saved state
 
     def score(self, inputs):  # recency: the oldest non-sink token leaves first
@@ -132,9 +137,12 @@ class CaMCache(ScoredEvictionCache):
         super()._restore_meta(meta)
         self.gate_seed = int(meta.get("gate_seed", CaMCache.gate_seed))
 
-    def _evict(self, inputs, decode_step):
+    def before_eviction(self, inputs):
         if self.options.cam_merge != "none" and self.store.rows > self.budget:
             self._merge(inputs)
+
+    def _evict(self, inputs, decode_step):
+        self.before_eviction(inputs)
         super()._evict(inputs, decode_step)  # frees (or gathers away) the same victims
 
     def _merge(self, inputs):
@@ -146,7 +154,8 @@ class CaMCache(ScoredEvictionCache):
         u = None
         if self.options.cam_merge_gate:  # one draw per sequence, KV head and victim
             key = step_key(self.gate_seed, self.layer, self.offset - 1)  # this query's position
-            u = mx.random.uniform(shape=victims.shape, key=key)
+            shape = (1, *victims.shape[1:]) if self.rows_alone else victims.shape
+            u = mx.broadcast_to(mx.random.uniform(shape=shape, key=key), victims.shape)
         merge = self._merge_one if gone == 1 else self._merge_many
         merge(inputs.keys, inputs.values, victims, window, a, u, min(MERGE_TARGETS, window.shape[-1]))
 
