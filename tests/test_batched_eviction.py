@@ -172,3 +172,27 @@ def test_a_packed_batch_evicts_at_each_sequences_own_steps_as_alone(method, monk
         for x, y in zip(logprobs, a_logprobs):
             assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
         batching.assert_same_cache(cache, a_cache, exact=False)
+
+
+@pytest.mark.parametrize("reuse", [1, 2])
+def test_chunkkv_decodes_packed_as_alone(reuse):
+    """ChunkKV evicts at the prompt's end only (per sequence, its layers sharing one choice
+    when reuse > 1); its packed decode steps only append: tokens and kept arrays as alone."""
+    import mlx.core as mx
+
+    import batching
+
+    model, make = batching.rowwise_setup("chunkkv", {"chunkkv_budget": BUDGET, "chunkkv_chunk_size": 4,
+                                                     "chunkkv_reuse_layers": reuse})
+    prompts = [list(range(s, s + n)) for s, n in ((7, 90), (3, 120), (11, 30), (5, 75))]
+    max_tokens = (14, 9, 16, 11)
+    alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, max_tokens)]
+    modes = set()
+    got = batching.run_batched(model, prompts, max_tokens, join_at=3,
+                               check=lambda gen: modes.update(c.mode for c in batching.batch_caches(gen)))
+    assert "packed" in modes
+    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
+        batching.assert_same_cache(cache, a_cache, exact=False)

@@ -49,7 +49,10 @@ class ChunkKVCache(ScoredEvictionCache):
     roles = Roles(budget="chunkkv_budget", n_sink="chunkkv_n_sink")
     schedule = Schedule(prefill_end=True)
     kept_count_follows_budget = False  # whole chunks: up to a chunk below the budget
-    batchable = "per_sequence"  # its own _evict (whole chunks), which the packed layout does not run
+    batchable = True
+    # its own _evict (whole chunks) runs at the prompt's end only (decode only appends), which
+    # a batch runs per sequence: packed decode steps never evict
+    same_at_decode = ("_evict",)
 
     def _init_storage(self) -> None:
         super()._init_storage()
