@@ -706,7 +706,7 @@ def skip_without_emulation():
         # folded: splits of one chunk; several chunks per split (register prefetch),
         # 4-byte key loads (rows not 16-byte aligned), a chunk shorter than a group
         ("folded", 4, 4, 64, 512, 37, 131, 128, 2, None),
-        ("folded", 8, 2, 32, 288, 100, 200, 128, 2, None),
+        pytest.param("folded", 8, 2, 32, 288, 100, 200, 128, 2, None, marks=pytest.mark.slow),
         pytest.param("folded", 4, 4, 64, 512, 37, 128, 128, 1024, None,
                      marks=pytest.mark.slow),
         pytest.param("folded", 3, 8, 128, 256, 19, 77, 64, 4, None, marks=pytest.mark.slow),
@@ -718,13 +718,14 @@ def skip_without_emulation():
         # with target 2 one block per kv head owns all 16 tiles and loops over 11 tail
         # chunks
         ("frag", 4, 4, 64, 512, 37, 131, None, 4, None),
-        ("frag", 8, 2, 64, 512, 37, 131, None, 4, None),
+        pytest.param("frag", 8, 2, 64, 512, 37, 131, None, 4, None, marks=pytest.mark.slow),
         ("frag", 3, 8, 32, 256, 37, 100, None, 3, None),
         pytest.param("frag", 4, 4, 32, 256, 37, 40, None, 3, "pad-key-words",
                      marks=pytest.mark.slow),
         ("frag", 4, 4, 64, 1024, 37, 131, None, 2, "keep-1"),
         ("frag", 4, 4, 64, 0, 37, 37, None, 4, None),   # no tile: every token a tail chunk
-        ("frag", 4, 4, 64, 512, 37, 131, None, 64, None),  # tail chunks in blocks of their own
+        pytest.param("frag", 4, 4, 64, 512, 37, 131, None, 64, None,  # tail chunks in blocks of their own
+                     marks=pytest.mark.slow),
         pytest.param("frag", 3, 2, 64, 512, 37, 100, None, 2, "keep-1",
                      marks=pytest.mark.slow),
         pytest.param("frag", 8, 2, 32, 512, 37, 131, None, 4, None,  # four groups a tile
