@@ -130,7 +130,7 @@ class QuantizedPacked(PackedLayout):
             return False
         # where a fused kernel reads one sequence but no packed launch reads the batch, per
         # sequence beat this layout's pure-MLX read on the H200 (8B shape, 32k prompts: 280
-        # against 66 tokens a second, benchmarks/results/serve_capacity-llama3-8b.md)
+        # against 66 tokens a second, benchmarks/results/serve_h200_s54/README.md)
         return not (single.use_kernel and kd.gpu_backend() is not None) or cls._rows_kernel(single)
 
     @staticmethod
