@@ -196,3 +196,33 @@ def test_chunkkv_decodes_packed_as_alone(reuse):
         for x, y in zip(logprobs, a_logprobs):
             assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
         batching.assert_same_cache(cache, a_cache, exact=False)
+
+
+def test_nestedkv_decodes_packed_with_its_heads_padding_masked():
+    """NestedKV's per-head budgets leave padding among a sequence's own slots; decode only
+    appends, so a packed batch masks that padding as the slots after a shorter sequence's:
+    tokens and kept arrays as alone."""
+    import mlx.core as mx
+
+    import batching
+    from veloxquant_mlx.evict import batch as evict_batch
+
+    model, make = batching.rowwise_setup("nestedkv", {"nestedkv_budget": BUDGET, "nestedkv_safeguard_alpha": 0.25,
+                                                      "nestedkv_window": 8})
+    prompts = [list(range(s, s + n)) for s, n in ((7, 90), (3, 120), (11, 30), (5, 75))]
+    max_tokens = (14, 9, 16, 11)
+    alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, max_tokens)]
+    head_padded = []
+
+    def check(gen):
+        for c in batching.batch_caches(gen):
+            if isinstance(c.packed, evict_batch.EvictionPacked):
+                head_padded.extend(c.packed.head_padded)
+
+    got = batching.run_batched(model, prompts, max_tokens, join_at=3, check=check)
+    assert any(head_padded), "no packed batch held a sequence with per-head padding"
+    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
+        batching.assert_same_cache(cache, a_cache, exact=False)

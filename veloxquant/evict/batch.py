@@ -99,11 +99,14 @@ class EvictionPacked(PackedLayout):
     @staticmethod
     def can_pack(single) -> bool:
         """A sequence past its prompt, nothing in flight (a class that keeps its last queries
-        at decode steps: all ``window`` of them), no per-head padding."""
+        at decode steps: all ``window`` of them), no per-head padding that a decode step's
+        eviction would move."""
         queries = single.window_queries
         window_ok = queries is None if not single.window_in_decode else (
             queries is not None and queries.shape[2] == single.window)
-        return (not single.in_prompt and window_ok and not single.padded
+        # padding among a sequence's own slots (per-head budgets) is masked like the padding
+        # after them, where no decode step evicts (NestedKV); an eviction would move it
+        return (not single.in_prompt and window_ok and not (single.padded and single.schedule.decode_every)
                 and single.store.rows > 0 and single.packs_now())
 
     # -- building ---------------------------------------------------------------------------
@@ -124,6 +127,7 @@ class EvictionPacked(PackedLayout):
         self.has_free = [s.store.free is not None for s in singles]
         self.offsets = [s.offset for s in singles]
         self.decode_steps = [s.decode_steps for s in singles]
+        self.head_padded = [s.padded for s in singles]  # per-head budgets: padding inside its slots
         room = max(self.capacities)
         store = SlotStore(self.names, step=self.step)
         for name in self.names:
@@ -155,8 +159,8 @@ class EvictionPacked(PackedLayout):
 
     @property
     def padded(self) -> bool:
-        """Some sequence holds fewer slots than the store's rows."""
-        return len(set(self.rows)) > 1 or self.rows[0] != self.store.rows
+        """Some sequence holds fewer slots than the store's rows, or padding among its own."""
+        return any(self.head_padded) or len(set(self.rows)) > 1 or self.rows[0] != self.store.rows
 
     def _set_limit(self) -> None:
         self.store.set_limit(None if any(n is None for n in self.limits) else max(self.limits))
@@ -313,7 +317,7 @@ class EvictionPacked(PackedLayout):
 
     def filter(self, keep: list[int]) -> None:
         index = mx.array(keep, mx.int32)
-        for name in ("shells", "rows", "capacities", "limits", "has_free", "offsets", "decode_steps"):
+        for name in ("shells", "rows", "capacities", "limits", "has_free", "offsets", "decode_steps", "head_padded"):
             setattr(self, name, [getattr(self, name)[i] for i in keep])
         for grown in self.store.arrays.values():
             grown.buffer = grown.buffer[index]
@@ -330,7 +334,7 @@ class EvictionPacked(PackedLayout):
             fill = -1 if name == "positions" else 0
             mine.buffer = mx.concatenate([pad_rows(mine.buffer, room, fill), pad_rows(theirs.buffer, room, fill)])
             mine.length = max(mine.length, theirs.length)
-        for name in ("shells", "rows", "capacities", "limits", "has_free", "offsets", "decode_steps"):
+        for name in ("shells", "rows", "capacities", "limits", "has_free", "offsets", "decode_steps", "head_padded"):
             getattr(self, name).extend(getattr(other, name))
         for name in self.worker.sequence_state:
             setattr(self.worker, name, mx.concatenate([getattr(self.worker, name), getattr(other.worker, name)]))

@@ -174,7 +174,10 @@ class Ensemble:
 class NestedKVCache(ScoredEvictionCache):
     roles = Roles(budget="nestedkv_budget", n_sink="nestedkv_n_sink", recent="nestedkv_window")
     schedule = Schedule(prefill_end=True)
-    batchable = "per_sequence"  # its own _evict and head_budgets, which the packed layout does not run
+    batchable = True
+    # its own _evict and head_budgets run at a prompt's end only (decode only appends), which
+    # a batch runs per sequence; packed decode steps mask its heads' padding slots
+    same_at_decode = ("_evict", "head_budgets")
 
     def ensemble(self, inputs) -> Ensemble:
         """Steps 1-5 over the stored keys (computed once per scoring, shared by the split)."""
