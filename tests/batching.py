@@ -162,6 +162,17 @@ def assert_same_cache(batched, alone, exact: bool, atol=1e-5):
                 assert mx.allclose(x, y, atol=atol, rtol=atol), (name, float(mx.abs(x - y).max()))
 
 
+def assert_batch_equals_alone(got, alone, atol=1e-5):
+    """``run_batched``'s results against ``run_alone``'s, sequence by sequence: the same
+    tokens, log-probs and extracted caches to ``atol`` (a packed run: float rounding)."""
+    assert len(got) == len(alone)
+    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.allclose(x, y, atol=atol, rtol=atol), float(mx.abs(x - y).max())
+        assert_same_cache(cache, a_cache, exact=False, atol=atol)
+
+
 def memory_check(gen):
     """Every batch cache's nbytes is what it holds: per sequence, the sum of its sequences'
     caches; packed, its arrays (each sequence's slots, the padding after them, spare rows)."""

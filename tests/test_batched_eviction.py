@@ -80,8 +80,6 @@ def test_keyformer_packed_with_an_annealed_temperature_equals_each_sequence_alon
     """Keyformer's packed batch: each sequence scores with its own query position, the noise
     it has alone and, annealing, its own temperature step (sequences that joined later are at
     other steps): tokens, log-probs and kept slots as each sequence alone."""
-    import mlx.core as mx
-
     import batching
     from veloxquant_mlx.methods import keyformer as keyformer_module
 
@@ -101,11 +99,7 @@ def test_keyformer_packed_with_an_annealed_temperature_equals_each_sequence_alon
     got = batching.run_batched(model, prompts, max_tokens, join_at=3)
     # packed steps ran, some with one temperature per sequence (steps that differ)
     assert any(t.ndim == 5 and t.shape[0] > 1 for t in temperatures)
-    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
-        assert tokens == a_tokens
-        for x, y in zip(logprobs, a_logprobs):
-            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
-        batching.assert_same_cache(cache, a_cache, exact=False)
+    batching.assert_batch_equals_alone(got, alone)
 
 
 def test_overrides_of_the_decode_steps_pack_only_where_their_own_class_vouches_for_them():
@@ -143,8 +137,6 @@ def test_a_packed_batch_evicts_at_each_sequences_own_steps_as_alone(method, monk
     conformance batch test's runs end before the default EVICT_EVERY): sequences of
     different lengths, joining later, evict at their own steps, and each keeps what it
     keeps alone (CaM's merges into the kept rows included), tokens and kept arrays alike."""
-    import mlx.core as mx
-
     import batching
     from veloxquant_mlx.evict import batch as evict_batch
 
@@ -167,19 +159,13 @@ def test_a_packed_batch_evicts_at_each_sequences_own_steps_as_alone(method, monk
     monkeypatch.setattr(evict_batch.EvictionPacked, "_evict", counting)
     got = batching.run_batched(model, prompts, max_tokens, join_at=3)
     assert max(evicted, default=0) >= 2, "no packed step evicted for several sequences"
-    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
-        assert tokens == a_tokens
-        for x, y in zip(logprobs, a_logprobs):
-            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
-        batching.assert_same_cache(cache, a_cache, exact=False)
+    batching.assert_batch_equals_alone(got, alone)
 
 
 @pytest.mark.parametrize("reuse", [1, 2])
 def test_chunkkv_decodes_packed_as_alone(reuse):
     """ChunkKV evicts at the prompt's end only (per sequence, its layers sharing one choice
     when reuse > 1); its packed decode steps only append: tokens and kept arrays as alone."""
-    import mlx.core as mx
-
     import batching
 
     model, make = batching.rowwise_setup("chunkkv", {"chunkkv_budget": BUDGET, "chunkkv_chunk_size": 4,
@@ -191,19 +177,13 @@ def test_chunkkv_decodes_packed_as_alone(reuse):
     got = batching.run_batched(model, prompts, max_tokens, join_at=3,
                                check=lambda gen: modes.update(c.mode for c in batching.batch_caches(gen)))
     assert "packed" in modes
-    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
-        assert tokens == a_tokens
-        for x, y in zip(logprobs, a_logprobs):
-            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
-        batching.assert_same_cache(cache, a_cache, exact=False)
+    batching.assert_batch_equals_alone(got, alone)
 
 
 def test_nestedkv_decodes_packed_with_its_heads_padding_masked():
     """NestedKV's per-head budgets leave padding among a sequence's own slots; decode only
     appends, so a packed batch masks that padding as the slots after a shorter sequence's:
     tokens and kept arrays as alone."""
-    import mlx.core as mx
-
     import batching
     from veloxquant_mlx.evict import batch as evict_batch
 
@@ -221,8 +201,4 @@ def test_nestedkv_decodes_packed_with_its_heads_padding_masked():
 
     got = batching.run_batched(model, prompts, max_tokens, join_at=3, check=check)
     assert any(head_padded), "no packed batch held a sequence with per-head padding"
-    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
-        assert tokens == a_tokens
-        for x, y in zip(logprobs, a_logprobs):
-            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
-        batching.assert_same_cache(cache, a_cache, exact=False)
+    batching.assert_batch_equals_alone(got, alone)

@@ -50,7 +50,4 @@ def test_a_batch_of_different_lengths_decodes_packed_through_the_masked_attentio
     monkeypatch.setattr(evict_batch, "masked_decode_attention", counted)
     got = batching.run_batched(model, prompts, max_tokens, join_at=3)
     assert calls and max(calls) >= 2
-    for (tokens, logprobs, _), (a_tokens, a_logprobs, _) in zip(got, alone):
-        assert tokens == a_tokens
-        for x, y in zip(logprobs, a_logprobs):
-            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
+    batching.assert_batch_equals_alone(got, alone)
