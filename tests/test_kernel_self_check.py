@@ -144,3 +144,18 @@ def test_the_check_input_is_of_the_real_shape_class():
         assert min(n_kq, n_vq) >= 2 * kd._frag_tile(bits)
     for group in kd.SUPPORTED_GROUP_SIZES:
         assert n_kq % group == 0
+
+
+def test_the_packed_launchs_self_check_passes_a_right_kernel_and_warns_once_for_a_wrong_one(monkeypatch):
+    """``rows_self_check`` (the packed launch's), with the launch replaced here (no GPU): one
+    that equals the reference passes; one that is off warns once and fails from then on."""
+    monkeypatch.setattr(kd, "_ROWS_SELF_CHECKS", {})
+    right = lambda q, bufs, rows, **kw: kd.kivi_decode_attention_rows_reference(q, *bufs, rows, **kw)  # noqa: E731
+    monkeypatch.setattr(kd, "_rows_launch", right)
+    assert kd.rows_self_check(64, 2, 4, 32, mx.float16)
+    monkeypatch.setattr(kd, "_rows_launch", lambda *a, **kw: right(*a, **kw) * 1.5)
+    with pytest.warns(RuntimeWarning, match="'frag' over a packed batch.*max relative error"):
+        assert not kd.rows_self_check(64, 4, 4, 32, mx.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not kd.rows_self_check(64, 4, 4, 32, mx.float16)

@@ -82,6 +82,9 @@ class BatchScoreInputs(ScoreInputs):
 class EvictionPacked(PackedLayout):
     """Decode steps of a batch of one eviction method's sequences, in one slot store."""
 
+    # host lists with one entry a sequence, filtered and extended with the batch
+    _PER_SEQUENCE = ("shells", "rows", "capacities", "limits", "has_free", "offsets", "decode_steps", "head_padded")
+
     @staticmethod
     def accepts(cls: type) -> bool:
         """``cls`` decodes with the base's steps only (the ones reimplemented here)."""
@@ -317,7 +320,7 @@ class EvictionPacked(PackedLayout):
 
     def filter(self, keep: list[int]) -> None:
         index = mx.array(keep, mx.int32)
-        for name in ("shells", "rows", "capacities", "limits", "has_free", "offsets", "decode_steps", "head_padded"):
+        for name in self._PER_SEQUENCE:
             setattr(self, name, [getattr(self, name)[i] for i in keep])
         for grown in self.store.arrays.values():
             grown.buffer = grown.buffer[index]
@@ -334,7 +337,7 @@ class EvictionPacked(PackedLayout):
             fill = -1 if name == "positions" else 0
             mine.buffer = mx.concatenate([pad_rows(mine.buffer, room, fill), pad_rows(theirs.buffer, room, fill)])
             mine.length = max(mine.length, theirs.length)
-        for name in ("shells", "rows", "capacities", "limits", "has_free", "offsets", "decode_steps", "head_padded"):
+        for name in self._PER_SEQUENCE:
             getattr(self, name).extend(getattr(other, name))
         for name in self.worker.sequence_state:
             setattr(self.worker, name, mx.concatenate([getattr(self.worker, name), getattr(other.worker, name)]))

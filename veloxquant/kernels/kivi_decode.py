@@ -482,10 +482,15 @@ def _frag_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, n_kq, n
     keep = FRAG_KEEP_OFFSET if tps <= FRAG_KEEP_MAX_TILES else 0
     tail_first = tail0 == 0 and t_fast > 0
     params = _params(n_kq, n_kres, n_vq, n_vres, scale, tps, t_fast, ns_tail, tail0)
-    template = [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
-                ("GQA", gqa), ("NT", FRAG_NT), ("KVEC", 4 if key_words % 4 == 0 else 1),
-                ("KEEP", int(keep)), ("TAIL_FIRST", bool(tail_first)), ("ROWS", False)]
+    template = _frag_template(dtype, head_dim, gqa, bits, group_size, key_words, keep, tail_first, False)
     return ns, params, template, tail0, ns_tail
+
+
+def _frag_template(dtype, head_dim, gqa, bits, group_size, key_words, keep, tail_first, rows):
+    """The frag kernel's template constants (kivi_decode_cuda_frag_src.py)."""
+    return [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
+            ("GQA", gqa), ("NT", FRAG_NT), ("KVEC", 4 if key_words % 4 == 0 else 1),
+            ("KEEP", int(keep)), ("TAIL_FIRST", bool(tail_first)), ("ROWS", rows)]
 
 
 @functools.lru_cache(maxsize=64)  # a decode step's layers share their rows: one plan a step
@@ -505,9 +510,8 @@ def _frag_rows_launch_args(dtype, head_dim, gqa, bits, group_size, key_words, ro
     widest = [max(row[i] for row in rows) for i in range(4)]
     params = mx.array([*widest, _scale_bits(scale), tps, max(fast), ns_tail, tail0, *per_row], mx.int32)
     assert params.size == ROW_PARAMS0 + ROW_PARAMS * len(rows)
-    template = [("T", dtype), ("BITS", bits), ("GROUP", group_size), ("HEAD_DIM", head_dim),
-                ("GQA", gqa), ("NT", FRAG_NT), ("KVEC", 4 if key_words % 4 == 0 else 1),
-                ("KEEP", int(keep)), ("TAIL_FIRST", tail0 == 0 and n_tiles > 0), ("ROWS", True)]
+    template = _frag_template(dtype, head_dim, gqa, bits, group_size, key_words, keep,
+                              tail0 == 0 and n_tiles > 0, True)
     return ns, params, template
 
 
@@ -932,29 +936,19 @@ def rows_self_check(head_dim, gqa, bits, group_size, dtype) -> bool:
     """:func:`kernel_self_check` for the rows launch: once per process and shape class,
     against :func:`kivi_decode_attention_rows_reference` on :data:`CHECK_ROWS`; on a
     mismatch this warns once and the rows launch answers None from then on."""
-    key = (head_dim, gqa, bits, group_size, dtype)
-    if key not in _ROWS_SELF_CHECKS:
-        try:
-            queries, buffers = rows_case(head_dim, gqa, bits, group_size, dtype)
-            kw = dict(scale=head_dim ** -0.5, bits=bits, group_size=group_size)
-            out = _rows_launch(queries, buffers, CHECK_ROWS, **kw).astype(mx.float32)
-            ref = kivi_decode_attention_rows_reference(queries, *buffers, CHECK_ROWS, **kw)
-            # the check's one host sync: once per process and shape class, at first use
-            error = (mx.abs(out - ref.astype(mx.float32)).max() / mx.abs(ref).max()).item()
-            tolerance = self_check_tolerance(dtype)
-            problem = None if error <= tolerance else (
-                f"max relative error {error:.3g} (allowed {tolerance:.3g})")
-        except Exception as exc:  # a kernel that does not compile or launch fails its check
-            problem = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        _ROWS_SELF_CHECKS[key] = problem
-        if problem is not None:
-            warnings.warn(
-                f"veloxquant: the fused CUDA decode kernel 'frag' over a packed batch "
-                f"(head_dim={head_dim}, gqa={gqa}, bits={bits}, group_size={group_size}, "
-                f"dtype={dtype}) failed its self-check against the pure-MLX reference: "
-                f"{problem}; packed batches of this shape attend through the pure-MLX path",
-                RuntimeWarning, stacklevel=2)
-    return _ROWS_SELF_CHECKS[key] is None
+
+    def problem():
+        queries, buffers = rows_case(head_dim, gqa, bits, group_size, dtype)
+        kw = dict(scale=head_dim ** -0.5, bits=bits, group_size=group_size)
+        return _mismatch(lambda: _rows_launch(queries, buffers, CHECK_ROWS, **kw),
+                         lambda: kivi_decode_attention_rows_reference(queries, *buffers, CHECK_ROWS, **kw),
+                         dtype)
+
+    return _checked_once(
+        _ROWS_SELF_CHECKS, (head_dim, gqa, bits, group_size, dtype), problem,
+        f"the fused CUDA decode kernel 'frag' over a packed batch (head_dim={head_dim}, gqa={gqa}, "
+        f"bits={bits}, group_size={group_size}, dtype={dtype})",
+        "packed batches of this shape attend through the pure-MLX path")
 
 
 class _StepPlan:
@@ -1070,16 +1064,36 @@ def kernel_self_check(backend, algo, head_dim, gqa, bits, group_size, dtype) -> 
     compiling or running it) this warns once, naming the kernel and the error, and the
     dispatcher then takes the pure-MLX path for that shape class."""
     key = (backend, algo, head_dim, gqa, bits, group_size, dtype)
-    if key not in _SELF_CHECKS:
-        problem = _self_check_problem(*key)
-        _SELF_CHECKS[key] = problem
-        if problem is not None:
-            warnings.warn(
-                f"veloxquant: the fused {backend} decode kernel '{algo}' (head_dim={head_dim}, "
-                f"gqa={gqa}, bits={bits}, group_size={group_size}, dtype={dtype}) failed its "
-                f"self-check against the pure-MLX reference: {problem}; attention for this "
-                "shape uses the reference path instead", RuntimeWarning, stacklevel=2)
-    return _SELF_CHECKS[key] is None
+    return _checked_once(
+        _SELF_CHECKS, key, lambda: _self_check_problem(*key),
+        f"the fused {backend} decode kernel '{algo}' (head_dim={head_dim}, gqa={gqa}, bits={bits}, "
+        f"group_size={group_size}, dtype={dtype})", "attention for this shape uses the reference path instead")
+
+
+def _checked_once(table: dict, key, problem, kernel: str, instead: str) -> bool:
+    """Whether ``problem()`` found nothing wrong, asked once per ``key`` (kept in ``table``);
+    a problem warns once, naming the ``kernel`` and what runs ``instead``."""
+    if key not in table:
+        table[key] = found = problem()
+        if found is not None:
+            warnings.warn(f"veloxquant: {kernel} failed its self-check against the pure-MLX reference: "
+                          f"{found}; {instead}", RuntimeWarning, stacklevel=3)
+    return table[key] is None
+
+
+def _mismatch(launch, reference, dtype) -> Optional[str]:
+    """What is wrong with ``launch()`` against ``reference()``: an error compiling or running
+    it, or a largest relative error past :func:`self_check_tolerance` (NaN included); None
+    where they agree. Its one host sync runs once per process and shape class."""
+    try:
+        out, ref = launch().astype(mx.float32), reference().astype(mx.float32)
+        error = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
+    except Exception as exc:  # a kernel that does not compile or launch fails its check
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    tolerance = self_check_tolerance(dtype)
+    if not error <= tolerance:  # NaN fails too
+        return f"max relative error {error:.3g} (allowed {tolerance:.3g})"
+    return None
 
 
 def self_check_tolerance(dtype) -> float:
@@ -1104,17 +1118,8 @@ def _self_check_problem(backend, algo, head_dim, gqa, bits, group_size, dtype):
     args = (queries, k_codes, k_scales, k_biases, n_kq, keys[:, :, n_kq:], n_kres, v_codes,
             v_scales, v_biases, n_vq, values[:, :, n_vq:], n_vres)
     kw = dict(scale=head_dim ** -0.5, bits=bits, group_size=group_size)
-    try:
-        out = _launch(backend, *args, **kw, algo=algo).astype(mx.float32)
-        ref = kivi_decode_attention_reference(*args, **kw).astype(mx.float32)
-        # the check's one host sync: once per process and shape class, at first use
-        error = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
-    except Exception as exc:  # a kernel that does not compile or launch fails its check
-        return f"{type(exc).__name__}: {exc}".splitlines()[0]
-    tolerance = self_check_tolerance(dtype)
-    if not error <= tolerance:  # NaN fails too
-        return f"max relative error {error:.3g} (allowed {tolerance:.3g})"
-    return None
+    return _mismatch(lambda: _launch(backend, *args, **kw, algo=algo),
+                     lambda: kivi_decode_attention_reference(*args, **kw), dtype)
 
 
 def affine_key_scores(q, codes, scales, biases, count, bits, group_size):
