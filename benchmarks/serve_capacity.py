@@ -76,12 +76,18 @@ BEST_OF_FAMILY = {"vector-quantization": "vecinfer", "quantization": "age_tiered
 METHODS.update({method: KVCacheConfig(method=method) for method in BEST_OF_FAMILY.values()})
 # xquant's shared codes cover at most xquant_max_ctx tokens (8,192 by default): room for 32k
 METHODS["xquant"] = KVCacheConfig(method="xquant", options=XQuantOptions(xquant_max_ctx=65536))
+# the other stores that batch stacked (cache/stacked.py), at their defaults
+METHODS.update({method: KVCacheConfig(method=method) for method in (
+    "kitty", "turboquant", "skvq", "zipcache", "cachegen", "nsnquant", "svdq", "spectral", "amc", "rocketkv")})
 # KIVI's packed batch attends in one launch of the fused kernel on CUDA; its per-sequence
 # row batches it per sequence instead (each sequence's own attention and launch), for the
-# comparison in the same run; so do StreamingLLM's and Keyformer's, against their packed rows.
+# comparison in the same run; so do StreamingLLM's and Keyformer's, against their packed
+# rows, and the stacked stores'.
 PER_SEQUENCE = {"kivi 4-bit, per sequence": "kivi 4-bit",
                 "streaming_llm 4+2044, per sequence": "streaming_llm 4+2044",
-                "keyformer 2048, per sequence": "keyformer 2048"}
+                "keyformer 2048, per sequence": "keyformer 2048",
+                "gear, per sequence": "gear", "age_tiered, per sequence": "age_tiered",
+                "turboquant, per sequence": "turboquant"}
 METHODS.update({row: METHODS[packed] for row, packed in PER_SEQUENCE.items()})
 
 

@@ -44,9 +44,11 @@ Cross-layer methods (xkv, xquant, minicache) batch per sequence: a layer reads i
 neighbours through its sequence's model context, and each sequence's copies share one
 copied context whose ``layers`` are those copies (see "copies" below).
 
-The quantized stores (``quant/store.py`` and the stores built on it) batch per sequence,
-except the plain ``QuantizedKVStore`` of a class that keeps ``QuantizedCache``'s decode
-steps (KIVI), which has a packed layout (``quant/batch.py``: one launch of the fused frag
+A class whose rows never mix may say ``batchable = "stacked"``: sequences in the same state
+share one cache of its own class, fed their rows together (``cache/stacked.py``); thirteen
+quantized, coded and sparse stores do. The other quantized stores (``quant/store.py`` and
+the stores built on it) batch per sequence, except the plain ``QuantizedKVStore`` of a
+class that keeps ``QuantizedCache``'s decode steps (KIVI), which has a packed layout (``quant/batch.py``: one launch of the fused frag
 kernel with each sequence's counts on CUDA in float16, else per-sequence lengths and masks
 in the pure-MLX attention; flushes at each sequence's own steps). The other stores
 attend over parts (sinks, segments, codebook codes, low-rank factors) whose boundaries
@@ -68,7 +70,7 @@ import mlx.core as mx
 from .base import CompressedKVCache, causal_mask
 from .buffers import GrowingArray, added_room
 
-PACKED, PER_SEQUENCE = "packed", "per_sequence"
+PACKED, PER_SEQUENCE, STACKED = "packed", "per_sequence", "stacked"
 
 def batch_mode(cls: type) -> str | None:
     """PACKED, PER_SEQUENCE, or None (the class does not batch): ``cls``'s own
@@ -78,17 +80,25 @@ def batch_mode(cls: type) -> str | None:
         return None
     if value == PER_SEQUENCE:
         return PER_SEQUENCE
+    if value == STACKED:
+        return PACKED
     if value is not True:
         raise TypeError(
             f"{cls.__qualname__}.batchable={value!r}: allowed are True (packed where the base "
-            f"has a packed layout for it), {PER_SEQUENCE!r} or False"
+            f"has a packed layout for it), {STACKED!r} (the method's own cache fed a batch, "
+            f"cache/stacked.py), {PER_SEQUENCE!r} or False"
         )
     return PACKED if packer_for(cls) is not None else PER_SEQUENCE
 
 
 def packer_for(cls: type):
     """The packed layout of ``cls``'s base, when ``cls`` changes none of its decode steps
-    (the class's ``packed_layout()``, which the bases with a packed layout define)."""
+    (the class's ``packed_layout()``, which the bases with a packed layout define), or the
+    stacked layout for a class that declares it."""
+    if cls.__dict__.get("batchable") == STACKED:
+        from .stacked import StackedLayout
+
+        return StackedLayout
     layout = getattr(cls, "packed_layout", None)
     return layout() if layout is not None else None
 
@@ -386,7 +396,7 @@ class BatchCache:
         if self.packed is not None or batch_mode(self.cache_class) != PACKED:
             return
         packer = packer_for(self.cache_class)
-        if all(packer.can_pack(s) for s in self.seqs):
+        if packer is not None and all(packer.can_pack(s) for s in self.seqs):
             self.packed = packer.pack(self.seqs)
             self.seqs = None
 

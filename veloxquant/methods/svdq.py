@@ -36,7 +36,7 @@ from ..lowrank.latent import LatentCache, LatentCodec, LatentStore, split_channe
 
 
 class SVDqCache(LatentCache):
-    batchable = "per_sequence"  # the latent store has no packed layout (cache/batch.py says why)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
     def make_store(self):
         o = self.config.options
         schedule = tuple(int(b) for b in o.svdq_bit_schedule)

@@ -71,7 +71,7 @@ def _square(field: str, value, shape: tuple[int, int]) -> mx.array:
 
 class A2ATSCache(CompressedKVCache):
     requires_attention_hook = True
-    batchable = "per_sequence"  # its own decode (retrieval through codes), run per sequence
+    batchable = "per_sequence"  # its fitted tables have no batch axis: each sequence keeps its own (cache/stacked.py)
 
     def _init_storage(self) -> None:
         self.options = self.config.options

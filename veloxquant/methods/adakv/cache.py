@@ -83,7 +83,7 @@ def allocate_bits(importance: Sequence[float], levels: tuple[int, int, int], tar
 
 class AdaKVCache(QuantizedCache):
     group_field = "adakv_group_size"
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "per_sequence"  # its heads' bit widths come from the batch's mean importance: rows mix, so each sequence alone
 
     def _init_storage(self) -> None:
         o = self.config.options

@@ -36,7 +36,7 @@ from .tiers import TieredStore
 
 class AgeTieredKVCache(QuantizedCache):
     group_field = "age_group_size"
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
 
     def make_store(self):
         o = self.config.options

@@ -104,7 +104,7 @@ def thresholds(s: mx.array, k_high: float, k_mid: float) -> mx.array:
 
 
 class AMCCache(QuantizedCache):
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
     group_field = "amc_group_size"
 
     def make_store(self):

@@ -103,7 +103,7 @@ def _assign_block(x: mx.array, anchors: mx.array, norms: mx.array):
 
 
 class AnchorKVCache(QuantizedCache):
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "per_sequence"  # fed a batch, its decode steps do not give each row what it gives alone (tokens differ on tests/batching.py's row-wise model): each sequence alone
     group_field = ""
 
     @property

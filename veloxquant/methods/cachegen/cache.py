@@ -75,7 +75,7 @@ def _from_lanes(x: np.ndarray, b: int, h: int, d: int) -> np.ndarray:
 
 
 class CacheGenCache(EntropyCodedCache):
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
     group_field = "cachegen_group_size"
 
     def make_store(self, bits: int | None = None):

@@ -48,7 +48,7 @@ from ...quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
 
 class GEARCache(QuantizedCache):
     group_field = "gear_group_size"
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
 
     def make_store(self):
         o = self.config.options

@@ -42,7 +42,7 @@ N_SINK = 32  # the repo's sink_length
 
 class KittyCache(QuantizedCache):
     group_field = "kitty_group_size"
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
 
     def make_store(self):
         o, block = self.config.options, self.config.residual_window

@@ -54,7 +54,7 @@ from .streaming_store import StreamingStore
 
 class KVQuantCache(QuantizedCache):
     group_field = "kvquant_group_size"
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "per_sequence"  # its fitted tables have no batch axis: each sequence keeps its own (cache/stacked.py)
 
     def make_store(self):
         o, g = self.config.options, self.group

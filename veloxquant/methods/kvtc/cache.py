@@ -69,7 +69,7 @@ def rotary_name(rotary: Rotary | None) -> str:
 
 
 class KVTCCache(EntropyCodedCache):
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "per_sequence"  # its ranks are fitted per sequence (energy threshold): no two sequences share a layout (cache/stacked.py)
     # the fields a calibration file's codecs depend on: the window's too, as it decides
     # which of the text's rows are fitted (the sinks are a constant)
     calibration_fields = ("kvtc_bit_budget", "kvtc_bit_choices", "kvtc_beta", "residual_window")

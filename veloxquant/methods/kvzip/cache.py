@@ -80,7 +80,7 @@ def probe_chunks(tokenizer, ids: list[int]) -> list[tuple[int, int, list[int]]]:
 
 
 class KVzipCache(ScoredEvictionCache):
-    batchable = "per_sequence"  # its own _evict (the pass's global choice, or the fall-back), not the packed layout's
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
     roles = Roles(budget="kvzip_budget", n_sink="kvzip_n_sink")
     schedule = Schedule(prefill_end=True)
     scores_by_reconstruction = True  # the integration's drivers look for this

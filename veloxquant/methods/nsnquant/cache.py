@@ -41,7 +41,7 @@ from ...quant.vq_store import CodebookCache
 
 class NSNQuantCache(CodebookCache):
     sub_dim_fields = ("nsn_subvector_dim", "nsn_subvector_dim")
-    batchable = "per_sequence"  # the codebook store has no packed layout; each sequence codes alone
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
 
     def make_store(self):
         o = self.config.options

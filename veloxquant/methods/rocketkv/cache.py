@@ -95,7 +95,7 @@ class RocketKVCache(ScoredEvictionCache):
                   recent="rocketkv_obs_window", window="rocketkv_obs_window")
     schedule = Schedule(prefill_end=True)
     kept_count_follows_budget = False  # the budget is a ratio of the tokens seen
-    batchable = "per_sequence"  # its own decode steps (sparse attention), not the packed layout's
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
 
     def _init_storage(self) -> None:
         super()._init_storage()

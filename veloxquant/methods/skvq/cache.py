@@ -54,7 +54,7 @@ from .sliding_store import SlidingWindowStore
 
 class SKVQCache(QuantizedCache):
     group_field = "skvq_group_size"
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
 
     def make_store(self):
         o = self.config.options

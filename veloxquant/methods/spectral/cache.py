@@ -54,7 +54,7 @@ SKETCH_SEED = 0x5BEC  # the QJL matrix of layer i is drawn from SKETCH_SEED + i
 
 
 class SpectralQuantCache(QuantizedCache):
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
     group = 1  # no quantization groups: every shape is accepted
 
     def make_store(self):

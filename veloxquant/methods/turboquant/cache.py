@@ -32,7 +32,7 @@ FLUSH_TOKENS = 32
 
 
 class TurboQuantCache(QuantizedCache):
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
     group = 1  # no quantization groups: the rotation decides which head_dims are taken
 
     def make_store(self):

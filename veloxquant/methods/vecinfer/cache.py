@@ -54,7 +54,7 @@ ARRAYS = ("key_centroids", "key_scale", "value_centroids")
 class VecInferCache(CodebookCache):
     sub_dim_fields = ("key_sub_dim", "value_sub_dim")
     calibration_fields = ("key_sub_dim", "value_sub_dim", "key_codebook_bits", "value_codebook_bits")
-    batchable = "per_sequence"  # the codebook store has no packed layout; each sequence codes alone
+    batchable = "per_sequence"  # its fitted tables have no batch axis: each sequence keeps its own (cache/stacked.py)
 
     @staticmethod
     def fit_spec(config, *, iters: int, sample: int, seed: int) -> CodebookFit:

@@ -64,7 +64,7 @@ PROBE_RECENT = PROBE_RANDOM = 0.05  # the repo's probe fractions: newest 5%, 5% 
 
 class ZipCacheKVCache(QuantizedCache):
     group_field = "zipcache_group_size"
-    batchable = "per_sequence"  # the quantized store has no packed layout (cache/batch.py says why)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
 
     def make_store(self):
         o = self.config.options

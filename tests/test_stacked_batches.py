@@ -1,0 +1,113 @@
+"""The stacked batch layout (cache/stacked.py): sequences in the same state share one cache
+of the method's class, fed their rows together, and each gets what it gets alone.
+
+The conformance suite's batch test stops within a dozen decode steps; here the runs go on
+long enough for the stores' periodic work (flushes of the full-precision window, refits,
+promotions between tiers) to happen while sequences are stacked, and two of the four
+prompts have the same length so that they share one cache from their first decode step.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import batching
+from conformance import profile
+from tiny_models import prompt
+from veloxquant_mlx.cache import batch as batch_module
+from veloxquant_mlx.cache.stacked import StackedLayout, _Group, _grouped
+from veloxquant_mlx.registry import METHODS
+
+STACKED = sorted(k for k, info in METHODS.items() if info.implemented
+                 and StackedLayout.accepts(info.load_implementation()))
+PROMPTS = (200, 200, 130, 200)  # the first two start decoding together; the last joins later
+MAX_TOKENS = (70, 50, 60, 40)
+
+
+def test_the_stores_that_stack():
+    """Which methods take the layout (a change here is a decision: say why in the class)."""
+    assert STACKED == ["age_tiered", "amc", "cachegen", "gear", "kitty", "kvzip", "nsnquant",
+                       "rocketkv", "skvq", "spectral", "svdq", "turboquant", "zipcache"]
+    for key in STACKED:
+        assert batch_module.batch_mode(METHODS[key].load_implementation()) == batch_module.PACKED
+
+
+@pytest.mark.parametrize("method", STACKED)
+def test_stacked_batch_equals_each_sequence_alone_bit_for_bit(method):
+    """Through mlx-lm's BatchGenerator on the row-wise model: the two sequences of 200
+    tokens decode as one group of two for 50 steps, the others join and leave; tokens,
+    log-probabilities and every extracted cache are bit-identical to each sequence alone
+    (the method's own code runs on the group's rows, so nothing rounds differently)."""
+    model, make = batching.rowwise_setup(method, profile(method).compressing)
+    prompts = [prompt(n, seed=i + 3).tolist() for i, n in enumerate(PROMPTS)]
+    alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, MAX_TOKENS)]
+    sizes = set()
+
+    def check(gen):
+        batching.memory_check(gen)
+        sizes.update(tuple(c.packed.group_sizes) for c in batching.batch_caches(gen) if c.packed is not None)
+
+    got = batching.run_batched(model, prompts, MAX_TOKENS, check=check)
+    assert (2,) in sizes, sizes  # the equal prompts shared one cache
+    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.array_equal(x, y)
+        batching.assert_same_cache(cache, a_cache, exact=True)
+
+
+def _decoded(method, lengths, steps=3):
+    """Layer 0 of each prompt's cache on the row-wise model, after its prompt and ``steps``
+    decode steps."""
+    model, make = batching.rowwise_setup(method, profile(method).compressing)
+    caches = []
+    for i, n in enumerate(lengths):
+        tokens, _, cache = batching.run_alone(model, make, prompt(n, seed=i + 3).tolist(), steps)
+        caches.append(cache[0])
+    return caches
+
+
+def test_groups_join_by_state_and_split_on_filter():
+    """Equal states join (in the order of their rows), a different one stays apart; taking a
+    group's rows back gives each member's arrays bit for bit, and a group that loses a
+    member keeps the others' rows."""
+    singles = _decoded("gear", (200, 130, 200))
+    before = [batching.state_arrays(c) for c in singles]
+    groups = _grouped([_Group.of(s, i) for i, s in enumerate(singles)])
+    assert [g.rows for g in groups] == [[0, 2], [1]]
+    pair = groups[0]
+    for j, row in enumerate(pair.rows):
+        alone = pair.take([j], [0]).cache
+        for name, x in batching.state_arrays(alone).items():
+            assert mx.array_equal(x, before[row][name]), name
+    last = pair.take([1], [0]).cache
+    assert last.kv_shape[0] == 1 and pair.cache.kv_shape[0] == 2
+
+
+def test_a_table_kept_once_must_be_equal_to_join():
+    """An array without the batch first is kept once for the group; members whose copies
+    differ are not joined (each keeps its own cache)."""
+    a, b = _decoded("gear", (200, 200))
+    ga, gb = _Group.of(a, 0), _Group.of(b, 1)
+    table = mx.arange(6.0).reshape(3, 2)  # no batch axis: kept once
+    ga.cache.table, gb.cache.table = table, table + 0
+    ga.shared = gb.shared = frozenset({("table",)})
+    joined = _Group.join([ga, gb])
+    assert len(joined) == 1 and joined[0].cache.table is table
+    gb.cache.table = table + 1
+    assert [g.rows for g in _Group.join([ga, gb])] == [[0], [1]]
+
+
+def test_callbacks_follow_their_cache():
+    """A store's callback into its cache (a bound method) is bound to the group's cache when
+    joined, and to the sequence's own cache when taken back or extracted."""
+    a, b = _decoded("gear", (200, 200))
+    a.store.callback, b.store.callback = a.size, b.size
+    offset = b.offset
+    layout = StackedLayout.pack([a, b])
+    (group,) = layout.groups
+    assert group.cache.store.callback.__self__ is group.cache
+    assert group.take([1], [0]).cache.store.callback.__self__ is not group.cache
+    one = layout.extract(1)
+    assert one.store.callback.__self__ is one and one.offset == offset == layout.offsets[1]

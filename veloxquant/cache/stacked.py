@@ -1,0 +1,329 @@
+"""The stacked batch layout: sequences in the same state share one cache, batch first.
+
+A method whose cache computes each row of a batch as that row alone (every array it keeps
+has the batch first; no fit, codebook or threshold pools rows) can serve a batch with its
+own single cache class, fed B rows. Sequences whose caches hold the same structure (the
+same host counters, segment boundaries, fitted ranks; arrays of the same shapes past the
+batch axis) are joined into one such cache: every kept array is the members' arrays
+concatenated along axis 0. A decode step then runs the method's own ``update_and_fetch``
+and ``attend`` once for the group, so every part of the store (windows, segments,
+codebooks, latents, their flushes and refits) runs batched without a packed reader of its
+own. Requests of one length that arrive together form one group; a batch of mixed lengths
+runs one group per distinct state, and groups whose states meet (a sequence joining one
+already there) are joined again.
+
+What a class must give to use it (``batchable = "stacked"`` in its body, which the batch
+conformance tests then hold to each sequence alone): rows that do not mix, no decode
+state in the model context (cross-layer methods read their neighbours there, and stay per
+sequence), and no hidden-state observer.
+
+Arrays without the batch first (a table shared by the sequences, read from the config) are
+kept once when the members' copies are equal, and a group with unequal ones is split into
+its sequences. A sequence's cache is given back (``extract``, ``unpack``) with its rows of
+every batched array, its own context, config and layer: byte for byte the cache it would
+hold alone, since the group's buffers grew exactly as each member's would have.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from typing import Any
+
+import mlx.core as mx
+
+from .batch import PackedLayout
+
+# A sequence's own attributes: never joined, each member keeps its own.
+_OWN = ("config", "context", "layer")
+
+
+class _Mismatch(Exception):
+    """Two members' arrays that are not batched differ: they cannot share one cache."""
+
+
+def _descend(x: Any) -> bool:
+    """Whether the walk looks inside ``x``'s attributes (our objects and buffers)."""
+    return hasattr(x, "__dict__") and type(x).__module__.startswith("veloxquant_mlx") and not isinstance(x, type)
+
+
+def _batched(x: mx.array, batch: int, path: tuple, shared: frozenset) -> bool:
+    return x.ndim > 0 and x.shape[0] == batch and path not in shared
+
+
+def _signature(x: Any, batch: int, shared: frozenset, path: tuple = ()) -> Any:
+    """What must be equal for two caches (or groups) to be joined: every attribute's value,
+    and every array's dtype and shape past the batch axis (the whole shape where the array
+    is not batched)."""
+    if isinstance(x, mx.array):
+        if _batched(x, batch, path, shared):
+            return ("batched", x.shape[1:], str(x.dtype))
+        return ("shared", x.shape, str(x.dtype))
+    if isinstance(x, dict):
+        return ("dict", tuple((repr(k), _signature(v, batch, shared, path + (k,))) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_signature(v, batch, shared, path + (i,)) for i, v in enumerate(x)))
+    if _descend(x):
+        items = []
+        for k, v in vars(x).items():
+            if k in _OWN:
+                continue
+            if k == "kv_shape" and v is not None:
+                v = tuple(v[1:])
+            items.append((k, _signature(v, batch, shared, path + (k,))))
+        return (type(x).__qualname__, tuple(items))
+    if x is None or isinstance(x, (bool, int, float, str, bytes)):
+        return x
+    if isinstance(x, mx.Dtype):
+        return str(x)
+    return ("object", type(x).__qualname__)  # compiled functions, plans: the first member's
+
+
+def _rebound(x: Any, memo: dict) -> Any:
+    """A bound method of an object the walk rebuilt, bound to the rebuilt one (a store's
+    callback into its cache)."""
+    owner = getattr(x, "__self__", None)
+    if isinstance(x, types.MethodType) and id(owner) in memo:
+        return types.MethodType(x.__func__, memo[id(owner)])
+    return x
+
+
+def _join(values: list, batches: list[int], shared: frozenset, memo: dict, path: tuple = ()) -> Any:
+    first = values[0]
+    if isinstance(first, mx.array):
+        if _batched(first, batches[0], path, shared):
+            return mx.concatenate(values, axis=0)
+        if any(v is not first and not mx.array_equal(v, first).item() for v in values[1:]):
+            raise _Mismatch(path)
+        return first
+    if isinstance(first, dict):
+        return {k: _join([v[k] for v in values], batches, shared, memo, path + (k,)) for k in first}
+    if isinstance(first, (list, tuple)):
+        items = [_join([v[i] for v in values], batches, shared, memo, path + (i,)) for i in range(len(first))]
+        return items if isinstance(first, list) else type(first)(items)
+    if _descend(first):
+        if id(first) in memo:
+            return memo[id(first)]
+        obj = memo[id(first)] = type(first).__new__(type(first))
+        for k, v in vars(first).items():
+            if k in _OWN:
+                obj.__dict__[k] = v
+            elif k == "kv_shape" and v is not None:
+                obj.__dict__[k] = (sum(batches), *v[1:])
+            else:
+                obj.__dict__[k] = _join([vars(m)[k] for m in values], batches, shared, memo, path + (k,))
+        return obj
+    return _rebound(first, memo)
+
+
+def _rows(x: Any, batch: int, take, n: int, shared: frozenset, memo: dict, path: tuple = ()) -> Any:
+    """``x`` rebuilt (new objects, lists and dicts; the same arrays and values) with its
+    batched arrays cut to the rows ``take`` (a slice or an index array; None: all ``n``).
+    ``memo`` maps an object's id to what it is rebuilt as (given: the root's, to fill an
+    existing object)."""
+    if isinstance(x, mx.array):
+        return x[take] if take is not None and _batched(x, batch, path, shared) else x
+    if isinstance(x, dict):
+        return {k: _rows(v, batch, take, n, shared, memo, path + (k,)) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        items = [_rows(v, batch, take, n, shared, memo, path + (i,)) for i, v in enumerate(x)]
+        return items if isinstance(x, list) else type(x)(items)
+    if _descend(x):
+        if id(x) in memo and path:
+            return memo[id(x)]
+        obj = memo.get(id(x))
+        if obj is None:
+            obj = memo[id(x)] = type(x).__new__(type(x))
+        for k, v in vars(x).items():
+            if k in _OWN:
+                obj.__dict__.setdefault(k, v)
+            elif k == "kv_shape" and v is not None:
+                obj.__dict__[k] = (n, *v[1:])
+            else:
+                obj.__dict__[k] = _rows(v, batch, take, n, shared, memo, path + (k,))
+        return obj
+    return _rebound(x, memo)
+
+
+def _shared_paths(x: Any, batch: int, path: tuple = ()) -> set:
+    """Paths of the arrays in ``x`` without the batch first (kept once)."""
+    if isinstance(x, mx.array):
+        return set() if x.ndim > 0 and x.shape[0] == batch else {path}
+    if isinstance(x, dict):
+        items = ((k, v) for k, v in x.items())
+    elif isinstance(x, (list, tuple)):
+        items = enumerate(x)
+    elif _descend(x):
+        items = ((k, v) for k, v in vars(x).items() if k not in _OWN)
+    else:
+        return set()
+    out = set()
+    for k, v in items:
+        out |= _shared_paths(v, batch, path + (k,))
+    return out
+
+
+class _Group:
+    """One cache of the method's class holding ``len(rows)`` sequences batched (``rows``:
+    their places in the batch)."""
+
+    def __init__(self, cache, rows: list[int], shared: frozenset):
+        self.cache, self.rows, self.shared = cache, rows, shared
+        self._signature = None
+
+    @classmethod
+    def of(cls, single, row: int) -> "_Group":
+        """A group of one: its own objects (``single`` becomes an emptied shell), the arrays
+        ``single`` holds."""
+        shared = frozenset(_shared_paths(single, 1))
+        return cls(_rows(single, 1, None, 1, shared, {}), [row], shared)
+
+    @property
+    def signature(self):
+        if self._signature is None:
+            config = json.dumps(self.cache.config.to_dict(), sort_keys=True)
+            self._signature = (config, self.cache.layer, self.cache.offset,
+                               _signature(self.cache, len(self.rows), self.shared))
+        return self._signature
+
+    @staticmethod
+    def join(groups: list["_Group"]) -> list["_Group"]:
+        """``groups`` (of equal signatures) as one group, or as they were where an array they
+        keep once differs between them."""
+        if len(groups) == 1:
+            return groups
+        try:
+            cache = _join([g.cache for g in groups], [len(g.rows) for g in groups], groups[0].shared, {})
+        except _Mismatch:
+            return groups
+        return [_Group(cache, [r for g in groups for r in g.rows], groups[0].shared)]
+
+    def take(self, local: list[int], rows: list[int]) -> "_Group":
+        """The group of its members ``local`` (indices into ``self.rows``), now at ``rows``."""
+        if local == list(range(len(self.rows))):
+            return _Group(self.cache, rows, self.shared)
+        take = slice(local[0], local[0] + 1) if len(local) == 1 else mx.array(local, mx.int32)
+        cache = _rows(self.cache, len(self.rows), take, len(local), self.shared, {})
+        return _Group(cache, rows, self.shared)
+
+
+def _grouped(groups: list[_Group]) -> list[_Group]:
+    """Groups of equal signatures joined (in order of their first row)."""
+    by_signature: dict[Any, list[_Group]] = {}
+    for g in groups:
+        by_signature.setdefault(g.signature, []).append(g)
+    out = [j for same in by_signature.values() for j in _Group.join(same)]
+    return sorted(out, key=lambda g: g.rows[0])
+
+
+class StackedLayout(PackedLayout):
+    """Decode steps of a batch through the method's own cache, one per group of sequences in
+    the same state (see the module docstring)."""
+
+    @staticmethod
+    def accepts(cls: type) -> bool:
+        return cls.__dict__.get("batchable") == "stacked"
+
+    @classmethod
+    def can_pack(cls, single) -> bool:
+        return single.offset > 0 and getattr(single, "_pending", None) is None and not hasattr(single, "observe_hidden")
+
+    @classmethod
+    def pack(cls, singles) -> "StackedLayout":
+        self = cls.__new__(cls)
+        self.groups = _grouped([_Group.of(s, i) for i, s in enumerate(singles)])
+        self.offsets = [s.offset for s in singles]
+        # the sequences' own objects stay (the context's ``layers`` name them), emptied of
+        # what the groups now hold
+        self.shells = list(singles)
+        for s in singles:
+            for k in [k for k in vars(s) if k not in _OWN]:
+                del s.__dict__[k]
+        self._sync()
+        return self
+
+    def _sync(self) -> None:
+        # Joined arrays are made now, layer by layer, so that the members' own are freed
+        # before the next layer joins (left to the step's evaluation, every layer's two
+        # copies were held at once: 80 GB for a 40 GB batch, out of memory on the H200).
+        # Only when the batch's sequences change, never in a steady decode step.
+        mx.eval([g.cache.state["arrays"] for g in self.groups])
+        self.offset_array = mx.array(self.offsets, mx.int32)
+        order = [r for g in self.groups for r in g.rows]
+        self._index = [mx.array(g.rows, mx.int32) for g in self.groups] if len(self.groups) > 1 else None
+        self._restore = None if order == sorted(order) else mx.argsort(mx.array(order, mx.int32))
+        self._fetched = None
+
+    @property
+    def group_sizes(self) -> list[int]:
+        return [len(g.rows) for g in self.groups]
+
+    # -- a decode step ---------------------------------------------------------------------
+    def update_and_fetch(self, keys, values):
+        self.offsets = [o + 1 for o in self.offsets]
+        self.offset_array = self.offset_array + 1
+        if self._index is None:
+            self._fetched = [self.groups[0].cache.update_and_fetch(keys, values)]
+        else:
+            self._fetched = [g.cache.update_and_fetch(keys[i], values[i]) for g, i in zip(self.groups, self._index)]
+        for g in self.groups:
+            g._signature = None
+        return keys, values
+
+    def attend(self, queries, keys, values, *, scale, sinks=None):
+        fetched, self._fetched = self._fetched, None
+        if self._index is None:
+            k, v = fetched[0]
+            return self.groups[0].cache.attend(queries, k, v, scale=scale, mask=None, sinks=sinks)
+        outs = [g.cache.attend(queries[i], k, v, scale=scale, mask=None, sinks=sinks)
+                for g, i, (k, v) in zip(self.groups, self._index, fetched)]
+        out = mx.concatenate(outs, axis=0)
+        return out if self._restore is None else out[self._restore]
+
+    def make_mask(self, N, return_array):
+        return self.groups[0].cache.make_mask(N, return_array)
+
+    # -- what BatchGenerator calls ---------------------------------------------------------
+    def filter(self, keep: list[int]) -> None:
+        place = {old: new for new, old in enumerate(keep)}
+        groups = []
+        for g in self.groups:
+            local = [j for j, r in enumerate(g.rows) if r in place]
+            if local:
+                groups.append(g.take(local, [place[g.rows[j]] for j in local]))
+        self.groups = sorted(groups, key=lambda g: g.rows[0])
+        self.shells = [self.shells[i] for i in keep]
+        self.offsets = [self.offsets[i] for i in keep]
+        self._sync()
+
+    def extend(self, other: "StackedLayout") -> None:
+        n = len(self.shells)
+        moved = [_Group(g.cache, [r + n for r in g.rows], g.shared) for g in other.groups]
+        self.groups = _grouped(self.groups + moved)
+        self.shells += other.shells
+        self.offsets += other.offsets
+        self._sync()
+
+    def _single(self, b: int, shell):
+        g = next(g for g in self.groups if b in g.rows)
+        j = g.rows.index(b)
+        return _rows(g.cache, len(g.rows), slice(j, j + 1), 1, g.shared, {id(g.cache): shell})
+
+    def is_trimmable(self) -> bool:
+        return all(g.cache.is_trimmable() for g in self.groups)
+
+    def size(self) -> int:
+        return max(self.offsets)
+
+    @property
+    def nbytes(self) -> int:
+        index = [] if self._index is None else self._index
+        restore = [] if self._restore is None else [self._restore]
+        return sum(g.cache.nbytes for g in self.groups) + sum(a.nbytes for a in [self.offset_array, *index, *restore])
+
+    @property
+    def state(self):
+        return [g.cache.state["arrays"] for g in self.groups]
+
+
+__all__ = ["StackedLayout"]
