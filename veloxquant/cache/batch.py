@@ -45,7 +45,7 @@ neighbours through its sequence's model context, and each sequence's copies shar
 copied context whose ``layers`` are those copies (see "copies" below).
 
 A class whose rows never mix may say ``batchable = "stacked"``: sequences in the same state
-share one cache of its own class, fed their rows together (``cache/stacked.py``); thirteen
+share one cache of its own class, fed their rows together (``cache/stacked.py``); fourteen
 quantized, coded and sparse stores do. The other quantized stores (``quant/store.py`` and
 the stores built on it) batch per sequence, except the plain ``QuantizedKVStore`` of a
 class that keeps ``QuantizedCache``'s decode steps (KIVI), which has a packed layout (``quant/batch.py``: one launch of the fused frag

@@ -103,7 +103,7 @@ def _assign_block(x: mx.array, anchors: mx.array, norms: mx.array):
 
 
 class AnchorKVCache(QuantizedCache):
-    batchable = "per_sequence"  # fed a batch, its decode steps do not give each row what it gives alone (tokens differ on tests/batching.py's row-wise model): each sequence alone
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
     group_field = ""
 
     @property
@@ -138,7 +138,8 @@ def compress(keys: mx.array, values: mx.array, o, codec: RotatedGaussian) -> tup
     taken = mx.broadcast_to(positions >= s - n_window, (b, h, s))
     rest = n_anchor - n_window
     taken = _pick(alpha.mean(axis=2), taken, round(o.anchorkv_rho * rest))
-    uniform = mx.random.uniform(shape=(b, h, s), key=mx.random.key(o.anchorkv_seed))
+    # one draw for every row: each sequence of a batch draws what it draws alone
+    uniform = mx.broadcast_to(mx.random.uniform(shape=(1, h, s), key=mx.random.key(o.anchorkv_seed)), (b, h, s))
     taken = _pick(uniform, taken, n_anchor - int(taken[0, 0].sum()))
     order = mx.argsort(mx.where(taken, -1, positions), axis=-1)  # anchors first, by position
     anchors, others = order[..., :n_anchor], order[..., n_anchor:]
