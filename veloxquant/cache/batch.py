@@ -346,7 +346,11 @@ class BatchCache:
         (mlx-lm discards their outputs)."""
         self._awaiting_attend = False
         if self.packed is not None:
-            return self.packed.attend(queries, keys, values, scale=scale, sinks=sinks)
+            out = self.packed.attend(queries, keys, values, scale=scale, sinks=sinks)
+            # mlx-lm's batch loop evaluates the tokens only: a write the attention did not
+            # read would stay lazy and chain onto the next step's (tests/test_batch_lazy_state.py)
+            writes = self.packed.step_writes()
+            return mx.depends(out, writes) if writes else out
         n = queries.shape[2]
         outs = []
         for b, (s, (first, real), fetched) in enumerate(zip(self.seqs, self._real_rows, self._fetched)):
@@ -521,6 +525,11 @@ class PackedLayout:
     i's rows put into ``shell``, returned): the batch size, ``extract`` and ``unpack``."""
 
     batch_size = property(lambda self: len(self.shells))
+
+    def step_writes(self) -> list[mx.array]:
+        """Arrays a decode step writes that its attention does not read (the batch's output
+        then depends on them, so that they are evaluated with it)."""
+        return []
 
     def extract(self, i: int):
         return self._single(i, copy_single(self.shells[i], "extract"))

@@ -382,6 +382,15 @@ class EvictionPacked(PackedLayout):
     def state(self):
         return [*(self.store.view(n) for n in self.names), self.free]
 
+    def step_writes(self) -> list[mx.array]:
+        """The slots' buffers (positions, scores, token state), the free slot, the recent
+        queries and each sequence's state: what a step or an eviction writes."""
+        w = self.worker
+        written = [g.buffer for g in self.store.arrays.values() if g.buffer is not None]
+        written += [a for a in (self.free, w.window_queries, *(getattr(w, n) for n in w.sequence_state))
+                    if a is not None]
+        return written
+
     __deepcopy__ = CompressedKVCache.__deepcopy__  # dtypes shared (they cannot be copied)
 
 

@@ -106,6 +106,9 @@ class FullPacked(RowsByLength, PackedLayout):
         self.length_array = self.length_array + 1
         return self.keys.view(), self.values.view()
 
+    def step_writes(self) -> list[mx.array]:
+        return [self.length_array]
+
     def make_mask(self, N, return_array):
         if N == 1 and not (return_array or self.padded):
             return None
