@@ -243,10 +243,10 @@ class StackedLayout(PackedLayout):
         return self
 
     def _sync(self) -> None:
-        # Joined arrays are made now, layer by layer, so that the members' own are freed
-        # before the next layer joins (left to the step's evaluation, every layer's two
-        # copies were held at once: 80 GB for a 40 GB batch, out of memory on the H200).
-        # Only when the batch's sequences change, never in a steady decode step.
+        # Joined arrays are made now, layer by layer, so that a layer's members' own arrays
+        # are freed before the next layer joins (left to the step's evaluation, every
+        # layer's members and joined copies are alive together). Only when the batch's
+        # sequences change, never in a steady decode step.
         mx.eval([g.cache.state["arrays"] for g in self.groups])
         self.offset_array = mx.array(self.offsets, mx.int32)
         order = [r for g in self.groups for r in g.rows]
