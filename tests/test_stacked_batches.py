@@ -34,11 +34,14 @@ def test_the_stores_that_stack():
 
 
 @pytest.mark.parametrize("method", STACKED)
-def test_stacked_batch_equals_each_sequence_alone_bit_for_bit(method):
+def test_stacked_batch_equals_each_sequence_alone(method):
     """Through mlx-lm's BatchGenerator on the row-wise model: the two sequences of 200
-    tokens decode as one group of two for 50 steps, the others join and leave; tokens,
-    log-probabilities and every extracted cache are bit-identical to each sequence alone
-    (the method's own code runs on the group's rows, so nothing rounds differently)."""
+    tokens decode as one group of two for 50 steps, the others join and leave; tokens are
+    equal to each sequence's alone, log-probabilities and every extracted cache equal to
+    float rounding. On MLX's own BLAS they are bit-identical; OpenBLAS (CI) sums a matrix
+    product of two rows in another order than one row's (gear's refits), as
+    tests/test_conformance.py notes for the fitted methods. A group that mixed its rows
+    would be off by far more (1.4 in a log-probability, seen while building this)."""
     model, make = batching.rowwise_setup(method, profile(method).compressing)
     prompts = [prompt(n, seed=i + 3).tolist() for i, n in enumerate(PROMPTS)]
     alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, MAX_TOKENS)]
@@ -53,8 +56,8 @@ def test_stacked_batch_equals_each_sequence_alone_bit_for_bit(method):
     for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
         assert tokens == a_tokens
         for x, y in zip(logprobs, a_logprobs):
-            assert mx.array_equal(x, y)
-        batching.assert_same_cache(cache, a_cache, exact=True)
+            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
+        batching.assert_same_cache(cache, a_cache, exact=False)
 
 
 def _decoded(method, lengths, steps=3):
