@@ -28,7 +28,8 @@ MAX_TOKENS = (70, 50, 60, 40)
 def test_the_stores_that_stack():
     """Which methods take the layout (a change here is a decision: say why in the class)."""
     assert STACKED == ["age_tiered", "amc", "anchorkv", "cachegen", "gear", "kitty", "kvzip",
-                       "nsnquant", "rocketkv", "skvq", "spectral", "svdq", "turboquant", "zipcache"]
+                       "nsnquant", "rocketkv", "skvq", "spectral", "svdq", "turboquant", "xkv",
+                       "xquant", "zipcache"]
     for key in STACKED:
         assert batch_module.batch_mode(METHODS[key].load_implementation()) == batch_module.PACKED
 
@@ -114,3 +115,24 @@ def test_callbacks_follow_their_cache():
     assert group.take([1], [0]).cache.store.callback.__self__ is not group.cache
     one = layout.extract(1)
     assert one.store.callback.__self__ is one and one.offset == offset == layout.offsets[1]
+
+
+def test_cross_layer_groups_share_one_context_at_every_layer():
+    """xquant's reuse layers read their anchor's codes through the context: once a batch of
+    two sequences of one length packs, each layer's group cache has a context whose
+    ``layers`` are the group's caches at every layer (the same context object), and the
+    plan made when the first layer packed is used up by the last."""
+    from decode_steps import prefilled
+    from veloxquant_mlx.cache import stacked
+
+    model, cache, token = prefilled("xquant")
+    seqs = [[batch_module.copy_single(c, "merge") for c in cache] for _ in range(2)]
+    batch = [c.merge([s[i] for s in seqs]) for i, c in enumerate(cache)]
+    y = mx.argmax(model(mx.concatenate([token, token])[:, None], cache=batch)[:, -1], axis=-1)
+    mx.eval(y)
+    groups = [b.packed.groups for b in batch]
+    assert all(len(g) == 1 and g[0].rows == [0, 1] for g in groups)
+    context = groups[0][0].cache.context
+    assert all(g[0].cache.context is context for g in groups)
+    assert [context.layers[i] for i in range(len(batch))] == [g[0].cache for g in groups]
+    assert not stacked._PLANS

@@ -40,12 +40,13 @@ a class that cannot batch says why in its body, ``batchable = False`` with
 ``batch_refusal = "..."``) and the methods that batch. Nothing ever falls back to an
 uncompressed cache.
 
-Cross-layer methods (xkv, xquant, minicache) batch per sequence: a layer reads its
-neighbours through its sequence's model context, and each sequence's copies share one
-copied context whose ``layers`` are those copies (see "copies" below).
+Cross-layer methods (xkv, xquant, minicache) read their neighbours through the sequence's
+model context; each sequence's copies share one copied context whose ``layers`` are those
+copies (see "copies" below). Per sequence, each reads its own; stacked (xquant, xkv), a
+group's caches at every layer share a context of the group's own (``cache/stacked.py``).
 
 A class whose rows never mix may say ``batchable = "stacked"``: sequences in the same state
-share one cache of its own class, fed their rows together (``cache/stacked.py``); fourteen
+share one cache of its own class, fed their rows together (``cache/stacked.py``); sixteen
 quantized, coded and sparse stores do. The other quantized stores (``quant/store.py`` and
 the stores built on it) batch per sequence, except the plain ``QuantizedKVStore`` of a
 class that keeps ``QuantizedCache``'s decode steps (KIVI), which has a packed layout (``quant/batch.py``: one launch of the fused frag

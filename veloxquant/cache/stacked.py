@@ -13,9 +13,15 @@ runs one group per distinct state, and groups whose states meet (a sequence join
 already there) are joined again.
 
 What a class must give to use it (``batchable = "stacked"`` in its body, which the batch
-conformance tests then hold to each sequence alone): rows that do not mix, no decode
-state in the model context (cross-layer methods read their neighbours there, and stay per
-sequence), and no hidden-state observer.
+conformance tests then hold to each sequence alone): rows that do not mix, and no
+hidden-state observer.
+
+Cross-layer methods (``cache/cross_layer.py``) read their neighbour layers through the
+sequence's model context. Their groups are planned once for every layer, when the first
+layer packs: sequences whose every compressed layer holds the same structure share a
+group at every layer, each group's caches linked by a context of their own (a copy of the
+first member's, whose ``layers`` are the group's caches), so that a layer reads its
+neighbours' rows for the same sequences.
 
 Arrays without the batch first (a table shared by the sequences, read from the config) are
 kept once when the members' copies are equal, and a group with unequal ones is split into
@@ -26,16 +32,22 @@ hold alone, since the group's buffers grew exactly as each member's would have.
 
 from __future__ import annotations
 
+import copy
 import json
 import types
+import weakref
 from typing import Any
 
 import mlx.core as mx
 
 from .batch import PackedLayout
+from .cross_layer import CrossLayer
 
 # A sequence's own attributes: never joined, each member keeps its own.
 _OWN = ("config", "context", "layer")
+# What a sequence's emptied cache keeps besides them: mlx-lm reads a later layer's offset
+# (RoPE) before that layer packs, when a cross-layer plan has already emptied it.
+_SHELL = (*_OWN, "offset")
 
 
 class _Mismatch(Exception):
@@ -207,6 +219,14 @@ class _Group:
         return _Group(cache, rows, self.shared)
 
 
+def _empty(singles: list) -> None:
+    """The sequences' own caches, emptied of what their groups now hold (the objects stay:
+    the contexts' ``layers`` name them)."""
+    for s in singles:
+        for k in [k for k in vars(s) if k not in _SHELL]:
+            del s.__dict__[k]
+
+
 def _grouped(groups: list[_Group]) -> list[_Group]:
     """Groups of equal signatures joined (in order of their first row)."""
     by_signature: dict[Any, list[_Group]] = {}
@@ -214,6 +234,50 @@ def _grouped(groups: list[_Group]) -> list[_Group]:
         by_signature.setdefault(g.signature, []).append(g)
     out = [j for same in by_signature.values() for j in _Group.join(same)]
     return sorted(out, key=lambda g: g.rows[0])
+
+
+# -- cross-layer methods: one plan for every layer, a context per group ---------------------
+# Contexts of groups, by their members' contexts (the same for a group's caches at every
+# layer); weakly held: an entry goes with the last cache that uses it.
+_GROUP_CONTEXTS: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+# Plans made when a batch's first layer packs, by the batch's contexts in row order: for
+# each layer not yet packed, its sequences' caches (ids) and their groups.
+_PLANS: dict[tuple, dict[int, tuple[list[int], list[_Group]]]] = {}
+
+
+def _link(group: _Group, shells: list) -> None:
+    """Give a cross-layer group's cache the context its group's caches share at every layer."""
+    contexts = [shells[r].context for r in group.rows]
+    key = tuple(id(c) for c in contexts)
+    joint = _GROUP_CONTEXTS.get(key)
+    if joint is None:
+        joint = copy.copy(contexts[0])
+        joint.layers = [None] * len(contexts[0].layers)
+        joint.shared = dict(contexts[0].shared)
+        _GROUP_CONTEXTS[key] = joint
+    joint.layers[group.cache.layer] = group.cache
+    group.cache.context = joint
+
+
+def _cross_layer_plan(singles: list) -> dict[int, tuple[list[int], list[_Group]]]:
+    """Every compressed layer's groups for the batch ``singles`` (one layer's caches, in row
+    order): sequences join where all their layers' signatures are equal and every layer's
+    join succeeds, else each is a group of its own at every layer."""
+    layers = singles[0].context.local_compressed_layers
+    caches = [[s.context.layers[j] for j in layers] for s in singles]
+    alone = [[_Group.of(c, i) for c in row] for i, row in enumerate(caches)]
+    parts: dict[Any, list[int]] = {}
+    for i, row in enumerate(alone):
+        parts.setdefault(tuple(g.signature for g in row), []).append(i)
+    plan: dict[int, list[_Group]] = {j: [] for j in layers}
+    for rows in parts.values():
+        joined = [_Group.join([alone[i][k] for i in rows]) for k in range(len(layers))]
+        if any(len(g) > 1 for g in joined):
+            joined = [[alone[i][k] for i in rows] for k in range(len(layers))]
+        for j, groups in zip(layers, joined):
+            plan[j] += groups
+    return {j: ([id(row[k]) for row in caches], sorted(plan[j], key=lambda g: g.rows[0]))
+            for k, j in enumerate(layers)}
 
 
 class StackedLayout(PackedLayout):
@@ -231,14 +295,26 @@ class StackedLayout(PackedLayout):
     @classmethod
     def pack(cls, singles) -> "StackedLayout":
         self = cls.__new__(cls)
-        self.groups = _grouped([_Group.of(s, i) for i, s in enumerate(singles)])
         self.offsets = [s.offset for s in singles]
-        # the sequences' own objects stay (the context's ``layers`` name them), emptied of
-        # what the groups now hold
         self.shells = list(singles)
-        for s in singles:
-            for k in [k for k in vars(s) if k not in _OWN]:
-                del s.__dict__[k]
+        if isinstance(singles[0], CrossLayer) and singles[0].context is not None:
+            key = tuple(id(s.context) for s in singles)
+            planned = _PLANS.get(key, {}).get(singles[0].layer)
+            if planned is None or planned[0] != [id(s) for s in singles]:  # none, or a stale one
+                # every layer's groups now, linked at once: a layer may read a later one's
+                # (a group's owner) before that layer packs
+                _PLANS[key] = _cross_layer_plan(singles)
+                for j, (_, groups) in _PLANS[key].items():
+                    for g in groups:
+                        _link(g, self.shells)
+                    _empty([s.context.layers[j] for s in singles])
+            plan = _PLANS[key]
+            self.groups = plan.pop(singles[0].layer)[1]
+            if not plan:
+                del _PLANS[key]
+        else:
+            self.groups = _grouped([_Group.of(s, i) for i, s in enumerate(singles)])
+            _empty(singles)
         self._sync()
         return self
 
@@ -294,15 +370,29 @@ class StackedLayout(PackedLayout):
         self.groups = sorted(groups, key=lambda g: g.rows[0])
         self.shells = [self.shells[i] for i in keep]
         self.offsets = [self.offsets[i] for i in keep]
+        self._relink()
         self._sync()
 
     def extend(self, other: "StackedLayout") -> None:
         n = len(self.shells)
         moved = [_Group(g.cache, [r + n for r in g.rows], g.shared) for g in other.groups]
-        self.groups = _grouped(self.groups + moved)
+        # a cross-layer batch keeps its groups (joining them at one layer would have to be
+        # planned for every layer)
+        cross = self._cross_layer
+        self.groups = self.groups + moved if cross else _grouped(self.groups + moved)
         self.shells += other.shells
         self.offsets += other.offsets
+        self._relink()
         self._sync()
+
+    @property
+    def _cross_layer(self) -> bool:
+        return isinstance(self.groups[0].cache, CrossLayer) and self.groups[0].cache.context is not None
+
+    def _relink(self) -> None:
+        if self.groups and self._cross_layer:
+            for g in self.groups:
+                _link(g, self.shells)
 
     def _single(self, b: int, shell):
         g = next(g for g in self.groups if b in g.rows)

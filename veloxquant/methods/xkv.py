@@ -55,7 +55,7 @@ from ..lowrank.shared_latent import SharedLatentCodec, LatentKeys, joint_factors
 
 
 class XKVCache(CrossLayer, CompressedKVCache):
-    batchable = "per_sequence"  # its own decode steps (latent attention); cross-layer state per sequence (cache/batch.py)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache at every layer, linked by a context of their own (cache/stacked.py)
     requires_attention_hook = True
     max_ctx_covers = "prompt"  # xkv_max_ctx bounds the first prompt; decode tokens are kept exact
 

@@ -61,7 +61,7 @@ def _cat(a, b):
 
 
 class MiniCacheCache(CrossLayer, CompressedKVCache):
-    batchable = "per_sequence"  # its own decode steps (merged rows); a pair merges within one sequence (cache/batch.py)
+    batchable = "per_sequence"  # its merged layer keeps a data-dependent number of retained tokens: two sequences' shapes differ, so no two share a stacked cache (cache/stacked.py)
     requires_attention_hook = True
     owner_position = -1  # the deeper layer merges and keeps the merged directions
 

@@ -39,7 +39,7 @@ from ...quant.store import VALUE_ROOM, QuantizedKVStore
 
 
 class XQuantCache(CrossLayer, QuantizedCache):
-    batchable = "per_sequence"  # reuse layers read the anchor's codes: one store per sequence, its own context (cache/batch.py)
+    batchable = "stacked"  # its rows never mix: sequences in the same state share one cache at every layer, linked by a context of their own (cache/stacked.py)
     group_field = "xquant_group_quant_size"
 
     def layer_groups(self, compressed, n_layers):
