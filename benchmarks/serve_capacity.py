@@ -87,7 +87,7 @@ PER_SEQUENCE = {"kivi 4-bit, per sequence": "kivi 4-bit",
                 "streaming_llm 4+2044, per sequence": "streaming_llm 4+2044",
                 "keyformer 2048, per sequence": "keyformer 2048",
                 "gear, per sequence": "gear", "age_tiered, per sequence": "age_tiered",
-                "turboquant, per sequence": "turboquant"}
+                "turboquant, per sequence": "turboquant", "xquant, per sequence": "xquant"}
 METHODS.update({row: METHODS[packed] for row, packed in PER_SEQUENCE.items()})
 
 
