@@ -185,8 +185,8 @@ class _Group:
 
     @classmethod
     def of(cls, single, row: int) -> "_Group":
-        """A group of one: its own objects (``single`` becomes an emptied shell), the arrays
-        ``single`` holds."""
+        """A group of one: new objects holding the arrays ``single`` holds (``single`` is
+        emptied once its group is made: ``_empty``)."""
         shared = frozenset(_shared_paths(single, 1))
         return cls(_rows(single, 1, None, 1, shared, {}), [row], shared)
 
@@ -308,6 +308,7 @@ class StackedLayout(PackedLayout):
                     for g in groups:
                         _link(g, self.shells)
                     _empty([s.context.layers[j] for s in singles])
+                    mx.eval([g.cache.state["arrays"] for g in groups])  # as _sync, a layer at a time
             plan = _PLANS[key]
             self.groups = plan.pop(singles[0].layer)[1]
             if not plan:
