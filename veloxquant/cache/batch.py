@@ -45,19 +45,18 @@ model context; each sequence's copies share one copied context whose ``layers`` 
 copies (see "copies" below). Per sequence, each reads its own; stacked (xquant, xkv), a
 group's caches at every layer share a context of the group's own (``cache/stacked.py``).
 
-A class whose rows never mix may say ``batchable = "stacked"``: sequences in the same state
-share one cache of its own class, fed their rows together (``cache/stacked.py``); sixteen
-quantized, coded and sparse stores do. The other quantized stores (``quant/store.py`` and
-the stores built on it) batch per sequence, except the plain ``QuantizedKVStore`` of a
-class that keeps ``QuantizedCache``'s decode steps (KIVI), which has a packed layout (``quant/batch.py``: one launch of the fused frag
-kernel with each sequence's counts on CUDA in float16, else per-sequence lengths and masks
-in the pure-MLX attention; flushes at each sequence's own steps). The other stores
-attend over parts (sinks, segments, codebook codes, low-rank factors) whose boundaries
-move at each sequence's own steps; a packed layout for them would need per-sequence masks
-inside every part (the ``PackedScores`` codecs') and flushes for a subset of rows; per
-sequence, each store's decode runs unchanged (bit-identical to alone) and the model's
-projections and MLPs still run batched. Where a fused kernel reads one KIVI sequence but
-none reads a packed batch (the other GPU shapes), KIVI batches per sequence.
+The quantized stores (``quant/store.py`` and the stores built on it) attend over parts
+(sinks, segments, codebook codes, low-rank factors) whose boundaries move at each
+sequence's own steps. The plain ``QuantizedKVStore`` of a class that keeps
+``QuantizedCache``'s decode steps (KIVI) has a packed layout (``quant/batch.py``: one launch
+of the fused frag kernel with each sequence's counts on CUDA in float16, else per-sequence
+lengths and masks in the pure-MLX attention; flushes at each sequence's own steps); where a
+fused kernel reads one KIVI sequence but none reads a packed batch (the other GPU shapes),
+KIVI batches per sequence. A class whose rows never mix may say ``batchable = "stacked"``
+instead: sequences in the same state (the same boundaries) share one cache of its own
+class, fed their rows together (``cache/stacked.py``); sixteen stores do. The others batch
+per sequence: each store's decode runs unchanged (bit-identical to alone) and the model's
+projections and MLPs still run batched.
 """
 
 from __future__ import annotations
@@ -495,7 +494,8 @@ class BatchCache:
 # (a method's per-sequence settings, what ``extract`` copies). Each layout tracks the
 # capacity each sequence's own buffers would have grown to alone, so that unpacking or
 # extracting gives back byte for byte the cache of the sequence run alone. ``PackedLayout``
-# derives ``batch_size``, ``extract`` and ``unpack`` from ``shells`` and ``_single``.
+# derives ``batch_size``, ``extract`` and ``unpack`` from ``shells`` and ``_single``, and
+# gives ``step_writes`` (what a step writes but does not read: none unless a layout says).
 def grown_capacity(capacity: int, length: int, n: int, step: int, limit: int | None,
                    geometric: bool = False) -> int:
     """The capacity ``GrowingArray.append`` leaves after appending ``n`` rows."""
