@@ -24,6 +24,7 @@ from veloxquant_mlx.methods.h2o import H2OCache
 from veloxquant_mlx.methods.keyformer import KeyformerCache
 from veloxquant_mlx.methods.knorm import L2NormCache
 from veloxquant_mlx.methods.morphkv import MorphKVCache
+from veloxquant_mlx.methods.qfilters import QFiltersCache
 from veloxquant_mlx.methods.tova import TOVACache
 
 BUDGET, PROMPT = 48, 100
@@ -127,7 +128,7 @@ PACKED_EVICTING = {
     "keyformer": (KeyformerCache, {"keyformer_budget": BUDGET}),
     "morphkv": (MorphKVCache, {"morphkv_budget": BUDGET}),
     "h2o": (H2OCache, {"h2o_budget": BUDGET}),
-    "qfilters": (None, {"qfilters_budget": BUDGET}),
+    "qfilters": (QFiltersCache, {"qfilters_budget": BUDGET}),
 }
 
 

@@ -67,7 +67,6 @@ OVER_GRAPH_BOUND = {
     # padded heads: a masked decode attention (2026-12-04: 1.63 with MLX's masked fused
     # attention, decomposed on CUDA)
     "nestedkv": 1.38,
-    "qfilters": 1.48,
     "keyformer": 1.48,
     "h2o": 1.35,
     "xkv": 1.38,
@@ -80,13 +79,15 @@ GRAPH_BOUND = 1.3
 # (benchmarks/results/periodic_steps_4k_s47.md), and its cost follows its graph's size.
 # gear's rose from 7.75 on 2026-12-04: its flush's fit takes 3 QRs and a small Ritz eigh
 # (``leading_basis``) in place of one 128 x 128 eigh per head, more nodes for a quarter of
-# the time (benchmarks/results/fits_h200_s53/).
+# the time (benchmarks/results/fits_h200_s53/). qfilters' rose from 1.48 on 2026-12-04: it
+# evicts every EVICT_EVERY steps (its steady step 1.48 -> 1.19), so that step is the base's
+# batched eviction.
 PERIODIC_STEP = {
     "full": 1.12, "vecinfer": 2.79, "kivi": 1.54, "svdq": 5.79, "kitty": 3.67, "adakv": 6.52,
     "xquant": 2.24, "kvquant": 6.38, "palu": 5.60, "cachegen": 5.71, "minicache": 2.85,
     "gear": 8.29, "zipcache": 6.00, "snapkv": 1.27, "streaming_llm": 0.96, "h2o": 1.77,
     "tova": 2.04, "pyramidkv": 1.18, "squeeze": 1.29, "chunkkv": 1.27, "cam": 3.44, "xkv": 1.44,
-    "nsnquant": 5.58, "knorm": 1.94, "skvq": 2.60, "qfilters": 1.48, "keyformer": 1.90,
+    "nsnquant": 5.58, "knorm": 1.94, "skvq": 2.60, "qfilters": 1.65, "keyformer": 1.90,
     "morphkv": 2.42, "kvzip": 1.27, "kvtc": 5.54, "curdkv": 1.27, "nestedkv": 1.57, "amc": 8.58,
     "a2ats": 3.06, "anchorkv": 1.96, "rocketkv": 1.21, "age_tiered": 4.12, "spectral": 7.58,
     "turboquant": 2.71, "snapkv+kivi4": 2.58, "h2o+kivi2": 2.85, "tova+kivi4": 3.12,

@@ -17,6 +17,7 @@ from feeding import feed, prompt_then_steps
 from paper_rule import no_recent_floor  # noqa: F401  (a fixture)
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import QFiltersOptions
+from veloxquant_mlx.evict.base import EVICT_EVERY
 from veloxquant_mlx.evict import attention as attention_module
 from veloxquant_mlx.methods.qfilters import (
     LowRetentionError,
@@ -157,21 +158,35 @@ def test_the_calibration_buffer_stays_within_twice_calib_tokens():
 @pytest.mark.usefixtures("no_recent_floor")
 @pytest.mark.parametrize("sign", [1, -1])
 @pytest.mark.parametrize("recent", [0, 5])
-def test_each_decode_step_frees_the_slot_of_the_lowest_score(sign, recent):
-    n_prompt, n, budget, sink = 100, 150, 30, 3
+def test_every_evict_every_steps_the_lowest_scores_leave_at_once(sign, recent):
+    """Between evictions a decode step only writes its token; every ``EVICT_EVERY`` steps
+    the tokens over the budget leave at once, each scoring no higher than any evictable
+    token kept (the sinks and the ``recent`` newest never leave)."""
+    n_prompt, budget, sink = 100, 30, 3
+    n = n_prompt + 2 * EVICT_EVERY + 5
     k, v, q, _ = synthetic(n, seed=5)
     cache = run(qfilters(qfilters_budget=budget, qfilters_n_sink=sink, qfilters_recent=recent,
                          qfilters_sign=sign), k, v, q, n_prompt, chunk=40, stop=n_prompt)
     f = np.array(cache.filter[0])
     kn = np.array(k[0])
+    evictions = 0
     for t in range(n_prompt, n):
         before = kept_sets(cache)
         feed(cache, k, v, q, t, t + 1)
+        after = kept_sets(cache)
+        assert cache.stored_length <= budget + EVICT_EVERY - 1
+        if all(a == b | {t} for a, b in zip(after, before)):
+            continue
+        evictions += 1
         assert cache.stored_length == budget
-        for h, kept in enumerate(kept_sets(cache)):
-            free = [j for j in before[h] | {t} if j >= sink and j < t + 1 - recent]
-            victim = min(free, key=lambda j: sign * kn[h, j] @ f[h])
-            assert kept == (before[h] | {t}) - {victim}
+        for h, kept in enumerate(after):
+            pool = before[h] | {t}
+            gone = pool - kept
+            evictable = {j for j in pool if sink <= j < t + 1 - recent}
+            assert kept <= pool and gone <= evictable
+            score = {j: sign * kn[h, j] @ f[h] for j in evictable}
+            assert max(score[j] for j in gone) <= min(score[j] for j in kept & evictable)
+    assert evictions == 2
 
 
 @pytest.mark.usefixtures("no_recent_floor")
@@ -278,16 +293,20 @@ def test_under_budget_nothing_is_fixed_and_attention_is_exact():
     assert cache.filter is None and cache.kept_positions is None and cache.stored_length == n
 
 
-def test_a_prompt_within_budget_calibrates_at_the_first_decode_step_over_it():
-    """Prompt of 30, budget 40: the filter is fixed when token 40 arrives, from the queries
-    of positions 4 .. 40 (the decode steps' included), and that step evicts by it."""
-    k, v, q, _ = synthetic(60, seed=10)
-    cache = run(qfilters(qfilters_budget=40), k, v, q, 30, chunk=16, stop=40)
-    assert cache.filter is None and cache.stored_length == 40
-    feed(cache, k, v, q, 40, 41)
-    _, per_kv = numpy_filters(q, list(range(4, 41)))
+def test_a_prompt_within_budget_calibrates_at_the_first_eviction_over_it():
+    """Prompt of 30, budget 40: the filter is fixed at the first scheduled eviction with
+    more than 40 tokens held, from the queries of positions 4 up to that step's (the decode
+    steps' included), and that step evicts by it down to the budget."""
+    k, v, q, _ = synthetic(30 + 2 * EVICT_EVERY, seed=10)
+    cache = run(qfilters(qfilters_budget=40), k, v, q, 30, chunk=16, stop=30)
+    t = 30
+    while cache.filter is None:
+        assert cache.stored_length == t
+        feed(cache, k, v, q, t, t + 1)
+        t += 1
+    assert t - 1 > 40 and cache.stored_length == 40
+    _, per_kv = numpy_filters(q, list(range(4, t)))
     assert np.allclose(np.array(cache.filter[0]), per_kv, atol=2e-4)
-    assert cache.stored_length == 40
 
 
 @pytest.mark.parametrize("ratio", [0.3, 0.9, 0.99])

@@ -10,8 +10,11 @@ the highest kept (the official filter is stored negated, -sigma v, and scored wi
 -<k, filter>: the same ranking). A token's projection never changes (the filter is
 frozen), so it is computed once, in float32, and kept beside the token.
 
-Scores when the prompt is in and at every decode step (freeing the slot of the lowest
-score); the sinks and the newest tokens are never evicted: the ``qfilters_recent`` newest,
+Scores when the prompt is in and every ``EVICT_EVERY`` decode steps (``evict/base.py``): the
+paper frees the slot of the lowest score at every step; here the ``EVICT_EVERY`` lowest leave
+at once, so attention sees up to budget + ``EVICT_EVERY`` - 1 tokens between evictions, and
+a decode step only writes its token (its projection, one product). The sinks and the newest
+tokens are never evicted: the ``qfilters_recent`` newest,
 and at least ``RECENT_FLOOR`` (``recent_floor``, at most a quarter of the budget), since
 with none, as at the contract's default of 0, a new token that projects below the kept
 ones is evicted at once and the text degenerates. Attention always sees
@@ -41,7 +44,7 @@ import mlx.core as mx
 
 from ..diagnostics import VeloxQuantWarning
 from ..evict.attention import attention_weights, reduce_query_blocks
-from ..evict.base import RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
+from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 from ..evict.select import group_mean, top_k_sorted
 
 
@@ -124,7 +127,7 @@ def calibration_stride(seen: int, capacity: int) -> int:
 
 class QFiltersCache(ScoredEvictionCache):
     roles = Roles(budget="qfilters_budget", n_sink="qfilters_n_sink", recent="qfilters_recent")
-    schedule = Schedule(prefill_end=True, decode_every=1)
+    schedule = Schedule(prefill_end=True, decode_every=EVICT_EVERY)
     batchable = True
     # Packed once calibrated: the filter is then fixed (each sequence's, joined), ``_evict``
     # is the base's and ``trim`` has no calibration queries left to cut.
