@@ -21,6 +21,11 @@ Copies stand in for distinct prompts: a cache's size and a decode step's work de
 the lengths, not on the tokens, and prefilling every request would take the sequences
 held times one prefill (the table's "TTFT, last of N" column is that product: the time
 to first token of the last request when N arrive together and are prefilled in turn).
+Two things differ from distinct prompts: copies share their prompt's buffers until a batch
+layout joins them (a per-sequence row reads one prompt's history N times), and copies are
+always in one state, so a stacked layout (``cache/stacked.py``) puts them in one group,
+which distinct prompts of one length reach only where the method's structure depends on
+the lengths alone (the sixteen stacked methods in ``tests/test_stacked_batches.py``).
 
     python benchmarks/serve_capacity.py                                  # H200: 8B, 32k, 40 GB
     python benchmarks/serve_capacity.py --preset tiny --prompt 4096 --kv-gb 0.04 --steps 4 \
