@@ -25,7 +25,7 @@ Two things differ from distinct prompts: copies share their prompt's buffers unt
 layout joins them (a per-sequence row reads one prompt's history N times), and copies are
 always in one state, so a stacked layout (``cache/stacked.py``) puts them in one group,
 which distinct prompts of one length reach only where the method's structure depends on
-the lengths alone (the sixteen stacked methods in ``tests/test_stacked_batches.py``).
+the lengths alone (the stacked methods in ``tests/test_stacked_batches.py``).
 
     python benchmarks/serve_capacity.py                                  # H200: 8B, 32k, 40 GB
     python benchmarks/serve_capacity.py --preset tiny --prompt 4096 --kv-gb 0.04 --steps 4 \
