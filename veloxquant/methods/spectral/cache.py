@@ -54,7 +54,7 @@ SKETCH_SEED = 0x5BEC  # the QJL matrix of layer i is drawn from SKETCH_SEED + i
 
 
 class SpectralQuantCache(QuantizedCache):
-    batchable = "per_sequence"  # stacked, its step (every stored coordinate decoded afresh) ran slower than per sequence: CPU, 8 x 4k, 257 against 136 ms (notes/serving_batches.md)
+    batchable = "per_sequence"  # stacked, its step (every stored coordinate decoded afresh) ran slower than per sequence: CPU, 8 x 4k, 216 against 139 ms a step (benchmarks/results/stacked_steps_cpu_s55.md)
     group = 1  # no quantization groups: every shape is accepted
 
     def make_store(self):
