@@ -68,7 +68,6 @@ OVER_GRAPH_BOUND = {
     # attention, decomposed on CUDA)
     "nestedkv": 1.38,
     "keyformer": 1.48,
-    "h2o": 1.35,
     "xkv": 1.38,
 }
 GRAPH_BOUND = 1.3

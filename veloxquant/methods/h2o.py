@@ -59,13 +59,12 @@ def _decode_mass(scale: float, decay: float):
     change only when the buffers grow."""
 
     def step(queries, keys, mass, rows, row_ids):
-        b, hq, nq, d = queries.shape
+        b, hq, _, d = queries.shape  # one query a sequence and head
         hkv = keys.shape[1]
-        q = queries.reshape(b, hkv, hq // hkv, nq, d).astype(mx.float32)
-        logits = (q * scale) @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
+        q = queries.reshape(b, hkv, hq // hkv, d).astype(mx.float32)
+        logits = (q * scale) @ keys.astype(mx.float32).swapaxes(-1, -2)
         logits = mx.where(row_ids < rows, logits, -float("inf"))
-        weights = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
-        new = weights.sum(axis=3).mean(axis=2)
+        new = mx.softmax(logits, axis=-1, precise=True).mean(axis=2)
         return (mass if decay == 1.0 else mass * decay) + new
 
     return mx.compile(step)
