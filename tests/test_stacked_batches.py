@@ -136,3 +136,16 @@ def test_cross_layer_groups_share_one_context_at_every_layer():
     assert all(g[0].cache.context is context for g in groups)
     assert [context.layers[i] for i in range(len(batch))] == [g[0].cache for g in groups]
     assert not stacked._PLANS
+
+
+def test_a_sequence_joining_in_the_same_state_joins_the_group():
+    """``extend`` with a layout whose sequence is in the same state as one already there
+    joins the two into one group; each is given back with its own arrays."""
+    a, b = _decoded("gear", (200, 200))
+    before = [batching.state_arrays(c) for c in (a, b)]
+    layout, other = StackedLayout.pack([a]), StackedLayout.pack([b])
+    layout.extend(other)
+    assert layout.group_sizes == [2] and layout.offsets[0] == layout.offsets[1]
+    for i in range(2):
+        for name, x in batching.state_arrays(layout.extract(i)).items():
+            assert mx.array_equal(x, before[i][name]), name
