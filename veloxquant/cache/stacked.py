@@ -100,61 +100,60 @@ def _rebound(x: Any, memo: dict) -> Any:
     return x
 
 
-def _join(values: list, batches: list[int], shared: frozenset, memo: dict, path: tuple = ()) -> Any:
+def _rebuilt(values: list, array, n: int, memo: dict, path: tuple = ()) -> Any:
+    """``values`` (one object of the same structure per member) rebuilt as one: new objects,
+    lists and dicts, every array ``array(members' arrays, path)``, ``kv_shape`` for ``n``
+    rows, a member's own attributes (``_OWN``) the first's. ``memo`` maps an object's id to
+    what it is rebuilt as (given for the root: an existing object is filled)."""
     first = values[0]
     if isinstance(first, mx.array):
-        if _batched(first, batches[0], path, shared):
-            return mx.concatenate(values, axis=0)
-        if any(v is not first and not mx.array_equal(v, first).item() for v in values[1:]):
-            raise _Mismatch(path)
-        return first
+        return array(values, path)
     if isinstance(first, dict):
-        return {k: _join([v[k] for v in values], batches, shared, memo, path + (k,)) for k in first}
+        return {k: _rebuilt([v[k] for v in values], array, n, memo, path + (k,)) for k in first}
     if isinstance(first, (list, tuple)):
-        items = [_join([v[i] for v in values], batches, shared, memo, path + (i,)) for i in range(len(first))]
+        items = [_rebuilt([v[i] for v in values], array, n, memo, path + (i,)) for i in range(len(first))]
         return items if isinstance(first, list) else type(first)(items)
     if _descend(first):
-        if id(first) in memo:
+        if path and id(first) in memo:
             return memo[id(first)]
-        obj = memo[id(first)] = type(first).__new__(type(first))
-        for k, v in vars(first).items():
-            if k in _OWN:
-                obj.__dict__[k] = v
-            elif k == "kv_shape" and v is not None:
-                obj.__dict__[k] = (sum(batches), *v[1:])
-            else:
-                obj.__dict__[k] = _join([vars(m)[k] for m in values], batches, shared, memo, path + (k,))
-        return obj
-    return _rebound(first, memo)
-
-
-def _rows(x: Any, batch: int, take, n: int, shared: frozenset, memo: dict, path: tuple = ()) -> Any:
-    """``x`` rebuilt (new objects, lists and dicts; the same arrays and values) with its
-    batched arrays cut to the rows ``take`` (a slice or an index array; None: all ``n``).
-    ``memo`` maps an object's id to what it is rebuilt as (given: the root's, to fill an
-    existing object)."""
-    if isinstance(x, mx.array):
-        return x[take] if take is not None and _batched(x, batch, path, shared) else x
-    if isinstance(x, dict):
-        return {k: _rows(v, batch, take, n, shared, memo, path + (k,)) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        items = [_rows(v, batch, take, n, shared, memo, path + (i,)) for i, v in enumerate(x)]
-        return items if isinstance(x, list) else type(x)(items)
-    if _descend(x):
-        if id(x) in memo and path:
-            return memo[id(x)]
-        obj = memo.get(id(x))
+        obj = memo.get(id(first))
         if obj is None:
-            obj = memo[id(x)] = type(x).__new__(type(x))
-        for k, v in vars(x).items():
+            obj = memo[id(first)] = type(first).__new__(type(first))
+        for k, v in vars(first).items():
             if k in _OWN:
                 obj.__dict__.setdefault(k, v)
             elif k == "kv_shape" and v is not None:
                 obj.__dict__[k] = (n, *v[1:])
             else:
-                obj.__dict__[k] = _rows(v, batch, take, n, shared, memo, path + (k,))
+                obj.__dict__[k] = _rebuilt([vars(m)[k] for m in values], array, n, memo, path + (k,))
         return obj
-    return _rebound(x, memo)
+    return _rebound(first, memo)
+
+
+def _join(caches: list, batches: list[int], shared: frozenset) -> Any:
+    """Caches of equal signatures (holding ``batches`` rows each) as one: batched arrays
+    concatenated, the others kept once (``_Mismatch`` where they differ)."""
+
+    def array(values, path):
+        first = values[0]
+        if _batched(first, batches[0], path, shared):
+            return mx.concatenate(values, axis=0)
+        if any(v is not first and not mx.array_equal(v, first).item() for v in values[1:]):
+            raise _Mismatch(path)
+        return first
+
+    return _rebuilt(caches, array, sum(batches), {})
+
+
+def _rows(x: Any, batch: int, take, n: int, shared: frozenset, memo: dict) -> Any:
+    """``x`` (holding ``batch`` rows) rebuilt with its batched arrays cut to the rows
+    ``take`` (a slice or an index array; None: all ``n``); ``memo`` as ``_rebuilt``'s."""
+
+    def array(values, path):
+        x = values[0]
+        return x[take] if take is not None and _batched(x, batch, path, shared) else x
+
+    return _rebuilt([x], array, n, memo)
 
 
 def _shared_paths(x: Any, batch: int, path: tuple = ()) -> set:
@@ -181,7 +180,6 @@ class _Group:
 
     def __init__(self, cache, rows: list[int], shared: frozenset):
         self.cache, self.rows, self.shared = cache, rows, shared
-        self._signature = None
 
     @classmethod
     def of(cls, single, row: int) -> "_Group":
@@ -192,11 +190,8 @@ class _Group:
 
     @property
     def signature(self):
-        if self._signature is None:
-            config = json.dumps(self.cache.config.to_dict(), sort_keys=True)
-            self._signature = (config, self.cache.layer, self.cache.offset,
-                               _signature(self.cache, len(self.rows), self.shared))
-        return self._signature
+        config = json.dumps(self.cache.config.to_dict(), sort_keys=True)
+        return config, self.cache.layer, self.cache.offset, _signature(self.cache, len(self.rows), self.shared)
 
     @staticmethod
     def join(groups: list["_Group"]) -> list["_Group"]:
@@ -205,7 +200,7 @@ class _Group:
         if len(groups) == 1:
             return groups
         try:
-            cache = _join([g.cache for g in groups], [len(g.rows) for g in groups], groups[0].shared, {})
+            cache = _join([g.cache for g in groups], [len(g.rows) for g in groups], groups[0].shared)
         except _Mismatch:
             return groups
         return [_Group(cache, [r for g in groups for r in g.rows], groups[0].shared)]
@@ -343,8 +338,6 @@ class StackedLayout(PackedLayout):
             self._fetched = [self.groups[0].cache.update_and_fetch(keys, values)]
         else:
             self._fetched = [g.cache.update_and_fetch(keys[i], values[i]) for g, i in zip(self.groups, self._index)]
-        for g in self.groups:
-            g._signature = None
         return keys, values
 
     def attend(self, queries, keys, values, *, scale, sinks=None):
