@@ -121,15 +121,18 @@ def test_cross_layer_groups_share_one_context_at_every_layer():
     """xquant's reuse layers read their anchor's codes through the context: once a batch of
     two sequences of one length packs, each layer's group cache has a context whose
     ``layers`` are the group's caches at every layer (the same context object), and the
-    plan made when the first layer packed is used up by the last."""
+    plan made when the first layer packed is used up by the last (at the second step: the
+    first ends the prompts)."""
     from decode_steps import prefilled
     from veloxquant_mlx.cache import stacked
 
     model, cache, token = prefilled("xquant")
     seqs = [[batch_module.copy_single(c, "merge") for c in cache] for _ in range(2)]
     batch = [c.merge([s[i] for s in seqs]) for i, c in enumerate(cache)]
-    y = mx.argmax(model(mx.concatenate([token, token])[:, None], cache=batch)[:, -1], axis=-1)
-    mx.eval(y)
+    y = mx.concatenate([token, token])
+    for _ in range(2):  # the first step ends the prompts, each sequence alone (stack_ready)
+        y = mx.argmax(model(y[:, None], cache=batch)[:, -1], axis=-1)
+        mx.eval(y)
     groups = [b.packed.groups for b in batch]
     assert all(len(g) == 1 and g[0].rows == [0, 1] for g in groups)
     context = groups[0][0].cache.context
@@ -149,3 +152,38 @@ def test_a_sequence_joining_in_the_same_state_joins_the_group():
     for i in range(2):
         for name, x in batching.state_arrays(layout.extract(i)).items():
             assert mx.array_equal(x, before[i][name]), name
+
+
+@pytest.mark.parametrize("method", STACKED)
+def test_short_prompts_whose_fit_comes_while_decoding_batch_as_alone(method):
+    """Prompts shorter than a fit's rows (svdq's and palu's bases fit once head_dim tokens
+    are held) or whose end brings the fit (xKV's SVD at the first decode step): a fit made
+    in a group gave every member the largest of their ranks (a log-probability off by 2-4
+    before ``stack_ready``). Two pairs of equal lengths, one pair below the tiny model's 32
+    channels, the second pair joining the first after one step."""
+    model, make = batching.rowwise_setup(method, profile(method).compressing)
+    prompts = [prompt(n, seed=i + 3).tolist() for i, n in enumerate((20, 20, 40, 40))]
+    alone = [batching.run_alone(model, make, t, 60) for t in prompts]
+    got = batching.run_batched(model, prompts, (60,) * 4, join_at=1)
+    factors = LOW_RANK_FACTORS.get(method, ())
+    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
+        batching.assert_same_cache(cache, a_cache, exact=False, by_shape=[f"{p}_lr_{x}" for p in factors for x in "ab"])
+        for b, a in zip(cache, a_cache):
+            mine, theirs = batching.state_arrays(b), batching.state_arrays(a)
+            for p in factors:
+                assert mx.allclose(_low_rank_product(mine, p), _low_rank_product(theirs, p), atol=1e-5)
+
+
+# gear's low-rank factors A (tokens x rank) and B (channels x rank) a chunk: a fit of a
+# group's rows rounds its Gram products otherwise than a row's alone, and where the short
+# prompts' singular values nearly meet, that turns the rank's basis (A and B differ by up
+# to 2.4 while A Bᵀ agrees to 1.5e-6). The product is what a cache keeps.
+LOW_RANK_FACTORS = {"gear": ("k", "v")}
+
+
+def _low_rank_product(arrays, prefix):
+    a, b, chunk = arrays[f"{prefix}_lr_a"], arrays[f"{prefix}_lr_b"], arrays[f"{prefix}_lr_chunk"]
+    return (b[:, :, chunk] @ a[..., None]).squeeze(-1)  # (B, H, T, channels)

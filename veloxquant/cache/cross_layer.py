@@ -130,6 +130,13 @@ class CrossLayer:
     def _relinked(self) -> None:
         """A restored layer has its context again (before its arrays are put back)."""
 
+    @property
+    def stack_ready(self) -> bool:
+        """No prompt waiting for its end (cache/stacked.py): the work a prompt's end brings
+        (xKV's SVD, its rank the largest over the rows it is given) runs on each sequence
+        alone."""
+        return not self.__dict__.get("prompt_open", False)
+
     # -- groups ------------------------------------------------------------------------------------
     @property
     def layer_group(self) -> tuple[int, ...]:

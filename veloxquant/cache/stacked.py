@@ -14,7 +14,10 @@ already there) are joined again.
 
 What a class must give to use it (``batchable = "stacked"`` in its body, which the batch
 conformance tests then hold to each sequence alone): rows that do not mix, and no
-hidden-state observer.
+hidden-state observer. A cache whose structure is still to be fitted over the rows it holds
+(a rank chosen by an energy rule, the largest over its rows; a prompt-end SVD) says so with
+``stack_ready`` False: fitted in a group, one member's rank would serve all. The batch then
+decodes per sequence until every member has fitted alone.
 
 Cross-layer methods (``cache/cross_layer.py``) read their neighbour layers through the
 sequence's model context. Their groups are planned once for every layer, when the first
@@ -41,6 +44,7 @@ from typing import Any
 import mlx.core as mx
 
 from .batch import PackedLayout
+from .buffers import GrowingArray
 from .cross_layer import CrossLayer
 
 # A sequence's own attributes: never joined, each member keeps its own.
@@ -157,9 +161,13 @@ def _rows(x: Any, batch: int, take, n: int, shared: frozenset, memo: dict) -> An
 
 
 def _shared_paths(x: Any, batch: int, path: tuple = ()) -> set:
-    """Paths of the arrays in ``x`` without the batch first (kept once)."""
+    """Paths of the arrays in ``x`` without the batch first (kept once). A buffer that grows
+    along axis 0 holds rows there, not sequences, whatever its length (gear's chunk ends: one
+    chunk looks like a batch of one)."""
     if isinstance(x, mx.array):
         return set() if x.ndim > 0 and x.shape[0] == batch else {path}
+    if isinstance(x, GrowingArray) and x.axis == 0:
+        return {path + ("buffer",)}
     if isinstance(x, dict):
         items = ((k, v) for k, v in x.items())
     elif isinstance(x, (list, tuple)):
@@ -285,7 +293,8 @@ class StackedLayout(PackedLayout):
 
     @classmethod
     def can_pack(cls, single) -> bool:
-        return single.offset > 0 and getattr(single, "_pending", None) is None and not hasattr(single, "observe_hidden")
+        return (single.offset > 0 and getattr(single, "_pending", None) is None and not hasattr(single, "observe_hidden")
+                and getattr(single, "stack_ready", True))
 
     @classmethod
     def pack(cls, singles) -> "StackedLayout":

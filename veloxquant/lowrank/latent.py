@@ -699,3 +699,10 @@ class LatentCache(QuantizedCache):
     @property
     def group(self) -> int:
         return 1
+
+    @property
+    def stack_ready(self) -> bool:
+        """Fitted (cache/stacked.py): a fit over a group's rows would give all of them the
+        largest of their ranks."""
+        store = self.__dict__.get("store")
+        return store is None or store.fitted
