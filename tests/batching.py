@@ -217,3 +217,42 @@ def rowwise_setup(method, settings):
 
     model.make_cache = make
     return model, make
+
+
+def run_rows(cache, keys, values, queries, n_prompt, chunk=64):
+    """A cache fed (B, H, T, D) keys and values directly: the first ``n_prompt`` tokens in
+    chunks of ``chunk`` (causal), then one token a step; every attention output of the
+    queries (B, Hq, T, D), at scale D ** -0.5, each evaluated at its step."""
+    outs, i, t, scale = [], 0, keys.shape[2], keys.shape[-1] ** -0.5
+    while i < t:
+        n = min(chunk, n_prompt - i) if i < n_prompt else 1
+        k, v = cache.update_and_fetch(keys[:, :, i : i + n], values[:, :, i : i + n])
+        outs.append(cache.attend(queries[:, :, i : i + n], k, v, scale=scale, mask="causal" if n > 1 else None))
+        mx.eval(outs[-1])
+        i += n
+    return outs
+
+
+def saved_state(cache):
+    """A copy of a cache's saved state whose arrays and meta can be edited (the arrays
+    themselves shared)."""
+    state = cache.state
+    return {"arrays": dict(state["arrays"]), "meta": dict(state["meta"])}
+
+
+def assert_each_row_alone(both, outs, make, keys, values, queries, n_prompt, chunk=64):
+    """Each row of ``both`` (a cache ``run_rows`` fed every row, ``outs`` its outputs) is
+    the cache ``make()`` fed that row alone: every output and kept array bit for bit, and
+    ``nbytes`` the sum of the rows' caches'."""
+    arrays, nbytes, batch = both.state["arrays"], 0, keys.shape[0]
+    for r in range(batch):
+        take = slice(r, r + 1)
+        alone = make()
+        out_alone = run_rows(alone, keys[take], values[take], queries[take], n_prompt, chunk)
+        for step, (x, y) in enumerate(zip(outs, out_alone)):
+            assert mx.array_equal(x[take], y), (r, step)
+        for name, a in alone.state["arrays"].items():
+            if a is not None:
+                assert arrays[name].shape[0] == batch and mx.array_equal(arrays[name][take], a), (r, name)
+        nbytes += alone.nbytes
+    assert both.nbytes == nbytes

@@ -100,7 +100,7 @@ def test_windowed_rope_scores_every_far_key_as_if_b_tokens_away_from_its_pre_rop
     assert mx.array_equal(idx, true_idx.astype(mx.uint32))  # de-rotated exactly, coded exactly
     q_pre = mx.random.normal((1, 2, 2, 64), key=mx.random.key(4))  # 2 query heads a KV head
     q_post = rope(q_pre.reshape(1, 4, 1, 64), t - 1).reshape(1, 2, 2, 64)
-    approx = lookup_scores(store.frame(q_post, mx.array([t - 1 - b])), idx, store.centroids)
+    approx = lookup_scores(store.frame(q_post, mx.array([t - 1 - b])), idx, store.centroids[0])  # the row's codebook
     q_b = rope(q_pre.reshape(1, 4, 1, 64), b).reshape(1, 2, 2, 64)  # R_b q_pre (one position a head)
     wrope = q_b @ k_pre.swapaxes(-1, -2)
     assert mx.allclose(approx, wrope, atol=1e-3, rtol=1e-4), float(mx.abs(approx - wrope).max())
@@ -117,7 +117,7 @@ def _codes(**options):
     store = cache.store
     store._code_up_to(200)
     sub = store._sub_vectors(0, 200)
-    return store.codes.view()[:, :, :200].astype(mx.uint32), sub, store.centroids
+    return store.codes.view()[:, :, :200].astype(mx.uint32), sub, store.centroids[0]  # the row's codebook
 
 
 def _assert_argmin(idx, dist):

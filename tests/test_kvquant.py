@@ -54,10 +54,11 @@ as the levels get finer: measured 0.65 / 0.83 / 0.94 of it at 2 / 3 / 4 bits).""
     x = mx.random.normal((1, 2, 256, 64), key=mx.random.key(3))
     x = x * mx.exp(mx.random.normal(x.shape, key=mx.random.key(4)) * 0.5)  # heavy tails
     z, weights, *_ = NonUniform(bits, 32, "token", 0.01, 8).prepare(x, mx.float32)
-    book = cb.fit(z, bits, 8, weights)
-    assert book.shape == (1 << bits,) and bool(mx.all(book[1:] > book[:-1]))
+    book = cb.fit(z, bits, 8, weights)  # a batch of one row
+    assert book.shape == (1, 1 << bits) and bool(mx.all(book[0, 1:] > book[0, :-1]))
     assert bool(mx.all(mx.abs(book) <= 1.0))
-    nuq, uniform = float(cb.mse(z, book, weights)), float(cb.mse(z, cb.uniform_grid(bits), weights))
+    z, weights = z.reshape(1, -1), weights.reshape(1, -1)
+    nuq, uniform = float(cb.mse(z, book, weights)[0]), float(cb.mse(z, cb.uniform_grid(bits)[None], weights)[0])
     assert nuq < ratio * uniform, (nuq, uniform)
 
 
@@ -75,19 +76,20 @@ def test_the_cache_errs_less_with_its_codebook_than_with_uniform_levels(bits, mo
         return rel_err(k_hat, keys), rel_err(v_hat, values)
 
     fitted = errors()
-    monkeypatch.setattr(cb, "fit", lambda z, bits, iters, weights=None, seed=0: cb.uniform_grid(bits))
+    monkeypatch.setattr(cb, "fit", lambda z, bits, iters, weights, seed=0:
+                        mx.broadcast_to(cb.uniform_grid(bits), (z.shape[0], 1 << bits)))
     uniform = errors()
     assert fitted[0] < uniform[0] and fitted[1] < uniform[1], (fitted, uniform)
 
 
 def test_lloyd_never_increases_the_fitting_error():
-    z = mx.clip(mx.random.normal((20000,), key=mx.random.key(7)) * 0.4, -1, 1)
+    z = mx.clip(mx.random.normal((1, 20000), key=mx.random.key(7)) * 0.4, -1, 1)
     weights = (mx.random.uniform(shape=z.shape, key=mx.random.key(8)) > 0.05).astype(mx.float32)
     c = cb.quantile_init(z, weights, 3)
-    errors = [float(cb.mse(z, c, weights))]
+    errors = [float(cb.mse(z, c, weights)[0])]
     for _ in range(10):
-        c = cb.lloyd_step(z, weights, c)
-        errors.append(float(cb.mse(z, c, weights)))
+        c = cb.lloyd_step(z, weights, c, cb.row_index(*z.shape))
+        errors.append(float(cb.mse(z, c, weights)[0]))
     assert all(b <= a + 1e-7 for a, b in zip(errors, errors[1:])), errors
     assert errors[-1] < errors[0]
 
@@ -212,10 +214,10 @@ def test_refits_every_interval_and_stored_indices_keep_their_meaning(interval):
     # since the last fit (nothing seen: no new codebook): keys in blocks of 32, values 32 at
     # a time too, both flushed at step 31 of the 40.
     assert st.values.books.length == 2 and st.keys.books.length == 2
-    assert not mx.array_equal(st.values.books.buffer[0], st.values.books.buffer[1])
+    assert not mx.array_equal(st.values.books.buffer[..., 0, :], st.values.books.buffer[..., 1, :])
     ids = st.values.book_ids.view()
     # step 31 encodes its 32 values with the codebook of before, then refits
-    assert ids.shape == (231,) and mx.array_equal(ids, mx.zeros((231,), mx.int32))
+    assert ids.shape == (1, 1, 231, 1, 1) and mx.array_equal(ids, mx.zeros((1, 1, 231, 1, 1), mx.int32))
     # What was stored never changes meaning: each token reads back the same at every later step.
     for i, (k_hat, v_hat) in enumerate(snapshots[:-1]):
         n = 200 + i + 1
@@ -235,14 +237,15 @@ def test_no_lloyd_steps_means_no_refit():
     # The start kept as it is: the quantile grid of the first encode's values, or the uniform
     # grid where that fits them better (at 3 bits here, the uniform one).
     z, weights = _z_weights(cache, values[:, :, 1:200])
-    starts = cb.quantile_init(z, weights, 3), cb.uniform_grid(3)
-    best = min(starts, key=lambda c: float(cb.mse(z, c, weights)))
+    starts = cb.quantile_init(z, weights, 3), cb.uniform_grid(3)[None]
+    best = min(starts, key=lambda c: float(cb.mse(z, c, weights)[0]))
     assert mx.array_equal(cache.store.values.centroids, best)
 
 
 def _z_weights(cache, values):
+    """A codec's z and weights of ``values`` (one row), each (1, N)."""
     z, weights, *_ = cache.store.values.codec.prepare(values, values.dtype)
-    return z.reshape(-1), weights.reshape(-1)
+    return z.reshape(1, -1), weights.reshape(1, -1)
 
 
 # -- pre-RoPE keys ----------------------------------------------------------------------------------

@@ -23,12 +23,16 @@ STACKED = sorted(k for k, info in METHODS.items() if info.implemented
                  and StackedLayout.accepts(info.load_implementation()))
 PROMPTS = (200, 200, 130, 200)  # the first two start decoding together; the last joins later
 MAX_TOKENS = (70, 50, 60, 40)
+# Settings that make distinct prompts of one length hold one structure, for methods whose
+# fitted ranks otherwise follow each prompt (an energy threshold): see
+# test_ranks_that_differ_keep_sequences_apart for those.
+FIXED_LAYOUT = {"palu": {"palu_rank": 24}}
 
 
 def test_the_stores_that_stack():
     """Which methods take the layout (a change here is a decision: say why in the class)."""
-    assert STACKED == ["age_tiered", "amc", "anchorkv", "cachegen", "gear", "kitty", "kvzip",
-                       "nsnquant", "rocketkv", "skvq", "svdq", "turboquant", "xkv", "xquant",
+    assert STACKED == ["a2ats", "adakv", "age_tiered", "amc", "anchorkv", "cachegen", "gear", "kitty", "kvquant",
+                       "kvzip", "nsnquant", "palu", "rocketkv", "skvq", "svdq", "turboquant", "xkv", "xquant",
                        "zipcache"]
     for key in STACKED:
         assert batch_module.batch_mode(METHODS[key].load_implementation()) == batch_module.PACKED
@@ -43,7 +47,7 @@ def test_stacked_batch_equals_each_sequence_alone(method):
     product of two rows in another order than one row's (gear's refits), as
     tests/test_conformance.py notes for the fitted methods. A group that mixed its rows
     would be off by far more (1.4 in a log-probability, seen while building this)."""
-    model, make = batching.rowwise_setup(method, profile(method).compressing)
+    model, make = batching.rowwise_setup(method, {**profile(method).compressing, **FIXED_LAYOUT.get(method, {})})
     prompts = [prompt(n, seed=i + 3).tolist() for i, n in enumerate(PROMPTS)]
     alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, MAX_TOKENS)]
     sizes = set()
@@ -154,6 +158,30 @@ def test_a_sequence_joining_in_the_same_state_joins_the_group():
             assert mx.array_equal(x, before[i][name]), name
 
 
+def test_ranks_that_differ_keep_sequences_apart():
+    """palu at its energy threshold fits each prompt's rank: the two prompts of one length
+    get different ranks here, so their caches' shapes differ and each decodes as a group
+    of its own, still exactly as alone (a join would have had to pad one's latents)."""
+    method = "palu"
+    a, b = _decoded(method, (200, 200))
+    assert (a.store.keys.tokens.rank, a.store.values.tokens.rank) != (b.store.keys.tokens.rank, b.store.values.tokens.rank)
+    model, make = batching.rowwise_setup(method, profile(method).compressing)
+    prompts = [prompt(n, seed=i + 3).tolist() for i, n in enumerate(PROMPTS)]
+    alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, MAX_TOKENS)]
+    sizes = set()
+
+    def check(gen):
+        sizes.update(tuple(c.packed.group_sizes) for c in batching.batch_caches(gen) if c.packed is not None)
+
+    got = batching.run_batched(model, prompts, MAX_TOKENS, check=check)
+    assert sizes and all(set(s) == {1} for s in sizes), sizes
+    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.array_equal(x, y)
+        batching.assert_same_cache(cache, a_cache, exact=True)
+
+
 @pytest.mark.parametrize("method", STACKED)
 def test_short_prompts_whose_fit_comes_while_decoding_batch_as_alone(method):
     """Prompts shorter than a fit's rows (svdq's and palu's bases fit once head_dim tokens
@@ -161,7 +189,7 @@ def test_short_prompts_whose_fit_comes_while_decoding_batch_as_alone(method):
     in a group gave every member the largest of their ranks (a log-probability off by 2-4
     before ``stack_ready``). Two pairs of equal lengths, one pair below the tiny model's 32
     channels, the second pair joining the first after one step."""
-    model, make = batching.rowwise_setup(method, profile(method).compressing)
+    model, make = batching.rowwise_setup(method, {**profile(method).compressing, **FIXED_LAYOUT.get(method, {})})
     prompts = [prompt(n, seed=i + 3).tolist() for i, n in enumerate((20, 20, 40, 40))]
     alone = [batching.run_alone(model, make, t, 60) for t in prompts]
     got = batching.run_batched(model, prompts, (60,) * 4, join_at=1)

@@ -54,7 +54,7 @@ lengths and masks in the pure-MLX attention; flushes at each sequence's own step
 fused kernel reads one KIVI sequence but none reads a packed batch (the other GPU shapes),
 KIVI batches per sequence. A class whose rows never mix may say ``batchable = "stacked"``
 instead: sequences in the same state (the same boundaries) share one cache of its own
-class, fed their rows together (``cache/stacked.py``); fifteen stores do. The others batch
+class, fed their rows together (``cache/stacked.py``); nineteen stores do. The others batch
 per sequence: each store's decode runs unchanged (bit-identical to alone) and the model's
 projections and MLPs still run batched.
 """

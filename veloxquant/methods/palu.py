@@ -48,7 +48,7 @@ def hi_lo_segments(rank: int, fraction: float, hi: int, lo: int) -> list[Channel
 
 
 class PALUCache(LatentCache):
-    batchable = "per_sequence"  # its ranks are fitted per sequence (energy threshold): no two sequences share a layout (cache/stacked.py)
+    batchable = "stacked"  # its rows never mix once prefilled: sequences whose fitted ranks agree (always, with palu_rank set) share one cache (cache/stacked.py)
     def make_store(self):
         o = self.config.options
         segments = functools.partial(hi_lo_segments, fraction=o.palu_hi_fraction, hi=o.palu_hi_bit, lo=o.palu_lo_bit)

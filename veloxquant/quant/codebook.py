@@ -3,19 +3,29 @@
 A codebook quantizes normalized values z (in [-1, 1]) to the nearest of ``2**bits``
 centroids; what is stored per value is the centroid's index.
 
-- **Fitting** (``fit``): centroids start at the data's quantiles ``(j + 1/2) / 2^b`` (the
-  quantiles of a normal, scaled into [-1, 1], when there is no data), or at the uniform
-  grid where that fits the data better, and run ``iters``
+Codebooks have a leading batch axis: fitting takes values (B, ...), flattened per row, and
+gives codebooks (B, 2^bits), row b's fitted (and refitted) on row b's values only, so that a
+cache fed B rows holds the codebook each row's sequence holds alone. A single sequence's
+codebook is a batch of one. Every reduction, sort and scatter-add is taken within a row, so
+a row's codebook does not depend on the other rows (bit for bit on the CPU, where
+scatter-adds add in order; on a GPU they are atomic, in no fixed order).
+
+- **Fitting** (``fit``): a row's centroids start at its data's quantiles
+  ``(j + 1/2) / 2^b`` (the quantiles of a normal, scaled into [-1, 1], when there is no
+  data), or at the uniform grid where that fits the row's data better, and run ``iters``
   Lloyd steps (1-D k-means: assign each value to its nearest centroid, move each centroid
   to the mean of its members, an empty cluster keeps its centroid), which never increase
   the mean squared error. Values may carry weights (0: not part of the data, e.g.
-  outliers; a histogram's counts for a warm refit, ``RefitHistogram``). At most
-  ``FIT_SAMPLES`` values are used, a seeded sample of larger sets (the offline k-means it
-  replaces fits a calibration sample too), so fitting a long prompt stays cheap and
-  deterministic. The result is sorted and clipped into [-1, 1].
+  outliers; a histogram's counts for a warm refit, ``refit``). At most ``FIT_SAMPLES``
+  values a row are used, a seeded sample of larger rows (the same positions in every
+  row; the offline k-means it replaces fits a calibration sample too), so fitting a long
+  prompt stays cheap and deterministic. The result is sorted and clipped into [-1, 1].
+- **Warm refits** (``accumulate``, ``refit``): what each row encodes after its fit is
+  added into its histogram of ``HIST_BINS`` bins over [-1, 1] (weight and weighted sum);
+  ``refit`` runs Lloyd on each row's bins, warm-started at its codebook.
 - **Nearest centroid** (``nearest``): the number of centroid midpoints below z (what
   ``searchsorted`` on the midpoints gives), as ``2^b - 1`` fused comparisons: no
-  (values x centroids) array is formed.
+  (values x centroids) array is formed; with one codebook (2^b,) or one per row.
 - **Indices** are packed as bit planes (``pack_planes``): ``b`` uint32 words per 32
   consecutive indices, word p holding bit p of each, so that unpacking
   is elementwise at every width (3 and 5 bits included) and fuses into one compiled pass.
@@ -25,7 +35,8 @@ centroids; what is stored per value is the centroid's index.
 
 The fused passes are compiled for each shape they meet (not shapeless: MLX's shapeless
 kernels here run several times slower); readers hand them whole buffers, whose shapes
-change only when the buffers grow.
+change only when the buffers grow. (MLX's ``vmap`` over one-row functions would give the
+same values, but takes the compiled passes apart: one pass per centroid.)
 """
 
 from __future__ import annotations
@@ -62,11 +73,13 @@ def _nearest_fn(n: int):
 
 
 def nearest(z: mx.array, centroids: mx.array) -> mx.array:
-    """uint32 index of the nearest centroid of each z (ties go to the lower centroid)."""
+    """uint32 index of the nearest centroid of each z (ties go to the lower centroid).
+    ``centroids``: one codebook (2^b,), or one per row (B, 1, ..., 1, 2^b) of z's rank
+    (its leading axes broadcast against z's; (B, 2^b) for values (B, N))."""
     c = centroids.astype(mx.float32)
-    mids = (c[1:] + c[:-1]) / 2
+    mids = (c[..., 1:] + c[..., :-1]) / 2
     # one-element slices (views), not scalar indexing (a gather each, which no pass fuses)
-    return _nearest_fn(c.shape[0])(z, *[mids[j : j + 1] for j in range(mids.shape[0])])
+    return _nearest_fn(c.shape[-1])(z, *[mids[..., j : j + 1] for j in range(mids.shape[-1])])
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,43 +124,65 @@ def pack_planes(idx: mx.array, bits: int) -> mx.array:
     return mx.stack(planes, axis=-2)
 
 
-@functools.lru_cache(maxsize=None)
 # -- fitting ------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def row_index(rows: int, n: int) -> mx.array:
+    """(rows, n) uint32: each value's row, for the scatter-adds into (rows, 2^bits) (built
+    once per shape, evaluated with the step that first reads it; of the indices' shape and
+    type, so that a scatter adds no broadcast or cast to a decode step's graph)."""
+    return mx.broadcast_to(mx.arange(rows, dtype=mx.uint32)[:, None], (rows, n))
+
+
 def _sample(z: mx.array, weights: mx.array, seed: int):
-    z, weights = z.reshape(-1), weights.reshape(-1)
-    if z.size > FIT_SAMPLES:
-        pick = mx.random.randint(0, z.size, (FIT_SAMPLES,), key=mx.random.key(seed))
-        z, weights = z[pick], weights[pick]
+    """Each row flattened, and past ``FIT_SAMPLES`` values a seeded sample (the same
+    positions in every row, the ones a row alone gets)."""
+    rows = z.shape[0]
+    z, weights = z.reshape(rows, -1), weights.reshape(rows, -1)
+    if z.shape[1] > FIT_SAMPLES:
+        pick = mx.random.randint(0, z.shape[1], (FIT_SAMPLES,), key=mx.random.key(seed))
+        z, weights = z[:, pick], weights[:, pick]
     return z.astype(mx.float32), weights.astype(mx.float32)
 
 
 def quantile_init(z: mx.array, weights: mx.array, bits: int) -> mx.array:
-    """Centroids at the (j + 1/2) / 2^b quantiles of the values of nonzero weight (the
-    normal grid when there are none)."""
+    """(B, 2^bits): each row's centroids at the (j + 1/2) / 2^b quantiles of its values of
+    nonzero weight (z, weights (B, N); the normal grid for a row with none)."""
     n = 1 << bits
     present = weights > 0
-    ordered = mx.sort(mx.where(present, z, mx.inf))
-    count = present.sum()
+    ordered = mx.sort(mx.where(present, z, mx.inf), axis=-1)
+    count = present.sum(axis=-1, keepdims=True)
     at = mx.floor((mx.arange(n, dtype=mx.float32) + 0.5) / n * count).astype(mx.int32)
-    grid = ordered[mx.minimum(at, ordered.shape[0] - 1)]
+    grid = mx.take_along_axis(ordered, mx.minimum(at, ordered.shape[-1] - 1), axis=-1)
     return mx.where(count > 0, grid, normal_grid(bits))
 
 
-def lloyd_step(z: mx.array, weights: mx.array, centroids: mx.array) -> mx.array:
-    """One Lloyd step on weighted values: nearest centroid, then weighted cluster means
-    (an empty cluster keeps its centroid)."""
+def mse(z: mx.array, centroids: mx.array, weights: mx.array) -> mx.array:
+    """(B,): each row's weighted mean squared error of its values (z, weights (B, N))
+    quantized to its codebook (centroids (B, 2^bits))."""
+    err = mx.square(z - lookup(nearest(z, centroids).astype(mx.float32), centroids[:, None]))
+    return (err * weights).sum(axis=-1) / weights.sum(axis=-1)
+
+
+def lloyd_step(z: mx.array, weights: mx.array, centroids: mx.array, rows: mx.array) -> mx.array:
+    """One Lloyd step in each row on its weighted values (z, weights (B, N)): each value to
+    its nearest centroid of the row's codebook, then the row's weighted cluster means (an
+    empty cluster keeps its centroid). ``rows``: ``row_index(B, N)``."""
     idx = nearest(z, centroids)
-    n = centroids.shape[0]
-    mass = mx.zeros((n,), mx.float32).at[idx].add(weights)
-    total = mx.zeros((n,), mx.float32).at[idx].add(weights * z)
+    mass = mx.zeros(centroids.shape, mx.float32).at[rows, idx].add(weights)
+    total = mx.zeros(centroids.shape, mx.float32).at[rows, idx].add(weights * z)
     return mx.where(mass > 0, total / mx.where(mass > 0, mass, 1.0), centroids)
 
 
-def lloyd(z: mx.array, weights: mx.array, centroids: mx.array, iters: int) -> mx.array:
+def lloyd(z: mx.array, weights: mx.array, centroids: mx.array, iters: int, rows: mx.array | None = None) -> mx.array:
+    """``iters`` Lloyd steps in each row from ``centroids`` (B, 2^bits), sorted, in [-1, 1].
+    1-D z, weights and centroids: one codebook (a batch of one, returned 1-D)."""
+    if centroids.ndim == 1:
+        return lloyd(z[None], weights[None], centroids[None], iters)[0]
+    rows = row_index(*z.shape) if rows is None else rows
     c = centroids.astype(mx.float32)
     for _ in range(iters):
-        c = lloyd_step(z, weights, c)
-    return mx.clip(mx.sort(c), -1.0, 1.0)
+        c = lloyd_step(z, weights, c, rows)
+    return mx.clip(mx.sort(c, axis=-1), -1.0, 1.0)
 
 
 def uniform_grid(bits: int) -> mx.array:
@@ -155,49 +190,52 @@ def uniform_grid(bits: int) -> mx.array:
     return mx.linspace(-1.0, 1.0, 1 << bits)
 
 
-def fit(z: mx.array, bits: int, iters: int, weights: mx.array | None = None, seed: int = 0) -> mx.array:
-    """A codebook of 2^bits sorted centroids in [-1, 1] for the values ``z`` (weights:
-    0 leaves a value out): Lloyd from the quantile grid, or from the uniform grid where
-    that fits the data better (from 16 levels on, a quantile start is far from the optimum
-    and a few steps do not make up for it), so it never fits worse than uniform levels."""
-    z, weights = _sample(z, mx.ones(z.shape) if weights is None else weights, seed)
-    grid, uniform = quantile_init(z, weights, bits), uniform_grid(bits)
-    start = mx.where(mse(z, grid, weights) <= mse(z, uniform, weights), grid, uniform)
-    return lloyd(z, weights, start, iters)
-
-
-def mse(z: mx.array, centroids: mx.array, weights: mx.array | None = None) -> mx.array:
-    """Mean squared error of ``z`` quantized to ``centroids`` (weighted)."""
-    err = mx.square(z - lookup(nearest(z, centroids).astype(mx.float32), centroids))
-    if weights is None:
-        return err.mean()
-    return (err * weights).sum() / weights.sum()
+def fit(z: mx.array, bits: int, iters: int, weights: mx.array, seed: int = 0) -> mx.array:
+    """(B, 2^bits): row b's codebook of sorted centroids in [-1, 1] for its values ``z[b]``
+    (weights: 0 leaves a value out): Lloyd from the quantile grid, or from the uniform grid
+    where that fits the row better (from 16 levels on, a quantile start is far from the
+    optimum and a few steps do not make up for it), so it never fits worse than uniform
+    levels."""
+    z, weights = _sample(z, weights, seed)
+    grid = quantile_init(z, weights, bits)
+    uniform = mx.broadcast_to(uniform_grid(bits), grid.shape)
+    start = mx.where((mse(z, grid, weights) <= mse(z, uniform, weights))[:, None], grid, uniform)
+    return lloyd(z, weights, start, iters, row_index(*z.shape))
 
 
 # -- warm refits: what was encoded since the last fit, as a histogram ---------------------------
 def histogram(z: mx.array, weights: mx.array) -> mx.array:
-    """(2, HIST_BINS) float32: per bin of [-1, 1], the weight and the weighted sum of z."""
+    """(B, 2, HIST_BINS) float32: per row, per bin of [-1, 1], the weight and the weighted
+    sum of the row's z (the rows' histograms laid end to end in one scatter-add each: a
+    value's bin offset by its row's place)."""
+    rows, per_row, bins = z.shape[0], z.size // z.shape[0], HIST_BINS
     z, weights = z.reshape(-1).astype(mx.float32), weights.reshape(-1).astype(mx.float32)
-    b = mx.clip(mx.floor((z + 1) * (HIST_BINS / 2)), 0, HIST_BINS - 1).astype(mx.uint32)
-    mass = mx.zeros((HIST_BINS,), mx.float32).at[b].add(weights)
-    total = mx.zeros((HIST_BINS,), mx.float32).at[b].add(weights * z)
-    return mx.stack([mass, total])
+    b = mx.clip(mx.floor((z + 1) * (bins / 2)), 0, bins - 1).astype(mx.uint32)
+    if rows > 1:
+        b = b + mx.repeat(mx.arange(rows, dtype=mx.uint32) * (2 * bins), per_row)
+    out = mx.zeros((rows * 2 * bins,), mx.float32).at[b].add(weights).at[b + bins].add(weights * z)
+    return out.reshape(rows, 2, bins)
 
 
-def refit(hist: mx.array, centroids: mx.array, iters: int) -> mx.array:
-    """Lloyd warm-started at ``centroids`` on a histogram's bins (each bin its mean, weighed
-    by its mass): ``iters`` steps, sorted, in [-1, 1]."""
-    mass, total = hist[0], hist[1]
+def refit(hist: mx.array, centroids: mx.array, iters: int, rows: mx.array) -> mx.array:
+    """(B, 2^bits): Lloyd in each row warm-started at its codebook (``centroids`` (B, 2^bits))
+    on its histogram's bins (each bin its mean, weighed by its mass): ``iters`` steps,
+    sorted, in [-1, 1]. ``rows``: ``row_index(B, HIST_BINS)``."""
+    mass, total = (h.squeeze(1) for h in mx.split(hist, 2, axis=1))
     centres = (mx.arange(HIST_BINS, dtype=mx.float32) + 0.5) * (2 / HIST_BINS) - 1
     points = mx.where(mass > 0, total / mx.where(mass > 0, mass, 1.0), centres)
-    return lloyd(points, mass, centroids, iters)
+    return lloyd(points, mass, centroids, iters, rows)
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_refit(iters: int):
-    """``refit`` at ``iters`` steps as one compiled graph of (hist, centroids): a decode
-    step's refit, traced once (its shapes do not change)."""
-    return mx.compile(lambda hist, centroids: refit(hist, centroids, iters))
+def _compiled_refit(iters: int):
+    return mx.compile(lambda hist, centroids, rows: refit(hist, centroids, iters, rows))
+
+
+def compiled_refit(hist: mx.array, centroids: mx.array, iters: int) -> mx.array:
+    """``refit`` as one compiled graph (traced once per shape): a decode step's refit,
+    every row at once."""
+    return _compiled_refit(iters)(hist, centroids, row_index(hist.shape[0], HIST_BINS))
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,5 +244,6 @@ def _compiled_accumulate():
 
 
 def accumulate(seen: mx.array | None, z: mx.array, weights: mx.array) -> mx.array:
-    """``seen`` plus the histogram of (``z``, ``weights``), in one compiled graph."""
+    """``seen`` (B, 2, HIST_BINS) plus each row's histogram of (``z``, ``weights``), in one
+    compiled graph."""
     return histogram(z, weights) if seen is None else _compiled_accumulate()(seen, z, weights)

@@ -9,12 +9,23 @@ A product-VQ codec cuts each head's vector (D channels) into ``D / s`` sub-vecto
   centroid to its members' mean; an empty cluster keeps its centroid) until the
   assignment stops changing or ``iters`` runs out; at most ``sample`` points are looked
   at (a seeded sample beyond). With no more points than centroids every point is a
-  centroid. ``progress(done, total)`` is called after each iteration.
+  centroid. ``progress(done, total)`` is called after each iteration. ``kmeans_rows``
+  fits each row of a batch on its own (a codebook per row), the same arithmetic batched.
+- **A codebook per row**: ``nearest``, ``lookup_scores`` and ``gather_centroids`` take
+  centroids (K, s), one codebook for every row, or (B, K, s), one per row of the batch
+  (x's first axis; (1, K, s) serves every row, each row's products apart). Against a
+  codebook per row every matrix product is one per row, of the shape the row's product
+  has alone (a block holds the same rows of each row): MLX folds a product against a 2-D
+  table into one over all the rows, which OpenBLAS sums in another order for some shapes
+  (an inner size of 9: value sub-vectors of 8), so a row's codes would depend on the rows
+  beside it. With one row, ``nearest`` takes the (K, s) path's products.
 - **Nearest centroid** (``nearest``): exact, ``argmin_c ||c||^2 - 2 x.c`` over blocks of
   rows, so that no more than ``NEAREST_CHUNK`` distances exist at a time on the CPU (4,096
   centroids: 128 rows a block, the fastest there) and ``NEAREST_CHUNK_GPU`` on a GPU, where
   each block's three launches cost more than its arithmetic (vecinfer's 4k prompt is a
-  million key sub-vectors a layer: 8,192 blocks at the CPU's size). On a GPU, blocks
+  million key sub-vectors a layer: 8,192 blocks at the CPU's size); with a codebook per
+  row a block holds those rows of each row of the batch (B times the distances). On a
+  GPU, blocks
   past the first are paced: each is scheduled, then the host waits for the one before,
   so two blocks' distances exist at a time; left lazy, the device formed every block's
   before reducing any (14 GB for those keys). A decode step's rows are one block at every
@@ -144,49 +155,75 @@ def unpack_indices(words: mx.array, bits: int, n: int) -> mx.array:
 # -- nearest centroid and k-means ---------------------------------------------------------
 def nearest(x: mx.array, centroids: mx.array) -> mx.array:
     """The index of the nearest centroid (squared Euclidean) of each row of x (..., s):
-    (...,) uint32, exact (ties: the lowest index), in blocks of rows."""
+    (...,) uint32, exact (ties: the lowest index), in blocks of rows. ``centroids`` (K, s),
+    or (B, K, s): a codebook per row of the batch, x (B, ..., s) (see the module docstring)."""
+    if centroids.ndim == 3 and x.shape[0] == 1 and centroids.shape[0] == 1:  # one row: (K, s)'s
+        return nearest(x[0], centroids[0])[None]
     *lead, s = x.shape
-    flat = x.reshape(-1, s).astype(mx.float32)
+    flat = x.reshape(*lead[: centroids.ndim - 2], -1, s).astype(mx.float32)  # (M, s) or (B, M, s)
     c = centroids.astype(mx.float32)
-    ext = mx.concatenate([-2.0 * c, (c * c).sum(axis=-1, keepdims=True)], axis=1).T  # (s+1, K)
-    flat = mx.concatenate([flat, mx.ones((flat.shape[0], 1), mx.float32)], axis=1)
+    ext = mx.concatenate([-2.0 * c, (c * c).sum(axis=-1, keepdims=True)], axis=-1).swapaxes(-1, -2)  # (s+1, K)
+    flat = mx.concatenate([flat, mx.ones((*flat.shape[:-1], 1), mx.float32)], axis=-1)
     on_cpu = mx.default_device() == mx.cpu
-    rows = max(1, (NEAREST_CHUNK if on_cpu else NEAREST_CHUNK_GPU) // c.shape[0])
+    m = flat.shape[-2]
+    rows = max(1, (NEAREST_CHUNK if on_cpu else NEAREST_CHUNK_GPU) // c.shape[-2])
     out = []
-    for i in range(0, flat.shape[0], rows):
-        out.append(mx.argmin(flat[i : i + rows] @ ext, axis=-1))
-        if not on_cpu and flat.shape[0] > rows:  # a prompt's codes: pace the blocks (see above)
+    for i in range(0, m, rows):
+        out.append(mx.argmin(flat[..., i : i + rows, :] @ ext, axis=-1))
+        if not on_cpu and m > rows:  # a prompt's codes: pace the blocks (see above)
             mx.async_eval(out[-1])
             if len(out) > 1:
                 mx.eval(out[-2])
-    idx = out[0] if len(out) == 1 else mx.concatenate(out)
+    idx = out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
     return idx.astype(mx.uint32).reshape(lead)
 
 
 def kmeans(x: mx.array, k: int, *, iters: int, key: mx.array, sample: int | None = None,
            progress: Progress | None = None) -> mx.array:
     """``k`` centroids (k, s) float32 of the rows of x (..., s), seeded by ``key``."""
-    s = x.shape[-1]
-    x = x.reshape(-1, s).astype(mx.float32)
+    return kmeans_rows(x.reshape(1, -1, x.shape[-1]), k, iters=iters, key=key, sample=sample,
+                       progress=progress)[0]
+
+
+def kmeans_rows(x: mx.array, k: int, *, iters: int, key: mx.array, sample: int | None = None,
+                progress: Progress | None = None, read_host: bool = True) -> mx.array:
+    """``kmeans`` of each row of x (B, ..., s) on its own: (B, k, s) float32, row by row what
+    ``kmeans`` gives that row alone. Every row takes the same seeded sample and initial
+    centroids (by index: the rows hold as many points); the iterations stop when every row's
+    assignment has settled, a row that settled before keeping the centroids of the
+    iteration where it settled (those ``kmeans`` returns for it) while the others go on.
+    ``read_host=False`` (a fit inside a decode step, which reads nothing on the host): all
+    ``iters`` iterations are built lazily, settled rows keeping their centroids: the same
+    centroids."""
+    b, s = x.shape[0], x.shape[-1]
+    x = x.reshape(b, -1, s).astype(mx.float32)
     k_sample, k_init = mx.random.split(key)
-    if sample is not None and x.shape[0] > sample:
-        x = x[mx.random.permutation(x.shape[0], key=k_sample)[:sample]]
-    n = x.shape[0]
+    if sample is not None and x.shape[1] > sample:
+        x = x[:, mx.random.permutation(x.shape[1], key=k_sample)[:sample]]
+    n = x.shape[1]
     if n <= k:  # every point a centroid (the rest repeat them)
         if progress:
             progress(iters, iters)
-        return x[mx.arange(k) % n]
-    c = x[mx.random.permutation(n, key=k_init)[:k]]
-    ones = mx.ones((n,), mx.float32)
-    previous = None
+        return x[:, mx.arange(k) % n]
+    c = x[:, mx.random.permutation(n, key=k_init)[:k]]
+    points, ones = x.reshape(b * n, s), mx.ones((b * n,), mx.float32)
+    first = (mx.arange(b, dtype=mx.uint32) * k)[:, None]  # where a row's centroids start in the sums
+    previous = frozen = None
     for i in range(iters):
-        idx = nearest(x, c)
-        sums = mx.zeros((k, s), mx.float32).at[idx].add(x)
-        counts = mx.zeros((k,), mx.float32).at[idx].add(ones)
-        c = mx.where(counts[:, None] > 0, sums / mx.maximum(counts, 1.0)[:, None], c)
-        settled = previous is not None and bool(mx.array_equal(idx, previous))
-        mx.eval(c)
+        idx = nearest(x, c)  # (B, n)
+        at = (idx + first).reshape(-1)
+        sums = mx.zeros((b * k, s), mx.float32).at[at].add(points).reshape(b, k, s)
+        counts = mx.zeros((b * k,), mx.float32).at[at].add(ones).reshape(b, k, 1)
+        moved = mx.where(counts > 0, sums / mx.maximum(counts, 1.0), c)
+        c = moved if frozen is None else mx.where(frozen, c, moved)
+        same = None if previous is None else mx.all(idx == previous, axis=1).reshape(b, 1, 1)
         previous = idx
+        if same is not None:
+            frozen = same if frozen is None else frozen | same
+        if not read_host:
+            continue
+        settled = same is not None and bool(mx.all(same))
+        mx.eval(c)
         if progress:
             progress(iters if settled else i + 1, iters)
         if settled:
@@ -220,11 +257,15 @@ def rotate(x: mx.array) -> mx.array:
 # -- lookup-table scoring ------------------------------------------------------------------
 def lookup_scores(q: mx.array, idx: mx.array, centroids: mx.array) -> mx.array:
     """``q . concat_j C[idx_j]`` for q (B, H, R, D) float32 and indices (B, H, T, n):
-    (B, H, R, T). One table per sub-space, then a gather by index (no key is rebuilt)."""
+    (B, H, R, T). One table per sub-space, then a gather by index (no key is rebuilt).
+    ``centroids`` (K, s), or (B or 1, K, s): a codebook per row (one product a row)."""
     b, h, r, d = q.shape
-    k, s = centroids.shape
+    k, s = centroids.shape[-2:]
     n = d // s
-    table = q.reshape(b, h, r, n, 1, s) @ centroids.astype(mx.float32).T  # (B,H,R,n,1,K)
+    if centroids.ndim == 3:
+        table = q.reshape(b, h * r * n, s) @ centroids.astype(mx.float32).swapaxes(-1, -2)  # (B, H R n, K)
+    else:
+        table = q.reshape(b, h, r, n, 1, s) @ centroids.astype(mx.float32).T  # (B,H,R,n,1,K)
     flat = idx.astype(mx.int32) + mx.arange(n, dtype=mx.int32) * k  # (B, H, T, n)
     t = flat.shape[2]
     picked = mx.take_along_axis(table.reshape(b, h, r, n * k), flat.reshape(b, h, 1, t * n), axis=-1)
@@ -232,28 +273,45 @@ def lookup_scores(q: mx.array, idx: mx.array, centroids: mx.array) -> mx.array:
 
 
 def gather_centroids(idx: mx.array, centroids: mx.array) -> mx.array:
-    """(..., n) indices -> (..., n * s) float32: each sub-vector's centroid."""
-    out = centroids.astype(mx.float32)[idx.astype(mx.int32)]
-    return out.reshape(*idx.shape[:-1], -1)
+    """(..., n) indices -> (..., n * s) float32: each sub-vector's centroid. ``centroids``
+    (K, s), or (B, K, s) with idx (B, ..., n): row b's from codebook b (B = 1: one for all)."""
+    c = centroids.astype(mx.float32)
+    at = idx.astype(mx.int32)
+    if c.ndim == 3:
+        rows, k, s = c.shape
+        if rows > 1:
+            at = at + (mx.arange(rows, dtype=mx.int32) * k).reshape(rows, *[1] * (idx.ndim - 1))
+        c = c.reshape(rows * k, s)
+    return c[at].reshape(*idx.shape[:-1], -1)
 
 
 @dataclass(frozen=True, eq=False)
 class ProductVQ:
     """The codec: x -> (x / scale) H (keys: per-channel smoothing, then the rotation) ->
-    sub-vectors of ``centroids.shape[1]`` channels -> nearest centroid, packed at ``bits``.
+    sub-vectors of ``centroids.shape[-1]`` channels -> nearest centroid, packed at ``bits``.
 
-    ``scale``: (1 or B, H, 1, D) per-channel divisors, or None; ``rotated``: whether the
-    Hadamard rotation is applied. The centroids are stored as given (their dtype) and
-    every comparison is made against the stored values."""
+    ``centroids``: (2**bits, s), one codebook for every row of the batch, or (1 or B,
+    2**bits, s), one per row; a batch reads either as a codebook per row (``codebooks``),
+    so that a row's products are those it has alone. ``scale``: (1 or B, H, 1, D) per-channel
+    divisors, or None; ``rotated``: whether the Hadamard rotation is applied. The centroids
+    are stored as given (their dtype) and every comparison is made against the stored
+    values."""
 
-    centroids: mx.array  # (2**bits, s)
+    centroids: mx.array  # (2**bits, s) or (1 or B, 2**bits, s)
     bits: int
     scale: mx.array | None = None
     rotated: bool = False
 
     @property
     def sub_dim(self) -> int:
-        return self.centroids.shape[1]
+        return self.centroids.shape[-1]
+
+    def codebooks(self, rows: int) -> mx.array:
+        """The centroids as a batch of ``rows`` rows reads them: a codebook per row (1 or B,
+        2**bits, s); one codebook (2**bits, s) stays as it is for one row (its products are
+        that row's)."""
+        c = self.centroids
+        return c[None] if c.ndim == 2 and rows > 1 else c
 
     def to_code_space(self, x: mx.array) -> mx.array:
         y = x.astype(mx.float32)
@@ -275,7 +333,7 @@ class ProductVQ:
     def indices(self, x: mx.array) -> mx.array:
         """(B, H, T, D) -> (B, H, T, D / s) uint32 nearest-centroid indices."""
         y = self.to_code_space(x)
-        return nearest(y.reshape(*y.shape[:-1], -1, self.sub_dim), self.centroids)
+        return nearest(y.reshape(*y.shape[:-1], -1, self.sub_dim), self.codebooks(x.shape[0]))
 
     def encode(self, x: mx.array) -> mx.array:
         return pack_indices(self.indices(x), self.bits)
@@ -313,7 +371,8 @@ class CodebookKeys(_CodebookRows):
     def scores(self, q: mx.array) -> mx.array:
         """float32 q K^T (B, H, R, count): q~ = (q * scale) H against the centroids, once
         per sub-space, gathered by each token's indices."""
-        return lookup_scores(self.codec.query_to_code_space(q), self.indices(), self.codec.centroids)
+        codebooks = self.codec.codebooks(q.shape[0])
+        return lookup_scores(self.codec.query_to_code_space(q), self.indices(), codebooks)
 
 
 class CodebookValues(_CodebookRows):

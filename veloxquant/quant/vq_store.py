@@ -8,11 +8,17 @@ never re-coded. Encoding is per token, so what is stored does not depend on how 
 prompt was chunked, once the codebooks exist.
 
 The codebooks come from a calibration (given to the store) or, without one, are fitted
-once (``CodebookFit``) on the tokens the store holds when its first tokens are to be
-encoded (the prompt, or its first chunk when it comes in chunks longer than the window;
+once (``CodebookFit.fit_rows``) on the tokens the store holds when its first tokens are to
+be encoded (the prompt, or its first chunk when it comes in chunks longer than the window;
 the window plus one token when the prompt fits the window), and then kept fixed. The
-codecs' arrays (centroids, smoothing factors) are kept per layer, saved with the state and
-counted in ``nbytes``.
+codecs' arrays (centroids, smoothing factors) are kept per layer and saved with the state
+and counted in ``nbytes``. A fit from the prompt is each row's own, with the batch first:
+centroids (B, K, s), smoothing factors (B, H, 1, D), row b's what the row alone is fitted
+(a stacked batch concatenates its sequences'). A calibration's are one for every row, as
+its file holds them: centroids (K, s), kept once by a stacked batch (equal for its
+sequences), smoothing factors (1, H, 1, D). Either is read as a codebook per row
+(``ProductVQ.codebooks``: every product one per row, of the shape it has alone). A state
+saved before the batch axis (a prompt's centroids (K, s)) gets it when restored.
 
 Attention: a prompt chunk attends over the decoded history plus itself; a decode step over
 one part, keys read through lookup tables (``CodebookKeys``), values through centroids
@@ -40,16 +46,16 @@ from ..kernels.kivi_decode import token_mix
 from .cache import QuantizedCache
 from .packed import GROWTH_TOKENS
 from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, joined_history
-from .vq import (CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, nearest,
+from .vq import (CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, kmeans_rows,
                  pack_with_tables, packing_tables, rotate, rotation_problem)
 
 SMOOTH_FLOOR = 1e-4  # smallest per-channel smoothing factor
 
 
-def smoothing_factors(keys: mx.array) -> mx.array:
+def smoothing_factors(keys: mx.array, per_row: bool = False) -> mx.array:
     """lambda_c = sqrt(max |K[., c]|) per KV head over every sequence and token, floored:
-    (1, H, 1, D) float32."""
-    peak = mx.abs(keys.astype(mx.float32)).max(axis=(0, 2), keepdims=True)
+    (1, H, 1, D) float32; with ``per_row``, each row's over its tokens: (B, H, 1, D)."""
+    peak = mx.abs(keys.astype(mx.float32)).max(axis=2 if per_row else (0, 2), keepdims=True)
     return mx.maximum(mx.sqrt(peak), SMOOTH_FLOOR)
 
 
@@ -72,10 +78,19 @@ class CodebookFit:
     rotated: bool = True
 
     def fit(self, keys: mx.array, values: mx.array, progress=None) -> tuple[ProductVQ, ProductVQ]:
-        """The (key, value) codecs for keys and values (B, H, T, D); ``progress(name, done,
-        total)`` after each k-means iteration, name "keys" or "values"."""
+        """The (key, value) codecs for keys and values (B, H, T, D), one for every row (a
+        calibration): centroids (K, s), smoothing factors (1, H, 1, D); ``progress(name,
+        done, total)`` after each k-means iteration, name "keys" or "values"."""
+        return self._fit(keys, values, progress, per_row=False)
+
+    def fit_rows(self, keys: mx.array, values: mx.array, progress=None) -> tuple[ProductVQ, ProductVQ]:
+        """Each row's own codecs (a fit from the prompt), row b's what ``fit`` gives that row
+        alone: centroids (B, K, s), smoothing factors (B, H, 1, D)."""
+        return self._fit(keys, values, progress, per_row=True)
+
+    def _fit(self, keys, values, progress, per_row: bool) -> tuple[ProductVQ, ProductVQ]:
         keys_rng, values_rng = mx.random.split(mx.random.key(self.seed))
-        scale = smoothing_factors(keys) if self.smooth else None
+        scale = smoothing_factors(keys, per_row) if self.smooth else None
         frame = ProductVQ(mx.zeros((1, self.key_sub_dim)), self.key_bits, scale, self.rotated)
         codecs = []
         for name, x, s, bits, rng, base in (
@@ -84,8 +99,9 @@ class CodebookFit:
         ):
             k = 1 << bits
             report = (lambda d, t, name=name: progress(name, d, t)) if progress else None
-            c = kmeans(x.reshape(-1, s), k, iters=self.iters, key=rng, sample=self.sample * k,
-                       progress=report)
+            points = x.reshape(x.shape[0], -1, s) if per_row else x.reshape(-1, s)
+            c = (kmeans_rows if per_row else kmeans)(points, k, iters=self.iters, key=rng,
+                                                     sample=self.sample * k, progress=report)
             codecs.append(ProductVQ(c.astype(mx.float16), bits, base.scale, base.rotated))
         return codecs[0], codecs[1]
 
@@ -107,9 +123,7 @@ def codec_arrays(key: ProductVQ | None, value: ProductVQ | None) -> dict[str, mx
 def _encode_fn(bits: int, scaled: bool, rotated: bool):
     def run(x, centroids, scale, *fields):
         codec = ProductVQ(centroids, bits, scale if scaled else None, rotated)
-        y = codec.to_code_space(x)
-        idx = nearest(y.reshape(*y.shape[:-1], -1, codec.sub_dim), centroids)
-        return pack_with_tables(idx, *fields)
+        return pack_with_tables(codec.indices(x), *fields)
 
     return mx.compile(run)
 
@@ -149,7 +163,9 @@ def encode_one(codec: ProductVQ, x: mx.array) -> mx.array:
 # - the keys' lookup (``lookup_scores``) gathers from the flat tables with each query row's
 #   offsets in the index; the values' centroids (``gather_centroids``) are gathered by element;
 # - a codebook is cast to float32, and -2c and c.c formed, in one fused pass shared by the
-#   token's coding and the reads; the queries' scaling and smoothing are one fused pass;
+#   token's coding and the reads; a codebook per row (``ProductVQ.codebooks``) is read with
+#   one product a row, as ``vq.nearest`` and ``vq.lookup_scores`` form them; the queries'
+#   scaling and smoothing are one fused pass;
 # - the window's leaving row and its rows after it come from one split of its buffer, and the
 #   probabilities' coded and window parts likewise.
 
@@ -185,12 +201,14 @@ def _key_offsets(b: int, h: int, r: int, n: int, w: int, k: int) -> mx.array:
 
 
 @functools.lru_cache(maxsize=None)
-def _value_offsets(n: int, s: int, w: int) -> mx.array:
+def _value_offsets(n: int, s: int, w: int, rows: int = 1, k: int = 0) -> mx.array:
     """(n * s, W) uint32: element e's column ``e % s`` of its centroid, in column 0 ((n * s,)
-    for one word a token)."""
-    out = np.zeros((n * s, w), np.uint32)
-    out[:, 0] = np.tile(np.arange(s), n)
-    return mx.array(out[:, 0] if w == 1 else out)
+    for one word a token). ``rows`` codebooks of ``k`` centroids (one per row of the batch,
+    flat one after another): (rows, 1, 1, n * s[, W]), row b's past the b codebooks before."""
+    out = np.zeros((rows, 1, 1, n * s, w), np.uint32)
+    out[..., 0] = np.tile(np.arange(s), n) + (np.arange(rows) * k * s).reshape(rows, 1, 1, 1)
+    out = out[..., 0] if w == 1 else out
+    return mx.array(out[0, 0, 0] if rows == 1 else out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,10 +218,16 @@ def _column_tables(n: int, bits: int) -> tuple[mx.array, ...]:
     return shift[:, None], spill[:, None], back[:, None], at_word, at_next
 
 
+def _lead(codebook, b: int) -> tuple[int, ...]:
+    """The leading axis a product against ``codebook`` takes: ``(b,)`` for a codebook per row
+    (one product a row), none for one codebook (K, s) (read by a single row)."""
+    return (b,) if codebook.ndim == 3 else ()
+
+
 def _codebook(centroids):
-    """A codebook in float32 (as ``nearest`` and the readers cast it), -2c and c.c; c.c as
-    (-2c)^2 / 4, exact (powers of two; the centroids are float16), so that the three come
-    from one fused pass."""
+    """A codebook (K, s), or one per row (1 or B, K, s), in float32 (as ``nearest`` and the
+    readers cast it), -2c and c.c; c.c as (-2c)^2 / 4, exact (powers of two; the centroids
+    are float16), so that the three come from one fused pass."""
     c = centroids.astype(mx.float32)
     m2c = -2.0 * c
     return c, m2c, m2c * m2c * 0.25
@@ -225,9 +249,10 @@ def _encode(x, m2c, sq, lam, shift, spill, back, at_word, at_next, scaled: bool,
     if rotated:
         y = rotate(y)
     b, h, _, d = y.shape
-    s = m2c.shape[1]
-    ext = mx.concatenate([m2c, sq.sum(axis=-1, keepdims=True)], axis=1).T  # (s+1, K)
-    flat = mx.pad(y.reshape(-1, s), [(0, 0), (0, 1)], constant_values=1.0)
+    s = m2c.shape[-1]
+    ext = mx.concatenate([m2c, sq.sum(axis=-1, keepdims=True)], axis=-1).swapaxes(-1, -2)  # (.., s+1, K)
+    y = y.reshape(*_lead(m2c, b), -1, s)
+    flat = mx.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, 1)], constant_values=1.0)
     idx = mx.argmin(flat @ ext, axis=-1, keepdims=True).astype(mx.uint32).reshape(b, h, d // s, 1)
     low = idx << shift
     high = mx.where(spill, idx >> back, 0).astype(mx.uint32)
@@ -296,7 +321,7 @@ class CodebookStore(PackedStore):
         """Append ``keys``/``values`` as codes, fitting the codebooks first (on ``held``,
         every token held now) when there are none yet."""
         if self.key_codec is None:
-            self.install(*self.fitter.fit(held_k, held_v), "prompt")
+            self.install(*self.fitter.fit_rows(held_k, held_v), "prompt")
         self.k_codes.append(self.key_codec.encode(keys))
         self.v_codes.append(self.value_codec.encode(values))
 
@@ -334,8 +359,8 @@ class CodebookStore(PackedStore):
         (d_k, d_v), (b, hq) = self.dims, queries.shape[:2]
         h = keys.shape[1]
         r, n_k, n_v, s_k, s_v = hq // h, d_k // kc.sub_dim, d_v // vc.sub_dim, kc.sub_dim, vc.sub_dim
-        k_c32, k_m2c, k_sq = _codebook_fn(kc.centroids)
-        v_c32, v_m2c, v_sq = _codebook_fn(vc.centroids)
+        k_c32, k_m2c, k_sq = _codebook_fn(kc.codebooks(b))
+        v_c32, v_m2c, v_sq = _codebook_fn(vc.codebooks(b))
         # the token leaving the window, coded
         self.k_win.append(keys)
         self.v_win.append(values)
@@ -350,18 +375,19 @@ class CodebookStore(PackedStore):
         q, qt = _queries_fn(scale, kc.scale is not None)(queries.reshape(b, h, r, d_k), lam)
         if kc.rotated:
             qt = rotate(qt)
-        tables = (qt.reshape(-1, s_k) @ k_c32.T).reshape(-1)  # (B*H*R*n*K,)
+        tables = (qt.reshape(*_lead(k_c32, b), -1, s_k) @ k_c32.swapaxes(-1, -2)).reshape(-1)  # (B*H*R*n*K,)
         words = self.k_codes.buffer
         at = _key_index_fn(words, *_bit_tables(n_k, kc.bits),
-                           _key_offsets(b, h, r, n_k, words.shape[-1], k_c32.shape[0]))
+                           _key_offsets(b, h, r, n_k, words.shape[-1], k_c32.shape[-2]))
         coded = mx.take(tables, at).sum(axis=(-2, -1))[..., :count]
         window = q @ k_tail.astype(mx.float32).swapaxes(-1, -2)
         p_coded, p_window = mx.split(mx.softmax(mx.concatenate([coded, window], axis=-1), axis=-1),
                                      [count], axis=-1)
         # values: centroids gathered by index, then the window's rows
         words = self.v_codes.buffer
+        books = v_c32.shape[0] if v_c32.ndim == 3 else 1
         at = _value_index_fn(words, *_bit_tables(n_v, vc.bits, s_v, words.shape[-1] == 1), s_v,
-                             _value_offsets(n_v, s_v, words.shape[-1]))
+                             _value_offsets(n_v, s_v, words.shape[-1], books, v_c32.shape[-2]))
         v_rows = mx.take(v_c32.reshape(-1), at)[:, :, :count]
         o = token_mix(p_coded, v_rows) + token_mix(p_window, v_tail.astype(mx.float32))
         return o.reshape(queries.shape).astype(queries.dtype)
@@ -391,7 +417,7 @@ class CodebookStore(PackedStore):
                                    ("value", f.value_sub_dim, f.value_bits, head_dims[1])):
             centroids = getattr(self, f"{name}_codec")
             want = (1 << bits, sub)
-            if centroids is not None and tuple(centroids.centroids.shape) != want:
+            if centroids is not None and tuple(centroids.centroids.shape[-2:]) != want:
                 yield f"{name} codebook (centroids, sub_dim)", tuple(centroids.centroids.shape), want
             codes = getattr(self, f"{name[0]}_codes").view()
             words = index_words(d // sub, bits)
@@ -428,9 +454,12 @@ class CodebookStore(PackedStore):
             getattr(self, {"k_res": "k_win", "v_res": "v_win"}.get(name, name)).reset(arrays.get(name))
         f = self.fitter
         if arrays.get("key_centroids") is not None:
-            self.install(ProductVQ(arrays["key_centroids"], f.key_bits, arrays.get("key_scale"), f.rotated),
-                         ProductVQ(arrays["value_centroids"], f.value_bits),
-                         meta.get("codebooks_from") or "prompt")
+            source = meta.get("codebooks_from") or "prompt"
+            keys, values = arrays["key_centroids"], arrays["value_centroids"]
+            if source == "prompt" and keys.ndim == 2:  # saved before the batch axis: one sequence's
+                keys, values = keys[None], values[None]
+            self.install(ProductVQ(keys, f.key_bits, arrays.get("key_scale"), f.rotated),
+                         ProductVQ(values, f.value_bits), source)
 
 
 class CodebookCache(QuantizedCache):

@@ -35,13 +35,18 @@ step between codes nothing and scores the coded tokens, and the newest ``a2ats_w
 to ``2 a2ats_window - 1`` tokens are attended exactly (the paper's window is fixed at
 ``a2ats_window``; the official code codes each token as it leaves it). Keys stay exact.
 
+Per sequence: the codebook, the metric's factor and the query moment have the batch first
+(B, ...): each row's are fitted from its own keys and queries (a given one is copied to
+every row) and read by its own codes and scores only, so a cache fed B rows holds each row
+as it would alone, and sequences in the same state share one cache (``cache/stacked.py``).
+
 Rotary settings: the model's (``context.model_args``: rope_theta, traditional,
 rope_scaling) when known; ``a2ats_rope_base``/``a2ats_rope_scaling`` de-rotate otherwise,
 and a non-default value that contradicts the model's is refused, naming both. Sinks:
 ``N_SINK = 8`` (the official code's; no field). Memory per token and KV head: 2 D model
-dtype rows (K and V) + ``D / s`` bytes of codes (one an index, unpacked; two past 8 bits), plus the codebook, the
-metric's factor and the query moment. Attention is pure MLX on every device (gathers and
-SDPA); no fused kernel.
+dtype rows (K and V) + ``D / s`` bytes of codes (one an index, unpacked; two past 8
+bits), plus, per sequence, the codebook, the metric's factor and the query moment.
+Attention is pure MLX on every device (gathers and SDPA); no fused kernel.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ def _square(field: str, value, shape: tuple[int, int]) -> mx.array:
 
 class A2ATSCache(CompressedKVCache):
     requires_attention_hook = True
-    batchable = "per_sequence"  # its fitted tables have no batch axis: each sequence keeps its own (cache/stacked.py)
+    batchable = "stacked"  # its rows never mix (each row fits its own tables): sequences in the same state share one cache (cache/stacked.py)
 
     def _init_storage(self) -> None:
         self.options = self.config.options
@@ -97,7 +102,7 @@ class A2ATSCache(CompressedKVCache):
                              f"{model.scaling or None}: leave it None or set it to the model's")
         return model
 
-    def _make_store(self, head_dim: int) -> RetrievalStore:
+    def _make_store(self, head_dim: int, batch: int) -> RetrievalStore:
         o, s = self.options, self.options.a2ats_sub_dim
         if head_dim % s:
             allowed = ", ".join(str(d) for d in range(1, head_dim + 1) if head_dim % d == 0)
@@ -111,7 +116,7 @@ class A2ATSCache(CompressedKVCache):
             bits=o.a2ats_codebook_bits, sub_dim=s, window=o.a2ats_window, n_sink=N_SINK,
             fraction=o.a2ats_retrieval_fraction, frame=self._frame, query_offset=o.a2ats_b,
             codebook=codebook, metric=metric, learn_metric=learn, beta=o.a2ats_beta, seed=self.layer,
-            rotary=self.rotary)
+            rotary=self.rotary, batch=batch)
 
     def _frame(self, x, positions):
         return derotate(x, positions, self.rotary)
@@ -121,7 +126,7 @@ class A2ATSCache(CompressedKVCache):
         self._expect_attend()
         self._check_shape(keys, values)
         if self.store is None:
-            self.store = self._make_store(keys.shape[-1])
+            self.store = self._make_store(keys.shape[-1], keys.shape[0])
         return self._stash_chunk(keys, values)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
@@ -151,12 +156,12 @@ class A2ATSCache(CompressedKVCache):
         self.rotary = Rotary.from_json(meta["rotary"])
         arrays = self.__dict__.pop("_saved_arrays", {})
         if self.kv_shape is not None:
-            self.store = self._make_store(self.kv_shape[2])
-            self.store.restore(arrays)
+            self.store = self._make_store(self.kv_shape[2], self.kv_shape[0])
+            self.store.restore(arrays, self.kv_shape[0])
 
     def _layout_problems(self):
         if self.store is not None:
-            yield from self.store.layout_problems(self.kv_shape[2])
+            yield from self.store.layout_problems(self.kv_shape[2], self.kv_shape[0])
 
     def _state_problems(self):
         if self.store is not None:

@@ -31,6 +31,13 @@ stay, so coding late changes nothing). Codes may be assigned under a metric ``H 
 queries in the score frame (accumulated at each prompt chunk, normalised to unit mean
 eigenvalue) blended with the identity by ``beta`` (1: plain nearest centroid); the
 codebook is then fitted in the L frame (k-means on ``kL``, ``C = C_L L^-1``).
+
+The codebook, the metric's factor and the query moment are per row of the batch (B first):
+each row's are fitted from its own keys and queries and read by its own codes and scores
+(``quant/vq.py``'s functions with a codebook per row: every product one per row, of the
+shape it has alone), so rows never mix: a store fed B rows holds each row as it would
+alone. The fit runs inside a decode step (the first that retrieves), so its k-means reads
+nothing on the host (``read_host=False``).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from ...cache.base import causal_mask
 from ...cache.buffers import GrowingArray, row_indices
 from ...cache.rope import Rotary
 from ...quant.packed import GROWTH_TOKENS
-from ...quant.vq import kmeans, lookup_scores, nearest
+from ...quant.vq import kmeans_rows, lookup_scores, nearest
 
 FIT_ITERS = 10  # Lloyd iterations of a codebook fitted from the prompt
 FIT_SAMPLE = 16  # points per centroid it looks at, at most
@@ -69,28 +76,29 @@ EPS = 1e-6  # added to the metric's diagonal before its Cholesky factor
 
 
 def metric_factor(h: mx.array) -> mx.array:
-    """L (s, s) lower triangular with L L^T = H + eps I."""
+    """L (..., s, s) lower triangular with L L^T = H + eps I (each of a batch of H's)."""
     h = h.astype(mx.float32)
-    return mx.linalg.cholesky(h + EPS * mx.eye(h.shape[0]), stream=mx.cpu)
+    return mx.linalg.cholesky(h + EPS * mx.eye(h.shape[-1]), stream=mx.cpu)
 
 
 def blended_metric(h_sum: mx.array, beta: float) -> mx.array:
-    """beta I + (1 - beta) H / (trace(H) / s): the queries' second moment with unit mean
-    eigenvalue, pulled towards the identity by beta."""
-    s = h_sum.shape[0]
-    trace = mx.maximum(mx.trace(h_sum), 1e-30)
+    """beta I + (1 - beta) H / (trace(H) / s) for each H (..., s, s): the queries' second
+    moment with unit mean eigenvalue, pulled towards the identity by beta."""
+    s = h_sum.shape[-1]
+    trace = mx.maximum(mx.trace(h_sum, axis1=-2, axis2=-1), 1e-30)[..., None, None]
     return beta * mx.eye(s) + (1 - beta) * h_sum * (s / trace)
 
 
 class RetrievalStore:
     """``frame(x, positions)``: rows (B, H, n, D) at ``positions`` (n,) into the score frame,
     float32; queries are framed at their positions minus ``query_offset`` (A2ATS's
-    windowed RoPE: every key as if ``query_offset`` tokens away)."""
+    windowed RoPE: every key as if ``query_offset`` tokens away). ``batch``: the rows the
+    store is fed (B), each with tables of its own."""
 
     def __init__(self, *, bits: int, sub_dim: int, window: int, n_sink: int, fraction: float,
                  frame: Callable, query_offset: int = 0, codebook: mx.array | None = None,
                  metric: mx.array | None = None, learn_metric: bool = False, beta: float = 1.0,
-                 seed: int = 0, rotary: Rotary | None = None):
+                 seed: int = 0, rotary: Rotary | None = None, batch: int = 1):
         self.rotary = rotary  # when given, ``frame`` is ``derotate`` with it (queries framed in the step's pass)
         self.bits, self.sub_dim, self.window, self.n_sink = bits, sub_dim, window, n_sink
         self.fraction, self.frame, self.query_offset, self.seed = fraction, frame, query_offset, seed
@@ -99,10 +107,11 @@ class RetrievalStore:
         self.keys = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         self.values = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         self.codes = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
-        self.centroids = codebook
-        self.factor = None if metric is None else metric_factor(metric)  # L of the assignment metric
+        # the tables are per row (B first), each row's own: a given one is copied to every row
+        self.centroids = None if codebook is None else _per_row(codebook, batch)  # (B, 2**bits, s)
+        self.factor = None if metric is None else _per_row(metric_factor(metric), batch)  # L (B, s, s)
         self.beta = beta
-        self.h_sum = mx.zeros((sub_dim, sub_dim), mx.float32) if learn_metric else None
+        self.h_sum = mx.zeros((batch, sub_dim, sub_dim), mx.float32) if learn_metric else None
 
     @property
     def length(self) -> int:
@@ -118,12 +127,12 @@ class RetrievalStore:
         self.values.append(values)
 
     def observe_queries(self, queries: mx.array, positions: mx.array) -> None:
-        """Add the prompt's queries (B, Hq, n, D) in the score frame to the metric's sum."""
+        """Add the prompt's queries (B, Hq, n, D) in the score frame to each row's metric sum."""
         if self.h_sum is None:
             return
         q = self.frame(queries, positions - self.query_offset)
-        sub = q.reshape(-1, self.sub_dim)
-        self.h_sum = self.h_sum + sub.T @ sub
+        sub = q.reshape(q.shape[0], -1, self.sub_dim)
+        self.h_sum = self.h_sum + sub.swapaxes(1, 2) @ sub
 
     def _assignment_factor(self) -> mx.array | None:
         if self.factor is None and self.h_sum is not None and self.beta < 1:
@@ -136,22 +145,25 @@ class RetrievalStore:
         return y.reshape(*y.shape[:-1], -1, self.sub_dim)
 
     def _code_up_to(self, n: int) -> None:
-        """Codes for the first ``n`` tokens (fitting the codebook first if there is none)."""
+        """Codes for the first ``n`` tokens (fitting each row's codebook first if there is
+        none), each row's sub-vectors (B, H T D/s, s) against its own tables."""
         factor = self._assignment_factor()
+        b = self.keys.buffer.shape[0]
         if self.centroids is None:
-            x = self._sub_vectors(0, n).reshape(-1, self.sub_dim)
+            x = self._sub_vectors(0, n).reshape(b, -1, self.sub_dim)
             x = x if factor is None else x @ factor
-            c = kmeans(x, 1 << self.bits, iters=FIT_ITERS, key=mx.random.key(self.seed),
-                       sample=FIT_SAMPLE << self.bits)
+            c = kmeans_rows(x, 1 << self.bits, iters=FIT_ITERS, key=mx.random.key(self.seed),
+                            sample=FIT_SAMPLE << self.bits, read_host=False)
             self.centroids = c if factor is None else c @ mx.linalg.inv(factor, stream=mx.cpu)
         if self.codes.length < n:
             sub = self._sub_vectors(self.codes.length, n)
+            shape, sub = sub.shape[:-1], sub.reshape(b, -1, self.sub_dim)
             c = self.centroids.astype(mx.float32)
             if factor is not None:
                 sub, c = sub @ factor, c @ factor
             # one byte an index (two past 8 bits), not packed: a step reads them with no
             # unpacking, and beside the exact rows kept they are a rounding error
-            self.codes.append(nearest(sub, c).astype(self.index_dtype))
+            self.codes.append(nearest(sub, c).reshape(shape).astype(self.index_dtype))
 
     # -- attention ----------------------------------------------------------------------------
     def rows(self, n: int):
@@ -227,20 +239,28 @@ class RetrievalStore:
         return {"keys": self.keys, "values": self.values, "codes": self.codes,
                 "centroids": self.centroids, "factor": self.factor, "h_sum": self.h_sum}
 
-    def restore(self, arrays: dict[str, Any]) -> None:
+    def restore(self, arrays: dict[str, Any], batch: int) -> None:
+        """The saved arrays back; a table saved without the batch axis (the layout before
+        tables were per row: one sequence's, or one shared by a cache's rows) is every
+        row's."""
         for name in ("keys", "values", "codes"):
             getattr(self, name).reset(arrays.get(name))
         for name in ("centroids", "factor", "h_sum"):
             if name in arrays:
-                setattr(self, name, arrays[name])
+                table = arrays[name]
+                setattr(self, name, table if table is None or table.ndim == 3 else _per_row(table, batch))
 
-    def layout_problems(self, head_dim: int):
+    def layout_problems(self, head_dim: int, batch: int):
         n = head_dim // self.sub_dim
         codes = self.codes.view()
         if codes is not None and (codes.shape[3], codes.dtype) != (n, self.index_dtype):
             yield "key code indices per token", (codes.shape[3], codes.dtype), (n, self.index_dtype)
-        if self.centroids is not None and tuple(self.centroids.shape) != (1 << self.bits, self.sub_dim):
-            yield "codebook (centroids, sub_dim)", tuple(self.centroids.shape), (1 << self.bits, self.sub_dim)
+        tables = {"codebook (rows, centroids, sub_dim)": (self.centroids, 1 << self.bits),
+                  "metric factor (rows, sub_dim, sub_dim)": (self.factor, self.sub_dim),
+                  "query moment (rows, sub_dim, sub_dim)": (self.h_sum, self.sub_dim)}
+        for field, (table, rows) in tables.items():
+            if table is not None and tuple(table.shape) != (batch, rows, self.sub_dim):
+                yield field, tuple(table.shape), (batch, rows, self.sub_dim)
 
     def problems(self, offset: int):
         if self.keys.length != offset or self.values.length != offset:
@@ -249,6 +269,12 @@ class RetrievalStore:
             yield "coded keys", self.codes.length, f"at most the {self.keys.length} stored"
         if self.codes.length and self.centroids is None:
             yield "codebook", None, f"a codebook for the {self.codes.length} coded keys"
+
+
+def _per_row(table: mx.array, batch: int) -> mx.array:
+    """One table (..., m) as every row's: (batch, ..., m), a copy a row (a broadcast one
+    would be read as one table of the rows together: another product than each row's)."""
+    return mx.contiguous(mx.broadcast_to(table[None], (batch, *table.shape)))
 
 
 # -- the retrieving decode step, one compiled pass ----------------------------------------------

@@ -3,11 +3,13 @@
 Ada-KV (arXiv 2407.11550) gives attention heads different *token* budgets; this project's
 proxy gives KV heads different *bit widths*, the card's algorithm being inferred:
 
-1. **Importance** per KV head (``adakv_importance='norm_variance'``): the variance of the
-   L2 norms of the head's last ``adakv_obs_window`` keys (fewer when fewer were seen; 0
-   under 2), averaged over the batch's sequences (one allocation per layer). Keys only;
-   the card leaves values optional. No normalization: the allocation is scale-invariant
-   within a layer, and layers never share a budget.
+1. **Importance** per sequence and KV head (``adakv_importance='norm_variance'``): the
+   variance of the L2 norms of the head's last ``adakv_obs_window`` keys (fewer when fewer
+   were seen; 0 under 2), a (B, H) table: each sequence of a batch keeps its own (one
+   allocation per sequence and layer), so that a cache fed B rows stores each as it would
+   alone and sequences in the same state can share one cache (``cache/stacked.py``). Keys
+   only; the card leaves values optional. No normalization: the allocation is
+   scale-invariant within a layer, and layers never share a budget.
 2. **Allocation** (``allocate_bits``): every head at ``adakv_lo_bit``; then, repeatedly, the
    single upgrade (lo->mid or mid->hi) with the largest drop of ``D_h(b) = I_h 4^-b`` per
    bit that still fits the budget, ties to the lower head index, until none fits. The
@@ -26,18 +28,19 @@ proxy gives KV heads different *bit widths*, the card's algorithm being inferred
 4. **Schedule**: the importance is re-estimated at every prefill chunk and every
    ``adakv_update_interval`` decode steps; a flush quantizes its blocks under the greedy
    allocation of the latest estimate, computed on the device (``heads.greedy_on_device``,
-   the greedy above in float32, a fixed number of rounds): nothing is read on the host,
-   at a flush or ever (the allocation used to be read to lay the store out by width: a
-   sync a flush). Stored tokens keep their widths: no re-quantization. The allocation
-   that counts is thus the one current at each flush. ``allocate_bits`` is the host
-   reference the device greedy is tested against (float32 gains may order two heads
-   whose float64 gains differ by under 1e-7 the other way).
+   the greedy above in float32, a fixed number of rounds, each row on its own budget):
+   nothing is read on the host, at a flush or ever (the allocation used to be read to lay
+   the store out by width: a sync a flush). Stored tokens keep their widths: no
+   re-quantization. The allocation that counts is thus the one current at each flush.
+   ``allocate_bits`` is the host reference the device greedy is tested against (float32
+   gains may order two heads whose float64 gains differ by under 1e-7 the other way).
 
 Storage and attention (``methods/adakv/heads.py``): a token's codes fill a fixed budget of
-``lo H + spare`` bit planes whatever the allocation (each block keeps its widths, which
-say whose planes are whose), so every size is known on the host; a decode step writes its
-token into the window in place and attends through one compiled function over the
-planes, the scales and the window (pure MLX on every back-end). Memory: per stored token
+``lo H + spare`` bit planes whatever the allocation (each block keeps each sequence's
+widths, which say whose of that sequence's planes are whose), so every size is known on
+the host; a decode step writes its token into the window in place and attends through
+one compiled function over the planes, the scales and the window (pure MLX on every
+back-end). Memory: per stored token
 and KV head, for K and V each, ``b_h d/8 + 4 d/G`` bytes (scales and minima in the
 model's dtype: 2 bytes each at float16) when the budget is spent (always at one bit an
 upgrade, as at the defaults), plus the plane map (8 bytes a head and bit a block), the
@@ -83,7 +86,7 @@ def allocate_bits(importance: Sequence[float], levels: tuple[int, int, int], tar
 
 class AdaKVCache(QuantizedCache):
     group_field = "adakv_group_size"
-    batchable = "per_sequence"  # its heads' bit widths come from the batch's mean importance: rows mix, so each sequence alone
+    batchable = "stacked"  # its rows never mix (each its own importance and widths): sequences in the same state share one cache (cache/stacked.py)
 
     def _init_storage(self) -> None:
         o = self.config.options
@@ -92,7 +95,7 @@ class AdaKVCache(QuantizedCache):
         self.estimate = IMPORTANCE[o.adakv_importance]
         self.norms = RecentNorms(o.adakv_obs_window)
         self._estimated_at = None  # the ring as the latest scheduled estimate saw it
-        self._importance: mx.array | None = None  # (H,) float32: that estimate, once asked
+        self._importance: mx.array | None = None  # (B, H) float32: that estimate, once asked
         self.since_update = 0  # decode steps since it
         self.updates = 0  # estimates made (prefill chunks + scheduled decode steps)
         super()._init_storage()
@@ -116,7 +119,7 @@ class AdaKVCache(QuantizedCache):
 
     @property
     def importance(self) -> mx.array | None:
-        """(H,) float32: the importance of the latest scheduled estimate."""
+        """(B, H) float32: each sequence's importance at the latest scheduled estimate."""
         if self._importance is None and self._estimated_at is not None:
             self._importance = self.estimate(self.norms, self._estimated_at)
             self._estimated_at = None  # the ring as it was is no longer held
@@ -132,8 +135,9 @@ class AdaKVCache(QuantizedCache):
         return mx.depends(out, [self.norms.norms])
 
     def allocation(self) -> mx.array:
-        """The bit width of each KV head (H,) int32 for the tokens flushed now, on the device."""
-        n = self.importance.shape[0]
+        """The bit width of each sequence's KV heads (B, H) int32 for the tokens flushed now,
+        on the device."""
+        n = self.importance.shape[-1]
         return greedy_on_device(self.levels, spare_bits(self.levels, self.target, n), n)(self.importance)
 
     # -- what is kept (names as saved) ------------------------------------------------------
@@ -147,7 +151,10 @@ class AdaKVCache(QuantizedCache):
     def _restore_meta(self, meta) -> None:
         arrays = self.__dict__.get("_saved_arrays", {})
         self.norms.restore(meta, arrays.get("key_norms"))
-        self._importance = arrays.get("importance")
+        importance = arrays.get("importance")
+        if importance is not None and importance.ndim == 1:
+            importance = importance[None]  # saved before it had a batch axis: one sequence's
+        self._importance = importance
         self._estimated_at = None
         self.since_update, self.updates = int(meta.get("since_update", 0)), int(meta.get("updates", 0))
         super()._restore_meta(meta)
@@ -156,3 +163,6 @@ class AdaKVCache(QuantizedCache):
         yield from self.store.problems(self.offset, None if self.kv_shape is None else self.kv_shape[1])
         if self.store.length and self.importance is None:
             yield "importance", None, "an estimate once tokens are stored"
+        elif self.importance is not None and self.kv_shape is not None and self.importance.shape != self.kv_shape[:2]:
+            # one row for several would be every row's allocation: the rows would mix
+            yield "importance", self.importance.shape, f"a row a sequence, {self.kv_shape[:2]}"

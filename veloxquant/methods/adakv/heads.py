@@ -1,12 +1,14 @@
 """Per-head bit widths inside a fixed bit budget a token: bit planes, decided on the device.
 
 The allocation gives each KV head of a layer a width ``b_h`` in {lo, mid, hi} with
-``sum b_h <= P = lo * H + spare`` (``spare = floor((target - lo) H)``). Which heads get
-which width depends on the data; how many bits a token holds at most does not. So a
-flushed block of ``block`` tokens is stored as ``P`` *bit planes* a token: head h's code
-bits ``0 .. b_h - 1`` go to planes ``o_h .. o_h + b_h - 1`` (``o`` the exclusive cumsum of
-the widths), each plane holding one bit of every channel, 32 channels a uint32 word. The
-block's widths are kept (one row of H a block) and say, when read, which planes are
+``sum b_h <= P = lo * H + spare`` (``spare = floor((target - lo) H)``), one allocation per
+sequence (a (B, H) array: each row from its own keys' importance, so a cache fed B rows
+stores each row as it would alone). Which heads get which width depends on the data; how
+many bits a token holds at most does not. So a flushed block of ``block`` tokens is stored
+as ``P`` *bit planes* a token: head h's code bits ``0 .. b_h - 1`` go to planes
+``o_h .. o_h + b_h - 1`` (``o`` the exclusive cumsum of the row's widths), each plane
+holding one bit of every channel, 32 channels a uint32 word. The block's widths are kept
+(a sequence's row of H a block) and say, when read, which of that row's planes are
 whose. Every size is known on the host before any value is: no host read at a flush and
 no layout by width (the store this replaces opened an epoch per allocation, decided on
 the host: one sync a flush).
@@ -50,20 +52,21 @@ def spare_bits(levels: tuple[int, int, int], target: float, n_heads: int) -> int
 # -- the allocation, on the device ---------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def greedy_on_device(levels: tuple[int, int, int], spare: int, n_heads: int):
-    """A compiled ``importance (H,) -> widths (H,) int32``: the card's greedy (``cache.py``'s
-    ``allocate_bits``), in float32, a fixed number of rounds (each upgrade costs a bit at
-    least, so ``spare`` rounds suffice; a round with nothing that fits changes nothing)."""
+    """A compiled ``importance (..., H) -> widths (..., H) int32``: the card's greedy
+    (``cache.py``'s ``allocate_bits``) for each row on its own (its own budget, lifted zeros
+    and ties), in float32, a fixed number of rounds (each upgrade costs a bit at least, so
+    ``spare`` rounds suffice; a round with nothing that fits changes nothing)."""
     lo, mid, hi = levels
     rounds = min(spare, 2 * n_heads)
 
     def allocate(importance):
         imp = importance.astype(mx.float32)
         imp = mx.where(mx.isfinite(imp) & (imp > 0), imp, 0.0)
-        smallest = mx.min(mx.where(imp > 0, imp, mx.inf))
+        smallest = mx.min(mx.where(imp > 0, imp, mx.inf), axis=-1, keepdims=True)
         lifted = mx.where(mx.isinf(smallest), 1.0, 1e-3 * smallest)  # below every positive one
         imp = mx.where(imp > 0, imp, lifted)
-        widths = mx.full((n_heads,), lo, mx.int32)
-        left = mx.array(spare, mx.int32)
+        widths = mx.full(imp.shape, lo, mx.int32)
+        left = mx.full((*imp.shape[:-1], 1), spare, mx.int32)  # each row's own budget
         heads = mx.arange(n_heads)
         for _ in range(rounds):
             upgrade = mx.where(widths == lo, mid, mx.where(widths == mid, hi, widths))
@@ -71,10 +74,10 @@ def greedy_on_device(levels: tuple[int, int, int], spare: int, n_heads: int):
             fits = (cost > 0) & (cost <= left)
             gain = imp * (mx.power(4.0, -widths.astype(mx.float32)) - mx.power(4.0, -upgrade.astype(mx.float32)))
             gain = mx.where(fits, gain / mx.maximum(cost, 1).astype(mx.float32), -1.0)
-            best = mx.argmax(gain)  # the first of equal gains: the lower head index
-            taken = (heads == best) & (gain[best] >= 0)
+            best = mx.argmax(gain, axis=-1, keepdims=True)  # the first of equal gains: the lower head
+            taken = (heads == best) & (mx.take_along_axis(gain, best, axis=-1) >= 0)
             widths = mx.where(taken, upgrade, widths)
-            left = left - mx.where(taken, cost, 0).sum()
+            left = left - mx.where(taken, cost, 0).sum(axis=-1, keepdims=True)
         return widths
 
     return mx.compile(allocate)
@@ -90,8 +93,8 @@ def _constant(kind: str, n: int) -> mx.array:
 
 
 def _top(widths: mx.array) -> mx.array:
-    """(1, H, 1, 1, 1) float32: 2**b_h - 1."""
-    return ((mx.array(1, mx.int32) << widths) - 1).astype(mx.float32).reshape(1, -1, 1, 1, 1)
+    """(B, H) widths -> (B, H, 1, 1, 1) float32: 2**b_h - 1."""
+    return ((mx.array(1, mx.int32) << widths) - 1).astype(mx.float32).reshape(*widths.shape, 1, 1, 1)
 
 
 def _codes(x, lo, scale, top):
@@ -121,33 +124,37 @@ def quantize_values(x: mx.array, widths: mx.array, block: int, group: int):
 
 
 def plane_map(widths: mx.array, n_planes: int, hi: int):
-    """Where head h's bit k lies: the plane (H * hi,) int32 (``n_planes`` where b_h <= k)
-    and the bit's weight (H, hi) uint32 (``2**k``, 0 where b_h <= k)."""
-    offsets = mx.cumsum(widths) - widths
+    """Where each row's head h's bit k lies, for (B, H) widths: the plane (B, H * hi) int32
+    (``n_planes`` where b_h <= k) and the bit's weight (B, H, hi) uint32 (``2**k``, 0 where
+    b_h <= k)."""
+    offsets = mx.cumsum(widths, axis=-1) - widths
     k = mx.arange(hi, dtype=mx.int32)
-    own = k[None] < widths[:, None]
-    source = mx.where(own, offsets[:, None] + k[None], n_planes).reshape(-1)
-    return source, mx.where(own, mx.array(1, mx.uint32) << k.astype(mx.uint32)[None], 0).astype(mx.uint32)
+    own = k < widths[..., None]
+    source = mx.where(own, offsets[..., None] + k, n_planes).reshape(widths.shape[0], -1)
+    return source, mx.where(own, mx.array(1, mx.uint32) << k.astype(mx.uint32), 0).astype(mx.uint32)
 
 
 def to_planes(codes: mx.array, source: mx.array, n_planes: int, hi: int) -> mx.array:
-    """(B, H, nb, G, d) codes -> (B, P, nb, G, ceil(d/32), 1) uint32 planes (the last axis:
-    where a read unpacks a word's 32 bits)."""
+    """(B, H, nb, G, d) codes, each row's bits to its own planes (``source`` (B, H * hi), as
+    ``plane_map``'s) -> (B, P, nb, G, ceil(d/32), 1) uint32 planes (the last axis: where a
+    read unpacks a word's 32 bits)."""
     b, h, nb, g, d = codes.shape
     words = -(-d // WORD)
     bits = (codes[:, :, None] >> mx.arange(hi, dtype=mx.uint32).reshape(1, 1, hi, 1, 1, 1)) & 1
     if d % WORD:
         bits = mx.pad(bits, [(0, 0)] * 5 + [(0, words * WORD - d)])
     packed = (bits.reshape(b, h, hi, nb, g, words, WORD) << mx.arange(WORD, dtype=mx.uint32)).sum(axis=-1)
-    rows = packed.astype(mx.uint32).reshape(b, h * hi, nb, g, words).swapaxes(0, 1)
-    planes = mx.zeros((n_planes + 1, b, nb, g, words), mx.uint32).at[source].add(rows)  # the unused: a dump row
-    return planes[:n_planes].swapaxes(0, 1)[..., None]
+    rows = packed.astype(mx.uint32).reshape(b, h * hi, nb, g, words)
+    # each row's bits into its own row's planes (plane n_planes: a dump for the unused bits);
+    # the bits of a plane are disjoint integers, so the order of the adds changes nothing
+    planes = mx.zeros((b, n_planes + 1, nb, g, words), mx.uint32).at[mx.arange(b)[:, None], source].add(rows)
+    return planes[:, :n_planes][..., None]
 
 
 def from_planes(planes: mx.array, sources: list, weights: list, d: int) -> mx.array:
-    """(B, P, nb, G, w, 1) planes, per bit k the plane of each head's bit k (1, H, nb, 1, 1, 1)
-    and its weight (same shape) -> codes (B, H, nb, G, d) float32. One gather of a plane
-    per bit, the bits summed elementwise (no (.., hi, ..) intermediate: under
+    """(B, P, nb, G, w, 1) planes, per bit k the plane of each row's head's bit k
+    (B, H, nb, 1, 1, 1) and its weight (same shape) -> codes (B, H, nb, G, d) float32. One
+    gather of a plane per bit, the bits summed elementwise (no (.., hi, ..) intermediate: under
     ``mx.compile`` the sum, and the dequantization after it, fuse into one pass that
     writes each code once)."""
     b, _, nb, g, words, _ = planes.shape
@@ -191,7 +198,8 @@ class PlaneStore(PackedStore):
     ``window`` to ``window + block - 1`` tokens (fewer before that many came).
 
     ``levels``: (lo, mid, hi); ``target``: the average width, which bounds a token's bits;
-    ``widths()``: the (H,) int32 device array a flush stores under (asked only then).
+    ``widths()``: the (B, H) int32 device array a flush stores under, a row a sequence
+    (asked only then; an (H,) one is every row's).
     Every buffer grows a block at a time along its block axis (axis 2; the plane map's
     last), by the same step: their capacities stay equal.
     """
@@ -204,8 +212,8 @@ class PlaneStore(PackedStore):
         self.k_planes, self.v_planes = GrowingArray(step=steps), GrowingArray(step=steps)  # (B, P, nb, G, w)
         self.k_scales, self.k_min = GrowingArray(step=steps), GrowingArray(step=steps)  # (B, H, nb, 1, d)
         self.v_scales, self.v_min = GrowingArray(step=steps), GrowingArray(step=steps)  # (B, H, nb, G, d/g)
-        # per bit k, (1, H, nb, 1, 1, 1): the plane holding each head's bit k (int32) and the
-        # bit's weight (uint32, 2**k; 0 where the head's width is k or less)
+        # per bit k, (B, H, nb, 1, 1, 1): the plane holding each row's head's bit k (int32)
+        # and the bit's weight (uint32, 2**k; 0 where the head's width is k or less)
         self.sources = [GrowingArray(axis=2, step=steps) for _ in range(levels[2])]
         self.weights = [GrowingArray(axis=2, step=steps) for _ in range(levels[2])]
         cap = window + block
@@ -227,10 +235,11 @@ class PlaneStore(PackedStore):
         return self.stored + self.k_win.length
 
     def block_widths(self) -> mx.array | None:
-        """(nb, H): the widths each stored block was flushed under."""
+        """(B, nb, H): the widths each row's stored blocks were flushed under."""
         if self.weights[0].buffer is None:
             return None
-        return sum((w.view() > 0).astype(mx.int32) for w in self.weights).reshape(self.weights[0].buffer.shape[1], -1).T
+        b, h = self.weights[0].buffer.shape[:2]
+        return sum((w.view() > 0).astype(mx.int32) for w in self.weights).reshape(b, h, -1).swapaxes(1, 2)
 
     # -- writing -------------------------------------------------------------------------
     def commit(self, keys: mx.array, values: mx.array) -> None:
@@ -258,8 +267,11 @@ class PlaneStore(PackedStore):
         self.v_win.reset(mx.contiguous(v[:, :, n_flush:]) if rest else None)
 
     def _flush(self, keys: mx.array, values: mx.array) -> None:
+        b, h = keys.shape[:2]
         widths = self.widths()
-        h, hi, p, nb = keys.shape[1], self.levels[2], self.n_planes(keys.shape[1]), keys.shape[2] // self.block
+        if widths.shape != (b, h):  # one allocation for every row
+            widths = mx.broadcast_to(widths, (b, h))
+        hi, p, nb = self.levels[2], self.n_planes(h), keys.shape[2] // self.block
         source, weights = plane_map(widths, p, hi)
         kc, ks, kmin = quantize_keys(keys, widths, self.block)
         vc, vs, vmin = quantize_values(values, widths, self.block, self.group)
@@ -267,10 +279,11 @@ class PlaneStore(PackedStore):
         self.v_planes.append(to_planes(vc, source, p, hi))
         for buf, x in ((self.k_scales, ks), (self.k_min, kmin), (self.v_scales, vs), (self.v_min, vmin)):
             buf.append(x)
-        source = mx.minimum(source, p - 1).reshape(h, hi)
+        source = mx.minimum(source, p - 1).reshape(b, h, hi)
+        shape = (b, h, nb, 1, 1, 1)
         for k in range(hi):
-            self.sources[k].append(mx.broadcast_to(source[:, k].reshape(1, h, 1, 1, 1, 1), (1, h, nb, 1, 1, 1)))
-            self.weights[k].append(mx.broadcast_to(weights[:, k].reshape(1, h, 1, 1, 1, 1), (1, h, nb, 1, 1, 1)))
+            self.sources[k].append(mx.broadcast_to(source[:, :, k].reshape(b, h, 1, 1, 1, 1), shape))
+            self.weights[k].append(mx.broadcast_to(weights[:, :, k].reshape(b, h, 1, 1, 1, 1), shape))
 
     # -- reading --------------------------------------------------------------------------
     def _window(self):
@@ -379,15 +392,16 @@ class RecentNorms:
         return self.norms, self.filled
 
     def variance(self, snapshot: tuple[mx.array | None, int] | None = None) -> mx.array | None:
-        """Per KV head (H,), the variance of the held norms (now, or at ``snapshot``),
-        averaged over the batch; 0 with fewer than 2 keys seen, NaN (an overflowed key) read as 0."""
+        """Per sequence and KV head (B, H), the variance of the held norms (now, or at
+        ``snapshot``): each row its own, never pooled, so that a row's allocation is the one
+        it gets alone; 0 with fewer than 2 keys seen, NaN (an overflowed key) read as 0."""
         norms, filled = snapshot or self.snapshot()
         if norms is None:
             return None
         if filled < 2:
-            return mx.zeros((norms.shape[1],), mx.float32)
+            return mx.zeros(norms.shape[:2], mx.float32)
         held = norms if filled == self.window else norms[:, :, :filled]
-        return mx.nan_to_num(mx.var(held, axis=-1).mean(axis=0), nan=0.0, posinf=0.0)
+        return mx.nan_to_num(mx.var(held, axis=-1), nan=0.0, posinf=0.0)
 
     def meta(self) -> dict[str, int]:
         return {"norms_pos": self.pos, "norms_filled": self.filled}

@@ -22,14 +22,16 @@ A configuration of the streaming store (``methods/kvquant/streaming_store.py``) 
   interquartile range (a per-channel threshold, as the paper's per-channel calibrated
   ones; inferred, the card says "the same per channel"). Kept exactly: uint16 position and
   the value in the model's dtype (pre-RoPE keys: the de-rotated value, rounded to it);
-- the codebook: fitted on the first tokens a tensor encodes (its non-outlier z, a seeded
-  sample of at most 65536), from the quantile grid (or the uniform one where that fits the
-  sample better: never worse than uniform levels), then ``kvquant_lloyd_iters`` unweighted
-  Lloyd steps (the paper's offline k-means is Fisher-weighted, which needs gradients: the
-  deviation), then frozen for later prompt chunks; ``kvquant_refit_interval`` R > 0: every
-  R decode steps a warm-started Lloyd on a histogram of what was encoded since the last
-  fit gives a new codebook, used by the tokens encoded afterwards (each token or key group
-  keeps its codebook id; stored indices never change meaning).
+- the codebook: one per sequence (a batch axis: a cache fed B rows fits B, each on its
+  row alone, so sequences in the same state stack), fitted on the first tokens a tensor
+  encodes (its non-outlier z, a seeded sample of at most 65536), from the quantile grid (or
+  the uniform one where that fits the sample better: never worse than uniform levels),
+  then ``kvquant_lloyd_iters`` unweighted Lloyd steps (the paper's offline k-means is
+  Fisher-weighted, which needs gradients: the deviation), then frozen for later prompt
+  chunks; ``kvquant_refit_interval`` R > 0: every R decode steps a warm-started Lloyd on
+  each row's histogram of what was encoded since the last fit (every row in one batched
+  step) gives each row a new codebook, used by the tokens encoded afterwards (each token
+  or key group keeps its codebook id; stored indices never change meaning).
 
 Attention: a prompt chunk attends over the decoded history plus itself; a decode step over
 two parts merged by log-sum-exp: the sinks, and the packed run (plus the keys' exact
@@ -54,7 +56,7 @@ from .streaming_store import StreamingStore
 
 class KVQuantCache(QuantizedCache):
     group_field = "kvquant_group_size"
-    batchable = "per_sequence"  # its fitted tables have no batch axis: each sequence keeps its own (cache/stacked.py)
+    batchable = "stacked"  # its rows never mix (each row fits and refits its own codebooks): sequences in the same state share one cache (cache/stacked.py)
 
     def make_store(self):
         o, g = self.config.options, self.group

@@ -5,16 +5,19 @@ per group of ``group`` entries (one token's channels, or one channel's tokens) t
 outliers are set aside first (``quant/outliers.py``), then the group's offset and range
 over the rest, ``o = (M + m) / 2`` and ``rho = (M - m) / 2`` (stored in the input's dtype),
 normalize it to ``z = (x - o) / rho`` in [-1, 1], and each z is stored as the index of its
-nearest centroid in the tensor's codebook (``quant/codebook.py``; packed bit planes, any
-width). ``x_hat = c[idx] * rho + o``, the outliers written back exactly.
+nearest centroid in its row's codebook for the tensor (``quant/codebook.py``; packed bit
+planes, any width). ``x_hat = c[idx] * rho + o``, the outliers written back exactly.
 
 ``NonUniformTokens`` keeps one codec's output for a growing run of tokens (grown buffers,
 the ``PackedTokens`` interface): codes, offsets, ranges, outlier positions and values, and
-its codebooks. The codebook is fitted (``codebook.fit``: quantile start, Lloyd) on the
-non-outlier z of the first tokens it encodes, then frozen; with ``refits`` each encode
-also adds its z to a histogram, and ``refit()`` runs warm-started Lloyd on it and appends
-a new codebook that only tokens encoded afterwards use: every token (per channel: every
-group) keeps the id of its codebook, old indices are never read with new centroids.
+its codebooks, one set per row of the batch (a sequence's own: rows never share one, so
+that a cache fed B rows holds what each row's cache holds alone and sequences can be
+stacked, ``cache/stacked.py``). A row's codebook is fitted (``codebook.fit``: quantile
+or uniform start and Lloyd, each row on its own values) on the row's non-outlier z of the
+first tokens it encodes, then frozen; with ``refits`` each encode also adds its z to the
+row's histogram, and ``refit()`` runs warm-started Lloyd on every row's at once and appends
+a new codebook a row that only tokens encoded afterwards use: every token (per channel:
+every group) keeps the id of its codebook, old indices are never read with new centroids.
 Keys may be kept pre-RoPE (``quant/prerope.py``): de-rotated at their positions before
 encoding, rotated again when read.
 
@@ -98,7 +101,8 @@ class NonUniform:
         return z, weights, offsets, ranges, pos, val
 
     def assign(self, z: mx.array, centroids: mx.array) -> mx.array:
-        """Bit planes of the nearest-centroid indices: (B, H, n, bits, W) per token,
+        """Bit planes of the nearest-centroid indices, each row's z against its own
+        codebook (``centroids`` (B, 1, 1, 1, 2^bits)): (B, H, n, bits, W) per token,
         (B, H, D, bits, n/32) per channel."""
         idx = cb.nearest(z, centroids)
         return cb.pack_planes(idx.reshape(*idx.shape[:-2], -1), self.bits)
@@ -132,9 +136,15 @@ class NonUniformTokens:
         unit_step = step_tokens // g if channel else step_tokens
         self.out_pos = GrowingArray(axis=2, step=unit_step, geometric=rows)
         self.out_val = GrowingArray(axis=2, step=unit_step, geometric=rows)
-        self.books = GrowingArray(axis=0, step=1)  # (codebooks, 2^bits) float32
-        self.book_ids = GrowingArray(axis=0, step=unit_step, geometric=rows) if refits else None
-        self.hist = GrowingArray(axis=0, step=2) if refits else None  # codebook.histogram
+        # Codebooks per row, each fitted on its row's values alone (quant/codebook.py), and
+        # kept in the shape the read broadcasts them in, so that a decode step's read
+        # reshapes nothing: (B, 1, 1, codebooks, 2^bits) float32; the ids of the units'
+        # codebooks (equal across rows: refits follow the step counter) per row too, so
+        # that every kept array has the batch first, (B, 1, 1, groups, 1) per channel,
+        # (B, 1, tokens, 1, 1) per token; the refit histograms (B, 2, HIST_BINS).
+        self.books = GrowingArray(axis=3, step=1)
+        self.book_ids = GrowingArray(axis=3 if channel else 2, step=unit_step, geometric=rows) if refits else None
+        self.hist = GrowingArray(axis=1, step=2) if refits else None
         # Whether encodes have reached the histogram since the last fit, kept on the host so
         # that a scheduled refit at a decode step needs no read of the histogram (unknown
         # after a load: a refit over an empty histogram returns the codebook it started at).
@@ -148,8 +158,13 @@ class NonUniformTokens:
 
     @property
     def centroids(self) -> mx.array:
-        """The codebook new tokens are encoded with."""
-        return self.books.buffer[self.books.length - 1]
+        """The codebooks new tokens are encoded with, one a row (B, 2^bits)."""
+        return self.books.buffer[:, 0, 0, self.books.length - 1]
+
+    def _newest(self) -> mx.array:
+        """``centroids`` as encoding reads them, (B, 1, 1, 1, 2^bits)."""
+        n = self.books.length
+        return self.books.buffer[:, :, :, n - 1 : n]
 
     # -- writing ---------------------------------------------------------------------------
     def append(self, x: mx.array, decoding: bool = False) -> None:
@@ -160,13 +175,14 @@ class NonUniformTokens:
             x = to_pre_rope(x, self.start + self.count, self.rotary)
         if not self.books.length:
             z, weights, offsets, ranges, pos, val = c.prepare(x, dtype)
-            self.books.append(cb.fit(z, c.bits, c.iters, weights)[None])
-            codes = c.assign(z, self.centroids)
+            book = cb.fit(z, c.bits, c.iters, weights)
+            self.books.append(book.reshape(book.shape[0], 1, 1, 1, book.shape[1]))
+            codes = c.assign(z, self._newest())
         elif decoding:
-            codes, offsets, ranges, pos, val, z, weights = _compiled_encode(c, dtype)(x, self.centroids)
+            codes, offsets, ranges, pos, val, z, weights = _compiled_encode(c, dtype)(x, self._newest())
             self._observe(z, weights)
         else:
-            codes, offsets, ranges, pos, val, z, weights = c.encode(x, self.centroids, dtype)
+            codes, offsets, ranges, pos, val, z, weights = c.encode(x, self._newest(), dtype)
             self._observe(z, weights)
         self.codes.append(codes)
         self.offsets.append(offsets)
@@ -175,8 +191,9 @@ class NonUniformTokens:
             self.out_pos.append(pos)
             self.out_val.append(val)
         if self.book_ids is not None:
-            units = offsets.shape[-1] if c.axis == "channel" else offsets.shape[2]
-            self.book_ids.append(mx.full((units,), self.books.length - 1, mx.int32))
+            rows = x.shape[0]
+            shape = (rows, 1, 1, offsets.shape[-1], 1) if c.axis == "channel" else (rows, 1, offsets.shape[2], 1, 1)
+            self.book_ids.append(mx.full(shape, self.books.length - 1, mx.int32))
 
     def _observe(self, z, weights) -> None:
         if self.hist is not None:
@@ -190,7 +207,8 @@ class NonUniformTokens:
             return
         if not self.observed_since_fit:
             return
-        self.books.append(cb.compiled_refit(self.codec.iters)(self.hist.buffer, self.centroids)[None])
+        book = cb.compiled_refit(self.hist.buffer, self.centroids, self.codec.iters)
+        self.books.append(book.reshape(book.shape[0], 1, 1, 1, book.shape[1]))
         self.hist.reset(mx.zeros_like(self.hist.buffer))
         self.observed_since_fit = False
 
@@ -225,7 +243,7 @@ class NonUniformTokens:
         args += _shifts(c.bits)
         per_unit = self.books.length > 1 and self.book_ids is not None
         if per_unit:
-            args.append(self.book_ids.buffer[:units])
+            args.append(self.book_ids.buffer[..., :units, :] if channel else self.book_ids.buffer[:, :, :units])
         outliers = self.out_pos.buffer is not None
         if outliers:
             args += [self.out_pos.buffer[:, :, :units], self.out_val.buffer[:, :, :units]]
@@ -267,6 +285,23 @@ class NonUniformTokens:
             out.update({f"{prefix}_book_ids": self.book_ids, f"{prefix}_hist": self.hist})
         return out
 
+    def with_batch_axis(self, prefix: str, arrays: dict) -> dict:
+        """``arrays`` (a saved state, by ``arrays``' names) with a layout saved before the
+        codebooks were per row given today's: its codebooks (codebooks, 2^bits), ids (units,)
+        and histogram (2, HIST_BINS), one for all the rows, become every row's."""
+        codes = arrays.get(f"{prefix}_codes")
+        rows = 1 if codes is None else codes.shape[0]
+        out = dict(arrays)
+        books, ids, hist = (out.get(f"{prefix}_{name}") for name in ("books", "book_ids", "hist"))
+        if books is not None and books.ndim == 2:
+            out[f"{prefix}_books"] = mx.broadcast_to(books[None, None, None], (rows, 1, 1, *books.shape))
+        if ids is not None and ids.ndim == 1:
+            shape = (1, 1, 1, -1, 1) if self.codec.axis == "channel" else (1, 1, -1, 1, 1)
+            out[f"{prefix}_book_ids"] = mx.broadcast_to(ids.reshape(shape), (rows, *ids.reshape(shape).shape[1:]))
+        if hist is not None and hist.ndim == 2:
+            out[f"{prefix}_hist"] = mx.broadcast_to(hist[None], (rows, *hist.shape))
+        return out
+
     def problems(self, name: str, head_dim: int):
         """(field, found, expected) where the kept arrays contradict the codec or each other."""
         c, n = self.codec, self.count
@@ -285,15 +320,20 @@ class NonUniformTokens:
                                (self.out_val, "outlier values", want_out)):
             if shape(g) != want and (n or shape(g)):
                 yield f"{name} {label} (trailing dims)", shape(g), f"{want} ({c.bits}-bit, groups of {c.group})"
-        if n and (self.books.length < 1 or self.books.view().shape[1:] != (1 << c.bits,)):
+        rows = None if self.codes.buffer is None else self.codes.buffer.shape[0]
+        n_books, size = self.books.length, 1 << c.bits
+        if n and (n_books < 1 or self.books.view().shape != (rows, 1, 1, n_books, size)):
             yield f"{name} codebooks", None if self.books.buffer is None else tuple(self.books.view().shape), \
-                f"at least one of {1 << c.bits} centroids"
+                f"(rows, 1, 1, codebooks, centroids): ({rows}, 1, 1, at least 1, {size})"
         if self.book_ids is not None and n:
             ids = self.book_ids.view()
-            if self.book_ids.length != units:
-                yield f"{name} codebook ids", self.book_ids.length, f"one per {'group' if channel else 'token'}: {units}"
-            elif int(ids.max()) >= self.books.length:
-                yield f"{name} codebook id", int(ids.max()), f"below the {self.books.length} codebooks kept"
+            want = (rows, 1, 1, units, 1) if channel else (rows, 1, units, 1, 1)
+            if ids.shape != want:
+                yield f"{name} codebook ids", tuple(ids.shape), f"{want}: one per row and {'group' if channel else 'token'}"
+            elif int(ids.max()) >= n_books:
+                yield f"{name} codebook id", int(ids.max()), f"below the {n_books} codebooks kept"
+            if self.hist.buffer is not None and self.hist.buffer.shape != (rows, 2, cb.HIST_BINS):
+                yield f"{name} refit histogram", tuple(self.hist.buffer.shape), f"({rows}, 2, {cb.HIST_BINS})"
         if k and n and int(self.out_pos.view().max()) >= (head_dim * c.group if channel else head_dim):
             yield f"{name} outlier position", int(self.out_pos.view().max()), "inside its vector"
 
@@ -357,16 +397,20 @@ def _dense_graph(how: _Read, planes, books, ranges, offsets, along, across, *ext
             codes = codes.reshape(*lead, n, d // g, g)
         else:
             codes = codes.reshape(*lead, n, -1)[..., :d].reshape(*lead, n, d // g, g)
+    # books: (B, 1, 1, codebooks, 2^bits), a row's own; ids (per_unit): (B, 1, 1, units, 1)
+    # per channel, (B, 1, n, 1, 1) per token, as the tables and codes below broadcast them
     ids = extra.pop(0) if how.per_unit else None
     if books.shape[-1] <= g:  # a table per unit, no larger than its group
-        if ids is not None:  # each unit's own codebook: (units, 2^bits), per token (n, 1, 2^bits)
-            books = mx.take(books, ids if how.channel else ids.reshape(units, 1), axis=0)
+        if ids is not None:  # each unit's own codebook: (B, 1, 1, units, 2^bits), per token (B, 1, n, 1, 2^bits)
+            books = mx.take_along_axis(books, ids, axis=3)
         table = books * ranges[..., None] + offsets[..., None]  # (..., units, 2^bits)
         x = _table_read(table, codes)
     else:  # small groups: the centroids read from the codebooks laid end to end, then scaled
         if ids is not None:  # a unit's codebook id offsets its indices
-            ids = ids.astype(mx.uint32) * books.shape[-1]
-            codes = codes + (ids.reshape(units, 1) if how.channel else ids.reshape(units, 1, 1))
+            codes = codes + ids.astype(mx.uint32) * books.shape[-1]
+        rows, per_row = books.shape[0], books.shape[-2] * books.shape[-1]
+        if rows > 1:  # and its row's: row b's codebooks follow the earlier rows'
+            codes = codes + (mx.arange(rows, dtype=mx.uint32) * per_row).reshape(rows, 1, 1, 1, 1)
         x = mx.take(books.reshape(-1), codes) * ranges[..., None] + offsets[..., None]
     if how.outliers:
         pos, val = extra.pop(0), extra.pop(0)

@@ -68,6 +68,9 @@ class StreamingStore(SinkKVStore):
         return {"steps": self.steps, "rotary": rotary.to_json() if rotary is not None else "none"}
 
     def restore(self, meta: dict[str, Any], arrays: dict[str, Any]) -> None:
+        for storage, prefix in ((self.keys, "k"), (self.values, "v")):
+            upgrade = getattr(storage, "with_batch_axis", None)  # a layout saved before the batch axis
+            arrays = arrays if upgrade is None else upgrade(prefix, arrays)
         super().restore(meta, arrays)
         self.steps = int(meta.get("steps", 0))
         if meta.get("rotary", "none") != "none":

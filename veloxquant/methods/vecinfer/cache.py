@@ -14,8 +14,8 @@ A configuration of the codebook store (``quant/vq_store.py``, codecs in ``quant/
   inferred meaning); a token is coded once, when it leaves, one a decode step.
 
 Indices are bit-packed at their width (12 bits: 32 indices in 12 words at head_dim 128,
-key_sub_dim 4). Codebooks are float16, the smoothing factors float32, per layer, saved
-and counted in ``nbytes``.
+key_sub_dim 4). Codebooks are float16, the smoothing factors float32, per layer and
+sequence, saved and counted in ``nbytes``.
 
 **Codebooks** (the paper fits them offline): with the config's ``calibration_file``, a
 file written by ``veloxquant calibrate --method vecinfer`` for this model and these
@@ -25,6 +25,15 @@ fitted from the prompt: k-means (``PROMPT_ITERS`` Lloyd iterations at most, at m
 the first tokens are coded (the prompt or its first chunk; the window plus one token when
 the prompt fits in the window), then fixed. A prompt with fewer sub-vectors than
 centroids makes each of them a centroid.
+
+**Per sequence**: a fit from the prompt is each row's own, with the batch first
+(``key_centroids`` (B, 2**key_codebook_bits, key_sub_dim), ``key_scale`` (B, H, 1, D),
+``value_centroids`` (B, 2**value_codebook_bits, value_sub_dim)), fitted for every row at
+once and row b's what the sequence alone is fitted; so sequences in the same state stack
+(``cache/stacked.py``), their tables concatenated. A calibration's tables are one for
+every sequence, as the file holds them (``key_centroids`` and ``value_centroids`` without
+the batch axis, kept once by a stacked batch; ``key_scale`` (1, H, 1, D)). A state saved
+before the batch axis gets it when restored.
 
 **Attention**: a prompt chunk attends over the decoded history plus itself. A decode step
 scores keys in the score domain: ``q~ = (q * lambda) H`` once per step, a table
@@ -54,7 +63,10 @@ ARRAYS = ("key_centroids", "key_scale", "value_centroids")
 class VecInferCache(CodebookCache):
     sub_dim_fields = ("key_sub_dim", "value_sub_dim")
     calibration_fields = ("key_sub_dim", "value_sub_dim", "key_codebook_bits", "value_codebook_bits")
-    batchable = "per_sequence"  # its fitted tables have no batch axis: each sequence keeps its own (cache/stacked.py)
+    # its rows never mix (each row fits its own codebooks), but stacked its lookup step holds a
+    # group's gathers at once: out of memory at 63 x 8k on the H200, 1.10x per sequence at 16
+    # (benchmarks/results/serve_h200_s56)
+    batchable = "per_sequence"
 
     @staticmethod
     def fit_spec(config, *, iters: int, sample: int, seed: int) -> CodebookFit:
