@@ -41,17 +41,35 @@ def _cudart():
     raise SystemExit("libcudart not found: cudaProfilerStart is needed to capture the steady-state steps")
 
 
-def capture(method: str, preset: str, layers: int, context: int, warm: int, steps: int) -> None:
-    """Run one method: prefill, ``warm`` steps, then ``steps`` steps inside the profiler's range."""
+BATCH_LAYOUTS = (", per sequence", ", stacked")  # a method's batch forced to that layout
+
+
+def capture(method: str, preset: str, layers: int, context: int, warm: int, steps: int, batch: int = 1) -> None:
+    """Run one method: prefill, ``warm`` steps, then ``steps`` steps inside the profiler's range.
+    ``batch`` > 1: that many copies of the prefilled sequence merged into one batch (as
+    ``serve_capacity.py`` merges them); ``method`` may end in ``, per sequence`` or
+    ``, stacked`` to force that batch layout."""
     sys.path.insert(0, str(HERE))
     import decode as bench  # noqa: E402  (imports veloxquant_mlx before mlx)
 
     import mlx.core as mx
 
+    layout = next((s for s in BATCH_LAYOUTS if method.endswith(s)), None)
+    method = method[: -len(layout)] if layout else method
     bench.PRESETS[preset] = {**bench.PRESETS[preset], "num_hidden_layers": layers}
     model = bench.build_model(preset, mx.float16)
     config = bench.METHODS[method] if method in bench.METHODS else bench.KVCacheConfig(method=method)
     cache, y, _ = bench.start(model, config, context, prefill_repeats=1)
+    if batch > 1:
+        import serve_capacity as sc  # noqa: E402
+        from veloxquant_mlx.cache import batch as batch_module
+        from veloxquant_mlx.registry import METHODS as REGISTRY
+
+        if layout == ", per sequence":
+            batch_module.packer_for = lambda cls: None
+        elif layout == ", stacked":
+            REGISTRY[method].load_implementation().batchable = "stacked"
+        cache, y = sc.batched([cache], batch), mx.repeat(y.reshape(-1), batch)
     for _ in range(warm):
         y, _ = bench.step(model, cache, y)
     mx.synchronize()
@@ -70,13 +88,14 @@ def run_all(args) -> None:
         name = method.replace(" ", "_").replace("+", "plus")
         cmd = ["ncu", "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv",
                sys.executable, __file__, "--one", method, "--preset", args.preset, "--layers", str(args.layers),
-               "--context", str(args.context), "--warm", str(args.warm), "--steps", str(args.steps)]
+               "--context", str(args.context), "--warm", str(args.warm), "--steps", str(args.steps),
+               "--batch", str(args.batch)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         (out / f"{name}.csv").write_text(done.stdout)
         (out / f"{name}.err").write_text(done.stderr)
         (out / f"{name}.json").write_text(json.dumps({
             "method": method, "rc": done.returncode, "layers": args.layers, "steps": args.steps,
-            "context": args.context, "preset": args.preset}))
+            "context": args.context, "preset": args.preset, "batch": args.batch}))
         print(f"{method}: rc {done.returncode}", flush=True)
 
 
@@ -145,9 +164,10 @@ def main() -> None:
     ap.add_argument("--out-dir")
     ap.add_argument("--report", metavar="DIR", help="print the table of a finished --out-dir")
     ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (copies of the prompt)")
     args = ap.parse_args()
     if args.one:
-        capture(args.one, args.preset, args.layers, args.context, args.warm, args.steps)
+        capture(args.one, args.preset, args.layers, args.context, args.warm, args.steps, args.batch)
     elif args.report:
         report(args.report, args.top)
     elif args.out_dir:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import platform
+import shlex
 import sys
 import time
 import traceback
@@ -52,6 +53,7 @@ import mlx.core as mx  # noqa: E402
 from decode import PRESETS, build_model, make_cache  # noqa: E402
 from veloxquant_mlx.bench.runner import prefill  # noqa: E402
 from veloxquant_mlx.cache import batch as batch_module  # noqa: E402
+from veloxquant_mlx.registry import METHODS as REGISTRY  # noqa: E402
 from veloxquant_mlx.cache.options import (  # noqa: E402
     KeyformerOptions,
     KIVIOptions,
@@ -83,7 +85,8 @@ METHODS.update({method: KVCacheConfig(method=method) for method in BEST_OF_FAMIL
 METHODS["xquant"] = KVCacheConfig(method="xquant", options=XQuantOptions(xquant_max_ctx=65536))
 # the other stores that batch stacked (cache/stacked.py), at their defaults
 METHODS.update({method: KVCacheConfig(method=method) for method in (
-    "kitty", "turboquant", "skvq", "zipcache", "cachegen", "nsnquant", "svdq", "spectral", "amc", "rocketkv")})
+    "kitty", "turboquant", "skvq", "zipcache", "cachegen", "nsnquant", "svdq", "spectral", "amc", "rocketkv",
+    "kvquant", "a2ats", "adakv")})
 # KIVI's packed batch attends in one launch of the fused kernel on CUDA; its per-sequence
 # row batches it per sequence instead (each sequence's own attention and launch), for the
 # comparison in the same run; so do StreamingLLM's and Keyformer's, against their packed
@@ -92,8 +95,14 @@ PER_SEQUENCE = {"kivi 4-bit, per sequence": "kivi 4-bit",
                 "streaming_llm 4+2044, per sequence": "streaming_llm 4+2044",
                 "keyformer 2048, per sequence": "keyformer 2048",
                 "gear, per sequence": "gear", "age_tiered, per sequence": "age_tiered",
-                "turboquant, per sequence": "turboquant", "xquant, per sequence": "xquant"}
+                "turboquant, per sequence": "turboquant", "xquant, per sequence": "xquant",
+                "kvquant, per sequence": "kvquant", "adakv, per sequence": "adakv",
+                "palu, per sequence": "palu", "a2ats, per sequence": "a2ats"}
 METHODS.update({row: METHODS[packed] for row, packed in PER_SEQUENCE.items()})
+# Classes whose rows never mix but that batch per sequence by choice (their stacked steps
+# measured slower, or holding too much), stacked for this row: the measure behind the choice.
+STACKED_TRIAL = {"spectral, stacked": "spectral", "vecinfer, stacked": "vecinfer"}
+METHODS.update({row: METHODS[method] for row, method in STACKED_TRIAL.items()})
 
 
 _packer_for = batch_module.packer_for
@@ -158,9 +167,11 @@ def measure(model, name, config, tokens, budget, steps, max_seqs, repeats, mix=1
     del caches, cache
     gc.collect()
     y = mx.stack([firsts[i % mix] for i in range(held)])
+    mx.reset_peak_memory()
     y, _ = overlapped(model, batch, y, 2)  # packs the batch, first-use work
     y, seconds = overlapped(model, batch, y, steps)
-    return {**row, "tok_s": held / seconds, "step_s": seconds, "batch_bytes": sum(c.nbytes for c in batch)}
+    return {**row, "tok_s": held / seconds, "step_s": seconds, "batch_bytes": sum(c.nbytes for c in batch),
+            "peak_bytes": mx.get_peak_memory()}
 
 
 def table(rows, budget) -> list[str]:
@@ -169,17 +180,18 @@ def table(rows, budget) -> list[str]:
     base, full = (next((r for r in rows if r["cache"] == name and "error" not in r), None)
                   for name in (BASELINE, "full"))
     out = ["| cache | KV MB a sequence | sequences held | vs fp16 | batch KV MB (of budget) "
-           "| decode tok/s (all) | vs fp16 | vs full | step ms | TTFT s (alone) | TTFT s, last of N |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| decode tok/s (all) | vs fp16 | vs full | step ms | TTFT s (alone) | TTFT s, last of N | peak GB, decode |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['cache']} | failed: {r['error']} ||||||||||")
+            out.append(f"| {r['cache']} | failed: {r['error']} |||||||||||")
             continue
         vs = (lambda k, b=base: f"{r[k] / b[k]:.2f}x" if b and b[k] else "-")
         out.append(
             f"| {r['cache']} | {r['bytes_per_seq'] / 1e6:.1f} | {r['held']} | {vs('held')} "
             f"| {r['batch_bytes'] / 1e6:.1f} ({r['batch_bytes'] / budget:.0%}) | {r['tok_s']:.1f} | {vs('tok_s')} "
-            f"| {vs('tok_s', full)} | {r.get('step_s', 0) * 1e3:.1f} | {r['ttft_s']:.2f} | {r['ttft_s'] * r['held']:.1f} |")
+            f"| {vs('tok_s', full)} | {r.get('step_s', 0) * 1e3:.1f} | {r['ttft_s']:.2f} | {r['ttft_s'] * r['held']:.1f} "
+            f"| {r.get('peak_bytes', 0) / 1e9:.1f} |")
     return out
 
 
@@ -223,21 +235,29 @@ def main() -> None:
     rows = []
     for name in args.methods:
         batch_module.packer_for = _packer_for if name not in PER_SEQUENCE else (lambda cls: None)
+        trial = REGISTRY[STACKED_TRIAL[name]].load_implementation() if name in STACKED_TRIAL else None
+        chosen = trial and trial.__dict__["batchable"]
         try:
+            if trial:
+                trial.batchable = "stacked"
             rows.append(measure(model, name, METHODS[name], tokens, budget, args.steps, args.max_seqs,
                                 args.prefill_repeats, args.mix))
         except Exception as exc:  # a row that fails is shown failed, the others still run
             traceback.print_exc()
             rows.append({"cache": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
+        finally:
+            if trial:
+                trial.batchable = chosen
         gc.collect()
         mx.clear_cache()
         print(rows[-1], flush=True)
-    command = "python benchmarks/serve_capacity.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/serve_capacity.py " + shlex.join(sys.argv[1:])
     lines = [f"# Serving capacity: {args.preset}, {args.prompt}-token prompts, {args.kv_gb:g} GB of KV",
              "", f"`{command}`", "",
              f"{platform.node()} / {mx.default_device()} / MLX {mx.__version__} / {args.dtype}; "
              f"{args.steps} timed decode steps of the whole batch; TTFT alone: a warm prefill of one "
-             "prompt; TTFT, last of N: N prefills in turn (computed)"
+             "prompt; TTFT, last of N: N prefills in turn (computed); peak GB, decode: the most memory "
+             "held (weights, caches, transients) over the batch's warm-up and timed steps"
              + (f"; prompts of {args.mix} lengths up to {args.prompt}, taken in turn, KV MB a sequence "
                 "their mean" if args.mix > 1 else "") + ".", "", *table(rows, budget), ""]
     out.parent.mkdir(parents=True, exist_ok=True)

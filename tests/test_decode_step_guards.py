@@ -80,7 +80,9 @@ GRAPH_BOUND = 1.3
 # (``leading_basis``) in place of one 128 x 128 eigh per head, more nodes for a quarter of
 # the time (benchmarks/results/fits_h200_s53/). qfilters' rose from 1.48 on 2026-12-04: it
 # evicts every EVICT_EVERY steps (its steady step 1.48 -> 1.19), so that step is the base's
-# batched eviction.
+# batched eviction. a2ats' rose from 3.06 on 2026-12-04: its retrieving step takes the chosen
+# rows by one index a row from the flattened buffers (a take of its own), which the H200 ran
+# 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
     "full": 1.12, "vecinfer": 2.79, "kivi": 1.54, "svdq": 5.79, "kitty": 3.67, "adakv": 6.52,
     "xquant": 2.24, "kvquant": 6.38, "palu": 5.60, "cachegen": 5.71, "minicache": 2.85,
@@ -88,7 +90,7 @@ PERIODIC_STEP = {
     "tova": 2.04, "pyramidkv": 1.18, "squeeze": 1.29, "chunkkv": 1.27, "cam": 3.44, "xkv": 1.44,
     "nsnquant": 5.58, "knorm": 1.94, "skvq": 2.60, "qfilters": 1.65, "keyformer": 1.90,
     "morphkv": 2.42, "kvzip": 1.27, "kvtc": 5.54, "curdkv": 1.27, "nestedkv": 1.57, "amc": 8.58,
-    "a2ats": 3.06, "anchorkv": 1.96, "rocketkv": 1.21, "age_tiered": 4.12, "spectral": 7.58,
+    "a2ats": 3.15, "anchorkv": 1.96, "rocketkv": 1.21, "age_tiered": 4.12, "spectral": 7.58,
     "turboquant": 2.71, "snapkv+kivi4": 2.58, "h2o+kivi2": 2.85, "tova+kivi4": 3.12,
 }
 

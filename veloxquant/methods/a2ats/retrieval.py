@@ -232,7 +232,7 @@ class RetrievalStore:
         n = codes.shape[2] - first  # candidates' room
         return _step_fn(how)(queries, framed, keys, values, codes, self.centroids, mx.array(t),
                              mx.array(stop), mx.array([n - k]), mx.array(float(position - self.query_offset)),
-                             row_indices(keys.shape[2]), *frame)
+                             row_indices(keys.shape[2]), _row_starts(*keys.shape[:3]), *frame)
 
     # -- what is kept -------------------------------------------------------------------------
     def arrays(self) -> dict[str, Any]:
@@ -306,7 +306,7 @@ def _frame_tables(rotary: Rotary, dims: int):
 
 
 def _step_graph(how: _Step, queries, framed, keys, values, codes, centroids, t, stop, kth_at, pos,
-                rows, *frame):
+                rows, starts, *frame):
     """Sparse attention of a decode query over the buffers' room (``RetrievalStore.selected``
     and the attention over its choice, with static shapes): ``t`` tokens stored, ``stop``
     coded, the k-th largest score at ``kth_at`` of the sorted candidates, the query framed
@@ -339,12 +339,21 @@ def _step_graph(how: _Step, queries, framed, keys, values, codes, centroids, t, 
     most = min(room, first + min(gqa * int(how.fraction * room), n) + how.window + max(1, how.window) - 1)
     order = mx.sort(mx.where(keep, rows, rows + room), axis=-1)[..., :most]
     valid = order < room
-    idx = mx.where(valid, order, order - room)[..., None]
-    k_sel = mx.take_along_axis(keys, idx, axis=2)
-    v_sel = mx.take_along_axis(values, idx, axis=2)
+    # whole rows by one index a row from the flattened (B H room, D) buffers: take_along_axis
+    # with the index broadcast over D reads an index an element, and its CUDA kernel slowed
+    # with the rows' count (benchmarks/notes/serving_batches.md)
+    at = mx.where(valid, order, order - room) + starts
+    k_sel, v_sel = mx.take(keys.reshape(-1, d), at, axis=0), mx.take(values.reshape(-1, d), at, axis=0)
     out = mx.fast.scaled_dot_product_attention(queries.reshape(b, h, gqa, d), k_sel, v_sel,
                                                scale=how.scale, mask=valid[:, :, None, :])
     return out.reshape(b, hq, 1, d)
+
+
+@functools.lru_cache(maxsize=8)
+def _row_starts(b: int, h: int, room: int) -> mx.array:
+    """(B, H, 1) int32: where each sequence's and head's rows start in the flattened
+    (B H room, D) buffer (built once per shape, evaluated with the step that first reads it)."""
+    return (mx.arange(b * h, dtype=mx.int32) * room).reshape(b, h, 1)
 
 
 @functools.lru_cache(maxsize=None)
