@@ -215,3 +215,33 @@ LOW_RANK_FACTORS = {"gear": ("k", "v")}
 def _low_rank_product(arrays, prefix):
     a, b, chunk = arrays[f"{prefix}_lr_a"], arrays[f"{prefix}_lr_b"], arrays[f"{prefix}_lr_chunk"]
     return (b[:, :, chunk] @ a[..., None]).squeeze(-1)  # (B, H, T, channels)
+
+
+@pytest.mark.parametrize("method, rank", [("svdq", {"svdq_rank": 8}), ("palu", {"palu_rank": 24})])
+def test_a_fit_done_alone_joins_its_state_at_the_next_step(method, rank):
+    """Two prompts of 20 tokens, under the bases' 32 rows, at one fixed rank: each is a
+    group of its own until its fit, made alone, then the two share one cache; and a third
+    sequence joining the packed batch before its fit neither unpacks it nor joins a group.
+    Each sequence gets what it gets alone."""
+    model, make = batching.rowwise_setup(method, {**profile(method).compressing, **rank})
+    prompts = [prompt(n, seed=i + 3).tolist() for i, n in enumerate((20, 20, 20))]
+    alone = [batching.run_alone(model, make, t, 60) for t in prompts]
+    sizes, packed, unpacked = [], set(), []
+
+    def check(gen):
+        caches = batching.batch_caches(gen)
+        sizes.append({tuple(c.packed.group_sizes) for c in caches if c.packed is not None})
+        unpacked.extend(id(c) for c in caches if c.packed is None and id(c) in packed)
+        packed.update(id(c) for c in caches if c.packed is not None)
+
+    got = batching.run_batched(model, prompts, (60,) * 3, join_at=20, check=check)
+    assert {(1, 1)} in sizes and {(2,)} in sizes, sizes
+    assert sizes.index({(1, 1)}) < sizes.index({(2,)})
+    assert not unpacked  # the joining sequence did not unpack the batch
+    assert {(2, 1)} in sizes[20:], sizes[20:]  # it came in as a group of its own
+    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
+        assert tokens == a_tokens
+        for x, y in zip(logprobs, a_logprobs):
+            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
+        batching.assert_same_cache(cache, a_cache, exact=False)
+

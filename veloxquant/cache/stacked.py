@@ -16,8 +16,11 @@ What a class must give to use it (``batchable = "stacked"`` in its body, which t
 conformance tests then hold to each sequence alone): rows that do not mix, and no
 hidden-state observer. A cache whose structure is still to be fitted over the rows it holds
 (a rank chosen by an energy rule, the largest over its rows; a prompt-end SVD) says so with
-``stack_ready`` False: fitted in a group, one member's rank would serve all. The batch then
-decodes per sequence until every member has fitted alone.
+``stack_ready`` False: fitted in a group, one member's rank would serve all. Such a cache
+is a group of its own until it has fitted, then joins the groups in its state at the next
+step. Cross-layer groups are planned once for every layer, so a cross-layer batch packs
+once every member is ready (its prompts' ends come at the first decode step, taken per
+sequence).
 
 Cross-layer methods (``cache/cross_layer.py``) read their neighbour layers through the
 sequence's model context. Their groups are planned once for every layer, when the first
@@ -198,6 +201,8 @@ class _Group:
 
     @property
     def signature(self):
+        if not _ready(self.cache):
+            return ("fit to come", id(self))  # joins no other group
         config = json.dumps(self.cache.config.to_dict(), sort_keys=True)
         return config, self.cache.layer, self.cache.offset, _signature(self.cache, len(self.rows), self.shared)
 
@@ -220,6 +225,10 @@ class _Group:
         take = slice(local[0], local[0] + 1) if len(local) == 1 else mx.array(local, mx.int32)
         cache = _rows(self.cache, len(self.rows), take, len(local), self.shared, {})
         return _Group(cache, rows, self.shared)
+
+
+def _ready(cache) -> bool:
+    return getattr(cache, "stack_ready", True)
 
 
 def _empty(singles: list) -> None:
@@ -294,7 +303,7 @@ class StackedLayout(PackedLayout):
     @classmethod
     def can_pack(cls, single) -> bool:
         return (single.offset > 0 and getattr(single, "_pending", None) is None and not hasattr(single, "observe_hidden")
-                and getattr(single, "stack_ready", True))
+                and (_ready(single) or not isinstance(single, CrossLayer)))
 
     @classmethod
     def pack(cls, singles) -> "StackedLayout":
@@ -329,6 +338,9 @@ class StackedLayout(PackedLayout):
         # layer's members and joined copies are alive together). Only when the batch's
         # sequences change, never in a steady decode step.
         mx.eval([g.cache.state["arrays"] for g in self.groups])
+        # groups whose fit is to come, to be regrouped once it is done (cross-layer batches
+        # keep their groups: see the module docstring)
+        self._fitting = [] if not self.groups or self._cross_layer else [g for g in self.groups if not _ready(g.cache)]
         self.offset_array = mx.array(self.offsets, mx.int32)
         order = [r for g in self.groups for r in g.rows]
         self._index = [mx.array(g.rows, mx.int32) for g in self.groups] if len(self.groups) > 1 else None
@@ -341,6 +353,9 @@ class StackedLayout(PackedLayout):
 
     # -- a decode step ---------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
+        if self._fitting and any(_ready(g.cache) for g in self._fitting):
+            self.groups = _grouped(self.groups)  # a fit done alone: its group may join others
+            self._sync()
         self.offsets = [o + 1 for o in self.offsets]
         self.offset_array = self.offset_array + 1
         if self._index is None:
