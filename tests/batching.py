@@ -177,12 +177,13 @@ def assert_batch_equals_alone(got, alone, atol=1e-5):
 
 
 def memory_check(gen):
-    """Every batch cache's nbytes is what it holds: per sequence, the sum of its sequences'
-    caches; packed, its arrays (each sequence's slots, the padding after them, spare rows)."""
+    """Every batch cache's nbytes is what it holds: per sequence, its sequences' caches (an
+    array several keep, a calibration's tables, once); packed, its arrays (each sequence's
+    slots, the padding after them, spare rows)."""
     for c in batch_caches(gen):
         assert c.nbytes == arrays_held(c), (c, arrays_held(c))
-        if c.mode == "per_sequence":
-            assert c.nbytes == sum(s.nbytes for s in c.seqs)
+        if c.mode == "per_sequence":  # the sum of its sequences', arrays they share once
+            assert c.nbytes <= sum(s.nbytes for s in c.seqs)
 
 
 class _RowwiseArgs:

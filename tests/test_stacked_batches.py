@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 import batching
-from conformance import profile
+from conformance import config, profile
 from tiny_models import prompt
 from veloxquant_mlx.cache import batch as batch_module
 from veloxquant_mlx.cache.stacked import StackedLayout, _Group, _grouped
@@ -29,17 +29,48 @@ MAX_TOKENS = (70, 50, 60, 40)
 FIXED_LAYOUT = {"palu": {"palu_rank": 24}}
 
 
+@pytest.fixture(scope="module")
+def kvtc_calibration(tmp_path_factory):
+    """A calibration file for kvtc on the row-wise model (its compressing settings), fitted
+    on a text of its own: every sequence codes with the file's codecs, so that distinct
+    prompts share one cache (fitted on each prompt, their codecs differ: groups of one)."""
+    from veloxquant_mlx.cache.calibration import IDENTITY, model_identity, write_calibration
+    from veloxquant_mlx.methods.kvtc.cache import KVTCCache
+
+    settings = profile("kvtc").compressing
+    model, _ = batching.rowwise_setup("kvtc", settings)
+    cfg, args = config("kvtc", settings), batching._RowwiseArgs()
+    tokens = (mx.array(prompt(400, seed=99).tolist()) % model.vocab)[None]
+    layers = {}
+    for layer in range(len(model.layers)):
+        k, v = (model._rows(t[layer], tokens, 0) for t in (model.k_table, model.v_table))
+        layers[layer] = KVTCCache.calibrate(k, v, cfg, iters=0, seed=0, model_args=args)
+    identity = model_identity(args)
+    path = str(tmp_path_factory.mktemp("kvtc") / "rowwise.safetensors")
+    write_calibration(path, layers, {
+        "method": "kvtc", **{f: getattr(cfg, f) for f in KVTCCache.calibration_fields},
+        **KVTCCache.calibration_metadata(args), "model": "rowwise",
+        **{k: identity[k] for k in IDENTITY if k in identity}})
+    return {"calibration_file": path}
+
+
+def _settings(method, request):
+    """The compressing settings, with those that fix the method's layout across prompts."""
+    fixed = request.getfixturevalue("kvtc_calibration") if method == "kvtc" else FIXED_LAYOUT.get(method, {})
+    return {**profile(method).compressing, **fixed}
+
+
 def test_the_stores_that_stack():
     """Which methods take the layout (a change here is a decision: say why in the class)."""
     assert STACKED == ["a2ats", "adakv", "age_tiered", "amc", "anchorkv", "cachegen", "gear", "kitty", "kvquant",
-                       "kvzip", "nsnquant", "palu", "rocketkv", "skvq", "svdq", "turboquant", "xkv", "xquant",
-                       "zipcache"]
+                       "kvtc", "kvzip", "nsnquant", "palu", "rocketkv", "skvq", "svdq", "turboquant", "xkv",
+                       "xquant", "zipcache"]
     for key in STACKED:
         assert batch_module.batch_mode(METHODS[key].load_implementation()) == batch_module.PACKED
 
 
 @pytest.mark.parametrize("method", STACKED)
-def test_stacked_batch_equals_each_sequence_alone(method):
+def test_stacked_batch_equals_each_sequence_alone(method, request):
     """Through mlx-lm's BatchGenerator on the row-wise model: the two sequences of 200
     tokens decode as one group of two for 50 steps, the others join and leave; tokens are
     equal to each sequence's alone, log-probabilities and every extracted cache equal to
@@ -47,7 +78,7 @@ def test_stacked_batch_equals_each_sequence_alone(method):
     product of two rows in another order than one row's (gear's refits), as
     tests/test_conformance.py notes for the fitted methods. A group that mixed its rows
     would be off by far more (1.4 in a log-probability, seen while building this)."""
-    model, make = batching.rowwise_setup(method, {**profile(method).compressing, **FIXED_LAYOUT.get(method, {})})
+    model, make = batching.rowwise_setup(method, _settings(method, request))
     prompts = [prompt(n, seed=i + 3).tolist() for i, n in enumerate(PROMPTS)]
     alone = [batching.run_alone(model, make, t, m) for t, m in zip(prompts, MAX_TOKENS)]
     sizes = set()
@@ -183,13 +214,13 @@ def test_ranks_that_differ_keep_sequences_apart():
 
 
 @pytest.mark.parametrize("method", STACKED)
-def test_short_prompts_whose_fit_comes_while_decoding_batch_as_alone(method):
+def test_short_prompts_whose_fit_comes_while_decoding_batch_as_alone(method, request):
     """Prompts shorter than a fit's rows (svdq's and palu's bases fit once head_dim tokens
     are held) or whose end brings the fit (xKV's SVD at the first decode step): a fit made
     in a group gave every member the largest of their ranks (a log-probability off by 2-4
     before ``stack_ready``). Two pairs of equal lengths, one pair below the tiny model's 32
     channels, the second pair joining the first after one step."""
-    model, make = batching.rowwise_setup(method, {**profile(method).compressing, **FIXED_LAYOUT.get(method, {})})
+    model, make = batching.rowwise_setup(method, _settings(method, request))
     prompts = [prompt(n, seed=i + 3).tolist() for i, n in enumerate((20, 20, 40, 40))]
     alone = [batching.run_alone(model, make, t, 60) for t in prompts]
     got = batching.run_batched(model, prompts, (60,) * 4, join_at=1)
@@ -245,3 +276,21 @@ def test_a_fit_done_alone_joins_its_state_at_the_next_step(method, rank):
             assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
         batching.assert_same_cache(cache, a_cache, exact=False)
 
+
+
+def test_calibrated_kvtc_sequences_join_once_their_codecs_are_in_place(kvtc_calibration):
+    """Two kvtc prompts of 20 tokens, inside the window: no codec until 32 rows leave it
+    (about step 48), so each is a group of its own; then both hold the file's codec and
+    share one cache, whose codec and its field layout (tables shaped (1, 1, k)) are kept
+    once, not stacked as if they had a row a sequence. Each gets what it gets alone."""
+    model, make = batching.rowwise_setup("kvtc", {**profile("kvtc").compressing, **kvtc_calibration})
+    prompts = [prompt(20, seed=i + 3).tolist() for i in range(2)]
+    alone = [batching.run_alone(model, make, t, 100) for t in prompts]
+    sizes = []
+
+    def check(gen):
+        sizes.append({tuple(c.packed.group_sizes) for c in batching.batch_caches(gen) if c.packed is not None})
+
+    got = batching.run_batched(model, prompts, (100, 100), join_at=200, check=check)
+    assert sizes[0] == {(1, 1)} and {(2,)} in sizes, sizes
+    batching.assert_batch_equals_alone(got, alone)

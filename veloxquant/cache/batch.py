@@ -54,7 +54,7 @@ lengths and masks in the pure-MLX attention; flushes at each sequence's own step
 fused kernel reads one KIVI sequence but none reads a packed batch (the other GPU shapes),
 KIVI batches per sequence. A class whose rows never mix may say ``batchable = "stacked"``
 instead: sequences in the same state (the same boundaries) share one cache of its own
-class, fed their rows together (``cache/stacked.py``); nineteen stores do. The others batch
+class, fed their rows together (``cache/stacked.py``); twenty stores do. The others batch
 per sequence: each store's decode runs unchanged (bit-identical to alone) and the model's
 projections and MLPs still run batched.
 """
@@ -449,10 +449,11 @@ class BatchCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every array the batch holds: each sequence's, padding slots included."""
+        """Bytes of every array the batch holds: each sequence's, padding slots included; an
+        array several sequences keep (a calibration file's tables, read once) counted once."""
         if self.packed is not None:
             return self.packed.nbytes
-        return sum(s.nbytes for s in self.seqs)
+        return sum(s.nbytes for s in self.seqs) - _kept_again(self.seqs)
 
     @property
     def state(self):
@@ -482,6 +483,21 @@ class BatchCache:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(layer={self.layer}, sequences={self.batch_size}, "
                 f"layout={self.mode}, offsets={self.offsets}, nbytes={self.nbytes})")
+
+
+def _kept_again(caches) -> int:
+    """Bytes of the arrays that a cache keeps (``_arrays``) and an earlier one of ``caches``
+    keeps too, the same array: counted in each one's ``nbytes``, held once."""
+    seen, again = set(), 0
+    for cache in caches:
+        mine = {}
+        for kept in cache._arrays().values():
+            a = kept.buffer if isinstance(kept, GrowingArray) else kept
+            if isinstance(a, mx.array):
+                mine[id(a)] = a.nbytes
+        again += sum(n for i, n in mine.items() if i in seen)
+        seen.update(mine)
+    return again
 
 
 # -- packed layouts -----------------------------------------------------------------------

@@ -163,14 +163,17 @@ def _rows(x: Any, batch: int, take, n: int, shared: frozenset, memo: dict) -> An
     return _rebuilt([x], array, n, memo)
 
 
-def _shared_paths(x: Any, batch: int, path: tuple = ()) -> set:
+def _shared_paths(x: Any, batch: int, path: tuple = (), every: bool = False) -> set:
     """Paths of the arrays in ``x`` without the batch first (kept once). A buffer that grows
     along axis 0 holds rows there, not sequences, whatever its length (gear's chunk ends: one
-    chunk looks like a batch of one)."""
+    chunk looks like a batch of one), and an object whose class says ``stack_shared`` holds
+    tables that are not a row a sequence, whatever their shapes (kvtc's codec: its field
+    layout is shaped (1, 1, k) to broadcast)."""
     if isinstance(x, mx.array):
-        return set() if x.ndim > 0 and x.shape[0] == batch else {path}
-    if isinstance(x, GrowingArray) and x.axis == 0:
-        return {path + ("buffer",)}
+        return set() if x.ndim > 0 and x.shape[0] == batch and not every else {path}
+    if isinstance(x, GrowingArray) and (every or x.axis == 0):
+        return {path + ("buffer",)}  # empty or not: the paths are fixed when a group forms
+    every = every or getattr(type(x), "stack_shared", False)
     if isinstance(x, dict):
         items = ((k, v) for k, v in x.items())
     elif isinstance(x, (list, tuple)):
@@ -181,7 +184,7 @@ def _shared_paths(x: Any, batch: int, path: tuple = ()) -> set:
         return set()
     out = set()
     for k, v in items:
-        out |= _shared_paths(v, batch, path + (k,))
+        out |= _shared_paths(v, batch, path + (k,), every)
     return out
 
 
@@ -354,6 +357,8 @@ class StackedLayout(PackedLayout):
     # -- a decode step ---------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
         if self._fitting and any(_ready(g.cache) for g in self._fitting):
+            for g in self._fitting:  # what a fit made is kept as its group's other arrays are
+                g.shared = frozenset(_shared_paths(g.cache, len(g.rows)))
             self.groups = _grouped(self.groups)  # a fit done alone: its group may join others
             self._sync()
         self.offsets = [o + 1 for o in self.offsets]

@@ -32,6 +32,11 @@ Per layer, keys and values each (``methods/kvtc/transform.py``, ``methods/kvtc/w
 - codes per kept component, then (saved form) rANS with one frequency table per
   component, made from its codes (``quant/entropy.py``; the paper uses DEFLATE).
 
+Batches (``cache/stacked.py``): a sequence's codec is its own, so sequences whose codecs are
+equal (every one from the same ``calibration_file``) share one stacked cache once their
+codecs are in place; codecs fitted on distinct prompts differ, and each such sequence
+decodes as a group of its own. A fit is never made over several sequences' rows.
+
 What stays resident (``nbytes``, and ``state``: what mlx-lm evaluates after each prefill
 chunk, with no coding): sinks and window rows, the float16 mean and kept basis columns,
 widths and steps, per middle token the codes packed at their widths (the bit budget,
@@ -69,7 +74,7 @@ def rotary_name(rotary: Rotary | None) -> str:
 
 
 class KVTCCache(EntropyCodedCache):
-    batchable = "per_sequence"  # its ranks are fitted per sequence (energy threshold): no two sequences share a layout (cache/stacked.py)
+    batchable = "stacked"  # its rows never mix once fitted: sequences whose codecs are equal (one calibration file) share one cache (cache/stacked.py)
     # the fields a calibration file's codecs depend on: the window's too, as it decides
     # which of the text's rows are fitted (the sinks are a constant)
     calibration_fields = ("kvtc_bit_budget", "kvtc_bit_choices", "kvtc_beta", "residual_window")
@@ -77,6 +82,12 @@ class KVTCCache(EntropyCodedCache):
     @property
     def group(self) -> int:  # no channel groups: any head_dim
         return 1
+
+    @property
+    def stack_ready(self) -> bool:
+        """Codecs in place (cache/stacked.py): a fit pools the rows it is given."""
+        store = self.__dict__.get("store")
+        return store is None or store.keys.codec is not None
 
     def make_store(self, rotary: Rotary | None = None):
         _check_choices(self.config.options)

@@ -42,6 +42,8 @@ from .allocation import allocate, uniform_distortion, uniform_step
 
 @dataclass(frozen=True)
 class TransformCodec:
+    stack_shared = True  # a sequence's codec, no batch axis: stacked sequences share an equal one (cache/stacked.py)
+
     mean: mx.array  # (p,) float16
     basis: mx.array  # (p, k) float16, the kept components by decreasing variance
     bits: mx.array  # (k,) uint8
