@@ -196,10 +196,13 @@ class FieldLayout:
 
 
 def unpack_fields(words, word, next_word, shift, high_shift, crosses, mask) -> mx.array:
-    """``FieldLayout.unpack`` from its arrays (shaped for ``words``' dimensions)."""
-    low = mx.take_along_axis(words, word, axis=-1) >> shift
-    high = mx.where(crosses, mx.take_along_axis(words, next_word, axis=-1) << high_shift, 0)
-    return (low | high.astype(mx.uint32)) & mask
+    """``FieldLayout.unpack`` from its arrays (shaped for ``words``' dimensions, or 1-D: one
+    list of words for every row, taken as such, with no index broadcast over the rows)."""
+    if word.ndim == 1:
+        low, high = mx.take(words, word, axis=-1), mx.take(words, next_word, axis=-1)
+    else:
+        low, high = mx.take_along_axis(words, word, axis=-1), mx.take_along_axis(words, next_word, axis=-1)
+    return ((low >> shift) | mx.where(crosses, high << high_shift, 0).astype(mx.uint32)) & mask
 
 
 @functools.lru_cache(maxsize=None)

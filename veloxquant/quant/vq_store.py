@@ -44,7 +44,7 @@ from ..cache.buffers import GrowingArray, RecentRows
 from ..kernels.decode import DecodePart
 from ..kernels.kivi_decode import token_mix
 from .cache import QuantizedCache
-from .packed import GROWTH_TOKENS
+from .packed import GROWTH_TOKENS, runs_layout, unpack_fields
 from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, joined_history
 from .vq import (CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, kmeans_rows,
                  pack_with_tables, packing_tables, rotate, rotation_problem)
@@ -157,11 +157,12 @@ def encode_one(codec: ProductVQ, x: mx.array) -> mx.array:
 # CPU guard):
 # - indices are read from the whole code buffers (their shapes change only when they grow,
 #   so each compiled pass is traced once per growth) and cut to the coded tokens after the
-#   gather; an index is a sum over its token's words of ``((w >> r) << l) & m`` (its bits in
-#   each word, 0 where it holds none) fused with the gather's offsets in one compiled pass,
-#   with no per-index slice (``unpack_indices``' way);
+#   gather; an index is read from the two words it spans at most (``unpack_fields``), fused
+#   with the gather's offsets in one compiled pass, with no per-index slice
+#   (``unpack_indices``' way) and nothing W times the indices' size over the buffer;
 # - the keys' lookup (``lookup_scores``) gathers from the flat tables with each query row's
-#   offsets in the index; the values' centroids (``gather_centroids``) are gathered by element;
+#   offsets in the index; the values' centroids (``gather_centroids``) are gathered a row of
+#   a centroid's channels at a time;
 # - a codebook is cast to float32, and -2c and c.c formed, in one fused pass shared by the
 #   token's coding and the reads; a codebook per row (``ProductVQ.codebooks``) is read with
 #   one product a row, as ``vq.nearest`` and ``vq.lookup_scores`` form them; the queries'
@@ -170,45 +171,25 @@ def encode_one(codec: ProductVQ, x: mx.array) -> mx.array:
 #   probabilities' coded and window parts likewise.
 
 
-@functools.lru_cache(maxsize=None)
-def _bit_tables(n: int, bits: int, rep: int = 1, flat: bool = False) -> tuple[mx.array, ...]:
-    """Where the bits of each of ``n`` packed indices lie in a token's W words: (n * rep, W)
-    uint32 right shifts, left shifts and masks, ``((w >> r) << l) & m`` being the index's bits
-    held by word w (0 where it holds none; the words' parts are disjoint, so their sum is the
-    index). ``rep``: each index's row repeated (one per element it selects); ``flat``: (n * rep,)
-    columns, for one word a token."""
-    w = index_words(n, bits)
-    r, l, m = (np.zeros((n, w), np.uint32) for _ in range(3))
-    for j in range(n):
-        word, shift = divmod(j * bits, 32)
-        low = min(bits, 32 - shift)
-        r[j, word], m[j, word] = shift, (1 << low) - 1
-        if low < bits:  # the rest spills into the next word, from its bit 0
-            l[j, word + 1], m[j, word + 1] = low, ((1 << (bits - low)) - 1) << low
-    return tuple(mx.array(np.repeat(t, rep, axis=0)[:, 0] if flat else np.repeat(t, rep, axis=0))
-                 for t in (r, l, m))
+def _fields(n: int, bits: int) -> tuple[mx.array, ...]:
+    """The field layout of a token's ``n`` packed indices of ``bits``: ``unpack_fields``'
+    arrays, (n,) each (one list of words for every token)."""
+    return runs_layout(((n, bits),), 1).arrays()
 
 
 @functools.lru_cache(maxsize=None)
-def _key_offsets(b: int, h: int, r: int, n: int, w: int, k: int) -> mx.array:
-    """(B, H, R, 1, n, W) uint32: where query row r's table of sub-space j starts in the flat
-    (B, H, R, n, K) tables, in column 0 (0 in the others: the sum over a token's words adds
-    it once)."""
+def _key_offsets(b: int, h: int, r: int, n: int, k: int) -> mx.array:
+    """(B, H, R, 1, n) uint32: where query row r's table of sub-space j starts in the flat
+    (B, H, R, n, K) tables."""
     rows = np.arange(b * h * r).reshape(b, h, r, 1, 1) * n
-    out = np.zeros((b, h, r, 1, n, w), np.uint32)
-    out[..., 0] = (rows + np.arange(n)) * k
-    return mx.array(out)
+    return mx.array(((rows + np.arange(n)) * k).astype(np.uint32))
 
 
 @functools.lru_cache(maxsize=None)
-def _value_offsets(n: int, s: int, w: int, rows: int = 1, k: int = 0) -> mx.array:
-    """(n * s, W) uint32: element e's column ``e % s`` of its centroid, in column 0 ((n * s,)
-    for one word a token). ``rows`` codebooks of ``k`` centroids (one per row of the batch,
-    flat one after another): (rows, 1, 1, n * s[, W]), row b's past the b codebooks before."""
-    out = np.zeros((rows, 1, 1, n * s, w), np.uint32)
-    out[..., 0] = np.tile(np.arange(s), n) + (np.arange(rows) * k * s).reshape(rows, 1, 1, 1)
-    out = out[..., 0] if w == 1 else out
-    return mx.array(out[0, 0, 0] if rows == 1 else out)
+def _value_offsets(rows: int, k: int) -> mx.array:
+    """Where each row's codebook starts in the ``rows`` codebooks of ``k`` centroids laid end
+    to end: (rows, 1, 1, 1) uint32 (0 for one codebook)."""
+    return mx.array((np.arange(rows) * k).astype(np.uint32).reshape(rows, 1, 1, 1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,23 +240,18 @@ def _encode(x, m2c, sq, lam, shift, spill, back, at_word, at_next, scaled: bool,
     return (low * at_word + high * at_next).sum(axis=-2, keepdims=True).astype(mx.uint32)
 
 
-def _key_index(words, r, l, m, off):
-    """Flat indices (B, H, R, rows, n, 1) into the step's lookup tables of the whole key code
-    buffer (B, H, rows, W): each token's indices plus their query row's table offsets (one
-    word a token: no sum)."""
-    if words.shape[-1] == 1:
-        return (((words[:, :, None, :, :, None] >> r) << l) & m) + off
-    w = words[:, :, None, :, None, :]
-    return ((((w >> r) << l) & m) + off).sum(axis=-1, keepdims=True)
+def _key_index(words, word, next_word, shift, high_shift, crosses, mask, off):
+    """Flat indices (B, H, R, rows, n) into the step's lookup tables of the whole key code
+    buffer (B, H, rows, W): each token's indices (two words at most an index: no (..., n, W)
+    intermediate, W times the indices over the whole buffer) plus their query row's table
+    offsets."""
+    return unpack_fields(words, word, next_word, shift, high_shift, crosses, mask)[:, :, None] + off
 
 
-def _value_index(words, r, l, m, s, off):
-    """Flat centroid indices (B, H, rows, n * s) of the whole value code buffer: element e of a
-    token reads centroid ``idx[e // s]``'s column ``e % s`` (one word a token: no sum)."""
-    if words.shape[-1] == 1:  # the tables as (n * s,) rows
-        return ((((words >> r) << l) & m) * s) + off
-    w = words[:, :, :, None, :]
-    return (((((w >> r) << l) & m) * s) + off).sum(axis=-1)
+def _value_index(words, word, next_word, shift, high_shift, crosses, mask, off):
+    """Flat centroid rows (B, H, rows, n) of the whole value code buffer: each token's indices
+    past its row's codebooks before it."""
+    return unpack_fields(words, word, next_word, shift, high_shift, crosses, mask) + off
 
 
 _codebook_fn = mx.compile(_codebook)
@@ -376,19 +352,18 @@ class CodebookStore(PackedStore):
         if kc.rotated:
             qt = rotate(qt)
         tables = (qt.reshape(*_lead(k_c32, b), -1, s_k) @ k_c32.swapaxes(-1, -2)).reshape(-1)  # (B*H*R*n*K,)
-        words = self.k_codes.buffer
-        at = _key_index_fn(words, *_bit_tables(n_k, kc.bits),
-                           _key_offsets(b, h, r, n_k, words.shape[-1], k_c32.shape[-2]))
-        coded = mx.take(tables, at).sum(axis=(-2, -1))[..., :count]
+        at = _key_index_fn(self.k_codes.buffer, *_fields(n_k, kc.bits),
+                           _key_offsets(b, h, r, n_k, k_c32.shape[-2]))
+        coded = mx.take(tables, at).sum(axis=-1)[..., :count]
         window = q @ k_tail.astype(mx.float32).swapaxes(-1, -2)
         p_coded, p_window = mx.split(mx.softmax(mx.concatenate([coded, window], axis=-1), axis=-1),
                                      [count], axis=-1)
         # values: centroids gathered by index, then the window's rows
-        words = self.v_codes.buffer
         books = v_c32.shape[0] if v_c32.ndim == 3 else 1
-        at = _value_index_fn(words, *_bit_tables(n_v, vc.bits, s_v, words.shape[-1] == 1), s_v,
-                             _value_offsets(n_v, s_v, words.shape[-1], books, v_c32.shape[-2]))
-        v_rows = mx.take(v_c32.reshape(-1), at)[:, :, :count]
+        at = _value_index_fn(self.v_codes.buffer, *_fields(n_v, vc.bits),
+                             _value_offsets(books, v_c32.shape[-2]))
+        v_rows = mx.take(v_c32.reshape(-1, s_v), at, axis=0)  # (B, H, rows, n, s)
+        v_rows = v_rows.reshape(*v_rows.shape[:3], -1)[:, :, :count]
         o = token_mix(p_coded, v_rows) + token_mix(p_window, v_tail.astype(mx.float32))
         return o.reshape(queries.shape).astype(queries.dtype)
 

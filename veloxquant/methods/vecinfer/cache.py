@@ -64,7 +64,8 @@ class VecInferCache(CodebookCache):
     sub_dim_fields = ("key_sub_dim", "value_sub_dim")
     calibration_fields = ("key_sub_dim", "value_sub_dim", "key_codebook_bits", "value_codebook_bits")
     # its rows never mix (each row fits its own codebooks), but stacked its lookup step holds a
-    # group's gathers at once: out of memory at 63 x 8k on the H200, 1.10x per sequence at 16
+    # group's gathers at once: 2.6x per sequence's speed and 2.6x its peak memory at 31 x 8k on
+    # the H200, out of memory at 63 before its index reads were fixed, not measured since
     # (benchmarks/results/serve_h200_s56)
     batchable = "per_sequence"
 
