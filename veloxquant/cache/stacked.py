@@ -339,7 +339,7 @@ class StackedLayout(PackedLayout):
         # Joined arrays are made now, layer by layer, so that a layer's members' own arrays
         # are freed before the next layer joins (left to the step's evaluation, every
         # layer's members and joined copies are alive together). Only when the batch's
-        # sequences change, never in a steady decode step.
+        # sequences change or a group's fit is done, never in a steady decode step.
         mx.eval([g.cache.state["arrays"] for g in self.groups])
         # groups whose fit is to come, to be regrouped once it is done (cross-layer batches
         # keep their groups: see the module docstring)
