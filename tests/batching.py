@@ -165,15 +165,16 @@ def assert_same_cache(batched, alone, exact: bool, atol=1e-5, by_shape=()):
                 assert mx.allclose(x, y, atol=atol, rtol=atol), (name, float(mx.abs(x - y).max()))
 
 
-def assert_batch_equals_alone(got, alone, atol=1e-5):
+def assert_batch_equals_alone(got, alone, atol=1e-5, by_shape=()):
     """``run_batched``'s results against ``run_alone``'s, sequence by sequence: the same
-    tokens, log-probs and extracted caches to ``atol`` (a packed run: float rounding)."""
+    tokens, log-probs and extracted caches to ``atol`` (a packed run: float rounding;
+    ``by_shape``: as ``assert_same_cache``'s)."""
     assert len(got) == len(alone)
     for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
         assert tokens == a_tokens
         for x, y in zip(logprobs, a_logprobs):
             assert mx.allclose(x, y, atol=atol, rtol=atol), float(mx.abs(x - y).max())
-        assert_same_cache(cache, a_cache, exact=False, atol=atol)
+        assert_same_cache(cache, a_cache, exact=False, atol=atol, by_shape=by_shape)
 
 
 def memory_check(gen):

@@ -34,7 +34,7 @@ def kvtc_calibration(tmp_path_factory):
     """A calibration file for kvtc on the row-wise model (its compressing settings), fitted
     on a text of its own: every sequence codes with the file's codecs, so that distinct
     prompts share one cache (fitted on each prompt, their codecs differ: groups of one)."""
-    from veloxquant_mlx.cache.calibration import IDENTITY, model_identity, write_calibration
+    from veloxquant_mlx.cache.calibration import calibration_header, write_calibration
     from veloxquant_mlx.methods.kvtc.cache import KVTCCache
 
     settings = profile("kvtc").compressing
@@ -45,12 +45,8 @@ def kvtc_calibration(tmp_path_factory):
     for layer in range(len(model.layers)):
         k, v = (model._rows(t[layer], tokens, 0) for t in (model.k_table, model.v_table))
         layers[layer] = KVTCCache.calibrate(k, v, cfg, iters=0, seed=0, model_args=args)
-    identity = model_identity(args)
     path = str(tmp_path_factory.mktemp("kvtc") / "rowwise.safetensors")
-    write_calibration(path, layers, {
-        "method": "kvtc", **{f: getattr(cfg, f) for f in KVTCCache.calibration_fields},
-        **KVTCCache.calibration_metadata(args), "model": "rowwise",
-        **{k: identity[k] for k in IDENTITY if k in identity}})
+    write_calibration(path, layers, calibration_header(KVTCCache, cfg, args, "rowwise"))
     return {"calibration_file": path}
 
 
@@ -89,11 +85,7 @@ def test_stacked_batch_equals_each_sequence_alone(method, request):
 
     got = batching.run_batched(model, prompts, MAX_TOKENS, check=check)
     assert (2,) in sizes, sizes  # the equal prompts shared one cache
-    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
-        assert tokens == a_tokens
-        for x, y in zip(logprobs, a_logprobs):
-            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
-        batching.assert_same_cache(cache, a_cache, exact=False)
+    batching.assert_batch_equals_alone(got, alone)
 
 
 def _decoded(method, lengths, steps=3):
@@ -225,11 +217,8 @@ def test_short_prompts_whose_fit_comes_while_decoding_batch_as_alone(method, req
     alone = [batching.run_alone(model, make, t, 60) for t in prompts]
     got = batching.run_batched(model, prompts, (60,) * 4, join_at=1)
     factors = LOW_RANK_FACTORS.get(method, ())
-    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
-        assert tokens == a_tokens
-        for x, y in zip(logprobs, a_logprobs):
-            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
-        batching.assert_same_cache(cache, a_cache, exact=False, by_shape=[f"{p}_lr_{x}" for p in factors for x in "ab"])
+    batching.assert_batch_equals_alone(got, alone, by_shape=[f"{p}_lr_{x}" for p in factors for x in "ab"])
+    for (_, _, cache), (_, _, a_cache) in zip(got, alone):
         for b, a in zip(cache, a_cache):
             mine, theirs = batching.state_arrays(b), batching.state_arrays(a)
             for p in factors:
@@ -270,11 +259,7 @@ def test_a_fit_done_alone_joins_its_state_at_the_next_step(method, rank):
     assert sizes.index({(1, 1)}) < sizes.index({(2,)})
     assert not unpacked  # the joining sequence did not unpack the batch
     assert {(2, 1)} in sizes[20:], sizes[20:]  # it came in as a group of its own
-    for (tokens, logprobs, cache), (a_tokens, a_logprobs, a_cache) in zip(got, alone):
-        assert tokens == a_tokens
-        for x, y in zip(logprobs, a_logprobs):
-            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5), float(mx.abs(x - y).max())
-        batching.assert_same_cache(cache, a_cache, exact=False)
+    batching.assert_batch_equals_alone(got, alone)
 
 
 

@@ -380,7 +380,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .cache.calibration import IDENTITY, collect_kv, model_identity, write_calibration
+    from .cache.calibration import calibration_header, collect_kv, write_calibration
 
     model, tokenizer, _ = load_model(args.model)
     model_args = getattr(model, "args", None)
@@ -411,13 +411,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             except ValueError as exc:  # settings this text or model cannot be fitted with
                 raise CLIError(f"--method {args.method}: {exc}") from None
             mx.eval(layers[i])
-    identity = model_identity(model_args)
-    metadata = {
-        "method": args.method, **{f: getattr(config, f) for f in cls.calibration_fields},
-        **(cls.calibration_metadata(model_args) if hasattr(cls, "calibration_metadata") else {}),
-        "model": args.model or "reference", **{k: identity[k] for k in IDENTITY if k in identity},
-        "tokens": len(tokens), "text": text_name, "iterations": args.iters, "seed": args.seed,
-    }
+    metadata = {**calibration_header(cls, config, model_args, args.model or "reference"),
+                "tokens": len(tokens), "text": text_name, "iterations": args.iters, "seed": args.seed}
     write_calibration(str(out), layers, metadata)
     print(f"wrote {out}: {args.method} calibration for {len(layers)} layers of {metadata['model']} "
           f"({len(tokens)} tokens of {text_name}); use it with "

@@ -71,6 +71,16 @@ def collect_kv(model, tokens: mx.array, chunk: int = 512,
             for i, c in enumerate(cache) if type(c) is KVCache}
 
 
+def calibration_header(cls, config, model_args: Any, model: str) -> dict[str, Any]:
+    """What a calibration file of ``cls``'s arrays says it was made for (``layer_calibration``
+    checks it): the method, the fields its arrays depend on, what the cache computes from its
+    model (``calibration_metadata``), the model's name and identity."""
+    identity = model_identity(model_args)
+    return {"method": config.method, **{f: getattr(config, f) for f in cls.calibration_fields},
+            **(cls.calibration_metadata(model_args) if hasattr(cls, "calibration_metadata") else {}),
+            "model": model, **{k: identity[k] for k in IDENTITY if k in identity}}
+
+
 def write_calibration(path: str, layers: dict[int, dict[str, mx.array]], metadata: dict[str, Any]) -> None:
     arrays = {f"layer{i}.{name}": a for i, named in layers.items() for name, a in named.items()
               if a is not None}
