@@ -15,6 +15,29 @@ def row_indices(n: int) -> mx.array:
     return mx.arange(n, dtype=mx.int32)
 
 
+@functools.lru_cache(maxsize=16)
+def row_starts(b: int, h: int, rows: int) -> mx.array:
+    """(B, H, 1) int32: where each sequence's and head's rows start once a (B, H, rows, ...)
+    buffer is flattened to (B H rows, ...) (built once per shape)."""
+    return (mx.arange(b * h, dtype=mx.int32) * rows).reshape(b, h, 1)
+
+
+def take_rows(x: mx.array, index: mx.array) -> mx.array:
+    """``x[b, h, index[b, h, k], ...]``: (B, H, K, ...) from ``x`` (B, H, T, ...) and ``index``
+    (B, H, K), either broadcast. For a batch (or 2^31 elements and more), a take of the
+    flattened rows, one index a row: MLX's CUDA ``take_along_axis`` with the index broadcast
+    over the row reads an index an element; on the H200 it ran 3.1x slower at 8 x 8 x 8k x 128
+    and 7.6x at 32 x 8 x 32k x 128, and gave wrong rows at 2^31 elements
+    (benchmarks/results/h200_s57). One sequence keeps ``take_along_axis``: there the two ran
+    within 1.07-1.32x of each other, and the flat index costs a decode step's graph 2 nodes a
+    buffer."""
+    if x.shape[0] == 1 and index.shape[0] == 1 and x.size < 2**31:
+        return mx.take_along_axis(x, index.reshape(*index.shape, *(1,) * (x.ndim - 3)), axis=2)
+    if index.dtype != mx.int32:  # argpartition's uint32 would promote the flat index to int64
+        index = index.astype(mx.int32)
+    return mx.take(x.reshape(-1, *x.shape[3:]), index + row_starts(*x.shape[:3]), axis=0)
+
+
 def fitted_rows(x: mx.array, n: int, axis: int) -> mx.array:
     """``x`` cut or zero-padded to ``n`` rows along ``axis`` (a no-op where it has them)."""
     have = x.shape[axis]

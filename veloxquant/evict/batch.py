@@ -40,6 +40,7 @@ from functools import cached_property
 import mlx.core as mx
 
 from ..cache.base import CacheStateError, CompressedKVCache
+from ..cache.buffers import take_rows
 from ..cache.batch import PackedLayout, check_step_rows, grown_capacity, pad_rows, single_buffer
 from ..kernels.decode import masked_decode_attention
 from .attention import attention_weights
@@ -300,8 +301,7 @@ class EvictionPacked(PackedLayout):
             index.append(mx.concatenate([slots, mx.zeros((1, heads, total - n), mx.int32)], axis=-1))
         index = mx.concatenate(index)
         for name, grown in self.store.arrays.items():
-            buffer = grown.buffer
-            grown.buffer = mx.take_along_axis(buffer, index.reshape(*index.shape, *(1,) * (buffer.ndim - 3)), axis=2)
+            grown.buffer = take_rows(grown.buffer, index)
             grown.length = rows
         for i in budgets:
             self.capacities[i] = budgets[i] + spare

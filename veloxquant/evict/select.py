@@ -6,6 +6,8 @@ import math
 
 import mlx.core as mx
 
+from ..cache.buffers import take_rows
+
 
 def max_pool_same(scores: mx.array, kernel: int) -> mx.array:
     """Max over a centred window of ``kernel`` along the last axis ("same" length).
@@ -36,7 +38,7 @@ def top_k_sorted(scores: mx.array, k: int) -> mx.array:
 
 def gather_tokens(x: mx.array, idx: mx.array) -> mx.array:
     """``x[b, h, idx[b, h, j], :]`` for ``x`` of shape (B, H, T, D), idx (B, H, K)."""
-    return mx.take_along_axis(x, idx[..., None], axis=2)
+    return take_rows(x, idx)
 
 
 def group_mean(scores: mx.array, n_kv_heads: int) -> mx.array:

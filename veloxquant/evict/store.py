@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cache.buffers import GrowingArray
+from ..cache.buffers import GrowingArray, take_rows
 
 
 class SlotStore:
@@ -74,9 +74,7 @@ class SlotStore:
         if spare:  # gather the spare rows too (from slot 0: never read), one copy in all
             slots = mx.concatenate([slots, mx.zeros((*slots.shape[:2], spare), slots.dtype)], -1)
         for grown in self.arrays.values():
-            buffer = grown.buffer
-            index = slots.reshape(*slots.shape, *(1,) * (buffer.ndim - 3))
-            grown.buffer = mx.take_along_axis(buffer, index, axis=2)
+            grown.buffer = take_rows(grown.buffer, slots)
             grown.length = slots.shape[2] - spare
         self.free = None
 

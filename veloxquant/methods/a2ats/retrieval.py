@@ -49,7 +49,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ...cache.base import causal_mask
-from ...cache.buffers import GrowingArray, row_indices
+from ...cache.buffers import GrowingArray, row_indices, row_starts
 from ...cache.rope import Rotary
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.vq import kmeans_rows, lookup_scores, nearest
@@ -232,7 +232,7 @@ class RetrievalStore:
         n = codes.shape[2] - first  # candidates' room
         return _step_fn(how)(queries, framed, keys, values, codes, self.centroids, mx.array(t),
                              mx.array(stop), mx.array([n - k]), mx.array(float(position - self.query_offset)),
-                             row_indices(keys.shape[2]), _row_starts(*keys.shape[:3]), *frame)
+                             row_indices(keys.shape[2]), row_starts(*keys.shape[:3]), *frame)
 
     # -- what is kept -------------------------------------------------------------------------
     def arrays(self) -> dict[str, Any]:
@@ -347,13 +347,6 @@ def _step_graph(how: _Step, queries, framed, keys, values, codes, centroids, t, 
     out = mx.fast.scaled_dot_product_attention(queries.reshape(b, h, gqa, d), k_sel, v_sel,
                                                scale=how.scale, mask=valid[:, :, None, :])
     return out.reshape(b, hq, 1, d)
-
-
-@functools.lru_cache(maxsize=8)
-def _row_starts(b: int, h: int, room: int) -> mx.array:
-    """(B, H, 1) int32: where each sequence's and head's rows start in the flattened
-    (B H room, D) buffer (built once per shape, evaluated with the step that first reads it)."""
-    return (mx.arange(b * h, dtype=mx.int32) * room).reshape(b, h, 1)
 
 
 @functools.lru_cache(maxsize=None)
