@@ -72,35 +72,50 @@ def test_bit_fields_round_trip_at_mixed_widths():
     del key
 
 
+def _run(x, *, rotary=None, seed=SKETCH_SEED, qjl=True, key=True):
+    run = EigenTokens(EigenCodec(2, 4, key=key, qjl=qjl), rotary=rotary, seed=seed)
+    run.append(x)
+    return run
+
+
 @pytest.mark.parametrize("traditional", [False, True])
 def test_the_qjl_correction_of_pre_rope_keys_equals_turning_each_tokens_directions(traditional):
-    """Per rotary pair the turned product is two sums against the angle tables; it must
-    equal rotating every token's copy of the directions (the old (e, D, n) form), in both
-    rotary layouts, to float32 rounding of sums of ~D terms."""
-    b, h, r, d, e, n, start = 1, 3, 4, 64, 4, 37, 100
-    rot = Rotary(10000.0, traditional)
-    q = mx.random.normal((b, h, r, d), key=mx.random.key(1))
-    directions = mx.random.normal((b, h, d, e), key=mx.random.key(2))
-    signs = mx.where(mx.random.normal((b, h, n, e), key=mx.random.key(3)) > 0, 1.0, -1.0)
-    turned = from_pre_rope_channels(mx.broadcast_to(directions.swapaxes(-1, -2)[..., None], (b, h, e, d, n)),
+    """The reader folds the correction into the keys' first e coordinates (``Sᵀ sign``); it
+    must equal turning every token's own copy of the directions ``V[:, :e] Sᵀ`` to its
+    position (the explicit (e, D, n) form), in both rotary layouts, with the norms on the
+    scores (a decode step's rows) and on the coordinates (a prompt chunk's), to float32
+    rounding of sums of ~D terms."""
+    rot, start, n, d, e = Rotary(10000.0, traditional), 100, 37, 64, 4
+    run = _run(structured(start + n, h=3), rotary=rot)
+    run.start = start  # its rows taken as positions start.. (the rotation is all that reads it)
+    words, norms = run.words.buffer[:, :, :n], run.norms.buffer[:, :, :n]
+    codes = unpack_fields(words, run.codec.layout(d))
+    signs, rho = 2 * codes[2] - 1, norms[..., 1:2].astype(mx.float32)
+    directions = run.basis[..., :e] @ run.sketch.T  # (B, H, D, e)
+    turned = from_pre_rope_channels(mx.broadcast_to(directions.swapaxes(-1, -2)[..., None], (1, 3, e, d, n)),
                                     start, rot)
-    explicit = ((q[:, :, None] @ turned) * signs.transpose(0, 1, 3, 2)[:, :, :, None]).sum(axis=2)
-    got = es._turned_correction(q, directions, signs, start, rot)
-    assert got.shape == explicit.shape == (b, h, r, n)
-    assert mx.abs(got - explicit).max().item() <= 1e-6 * d * mx.abs(explicit).max().item()
+    for r in (4, 2 * d):
+        q = mx.random.normal((1, 3, r, d), key=mx.random.key(r))
+        explicit = ((q[:, :, None] @ turned) * signs.transpose(0, 1, 3, 2)[:, :, :, None]).sum(axis=2)
+        explicit = explicit * (es.QJL_SCALE / e) * rho.swapaxes(-1, -2)
+        reader = es.EigenScores(run, run.count, (0, n))
+        got = reader.scores(q) - reader.scores(q, qjl=False)
+        assert got.shape == explicit.shape == (1, 3, r, n)
+        scale = mx.abs(reader.scores(q)).max().item()
+        assert mx.abs(got - explicit).max().item() <= 1e-6 * d * scale, r
 
 
 def test_the_qjl_correction_of_a_prompt_chunk_holds_no_query_by_direction_by_token_table():
-    """A prompt chunk's R queries against n pre-RoPE keys: the correction's transients are
-    the (D, n) signed sums and their turned copies, and the (R, n) result; an (R, e, n)
-    table (64 MiB here) made spectral's 4-layer prefill grow by gigabytes a chunk on the
-    H200 (benchmarks/notes/prefill.md, session 50)."""
+    """A prompt chunk's R queries against n pre-RoPE keys: the correction rides in the keys'
+    rebuild, so the transients are a few (n, D) copies of the keys and the (R, n) result; an
+    (R, e, n) table (64 MiB here) made spectral's 4-layer prefill grow by gigabytes a chunk
+    on the H200 (benchmarks/notes/prefill.md, session 50)."""
     b, h, r, d, e, n = 1, 1, 512, 128, 32, 1024
+    run = EigenTokens(EigenCodec(2, e, key=True, qjl=True), rotary=Rotary(10000.0, False), seed=SKETCH_SEED)
+    run.append(structured(n, d, h))
     q = mx.random.normal((b, h, r, d), key=mx.random.key(1))
-    directions = mx.random.normal((b, h, d, e), key=mx.random.key(2))
-    signs = mx.where(mx.random.normal((b, h, n, e), key=mx.random.key(3)) > 0, 1.0, -1.0)
-    mx.eval(q, directions, signs)
-    out, peak = peak_above_held(lambda: es._turned_correction(q, directions, signs, 100, Rotary(10000.0, False)))
+    mx.eval(q, run.words.buffer, run.norms.buffer)
+    out, peak = peak_above_held(lambda: es.EigenScores(run, n, (0, n)).scores(q))
     assert out.shape == (b, h, r, n)
     assert peak <= 2 * out.nbytes + 8 * d * n * 4 < r * e * n * 4 // 4
 
@@ -288,6 +303,50 @@ def test_a_prompt_chunk_scores_the_history_a_block_at_a_time(monkeypatch):
     out, peak = peak_above_held(chunk)
     assert out.shape == q.shape
     assert peak < whole_table // 2, (peak, whole_table)
+
+
+def _decode_read(keys, values, q):
+    """A decode step's read of one key and value run: scores, softmax, mix (the pure path's)."""
+    p = mx.softmax(keys.reader().scores(q), axis=-1)
+    return values.reader().mix(p)
+
+
+@pytest.mark.parametrize("rot", [None, Rotary(10000.0, False), Rotary(10000.0, True)],
+                         ids=["post-rope", "pre-rope", "pre-rope-traditional"])
+def test_a_decode_step_read_in_blocks_equals_the_whole_history_read(rot, monkeypatch):
+    """Blocks of 256 tokens (the last one short, spare rows in it) against one block: the
+    scores and the mix equal to float32 rounding, with the QJL correction."""
+    n, d = 700, 64
+    keys, values = _run(structured(n), rotary=rot), _run(structured(n, seed=9), key=False, qjl=False)
+    q = mx.random.normal((1, 2, 4, d), key=mx.random.key(3)) * 0.125
+    whole = (keys.reader().scores(q), _decode_read(keys, values, q))
+    monkeypatch.setattr(es, "READ_BLOCK_BYTES", 2 * d * 4 * 256)  # 256 tokens of 2 heads
+    assert keys.reader()._spans() == [(0, 256), (256, 512), (512, 768)]
+    blocks = (keys.reader().scores(q), _decode_read(keys, values, q))
+    for a, b in zip(whole, blocks):
+        assert a.shape == b.shape
+        assert mx.abs(a - b).max().item() <= 1e-6 * mx.abs(a).max().item()
+
+
+def test_a_stacked_decode_steps_transients_fit_the_cpus_buffer_cache():
+    """8 sequences of 4,096 tokens stacked (tiny preset's head of 128): the read holds a block
+    of the history at a time, within the 32 MiB of freed buffers MLX's CPU allocator keeps
+    for reuse. The whole history's float32 transients (16 MiB each here, 240 MB at the peak)
+    overflowed it, so a stacked step took ~250 MB of fresh pages from the system every step
+    (60,000 page faults) and ran slower than the 8 sequences one by one (216 against 139 ms
+    a step, benchmarks/results/stacked_steps_cpu_s55.md)."""
+    b, n, d = 8, 4096, 128
+    rot = Rotary(500000.0, False)
+    keys = _run(structured(n, d, h=1, seed=1), rotary=rot)
+    values = _run(structured(n, d, h=1, seed=2), key=False, qjl=False)
+    for run in (keys, values):  # the rows of 8 sequences
+        for field in ("words", "norms"):
+            getattr(run, field).reset(mx.concatenate([getattr(run, field).view()] * b))
+        run.basis, run.sigma, run.tables = (mx.concatenate([a] * b) for a in (run.basis, run.sigma, run.tables))
+    q = mx.random.normal((b, 1, 2, d), key=mx.random.key(4)) * 0.1
+    mx.eval(q, [a for r in (keys, values) for a in (r.words.buffer, r.norms.buffer, r.basis, r.sigma, r.tables)])
+    _, peak = peak_above_held(lambda: _decode_read(keys, values, q))
+    assert peak <= 32 << 20, peak
 
 
 # -- the QJL estimator ------------------------------------------------------------------------

@@ -29,11 +29,12 @@ A configuration of the eigenbasis store (``methods/spectral/eigen_store.py``). P
    an unbiased estimate of ``q_sem · r_sem`` (tests/test_spectral.py measures it);
    ``S`` is seeded by the layer index.
 5. **Attention** is the cache's: decode scores ``q · k̂ + sqrt(π/2)/e ‖r‖ (S q_sem)·signs``
-   over the packed rows (``EigenScores``, pure MLX on every device); a prompt chunk after
-   the first uses the same corrected scores over the history. Post-RoPE keys and all
-   values are read in the rotated frame (no per-token rotation); pre-RoPE keys must be
-   rotated back and re-RoPE'd at every step, one (D x D) product over the history.
-   CPU cost against kivi: benchmarks/notes/spectral.md.
+   over the packed rows (``EigenScores``, pure MLX on every device, a block of the history
+   at a time); a prompt chunk after the first uses the same corrected scores over the
+   history. Post-RoPE keys and all values are read in the rotated frame (no per-token
+   rotation); pre-RoPE keys must be rotated back and re-RoPE'd at every step, one (D x D)
+   product over the history (the QJL term folded into it). CPU cost against kivi:
+   benchmarks/notes/spectral.md.
 
 ``spectral_model_name`` has no effect here: no calibration artifact is read or written
 (the basis comes from the prompt), so there is nothing for the name to locate.
@@ -54,7 +55,10 @@ SKETCH_SEED = 0x5BEC  # the QJL matrix of layer i is drawn from SKETCH_SEED + i
 
 
 class SpectralQuantCache(QuantizedCache):
-    batchable = "per_sequence"  # stacked, its step (every stored coordinate decoded afresh) ran slower than per sequence: CPU, 8 x 4k, 216 against 139 ms a step (benchmarks/results/stacked_steps_cpu_s55.md)
+    # stacked since its reader decodes the history a block at a time (it ran slower than per
+    # sequence while whole-history transients overflowed MLX's CPU buffer cache); H200, 24 x
+    # 8k: 11.1 tok/s stacked against 5.5 per sequence (benchmarks/notes/serving_batches.md)
+    batchable = "stacked"
     group = 1  # no quantization groups: every shape is accepted
 
     def make_store(self):

@@ -34,8 +34,12 @@ The score adds ``sqrt(π/2) / e · ‖r‖ · (S q_sem) · sign(S r)``, an unbia
 read in the rotated frame, ``q Kᵀ = (q V)(‖k‖ ẑ)ᵀ`` and ``p V = (p (‖v‖ ẑ)) Vᵀ``: the codes
 are looked up, never rotated back row by row. Pre-RoPE keys cannot be: RoPE turns each
 position by its own angle, so the keys are rotated back out of the basis (one
-(D x D) product over the history) and RoPE applied again at their positions, and the QJL
-directions ``V[:, :e] Sᵀ`` are turned to each position (e rows a token) instead of the query.
+(D x D) product over the history) and RoPE applied again at their positions. The QJL term
+rides in the same product: ``(S q_sem) · sign = q_sem · (Sᵀ sign)``, so it is the score of
+``ẑ`` with ``sqrt(π/2)/e ‖r‖/‖k‖ Sᵀ sign`` added to its first e coordinates. For a decode
+step's few query rows the norms scale the (R, n) scores and weights instead of the (n, D)
+coordinates. The history is read a block at a time (``read_block``), each block after the
+previous one's result, so a step's float32 transients are a block's at any length or batch.
 """
 
 from __future__ import annotations
@@ -52,9 +56,9 @@ from ...kernels.decode import DecodePart
 from ...kernels.kivi_decode import token_mix
 from ...lowrank.factors import sample_rows
 from ...quant import codebook as cb
-from .bitfields import pack_fields, row_words, unpack_fields
+from .bitfields import pack_fields, read_codes, row_words
 from ...quant.packed import GROWTH_TOKENS
-from ...quant.prerope import from_pre_rope_channels, to_pre_rope
+from ...quant.prerope import from_pre_rope_channels, rotary_angles, to_pre_rope
 from ...quant.store import PackedStore, paced
 
 RANGE_SIGMAS = 6.0  # the quadrature range, in σ (the repo starts its search on ±3.5σ; wider keeps the tails)
@@ -64,6 +68,13 @@ SIGMA_FLOOR = 1e-4  # σ_tail >= this fraction of σ_head
 QJL_SCALE = math.sqrt(math.pi / 2)
 HISTORY_BLOCK_SCORES = 1 << 26  # float32 scores of a prompt chunk against one block of the history (256 MiB)
 MIN_HISTORY_BLOCK = 256
+# float32 coordinates a decode step's reader decodes at once (``read_block``). On the CPU
+# the step's transients (about 6 copies of a block, two blocks in flight: 24 MB at 8 x 4k)
+# stay within MLX's 32 MiB cache of freed buffers; on a GPU, a bound on the step's peak
+# (20.2 GB at 128k on the H200 while every layer's whole history was decoded in float32;
+# not yet re-measured)
+READ_BLOCK_BYTES = 2 << 20
+READ_BLOCK_BYTES_GPU = 256 << 20
 REFIT_GROWTH = 2  # a new basis each time the tokens held double since the prompt or the last refit
 
 
@@ -307,19 +318,17 @@ class EigenTokens:
         self.words.append(words)
         self.norms.append(norms)
 
-    def coordinates(self, rows: tuple[int, int] | None = None):
-        """The codes of every buffered row (spare room included: zero norms, zero rows), or
-        of the rows ``[first, end)``."""
-        words, norms = self.words.buffer, self.norms.buffer
-        if rows is not None:
-            words, norms = words[:, :, rows[0]:rows[1]], norms[:, :, rows[0]:rows[1]]
-        return _coordinates_fn(self.codec, self.dim)(words, norms, self.sigma, self.tables)
+    def coordinates(self) -> mx.array:
+        """``‖x‖ ẑ`` (B, H, capacity, D) float32 of every buffered row (spare room included:
+        zero norms, zero rows)."""
+        return _coordinates_fn(self.codec, self.dim, True, False)(
+            self.words.buffer, self.norms.buffer, self.sigma, self.tables, None)[0]
 
     def decode(self, dtype) -> mx.array | None:
         """The valid rows (B, H, count, D) in ``dtype``, post-RoPE again for keys (transient)."""
         if not self.count:
             return None
-        scaled = self.coordinates()[0][:, :, : self.count]
+        scaled = self.coordinates()[:, :, : self.count]
         if self.rotary is None:
             return (scaled @ self.basis.swapaxes(-1, -2)).astype(dtype)
         rows_t = from_pre_rope_channels(self.basis @ scaled.swapaxes(-1, -2), self.start, self.rotary)
@@ -364,44 +373,87 @@ def _encode_fn(codec: EigenCodec):
 
 
 @functools.lru_cache(maxsize=None)
-def _coordinates_fn(codec: EigenCodec, d: int):
+def _coordinates_fn(codec: EigenCodec, d: int, on_rows: bool, qjl: bool):
     """``_coordinates`` as one compiled pass."""
-    return mx.compile(functools.partial(_coordinates, codec, d))
+    return mx.compile(functools.partial(_coordinates, codec, d, on_rows, qjl))
 
 
-def _coordinates(codec: EigenCodec, d: int, words, norms, sigma, tables=None):
-    fields = unpack_fields(words, codec.layout(d))
+def _coordinates(codec: EigenCodec, d: int, on_rows: bool, qjl: bool, words, norms, sigma, tables, sketch):
+    """Packed rows (B, H, n, W) -> (float32 coordinates (B, H, n, D), float32 norms (B, H, 1, n)).
+    The coordinates are ``‖x‖ ẑ`` with ``on_rows``, ``ẑ`` otherwise (the caller scales its
+    (R, n) scores or weights by the norms instead: fewer products than (n, D) coordinates for
+    a decode step's few query rows). With ``qjl`` the key's QJL correction is folded into its
+    first e coordinates: ``(S q_sem) . sign`` is ``q_sem . (Sᵀ sign)``, so the corrected
+    score is the score of ``ẑ + sqrt(π/2)/e ‖r‖/‖x‖ [Sᵀ sign, 0]``, and one rebuild of the keys
+    (and for pre-RoPE keys one rotation) serves both terms."""
+    e = codec.widths(d)[0]
     b, h = words.shape[:2]
-    s = sigma[:, :, None, :]
     book_head, book_tail = codec.tables(tables, d, (b, h))
+    # one table a batch row and head, each block's σ in it; a tail code indexes past the
+    # semantic codebook: one gather, and its result is already in the basis's units
+    table = mx.concatenate([book_head * sigma[..., None, 0], book_tail * sigma[..., None, 1]], axis=-1)
+    codes = read_codes(words, codec.layout(d), 0, d, (0,) * e + (book_head.shape[-1],) * (d - e))
+    z = mx.take_along_axis(table, codes.reshape(b, h, -1), axis=-1).reshape(codes.shape)
+    norm = norms[..., :1].astype(mx.float32)
+    if on_rows:
+        z = z * norm
+    if qjl:
+        signs = 2 * read_codes(words, codec.layout(d), d, d + e).astype(mx.float32) - 1
+        rho = norms[..., 1:2].astype(mx.float32)
+        if not on_rows:  # zero norms (spare rows, a zero key) have a zero residual
+            rho = mx.where(norm > 0, rho / mx.maximum(norm, 1e-30), 0.0)
+        z[..., :e] = z[..., :e] + (QJL_SCALE / e) * rho * (signs @ sketch)
+    return z, norm.swapaxes(-1, -2)
 
-    def looked_up(book, codes):  # a gather per row's codebook (tables of up to 512 centroids)
-        flat = codes.astype(mx.uint32).reshape(b, h, -1)
-        return mx.take_along_axis(book, flat, axis=-1).reshape(codes.shape)
 
-    z = mx.concatenate([looked_up(book_head, fields[0]) * s[..., :1],
-                        looked_up(book_tail, fields[1]) * s[..., 1:]], axis=-1)
-    scaled = z * norms[..., :1].astype(mx.float32)
-    if not codec.qjl:
-        return scaled, None, None
-    return scaled, 2 * fields[2] - 1, norms[..., 1:2].astype(mx.float32)
+def _turn_pairs(x1, x2, cos, sin):
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
-def _turned_correction(q, directions, signs, start: int, rotary) -> mx.array:
-    """``sum_j sign_tj (q . R_t u_j)`` (B, H, R, n) for the n tokens of a run from ``start``:
-    queries q (B, H, R, D), pre-RoPE directions u (B, H, D, e), signs (B, H, n, e), R_t the
-    rotation at position ``start + t``. R_t is linear, so the sum is ``q . R_t w_t`` with
-    ``w_t = sum_j sign_tj u_j``: one (D, n) table of signed sums, turned to the tokens'
-    positions, then one product with the queries. Memory is O(n D) plus the (R, n) result;
-    a pairwise form against the angle tables held (R, e, n) at once, which for a prompt
-    chunk's R queries was gigabytes a layer."""
-    summed = directions @ signs.swapaxes(-1, -2).astype(directions.dtype)  # (B, H, D, n)
-    return q @ from_pre_rope_channels(summed, start, rotary)
+_turn = mx.compile(_turn_pairs, shapeless=True)
+
+
+def _turned_scores(q, keys_t, cos, sin, traditional: bool) -> mx.array:
+    """``q . R_t k_t`` (B, H, R, n) for pre-RoPE keys in the per-channel layout (B, H, D, n)
+    at the positions of the angle tables (D/2, n). For a decode step's few query rows each
+    rotated half of the keys meets its half of the queries (no rotated copy of the keys is
+    assembled); for a prompt chunk's many, one product with the reassembled keys (two (R, n)
+    products would be the larger transient)."""
+    d = keys_t.shape[-2]
+    if traditional:  # pairs (2i, 2i + 1)
+        x1, x2 = keys_t[..., 0::2, :], keys_t[..., 1::2, :]
+    else:
+        x1, x2 = keys_t[..., : d // 2, :], keys_t[..., d // 2 :, :]
+    y1, y2 = _turn(x1, x2, cos, sin)
+    if q.shape[-2] > d // 2:
+        y = mx.stack([y1, y2], axis=-2).reshape(keys_t.shape) if traditional else mx.concatenate([y1, y2], axis=-2)
+        return q @ y
+    if traditional:
+        return mx.addmm(q[..., 0::2] @ y1, q[..., 1::2], y2)
+    return mx.addmm(q[..., : d // 2] @ y1, q[..., d // 2 :], y2)
+
+
+def read_block(token_bytes: int) -> int:
+    """Tokens of a run the decode reader takes at once, ``token_bytes`` the float32 coordinates
+    of one token over the batch and heads: ``READ_BLOCK_BYTES`` of them (``_GPU`` on a GPU),
+    a multiple of ``GROWTH_TOKENS`` (a growing buffer's blocks keep their shapes)."""
+    budget = READ_BLOCK_BYTES if mx.default_device() == mx.cpu else READ_BLOCK_BYTES_GPU
+    return max(1, budget // (token_bytes * GROWTH_TOKENS)) * GROWTH_TOKENS
+
+
+def _part(x: mx.array, first: int, end: int, whole: int) -> mx.array:
+    """``x[..., first:end]``, or ``x`` itself when that is all of its ``whole`` (no operation)."""
+    return x if (first, end) == (0, whole) else x[..., first:end]
 
 
 @dataclass(frozen=True)
 class EigenScores:
-    """An ``EigenTokens`` run as the pure-MLX decode path reads it (``PackedScores``)."""
+    """An ``EigenTokens`` run as the pure-MLX decode path reads it (``PackedScores``).
+
+    The whole buffer is read (spare rows included: the shapes change only as it grows), in
+    blocks of ``read_block`` tokens, each block's reading made to wait for the previous
+    block's result: the float32 transients stay a block's, at any batch or length (on the
+    CPU within the 32 MiB of freed buffers MLX keeps for reuse; benchmarks/notes/serving_batches.md)."""
 
     tokens: EigenTokens
     count: int
@@ -411,25 +463,48 @@ class EigenScores:
     def n_heads(self) -> int:
         return self.tokens.words.buffer.shape[1]
 
+    def _spans(self) -> list[tuple[int, int]]:
+        if self.rows:
+            return [self.rows]
+        b, h, capacity, _ = self.tokens.words.buffer.shape
+        block = read_block(b * h * self.tokens.dim * 4)
+        return [(first, min(first + block, capacity)) for first in range(0, capacity, block)]
+
+    def _read(self, first: int, end: int, on_rows: bool, qjl: bool, after: mx.array | None):
+        """``_coordinates`` of the buffer rows [first, end), read once ``after`` (the previous
+        block's result) is made: left free, MLX's scheduler decodes every block before it
+        reduces any (benchmarks/notes/prefill.md)."""
+        t = self.tokens
+        words, norms = t.words.buffer, t.norms.buffer
+        if (first, end) != (0, words.shape[2]):
+            words, norms = words[:, :, first:end], norms[:, :, first:end]
+        if after is not None:
+            words = mx.depends(words, after)
+        return _coordinates_fn(t.codec, t.dim, on_rows, qjl)(words, norms, t.sigma, t.tables,
+                                                             t.sketch if qjl else None)
+
     def scores(self, q: mx.array, qjl: bool = True) -> mx.array:
         """float32 ``q Kᵀ`` (B, H, R, count) for scaled float32 queries (B, H, R, D), with
         the QJL correction when the codec keeps one (``qjl=False``: without it)."""
         t = self.tokens
-        scaled, signs, rho = t.coordinates(self.rows)
-        basis = t.basis
-        start = t.start + (self.rows[0] if self.rows else 0)
+        qjl, on_rows = qjl and t.codec.qjl, q.shape[-2] > t.dim  # the norms scale whichever is smaller
+        spans = self._spans()
+        origin, reach = spans[0][0], spans[-1][1] - spans[0][0]
         if t.rotary is None:
-            s = (q @ basis) @ scaled.swapaxes(-1, -2)
+            q = q @ t.basis
         else:
-            s = q @ from_pre_rope_channels(basis @ scaled.swapaxes(-1, -2), start, t.rotary)
-        if signs is not None and qjl:
-            e = signs.shape[-1]
-            directions = basis[..., :e] @ t.sketch.T  # (B, H, D, e): S q_sem = directionsᵀ q
+            cos, sin = rotary_angles(t.rotary, t.dim, t.start + origin, reach)
+        out = []
+        for first, end in spans:
+            z, norm = self._read(first, end, on_rows, qjl, out[-1] if out else None)
             if t.rotary is None:
-                corr = (q @ directions) @ signs.swapaxes(-1, -2)
-            else:  # each token's directions turned to its position
-                corr = _turned_correction(q, directions, signs, start, t.rotary)
-            s = s + (QJL_SCALE / e) * corr * rho.swapaxes(-1, -2)
+                s = q @ z.swapaxes(-1, -2)
+            else:
+                lo, hi = first - origin, end - origin
+                s = _turned_scores(q, t.basis @ z.swapaxes(-1, -2), _part(cos, lo, hi, reach),
+                                   _part(sin, lo, hi, reach), t.rotary.traditional)
+            out.append(s if on_rows else s * norm)
+        s = mx.concatenate(out, axis=-1) if len(out) > 1 else out[0]
         return s if self.rows else s[..., : self.count]
 
     def mix(self, p: mx.array) -> mx.array:
@@ -438,7 +513,16 @@ class EigenScores:
         room = 0 if self.rows else t.words.capacity - self.count
         if room:
             p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, room)])
-        return token_mix(p, t.coordinates(self.rows)[0]) @ t.basis.swapaxes(-1, -2)
+        on_rows = p.shape[-2] > t.dim
+        spans = self._spans()
+        origin, reach = spans[0][0], spans[-1][1] - spans[0][0]
+        out = None
+        for first, end in spans:
+            z, norm = self._read(first, end, on_rows, False, out)
+            w = _part(p, first - origin, end - origin, reach)
+            part = token_mix(w if on_rows else w * norm, z)
+            out = part if out is None else out + part
+        return out @ t.basis.swapaxes(-1, -2)
 
 
 def history_block(query_rows: int) -> int:
