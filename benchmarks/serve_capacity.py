@@ -97,7 +97,8 @@ PER_SEQUENCE = {"kivi 4-bit, per sequence": "kivi 4-bit",
                 "gear, per sequence": "gear", "age_tiered, per sequence": "age_tiered",
                 "turboquant, per sequence": "turboquant", "xquant, per sequence": "xquant",
                 "kvquant, per sequence": "kvquant", "adakv, per sequence": "adakv",
-                "palu, per sequence": "palu", "a2ats, per sequence": "a2ats"}
+                "palu, per sequence": "palu", "a2ats, per sequence": "a2ats",
+                "spectral, per sequence": "spectral", "vecinfer, per sequence": "vecinfer"}
 METHODS.update({row: METHODS[packed] for row, packed in PER_SEQUENCE.items()})
 # Classes whose rows never mix but that batch per sequence by choice (their stacked steps
 # measured slower, or holding too much), stacked for this row: the measure behind the choice.

@@ -6,7 +6,8 @@ Each variant is checked against the float64 numpy products, then timed two ways:
 ``independent``, ``--chain`` calls that share no data in one evaluation (MLX's CUDA graphs
 may run them side by side), and ``chained``, each call's queries the previous call's output
 (as a decode step's layers are: one call at a time on the GPU, so a product with few
-blocks pays its full latency).
+blocks pays its full latency). Run it under ``MLX_USE_CUDA_GRAPHS=0`` too: a chain's figures
+include what MLX's CUDA graphs cost it (benchmarks/notes/cuda_graphs.md).
 
     python benchmarks/skinny_matmul.py --tokens 4096 32768
 """
@@ -97,6 +98,12 @@ def main():
             "float16 products, float32 softmax": lambda q: softmax_mix(
                 (q.astype(mx.float16) @ k16.swapaxes(-1, -2)).astype(mx.float32),
                 lambda p: (p.astype(mx.float16) @ v16).astype(mx.float32)),
+            # each GQA row its own matrix-vector product, K and V broadcast over the rows:
+            # MLX's own gemv kernel instead of a cuBLAS product (a plain kernel node in
+            # MLX's CUDA graphs, where a captured cuBLAS call is a child graph)
+            "float32, rows as a batch of matrix-vector products": lambda q: softmax_mix(
+                (q[..., None, :] @ kt32[:, :, None]).squeeze(-2),
+                lambda p: (p[..., None, :] @ v32[:, :, None]).squeeze(-2)),
             "fp16 SDPA (GQA rows as query heads)": lambda q: mx.fast.scaled_dot_product_attention(
                 q.astype(mx.float16).reshape(b, h * r, 1, d), k16, v16, scale=1.0).reshape(b, h, r, d).astype(mx.float32),
         }
