@@ -7,6 +7,9 @@ the same work), a prompt prefilled as mlx-lm does it, ``--warm`` decode steps, t
 times each kernel alone (serialised), so the figures are device time per kernel without the
 gaps between launches; the count of launches shows what the gaps would cost. Per method:
 launches and device microseconds a layer and step, and the kernels that take the most.
+Each kernel's thread-block cluster is recorded too: MLX re-instantiates, at every commit, a
+CUDA graph that holds a kernel whose cluster is taller than 1 in y or z (it cannot update
+such a graph in place; benchmarks/notes/cuda_graphs.md), and the last column names them.
 
     # on the device, one process per method under ncu, then the table
     python benchmarks/decode_kernels.py --out-dir $OUT/kernels --methods "mlx-lm KVCache" kivi-4bit kvquant
@@ -86,7 +89,7 @@ def run_all(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for method in args.methods:
         name = method.replace(" ", "_").replace("+", "plus")
-        cmd = ["ncu", "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv",
+        cmd = ["ncu", "--profile-from-start", "off", "--metrics", ",".join(METRICS), "--csv",
                sys.executable, __file__, "--one", method, "--preset", args.preset, "--layers", str(args.layers),
                "--context", str(args.context), "--warm", str(args.warm), "--steps", str(args.steps),
                "--batch", str(args.batch)]
@@ -99,20 +102,34 @@ def run_all(args) -> None:
         print(f"{method}: rc {done.returncode}", flush=True)
 
 
+TIME = "gpu__time_duration.sum"
+CLUSTER = ("launch__cluster_dim_y", "launch__cluster_dim_z")
+METRICS = (TIME, *CLUSTER)
+
+
 def parse(csv_text: str) -> list[tuple[str, float]]:
     """(kernel name, microseconds) per launch from ncu's CSV."""
+    return [(name, us) for name, us, _ in parse_launches(csv_text)]
+
+
+def parse_launches(csv_text: str) -> list[tuple[str, float, bool]]:
+    """(kernel name, microseconds, whether its cluster is taller than 1 in y or z) per launch
+    from ncu's CSV (one row a launch and metric; a capture without the cluster metrics, or
+    a kernel launched without a cluster, counts as flat)."""
     start = csv_text.find('"ID"')
     if start < 0:
         return []
-    rows = []
+    launches: dict[str, list] = {}
     for row in csv.DictReader(io.StringIO(csv_text[start:])):
-        if row.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        value = float(row["Metric Value"].replace(",", ""))
-        unit = row.get("Metric Unit", "nsecond")
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(unit, 1e-3)
-        rows.append((row["Kernel Name"], value * scale))
-    return rows
+        entry = launches.setdefault(row["ID"], [row["Kernel Name"], None, False])
+        value = row["Metric Value"].replace(",", "")
+        if row.get("Metric Name") == TIME:
+            unit = row.get("Metric Unit", "nsecond")
+            scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(unit, 1e-3)
+            entry[1] = float(value) * scale
+        elif row.get("Metric Name") in CLUSTER:
+            entry[2] = entry[2] or (value.replace(".", "", 1).isdigit() and float(value) > 1)
+    return [tuple(e) for e in launches.values() if e[1] is not None]
 
 
 def short(name: str, width: int = 48) -> str:
@@ -121,17 +138,22 @@ def short(name: str, width: int = 48) -> str:
 
 
 def report(directory: str, top: int) -> None:
-    lines = ["| method | launches a layer and step | device us a layer and step | vs fp16 | top kernels (us a layer and step) |",
-             "|---|---:|---:|---:|---|"]
+    lines = ["| method | launches a layer and step | device us a layer and step | vs fp16 | top kernels (us a layer and step) | kernels with clusters taller than 1 in y or z (launches) |",
+             "|---|---:|---:|---:|---|---|"]
     metas = sorted(Path(directory).glob("*.json"))
     base_us = None
     results = []
     for meta_path in metas:
         meta = json.loads(meta_path.read_text())
-        launches = parse(meta_path.with_suffix(".csv").read_text())
+        found = parse_launches(meta_path.with_suffix(".csv").read_text())
+        launches = [(name, us) for name, us, _ in found]
+        tall = defaultdict(int)
+        for name, _, clustered in found:
+            if clustered:
+                tall[short(name)] += 1
         per = meta["layers"] * meta["steps"]
         if not launches:
-            results.append((meta["method"], None, None, f"no kernels captured (rc {meta['rc']})"))
+            results.append((meta["method"], None, None, f"no kernels captured (rc {meta['rc']})", ""))
             continue
         by_name = defaultdict(float)
         for name, us in launches:
@@ -139,15 +161,16 @@ def report(directory: str, top: int) -> None:
         total = sum(us for _, us in launches) / per
         ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
         tops = "; ".join(f"{n} {us / per:.1f}" for n, us in ranked)
-        results.append((meta["method"], len(launches) / per, total, tops))
+        results.append((meta["method"], len(launches) / per, total, tops,
+                        "; ".join(f"{n} ({c})" for n, c in sorted(tall.items())) or "-"))
         if meta["method"] == "mlx-lm KVCache":
             base_us = total
-    for method, n, us, tops in results:
+    for method, n, us, tops, tall in results:
         if n is None:
-            lines.append(f"| {method} | | | | {tops} |")
+            lines.append(f"| {method} | | | | {tops} | |")
             continue
         ratio = f"{us / base_us:.2f}x" if base_us else ""
-        lines.append(f"| {method} | {n:.1f} | {us:.1f} | {ratio} | {tops} |")
+        lines.append(f"| {method} | {n:.1f} | {us:.1f} | {ratio} | {tops} | {tall} |")
     print("\n".join(lines))
 
 
