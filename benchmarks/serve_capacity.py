@@ -102,7 +102,8 @@ PER_SEQUENCE = {"kivi 4-bit, per sequence": "kivi 4-bit",
 METHODS.update({row: METHODS[packed] for row, packed in PER_SEQUENCE.items()})
 # Classes whose rows never mix but that batch per sequence by choice (their stacked steps
 # measured slower, or holding too much), stacked for this row: the measure behind the choice.
-STACKED_TRIAL = {"spectral, stacked": "spectral", "vecinfer, stacked": "vecinfer"}
+# None today (spectral and vecinfer stack since session 57); "<method>, stacked" rows go here.
+STACKED_TRIAL: dict[str, str] = {}
 METHODS.update({row: METHODS[method] for row, method in STACKED_TRIAL.items()})
 
 

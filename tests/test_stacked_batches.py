@@ -60,7 +60,7 @@ def test_the_stores_that_stack():
     """Which methods take the layout (a change here is a decision: say why in the class)."""
     assert STACKED == ["a2ats", "adakv", "age_tiered", "amc", "anchorkv", "cachegen", "gear", "kitty", "kvquant",
                        "kvtc", "kvzip", "nsnquant", "palu", "rocketkv", "skvq", "spectral", "svdq", "turboquant",
-                       "xkv", "xquant", "zipcache"]
+                       "vecinfer", "xkv", "xquant", "zipcache"]
     for key in STACKED:
         assert batch_module.batch_mode(METHODS[key].load_implementation()) == batch_module.PACKED
 

@@ -24,7 +24,9 @@ Attention: a prompt chunk attends over the decoded history plus itself; a decode
 one part, keys read through lookup tables (``CodebookKeys``), values through centroids
 gathered by index (``CodebookValues``), the window as the part's full-precision tail: the
 pure-MLX path on every device. The steady state's step (window full, codebooks fixed) does
-the same arithmetic in a graph of fewer operations (``CodebookStore.decode_attention``).
+the same arithmetic in a graph of fewer operations (``CodebookStore.decode_attention``), a
+stacked batch's reads a block of rows after another, so that the step holds about a block's
+index reads, lookups and value rows rather than the batch's (``_read_blocks``).
 
 ``CodebookCache`` is the ``QuantizedCache`` of such methods: its ``sub_dim_fields`` must
 divide head_dim, and the head_dim must admit the rotation where the method rotates.
@@ -50,6 +52,12 @@ from .vq import (CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, k
                  pack_with_tables, packing_tables, rotate, rotation_problem)
 
 SMOOTH_FLOOR = 1e-4  # smallest per-channel smoothing factor
+# Bytes the steady step's reads of a block of a batch's rows hold, at most (``_read_blocks``;
+# a block has a row at least): on the CPU a row a block at the defaults (the fastest block
+# there too); on a GPU larger blocks, fewer graph nodes (two rows at the 8B shape and 8k
+# tokens; not measured there: benchmarks/notes/serving_batches.md).
+READ_BLOCK = 1 << 22
+READ_BLOCK_GPU = 1 << 28
 
 
 def smoothing_factors(keys: mx.array, per_row: bool = False) -> mx.array:
@@ -168,7 +176,9 @@ def encode_one(codec: ProductVQ, x: mx.array) -> mx.array:
 #   one product a row, as ``vq.nearest`` and ``vq.lookup_scores`` form them; the queries'
 #   scaling and smoothing are one fused pass;
 # - the window's leaving row and its rows after it come from one split of its buffer, and the
-#   probabilities' coded and window parts likewise.
+#   probabilities' coded and window parts likewise;
+# - a stacked batch's reads go a block of rows at a time (``_read_blocks``), one block after the
+#   other: a batch that fits one block, and one row, takes the graph above, node for node.
 
 
 def _fields(n: int, bits: int) -> tuple[mx.array, ...]:
@@ -269,6 +279,55 @@ def _encode_step_fn(scaled: bool, rotated: bool):
     return mx.compile(functools.partial(_encode, scaled=scaled, rotated=rotated))
 
 
+def _read_rows(q, qt, k_words, v_words, k_tail, v_tail, k_c32, v_c32, count, kc, vc, n_k, n_v):
+    """The steady step's attention output (B, H, R, D) float32 over the coded tokens and the
+    window, for the batch rows given (each row's arrays, its codebooks where one a row)."""
+    b, h, r, _ = q.shape
+    s_k, s_v = kc.sub_dim, vc.sub_dim
+    # scores: the coded keys through lookup tables (q~ . C per sub-space), then the window's
+    tables = (qt.reshape(*_lead(k_c32, b), -1, s_k) @ k_c32.swapaxes(-1, -2)).reshape(-1)  # (B*H*R*n*K,)
+    at = _key_index_fn(k_words, *_fields(n_k, kc.bits), _key_offsets(b, h, r, n_k, k_c32.shape[-2]))
+    coded = mx.take(tables, at).sum(axis=-1)[..., :count]
+    window = q @ k_tail.astype(mx.float32).swapaxes(-1, -2)
+    p_coded, p_window = mx.split(mx.softmax(mx.concatenate([coded, window], axis=-1), axis=-1),
+                                 [count], axis=-1)
+    # values: centroids gathered by index, then the window's rows
+    books = v_c32.shape[0] if v_c32.ndim == 3 else 1
+    at = _value_index_fn(v_words, *_fields(n_v, vc.bits), _value_offsets(books, v_c32.shape[-2]))
+    v_rows = mx.take(v_c32.reshape(-1, s_v), at, axis=0)  # (B, H, rows, n, s)
+    v_rows = v_rows.reshape(*v_rows.shape[:3], -1)[:, :, :count]
+    return token_mix(p_coded, v_rows) + token_mix(p_window, v_tail.astype(mx.float32))
+
+
+def _read_blocks(arrays, count, kc, vc, n_k, n_v):
+    """``_read_rows`` of ``arrays`` (its first eight arguments) in blocks of rows, each block's
+    reads holding ``READ_BLOCK`` bytes at most, and waiting for the block before (a ``Depends``
+    on its output: side by side, MLX would form every block's at once). A row's reads are 4
+    bytes a KV head for each of: R x rows x n key indices and as many lookups, R x n x K
+    table entries, rows x n value indices and rows x D value channels, over the whole code
+    buffer; formed for the whole batch at once, B times a sequence's (2.6x the peak of the
+    sequences decoded apart on the H200: benchmarks/notes/serving_batches.md). Rows never mix, so a block's
+    outputs are the whole batch's for its rows, bit for bit; a batch that fits one block (one
+    row always) is read as before, in the same graph."""
+    q, k_words = arrays[0], arrays[2]
+    b, h, r, _ = q.shape
+    rows, d_v = k_words.shape[2], arrays[5].shape[-1]
+    per_row = 4 * h * (2 * r * rows * n_k + r * n_k * (1 << kc.bits) + rows * (n_v + d_v))
+    g = max(1, (READ_BLOCK if mx.default_device() == mx.cpu else READ_BLOCK_GPU) // per_row)
+    if g >= b:
+        return _read_rows(*arrays, count, kc, vc, n_k, n_v)
+    cuts = list(range(g, b, g))
+    # every row's arrays are batch first (a codebook per row too); one codebook serves each block
+    parts = [mx.split(x, cuts) if x.ndim == 4 or (x.ndim == 3 and x.shape[0] == b) else [x] * (len(cuts) + 1)
+             for x in arrays]
+    out = []
+    for block in zip(*parts):
+        if out:  # the block's index reads and tables wait for the block before
+            block = (block[0], *mx.depends(list(block[1:4]), [out[-1]]), *block[4:])
+        out.append(_read_rows(*block, count, kc, vc, n_k, n_v))
+    return mx.concatenate(out)
+
+
 class CodebookStore(PackedStore):
     def __init__(self, window: int, fit: CodebookFit, codecs: tuple[ProductVQ, ProductVQ] | None = None):
         self.window, self.fitter = window, fit
@@ -334,7 +393,7 @@ class CodebookStore(PackedStore):
         kc, vc = self.key_codec, self.value_codec
         (d_k, d_v), (b, hq) = self.dims, queries.shape[:2]
         h = keys.shape[1]
-        r, n_k, n_v, s_k, s_v = hq // h, d_k // kc.sub_dim, d_v // vc.sub_dim, kc.sub_dim, vc.sub_dim
+        r, n_k, n_v = hq // h, d_k // kc.sub_dim, d_v // vc.sub_dim
         k_c32, k_m2c, k_sq = _codebook_fn(kc.codebooks(b))
         v_c32, v_m2c, v_sq = _codebook_fn(vc.codebooks(b))
         # the token leaving the window, coded
@@ -346,25 +405,12 @@ class CodebookStore(PackedStore):
             k_old, k_m2c, k_sq, lam, *_column_tables(n_k, kc.bits)))
         self.v_codes.append(_encode_step_fn(vc.scale is not None, vc.rotated)(
             v_old, v_m2c, v_sq, _scale_arg(vc), *_column_tables(n_v, vc.bits)))
-        count = self.count
-        # scores: the coded keys through lookup tables (q~ . C per sub-space), then the window's
+        # the reads, a block of rows at a time (see ``_read_rows``)
         q, qt = _queries_fn(scale, kc.scale is not None)(queries.reshape(b, h, r, d_k), lam)
         if kc.rotated:
             qt = rotate(qt)
-        tables = (qt.reshape(*_lead(k_c32, b), -1, s_k) @ k_c32.swapaxes(-1, -2)).reshape(-1)  # (B*H*R*n*K,)
-        at = _key_index_fn(self.k_codes.buffer, *_fields(n_k, kc.bits),
-                           _key_offsets(b, h, r, n_k, k_c32.shape[-2]))
-        coded = mx.take(tables, at).sum(axis=-1)[..., :count]
-        window = q @ k_tail.astype(mx.float32).swapaxes(-1, -2)
-        p_coded, p_window = mx.split(mx.softmax(mx.concatenate([coded, window], axis=-1), axis=-1),
-                                     [count], axis=-1)
-        # values: centroids gathered by index, then the window's rows
-        books = v_c32.shape[0] if v_c32.ndim == 3 else 1
-        at = _value_index_fn(self.v_codes.buffer, *_fields(n_v, vc.bits),
-                             _value_offsets(books, v_c32.shape[-2]))
-        v_rows = mx.take(v_c32.reshape(-1, s_v), at, axis=0)  # (B, H, rows, n, s)
-        v_rows = v_rows.reshape(*v_rows.shape[:3], -1)[:, :, :count]
-        o = token_mix(p_coded, v_rows) + token_mix(p_window, v_tail.astype(mx.float32))
+        o = _read_blocks((q, qt, self.k_codes.buffer, self.v_codes.buffer, k_tail, v_tail, k_c32, v_c32),
+                         self.count, kc, vc, n_k, n_v)
         return o.reshape(queries.shape).astype(queries.dtype)
 
     # -- reading --------------------------------------------------------------------------

@@ -63,11 +63,10 @@ ARRAYS = ("key_centroids", "key_scale", "value_centroids")
 class VecInferCache(CodebookCache):
     sub_dim_fields = ("key_sub_dim", "value_sub_dim")
     calibration_fields = ("key_sub_dim", "value_sub_dim", "key_codebook_bits", "value_codebook_bits")
-    # its rows never mix (each row fits its own codebooks), but stacked its lookup step holds a
-    # group's gathers at once: 2.6x per sequence's speed and 2.6x its peak memory at 31 x 8k on
-    # the H200, out of memory at 63 before its index reads were fixed, not measured since
-    # (benchmarks/results/serve_h200_s56)
-    batchable = "per_sequence"
+    # its rows never mix (each row fits its own codebooks); stacked, its steady step reads a
+    # block of rows at a time (``vq_store._read_blocks``), so it holds about a block's reads,
+    # not the batch's (benchmarks/notes/serving_batches.md, session 57)
+    batchable = "stacked"
 
     @staticmethod
     def fit_spec(config, *, iters: int, sample: int, seed: int) -> CodebookFit:
