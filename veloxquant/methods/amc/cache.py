@@ -263,7 +263,8 @@ class AMCCache(QuantizedCache):
 
     def _meta(self):
         return {"window_seen": self.seen, "window_at": self.at,
-                "rotary": "none" if self.rotary is None else self.rotary.to_json()}
+                "rotary": "none" if self.rotary is None else self.rotary.to_json(),
+                **({} if self.store is None else self.store.meta())}
 
     def _restore_meta(self, meta) -> None:
         arrays = self.__dict__.pop("_saved_arrays", {})

@@ -29,6 +29,7 @@ has buffers).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import mlx.core as mx
@@ -300,11 +301,23 @@ class TieredRowsStore(PackedStore):
             elif key[0] in "kv" and key[1:2].isdigit():
                 tier = (self.k_tiers if key[0] == "k" else self.v_tiers)[int(key[1 : key.index("_")])]
                 setattr(tier, key[key.index("_") + 1 :], value)
-        for tier in self.k_tiers + self.v_tiers:  # loading, not decoding: the counts may be read
-            tier.bound = 0 if tier.counts is None else int(tier.counts.max())
+        tiers = self.k_tiers + self.v_tiers
+        counters = json.loads(meta["tier_counters"]) if "tier_counters" in meta else None
+        for i, tier in enumerate(tiers):
+            if counters is not None:  # as saved: the tiers' room, and so where a step's token goes, follow them
+                tier.bound = int(counters["bounds"][i])
+            else:  # a state saved without them (loading, not decoding: the counts may be read)
+                tier.bound = 0 if tier.counts is None else int(tier.counts.max())
             if tier.codes is not None and tier.bound >= tier.capacity:
                 tier.grow_to(tier.bound + 1)
-        self.expected = [float(t.bound) for t in self.k_tiers]
+        self.expected = ([float(e) for e in counters["expected"]] if counters is not None
+                         else [float(t.bound) for t in self.k_tiers])
+
+    def meta(self) -> dict[str, Any]:
+        """The host counters a decode step sizes the tiers' room by (``_step_capacities``): a
+        restored store continues as the saved one would, token for token."""
+        return {"tier_counters": json.dumps({"bounds": [t.bound for t in self.k_tiers + self.v_tiers],
+                                             "expected": self.expected})}
 
     def layout_problems(self, head_dims):
         for name, tiers, dim in (("key", self.k_tiers, head_dims[0]), ("value", self.v_tiers, head_dims[1])):
