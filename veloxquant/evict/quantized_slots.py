@@ -40,6 +40,7 @@ import functools
 
 import mlx.core as mx
 
+from ..cache.buffers import take_rows
 from ..kernels import kivi_decode as kd
 from ..quant.groups import check_divides
 from ..quant.packed import AffineLayout
@@ -268,14 +269,14 @@ class QuantizedSlots:
         if window:
             positions = old.view("positions")
             w = min(window, positions.shape[2])
-            newest = mx.argsort(positions, axis=-1)[..., -w:, None]
+            newest = mx.argsort(positions, axis=-1)[..., -w:]
             k, v = old.view("keys"), old.view("values")
             b, h, _, dk = k.shape
             self.window, self.ring_fill, self.ring_next = window, w, w % window
             self.k_ring = mx.zeros((b, h, window, dk), k.dtype)
             self.v_ring = mx.zeros((b, h, window, v.shape[3]), v.dtype)
-            self.k_ring[:, :, :w] = mx.take_along_axis(k, newest, axis=2)
-            self.v_ring[:, :, :w] = mx.take_along_axis(v, newest, axis=2)
+            self.k_ring[:, :, :w] = take_rows(k, newest)
+            self.v_ring[:, :, :w] = take_rows(v, newest)
         limit = old.arrays["positions"].limit
         arrays = {**self._encode(old.view("keys"), old.view("values")),
                   # copies: a slice of the old buffers would keep all of them alive
