@@ -29,7 +29,7 @@ def take_rows(x: mx.array, index: mx.array) -> mx.array:
     over the row reads an index an element; on the H200 it ran 3.1x slower at 8 x 8 x 8k x 128
     and 7.6x at 32 x 8 x 32k x 128, and gave wrong rows at 2^31 elements
     (benchmarks/results/h200_s57). One sequence keeps ``take_along_axis``: there the two ran
-    within 1.07-1.32x of each other, and the flat index costs a decode step's graph 2 nodes a
+    within 1.07-1.32x of each other, and the flat index costs a decode step's graph 2-3 nodes a
     buffer."""
     if x.shape[0] == 1 and index.shape[0] == 1 and x.size < 2**31:
         return mx.take_along_axis(x, index.reshape(*index.shape, *(1,) * (x.ndim - 3)), axis=2)
