@@ -53,7 +53,6 @@ import mlx.core as mx  # noqa: E402
 from decode import PRESETS, build_model, make_cache  # noqa: E402
 from veloxquant_mlx.bench.runner import prefill  # noqa: E402
 from veloxquant_mlx.cache import batch as batch_module  # noqa: E402
-from veloxquant_mlx.registry import METHODS as REGISTRY  # noqa: E402
 from veloxquant_mlx.cache.options import (  # noqa: E402
     KeyformerOptions,
     KIVIOptions,
@@ -100,11 +99,6 @@ PER_SEQUENCE = {"kivi 4-bit, per sequence": "kivi 4-bit",
                 "palu, per sequence": "palu", "a2ats, per sequence": "a2ats",
                 "spectral, per sequence": "spectral", "vecinfer, per sequence": "vecinfer"}
 METHODS.update({row: METHODS[packed] for row, packed in PER_SEQUENCE.items()})
-# Classes whose rows never mix but that batch per sequence by choice (their stacked steps
-# measured slower, or holding too much), stacked for this row: the measure behind the choice.
-# None today (spectral and vecinfer stack since session 57); "<method>, stacked" rows go here.
-STACKED_TRIAL: dict[str, str] = {}
-METHODS.update({row: METHODS[method] for row, method in STACKED_TRIAL.items()})
 
 
 _packer_for = batch_module.packer_for
@@ -237,19 +231,12 @@ def main() -> None:
     rows = []
     for name in args.methods:
         batch_module.packer_for = _packer_for if name not in PER_SEQUENCE else (lambda cls: None)
-        trial = REGISTRY[STACKED_TRIAL[name]].load_implementation() if name in STACKED_TRIAL else None
-        chosen = trial and trial.__dict__["batchable"]
         try:
-            if trial:
-                trial.batchable = "stacked"
             rows.append(measure(model, name, METHODS[name], tokens, budget, args.steps, args.max_seqs,
                                 args.prefill_repeats, args.mix))
         except Exception as exc:  # a row that fails is shown failed, the others still run
             traceback.print_exc()
             rows.append({"cache": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
-        finally:
-            if trial:
-                trial.batchable = chosen
         gc.collect()
         mx.clear_cache()
         print(rows[-1], flush=True)

@@ -142,6 +142,19 @@ class PackedTokens:
                 f"{prefix}_biases": self.biases}
 
 
+def field_arrays(bits) -> tuple[tuple[np.ndarray, ...], int]:
+    """``FieldLayout``'s arrays (word, next word, shift, high shift, crosses, mask), 1-D numpy,
+    for codes of widths ``bits`` packed in order, and the words a row takes."""
+    bits = np.asarray(bits, dtype=np.int64)
+    start = np.cumsum(bits) - bits
+    word, shift = start // 32, start % 32
+    crosses = shift + bits > 32
+    n_words = max(1, -(-int(bits.sum()) // 32))
+    return (word.astype(np.int32), np.minimum(word + 1, n_words - 1).astype(np.int32),
+            shift.astype(np.uint32), np.where(crosses, 32 - shift, 0).astype(np.uint32), crosses,
+            ((1 << bits) - 1).astype(np.uint32)), n_words
+
+
 @dataclass(frozen=True)
 class FieldLayout:
     """Where each code lies in a row's packed words. Each array is (1, ..., 1, k), shaped
@@ -160,14 +173,7 @@ class FieldLayout:
     def of(cls, bits: np.ndarray, ndim: int = 3) -> "FieldLayout":
         """The layout of codes of widths ``bits``, its arrays shaped for rows of ``ndim``
         dimensions (a reshape in every read otherwise)."""
-        bits = np.asarray(bits, dtype=np.int64)
-        start = np.cumsum(bits) - bits
-        word, shift = start // 32, start % 32
-        crosses = shift + bits > 32
-        n_words = max(1, -(-int(bits.sum()) // 32))
-        arrays = (word.astype(np.int32), np.minimum(word + 1, n_words - 1).astype(np.int32),
-                  shift.astype(np.uint32), np.where(crosses, 32 - shift, 0).astype(np.uint32), crosses,
-                  ((1 << bits) - 1).astype(np.uint32))
+        arrays, n_words = field_arrays(bits)
         return cls(*(mx.array(a.reshape((1,) * (ndim - 1) + (-1,))) for a in arrays), n_words)
 
     def arrays(self) -> tuple[mx.array, ...]:

@@ -15,7 +15,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from ...quant.packed import runs_layout
+from ...quant.packed import field_arrays, runs_layout
 from ...quant.packed import unpack_fields as unpack_codes
 
 
@@ -59,13 +59,7 @@ def _code_reader(layout: tuple[tuple[int, int], ...], first: int, end: int, offs
     """``quant/packed.py``'s unpacking arrays for codes ``[first, end)`` of a row (counted over
     every field), shaped for rows (B, H, n, words), and the offsets added to them: built in
     numpy once (slices of the whole row's arrays would be operations in every read)."""
-    bits = np.concatenate([np.full(n, b, dtype=np.int64) for n, b in layout])
-    start = np.cumsum(bits) - bits
-    word, shift = start // 32, start % 32
-    crosses = shift + bits > 32
-    n_words = -(-int(bits.sum()) // 32)
-    arrays = (word.astype(np.int32), np.minimum(word + 1, n_words - 1).astype(np.int32), shift.astype(np.uint32),
-              np.where(crosses, 32 - shift, 0).astype(np.uint32), crosses, ((1 << bits) - 1).astype(np.uint32))
+    arrays, _ = field_arrays(np.concatenate([np.full(n, b, dtype=np.int64) for n, b in layout]))
     reader = tuple(mx.array(a[first:end].reshape(1, 1, 1, -1)) for a in arrays)
     return reader, None if offsets is None else mx.array(np.asarray(offsets, dtype=np.uint32).reshape(1, 1, 1, -1))
 
