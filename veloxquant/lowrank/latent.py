@@ -45,6 +45,13 @@ brings the count there, so a prefilled prompt is kept compressed, and a shorter 
 (prompt and decode tokens) stays exact. Later tokens are projected onto the newest bases
 as they come. Values are latent (their own basis and segments) or kept exactly.
 
+**Calibrated bases** (a config's ``calibration_file``, written by ``veloxquant
+calibrate``): the papers fit offline (Palu decomposes the projection weights, SVDq the key
+matrices of calibration data). The file holds each layer's means and bases, fitted on a
+text's keys and values as a one-chunk prompt of them would be (``LatentCache.calibrate``);
+a cache installs them before its first tokens, so it holds no token exactly, solves no
+eigenproblem on the prefill path, keeps no running moments and never refits.
+
 **Refits** (issue 37): a basis fitted on the first tokens codes later post-RoPE tokens
 worse (RoPE turns them into directions the first positions never showed). Every token
 taken in adds to running float32 moments (``Latent``: a (g*d)^2 Gram matrix a group), and
@@ -65,6 +72,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..cache.buffers import GrowingArray
+from ..cache.calibration import layer_calibration
 from ..kernels import kivi_decode as kd
 from ..kernels.decode import DecodePart
 from ..quant import affine
@@ -517,6 +525,8 @@ class LatentStore(PackedStore):
         self.k_pend = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         self.v_pend = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         self.fitted_at = 0  # tokens held at the last fit (a Python counter: the refit schedule)
+        # a calibration file's arrays (``{k,v}_{mean,basis}``, batch 1), installed at the first commit
+        self.calibrated: dict[str, mx.array] | None = None
 
     @property
     def fitted(self) -> bool:
@@ -530,6 +540,8 @@ class LatentStore(PackedStore):
     def commit(self, keys: mx.array, values: mx.array) -> None:
         if self.heads_per_group is None:
             self.heads_per_group = 1 if self.n_groups is None else keys.shape[1] // self.n_groups
+        if not self.fitted and self.calibrated is not None:
+            self._install_calibrated(keys.shape[0], keys.dtype)
         if not self.fitted:
             self.k_pend.append(keys)
             self.v_pend.append(values)
@@ -558,6 +570,18 @@ class LatentStore(PackedStore):
         self.v_pend.reset(None)
         self.fitted_at = keys.shape[2]
         self._encode(keys, values)
+
+    def _install_calibrated(self, batch: int, dtype) -> None:
+        """Every row's runs start on the file's bases; no moments are kept: no refits."""
+        for latent, prefix in ((self.keys, "k"), (self.values, "v")):
+            if latent is None:
+                continue
+            mean, basis = (self.calibrated[f"{prefix}_{name}"] for name in ("mean", "basis"))
+            if batch > 1:
+                mean = mx.contiguous(mx.broadcast_to(mean, (batch, *mean.shape[1:])))
+                basis = mx.contiguous(mx.broadcast_to(basis, (batch, *basis.shape[1:])))
+            latent.install(mean.astype(dtype), basis.astype(dtype))
+        self.calibrated = None
 
     def _refit_due(self) -> bool:
         return self.fitted and self.keys.gram is not None and self.length >= REFIT_GROWTH * self.fitted_at
@@ -692,9 +716,58 @@ class LatentStore(PackedStore):
 
 class LatentCache(QuantizedCache):
     """The ``QuantizedCache`` of a latent method: its group is a run of tokens, so head_dim
-    is not checked against it (``QuantizedCache`` would)."""
+    is not checked against it (``QuantizedCache`` would). With ``calibration_file``, its
+    bases come from the file (``calibrate`` writes them) instead of the prompt."""
 
     group_field = ""
+    calibration_fields: tuple[str, ...] = ()  # the fields a calibration file's bases depend on
+
+    @classmethod
+    def head_groups(cls, config, n_kv_heads: int) -> int | None:
+        """Groups of KV heads sharing a basis (None: a basis a head)."""
+        return None
+
+    def _init_storage(self) -> None:
+        super()._init_storage()
+        if self.config.calibration_file and self.context is not None:  # a wrong file fails at once
+            self._calibration(None)
+
+    def _calibration(self, kv_shape) -> dict[str, mx.array]:
+        """This layer's bases in ``calibration_file``, checked against the config, the
+        model and the keys' (heads, head_dim) when known."""
+        names = tuple(f"{p}_{n}" for p in ("kv" if self.store.values is not None else "k") for n in ("mean", "basis"))
+        return layer_calibration(self.config, self.calibration_fields, names, self.layer,
+                                 model_args=getattr(self.context, "model_args", None), kv_shape=kv_shape)
+
+    def update_and_fetch(self, keys, values):
+        store = self.store
+        store.n_groups = self.head_groups(self.config, keys.shape[1])
+        if self.config.calibration_file and not store.fitted and store.calibrated is None:
+            store.calibrated = self._calibration((keys.shape[1], keys.shape[-1]))
+        return super().update_and_fetch(keys, values)
+
+    @classmethod
+    def calibrate(cls, keys, values, config, *, iters: int, seed: int, progress=None, model_args=None):
+        """A layer's bases from its post-RoPE keys and values (1, H, T, D) of a text, as a
+        one-chunk prompt of those tokens fits them (each group's mean and leading right
+        singular vectors, float32, the rank by the config's rule). ``iters``, ``seed`` and
+        ``model_args`` change nothing: the fit is exact and post-RoPE, as the cache codes."""
+        store = cls(config).make_store()
+        h, t, d = keys.shape[1:]
+        groups = cls.head_groups(config, h)
+        g = 1 if groups is None else h // groups
+        if t < g * d:
+            raise ValueError(f"{t} calibration tokens: a basis of {g} head(s) x head_dim {d} needs at least "
+                             f"{g * d} (use more --tokens)")
+        arrays = {}
+        tensors = [(p, latent, x) for p, latent, x in (("k", store.keys, keys), ("v", store.values, values))
+                   if latent is not None]
+        for done, (prefix, latent, x) in enumerate(tensors):
+            arrays[f"{prefix}_mean"], arrays[f"{prefix}_basis"] = fit_basis(
+                _group(x, g), latent.codec.rank, latent.codec.fraction)
+            if progress:
+                progress("keys and values" if len(tensors) > 1 else "keys", done + 1, len(tensors))
+        return arrays
 
     @property
     def group(self) -> int:

@@ -8,9 +8,11 @@ values separately:
   divide them is refused); a
   group's heads side by side, ``X_j (T, g d)``, share one basis (the faithful analog of
   the paper's grouped decomposition, not the port's per-head basis stacked over tokens);
-- **basis**, first fitted on every token held when at least g d are (in the prompt chunk
-  that brings the count there; the paper decomposes the projection weights offline after
-  whitening; a cache never sees weights):
+- **basis**, from the config's ``calibration_file`` (``veloxquant calibrate --method
+  palu``: fitted offline on a text's keys and values, as the paper calibrates offline,
+  then fixed: no fit on the prefill path, no refits), or else first fitted on every token
+  held when at least g d are (in the prompt chunk that brings the count there; the paper
+  decomposes the projection weights after whitening; a cache never sees weights):
   mean ``μ_j`` and the first r right singular vectors of ``X_j - μ_j``, r = ``palu_rank``
   (clipped to g d) or the smallest r holding ``palu_energy_threshold`` of the
   singular-value mass ``Σσ``, the largest over the layer's groups;
@@ -49,6 +51,9 @@ def hi_lo_segments(rank: int, fraction: float, hi: int, lo: int) -> list[Channel
 
 class PALUCache(LatentCache):
     batchable = "stacked"  # its rows never mix once prefilled: sequences whose fitted ranks agree (always, with palu_rank set) share one cache (cache/stacked.py)
+    # what a calibration file's bases depend on (not the widths: they code the latents)
+    calibration_fields = ("palu_rank", "palu_energy_threshold", "palu_n_head_groups")
+
     def make_store(self):
         o = self.config.options
         segments = functools.partial(hi_lo_segments, fraction=o.palu_hi_fraction, hi=o.palu_hi_bit, lo=o.palu_lo_bit)
@@ -58,11 +63,11 @@ class PALUCache(LatentCache):
                                                                                       hi=16, lo=16)))
         return LatentStore(keys, values, group=o.palu_group_size, n_groups=o.palu_n_head_groups)
 
-    def update_and_fetch(self, keys, values):
-        n, h = self.config.options.palu_n_head_groups, keys.shape[1]
+    @classmethod
+    def head_groups(cls, config, n_kv_heads: int) -> int:
+        n, h = config.options.palu_n_head_groups, n_kv_heads
         if h % n and n < h:
             allowed = [k for k in range(1, h + 1) if h % k == 0]
             raise ValueError(f"palu_n_head_groups={n} must divide the model's {h} KV heads; allowed here: "
                              f"{allowed} (or more than {h}: a head a group)")
-        self.store.n_groups = min(n, h)
-        return super().update_and_fetch(keys, values)
+        return min(n, h)

@@ -2,9 +2,11 @@
 
 A configuration of the latent store (``lowrank/latent.py``), per layer and KV head:
 
-- **basis**, first fitted on every token held when at least head_dim are (the card's
-  "per-sequence prefill SVD", in the prompt chunk that brings the count there; the paper
-  fits offline): the mean ``μ`` and the first r right
+- **basis**, from the config's ``calibration_file`` (``veloxquant calibrate --method
+  svdq``: fitted offline on a text's keys, as the paper fits offline, then fixed: no fit on
+  the prefill path, no refits), or else first fitted on every token held when at least
+  head_dim are (the card's "per-sequence prefill SVD", in the prompt chunk that brings the
+  count there): the mean ``μ`` and the first r right
   singular vectors ``V_r`` of ``K - μ``. r = ``svdq_rank`` (clipped to head_dim), or the
   smallest r holding ``svdq_energy_threshold`` of the singular-value mass ``Σσ`` (linear
   σ, the adaptation's rule), the largest over the layer's heads;
@@ -37,6 +39,8 @@ from ..lowrank.latent import LatentCache, LatentCodec, LatentStore, split_channe
 
 class SVDqCache(LatentCache):
     batchable = "stacked"  # its rows never mix: sequences in the same state share one cache (cache/stacked.py)
+    calibration_fields = ("svdq_rank", "svdq_energy_threshold")  # what a calibration file's bases depend on
+
     def make_store(self):
         o = self.config.options
         schedule = tuple(int(b) for b in o.svdq_bit_schedule)
