@@ -1,12 +1,12 @@
 """Prefill with a calibration file against the per-prompt fit (issue 31), for the methods
-that take one (kvtc, palu, svdq), one layer at Llama-3-8B's shape (8 KV heads of 128,
+that take one (kvtc, palu, svdq, spectral, skvq, kvquant), one layer at Llama-3-8B's shape (8 KV heads of 128,
 rope_theta 500000), fed as mlx-lm feeds it: chunks of --chunk tokens, each stored then
 attended by 32 query heads, the cache's state evaluated after each chunk. The file is
 calibrated on other keys and values of the same statistics. Median of --repeats;
 mlx-lm's KVCache with the same attention as the baseline. float32 by default on the CPU:
 its half-precision kernels are slower still, and the attention already dominates there.
 
-    MLX_DEFAULT_DEVICE=cpu python benchmarks/calibrated_prefill.py --methods kvtc palu svdq
+    MLX_DEFAULT_DEVICE=cpu python benchmarks/calibrated_prefill.py --methods palu svdq
     python benchmarks/calibrated_prefill.py --dtype float16 --tokens 4096 32768   # a GPU
 """
 
@@ -26,14 +26,18 @@ from mlx_lm.models.llama import ModelArgs  # noqa: E402
 
 from veloxquant_mlx import KVCacheConfig  # noqa: E402
 from veloxquant_mlx.cache.calibration import calibration_header, write_calibration  # noqa: E402
+from veloxquant_mlx.methods.kvquant import KVQuantCache  # noqa: E402
 from veloxquant_mlx.methods.kvtc import KVTCCache  # noqa: E402
 from veloxquant_mlx.methods.palu import PALUCache  # noqa: E402
+from veloxquant_mlx.methods.skvq import SKVQCache  # noqa: E402
+from veloxquant_mlx.methods.spectral import SpectralQuantCache  # noqa: E402
 from veloxquant_mlx.methods.svdq import SVDqCache  # noqa: E402
 
 LLAMA3_8B = ModelArgs(model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
                       num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, vocab_size=128256,
                       rope_theta=500000.0)
-CACHES = {"kvtc": KVTCCache, "palu": PALUCache, "svdq": SVDqCache}
+CACHES = {"kvtc": KVTCCache, "palu": PALUCache, "svdq": SVDqCache, "spectral": SpectralQuantCache,
+          "skvq": SKVQCache, "kvquant": KVQuantCache}
 
 
 def kv(t, dtype, seed):

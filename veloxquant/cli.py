@@ -353,8 +353,8 @@ def _calibration_text(path: str | None) -> tuple[str, str]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """Fit a method's per-layer arrays offline (vecinfer's codebooks, kvtc's PCA codecs,
-    palu's and svdq's bases): run the model over a text, collect each layer's keys and
+    """Fit a method's per-layer arrays offline (codebooks, bases, channel orders: what
+    its paper calibrates): run the model over a text, collect each layer's keys and
     values, fit, and write a safetensors file that a config points to (calibration_file)."""
     _positive("--tokens", args.tokens)
     _positive("--iters", args.iters)

@@ -14,10 +14,12 @@ its codebooks, one set per row of the batch (a sequence's own: rows never share 
 that a cache fed B rows holds what each row's cache holds alone and sequences can be
 stacked, ``cache/stacked.py``). A row's codebook is fitted (``codebook.fit``: quantile
 or uniform start and Lloyd, each row on its own values) on the row's non-outlier z of the
-first tokens it encodes, then frozen; with ``refits`` each encode also adds its z to the
-row's histogram, and ``refit()`` runs warm-started Lloyd on every row's at once and appends
-a new codebook a row that only tokens encoded afterwards use: every token (per channel:
-every group) keeps the id of its codebook, old indices are never read with new centroids.
+first tokens it encodes (``fit_codebook`` gives that fit alone, for offline calibration),
+or installed before them (``install``: a calibration file's, no fit), then frozen; with
+``refits`` each encode after it also adds its z to the row's histogram, and ``refit()``
+runs warm-started Lloyd on every row's at once and appends a new codebook a row that only
+tokens encoded afterwards use: every token (per channel: every group) keeps the id of its
+codebook, old indices are never read with new centroids.
 Keys may be kept pre-RoPE (``quant/prerope.py``): de-rotated at their positions before
 encoding, rotated again when read.
 
@@ -167,16 +169,33 @@ class NonUniformTokens:
         return self.books.buffer[:, :, :, n - 1 : n]
 
     # -- writing ---------------------------------------------------------------------------
+    def _pre_rope(self, x: mx.array) -> mx.array:
+        """``x`` as it is encoded after the tokens kept: de-rotated at its positions when
+        the run keeps keys pre-RoPE."""
+        return x if self.rotary is None else to_pre_rope(x, self.start + self.count, self.rotary)
+
+    def fit_codebook(self, x: mx.array) -> mx.array:
+        """(B, 2^bits): the codebooks ``append`` fits on ``x`` (B, H, n, D) as the run's
+        first tokens (what an offline calibration of the run keeps), nothing stored."""
+        c = self.codec
+        z, weights, *_ = c.prepare(self._pre_rope(x), x.dtype)
+        return cb.fit(z, c.bits, c.iters, weights)
+
+    def install(self, book: mx.array) -> None:
+        """Start on the codebooks ``book`` (B, 2^bits) (a calibration file's; ``append``'s
+        first fit installs its own): no fit follows, and with refits every later encode is
+        observed as encoded since that fit."""
+        self.books.append(book.reshape(book.shape[0], 1, 1, 1, book.shape[1]))
+
     def append(self, x: mx.array, decoding: bool = False) -> None:
         """Encode ``x`` (B, H, n, D) after the tokens kept (per channel: n a multiple of 32
-        and of the group); the first call fits the codebook on its own data."""
+        and of the group); the first call, unless codebooks were installed, fits them on
+        its own data."""
         c, dtype = self.codec, x.dtype
-        if self.rotary is not None:
-            x = to_pre_rope(x, self.start + self.count, self.rotary)
+        x = self._pre_rope(x)
         if not self.books.length:
             z, weights, offsets, ranges, pos, val = c.prepare(x, dtype)
-            book = cb.fit(z, c.bits, c.iters, weights)
-            self.books.append(book.reshape(book.shape[0], 1, 1, 1, book.shape[1]))
+            self.install(cb.fit(z, c.bits, c.iters, weights))
             codes = c.assign(z, self._newest())
         elif decoding:
             codes, offsets, ranges, pos, val, z, weights = _compiled_encode(c, dtype)(x, self._newest())

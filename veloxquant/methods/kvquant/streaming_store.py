@@ -13,15 +13,19 @@
   every value is encoded as it comes (a token stream), or, with ``value_flush`` > 1, decode
   steps encode the values past the window that many at a time;
 - a decode step (one token) written in place and, every ``refit_interval`` decode steps
-  (0: never), ``refit()`` on both storages.
+  (0: never), ``refit()`` on both storages;
+- a saved state that keeps each buffer's room (``rooms``), so that a loaded store reads
+  what the saved one read, over the same shapes, and continues bit for bit.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import mlx.core as mx
 
+from ...cache.buffers import GrowingArray
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.sink_store import SinkKVStore
 
@@ -65,7 +69,10 @@ class StreamingStore(SinkKVStore):
     # -- what is kept ------------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
         rotary = getattr(self.keys, "rotary", None)
-        return {"steps": self.steps, "rotary": rotary.to_json() if rotary is not None else "none"}
+        rooms = {name: kept.capacity for name, kept in self.arrays().items()
+                 if isinstance(kept, GrowingArray) and kept.buffer is not None}
+        return {"steps": self.steps, "rotary": rotary.to_json() if rotary is not None else "none",
+                "rooms": json.dumps(rooms)}
 
     def restore(self, meta: dict[str, Any], arrays: dict[str, Any]) -> None:
         for storage, prefix in ((self.keys, "k"), (self.values, "v")):
@@ -77,3 +84,19 @@ class StreamingStore(SinkKVStore):
             from ...cache.rope import Rotary
 
             self.keys.rotary = Rotary.from_json(meta["rotary"])
+        self._restore_rooms(json.loads(meta.get("rooms", "{}")))
+
+    def _restore_rooms(self, rooms: dict[str, int]) -> None:
+        """Each buffer given back the spare room it had when saved (zeros past its rows): a
+        decode step reads the packed runs over their whole room (its compiled shapes change
+        only when a buffer grows), and a sum over another room rounds otherwise, so a loaded
+        cache would not continue bit for bit. A state saved without them loads exactly sized."""
+        kept = self.arrays()
+        for name, room in rooms.items():
+            g = kept.get(name)
+            # growth never leaves more than a step spare: a larger room is not a saved one
+            if not isinstance(g, GrowingArray) or g.buffer is None or not 0 < room - g.capacity <= g.step:
+                continue
+            pad = [(0, 0)] * g.buffer.ndim
+            pad[g.axis % g.buffer.ndim] = (0, room - g.capacity)
+            g.buffer = mx.pad(g.buffer, pad)

@@ -50,11 +50,16 @@ def clip_errors(x: mx.array, group: int, bits: int, grid=CLIP_GRID) -> mx.array:
     return mx.stack(errors)
 
 
+def fixed_clip(shape: tuple[int, int], alpha: float) -> mx.array:
+    """(B, H) float32: one ratio for every (batch row, KV head) (a grid of one value)."""
+    return mx.full(shape, float(alpha), mx.float32)
+
+
 def search_clip(x: mx.array, group: int, bits: int, grid=CLIP_GRID, max_rows: int = FIT_ROWS) -> mx.array:
     """(B, H) float32: the alpha of ``grid`` of least error on rows (B, H, T, D), ties to the
     earlier (larger) one; past ``max_rows`` rows, on every k-th row (at most ``max_rows``)."""
     if len(grid) == 1:
-        return mx.full(x.shape[:2], float(grid[0]), mx.float32)
+        return fixed_clip(x.shape[:2], grid[0])
     if x.shape[2] > max_rows:
         x = x[:, :, :: -(-x.shape[2] // max_rows)]
     best = mx.argmin(clip_errors(x, group, bits, grid), axis=0)  # argmin: the first minimum

@@ -21,6 +21,11 @@ model's order) and then, on the reordered rows, the clip ratio of keys and of va
 frozen: later chunks and decode steps use them as they are, and what is packed never
 changes.
 
+Installed (``install``): orders and clip ratios fitted elsewhere (a calibration file's,
+``methods/skvq/cache.py``) taken before the first token, every batch row the same ones:
+the store is fitted from the start, the sinks are kept reordered like everything else,
+and no fit ever runs.
+
 Channel space: once fitted, everything kept (sinks, packed rows, window) is in the
 reordered order; a new token is permuted as it comes in (one gather), the sinks and the
 window once at the fit. A decode step permutes the queries through the key order, attends
@@ -48,7 +53,7 @@ import mlx.core as mx
 from ...cache.buffers import RecentRows
 from ...kernels.decode import DecodePart, decode_attention
 from ...quant.affine import SUPPORTED_BITS
-from .clip import ClippedTokens, search_clip
+from .clip import ClippedTokens, fixed_clip, search_clip
 from ...quant.packed import GROWTH_TOKENS, GroupAffine
 from .reorder import PAIRINGS, RangeOrder, inverse, is_permutation, permute, permute_heads
 from ...quant.sink_store import Sinks
@@ -95,13 +100,15 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
     def commit(self, keys: mx.array, values: mx.array) -> None:
         """Take new tokens (model order) in: sinks first, then the window, whose oldest
         tokens beyond ``window`` are quantized."""
-        keys, values, _ = self._take_sinks(keys, values)
-        if not keys.shape[2]:
-            return
+        # Permuted before the sinks are taken: orders installed before the first token
+        # (``install``) keep the sinks reordered too; a fit comes only once the sinks are full.
         if self.perm_k is not None:
             keys = permute(keys, self.perm_k)
         if self.perm_v is not None:
             values = permute(values, self.perm_v)
+        keys, values, _ = self._take_sinks(keys, values)
+        if not keys.shape[2]:
+            return
         if keys.shape[2] == 1 and self.window and (self.fitted or self.k_win.held < self.window):
             self.k_win.append(keys)  # a decode step: rows written in place
             self.v_win.append(values)
@@ -113,14 +120,14 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
         n_old = k_all.shape[2] - self.window
         if n_old > 0:
             if not self.fitted:
-                k_all, v_all = self._fit(k_all, v_all)
+                k_all, v_all = self.fit(k_all, v_all)
             self._pack(k_all[:, :, :n_old], v_all[:, :, :n_old], decoding=n_old == 1)
             keep = n_old < k_all.shape[2]
             k_all = mx.contiguous(k_all[:, :, n_old:]) if keep else None
             v_all = mx.contiguous(v_all[:, :, n_old:]) if keep else None
         self.k_res, self.v_res = k_all, v_all
 
-    def _fit(self, keys: mx.array, values: mx.array):
+    def fit(self, keys: mx.array, values: mx.array):
         """Orders and clip ratios from the full-precision rows past the sinks (model order);
         returns those rows reordered, after reordering the sinks in place."""
         if self.key_order is not None:
@@ -137,6 +144,28 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
         self.alpha_k = search_clip(keys, self.group, self.keys.codec.bits, self.clip_grid)
         self.alpha_v = search_clip(values, self.group, self.values.codec.bits, self.clip_grid)
         return keys, values
+
+    def install(self, arrays: dict[str, mx.array], shape: tuple[int, int]) -> None:
+        """Orders and clip ratios fitted elsewhere (a calibration file's: ``perm_k``,
+        ``perm_v`` (1, H, 1, D) uint32 with a channel order, ``alpha_k``, ``alpha_v`` (1, H)
+        float32 with the clip search), taken before any token by every one of the
+        ``shape`` = (B, H) rows: the store is fitted and never fits. Without ratios, the
+        ratio is the grid's one value, as a fit would give it."""
+        batch = shape[0]
+
+        def rows(a):
+            return a if a.shape[0] == batch else mx.contiguous(mx.broadcast_to(a, (batch, *a.shape[1:])))
+
+        if self.key_order is not None:
+            self.perm_k = rows(arrays["perm_k"])
+        if self.value_order is not None:
+            self.perm_v = rows(arrays["perm_v"])
+            self.inv_v = inverse(self.perm_v)  # a sort of the order's indices, not of data
+        for name in ("alpha_k", "alpha_v"):
+            if len(self.clip_grid) == 1:
+                setattr(self, name, fixed_clip(shape, self.clip_grid[0]))
+            else:
+                setattr(self, name, rows(arrays[name]))
 
     def _pack(self, keys, values, decoding: bool) -> None:
         self.keys.append(keys, self.alpha_k, decoding)
@@ -219,14 +248,16 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
         n_kq, n_vq = self.keys.count, self.values.count
         if n_kq != rest - win or n_vq != rest - win:
             yield "quantized tokens", f"{n_kq} keys / {n_vq} values", f"{rest - win}"
-        fitted = bool(n_kq)
+        # fitted once tokens are quantized; a calibration file's orders and ratios are in
+        # place before any is (``install``)
+        fitted = bool(n_kq) or self.alpha_k is not None
         for found, name, wanted in ((self.alpha_k, "key clip ratio", fitted), (self.alpha_v, "value clip ratio", fitted),
                                     (self.perm_k, "key order", fitted and self.key_order is not None),
                                     (self.perm_v, "value order", fitted and self.value_order is not None),
                                     (self.inv_v, "inverse value order", fitted and self.value_order is not None)):
             if (found is not None) != wanted:
                 yield name, "present" if found is not None else "absent", \
-                    "present once tokens are quantized" if wanted else "absent"
+                    "present once fitted (tokens quantized, or a calibration file installed)" if wanted else "absent"
         for alpha, name in ((self.alpha_k, "key clip ratio"), (self.alpha_v, "value clip ratio")):
             if alpha is not None and not bool(mx.all(mx.any(alpha[..., None] == mx.array(self.clip_grid), axis=-1))):
                 yield name, alpha.tolist(), f"values of the grid {self.clip_grid}"

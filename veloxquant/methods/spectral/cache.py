@@ -3,15 +3,35 @@ coordinate, and a 1-bit QJL sketch of the key residual inside the score.
 
 A configuration of the eigenbasis store (``methods/spectral/eigen_store.py``). Per layer and KV head:
 
-1. **Basis** (adapted: the repo calibrates offline): the eigenvectors of the second
-   moment of the unit keys (values) of the first head_dim tokens or more the cache
-   stores (held exactly until then: the prompt chunk that brings the count there),
-   fitted online, on at most 4,096 evenly spaced rows; refitted each time the tokens
-   held double since the end of the prompt or the last refit, from the running second
-   moment of every row taken in, the rows after it coded on the new basis and stored
-   ones kept on theirs (``EigenStore``'s runs); keys pre-RoPE when the cache knows the model's rotary
-   settings (a ``make_prompt_cache`` context: de-rotated at their positions, ``quant/prerope.py``, the
-   card's calibration domain), post-RoPE otherwise.
+1. **Basis**, from one of two places:
+
+   - with the config's ``calibration_file`` (the paper's procedure: offline, per layer and
+     KV head): a file written by ``veloxquant calibrate --method spectral`` for this model,
+     these ``calibration_fields`` and this key rotary (refused otherwise, naming the file,
+     the field and both values; at once when the cache has a model context, and against
+     the keys' (heads, head_dim) at the first ``update_and_fetch``). Per tensor ``k``/``v``
+     it holds ``{k,v}_basis`` (1, H, D, D), ``{k,v}_eigenvalues`` (1, H, D) and
+     ``{k,v}_tables`` (1, H, 2^head + 2^tail): exactly what the fit below takes from a
+     one-chunk prompt of the calibration text (``SpectralQuantCache.calibrate``: keys
+     de-rotated with the model's rotary at positions 0.., at most 4,096 evenly spaced
+     rows), σ derived from the eigenvalues as the fit derives it. They are installed
+     (broadcast over the batch) before the first token: no token is held exactly, no
+     eigenproblem is solved and no codebook trained on the prefill path, no running moment
+     is kept, and the bases are **never refitted** (the paper's offline arrays are fixed;
+     spectral has no refit field to keep). The QJL sketch is not in the file (it comes
+     from the layer's seed), so one file serves either ``spectral_apply_qjl``;
+   - without it (adapted): the eigenvectors of the second moment of the unit keys
+     (values) of the first head_dim tokens or more the cache stores (held exactly until
+     then: the prompt chunk that brings the count there), fitted online, on at most 4,096
+     evenly spaced rows; refitted each time the tokens held double since the end of the
+     prompt or the last refit, from the running second moment of every row taken in, the
+     rows after it coded on the new basis and stored ones kept on theirs (``EigenStore``'s
+     runs).
+
+   Keys are pre-RoPE when the cache knows the model's rotary settings (a
+   ``make_prompt_cache`` context: de-rotated at their positions, ``quant/prerope.py``, the
+   card's calibration domain), post-RoPE otherwise; a file records which
+   (``key_rotary``, kvtc's form).
 2. **Bits**: b = the config's ``kv_bits`` (the repo's ``total_bits``, 3 there; 2, 4 or 8
    here), ``e = min(d_eff, head_dim - 1)`` (``spectral_key_d_eff``, ``spectral_val_d_eff``,
    clamped, as the card asks for d <= 50), ``b_low = max(1, round(b - e/d))``,
@@ -36,8 +56,9 @@ A configuration of the eigenbasis store (``methods/spectral/eigen_store.py``). P
    product over the history (the QJL term folded into it). CPU cost against kivi:
    benchmarks/notes/spectral.md.
 
-``spectral_model_name`` has no effect here: no calibration artifact is read or written
-(the basis comes from the prompt), so there is nothing for the name to locate.
+``spectral_model_name`` has no effect here: the repo keys its saved calibration by it,
+but here the config's ``calibration_file`` names the file, and the name changes none of
+its arrays (a file is not checked against it).
 Memory per token and head, in bits: keys ``e b_high + (d - e) b_low + 32`` with QJL,
 ``e (b_high - 1) + (d - e) b_low + 16`` without; values ``e_v b_high + (d - e_v) b_low + 16``;
 each row padded to whole 32-bit words; plus the bases (float32 d x d), two σ, the two
@@ -47,11 +68,20 @@ tensor.
 
 from __future__ import annotations
 
+import mlx.core as mx
+
+from ...cache.calibration import layer_calibration
 from ...quant.cache import QuantizedCache
-from .eigen_store import EigenCodec, EigenStore, EigenTokens
-from ...quant.prerope import model_rotary
+from ...quant.prerope import args_rotary, model_rotary
+from .eigen_store import CALIBRATED_ARRAYS, EigenCodec, EigenStore, EigenTokens, coded_rows, fitted_arrays
 
 SKETCH_SEED = 0x5BEC  # the QJL matrix of layer i is drawn from SKETCH_SEED + i
+CALIBRATED = tuple(f"{prefix}_{name}" for prefix in "kv" for name in CALIBRATED_ARRAYS)
+
+
+def rotary_name(rotary) -> str:
+    """The key rotary as a calibration file records it (kvtc's form)."""
+    return rotary.to_json() if rotary is not None else "none"
 
 
 class SpectralQuantCache(QuantizedCache):
@@ -60,10 +90,65 @@ class SpectralQuantCache(QuantizedCache):
     # 8k: 11.1 tok/s stacked against 5.5 per sequence (benchmarks/notes/serving_batches.md)
     batchable = "stacked"
     group = 1  # no quantization groups: every shape is accepted
+    # the fields a calibration file's arrays depend on: the bit split (b, e) sizes and
+    # blocks the codebooks; the bases and eigenvalues depend on none, the QJL sketch is not kept
+    calibration_fields = ("kv_bits", "spectral_key_d_eff", "spectral_val_d_eff")
+
+    @staticmethod
+    def codecs(config) -> tuple[EigenCodec, EigenCodec]:
+        """(keys, values) codecs of ``config``."""
+        o, bits = config.options, config.kv_bits
+        return (EigenCodec(bits, o.spectral_key_d_eff, key=True, qjl=o.spectral_apply_qjl),
+                EigenCodec(bits, o.spectral_val_d_eff, key=False, qjl=False))
 
     def make_store(self):
-        o, bits = self.config.options, self.config.kv_bits
-        keys = EigenCodec(bits, o.spectral_key_d_eff, key=True, qjl=o.spectral_apply_qjl)
-        values = EigenCodec(bits, o.spectral_val_d_eff, key=False, qjl=False)
+        keys, values = self.codecs(self.config)
         return EigenStore(EigenTokens(keys, rotary=model_rotary(self.context), seed=SKETCH_SEED + self.layer),
                           EigenTokens(values))
+
+    # -- a calibration file ----------------------------------------------------------------
+    def _init_storage(self) -> None:
+        super()._init_storage()
+        if self.config.calibration_file and self.context is not None:  # a wrong file fails at once
+            self._calibration(None)
+
+    def _calibration(self, kv_shape) -> dict[str, mx.array]:
+        """This layer's arrays in ``calibration_file``, checked against the config, the
+        model, the keys' (heads, head_dim) when known and the rotary the keys are coded under."""
+        return layer_calibration(self.config, self.calibration_fields, CALIBRATED, self.layer,
+                                 model_args=getattr(self.context, "model_args", None), kv_shape=kv_shape,
+                                 cache_metadata={"key_rotary": rotary_name(self.store.keys.rotary)})
+
+    def update_and_fetch(self, keys, values):
+        if self.config.calibration_file and self.kv_shape is None:  # the file meets the keys
+            calibrated = self._calibration((keys.shape[1], keys.shape[-1]))
+            if self.store.keys.basis is None:
+                self.store.calibrated = calibrated
+        return super().update_and_fetch(keys, values)
+
+    @classmethod
+    def calibrate(cls, keys, values, config, *, iters: int, seed: int, progress=None, model_args=None):
+        """A layer's arrays from its post-RoPE keys and values (1, H, T, D) of a text: the fit
+        a one-chunk prompt of those tokens gets (keys de-rotated with ``model_args``' rotary,
+        as a cache in that model's context codes them): per tensor the eigenbasis, its
+        eigenvalues and the trained codebooks (``eigen_store.fitted_arrays``). ``iters`` and
+        ``seed`` change nothing: the fit is deterministic and its Lloyd steps fixed."""
+        t, d = keys.shape[2], keys.shape[-1]
+        if t < d:
+            raise ValueError(f"{t} calibration tokens: an eigenbasis of head_dim {d} needs at least {d} "
+                             f"(use more --tokens)")
+        key_codec, value_codec = cls.codecs(config)
+        tensors = (("k", key_codec, coded_rows(keys, 0, args_rotary(model_args))),
+                   ("v", value_codec, coded_rows(values, 0, None)))
+        arrays = {}
+        for done, (prefix, codec, x) in enumerate(tensors):
+            arrays.update(zip((f"{prefix}_{name}" for name in CALIBRATED_ARRAYS), fitted_arrays(codec, x)))
+            if progress:
+                progress("keys and values", done + 1, len(tensors))
+        return arrays
+
+    @classmethod
+    def calibration_metadata(cls, model_args) -> dict[str, str]:
+        """What the file's key arrays depend on besides the fields: the rotary the keys were
+        de-rotated with ('none': post-RoPE); a cache whose keys are coded otherwise refuses it."""
+        return {"key_rotary": rotary_name(args_rotary(model_args))}

@@ -7,7 +7,10 @@ the unit vectors ``x~ = x / ‖x‖`` of the first run encoded, by decreasing ei
 row taken in (``EigenStore``: a refit each time the tokens held double). Keys may be de-rotated to their pre-RoPE form first
 (``quant/prerope.py``), where the basis is sharper. ``EigenStore`` keeps tokens exactly
 until it holds at least D of them (fewer span only part of the space, and every other
-direction would get the tail's σ fitted on nothing), then fits on all of them.
+direction would get the tail's σ fitted on nothing), then fits on all of them
+(``fitted_arrays``: the basis, its eigenvalues and the codebooks). A calibration file
+holds those same arrays: a store given them (``calibrated``) installs them at its first
+commit instead, holds nothing exactly, keeps no moment and never refits.
 
 **Codes** (``EigenCodec``): ``z = Vᵀ(x / ‖x‖)``; the first ``e`` coordinates (the semantic
 subspace) take a ``head_bits`` codebook, the others a ``tail_bits`` one, each in units of
@@ -76,6 +79,7 @@ MIN_HISTORY_BLOCK = 256
 READ_BLOCK_BYTES = 2 << 20
 READ_BLOCK_BYTES_GPU = 256 << 20
 REFIT_GROWTH = 2  # a new basis each time the tokens held double since the prompt or the last refit
+CALIBRATED_ARRAYS = ("basis", "eigenvalues", "tables")  # ``fitted_arrays``, per tensor, in a calibration file
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,6 +167,23 @@ def eigenbasis(x: mx.array) -> tuple[mx.array, mx.array]:
     second = unit.swapaxes(-1, -2) @ unit / x.shape[2]
     w, v = mx.linalg.eigh(second, stream=mx.cpu)
     return v[..., ::-1], mx.maximum(w[..., ::-1], 0.0)
+
+
+def coded_rows(x: mx.array, start: int, rotary) -> mx.array:
+    """float32 rows (B, H, n, D) in the frame a run fits and codes them: keys de-rotated to
+    their pre-RoPE form at positions ``start``.. when a ``rotary`` is given, else as they are."""
+    return to_pre_rope(x, start, rotary) if rotary is not None else x.astype(mx.float32)
+
+
+def fitted_arrays(codec: "EigenCodec", x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """What a run's fit takes from rows ``x`` (B, H, n, D) in its frame: the basis (B, H, D, D),
+    its eigenvalues (B, H, D), and the two codebooks (B, H, 2^head + 2^tail) trained on the
+    unit rows' coordinates in it, all float32 and from at most ``FIT_SAMPLE_TOKENS`` evenly
+    spaced rows. A calibration file holds exactly these (``SpectralQuantCache.calibrate``)."""
+    x = sample_rows(x)
+    basis, eigenvalues = eigenbasis(x)
+    unit = x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
+    return basis, eigenvalues, codec.train(unit @ basis, codec.sigmas(eigenvalues, x.shape[-1]))
 
 
 @dataclass(frozen=True)
@@ -273,17 +294,17 @@ class EigenTokens:
         return self.basis.shape[-1]
 
     def fit(self, x: mx.array) -> None:
-        """The basis and the codebooks, both from (at most ``FIT_SAMPLE_TOKENS`` of) ``x``."""
+        """The basis and the codebooks, both from (at most ``FIT_SAMPLE_TOKENS`` of) ``x``;
+        the running moment starts empty (``append`` adds)."""
         d = x.shape[-1]
-        x = sample_rows(x)
-        self.install(*eigenbasis(x))
-        unit = x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
-        self.tables = self.codec.train(unit @ self.basis, self.sigma)
+        self.install(*fitted_arrays(self.codec, x))
         self.moment = mx.zeros((*x.shape[:2], d, d), mx.float32)
 
-    def install(self, basis: mx.array, eigenvalues: mx.array) -> None:
+    def install(self, basis: mx.array, eigenvalues: mx.array, tables: mx.array | None = None) -> None:
+        """Code on ``basis`` from now: σ from its ``eigenvalues``, the codebooks ``tables``
+        (σ units), the sketch from the seed. Keeps no moment: that is ``fit``'s to start."""
         d = basis.shape[-1]
-        self.basis, self.sigma = basis, self.codec.sigmas(eigenvalues, d)
+        self.basis, self.sigma, self.tables = basis, self.codec.sigmas(eigenvalues, d), tables
         if self.codec.qjl:
             e = self.codec.widths(d)[0]
             # a copy: the (e, e) corner as a view would keep the whole (d, d) draw alive
@@ -296,8 +317,8 @@ class EigenTokens:
         w, v = mx.linalg.eigh(mx.where(mx.isfinite(second), second, 0.0), stream=mx.cpu)
         run = EigenTokens(self.codec, rotary=self.rotary, seed=self.seed, step_tokens=self.step,
                           start=self.start + self.count)
-        run.install(v[..., ::-1], mx.maximum(w[..., ::-1], 0.0))
-        run.tables = self.tables  # in σ units: they carry over to the new basis's σ
+        # the codebooks are in σ units: they carry over to the new basis's σ
+        run.install(v[..., ::-1], mx.maximum(w[..., ::-1], 0.0), self.tables)
         run.moment, run.seen = self.moment, self.seen
         return run
 
@@ -305,8 +326,7 @@ class EigenTokens:
         """Encode rows (B, H, n, D) after those kept (the first call fits the basis); their
         unit rows join the moment (evaluated with the codes, which attention reads: a
         lazy sum left alone would lengthen at every step)."""
-        x = (to_pre_rope(x, self.start + self.count, self.rotary) if self.rotary is not None
-             else x.astype(mx.float32))
+        x = coded_rows(x, self.start + self.count, self.rotary)
         if self.basis is None:
             self.fit(x)
         words, norms = _encode_fn(self.codec)(x, self.basis, self.sigma, self.sketch, self.tables)
@@ -550,6 +570,8 @@ class EigenStore(PackedStore):
         self.k_pend = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         self.v_pend = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         self.fitted_at = 0  # tokens held at the end of the prompt or the last refit
+        # a calibration file's arrays (``CALIBRATED``, batch 1), installed at the first commit
+        self.calibrated: dict[str, mx.array] | None = None
 
     @property
     def keys(self) -> EigenTokens:
@@ -568,6 +590,8 @@ class EigenStore(PackedStore):
         return self.coded + self.k_pend.length
 
     def commit(self, keys: mx.array, values: mx.array) -> None:
+        if self.keys.basis is None and self.calibrated is not None:
+            self._install_calibrated(keys.shape[0])
         if self.keys.basis is None:
             self.k_pend.append(keys)
             self.v_pend.append(values)
@@ -586,6 +610,15 @@ class EigenStore(PackedStore):
             self.value_runs.append(old_v.refitted())
             old_k.moment = old_v.moment = None  # the newest run carries it on
             self.fitted_at = self.length
+
+    def _install_calibrated(self, batch: int) -> None:
+        """Every row's first runs start on the file's bases, σ and codebooks (broadcast over
+        the batch). No moment is kept: nothing is ever refitted."""
+        for run, prefix in ((self.keys, "k"), (self.values, "v")):
+            basis, eigenvalues, tables = (_batch_rows(self.calibrated[f"{prefix}_{name}"], batch)
+                                          for name in CALIBRATED_ARRAYS)
+            run.install(basis, eigenvalues, tables)
+        self.calibrated = None
 
     def history(self, dtype):
         if self.k_pend.length:
@@ -646,7 +679,9 @@ class EigenStore(PackedStore):
     def meta(self):
         return {"rotary": self.keys.rotary.to_json() if self.keys.rotary is not None else "none",
                 "runs": json.dumps({"starts": [r.start for r in self.key_runs], "fitted_at": self.fitted_at,
-                                    "seen": [self.keys.seen, self.values.seen]})}
+                                    "seen": [self.keys.seen, self.values.seen],
+                                    "capacity": [[k.words.capacity, v.words.capacity]
+                                                 for k, v in zip(self.key_runs, self.value_runs)]})}
 
     def restore(self, meta, arrays) -> None:
         from ...cache.rope import Rotary
@@ -659,14 +694,16 @@ class EigenStore(PackedStore):
         self.v_pend.reset(arrays.get("v_pend"))
         first_k, first_v = self.key_runs[0], self.value_runs[0]
         self.key_runs, self.value_runs = [], []
+        capacities = saved.get("capacity") or []
         for i, start in enumerate(saved.get("starts", [0])):
-            for prefix, first, runs in (("k", first_k, self.key_runs), ("v", first_v, self.value_runs)):
+            for j, (prefix, first, runs) in enumerate((("k", first_k, self.key_runs), ("v", first_v, self.value_runs))):
                 run = EigenTokens(first.codec, rotary=first.rotary, seed=first.seed, step_tokens=first.step,
                                   start=int(start))
                 name = _run_prefix(prefix, i)
                 for field in ("words", "norms"):
                     if f"{name}_{field}" in arrays:
                         getattr(run, field).reset(arrays[f"{name}_{field}"])
+                        _with_room(getattr(run, field), _saved_capacity(capacities, i, j), run.step)
                 for field in ("basis", "sigma", "sketch", "tables"):
                     if f"{name}_{field}" in arrays:
                         setattr(run, field, arrays[f"{name}_{field}"])
@@ -693,6 +730,30 @@ class EigenStore(PackedStore):
         want = [sum(r.count for r in self.key_runs[:i]) for i in range(len(self.key_runs))]
         if starts != want or [r.count for r in self.value_runs] != [r.count for r in self.key_runs]:
             yield "run starts and rows", (starts, [r.count for r in self.value_runs]), (want, [r.count for r in self.key_runs])
+
+
+def _saved_capacity(capacities, run: int, tensor: int) -> int | None:
+    """Run ``run``'s saved buffer rows of keys (``tensor`` 0) or values (1), if the meta has them."""
+    try:
+        return int(capacities[run][tensor])
+    except (TypeError, IndexError, ValueError):
+        return None
+
+
+def _with_room(rows: GrowingArray, capacity: int | None, step: int) -> None:
+    """Zero spare rows after those restored, up to the saved buffer's ``capacity`` (ignored
+    unless it leaves fewer than ``step`` spare, as growth by ``step`` always does). The
+    reader reads whole buffers (``EigenScores``): with the saved shapes a restored cache
+    sums in the same order, so it continues bit for bit."""
+    spare = 0 if capacity is None else capacity - rows.length
+    if rows.buffer is not None and 0 < spare < step:
+        room = mx.zeros((*rows.buffer.shape[:2], spare, *rows.buffer.shape[3:]), rows.buffer.dtype)
+        rows.buffer = mx.concatenate([rows.buffer, room], axis=2)
+
+
+def _batch_rows(x: mx.array, batch: int) -> mx.array:
+    """``x`` (1, ...) as ``batch`` rows of their own (every row the same)."""
+    return x if batch == 1 else mx.contiguous(mx.broadcast_to(x, (batch, *x.shape[1:])))
 
 
 def _run_prefix(prefix: str, i: int) -> str:
