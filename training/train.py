@@ -17,6 +17,10 @@ The curriculum is given in seconds of training (``--time-budget`` split by
 the steps each phase took, and ``--phase-steps`` replays exactly that plan.
 Everything random is seeded by ``--seed``.
 
+The data (mixtures, copy warm-up, packing, answer weights) is ``mixture.py``, which
+does not need torch. ``--mixture ruler`` trains the subword model on the leaderboard's
+tasks (``training/README.md``).
+
 Outputs in --out: model.safetensors (float16, mlx-lm names), config.json,
 tokenizer files, parity.safetensors (a fixed input and its float32 logits, for
 checking the MLX port), train_log.txt, train_summary.json.
@@ -42,50 +46,12 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-import bench_modules  # noqa: E402
 import byte_tokenizer as bt  # noqa: E402
+# the data (torch-free, tested in tests/test_training_mixture.py)
+from mixture import (MIXTURES, Tok, in_text_order, make_eval_examples,  # noqa: E402,F401
+                     make_sequence, ruler, ruler_parts, tasks)
 
-tasks, ruler = bench_modules.load()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the data workers fork
-
-
-class Tok:
-    """The model's tokenizer: bytes (``path`` None, the first reference model) or a
-    ``tokenizer.json`` (the subword model); ``encode`` gives ids without <bos>."""
-
-    def __init__(self, path: str | None = None):
-        self.path = path
-        if path is None:
-            self.bos, self.eos, self.pad = bt.BOS_ID, bt.EOS_ID, bt.PAD_ID
-            self.vocab_size = bt.VOCAB_SIZE
-            self.chars_per_token = 1.0
-            return
-        from tokenizers import Tokenizer
-
-        self.t = Tokenizer.from_file(path)
-        self.bos, self.eos, self.pad = (self.t.token_to_id(s) for s in ("<bos>", "<eos>", "<pad>"))
-        self.vocab_size = -(-self.t.get_vocab_size() // 64) * 64
-        # of the held-out book: sizes the generators whose budgets are in bytes
-        sample = tasks.load_default_filler()[:50_000]
-        self.chars_per_token = len(sample) / len(self.encode(sample))
-
-    def encode(self, text: str) -> np.ndarray:
-        if self.path is None:
-            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-        return np.asarray(self.t.encode(text, add_special_tokens=False).ids, dtype=np.int32)
-
-    def count(self, text: str) -> int:  # as the bench counts: with <bos>
-        return 1 + len(self.encode(text))
-
-    def save(self, folder: Path) -> None:
-        if self.path is None:
-            bt.save_tokenizer(folder)
-            return
-        import shutil
-
-        src = Path(self.path).parent
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copyfile(src / name, folder / name)
 
 # ---------------------------------------------------------------------------
 # Model: the same computation and parameter names as mlx_lm.models.llama.
@@ -254,173 +220,6 @@ def init_weights(model: Llama, seed: int):
 # ---------------------------------------------------------------------------
 # Data: batches of fixed length built by CPU workers.
 
-TASK_WEIGHTS = {
-    "niah_single": 0.15,
-    "niah_multikey": 0.3,
-    "kv_lookup": 0.2,
-    "variable_tracking": 0.35,
-}
-P_TEXT = 0.12  # plain-text sequences
-P_COPY_SHORT, P_COPY = (
-    0.5,
-    0.08,
-)  # copy (induction warm-up) sequences, at contexts <= 512 / longer
-P_SINGLE = 0.6  # otherwise: one example fills the sequence, else 2-4 packed examples
-
-# the subword model's mixture (--mixture ruler): the leaderboard's six tasks
-# (veloxquant/bench/ruler.py, prefixed "ruler:") and, less often, the bench's own
-MIXTURES = {
-    "reference": TASK_WEIGHTS,
-    "ruler": {
-        "ruler:niah_single": 0.08,
-        "ruler:niah_multikey": 0.14,
-        "ruler:niah_multivalue": 0.14,
-        "ruler:vt": 0.17,
-        "ruler:cwe": 0.17,
-        "ruler:qa": 0.17,
-        "niah_multikey": 0.05,
-        "variable_tracking": 0.08,
-    },
-}
-
-
-def _example_opts(task, rng):
-    if task == "niah_multikey":
-        return {"n_keys": rng.randint(2, 8)}, rng.randint(1, 3)
-    if task == "variable_tracking":
-        return {"hops": rng.randint(1, 5), "chains": rng.randint(1, 3)}, rng.randint(
-            1, 3
-        )
-    if task == "kv_lookup":
-        return {}, rng.randint(1, 3)
-    return {}, 1
-
-
-def _random_words(rng: random.Random, n: int) -> str:
-    out, size = [], 0
-    while size < n:
-        w = "".join(
-            rng.choice("abcdefghijklmnopqrstuvwxyz0123456789")
-            for _ in range(rng.randint(2, 7))
-        )
-        out.append(w)
-        size += len(w) + 1
-    return " ".join(out)[:n]
-
-
-def copy_sequence(rng: random.Random, L: int, tok: Tok):
-    """Induction warm-up: blocks of random words, each written twice; the second copy is the answer."""
-    ids = np.full(L + 1, tok.pad, dtype=np.int32)
-    kind = np.zeros(L + 1, dtype=np.int8)
-    ids[0] = tok.bos
-    p = 1
-    while p < L + 1 - 8:
-        m = rng.randint(8, max(8, min(1024, (L + 1 - p - 3) // 2)))
-        x = _random_words(rng, m)
-        for chunk, k in ((x + "\n", 1), (x, 2), ("\n\n", 1)):
-            b = tok.encode(chunk)
-            n = min(len(b), L + 1 - p)
-            ids[p : p + n] = b[:n]
-            kind[p : p + n] = k
-            p += n
-    return ids, kind
-
-
-def ruler_parts(task: str, rng: random.Random, size: int, corpus: str, tok: Tok):
-    """One example of a leaderboard task in about ``size`` tokens (with <bos> and
-    <eos>) as [(prompt, False), (answer, True)]: the bench's generator with this
-    script's random stream and haystack, sized by two trial encodings instead of the
-    bench's bisection (the data workers' time)."""
-    if task != "cwe":  # a window of the books: the haystack reads only this far
-        start = corpus.find(" ", rng.randrange(len(corpus) - 200_000)) + 1
-        corpus = corpus[start : start + 4 * int(size * tok.chars_per_token) + 40_000]
-    count = tok.count
-    if task.startswith("niah"):
-        render, most, answers, said, _ = ruler._niah(task, rng, corpus)
-    elif task == "vt":
-        render, most, answers, said, _ = ruler._vt(rng, corpus)
-    elif task == "cwe":
-        render, most, answers, said, _ = ruler._cwe(rng, corpus, size, count)
-    else:
-        render, most, answers, said, _ = ruler._qa(rng, corpus, size)
-    room = size - 1 - len(tok.encode(said))
-    fixed = count(render(0))
-    n = max(0, min(most, room - fixed))  # a first guess: a token per unit
-    for _ in range(3):
-        got = count(render(n))
-        if got <= room or n == 0:
-            break
-        n = max(0, int((n * (room - fixed) / max(1, got - fixed)) * 0.97))
-    grow = count(render(n))
-    if grow < room * 0.9 and n < most:  # the guess was short: scale up once
-        m = min(most, int(n * (room - fixed) / max(1, grow - fixed) * 0.97))
-        if count(render(m)) <= room:
-            n = m
-    prompt = render(n)
-    if task in ("niah_multivalue", "cwe"):
-        said = ", ".join(in_text_order(task, prompt, answers))
-    return [(prompt, False), (said, True)]
-
-
-def in_text_order(task: str, prompt: str, answers) -> list:
-    """The answers of a task the scorer takes in any order (niah_multivalue, cwe) as the
-    text first shows them: an order the model can know (the generator's is random)."""
-    mark = " {}" if task == "niah_multivalue" else ". {} "
-    return sorted(answers, key=lambda a: prompt.find(mark.format(a)) % (1 << 62))
-
-
-def make_sequence(rng: random.Random, L: int, corpus: str, tok: Tok, mixture: str = "reference"):
-    """L+1 token ids and, per target position, a kind: 0 ignore, 1 text, 2 answer."""
-    ids = np.full(L + 1, tok.pad, dtype=np.int32)
-    kind = np.zeros(L + 1, dtype=np.int8)  # kind[i] describes ids[i] as a target
-    if rng.random() < (P_COPY_SHORT if L <= 512 else P_COPY):
-        return copy_sequence(rng, L, tok)
-    if rng.random() < P_TEXT:
-        span = L if tok.path is None else int(L * tok.chars_per_token * 1.5)
-        start = rng.randrange(len(corpus) - span)
-        start = corpus.find(" ", start) + 1
-        chunk = tok.encode(corpus[start : start + span])[:L]
-        ids[0] = tok.bos
-        ids[1 : 1 + len(chunk)] = chunk
-        kind[1 : 1 + len(chunk)] = 1
-        return ids, kind
-    if rng.random() < P_SINGLE or L < 512:
-        sizes = [L + 1]
-    else:
-        n = rng.randint(2, 4)
-        cuts = sorted(rng.sample(range(256, L + 1 - 256), n - 1))
-        sizes = [b - a for a, b in zip([0] + cuts, cuts + [L + 1])]
-        sizes = [s for s in sizes if s >= 200] or [L + 1]
-    pos = 0
-    # the leaderboard's tasks need about 300 tokens of fixed text: from 1,024 tokens on
-    weights_of = MIXTURES[mixture if L >= 1024 else "reference"]
-    names, weights = list(weights_of), list(weights_of.values())
-    for size in sizes:
-        task = rng.choices(names, weights)[0]
-        if task.startswith("ruler:"):
-            parts = ruler_parts(task[len("ruler:"):], rng, size, corpus, tok)
-        else:
-            opts, nq = _example_opts(task, rng)
-            budget = int(size * tok.chars_per_token * 0.95) if tok.path else size
-            parts = tasks.build_parts(task, rng, budget, corpus, n_queries=nq, opts=opts)
-        ids[pos] = tok.bos
-        p = pos + 1
-        for text, is_answer in parts:
-            b = tok.encode(text)
-            n = min(len(b), L + 1 - p)
-            ids[p : p + n] = b[:n]
-            kind[p : p + n] = 2 if is_answer else 1
-            p += n
-        if p < L + 1:
-            ids[p] = tok.eos
-            kind[p] = 1
-            p += 1
-        pos = max(p, pos + size)
-        if pos >= L + 1:
-            break
-    return ids, kind
-
-
 class Batches(torch.utils.data.IterableDataset):
     def __init__(self, corpus: str, L: int, B: int, seed: int, phase: int, tok: Tok,
                  mixture: str):
@@ -435,9 +234,8 @@ class Batches(torch.utils.data.IterableDataset):
             rng = random.Random(f"train/{self.seed}/{self.phase}/{k}")
             seqs = [make_sequence(rng, self.L, self.corpus, self.tok, self.mixture)
                     for _ in range(self.B)]
-            ids = torch.from_numpy(np.stack([s[0] for s in seqs]))
-            kind = torch.from_numpy(np.stack([s[1] for s in seqs]))
-            yield ids, kind
+            # token ids, target kinds, answer-loss weights
+            yield tuple(torch.from_numpy(np.stack([s[i] for s in seqs])) for i in range(3))
             k += nw
 
 
@@ -525,30 +323,8 @@ def _eval_examples(ctx, n, seed, tok: Tok, mixture: str):
     leaderboard's, on the held-out book, sized in the model's tokens."""
     key = (ctx, n, seed, tok.path, mixture)
     if key not in _EVAL_CACHE:
-        _EVAL_CACHE[key] = _make_eval_examples(ctx, n, seed, tok, mixture)
+        _EVAL_CACHE[key] = make_eval_examples(ctx, n, seed, tok, mixture)
     return _EVAL_CACHE[key]
-
-
-def _make_eval_examples(ctx, n, seed, tok: Tok, mixture: str):
-    out = []
-    if tok.path is None:
-        for task in tasks.TASKS:
-            out += [(task, e.prompt, e.answer) for e in tasks.make_examples(task, n, ctx, seed=seed)]
-        return out
-    # kv_lookup's hex keys take several tokens a character: not in the subword mixture
-    for task in ("niah_multikey", "variable_tracking"):
-        for i in range(n):  # sized in bytes
-            e = tasks.make_example(task, int(ctx * tok.chars_per_token * 0.9), seed=seed, index=i)
-            out.append((task, e.prompt, e.answer))
-    if mixture == "ruler" and ctx >= 1024:
-        for task in ruler.RULER_TASKS:
-            for e in ruler.make_ruler_examples(task, n, ctx - 64, seed, tok.count):
-                answers = e.answers
-                if task in ("niah_multivalue", "cwe"):  # as trained
-                    answers = in_text_order(task, e.prompt, answers)
-                said = {"niah_multivalue": ", ", "cwe": ", ", "vt": " "}.get(task, "")
-                out.append(("ruler:" + task, e.prompt, said.join(answers)))
-    return out
 
 
 @torch.no_grad()
@@ -680,6 +456,8 @@ def main():
     )
 
     tok = Tok(args.tokenizer or None)
+    if args.mixture == "ruler":
+        ruler._vocabulary(corpus)  # cached here once, not in every forked data worker
     CONFIG.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos, eos_token_id=tok.eos,
                   pad_token_id=tok.pad)
     if args.config:
@@ -761,10 +539,11 @@ def main():
                     break
             elif time.time() - train_t0 >= phase_end_time:
                 break
-            ids, kind = next(it)
+            ids, kind, wts = next(it)
             ids = ids.to(device, non_blocking=True).long()
             kind = kind.to(device, non_blocking=True)
-            x, y, k = ids[:, :-1], ids[:, 1:], kind[:, 1:]
+            wts = wts.to(device, non_blocking=True)
+            x, y, k, w_ans = ids[:, :-1], ids[:, 1:], kind[:, 1:], wts[:, 1:]
             p = progress()
             lr = args.lr * min(1.0, (step + 1) / args.warmup)
             lr *= args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (
@@ -793,7 +572,10 @@ def main():
             m_txt = (k == 1).float()
             m_ans = (k == 2).float()
             lm = (ce * m_txt).sum() / m_txt.sum().clamp(min=1)
-            ans = (ce * m_ans).sum() / m_ans.sum().clamp(min=1)
+            # the answer weights are 1 a token (--mixture reference: the per-token mean) or
+            # 1/n on each answer's n tokens (ruler: the mean over answers, so one-token qa
+            # answers are not drowned by long copies); each answer sums to 1, hence clamp 1
+            ans = (ce * w_ans).sum() / w_ans.sum().clamp(min=1)
             loss = lm + args.answer_weight * ans
             opt.zero_grad(set_to_none=True)
             loss.backward()
