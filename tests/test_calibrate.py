@@ -142,3 +142,21 @@ def test_calibrate_refuses_bad_requests_naming_what_is_wrong(tmp_path, text_file
     assert code == 2 and "no such file" in err
     code, _, err = cli("calibrate", "--method", "vecinfer", "--set", "calibration_file=a.safetensors")
     assert code == 2 and "calibrate writes the file that --out names" in err
+
+
+def test_collect_queries_gives_each_layers_post_rope_queries(reference):
+    """What a layer's cache attends with over a text fed in chunks: layer 0's queries are
+    its projection of the normed embeddings, rotated at their positions (chunking rounds
+    the rotation's angles by float32 ulps only)."""
+    from veloxquant_mlx.cache.calibration import collect_queries
+
+    model, tokenizer = reference
+    tokens = mx.array(tokenizer.encode((REFERENCE_MODEL / "heldout_kjv_acts.txt").read_text()[:700]))
+    queries = collect_queries(model, tokens, chunk=256)
+    attn = model.model.layers[0].self_attn
+    assert sorted(queries) == [0, 1, 2, 3]
+    assert queries[0].shape == (1, attn.n_heads, tokens.shape[0], 128)
+    h = model.model.layers[0].input_layernorm(model.model.embed_tokens(tokens[None]))
+    expected = attn.rope(attn.q_proj(h).reshape(1, tokens.shape[0], attn.n_heads, -1).transpose(0, 2, 1, 3))
+    assert mx.allclose(queries[0], expected, atol=1e-4, rtol=1e-4)
+    assert not mx.allclose(queries[1], queries[0], atol=1e-2)  # each layer its own

@@ -380,7 +380,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .cache.calibration import calibration_header, collect_kv, write_calibration
+    from .cache.calibration import calibration_header, collect_kv, collect_queries, write_calibration
 
     model, tokenizer, _ = load_model(args.model)
     model_args = getattr(model, "args", None)
@@ -398,6 +398,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     with Progress(*columns, console=Console(stderr=True)) as bar:
         task = bar.add_task(f"keys and values of {len(tokens)} tokens", total=len(tokens))
         kv = collect_kv(model, mx.array(tokens), progress=lambda done, n: bar.update(task, completed=done))
+        queries = {}
+        if getattr(cls, "calibration_queries", False):  # its paper calibrates on queries too
+            task = bar.add_task(f"queries of {len(tokens)} tokens", total=len(tokens))
+            queries = collect_queries(model, mx.array(tokens),
+                                      progress=lambda done, n: bar.update(task, completed=done))
         layers = {}
         for i, (keys, values) in kv.items():
             task = bar.add_task(f"layer {i}", total=None)
@@ -407,7 +412,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
             try:
                 layers[i] = cls.calibrate(keys, values, config, iters=args.iters, seed=args.seed,
-                                          progress=report, model_args=model_args)
+                                          progress=report, model_args=model_args,
+                                          **({"queries": queries[i]} if queries else {}))
             except ValueError as exc:  # settings this text or model cannot be fitted with
                 raise CLIError(f"--method {args.method}: {exc}") from None
             mx.eval(layers[i])
