@@ -24,3 +24,19 @@ def test_an_append_after_a_truncation_fits_within_the_limit():
     g.truncate(10)  # a trimmed cache: capacity 256, 10 rows kept
     g.append(rows(300, 10))
     assert g.length == 310 and g.capacity <= 513 and mx.array_equal(g.view(), rows(310))
+
+
+def test_restore_room_gives_back_a_saved_buffers_spare_rows_and_ignores_rooms_growth_never_leaves():
+    g = GrowingArray(axis=2, step=8)
+    g.append(mx.ones((1, 2, 5, 3)))
+    saved_room, rows = g.capacity, g.view()
+    restored = GrowingArray(axis=2, step=8)
+    restored.reset(rows)
+    restored.restore_room(saved_room)
+    assert restored.capacity == saved_room == 8 and restored.length == 5
+    assert mx.array_equal(restored.buffer, g.buffer)  # the spare rows are zeros, as grown
+    for room in (None, 5, 4, 5 + 9):  # none saved, no spare, fewer rows, more than a step spare
+        other = GrowingArray(axis=2, step=8)
+        other.reset(rows)
+        other.restore_room(room)
+        assert other.capacity == 5

@@ -127,6 +127,17 @@ class GrowingArray:
         self.buffer = rows
         self.length = 0 if rows is None else rows.shape[self.axis]
 
+    def restore_room(self, room: int | None) -> None:
+        """Zero rows after the content up to ``room``: the rows a saved buffer had room for.
+        A reader over a whole buffer (capacity-fixed shapes) then sums over the shapes it
+        summed over before the save, so a loaded cache continues bit for bit. A room more
+        than a step beyond the content is not one growth leaves: ignored."""
+        if self.buffer is None or room is None or not 0 < room - self.capacity <= self.step:
+            return
+        pad = [(0, 0)] * self.buffer.ndim
+        pad[self.axis % self.buffer.ndim] = (0, room - self.capacity)
+        self.buffer = mx.pad(self.buffer, pad)
+
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 

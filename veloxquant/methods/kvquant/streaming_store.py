@@ -87,16 +87,10 @@ class StreamingStore(SinkKVStore):
         self._restore_rooms(json.loads(meta.get("rooms", "{}")))
 
     def _restore_rooms(self, rooms: dict[str, int]) -> None:
-        """Each buffer given back the spare room it had when saved (zeros past its rows): a
-        decode step reads the packed runs over their whole room (its compiled shapes change
-        only when a buffer grows), and a sum over another room rounds otherwise, so a loaded
-        cache would not continue bit for bit. A state saved without them loads exactly sized."""
+        """Each buffer given back the room it had when saved (``GrowingArray.restore_room``):
+        a decode step reads the packed runs over their whole room, so a loaded cache
+        continues bit for bit. A state saved without them loads exactly sized."""
         kept = self.arrays()
         for name, room in rooms.items():
-            g = kept.get(name)
-            # growth never leaves more than a step spare: a larger room is not a saved one
-            if not isinstance(g, GrowingArray) or g.buffer is None or not 0 < room - g.capacity <= g.step:
-                continue
-            pad = [(0, 0)] * g.buffer.ndim
-            pad[g.axis % g.buffer.ndim] = (0, room - g.capacity)
-            g.buffer = mx.pad(g.buffer, pad)
+            if isinstance(kept.get(name), GrowingArray):
+                kept[name].restore_room(room)

@@ -703,7 +703,7 @@ class EigenStore(PackedStore):
                 for field in ("words", "norms"):
                     if f"{name}_{field}" in arrays:
                         getattr(run, field).reset(arrays[f"{name}_{field}"])
-                        _with_room(getattr(run, field), _saved_capacity(capacities, i, j), run.step)
+                        getattr(run, field).restore_room(_saved_capacity(capacities, i, j))
                 for field in ("basis", "sigma", "sketch", "tables"):
                     if f"{name}_{field}" in arrays:
                         setattr(run, field, arrays[f"{name}_{field}"])
@@ -738,17 +738,6 @@ def _saved_capacity(capacities, run: int, tensor: int) -> int | None:
         return int(capacities[run][tensor])
     except (TypeError, IndexError, ValueError):
         return None
-
-
-def _with_room(rows: GrowingArray, capacity: int | None, step: int) -> None:
-    """Zero spare rows after those restored, up to the saved buffer's ``capacity`` (ignored
-    unless it leaves fewer than ``step`` spare, as growth by ``step`` always does). The
-    reader reads whole buffers (``EigenScores``): with the saved shapes a restored cache
-    sums in the same order, so it continues bit for bit."""
-    spare = 0 if capacity is None else capacity - rows.length
-    if rows.buffer is not None and 0 < spare < step:
-        room = mx.zeros((*rows.buffer.shape[:2], spare, *rows.buffer.shape[3:]), rows.buffer.dtype)
-        rows.buffer = mx.concatenate([rows.buffer, room], axis=2)
 
 
 def _batch_rows(x: mx.array, batch: int) -> mx.array:
