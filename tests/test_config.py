@@ -229,3 +229,35 @@ def test_unknown_options_key_lists_options_and_config_fields_the_method_reads():
     )
     with pytest.raises(ValueError, match=r"'kv_bits' is one of KVCacheConfig's own fields, not a field of KIVIOptions"):
         KVCacheConfig.from_dict({"method": "kivi", "options": {"kv_bits": 4}})
+
+
+def test_an_array_field_keeps_the_config_comparable_serialisable_and_read_by_the_cache(tmp_path):
+    """a2ats's calibrated codebook and query metric are ``Any`` fields that take arrays:
+    ``==`` on an array is elementwise (and raises against None), and JSON has no arrays, so
+    the config keeps them as nested tuples; a saved prompt cache's config reads back equal,
+    and the cache codes with the given codebook."""
+    import json
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from tiny_models import prompt, tiny_model
+    from veloxquant_mlx import make_prompt_cache
+    from veloxquant_mlx.cache.options import A2ATSOptions
+
+    codebook, metric = mx.random.normal((256, 4), key=mx.random.key(3)), 2 * mx.eye(4)
+    config = KVCacheConfig(method="a2ats", options=A2ATSOptions(a2ats_codebook=codebook, a2ats_query_h=metric,
+                                                                a2ats_sub_dim=4, a2ats_window=8))
+    assert config == KVCacheConfig(method="a2ats", options=A2ATSOptions(
+        a2ats_codebook=codebook, a2ats_query_h=metric, a2ats_sub_dim=4, a2ats_window=8))
+    assert KVCacheConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert mx.array_equal(mx.array(config.options.a2ats_codebook), codebook)
+    model = tiny_model("llama")
+    cache = make_prompt_cache(model, config)
+    model(prompt(40)[None], cache=cache)
+    for t in prompt(8):
+        model(t.reshape(1, 1), cache=cache)
+    path = str(tmp_path / "a2ats.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = load_prompt_cache(path)
+    assert loaded[0].config == config

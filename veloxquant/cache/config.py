@@ -96,7 +96,7 @@ def _warn_unread(name: str, value: Any, method: str, storage: Any = None) -> Non
     ``storage``) ignores."""
     if name in STORAGE_READS.get(type(storage).__name__, ()):
         return
-    if name in CONFIG_FIELD_USERS and method not in CONFIG_FIELD_USERS[name] and value != _DEFAULTS[name]:
+    if name in CONFIG_FIELD_USERS and method not in CONFIG_FIELD_USERS[name] and not _same(value, _DEFAULTS[name]):
         warnings.warn(
             f"KVCacheConfig.{name}={value!r} has no effect: {method} does not read {name}; "
             f"{describe_fields_read(method)}",
@@ -134,7 +134,7 @@ def storage_problem(method: str, storage: Any, values: Mapping[str, Any]) -> Non
     for field in METHODS[key].fields:
         validators.validate_field(field, getattr(storage, field))
     for field in STORAGE_CONFLICTS:
-        if values.get(field, _DEFAULTS[field]) != _DEFAULTS[field]:
+        if not _same(values.get(field, _DEFAULTS[field]), _DEFAULTS[field]):
             raise ValueError(
                 f"{field}={values[field]!r} with storage={name}(...): a composed cache holds in "
                 f"full precision the tokens its method protects as recent (its own option), not "
@@ -240,12 +240,16 @@ class KVCacheConfig(KVCacheConfigFields):
             _warn_unread(name, getattr(self, name), self.method, self.storage)
         for name in FLAT_FIELDS:
             value = getattr(self, name)
-            if value != _DEFAULTS[name]:
+            if not _same(value, _DEFAULTS[name]):
                 validators.validate_field(name, value)
                 _warn_flat(name, value, self.method)
         if options is not None:
             self._warn_conflicts(options)
             self._apply_options(options, only_defaults=True)
+        for name in FLAT_FIELDS:  # a table (an ``Any`` field's array) kept as nested tuples: the
+            value = getattr(self, name)  # config stays comparable, and to_dict/from_dict round-trip it
+            if _is_table(value):
+                object.__setattr__(self, name, _nested_tuples(value))
         self._validate_active()
         object.__setattr__(self, "_ready", True)
 
@@ -260,9 +264,9 @@ class KVCacheConfig(KVCacheConfigFields):
         named = self.__dict__.get("_named", frozenset())
         for name in METHODS[self.method].fields:
             flat, given = getattr(self, name), getattr(options, name)
-            if given == _DEFAULTS[name] or flat == given:
+            if _same(given, _DEFAULTS[name]) or _same(flat, given):
                 continue
-            if flat != _DEFAULTS[name]:
+            if not _same(flat, _DEFAULTS[name]):
                 used = f"the flat {flat!r} is used"
             elif name in named:
                 used = f"the options' {given!r} is used (a flat value at its default gives way)"
@@ -307,7 +311,7 @@ class KVCacheConfig(KVCacheConfigFields):
         for name in METHODS[self.method].fields:
             value = getattr(options, name)
             validators.validate_field(name, value)
-            if not only_defaults or getattr(self, name) == _DEFAULTS[name]:
+            if not only_defaults or _same(getattr(self, name), _DEFAULTS[name]):
                 object.__setattr__(self, name, value)
 
     def _validate_active(self, **changes: Any) -> None:
@@ -418,6 +422,28 @@ _FIELDS_INIT = KVCacheConfig.__init__
 
 
 @functools.wraps(_FIELDS_INIT)
+def _is_table(value: Any) -> bool:
+    """An array, or a sequence of sequences (an array as JSON gives it back)."""
+    return (hasattr(value, "shape") and hasattr(value, "tolist")) or (
+        isinstance(value, (list, tuple)) and any(isinstance(v, (list, tuple)) for v in value))
+
+
+def _nested_tuples(value: Any) -> Any:
+    value = value.tolist() if hasattr(value, "tolist") else value
+    return tuple(_nested_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Field values equal, arrays too (an ``Any`` field may hold one: ``==`` on an array is
+    elementwise, and against None it raises)."""
+    if a is None or b is None:
+        return a is b
+    if hasattr(a, "shape") or hasattr(b, "shape"):
+        return a is b or (hasattr(a, "shape") and hasattr(b, "shape") and a.shape == b.shape
+                          and bool((a == b).all()))
+    return a == b
+
+
 def _init_naming_fields(self, *args, **kwargs):
     # Which fields the caller named: a flat field given at its default is still given, and
     # a conflict with ``options`` over it is reported (``_warn_conflicts``).
