@@ -27,10 +27,11 @@ A prompt chunk attends exactly over every stored row plus itself. The codebook i
 or fitted by k-means on the stored keys' sub-vectors when the first step retrieves
 (before, codes are not needed); tokens are coded then and at each later step (exact rows
 stay, so coding late changes nothing). Codes may be assigned under a metric ``H = L L^T``
-(``(k - c) H (k - c)^T = ||kL - cL||^2``): given, or the second moment of the prompt's
-queries in the score frame (accumulated at each prompt chunk, normalised to unit mean
-eigenvalue) blended with the identity by ``beta`` (1: plain nearest centroid); the
-codebook is then fitted in the L frame (k-means on ``kL``, ``C = C_L L^-1``).
+(``(k - c) H (k - c)^T = ||kL - cL||^2``): given (H, or its factor L), or the second
+moment of the prompt's queries in the score frame (accumulated at each prompt chunk,
+normalised to unit mean eigenvalue) blended with the identity by ``beta`` (1: plain
+nearest centroid); the codebook is then fitted in the L frame (k-means on ``kL``,
+``C = C_L L^-1``). ``fit_tables`` is that fit, alone (a calibration runs it on a text).
 
 The codebook, the metric's factor and the query moment are per row of the batch (B first):
 each row's are fitted from its own keys and queries and read by its own codes and scores
@@ -97,8 +98,9 @@ class RetrievalStore:
 
     def __init__(self, *, bits: int, sub_dim: int, window: int, n_sink: int, fraction: float,
                  frame: Callable, query_offset: int = 0, codebook: mx.array | None = None,
-                 metric: mx.array | None = None, learn_metric: bool = False, beta: float = 1.0,
-                 seed: int = 0, rotary: Rotary | None = None, batch: int = 1):
+                 metric: mx.array | None = None, factor: mx.array | None = None,
+                 learn_metric: bool = False, beta: float = 1.0, seed: int = 0,
+                 rotary: Rotary | None = None, batch: int = 1):
         self.rotary = rotary  # when given, ``frame`` is ``derotate`` with it (queries framed in the step's pass)
         self.bits, self.sub_dim, self.window, self.n_sink = bits, sub_dim, window, n_sink
         self.fraction, self.frame, self.query_offset, self.seed = fraction, frame, query_offset, seed
@@ -109,7 +111,9 @@ class RetrievalStore:
         self.codes = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         # the tables are per row (B first), each row's own: a given one is copied to every row
         self.centroids = None if codebook is None else _per_row(codebook, batch)  # (B, 2**bits, s)
-        self.factor = None if metric is None else _per_row(metric_factor(metric), batch)  # L (B, s, s)
+        if metric is not None:
+            factor = metric_factor(metric)
+        self.factor = None if factor is None else _per_row(factor, batch)  # L (B, s, s)
         self.beta = beta
         self.h_sum = mx.zeros((batch, sub_dim, sub_dim), mx.float32) if learn_metric else None
 
@@ -144,17 +148,25 @@ class RetrievalStore:
         y = self.frame(keys, mx.arange(start, stop))
         return y.reshape(*y.shape[:-1], -1, self.sub_dim)
 
-    def _code_up_to(self, n: int) -> None:
-        """Codes for the first ``n`` tokens (fitting each row's codebook first if there is
-        none), each row's sub-vectors (B, H T D/s, s) against its own tables."""
+    def fit_tables(self, n: int) -> mx.array | None:
+        """Each row's tables where they are missing: the metric's factor (from the query
+        moment, once) and the codebook, by k-means on the first ``n`` tokens' sub-vectors
+        (B, H n D/s, s) in the factor's frame. The factor (None: plain nearest centroid).
+        What the first coding step fits, and what a calibration file holds."""
         factor = self._assignment_factor()
-        b = self.keys.buffer.shape[0]
         if self.centroids is None:
-            x = self._sub_vectors(0, n).reshape(b, -1, self.sub_dim)
+            x = self._sub_vectors(0, n).reshape(self.keys.buffer.shape[0], -1, self.sub_dim)
             x = x if factor is None else x @ factor
             c = kmeans_rows(x, 1 << self.bits, iters=FIT_ITERS, key=mx.random.key(self.seed),
                             sample=FIT_SAMPLE << self.bits, read_host=False)
             self.centroids = c if factor is None else c @ mx.linalg.inv(factor, stream=mx.cpu)
+        return factor
+
+    def _code_up_to(self, n: int) -> None:
+        """Codes for the first ``n`` tokens (fitting each row's tables first if there are
+        none), each row's sub-vectors (B, H T D/s, s) against its own tables."""
+        factor = self.fit_tables(n)
+        b = self.keys.buffer.shape[0]
         if self.codes.length < n:
             sub = self._sub_vectors(self.codes.length, n)
             shape, sub = sub.shape[:-1], sub.reshape(b, -1, self.sub_dim)
@@ -239,12 +251,22 @@ class RetrievalStore:
         return {"keys": self.keys, "values": self.values, "codes": self.codes,
                 "centroids": self.centroids, "factor": self.factor, "h_sum": self.h_sum}
 
-    def restore(self, arrays: dict[str, Any], batch: int) -> None:
+    def rooms(self) -> dict[str, int]:
+        """The rows each growing buffer has room for (saved beside the arrays)."""
+        return {name: getattr(self, name).capacity for name in ("keys", "values", "codes")
+                if getattr(self, name).buffer is not None}
+
+    def restore(self, arrays: dict[str, Any], batch: int, rooms: dict[str, int] | None = None) -> None:
         """The saved arrays back; a table saved without the batch axis (the layout before
         tables were per row: one sequence's, or one shared by a cache's rows) is every
-        row's."""
+        row's. ``rooms``: each buffer's saved room, given back as zero rows past the saved
+        ones: a retrieving step computes over the buffers' whole room (its gathered rows and
+        masked sums follow it), so with another room a loaded store would round otherwise
+        and not continue bit for bit. A state saved without them loads exactly sized."""
         for name in ("keys", "values", "codes"):
-            getattr(self, name).reset(arrays.get(name))
+            kept = getattr(self, name)
+            kept.reset(arrays.get(name))
+            kept.restore_room((rooms or {}).get(name))
         for name in ("centroids", "factor", "h_sum"):
             if name in arrays:
                 table = arrays[name]
