@@ -20,20 +20,40 @@ with none, as at the contract's default of 0, a new token that projects below th
 ones is evicted at once and the text degenerates. Attention always sees
 every stored token; the score itself needs no query.
 
-Adapted (the paper calibrates offline, on about 3000 queries of generic text): the filter
-is calibrated online, once per layer and sequence, from ``qfilters_calib_tokens`` queries of
-the sequence itself (min(T - n_sink, that)), at an even stride across it, the sinks
-excluded. The queries are never all held: a buffer keeps every s-th one, at most twice
-the calibration count, s doubling as the sequence grows. The filter is fixed at the first
-eviction: the prompt's end when the prompt exceeds the budget, else the first decode step
-over it (whose queries then calibrate too).
+Calibrated offline (the paper's procedure; the config's ``calibration_file``, written by
+``veloxquant calibrate --method qfilters``): the file holds each layer's filter per KV head
+(``filter``, (1, Hkv, D) float32), fitted by ``QFiltersCache.calibrate`` with the prompt
+calibration's arithmetic on every post-RoPE query of the text past the first
+``qfilters_n_sink`` (the paper samples about 3000 queries of generic text; the command's
+default 2048 tokens give 2044). The cache reads and checks it at once when it has a model
+context (refusing a file made for another method, ``qfilters_n_sink``, model or key shape,
+by name) and installs it, broadcast over the batch rows, at its first ``update_and_fetch``,
+before any token is written: every token's projection is taken as it comes, no query is
+buffered and no filter is fitted, and the filter never changes (Q-Filters has no refits;
+``qfilters_calib_tokens`` is not read, and trimming is exact while nothing is evicted).
+The retention check does not apply with a file: it measures a filter on the queries it
+was fitted on, which the cache never sees, and the
+queries at hand at the first eviction are the prompt's last one only (mlx-lm hands it
+alone), so ``qfilters_min_retention`` and ``qfilters_on_low_retention`` are not read either.
+Given the same queries, a file calibrated on a prompt's own tokens holds the prompt
+calibration's filter, bit for bit, whenever that calibration also takes every query past
+the sinks (at most ``qfilters_calib_tokens`` of them); on a longer prompt the calibration
+takes an even subset of them, the file all.
 
-Retention check (inferred), run then unless ``qfilters_min_retention`` is None or
-``qfilters_on_low_retention`` is 'ignore': the calibration queries' exact causal attention
-over the stored keys; the mass on the tokens the filter keeps, averaged over the queries
-and the query heads of a KV head, is that head's retention. Below the threshold, 'warn'
-issues a ``LowRetentionWarning`` and 'raise' a ``LowRetentionError`` (before anything is
-evicted), each naming the layer, the worst KV head and its value.
+Adapted, without a file: the filter is calibrated online, once per layer and sequence, from
+``qfilters_calib_tokens`` queries of the sequence itself (min(T - n_sink, that)), at an
+even stride across it, the sinks excluded. The queries are never all held: a buffer keeps
+every s-th one, at most twice the calibration count, s doubling as the sequence grows. The
+filter is fixed at the first eviction: the prompt's end when the prompt exceeds the
+budget, else the first decode step over it (whose queries then calibrate too).
+
+Retention check (inferred; online calibration only), run then unless
+``qfilters_min_retention`` is None or ``qfilters_on_low_retention`` is 'ignore': the
+calibration queries' exact causal attention over the stored keys; the mass on the tokens
+the filter keeps, averaged over the queries and the query heads of a KV head, is that
+head's retention. Below the threshold, 'warn' issues a ``LowRetentionWarning`` and 'raise'
+a ``LowRetentionError`` (before anything is evicted), each naming the layer, the worst KV
+head and its value.
 """
 
 from __future__ import annotations
@@ -42,6 +62,7 @@ import warnings
 
 import mlx.core as mx
 
+from ..cache.calibration import layer_calibration
 from ..diagnostics import VeloxQuantWarning
 from ..evict.attention import attention_weights, reduce_query_blocks
 from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
@@ -132,14 +153,55 @@ class QFiltersCache(ScoredEvictionCache):
     # Packed once calibrated: the filter is then fixed (each sequence's, joined), ``_evict``
     # is the base's and ``trim`` has no calibration queries left to cut.
     sequence_state = ("filter",)
-    same_at_decode = ("_evict", "is_trimmable", "trim")
+    # ``update_and_fetch`` only installs a calibration file's filter, before the first token
+    same_at_decode = ("update_and_fetch", "_evict", "is_trimmable", "trim")
     token_state = ("proj",)
     recent_floor = RECENT_FLOOR  # the contract's default recent window is 0 (module docstring)
+    # offline calibration (``veloxquant calibrate --method qfilters``): the filters are fitted
+    # on a text's queries, which the command collects when this is true
+    calibration_queries = True
+    calibration_fields = ("qfilters_n_sink",)  # the queries fitted are the text's past the sinks
 
     def _init_storage(self) -> None:
         super()._init_storage()
         self.filter = None  # (B, Hkv, D) float32, once calibrated
         self.calib = None  # (B, Hq, <= 2 * calib_tokens, D): queries n_sink + j * stride
+        if self.config.calibration_file and self.context is not None:  # a wrong file fails at once
+            self._calibration(None)
+
+    # -- a calibration file's filter, installed before the first token -------------------
+    def _calibration(self, kv_shape) -> mx.array:
+        """This layer's filter (1, Hkv, D) in ``calibration_file``, checked against the
+        config, the model and the keys' (heads, head_dim) when known."""
+        return layer_calibration(self.config, self.calibration_fields, ("filter",), self.layer,
+                                 model_args=getattr(self.context, "model_args", None),
+                                 kv_shape=kv_shape)["filter"]
+
+    def update_and_fetch(self, keys, values):
+        if self.filter is None and self.config.calibration_file:
+            b, hkv, _, d = keys.shape
+            filters = self._calibration((hkv, d)).astype(mx.float32)
+            self.filter = filters if b == 1 else mx.contiguous(mx.broadcast_to(filters, (b, hkv, d)))
+        return super().update_and_fetch(keys, values)
+
+    @classmethod
+    def calibrate(cls, keys, values, config, *, iters: int, seed: int, progress=None, model_args=None,
+                  queries=None):
+        """A layer's filter per KV head, ``{"filter": (1, Hkv, D) float32}``, from the
+        post-RoPE queries (1, Hq, T, D) of a text: the prompt calibration's arithmetic on
+        every query past the first ``qfilters_n_sink`` (the paper's thousands of queries;
+        ``qfilters_calib_tokens`` bounds only the online buffer). ``iters``, ``seed``,
+        ``values`` and ``model_args`` change nothing: the fit is deterministic."""
+        if queries is None:
+            raise ValueError("qfilters calibrates on the text's queries (calibrate(..., queries=)); none given")
+        sink = config.qfilters_n_sink
+        if queries.shape[2] <= sink:
+            raise ValueError(f"{queries.shape[2]} calibration tokens leave no query past "
+                             f"qfilters_n_sink={sink} to fit the filters on (use more --tokens)")
+        filters = group_mean(query_filters(queries[:, :, sink:]), keys.shape[1])
+        if progress:
+            progress("queries", 1, 1)
+        return {"filter": filters}
 
     def packs_now(self) -> bool:
         return self.filter is not None
@@ -223,6 +285,8 @@ class QFiltersCache(ScoredEvictionCache):
         self.filter, self.calib = arrays.get("filter"), arrays.get("calib")
 
     def is_trimmable(self) -> bool:  # exact while every calibration query is held (stride 1)
+        if self.config.calibration_file:  # the file's filter: no query is held
+            return super().is_trimmable()
         return super().is_trimmable() and calibration_stride(self.seen(self.offset), self.capacity) == 1
 
     def trim(self, n: int) -> int:
