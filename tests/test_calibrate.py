@@ -160,3 +160,15 @@ def test_collect_queries_gives_each_layers_post_rope_queries(reference):
     expected = attn.rope(attn.q_proj(h).reshape(1, tokens.shape[0], attn.n_heads, -1).transpose(0, 2, 1, 3))
     assert mx.allclose(queries[0], expected, atol=1e-4, rtol=1e-4)
     assert not mx.allclose(queries[1], queries[0], atol=1e-2)  # each layer its own
+
+
+def test_the_methods_that_calibrate_are_those_the_spec_says_read_calibration_file():
+    """A class with ``calibrate`` whose spec entry does not list ``calibration_file`` would
+    be refused the file by the command line (and warned at by the config), and the reverse
+    would accept a file nothing reads."""
+    from veloxquant_mlx._generated.deprecations import CONFIG_FIELD_USERS
+    from veloxquant_mlx.registry import METHODS, implemented_methods
+
+    calibrating = {m for m in implemented_methods() if hasattr(METHODS[m].load_implementation(), "calibrate")}
+    assert calibrating == set(CONFIG_FIELD_USERS["calibration_file"])
+    assert len(calibrating) == 9
