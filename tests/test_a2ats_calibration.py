@@ -17,7 +17,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import batching
 from conformance import profile
-from test_calibrate import cli, reference, text_file  # noqa: F401 - module fixtures reused
+from test_calibrate import cli, write_file, reference, text_file  # noqa: F401 - module fixtures reused
 from test_methods_exactness import run
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -39,11 +39,7 @@ def config(path=None, **options):
 
 
 def calibrate(folder, name, *args):
-    out = folder / f"{name}.safetensors"
-    code, _, stderr = cli("calibrate", "--model", str(REFERENCE_MODEL), "--method", "a2ats", "--out", str(out),
-                          *args)
-    assert code == 0, stderr
-    return str(out), stderr
+    return write_file(folder, name, "--method", "a2ats", *args)
 
 
 @pytest.fixture(scope="module")

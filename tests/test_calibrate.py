@@ -33,6 +33,15 @@ def cli(*argv):
     return code, out.getvalue(), err.getvalue()
 
 
+def write_file(folder, name, *args) -> tuple[str, str]:
+    """``veloxquant calibrate --model <reference> --out FOLDER/NAME.safetensors ARGS``, which
+    must succeed: the file's path and what the command wrote to stderr (its progress)."""
+    out = folder / f"{name}.safetensors"
+    code, _, stderr = cli("calibrate", "--model", str(REFERENCE_MODEL), "--out", str(out), *args)
+    assert code == 0, stderr
+    return str(out), stderr
+
+
 @pytest.fixture(scope="module")
 def reference():
     model, tokenizer = mlx_lm.load(str(REFERENCE_MODEL))

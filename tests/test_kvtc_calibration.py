@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from feeding import feed
-from test_calibrate import cli, reference, text_file  # noqa: F401 - module fixtures reused
+from test_calibrate import write_file, reference, text_file  # noqa: F401 - module fixtures reused
 from test_methods_exactness import run
 from tiny_models import tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -27,10 +27,7 @@ PROMPT = (REFERENCE_MODEL / "heldout_kjv_acts.txt").read_text()[:200]  # not the
 
 
 def calibrate(tmp_path, name, *args):
-    out = tmp_path / f"{name}.safetensors"
-    code, _, stderr = cli("calibrate", "--model", str(REFERENCE_MODEL), "--out", str(out), *args)
-    assert code == 0, stderr
-    return str(out)
+    return write_file(tmp_path, name, *args)[0]
 
 
 @pytest.fixture(scope="module")

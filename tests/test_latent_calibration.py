@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from feeding import feed
-from test_calibrate import cli, reference, text_file  # noqa: F401 - module fixtures reused
+from test_calibrate import cli, write_file, reference, text_file  # noqa: F401 - module fixtures reused
 from test_methods_exactness import run
 from tiny_models import tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -38,11 +38,7 @@ def config(method, path=None, **extra):
 
 
 def calibrate(folder, method, *args):
-    out = folder / f"{method}.safetensors"
-    code, _, stderr = cli("calibrate", "--model", str(REFERENCE_MODEL), "--method", method, "--out", str(out),
-                          *SETTINGS[method], *args)
-    assert code == 0, stderr
-    return str(out)
+    return write_file(folder, method, "--method", method, *SETTINGS[method], *args)[0]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from feeding import feed, prompt_then_steps
-from test_calibrate import cli, reference, text_file  # noqa: F401 - module fixtures reused
+from test_calibrate import write_file, reference, text_file  # noqa: F401 - module fixtures reused
 from test_methods_exactness import run
 from tiny_models import tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -47,11 +47,7 @@ def config(path=None, **options):
 
 
 def calibrate(folder, name, *args):
-    out = folder / f"{name}.safetensors"
-    code, _, stderr = cli("calibrate", "--model", str(REFERENCE_MODEL), "--method", "qfilters",
-                          "--out", str(out), *args)
-    assert code == 0, stderr
-    return str(out)
+    return write_file(folder, name, "--method", "qfilters", *args)[0]
 
 
 @pytest.fixture(scope="module")
