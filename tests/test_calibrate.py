@@ -157,7 +157,7 @@ def test_collect_queries_gives_each_layers_post_rope_queries(reference):
     """What a layer's cache attends with over a text fed in chunks: layer 0's queries are
     its projection of the normed embeddings, rotated at their positions (chunking rounds
     the rotation's angles by float32 ulps only)."""
-    from veloxquant_mlx.cache.calibration import collect_queries
+    from veloxquant_mlx.integrations.query_capture import collect_queries
 
     model, tokenizer = reference
     tokens = mx.array(tokenizer.encode((REFERENCE_MODEL / "heldout_kjv_acts.txt").read_text()[:700]))

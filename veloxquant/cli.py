@@ -380,7 +380,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .cache.calibration import calibration_header, collect_kv, collect_queries, write_calibration
+    from .cache.calibration import calibration_header, collect_kv, write_calibration
+    from .integrations.query_capture import collect_queries
 
     model, tokenizer, _ = load_model(args.model)
     model_args = getattr(model, "args", None)

@@ -1,9 +1,9 @@
 """Calibration files: what a method fits offline on a model's keys and values, in safetensors.
 
 ``veloxquant calibrate`` runs a model over a text (``collect_kv``: mlx-lm's own caches,
-so the keys are post-RoPE, as our caches receive them; ``collect_queries`` also, for a
-class whose ``calibration_queries`` is true, the queries each layer attends with, handed
-to its ``calibrate`` as ``queries``), lets the method fit its arrays
+so the keys are post-RoPE, as our caches receive them; ``integrations/query_capture``
+also, for a class whose ``calibration_queries`` is true, the queries each layer attends
+with, handed to its ``calibrate`` as ``queries``), lets the method fit its arrays
 per layer (a cache class with ``calibrate``, ``calibration_fields`` and, where its arrays
 depend on more than those, ``calibration_metadata``), and writes them with
 ``write_calibration``. A config points at the file (``calibration_file``); each layer's
@@ -71,35 +71,6 @@ def collect_kv(model, tokens: mx.array, chunk: int = 512,
             progress(min(start + chunk, n), n)
     return {i: (c.keys[:, :, : c.offset], c.values[:, :, : c.offset])
             for i, c in enumerate(cache) if type(c) is KVCache}
-
-
-def collect_queries(model, tokens: mx.array, chunk: int = 512,
-                    progress: Callable[[int, int], None] | None = None) -> dict[int, mx.array]:
-    """Run ``model`` over ``tokens`` (T,) through our uncompressed caches, recording what
-    each layer attends with: its queries (1, n_heads, T, D), post-RoPE, as a cache's
-    ``attend`` receives them (for methods whose paper calibrates on queries). The
-    layers' keys and values are those ``collect_kv`` gives (the same computation)."""
-    from ..integrations.mlx_lm import make_prompt_cache
-    from .config import KVCacheConfig
-
-    cache = make_prompt_cache(model, KVCacheConfig())
-    seen: dict[int, list[mx.array]] = {i: [] for i in range(len(cache))}
-
-    def recording(i, attend):
-        def attend_and_keep(queries, keys, values, **kwargs):
-            seen[i].append(queries)
-            return attend(queries, keys, values, **kwargs)
-        return attend_and_keep
-
-    for i, c in enumerate(cache):
-        c.attend = recording(i, c.attend)
-    n = tokens.shape[0]
-    for start in range(0, n, chunk):
-        model(tokens[start : start + chunk][None], cache=cache)
-        mx.eval([c.state for c in cache], [q[-1] for q in seen.values() if q])
-        if progress:
-            progress(min(start + chunk, n), n)
-    return {i: mx.concatenate(q, axis=2) for i, q in seen.items() if q}
 
 
 def calibration_header(cls, config, model_args: Any, model: str) -> dict[str, Any]:
