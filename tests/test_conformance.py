@@ -294,8 +294,11 @@ def _bit_equal_or_close(a, b):
 
 @pytest.mark.parametrize("method", METHOD_KEYS)
 def test_save_load_continue_gives_the_same_logits(method, tmp_path):
+    """Bit for bit over 40 steps: a loaded cache holds what the saved one held, its buffers'
+    spare room included (readers over whole buffers sum over the same shapes; without the
+    rooms adakv and minicache drifted 1e-6 from their 20th step, a2ats diverged)."""
     model = tiny_model("llama")
-    tokens = prompt(PROMPT + 12)
+    tokens = prompt(PROMPT + 44)
     head, tail = tokens[: PROMPT + 4], tokens[PROMPT + 4 :]
     cache = compressing(method, model)
     drive(model, cache, head, decode=4)
@@ -303,12 +306,13 @@ def test_save_load_continue_gives_the_same_logits(method, tmp_path):
     save_prompt_cache(path, cache)
     loaded = load_prompt_cache(path)
     assert [type(c) for c in loaded] == [type(c) for c in cache]
-    assert all(l.nbytes <= c.nbytes for c, l in zip(cache, loaded))  # loads exactly sized
+    assert [l.nbytes for l in loaded] == [c.nbytes for c in cache]  # the same rows and rooms
     for c, l in zip(cache, loaded):
         assert (l.offset, l.stored_length, l.config) == (c.offset, c.stored_length, c.config)
-    a = mx.concatenate([model(t.reshape(1, 1), cache=cache)[:, -1] for t in tail])
-    b = mx.concatenate([model(t.reshape(1, 1), cache=loaded)[:, -1] for t in tail])
-    _bit_equal_or_close(a, b)
+    for t in tail:
+        a = model(t.reshape(1, 1), cache=cache)[:, -1]
+        b = model(t.reshape(1, 1), cache=loaded)[:, -1]
+        assert mx.array_equal(a, b), float(mx.abs(a - b).max())
 
 
 @pytest.mark.parametrize("method", METHOD_KEYS)

@@ -345,6 +345,10 @@ class CompressedKVCache:
             "kv_shape": json.dumps(self.kv_shape),
             **self._meta(),
         }
+        rooms = {name: kept.capacity for name, kept in self._growing_arrays().items()
+                 if kept.buffer is not None and kept.capacity > kept.length}
+        if rooms:  # absent otherwise: a state with no spare room serialises as before
+            meta["buffer_rooms"] = json.dumps(rooms)
         arrays = {
             name: kept.view() if isinstance(kept, GrowingArray) else kept
             for name, kept in self._arrays().items()
@@ -385,6 +389,17 @@ class CompressedKVCache:
                 f"saved cache, layer {self.layer} ({type(self).__name__}, method "
                 f"{self.config.method!r}): {exc.args[0]!r} is missing, expected in the file"
             ) from None
+        # Each buffer gets back the room it had: a reader over whole buffers (capacity-fixed
+        # shapes) then sums over the shapes it summed over before the save, so the loaded
+        # cache continues bit for bit (GrowingArray.restore_room ignores a room growth never
+        # leaves).
+        rooms = json.loads(meta.get("buffer_rooms") or "{}")
+        for name, kept in self._growing_arrays().items():
+            kept.restore_room(rooms.get(name))
+
+    def _growing_arrays(self) -> dict[str, GrowingArray]:
+        """The kept ``GrowingArray``s by their flattened names in ``_arrays``."""
+        return {name: kept for name, kept in tree_flatten(self._arrays()) if isinstance(kept, GrowingArray)}
 
     def _restore_arrays(self, arrays: dict[str, Any]) -> None:
         """Put saved arrays back where ``_arrays`` found them (by attribute name)."""

@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -235,8 +234,7 @@ class A2ATSCache(CompressedKVCache):
         return {} if self.store is None else self.store.arrays()
 
     def _meta(self):
-        rooms = {} if self.store is None else {"rooms": json.dumps(self.store.rooms())}
-        return {"rotary": self.rotary.to_json(), **rooms}
+        return {"rotary": self.rotary.to_json()}
 
     def _restore_arrays(self, arrays) -> None:
         self._saved_arrays = arrays
@@ -246,7 +244,7 @@ class A2ATSCache(CompressedKVCache):
         arrays = self.__dict__.pop("_saved_arrays", {})
         if self.kv_shape is not None:
             self.store = self._make_store(self.kv_shape[2], self.kv_shape[0])
-            self.store.restore(arrays, self.kv_shape[0], json.loads(meta.get("rooms", "{}")))
+            self.store.restore(arrays, self.kv_shape[0])
 
     def _layout_problems(self):
         if self.store is not None:

@@ -251,22 +251,12 @@ class RetrievalStore:
         return {"keys": self.keys, "values": self.values, "codes": self.codes,
                 "centroids": self.centroids, "factor": self.factor, "h_sum": self.h_sum}
 
-    def rooms(self) -> dict[str, int]:
-        """The rows each growing buffer has room for (saved beside the arrays)."""
-        return {name: getattr(self, name).capacity for name in ("keys", "values", "codes")
-                if getattr(self, name).buffer is not None}
-
-    def restore(self, arrays: dict[str, Any], batch: int, rooms: dict[str, int] | None = None) -> None:
+    def restore(self, arrays: dict[str, Any], batch: int) -> None:
         """The saved arrays back; a table saved without the batch axis (the layout before
         tables were per row: one sequence's, or one shared by a cache's rows) is every
-        row's. ``rooms``: each buffer's saved room, given back as zero rows past the saved
-        ones: a retrieving step computes over the buffers' whole room (its gathered rows and
-        masked sums follow it), so with another room a loaded store would round otherwise
-        and not continue bit for bit. A state saved without them loads exactly sized."""
+        row's. (The cache gives each buffer its saved room back: ``CompressedKVCache.state``.)"""
         for name in ("keys", "values", "codes"):
-            kept = getattr(self, name)
-            kept.reset(arrays.get(name))
-            kept.restore_room((rooms or {}).get(name))
+            getattr(self, name).reset(arrays.get(name))
         for name in ("centroids", "factor", "h_sum"):
             if name in arrays:
                 table = arrays[name]

@@ -13,19 +13,15 @@
   every value is encoded as it comes (a token stream), or, with ``value_flush`` > 1, decode
   steps encode the values past the window that many at a time;
 - a decode step (one token) written in place and, every ``refit_interval`` decode steps
-  (0: never), ``refit()`` on both storages;
-- a saved state that keeps each buffer's room (``rooms``), so that a loaded store reads
-  what the saved one read, over the same shapes, and continues bit for bit.
+  (0: never), ``refit()`` on both storages.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import mlx.core as mx
 
-from ...cache.buffers import GrowingArray
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.sink_store import SinkKVStore
 
@@ -69,10 +65,7 @@ class StreamingStore(SinkKVStore):
     # -- what is kept ------------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
         rotary = getattr(self.keys, "rotary", None)
-        rooms = {name: kept.capacity for name, kept in self.arrays().items()
-                 if isinstance(kept, GrowingArray) and kept.buffer is not None}
-        return {"steps": self.steps, "rotary": rotary.to_json() if rotary is not None else "none",
-                "rooms": json.dumps(rooms)}
+        return {"steps": self.steps, "rotary": rotary.to_json() if rotary is not None else "none"}
 
     def restore(self, meta: dict[str, Any], arrays: dict[str, Any]) -> None:
         for storage, prefix in ((self.keys, "k"), (self.values, "v")):
@@ -84,13 +77,3 @@ class StreamingStore(SinkKVStore):
             from ...cache.rope import Rotary
 
             self.keys.rotary = Rotary.from_json(meta["rotary"])
-        self._restore_rooms(json.loads(meta.get("rooms", "{}")))
-
-    def _restore_rooms(self, rooms: dict[str, int]) -> None:
-        """Each buffer given back the room it had when saved (``GrowingArray.restore_room``):
-        a decode step reads the packed runs over their whole room, so a loaded cache
-        continues bit for bit. A state saved without them loads exactly sized."""
-        kept = self.arrays()
-        for name, room in rooms.items():
-            if isinstance(kept.get(name), GrowingArray):
-                kept[name].restore_room(room)

@@ -679,9 +679,7 @@ class EigenStore(PackedStore):
     def meta(self):
         return {"rotary": self.keys.rotary.to_json() if self.keys.rotary is not None else "none",
                 "runs": json.dumps({"starts": [r.start for r in self.key_runs], "fitted_at": self.fitted_at,
-                                    "seen": [self.keys.seen, self.values.seen],
-                                    "capacity": [[k.words.capacity, v.words.capacity]
-                                                 for k, v in zip(self.key_runs, self.value_runs)]})}
+                                    "seen": [self.keys.seen, self.values.seen]})}
 
     def restore(self, meta, arrays) -> None:
         from ...cache.rope import Rotary
@@ -694,16 +692,14 @@ class EigenStore(PackedStore):
         self.v_pend.reset(arrays.get("v_pend"))
         first_k, first_v = self.key_runs[0], self.value_runs[0]
         self.key_runs, self.value_runs = [], []
-        capacities = saved.get("capacity") or []
         for i, start in enumerate(saved.get("starts", [0])):
-            for j, (prefix, first, runs) in enumerate((("k", first_k, self.key_runs), ("v", first_v, self.value_runs))):
+            for prefix, first, runs in (("k", first_k, self.key_runs), ("v", first_v, self.value_runs)):
                 run = EigenTokens(first.codec, rotary=first.rotary, seed=first.seed, step_tokens=first.step,
                                   start=int(start))
                 name = _run_prefix(prefix, i)
                 for field in ("words", "norms"):
                     if f"{name}_{field}" in arrays:
                         getattr(run, field).reset(arrays[f"{name}_{field}"])
-                        getattr(run, field).restore_room(_saved_capacity(capacities, i, j))
                 for field in ("basis", "sigma", "sketch", "tables"):
                     if f"{name}_{field}" in arrays:
                         setattr(run, field, arrays[f"{name}_{field}"])
@@ -730,14 +726,6 @@ class EigenStore(PackedStore):
         want = [sum(r.count for r in self.key_runs[:i]) for i in range(len(self.key_runs))]
         if starts != want or [r.count for r in self.value_runs] != [r.count for r in self.key_runs]:
             yield "run starts and rows", (starts, [r.count for r in self.value_runs]), (want, [r.count for r in self.key_runs])
-
-
-def _saved_capacity(capacities, run: int, tensor: int) -> int | None:
-    """Run ``run``'s saved buffer rows of keys (``tensor`` 0) or values (1), if the meta has them."""
-    try:
-        return int(capacities[run][tensor])
-    except (TypeError, IndexError, ValueError):
-        return None
 
 
 def _batch_rows(x: mx.array, batch: int) -> mx.array:
