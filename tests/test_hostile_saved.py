@@ -148,3 +148,23 @@ def test_an_unknown_cache_class_and_a_cut_metadata_are_named_with_the_file(tmp_p
     mx.save_safetensors(str(path), arrays, {k: v for k, v in metadata.items() if not k.startswith("2.")})
     with pytest.raises(CacheStateError, match=r"cache.safetensors: metadata is not mlx-lm's prompt-cache layout"):
         load_prompt_cache(path)
+
+
+def test_buffer_rooms_edited_are_refused_or_bounded(tmp_path):
+    """The rooms a saved cache's buffers had: garbage is refused naming the field; a room
+    no growth leaves (more than a step of spare rows) is not allocated."""
+    path, _, cache = _saved(tmp_path, "kivi", decode=4)
+    meta_rooms = {}
+
+    def read(meta, arrays):
+        meta_rooms.update(json.loads(meta["buffer_rooms"]))
+
+    edit_saved_layer(path, 0, read)
+    assert meta_rooms  # kivi's buffers hold spare rows after decoding
+    edit_saved_layer(path, 0, lambda meta, arrays: meta.update(buffer_rooms="[not json"))
+    with pytest.raises(CacheStateError, match=r"layer 0 .*buffer_rooms is '\[not json', expected a JSON object"):
+        mlx_lm_load(str(path))
+    huge = {name: 10**9 for name in meta_rooms}
+    edit_saved_layer(path, 0, lambda meta, arrays: meta.update(buffer_rooms=json.dumps(huge)))
+    loaded = mlx_lm_load(str(path))
+    assert loaded[0].nbytes <= cache[0].nbytes

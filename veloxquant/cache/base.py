@@ -393,7 +393,14 @@ class CompressedKVCache:
         # shapes) then sums over the shapes it summed over before the save, so the loaded
         # cache continues bit for bit (GrowingArray.restore_room ignores a room growth never
         # leaves).
-        rooms = json.loads(meta.get("buffer_rooms") or "{}")
+        try:
+            rooms = json.loads(meta.get("buffer_rooms") or "{}")
+            rooms = {name: int(rooms[name]) for name in rooms}
+        except (TypeError, ValueError):
+            raise CacheStateError(
+                f"saved cache, layer {self.layer} ({type(self).__name__}, method {self.config.method!r}): "
+                f"buffer_rooms is {meta.get('buffer_rooms')!r}, expected a JSON object of buffer names "
+                f"to row counts") from None
         for name, kept in self._growing_arrays().items():
             kept.restore_room(rooms.get(name))
 
