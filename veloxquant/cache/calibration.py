@@ -129,6 +129,12 @@ def _as_stored(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
+def batch_rows(x: mx.array, batch: int) -> mx.array:
+    """A calibration file's array ``x`` (1, ...) as ``batch`` rows of their own, every row
+    the same (the file is one; a cache's rows keep per-row arrays)."""
+    return x if batch == x.shape[0] else mx.contiguous(mx.broadcast_to(x, (batch, *x.shape[1:])))
+
+
 def layer_calibration(config, fields: tuple[str, ...], names: tuple[str, ...], layer: int, *,
                       model_args: Any = None, kv_shape: tuple[int, int] | None = None,
                       cache_metadata: dict[str, Any] | None = None) -> dict[str, mx.array]:

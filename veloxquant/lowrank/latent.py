@@ -72,7 +72,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..cache.buffers import GrowingArray
-from ..cache.calibration import layer_calibration
+from ..cache.calibration import batch_rows, layer_calibration
 from ..kernels import kivi_decode as kd
 from ..kernels.decode import DecodePart
 from ..quant import affine
@@ -576,10 +576,7 @@ class LatentStore(PackedStore):
         for latent, prefix in ((self.keys, "k"), (self.values, "v")):
             if latent is None:
                 continue
-            mean, basis = (self.calibrated[f"{prefix}_{name}"] for name in ("mean", "basis"))
-            if batch > 1:
-                mean = mx.contiguous(mx.broadcast_to(mean, (batch, *mean.shape[1:])))
-                basis = mx.contiguous(mx.broadcast_to(basis, (batch, *basis.shape[1:])))
+            mean, basis = (batch_rows(self.calibrated[f"{prefix}_{name}"], batch) for name in ("mean", "basis"))
             latent.install(mean.astype(dtype), basis.astype(dtype))
         self.calibrated = None
 

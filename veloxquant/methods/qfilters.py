@@ -62,7 +62,7 @@ import warnings
 
 import mlx.core as mx
 
-from ..cache.calibration import layer_calibration
+from ..cache.calibration import batch_rows, layer_calibration
 from ..diagnostics import VeloxQuantWarning
 from ..evict.attention import attention_weights, reduce_query_blocks
 from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
@@ -180,8 +180,7 @@ class QFiltersCache(ScoredEvictionCache):
     def update_and_fetch(self, keys, values):
         if self.filter is None and self.config.calibration_file:
             b, hkv, _, d = keys.shape
-            filters = self._calibration((hkv, d)).astype(mx.float32)
-            self.filter = filters if b == 1 else mx.contiguous(mx.broadcast_to(filters, (b, hkv, d)))
+            self.filter = batch_rows(self._calibration((hkv, d)).astype(mx.float32), b)
         return super().update_and_fetch(keys, values)
 
     @classmethod

@@ -25,6 +25,12 @@ import mlx.core as mx
 from ..cache.rope import Rotary, derotate
 
 
+def rotary_name(rotary: Rotary | None) -> str:
+    """How a key rotary is written in a saved state and a calibration file ("none": keys
+    kept post-RoPE)."""
+    return rotary.to_json() if rotary is not None else "none"
+
+
 def model_rotary(context) -> Rotary | None:
     return args_rotary(getattr(context, "model_args", None))
 

@@ -64,22 +64,16 @@ import math
 
 import mlx.core as mx
 
-from ...cache.calibration import layer_calibration
-from ...cache.rope import Rotary
+from ...cache.calibration import batch_rows, layer_calibration
 from ...quant.cache import QuantizedCache
 from ...quant.groups import check_divides
 from .nonuniform import NonUniform, NonUniformTokens
 from ...quant.packed import GROWTH_TOKENS
-from ...quant.prerope import args_rotary, model_rotary
+from ...quant.prerope import args_rotary, model_rotary, rotary_name
 from ...quant.store import VALUE_ROOM
 from .streaming_store import StreamingStore
 
 CALIBRATED = ("k_centroids", "v_centroids")  # a layer's arrays in a calibration file
-
-
-def rotary_name(rotary: Rotary | None) -> str:
-    """The key rotary as a calibration file records it ("none": keys coded post-RoPE)."""
-    return rotary.to_json() if rotary else "none"
 
 
 def _codec(options, axis: str) -> NonUniform:
@@ -140,7 +134,7 @@ class KVQuantCache(QuantizedCache):
         for run, prefix in ((self.store.keys, "k"), (self.store.values, "v")):
             if not run.books.length:
                 book = arrays[f"{prefix}_centroids"].astype(mx.float32)
-                run.install(mx.contiguous(mx.broadcast_to(book, (rows, book.shape[-1]))))
+                run.install(batch_rows(book[None], rows))
 
     @classmethod
     def calibrate(cls, keys, values, config, *, iters: int, seed: int, progress=None, model_args=None):

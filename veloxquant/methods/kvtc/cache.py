@@ -58,7 +58,7 @@ from ...cache.rope import Rotary
 from ...quant import entropy
 from ...quant.coded_cache import EntropyCodedCache, join_segments, split_segments, to_numpy
 from ...quant.packed import GROWTH_TOKENS
-from ...quant.prerope import args_rotary, model_rotary
+from ...quant.prerope import args_rotary, model_rotary, rotary_name
 from .transform import TransformCodec, TransformTokens
 from .window_store import SinkWindowStore
 
@@ -66,11 +66,6 @@ N_SINK = 4
 MAX_BITS = 16  # a code fits one word or straddles two
 CODEC = ("mean", "basis", "bits", "step")  # a TransformCodec's arrays, as saved and calibrated
 CALIBRATED = tuple(f"{prefix}_{name}" for prefix in "kv" for name in CODEC)
-
-
-def rotary_name(rotary: Rotary | None) -> str:
-    """How a run's key rotary is written in a saved state and a calibration file."""
-    return rotary.to_json() if rotary else "none"
 
 
 class KVTCCache(EntropyCodedCache):

@@ -51,6 +51,7 @@ from typing import Any
 import mlx.core as mx
 
 from ...cache.buffers import RecentRows
+from ...cache.calibration import batch_rows
 from ...kernels.decode import DecodePart, decode_attention
 from ...quant.affine import SUPPORTED_BITS
 from .clip import ClippedTokens, fixed_clip, search_clip
@@ -152,20 +153,16 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
         ``shape`` = (B, H) rows: the store is fitted and never fits. Without ratios, the
         ratio is the grid's one value, as a fit would give it."""
         batch = shape[0]
-
-        def rows(a):
-            return a if a.shape[0] == batch else mx.contiguous(mx.broadcast_to(a, (batch, *a.shape[1:])))
-
         if self.key_order is not None:
-            self.perm_k = rows(arrays["perm_k"])
+            self.perm_k = batch_rows(arrays["perm_k"], batch)
         if self.value_order is not None:
-            self.perm_v = rows(arrays["perm_v"])
+            self.perm_v = batch_rows(arrays["perm_v"], batch)
             self.inv_v = inverse(self.perm_v)  # a sort of the order's indices, not of data
         for name in ("alpha_k", "alpha_v"):
             if len(self.clip_grid) == 1:
                 setattr(self, name, fixed_clip(shape, self.clip_grid[0]))
             else:
-                setattr(self, name, rows(arrays[name]))
+                setattr(self, name, batch_rows(arrays[name], batch))
 
     def _pack(self, keys, values, decoding: bool) -> None:
         self.keys.append(keys, self.alpha_k, decoding)

@@ -72,16 +72,11 @@ import mlx.core as mx
 
 from ...cache.calibration import layer_calibration
 from ...quant.cache import QuantizedCache
-from ...quant.prerope import args_rotary, model_rotary
+from ...quant.prerope import args_rotary, model_rotary, rotary_name
 from .eigen_store import CALIBRATED_ARRAYS, EigenCodec, EigenStore, EigenTokens, coded_rows, fitted_arrays
 
 SKETCH_SEED = 0x5BEC  # the QJL matrix of layer i is drawn from SKETCH_SEED + i
 CALIBRATED = tuple(f"{prefix}_{name}" for prefix in "kv" for name in CALIBRATED_ARRAYS)
-
-
-def rotary_name(rotary) -> str:
-    """The key rotary as a calibration file records it (kvtc's form)."""
-    return rotary.to_json() if rotary is not None else "none"
 
 
 class SpectralQuantCache(QuantizedCache):

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
+from ...cache.calibration import batch_rows
 from ...kernels.decode import DecodePart
 from ...kernels.kivi_decode import token_mix
 from ...lowrank.factors import sample_rows
@@ -615,7 +616,7 @@ class EigenStore(PackedStore):
         """Every row's first runs start on the file's bases, σ and codebooks (broadcast over
         the batch). No moment is kept: nothing is ever refitted."""
         for run, prefix in ((self.keys, "k"), (self.values, "v")):
-            basis, eigenvalues, tables = (_batch_rows(self.calibrated[f"{prefix}_{name}"], batch)
+            basis, eigenvalues, tables = (batch_rows(self.calibrated[f"{prefix}_{name}"], batch)
                                           for name in CALIBRATED_ARRAYS)
             run.install(basis, eigenvalues, tables)
         self.calibrated = None
@@ -726,11 +727,6 @@ class EigenStore(PackedStore):
         want = [sum(r.count for r in self.key_runs[:i]) for i in range(len(self.key_runs))]
         if starts != want or [r.count for r in self.value_runs] != [r.count for r in self.key_runs]:
             yield "run starts and rows", (starts, [r.count for r in self.value_runs]), (want, [r.count for r in self.key_runs])
-
-
-def _batch_rows(x: mx.array, batch: int) -> mx.array:
-    """``x`` (1, ...) as ``batch`` rows of their own (every row the same)."""
-    return x if batch == 1 else mx.contiguous(mx.broadcast_to(x, (batch, *x.shape[1:])))
 
 
 def _run_prefix(prefix: str, i: int) -> str:
