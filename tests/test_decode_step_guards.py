@@ -40,9 +40,8 @@ def test_a_decode_step_reads_no_array_value_on_the_host(method):
 # H200's counts at 4k (defaults): benchmarks/notes/decode_host_bound.md.
 OVER_GRAPH_BOUND = {
     "amc": 8.58,  # writes every token into all 3 tiers branchless, reads all 3
-    # the per-token encode (binary-search gathers) and the read; 7.19 until its QJL term was
-    # folded into the keys' rebuild and its two codebook gathers made one (6.40)
-    "spectral": 6.40,
+    # its read (6.40 while it coded each decode row as it came; 2026-12-05: 32 at a time)
+    "spectral": 2.78,
     # a compiled read and merge; still: the pair's SLERP for keys and values, the retained
     # pairs' cumsum/scatter writes and the second layer's table reads
     "minicache": 2.56,
@@ -95,7 +94,9 @@ PERIODIC_STEP = {
     "tova": 2.04, "pyramidkv": 1.18, "squeeze": 1.29, "chunkkv": 1.27, "cam": 3.44, "xkv": 1.44,
     "nsnquant": 5.58, "knorm": 1.94, "skvq": 2.60, "qfilters": 1.65, "keyformer": 1.90,
     "morphkv": 2.42, "kvzip": 1.27, "kvtc": 5.54, "curdkv": 1.27, "nestedkv": 1.57, "amc": 8.58,
-    "a2ats": 3.15, "anchorkv": 1.96, "rocketkv": 1.21, "age_tiered": 4.12, "spectral": 6.80,  # 7.58 before its read's QJL fold
+    "a2ats": 3.15, "anchorkv": 1.96, "rocketkv": 1.21, "age_tiered": 4.12,
+    # its decode rows coded 32 at a time (2026-12-05; 7.58 before its read's QJL fold, 6.80 coding each row)
+    "spectral": 6.96,
     "turboquant": 2.71, "snapkv+kivi4": 2.58, "h2o+kivi2": 2.85, "tova+kivi4": 3.12,
 }
 

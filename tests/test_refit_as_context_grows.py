@@ -128,6 +128,13 @@ def reference_kv():
     return cache[2].keys[:, :, :1024].astype(mx.float32), cache[2].values[:, :, :1024].astype(mx.float32)
 
 
+def run_rows(store) -> list[int]:
+    """Rows of each spectral run, the decode rows held exactly counted in the newest (they
+    are coded on its basis)."""
+    rows = [r.count for r in store.key_runs]
+    return rows[:-1] + [rows[-1] + store.k_pend.length]
+
+
 def test_spectral_later_values_stay_within_a_factor_of_the_prompts(reference_kv):
     """4 bits, a 128-token prompt, 1,024 tokens: the last 256 values within 1.3x the
     prompt values' error (measured 1.08x; 1.74x with the basis frozen at the prompt), the
@@ -145,7 +152,7 @@ def test_spectral_later_values_stay_within_a_factor_of_the_prompts(reference_kv)
     e_prompt, e_later = rel_err(v_hat[:, :, :PROMPT], values[:, :, :PROMPT]), rel_err(v_hat[:, :, later], values[:, :, later])
     assert e_later <= 1.3 * e_prompt, (e_later / e_prompt, e_prompt, e_later)
     assert rel_err(k_hat[:, :, later], keys[:, :, later]) <= 1.4 * rel_err(k_hat[:, :, :PROMPT], keys[:, :, :PROMPT])
-    assert [r.count for r in cache.store.key_runs] == [256, 256, 512, 0]
+    assert run_rows(cache.store) == [256, 256, 512, 0]
 
 
 @pytest.mark.parametrize("qjl", [False, True])
@@ -161,7 +168,7 @@ def test_spectral_decode_over_several_runs_matches_each_runs_own_reading(rotary,
     feed(cache, k[:, :, :100], v[:, :, :100], 100)
     feed(cache, k[:, :, 100:300], v[:, :, 100:300], 1)  # a refit at 200
     store = cache.store
-    assert [r.count for r in store.key_runs] == [200, 100] and [r.start for r in store.key_runs] == [0, 200]
+    assert run_rows(store) == [200, 100] and [r.start for r in store.key_runs] == [0, 200]
     q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(2))
     got = stored_decode_attention(cache, q, 0.125)
     if not qjl:
@@ -169,9 +176,12 @@ def test_spectral_decode_over_several_runs_matches_each_runs_own_reading(rotary,
         assert mx.allclose(got, attention(q, k_hat, v_hat, 0.125), atol=1e-5, rtol=1e-5)
         return
     qs = q.reshape(1, 2, 2, 64) * 0.125
-    scores = mx.concatenate([r.reader().scores(qs) for r in store.key_runs], axis=-1)
+    held_k, held_v = store.k_pend.view(), store.v_pend.view()  # the decode rows not yet coded
+    scores = mx.concatenate([*(r.reader().scores(qs) for r in store.key_runs), qs @ held_k.swapaxes(-1, -2)], axis=-1)
     p = mx.softmax(scores, axis=-1)
-    want = store.value_runs[0].reader().mix(p[..., :200]) + store.value_runs[1].reader().mix(p[..., 200:])
+    coded = [store.value_runs[0].count, store.value_runs[1].count]
+    want = (store.value_runs[0].reader().mix(p[..., :200]) + store.value_runs[1].reader().mix(p[..., 200:sum(coded)])
+            + p[..., sum(coded):] @ held_v)
     assert mx.allclose(got, want.reshape(1, 4, 1, 64), atol=1e-5, rtol=1e-5)
 
 
@@ -190,7 +200,7 @@ def test_a_saved_spectral_cache_with_several_runs_restores_them_and_keeps_refitt
     (back,) = load_prompt_cache(path)
     for c in (cache, back):
         feed(c, k[:, :, 250:], v[:, :, 250:], 1)  # a refit at 400
-    counts = [[r.count for r in c.store.key_runs] for c in (cache, back)]
+    counts = [run_rows(c.store) for c in (cache, back)]
     assert counts == [[200, 200, 100]] * 2
     assert mx.array_equal(back.dequantized(mx.float32)[0], cache.dequantized(mx.float32)[0])
     assert mx.array_equal(back.dequantized(mx.float32)[1], cache.dequantized(mx.float32)[1])

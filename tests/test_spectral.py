@@ -418,3 +418,29 @@ def test_value_d_eff_is_clamped_below_head_dim():
     cache = spectral()
     feed(cache, structured(40, d=32), structured(40, d=32, seed=1), 40)
     assert cache.store.values.codec.widths(32)[0] == 31
+
+
+@pytest.mark.parametrize("context", [None, rotary_context()], ids=["post-rope", "pre-rope"])
+def test_decode_rows_are_held_exactly_then_coded_together_as_one_at_a_time_would_code_them(context, monkeypatch):
+    """A decode step writes its row only; once DECODE_FLUSH rows are held they are coded in
+    one batch, to the very words and norms the token-by-token coding gives."""
+    flush_at = es.DECODE_FLUSH
+    t, steps = 140, 2 * flush_at + 6
+    k, v = structured(t + steps), structured(t + steps, seed=9)
+    caches = []
+    for flush in (flush_at, 1):
+        monkeypatch.setattr(es, "DECODE_FLUSH", flush)
+        cache = spectral(context)
+        feed(cache, k[:, :, :t], v[:, :, :t], 64)
+        feed(cache, k[:, :, t:], v[:, :, t:], 1)
+        caches.append(cache.store)
+    batched, one_at_a_time = caches
+    held = steps % flush_at
+    assert batched.k_pend.length == held and batched.coded == t + steps - held
+    assert one_at_a_time.k_pend.length == 0 and one_at_a_time.coded == t + steps
+    assert mx.array_equal(batched.k_pend.view(), k[:, :, t + steps - held:])
+    assert mx.array_equal(batched.v_pend.view(), v[:, :, t + steps - held:])
+    n = batched.coded
+    for mine, theirs in ((batched.keys, one_at_a_time.keys), (batched.values, one_at_a_time.values)):
+        assert mx.array_equal(mine.words.view(), theirs.words.view()[:, :, :n])
+        assert mx.array_equal(mine.norms.view(), theirs.norms.view()[:, :, :n])

@@ -71,7 +71,9 @@ def test_every_token_is_coded_on_the_files_arrays_from_the_first_and_nothing_is_
     run(model, cache, tokens, chunk=16, decode=150)  # past two doublings of the prompt
     for i, c in enumerate(cache):
         store = c.store
-        assert store.k_pend.length == 0 and store.coded == store.length == 64 + 150
+        # the newest decode rows are held exactly until DECODE_FLUSH of them are there
+        assert store.length == 64 + 150 and store.coded == store.length - store.k_pend.length
+        assert store.k_pend.length < es.DECODE_FLUSH
         for prefix, run_ in (("k", store.keys), ("v", store.values)):
             basis, eigenvalues, tables = file_arrays(made, i, prefix)
             assert len(store.key_runs) == len(store.value_runs) == 1 and run_.moment is None
@@ -261,8 +263,13 @@ def test_the_cli_file_serves_generation_with_the_codes_of_its_arrays(made, refer
                     sigma = run_.codec.sigmas(eigenvalues, 128)
                     want = [es._encode_fn(run_.codec)(es.coded_rows(k if prefix == "k" else v, start, frame),
                                                       basis, sigma, run_.sketch, tables)[0]
-                            for k, v, start in received[i]]  # chunk by chunk, as the cache coded them
+                            for k, v, start in received[i] if k.shape[2] > 1]  # chunk by chunk, as coded
                     assert mx.array_equal(run_.words.view(), mx.concatenate(want, axis=2))
+                # the decode steps' rows are held exactly (fewer than DECODE_FLUSH of them)
+                decoded = [(k, v) for k, v, _ in received[i] if k.shape[2] == 1]
+                assert 0 < len(decoded) == c.store.k_pend.length < es.DECODE_FLUSH
+                assert mx.array_equal(c.store.k_pend.view(), mx.concatenate([k for k, _ in decoded], axis=2))
+                assert mx.array_equal(c.store.v_pend.view(), mx.concatenate([v for _, v in decoded], axis=2))
     assert mx.array_equal(greedy[0], greedy[1])
 
 

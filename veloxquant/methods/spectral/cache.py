@@ -37,7 +37,10 @@ A configuration of the eigenbasis store (``methods/spectral/eigen_store.py``). P
    clamped, as the card asks for d <= 50), ``b_low = max(1, round(b - e/d))``,
    ``b_high = b_low + 1``: keys ``b_high - 1`` bits on the e semantic coordinates (one of
    b_high is the sign), values ``b_high``; both ``b_low`` on the tail.
-3. **Encode** every token as it comes (prefill and decode, no window): ‖x‖ in float16,
+3. **Encode** a prompt chunk's tokens as they come; a decode step's row is held exactly
+   until 32 are held (``DECODE_FLUSH``), which are then coded in one batch (adapted: the
+   paper codes each token as it comes; held rows are exact, and a steady decode step only
+   writes its row, issue 30): ‖x‖ in float16,
    ``z = Vᵀ(x/‖x‖)``, nearest centroid per coordinate of its block's Lloyd-Max codebook,
    trained (as the paper does) on the coordinates the basis was fitted on, per KV head, in
    units of ``σ_head² = mean λ[:e]`` and ``σ_tail² = mean λ[e:]`` (the repo's engine

@@ -63,7 +63,7 @@ from ...quant import codebook as cb
 from .bitfields import pack_fields, read_codes, row_words
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import from_pre_rope_channels, rotary_angles, to_pre_rope
-from ...quant.store import PackedStore, paced
+from ...quant.store import VALUE_ROOM, PackedStore, paced
 
 RANGE_SIGMAS = 6.0  # the quadrature range, in σ (the repo starts its search on ±3.5σ; wider keeps the tails)
 GRID_POINTS = 16384  # quadrature points of the Gaussian density over that range
@@ -79,6 +79,9 @@ MIN_HISTORY_BLOCK = 256
 # not yet re-measured)
 READ_BLOCK_BYTES = 2 << 20
 READ_BLOCK_BYTES_GPU = 256 << 20
+# decode rows held exactly once the basis is fitted, coded this many at a time: a steady decode
+# step only writes its row (the quantized stores flush every 32 steps too)
+DECODE_FLUSH = VALUE_ROOM
 REFIT_GROWTH = 2  # a new basis each time the tokens held double since the prompt or the last refit
 CALIBRATED_ARRAYS = ("basis", "eigenvalues", "tables")  # ``fitted_arrays``, per tensor, in a calibration file
 
@@ -553,21 +556,24 @@ def history_block(query_rows: int) -> int:
 
 
 class EigenStore(PackedStore):
-    """Keys and values, each a list of ``EigenTokens`` runs; every token coded as it comes
-    (no window). With a key sketch a prompt chunk after the first attends over the history
-    with the QJL-corrected scores too (the store owns that softmax, online over blocks of
-    the history); otherwise over the decoded history, as every quantized store does.
+    """Keys and values, each a list of ``EigenTokens`` runs, and rows held exactly
+    (``k_pend``, ``v_pend``): every row until the basis is fitted, then the decode steps'
+    newest, ``DECODE_FLUSH`` of them coded in one batch once they are there (a prompt chunk
+    codes the ones held first). A prompt chunk's rows are coded as they come. With a key
+    sketch a prompt chunk after the first attends over the history with the QJL-corrected
+    scores too (the store owns that softmax, online over blocks of the history); otherwise
+    over the decoded history, as every quantized store does.
 
-    Refits (issue 37): each time the tokens held double since the end of the prompt or the
-    last refit (a Python counter, checked at decode steps), a new run of keys and of values
-    starts on the eigenbasis of the moment of every row taken in; stored rows keep the
-    basis they were coded with (re-coding them would quantize them twice). ``keys`` and
+    Refits (issue 37): each time the tokens coded double since the end of the prompt or the
+    last refit (a Python counter, checked when decode rows are coded), a new run of keys and
+    of values starts on the eigenbasis of the moment of every row taken in; stored rows keep
+    the basis they were coded with (re-coding them would quantize them twice). ``keys`` and
     ``values`` are the newest runs."""
 
     def __init__(self, keys: EigenTokens, values: EigenTokens):
         self.key_runs, self.value_runs = [keys], [values]
         # exact until the basis is fitted, growing with what they hold (geometric): a short
-        # prompt pays no 256-row step
+        # prompt pays no 256-row step; then the decode window (``_hold``)
         self.k_pend = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         self.v_pend = GrowingArray(axis=2, step=GROWTH_TOKENS, geometric=True)
         self.fitted_at = 0  # tokens held at the end of the prompt or the last refit
@@ -593,6 +599,9 @@ class EigenStore(PackedStore):
     def commit(self, keys: mx.array, values: mx.array) -> None:
         if self.keys.basis is None and self.calibrated is not None:
             self._install_calibrated(keys.shape[0])
+        if self.keys.basis is not None and keys.shape[2] == 1:  # a decode step: one row written
+            self._hold(keys, values)
+            return
         if self.keys.basis is None:
             self.k_pend.append(keys)
             self.v_pend.append(values)
@@ -601,16 +610,47 @@ class EigenStore(PackedStore):
             keys, values = self.k_pend.view(), self.v_pend.view()
             self.k_pend.reset(None)
             self.v_pend.reset(None)
+        else:
+            self.code_held()
         self.keys.append(keys)
         self.values.append(values)
-        if keys.shape[2] > 1:
-            self.fitted_at = self.length  # a prompt is one run: the schedule counts from its end
-        elif self.keys.moment is not None and self.length >= REFIT_GROWTH * self.fitted_at:
+        self.fitted_at = self.length  # a prompt is one run: the schedule counts from its end
+
+    def _hold(self, keys: mx.array, values: mx.array) -> None:
+        """A decode row, held exactly; ``DECODE_FLUSH`` of them are coded together."""
+        if not self.k_pend.capacity:  # the window: its room grows with its first rows, then is kept
+            self.k_pend = GrowingArray(axis=2, step=DECODE_FLUSH, limit=DECODE_FLUSH, geometric=True)
+            self.v_pend = GrowingArray(axis=2, step=DECODE_FLUSH, limit=DECODE_FLUSH, geometric=True)
+        self.k_pend.append(keys)
+        self.v_pend.append(values)
+        if self.k_pend.length == DECODE_FLUSH:
+            self.code_held()
+
+    def code_held(self) -> None:
+        """Code the decode rows held exactly (after the fit) in one batch. A refit comes when
+        the tokens coded double since the last fit, at that very token (the rows before it
+        on the old basis, those after it on the new one)."""
+        n = self.k_pend.length
+        if not n:
+            return
+        keys, values = self.k_pend.view(), self.v_pend.view()
+        self.k_pend.truncate(0)
+        self.v_pend.truncate(0)
+        refit_in = REFIT_GROWTH * self.fitted_at - self.coded if self.keys.moment is not None else n
+        if 0 < refit_in < n:
+            self._code(keys[:, :, :refit_in], values[:, :, :refit_in])
+            keys, values = keys[:, :, refit_in:], values[:, :, refit_in:]
+        self._code(keys, values)
+
+    def _code(self, keys: mx.array, values: mx.array) -> None:
+        self.keys.append(keys)
+        self.values.append(values)
+        if self.keys.moment is not None and self.coded >= REFIT_GROWTH * self.fitted_at:
             old_k, old_v = self.keys, self.values
             self.key_runs.append(old_k.refitted())
             self.value_runs.append(old_v.refitted())
             old_k.moment = old_v.moment = None  # the newest run carries it on
-            self.fitted_at = self.length
+            self.fitted_at = self.coded
 
     def _install_calibrated(self, batch: int) -> None:
         """Every row's first runs start on the file's bases, σ and codebooks (broadcast over
@@ -622,9 +662,9 @@ class EigenStore(PackedStore):
         self.calibrated = None
 
     def history(self, dtype):
-        if self.k_pend.length:
-            return self.k_pend.view().astype(dtype), self.v_pend.view().astype(dtype)
         parts = [(k.decode(dtype), v.decode(dtype)) for k, v in zip(self.key_runs, self.value_runs) if k.count]
+        if self.k_pend.length:
+            parts.append((self.k_pend.view().astype(dtype), self.v_pend.view().astype(dtype)))
         if not parts:
             return None, None
         if len(parts) == 1:
@@ -632,12 +672,15 @@ class EigenStore(PackedStore):
         return mx.concatenate([k for k, _ in parts], axis=2), mx.concatenate([v for _, v in parts], axis=2)
 
     def decode_parts(self, empty) -> list[DecodePart]:
+        parts = [DecodePart(k.reader(), None, v.reader(), None)
+                 for k, v in zip(self.key_runs, self.value_runs) if k.count]
         if self.k_pend.length:
-            return [DecodePart(None, self.k_pend.view(), None, self.v_pend.view())]
-        return [DecodePart(k.reader(), None, v.reader(), None)
-                for k, v in zip(self.key_runs, self.value_runs) if k.count]
+            parts.append(DecodePart(None, self.k_pend.view(), None, self.v_pend.view()))
+        return parts
 
     def prefill_attention(self, queries, keys, values, *, scale, mask) -> mx.array:
+        if self.keys.basis is not None:
+            self.code_held()  # the chunk reads the history as it will be kept
         if not self.coded or not self.keys.codec.qjl:
             return super().prefill_attention(queries, keys, values, scale=scale, mask=mask)
         b, hq, n, d = queries.shape
@@ -721,8 +764,8 @@ class EigenStore(PackedStore):
         n_v = sum(r.count for r in self.value_runs) + self.v_pend.length
         if n_k != offset or n_v != offset:
             yield "tokens stored", f"{n_k} keys / {n_v} values", f"the offset {offset}"
-        if self.coded and self.k_pend.length:
-            yield "pending tokens", self.k_pend.length, "none once the basis is fitted"
+        if self.coded and self.k_pend.length >= DECODE_FLUSH:
+            yield "tokens held exactly", self.k_pend.length, f"fewer than {DECODE_FLUSH} once the basis is fitted"
         starts = [r.start for r in self.key_runs]
         want = [sum(r.count for r in self.key_runs[:i]) for i in range(len(self.key_runs))]
         if starts != want or [r.count for r in self.value_runs] != [r.count for r in self.key_runs]:
