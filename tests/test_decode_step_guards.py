@@ -50,8 +50,8 @@ OVER_GRAPH_BOUND = {
     "h2o+kivi2": 2.23,
     # each index read from the two words it spans, two gathers a code buffer (2.13 before, with
     # a sum over every word: W times the indices' size over the whole buffer, 6x slower on the
-    # H200; benchmarks/notes/serving_batches.md)
-    "vecinfer": 2.40,
+    # H200; benchmarks/notes/serving_batches.md); 2.40 while it coded a token a step
+    "vecinfer": 1.90,
     "kvquant": 2.08,
     "palu": 1.96,
     "gear": 2.06,
@@ -88,7 +88,7 @@ GRAPH_BOUND = 1.3
 # rows by one index a row from the flattened buffers (a take of its own), which the H200 ran
 # 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
-    "full": 1.12, "vecinfer": 3.06, "kivi": 1.54, "svdq": 5.79, "kitty": 3.67, "adakv": 6.52,
+    "full": 1.12, "vecinfer": 2.65, "kivi": 1.54, "svdq": 5.79, "kitty": 3.67, "adakv": 6.52,
     "xquant": 2.24, "kvquant": 6.38, "palu": 5.60, "cachegen": 5.71, "minicache": 2.85,
     "gear": 8.29, "zipcache": 6.00, "snapkv": 1.27, "streaming_llm": 0.96, "h2o": 1.77,
     "tova": 2.04, "pyramidkv": 1.18, "squeeze": 1.29, "chunkkv": 1.27, "cam": 3.44, "xkv": 1.44,

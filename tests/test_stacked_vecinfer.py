@@ -183,7 +183,7 @@ def test_reads_a_block_of_rows_at_a_time_give_the_whole_batchs_step_bit_for_bit(
     reads make the blocks of three two rows)."""
     from veloxquant_mlx.quant import vq_store
 
-    rows, prompt, steps = 7, 200, 90
+    rows, prompt, steps = 7, 230, 90
     k, v, q = kvq(prompt + steps, rows=rows)
     codecs = CodebookFit(4, 6, 8, 4, iters=4, sample=8, seed=0).fit(k, v) if calibrated else None
     blocks, read = [], vq_store._read_rows

@@ -78,13 +78,14 @@ def test_codes_index_the_nearest_centroid_of_keys_in_the_smoothed_rotated_frame_
     feed_chunks(cache, keys[:, :, :200], values[:, :, :200], 200)
     feed_chunks(cache, keys[:, :, 200:], values[:, :, 200:], 1)
     s = cache.store
-    assert s.count == 300 - 32 and s.fitted_from == "prompt"
+    n = s.count
+    assert n == 300 - 32 - 100 % VALUE_ROOM and s.fitted_from == "prompt"  # flushed 32 at a time
     kc, vc = s.key_codec, s.value_codec
     k_idx = unpack_indices(s.k_codes.view(), kc.bits, 128 // 4)
     v_idx = unpack_indices(s.v_codes.view(), vc.bits, 128 // 8)
-    k_sub = kc.to_code_space(keys[:, :, :268]).reshape(1, 2, 268, 32, 4)
+    k_sub = kc.to_code_space(keys[:, :, :n]).reshape(1, 2, n, 32, 4)
     assert_nearest(k_sub, k_idx, kc.centroids)
-    assert_nearest(values[:, :, :268].reshape(1, 2, 268, 16, 8), v_idx, vc.centroids)
+    assert_nearest(values[:, :, :n].reshape(1, 2, n, 16, 8), v_idx, vc.centroids)
 
 
 def test_lookup_table_scores_equal_the_scores_of_the_dequantized_keys():
@@ -131,9 +132,10 @@ def test_a_decode_step_scores_keys_through_lookup_tables_never_rebuilding_the_hi
             cache.update_and_fetch(k, v)
             outs.append(cache.attend(q, k, v, scale=128**-0.5, mask=None))
             mx.eval(outs[-1])
-        # general: one table lookup over the 184 coded tokens' 32 sub-spaces; steady: the
-        # same lookup, gathered from the whole code buffer without lookup_scores
-        assert calls == ([(1, 2, 184, 32)] if general else [])
+        # general: one table lookup over the 183 coded tokens' 32 sub-spaces (the step's token
+        # joins the window); steady: the same lookup, gathered from the whole code buffer
+        # without lookup_scores
+        assert calls == ([(1, 2, 183, 32)] if general else [])
         states.append(cache.state["arrays"])
     assert mx.array_equal(outs[0], outs[1])
     assert states[0].keys() == states[1].keys()
@@ -145,15 +147,17 @@ def test_a_decode_step_scores_keys_through_lookup_tables_never_rebuilding_the_hi
     assert mx.allclose(out, ref, atol=1e-5, rtol=1e-4), float(mx.abs(out - ref).max())
 
 
-def test_window_tokens_are_exact_and_coded_tokens_are_offset_minus_window():
+def test_window_tokens_are_exact_and_decode_steps_code_them_32_at_a_time_past_the_window():
     keys, values = kv(150, dtype=mx.float16)
     cache = vecinfer(residual_length=40, **SMALL)
     feed_chunks(cache, keys[:, :, :100], values[:, :, :100], 50)
+    assert cache.store.count == 60  # a prompt chunk codes every token past the window
     feed_chunks(cache, keys[:, :, 100:], values[:, :, 100:], 1)
-    assert cache.store.count == cache.offset - 40 == 110
+    # 50 steps: the window reached 40 + 32 at the 32nd and its oldest 32 were coded
+    assert cache.store.count == 60 + VALUE_ROOM == 92 and cache.store.k_win.held == 40 + 50 - VALUE_ROOM
     k_hat, v_hat = cache.dequantized(mx.float16)
-    assert mx.array_equal(k_hat[:, :, 110:], keys[:, :, 110:]) and mx.array_equal(v_hat[:, :, 110:], values[:, :, 110:])
-    assert relative_error(keys[:, :, :110], k_hat[:, :, :110]) > 1e-3  # the rest is coded
+    assert mx.array_equal(k_hat[:, :, 92:], keys[:, :, 92:]) and mx.array_equal(v_hat[:, :, 92:], values[:, :, 92:])
+    assert relative_error(keys[:, :, :92], k_hat[:, :, :92]) > 1e-3  # the rest is coded
 
 
 def test_with_codebooks_given_the_codes_do_not_depend_on_how_the_prompt_came():
@@ -166,9 +170,14 @@ def test_with_codebooks_given_the_codes_do_not_depend_on_how_the_prompt_came():
         cache.store.install(*codecs, "calibration")
         feed_chunks(cache, keys[:, :, :decode_from], values[:, :, :decode_from], chunk)
         feed_chunks(cache, keys[:, :, decode_from:], values[:, :, decode_from:], 1)
-        states.append((cache.store.k_codes.view(), cache.store.v_codes.view(), cache.store.k_win.view()))
+        s = cache.store  # decode steps leave up to 31 more tokens in the window
+        assert mx.array_equal(s.k_win.view(), keys[:, :, s.count:])
+        assert mx.array_equal(s.v_win.view(), values[:, :, s.count:])
+        states.append((s.k_codes.view(), s.v_codes.view()))
+    n = min(codes.shape[2] for codes, _ in states)
+    assert n < max(codes.shape[2] for codes, _ in states)
     for other in states[1:]:
-        assert all(mx.array_equal(a, b) for a, b in zip(states[0], other))
+        assert all(mx.array_equal(a[:, :, :n], b[:, :, :n]) for a, b in zip(states[0], other))
 
 
 def test_kmeans_codebooks_on_gaussian_data_reach_the_cards_error_and_more_bits_do_not_hurt():

@@ -179,16 +179,6 @@ class RecentRows(GrowingArray):
         self.start += n
         return rows
 
-    def pop_front_and_view(self, n: int) -> tuple[mx.array, mx.array]:
-        """``pop_front(n)`` and then ``view()`` (rows left held), from one split of the
-        buffer: a graph of one operation where the two slices take two."""
-        start, length = self.start, self.length
-        cuts = [c for c in (start, start + n, length) if 0 < c < self.capacity]
-        parts = mx.split(self.buffer, cuts, axis=self.axis)
-        self.start += n
-        at = 1 if start else 0
-        return parts[at], parts[at + 1]
-
     def view(self) -> mx.array | None:
         if self.buffer is None or not self.held:
             return None

@@ -105,26 +105,6 @@ def pack_indices(codes: mx.array, bits: int) -> mx.array:
     return words.at[..., word].add(low).at[..., nxt].add(high)  # disjoint bit fields
 
 
-@functools.lru_cache(maxsize=None)
-def packing_tables(n: int, bits: int) -> tuple[mx.array, ...]:
-    """``pack_indices``' field layout for ``n`` indices as ``pack_with_tables`` reads it: the
-    shifts, and one-hot (n, W) uint32 tables of each field's word and next word (built once
-    per layout)."""
-    word, shift, spill, nxt, back = _fields(n, bits)
-    slots = mx.arange(index_words(n, bits), dtype=mx.uint32)
-    return (shift, spill, back, (word[:, None] == slots).astype(mx.uint32),
-            (nxt[:, None] == slots).astype(mx.uint32))
-
-
-def pack_with_tables(codes, shift, spill, back, at_word, at_next) -> mx.array:
-    """``pack_indices`` of (..., n) uint32 codes through ``packing_tables``: each field put in
-    its words by the one-hot tables and summed (fields never overlap: a sum is an or), with
-    no scatter: the form a compiled decode pass takes (a token's few indices)."""
-    low = codes << shift
-    high = mx.where(spill, codes >> back, 0).astype(mx.uint32)
-    return (low[..., None] * at_word + high[..., None] * at_next).sum(axis=-2).astype(mx.uint32)
-
-
 def unpack_indices(words: mx.array, bits: int, n: int) -> mx.array:
     """Inverse of ``pack_indices``: (..., W) uint32 -> (..., n) uint32."""
     mask = (1 << bits) - 1

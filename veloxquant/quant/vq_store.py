@@ -2,10 +2,13 @@
 
 ``CodebookStore`` keeps a layer's tokens as packed codebook indices (``quant/vq.py``),
 keys and values each in their own ``ProductVQ`` codec, and the newest ``window`` tokens
-in full precision, written in place (``RecentRows``). A token leaves the window once, when
-``window`` newer ones have come (one a decode step), and is encoded then; coded tokens are
-never re-coded. Encoding is per token, so what is stored does not depend on how the
-prompt was chunked, once the codebooks exist.
+in full precision, written in place (``RecentRows``). Decode steps leave their tokens in the
+window until it holds ``window + VALUE_ROOM`` (32 more); the oldest ``VALUE_ROOM`` then leave
+it together, coded in one pass (``_flush``), so that the window holds ``window`` to
+``window + 31`` tokens and 31 steps of 32 only write their row; a prompt chunk codes every
+token past the newest ``window`` at once. Coded tokens are never re-coded. Encoding is per
+token, so what is stored does not depend on how the prompt was chunked or when a token
+left the window, once the codebooks exist.
 
 The codebooks come from a calibration (given to the store) or, without one, are fitted
 once (``CodebookFit.fit_rows``) on the tokens the store holds when its first tokens are to
@@ -23,8 +26,8 @@ saved before the batch axis (a prompt's centroids (K, s)) gets it when restored.
 Attention: a prompt chunk attends over the decoded history plus itself; a decode step over
 one part, keys read through lookup tables (``CodebookKeys``), values through centroids
 gathered by index (``CodebookValues``), the window as the part's full-precision tail: the
-pure-MLX path on every device. The steady state's step (window full, codebooks fixed) does
-the same arithmetic in a graph of fewer operations (``CodebookStore.decode_attention``), a
+pure-MLX path on every device. Once tokens are coded (the codebooks fixed), a decode step
+does the same arithmetic in a graph of fewer operations (``CodebookStore.decode_attention``), a
 stacked batch's reads a block of rows after another, so that the step holds about a block's
 index reads, lookups and value rows rather than the batch's (``_read_blocks``).
 
@@ -43,13 +46,14 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.buffers import GrowingArray, RecentRows
-from ..kernels.decode import DecodePart
+from ..kernels.decode import DecodePart, decode_attention
 from ..kernels.kivi_decode import token_mix
+from . import vq
 from .cache import QuantizedCache
-from .packed import GROWTH_TOKENS, runs_layout, unpack_fields
-from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, joined_history
+from .packed import GROWTH_TOKENS, field_arrays, runs_layout, unpack_fields
+from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, absent_buffer, joined_history
 from .vq import (CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, kmeans_rows,
-                 pack_with_tables, packing_tables, rotate, rotation_problem)
+                 rotate, rotation_problem)
 
 SMOOTH_FLOOR = 1e-4  # smallest per-channel smoothing factor
 # Bytes the steady step's reads of a block of a batch's rows hold, at most (``_read_blocks``;
@@ -121,25 +125,6 @@ def codec_arrays(key: ProductVQ | None, value: ProductVQ | None) -> dict[str, mx
             "value_centroids": None if value is None else value.centroids}
 
 
-# -- the steady state's coding of the token leaving the window, as one compiled pass ---------
-# (``_encode_fn``: what ``ProductVQ.encode`` computes), the indices packed through
-# ``vq.packing_tables`` (constants built once outside the pass, evaluated with the first
-# step that reads them).
-
-
-@functools.lru_cache(maxsize=None)
-def _encode_fn(bits: int, scaled: bool, rotated: bool):
-    def run(x, centroids, scale, *fields):
-        codec = ProductVQ(centroids, bits, scale if scaled else None, rotated)
-        return pack_with_tables(codec.indices(x), *fields)
-
-    return mx.compile(run)
-
-
-def _how(codec: ProductVQ) -> tuple:
-    return codec.bits, codec.scale is not None, codec.rotated
-
-
 @functools.lru_cache(maxsize=1)
 def _no_scale() -> mx.array:
     return mx.zeros((0,), mx.float32)
@@ -149,16 +134,9 @@ def _scale_arg(codec: ProductVQ) -> mx.array:
     return codec.scale if codec.scale is not None else _no_scale()
 
 
-def encode_one(codec: ProductVQ, x: mx.array) -> mx.array:
-    """``codec.encode(x)`` as one compiled pass."""
-    n = x.shape[-1] // codec.sub_dim
-    fn = _encode_fn(*_how(codec))
-    return fn(x, codec.centroids, _scale_arg(codec), *packing_tables(n, codec.bits))
-
-
 # -- the steady state's decode step, in few graph nodes ----------------------------------------
-# A decode step of the steady state (the window full, the codebooks fixed) stores its token
-# and attends with the arithmetic that ``commit``, ``decode_parts`` and the joint softmax of
+# A decode step once tokens are coded (the codebooks fixed) stores its token (``commit``) and
+# attends with the arithmetic that ``decode_parts`` and the joint softmax of
 # ``kernels/decode.py`` perform there, the same operations (matrix products of the same
 # shapes included) on the same values, so that every code, score, probability and output is
 # bit for bit theirs; what changes is the number of operations in the step's graph (issue 30's
@@ -171,12 +149,13 @@ def encode_one(codec: ProductVQ, x: mx.array) -> mx.array:
 # - the keys' lookup (``lookup_scores``) gathers from the flat tables with each query row's
 #   offsets in the index; the values' centroids (``gather_centroids``) are gathered a row of
 #   a centroid's channels at a time;
-# - a codebook is cast to float32, and -2c and c.c formed, in one fused pass shared by the
-#   token's coding and the reads; a codebook per row (``ProductVQ.codebooks``) is read with
-#   one product a row, as ``vq.nearest`` and ``vq.lookup_scores`` form them; the queries'
-#   scaling and smoothing are one fused pass;
-# - the window's leaving row and its rows after it come from one split of its buffer, and the
-#   probabilities' coded and window parts likewise;
+# - tokens are coded only when the window flushes (``_flush``: -2c and c.c formed in one
+#   fused pass, the tokens' distances as ``vq.nearest`` forms them, the indices packed through
+#   one-hot word tables, ``_column_tables``); a steady step writes its row and reads;
+# - a codebook per row (``ProductVQ.codebooks``) is read with one product a row, as
+#   ``vq.lookup_scores`` forms them; the queries' scaling and smoothing are one fused pass;
+# - the window's held rows are one slice of its buffer (none when it is full), and the
+#   probabilities' coded and window parts come from one split;
 # - a stacked batch's reads go a block of rows at a time (``_read_blocks``), one block after the
 #   other: a batch that fits one block, and one row, takes the graph above, node for node.
 
@@ -204,9 +183,14 @@ def _value_offsets(rows: int, k: int) -> mx.array:
 
 @functools.lru_cache(maxsize=None)
 def _column_tables(n: int, bits: int) -> tuple[mx.array, ...]:
-    """``packing_tables`` with the per-index ones as (n, 1) columns."""
-    shift, spill, back, at_word, at_next = packing_tables(n, bits)
-    return shift[:, None], spill[:, None], back[:, None], at_word, at_next
+    """``vq.pack_indices``' field layout for ``n`` indices of ``bits``: the per-index shifts as
+    (n, 1) columns and one-hot (n, W) tables of each field's word and next word, built from
+    numpy (arrays with no graph behind them: a flush that first reads them builds nothing)."""
+    (word, next_word, shift, high_shift, crosses, _), n_words = field_arrays(np.full(n, bits))
+    slots = np.arange(n_words)
+    return (mx.array(shift[:, None]), mx.array(crosses[:, None]), mx.array(high_shift[:, None]),
+            mx.array((word[:, None] == slots).astype(np.uint32)),
+            mx.array((next_word[:, None] == slots).astype(np.uint32)))
 
 
 def _lead(codebook, b: int) -> tuple[int, ...]:
@@ -232,22 +216,23 @@ def _queries(queries, lam, scale: float, scaled: bool):
 
 
 def _encode(x, m2c, sq, lam, shift, spill, back, at_word, at_next, scaled: bool, rotated: bool):
-    """``ProductVQ.encode`` of one token (B, H, 1, D) from its codebook's -2c and c.c:
-    ``to_code_space``, ``nearest``'s [y, 1] [-2c | c.c]^T and argmin, ``pack_with_tables``."""
+    """``ProductVQ.encode`` of tokens (B, H, T, D) from their codebook's -2c and c.c:
+    ``to_code_space``, ``nearest``'s [y, 1] [-2c | c.c]^T and argmin, then the fields put in their words by the
+    one-hot tables and summed (fields never overlap: a sum is an or)."""
     y = x.astype(mx.float32)
     if scaled:
         y = y / lam
     if rotated:
         y = rotate(y)
-    b, h, _, d = y.shape
+    b, h, t, d = y.shape
     s = m2c.shape[-1]
     ext = mx.concatenate([m2c, sq.sum(axis=-1, keepdims=True)], axis=-1).swapaxes(-1, -2)  # (.., s+1, K)
     y = y.reshape(*_lead(m2c, b), -1, s)
     flat = mx.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, 1)], constant_values=1.0)
-    idx = mx.argmin(flat @ ext, axis=-1, keepdims=True).astype(mx.uint32).reshape(b, h, d // s, 1)
+    idx = mx.argmin(flat @ ext, axis=-1).astype(mx.uint32).reshape(b, h, t, d // s, 1)
     low = idx << shift
     high = mx.where(spill, idx >> back, 0).astype(mx.uint32)
-    return (low * at_word + high * at_next).sum(axis=-2, keepdims=True).astype(mx.uint32)
+    return (low * at_word + high * at_next).sum(axis=-2).astype(mx.uint32)
 
 
 def _key_index(words, word, next_word, shift, high_shift, crosses, mask, off):
@@ -366,13 +351,13 @@ class CodebookStore(PackedStore):
         if keys.shape[2] == 1 and self.window:  # a decode step: rows written in place
             self.k_win.append(keys)
             self.v_win.append(values)
-            if self.k_win.held > self.window:
-                if self.key_codec is not None:  # the steady state: one token coded in one pass each
-                    self.k_codes.append(encode_one(self.key_codec, self.k_win.pop_front(1)))
-                    self.v_codes.append(encode_one(self.value_codec, self.v_win.pop_front(1)))
-                    return
-                held_k, held_v = self.k_win.view(), self.v_win.view()
-                self._encode(self.k_win.pop_front(1), self.v_win.pop_front(1), held_k, held_v)
+            held = self.k_win.held
+            if self.key_codec is None:
+                if held > self.window:  # the first token to leave: codebooks fitted on those held
+                    held_k, held_v = self.k_win.view(), self.v_win.view()
+                    self._encode(self.k_win.pop_front(1), self.v_win.pop_front(1), held_k, held_v)
+            elif held >= self.window + VALUE_ROOM:
+                self._flush(held - self.window)
             return
         k_all = keys if self.k_win.view() is None else mx.concatenate([self.k_win.view(), keys], axis=2)
         v_all = values if self.v_win.view() is None else mx.concatenate([self.v_win.view(), values], axis=2)
@@ -383,34 +368,53 @@ class CodebookStore(PackedStore):
         self.k_win.reset(k_all if k_all.shape[2] else None)
         self.v_win.reset(v_all if v_all.shape[2] else None)
 
+    def _flush(self, n: int) -> None:
+        """The window's ``n`` oldest tokens coded, one pass for keys and one for values (per
+        token: the codes ``ProductVQ.encode`` gives each alone), and the rows left moved to
+        the front of its buffer, so that the steps until the next flush only write theirs.
+        A pass forms ``vq.nearest``'s block of distances at most (a stacked batch's tokens at
+        4,096 centroids are more): past it, blocks of tokens each waiting for the one before
+        (a ``Depends``, as ``_read_blocks``), so that one block's distances exist at a time."""
+        budget = vq.NEAREST_CHUNK if mx.default_device() == mx.cpu else vq.NEAREST_CHUNK_GPU
+        for codec, win, codes in ((self.key_codec, self.k_win, self.k_codes),
+                                  (self.value_codec, self.v_win, self.v_codes)):
+            rows = win.pop_front(n)
+            b, h, _, d = rows.shape
+            _, m2c, sq = _codebook_fn(codec.codebooks(b))
+            encode = _encode_step_fn(codec.scale is not None, codec.rotated)
+            args = (_scale_arg(codec), *_column_tables(d // codec.sub_dim, codec.bits))
+            block = max(1, budget // (b * h * d // codec.sub_dim * m2c.shape[-2]))
+            out = []
+            for i in range(0, n, block):
+                x = rows if block >= n else rows[:, :, i : i + block]
+                if out:
+                    x = mx.depends([x], [out[-1]])[0]
+                out.append(encode(x, m2c, sq, *args))
+            codes.append(out[0] if len(out) == 1 else mx.concatenate(out, axis=2))
+            win.compact()
+
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
-        """A decode step. In the steady state (the window full, the codebooks fixed) the token
-        is stored and the step attended in few graph nodes (see above), bit for bit what
-        ``commit`` and the joint softmax over ``decode_parts`` give; otherwise through them."""
-        if not (keys.shape[2] == 1 and self.window and self.key_codec is not None
-                and self.k_win.held == self.window and self.dims is not None):
+        """A decode step: ``commit``, then, once tokens are coded, the attention in few graph
+        nodes (see above), bit for bit the joint softmax over ``decode_parts``; before, through
+        it."""
+        if not (keys.shape[2] == 1 and self.window):
             return super().decode_attention(queries, keys, values, scale=scale, use_kernel=use_kernel)
+        self.commit(keys, values)
+        if not self.count:
+            return decode_attention(queries, self.decode_parts(absent_buffer(queries.dtype)), scale=scale,
+                                    use_kernel=use_kernel, n_kv_heads=keys.shape[1])
         kc, vc = self.key_codec, self.value_codec
         (d_k, d_v), (b, hq) = self.dims, queries.shape[:2]
         h = keys.shape[1]
         r, n_k, n_v = hq // h, d_k // kc.sub_dim, d_v // vc.sub_dim
-        k_c32, k_m2c, k_sq = _codebook_fn(kc.codebooks(b))
-        v_c32, v_m2c, v_sq = _codebook_fn(vc.codebooks(b))
-        # the token leaving the window, coded
-        self.k_win.append(keys)
-        self.v_win.append(values)
-        (k_old, k_tail), (v_old, v_tail) = self.k_win.pop_front_and_view(1), self.v_win.pop_front_and_view(1)
-        lam = _scale_arg(kc)
-        self.k_codes.append(_encode_step_fn(kc.scale is not None, kc.rotated)(
-            k_old, k_m2c, k_sq, lam, *_column_tables(n_k, kc.bits)))
-        self.v_codes.append(_encode_step_fn(vc.scale is not None, vc.rotated)(
-            v_old, v_m2c, v_sq, _scale_arg(vc), *_column_tables(n_v, vc.bits)))
+        k_c32, v_c32 = kc.codebooks(b).astype(mx.float32), vc.codebooks(b).astype(mx.float32)
         # the reads, a block of rows at a time (see ``_read_rows``)
+        lam = _scale_arg(kc)
         q, qt = _queries_fn(scale, kc.scale is not None)(queries.reshape(b, h, r, d_k), lam)
         if kc.rotated:
             qt = rotate(qt)
-        o = _read_blocks((q, qt, self.k_codes.buffer, self.v_codes.buffer, k_tail, v_tail, k_c32, v_c32),
-                         self.count, kc, vc, n_k, n_v)
+        arrays = (q, qt, self.k_codes.buffer, self.v_codes.buffer, self.k_win.view(), self.v_win.view(), k_c32, v_c32)
+        o = _read_blocks(arrays, self.count, kc, vc, n_k, n_v)
         return o.reshape(queries.shape).astype(queries.dtype)
 
     # -- reading --------------------------------------------------------------------------
@@ -453,8 +457,10 @@ class CodebookStore(PackedStore):
         held = self.k_win.held
         if n_k != n_v or held != self.v_win.held:
             yield "stored tokens", f"{n_k}+{held} keys / {n_v}+{self.v_win.held} values", "as many values as keys"
-        if held != min(offset, self.window):
-            yield "full-precision tokens", held, f"min(offset {offset}, window {self.window})"
+        low = min(offset, self.window)
+        if not low <= held < self.window + VALUE_ROOM:
+            yield "full-precision tokens", held, (f"from min(offset {offset}, window {self.window}) "
+                                                  f"to window + {VALUE_ROOM - 1}")
         if n_k + held != offset:
             yield "tokens stored", n_k + held, f"the offset {offset}"
         if n_k and self.key_codec is None:

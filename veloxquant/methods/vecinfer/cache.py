@@ -11,7 +11,10 @@ A configuration of the codebook store (``quant/vq_store.py``, codecs in ``quant/
 - **values**: raw sub-vectors of ``value_sub_dim`` channels, one codebook of
   ``2**value_codebook_bits`` centroids;
 - **window**: the newest ``residual_length`` tokens stay in full precision (the card's
-  inferred meaning); a token is coded once, when it leaves, one a decode step.
+  inferred meaning), and up to 31 more while decoding: a token is coded once, when it
+  leaves, 32 at a time (the window then holds ``residual_length`` to ``residual_length +
+  31`` tokens), so that 31 decode steps of 32 code nothing; the codes are those of the
+  tokens coded one a step (coding is per token).
 
 Indices are bit-packed at their width (12 bits: 32 indices in 12 words at head_dim 128,
 key_sub_dim 4). Codebooks are float16, the smoothing factors float32, per layer and
