@@ -6,6 +6,8 @@ the PCA fit is bounded (no QR/SVD over the tokens) and reaches the exact fit's e
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import pytest
 
@@ -18,8 +20,6 @@ from veloxquant_mlx.cache.options import AMCOptions
 from veloxquant_mlx.lowrank.factors import svd_factors
 from veloxquant_mlx.methods.amc.cache import AMCCache
 from veloxquant_mlx.methods.amc.projection import pca_basis
-from veloxquant_mlx.methods.amc.token_tiers import TieredRowsStore
-from veloxquant_mlx.quant.token_rows import TokenGroups
 
 N_PROMPT, N_DECODE = 128, 192
 LONG_PROMPT = 400
@@ -95,24 +95,23 @@ def test_a_long_decode_reads_nothing_on_the_host():
 
 
 def test_a_full_tier_sends_the_token_to_the_nearest_tier_with_room():
-    codecs = [TokenGroups(8, 16), TokenGroups(4, 16), TokenGroups(2, 16)]
-    store = TieredRowsStore(codecs, codecs, step=8, shares=[0.25, 0.25, 0.5])
-    k = mx.random.normal((1, 2, 40, 16), key=mx.random.key(0))
-    v = mx.random.normal((1, 2, 40, 16), key=mx.random.key(1))
-    store.commit(k[:, :, :8], v[:, :, :8], mx.zeros((1, 2, 8), mx.uint8), [8, 0, 0])
-    for i in range(8, 40):  # every token wants High: a quarter of them are expected there
-        before = [int(t.counts.max()) if t.counts is not None else 0 for t in store.k_tiers]
-        taken = store.commit_step(k[:, :, i : i + 1], v[:, :, i : i + 1], mx.zeros((1, 2, 1), mx.uint8))
-        caps = [t.capacity for t in store.k_tiers]  # planned before the write
-        with_room = [t for t in (0, 1, 2) if before[t] < caps[t] - 1]  # preference order from High
-        assert taken.tolist() == [[[with_room[0]], [with_room[0]]]], (i, before, caps)
-        for tier in store.k_tiers:
-            assert int(tier.counts.max()) <= tier.capacity - 1
-    counts = [int(t.counts.max()) for t in store.k_tiers]
-    assert counts[0] < 40 and counts[1] > 0 and sum(counts) == 40
-    hist_k, _ = store.history(mx.float32)
-    nearest = ((hist_k[:, :, :, None] - k[:, :, None]) ** 2).sum(-1).argmin(-1)  # in position order
-    assert mx.array_equal(nearest, mx.broadcast_to(mx.arange(40), nearest.shape))
+    cache = AMCCache(KVCacheConfig(method="amc", options=AMCOptions()), None, 0)
+    k = mx.random.normal((1, 2, 132, 64), key=mx.random.key(0))
+    v = mx.random.normal((1, 2, 132, 64), key=mx.random.key(1))
+    feed(cache, k[:, :, :100], v[:, :, :100], 100)
+    cache.theta = mx.full(cache.theta.shape, -float("inf"))  # every token wants High
+    held = [int(t.counts.max()) for t in cache.store.k_tiers]  # the prompt's: equal in both heads
+    want = []
+    for caps in copy.deepcopy(cache.store).step_capacities(32):  # each token's room, planned
+        want.append(next(t for t in (0, 1, 2) if held[t] < caps[t] - 1))  # preference order from High
+        held[want[-1]] += 1
+    feed(cache, k[:, :, 100:], v[:, :, 100:], 1)  # one window, flushed
+    assert cache.pending_k.length == 0
+    assert cache.store.flags.view()[..., 100:].tolist() == [[want, want]]
+    assert want[0] == 0 and len(set(want)) > 1
+    for tier in cache.store.k_tiers:
+        assert int(tier.counts.max()) <= tier.capacity - 1
+    assert cache.store.history(mx.float32)[0].shape[2] == 132
 
 
 def test_the_pca_fit_runs_no_qr_or_svd(monkeypatch):

@@ -29,6 +29,13 @@ the tiered-rows store (``methods/amc/token_tiers.py``), per layer and KV head:
   s >= θ_mid, else Low; then (after the tier is set) its s joins the window and, with
   ``amc_adaptive_thresholds``, ``θ <- (1 - γ) θ + γ θ'``, θ' the same thresholds over the
   window (γ = ``amc_gamma``; windows under 2 tokens leave θ alone). Tiers are final.
+  A choice beyond the card (as KIVI keeps a full-precision residual): decode tokens wait
+  exact in a window of ``FLUSH`` rows, attended as they are, and a full window (or a
+  prompt chunk's arrival) gives its tokens their tiers in one batched step
+  (``tiering.py``) with the rule above, token by token in order: the tiers, thresholds
+  and saliency window after it are what steps of one token each would leave, bit for
+  bit. So the newest ``T mod FLUSH`` decode tokens are exact, and a decode step
+  writes one row and attends.
 - **Treatments** (named constants below): High 8-bit, Mid 4-bit min-max per token in
   groups of G = ``amc_group_size`` channels; Low: the coefficients on the head's top
   ``r`` principal directions (``RANK_DIVISOR``: r = d/4, raised to a multiple of 16 so
@@ -45,32 +52,37 @@ the tiered-rows store (``methods/amc/token_tiers.py``), per layer and KV head:
   nearest tier with room (ties toward the finer one), so no decode step reads the
   counts on the host and memory follows the card's mix.
 
-Attention: a prompt chunk over the decoded history plus itself; a decode step over the
-three tiers (``MaskedRows``: each head reads its own rows), pure MLX on every device.
+Attention: a prompt chunk over the decoded history plus itself (the window flushed
+first); a decode step over the three tiers (``MaskedRows``: each head reads its own rows)
+and the window's rows, one compiled pass, pure MLX on every device.
 The cache always owns attention (its tiers are packed), so the attention hook is in place
 whether or not query saliency is on. No setting is lossless (High is 8-bit);
 ``amc_k_high=1`` is uniform 8-bit quantization.
 Memory per token and head (K and V each): ``d b/8 + 4 d/G`` bytes at b = 8 and 4, and
 ``r/4 + 4 r/g`` for Low; one uint8 tier flag; per head the bases and means (float16), the
 saliency statistics, thresholds and window (float32); the int32 position of each Low
-key; tiers grow 256 rows at a time.
+key; tiers grow 256 rows at a time; the window's ``FLUSH`` rows of keys and values in
+the model's dtype while it holds any.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
 
 from ...cache.base import causal_mask
+from ...cache.buffers import GrowingArray
 from ...cache.rope import Rotary
-from ...kernels.decode import decode_attention
+from ...kernels.decode import DecodePart, decode_attention
 from ...quant.cache import QuantizedCache
 from ...quant.prerope import model_rotary, to_pre_rope
 from ...quant.saliency import n_salient, probe_attention_sums
 from ...quant.token_rows import TokenGroups
-from . import decode_step
+from . import decode_step, tiering
 from .projection import pca_basis
+from .tiering import thresholds
 from .token_tiers import TieredRowsStore
 
 HIGH_BITS, MID_BITS, LOW_BITS = 8, 4, 2
@@ -78,6 +90,10 @@ LOW = 2  # the tier kept as coefficients on a basis
 RANK_DIVISOR = 4  # Low keeps d / 4 principal directions
 VARIANCE_FLOOR = 1e-6  # of a head's largest channel variance
 FIT_TOKENS = 64  # the fewest tokens whose statistics, quantiles and basis the tiers may follow
+# Decode tokens held exact before one batched flush into the tiers: the eviction base and
+# the quantized stores do their periodic work every 32 tokens too, so a model's layers and
+# methods keep one period, and 32 rows of one head are small beside its tiers.
+FLUSH = 32
 
 
 def low_rank(d: int) -> int:
@@ -90,17 +106,10 @@ def ranks(s: mx.array) -> mx.array:
     return mx.argsort(mx.argsort(s, axis=-1), axis=-1).astype(mx.float32) / max(n - 1, 1)
 
 
-def thresholds(s: mx.array, k_high: float, k_mid: float) -> mx.array:
-    """(θ_high, θ_mid) (B, H, 2) of saliencies (B, H, n): the smallest of the top
-    round(k_high n), and of the top round(k_high n) + round(k_mid n)."""
-    n = s.shape[-1]
-    top = -mx.sort(-s, axis=-1)
-    n_hi = n_salient(k_high, n)
-    out = []
-    for k in (n_hi, n_hi + min(n - n_hi, n_salient(k_mid, n))):
-        out.append(mx.full(s.shape[:2], math.inf) if k == 0 else
-                   mx.full(s.shape[:2], -math.inf) if k == n else top[..., k - 1])
-    return mx.stack(out, axis=-1)
+@functools.lru_cache(maxsize=FLUSH + 1)
+def _held(n: int) -> mx.array:
+    """The window's held count as an int32 array (one per count, made once)."""
+    return mx.array(n, mx.int32)
 
 
 class AMCCache(QuantizedCache):
@@ -111,6 +120,9 @@ class AMCCache(QuantizedCache):
         self.mu = self.var = self.theta = self.window = self.window_int = None
         self.seen = self.at = 0
         self.rotary = model_rotary(self.context)
+        # the window's room grows with its first tokens (a short prompt pays no 32 rows), to
+        # FLUSH, and is kept from window to window
+        self.pending_k, self.pending_v = (GrowingArray(step=FLUSH, limit=FLUSH, geometric=True) for _ in range(2))
         return None  # built at the first tokens: the low tier's width needs head_dim
 
     def _build(self, d: int, rotary=None) -> None:
@@ -187,20 +199,6 @@ class AMCCache(QuantizedCache):
         self._remember(s, s_int)
         return tiers, [n_hi, n_mid, n - n_hi - n_mid]
 
-    def _step_tiers(self, keys, start: int):
-        o = self.config.options
-        s_int = self._intrinsic(self._unrotated(keys, start))  # (B, H, 1)
-        s = s_int
-        if self.window_int is not None:
-            s = (self.window_int[..., : self.seen] < s_int).astype(mx.float32).mean(axis=-1, keepdims=True)
-        tiers = mx.where(s >= self.theta[..., :1], 0, mx.where(s >= self.theta[..., 1:], 1, 2)).astype(mx.uint8)
-        self._remember(s, s_int)
-        if o.amc_adaptive_thresholds and self.seen >= 2:
-            new = thresholds(self.window[..., : self.seen], o.amc_k_high, o.amc_k_mid)
-            self.theta = new if o.amc_gamma == 1 else mx.where(
-                new == self.theta, self.theta, (1 - o.amc_gamma) * self.theta + o.amc_gamma * new)
-        return tiers
-
     @staticmethod
     def _all_high(keys):
         """The tiers of tokens that arrive before the fit."""
@@ -211,22 +209,16 @@ class AMCCache(QuantizedCache):
         k, v = self._take_chunk(sinks)
         if self.store is None:
             self._build(k.shape[-1], self.rotary)
+        if queries.shape[2] == 1 and k.shape[2] == 1:
+            return self._step(queries, k, v, scale)
+        if self.pending_k.length:  # the window's tokens come first, in order
+            self._flush()
         start, n = self.store.length, k.shape[2]
         if self.mu is None and start + n >= FIT_TOKENS:
             if start:
                 self._fit_with_history(k, v)
             else:
                 self._fit(k, v)
-        if queries.shape[2] == 1 and n == 1:
-            if self.mu is not None:
-                self.store.commit_step(k, v, self._step_tiers(k, start))
-            else:
-                self.store.commit(k, v, *self._all_high(k))
-            out = decode_step.decode_attention(self.store, queries, scale)
-            if out is None:
-                out = decode_attention(queries, self.store.decode_parts(None), scale=scale, use_kernel=False,
-                                       n_kv_heads=k.shape[1])
-            return mx.depends(out, self._step_writes())
         old_k, old_v = self.store.history(k.dtype)
         all_k = k if old_k is None else mx.concatenate([old_k, k], axis=2)
         all_v = v if old_v is None else mx.concatenate([old_v, v], axis=2)
@@ -237,26 +229,68 @@ class AMCCache(QuantizedCache):
         self.store.commit(k, v, tiers, most)
         return out
 
-    def _step_writes(self) -> list[mx.array]:
-        """What a decode step writes that its attention does not read (the thresholds,
-        the window, the flags): generate_step evaluates only the
-        logits, so attention's output depends on them (one node a layer), or their lazy
-        graphs would chain from step to step."""
-        s = self.store
-        written = [self.theta, self.window, self.window_int, s.flags.buffer]
+    def _step(self, queries, k, v, scale):
+        """A decode step: the token joins the window; a full window is flushed into the tiers."""
+        self.pending_k.append(k)
+        self.pending_v.append(v)
+        flushed = self.pending_k.length == FLUSH
+        if flushed:
+            self._flush()
+        held = self.pending_k.length
+        window = (self.pending_k.buffer, self.pending_v.buffer, _held(held)) if held else None
+        out = decode_step.decode_attention(self.store, queries, scale, window)
+        if out is None:
+            parts = self.store.decode_parts(None)
+            if held:
+                parts.append(DecodePart(None, self.pending_k.view(), None, self.pending_v.view()))
+            out = decode_attention(queries, parts, scale=scale, use_kernel=False, n_kv_heads=k.shape[1])
+        return mx.depends(out, self._flush_writes()) if flushed else out
+
+    def _flush(self) -> None:
+        """The window's tokens into their tiers, in order, as one batched step; the window
+        is emptied (its room kept)."""
+        keys, values = self.pending_k.view(), self.pending_v.view()
+        self.pending_k.truncate(0)
+        self.pending_v.truncate(0)
+        start, n = self.store.length, keys.shape[2]
+        if self.mu is None:
+            early = min(n, max(0, FIT_TOKENS - 1 - start))  # before the fit: High
+            if early:  # with the room steps of one token would have left
+                self.store.commit(keys[:, :, :early], values[:, :, :early], *self._all_high(keys[:, :, :early]),
+                                  [self.store.stepwise_room(0, early), None, None])
+            if early == n:
+                return
+            keys, values = keys[:, :, early:], values[:, :, early:]
+            # the fit at its token (FIT_TOKENS - 1 High ones stored), over them and it
+            self._fit_with_history(keys[:, :, :1], values[:, :, :1])
+        tiering.flush(self, keys, values)
+
+    def _flush_writes(self) -> list[mx.array]:
+        """What a flush writes that the step's attention does not read (the thresholds,
+        the saliency window, the flags): generate_step evaluates only the logits, so
+        attention's output depends on them (one node a layer), or their lazy graphs would
+        chain from flush to flush."""
+        written = [self.theta, self.window, self.window_int, self.store.flags.buffer]
         return [a for a in written if a is not None]
 
     # -- what is kept ------------------------------------------------------------------------
     @property
     def stored_length(self) -> int:
-        return 0 if self.store is None else self.store.length
+        return self.pending_k.length + (0 if self.store is None else self.store.length)
 
     def dequantized(self, dtype):
-        return (None, None) if self.store is None else self.store.history(dtype)
+        """The tiers' tokens decoded, then the window's, in order."""
+        k, v = (None, None) if self.store is None else self.store.history(dtype)
+        if not self.pending_k.length:
+            return k, v
+        held_k, held_v = self.pending_k.view().astype(dtype), self.pending_v.view().astype(dtype)
+        if k is None:
+            return held_k, held_v
+        return mx.concatenate([k, held_k], axis=2), mx.concatenate([v, held_v], axis=2)
 
     def _arrays(self):
         own = {"mu": self.mu, "var": self.var, "theta": self.theta, "window": self.window,
-               "window_int": self.window_int}
+               "window_int": self.window_int, "pending_k": self.pending_k, "pending_v": self.pending_v}
         if self.store is None:
             return own
         return {**self.store.arrays(), **own}
@@ -270,6 +304,11 @@ class AMCCache(QuantizedCache):
         arrays = self.__dict__.pop("_saved_arrays", {})
         for name in ("mu", "var", "theta", "window", "window_int"):
             setattr(self, name, arrays.pop(name, None))
+        for window in ("pending_k", "pending_v"):
+            rows = arrays.pop(window, None)
+            getattr(self, window).reset(rows)
+            if rows is not None and rows.shape[2] == 0:  # an emptied window: its room comes back
+                getattr(self, window).buffer = rows
         self.seen, self.at = int(meta.get("window_seen", 0)), int(meta.get("window_at", 0))
         rotary = meta.get("rotary", "none")  # as saved, whatever this process's context says
         self.rotary = None if rotary == "none" else Rotary.from_json(rotary)
@@ -284,8 +323,18 @@ class AMCCache(QuantizedCache):
             yield from self.store.layout_problems(self.kv_shape[2:])
 
     def _state_problems(self):
+        held = self.pending_k.length
+        if held != self.pending_v.length or held >= FLUSH:
+            yield "window rows (keys, values)", (held, self.pending_v.length), f"equal, fewer than {FLUSH}"
+            return
+        for name, rows in (("key", self.pending_k.buffer), ("value", self.pending_v.buffer)):
+            if rows is not None and self.kv_shape is not None and (
+                    rows.ndim != 4 or rows.shape[1] != self.kv_shape[1]
+                    or rows.shape[3] != self.kv_shape[2 if name == "key" else 3]):
+                yield f"window {name} rows", rows.shape, f"(batch, {self.kv_shape[1]}, rows, head_dim)"
+                return
         if self.store is None:
             if self.offset:
                 yield "tokens stored", 0, f"the offset {self.offset}"
             return
-        yield from self.store.problems(self.offset)
+        yield from self.store.problems(self.offset - held)

@@ -7,8 +7,9 @@ rows. ``RaggedTier`` keeps one codec's rows per (batch, head) at their own count
 heads and grown by at most ``step`` rows, fewer while the tier is small (``added_room``'s
 geometric rule: a short prompt pays no whole step; no fused kernel reads the tiers, so
 nothing needs aligned steps). A write gathers the rows each head takes
-(a prompt chunk: the same number per head; a decode step: one row, which a head that
-does not take it writes past its count) and writes them after its own run. Rows past a
+(a prompt chunk: the same number per head; a flush of decode tokens: each token in
+order, a token a head does not take written past its count) and writes them after its
+own run. Rows past a
 head's count are masked out of its scores (``MaskedRows``), so readers run over the whole
 buffer. The host never reads the counts: ``bound`` (an upper bound of the largest count,
 from the writes' sizes) sizes a prompt chunk's room; one spare row stays past every count
@@ -20,11 +21,12 @@ put the history back in order), and optional projections per tier (a low tier ke
 coefficients on a basis, ``methods/amc/projection.py``; keys before RoPE, with their
 positions, when the rotary settings are given). A decode step's room comes from host
 counters: each tier grows by its share of the decode tokens, and a token whose tier is
-full for its head goes to the nearest tier with room. Every token is coded as it arrives
-(no window). A prompt chunk attends over the decoded history plus itself; a decode step
-writes its token and attends over every tier's whole buffer under one softmax, each as one
-compiled pass (``decode_step.py``; the parts below, ``decode_parts``, before every tier
-has buffers).
+full for its head goes to the nearest tier with room (``step_capacities`` plans each
+token's room; the cache's flush, ``tiering.py``, applies it to a window of decode tokens
+at once). A prompt chunk attends over the decoded history plus itself; a decode step
+attends over every tier's whole buffer (and the cache's window) under one softmax, one
+compiled pass (``decode_step.py``; the parts below, ``decode_parts``, where a tier's keys
+and values differ in room).
 """
 
 from __future__ import annotations
@@ -108,6 +110,17 @@ class RaggedTier:
         self.counts = self.counts + take.astype(mx.int32).sum(axis=-1)
         self.bound = min(self.bound + most, self.capacity - 1)
 
+    def start_buffers(self, b: int, h: int, width: int, dtype) -> None:
+        """Empty buffers of the codec's widths for rows of ``width`` values in ``dtype``, and
+        zero counts, where the tier has none yet."""
+        if self.counts is None:
+            self.counts = mx.zeros((b, h), mx.int32)
+        if self.codes is None:
+            coded = self.codec.encode(mx.zeros((b, h, 1, width), dtype))
+            self.codes, self.scales, self.biases = (mx.zeros((b, h, 0, a.shape[-1]), a.dtype) for a in coded)
+            if self.positioned:
+                self.positions = mx.zeros((b, h, 0), mx.int32)
+
     def layout(self) -> AffineLayout:
         c = self.codec
         return AffineLayout(self.codes, self.scales, self.biases, self.capacity, c.bits, c.group, "token")
@@ -183,49 +196,44 @@ class TieredRowsStore(PackedStore):
                 vt.counts = kt.counts + 0
         self.flags.append(tiers.astype(mx.uint8))
 
-    def commit(self, keys: mx.array, values: mx.array, tiers: mx.array, most: list[int]) -> None:
+    def commit(self, keys: mx.array, values: mx.array, tiers: mx.array, most: list[int],
+               capacities: list[int | None] | None = None) -> None:
         """Tokens (B, H, n, D) with their tiers (B, H, n) uint8; ``most[t]``: at most this
-        many of them in tier t for any head."""
-        self._write(keys, values, tiers, most)
+        many of them in tier t for any head; ``capacities``: each tier's room (None: what
+        the write needs)."""
+        self._write(keys, values, tiers, most, capacities)
         self.expected = [float(t.bound) for t in self.k_tiers]
 
-    def _step_capacities(self) -> list[int]:
-        """Each tier's room for a decode step, from host counters only: a tier grows when
-        the rows it is expected to hold (its share of the decode tokens) reach its room,
-        and the tiers together always leave every head one row more than it holds."""
-        caps = []
-        for t, tier in enumerate(self.k_tiers):
-            self.expected[t] += self.shares[t]
-            cap = max(tier.capacity, 1)  # the spare row
-            while self.expected[t] + 1 > cap - 1 and self.shares[t] > 0:
-                cap += self._growth(cap)
-            caps.append(cap)
-        while sum(c - 1 for c in caps) < self.length + 1:  # some tier has room for every head
-            caps = [c + (self._growth(c) if s > 0 else 0) for c, s in zip(caps, self.shares)]
-        return caps
+    def stepwise_room(self, t: int, n: int) -> int:
+        """Tier t's room after n writes of one row each (a tier grows by its rule, from
+        the room the last left), where one write of n rows may grow it otherwise."""
+        tier = self.k_tiers[t]
+        capacity, bound = tier.capacity, tier.bound
+        for _ in range(n):
+            if bound + 2 > capacity:
+                capacity += added_room(capacity, bound + 2 - capacity, self.step, None, geometric=True)
+            bound = min(bound + 1, capacity - 1)
+        return capacity
+
+    def step_capacities(self, n: int) -> list[list[int]]:
+        """Each tier's room for each of n decode tokens in turn, from host counters only:
+        a tier grows when the rows it is expected to hold (its share of the decode tokens)
+        reach its room, and the tiers together always leave every head one row more than
+        it holds."""
+        out, caps = [], [max(tier.capacity, 1) for tier in self.k_tiers]  # the spare row
+        for i in range(n):
+            for t in range(len(caps)):
+                self.expected[t] += self.shares[t]
+                while self.expected[t] + 1 > caps[t] - 1 and self.shares[t] > 0:
+                    caps[t] += self._growth(caps[t])
+            while sum(c - 1 for c in caps) < self.length + i + 1:  # some tier has room for every head
+                caps = [c + (self._growth(c) if s > 0 else 0) for c, s in zip(caps, self.shares)]
+            out.append(list(caps))
+        return out
 
     def _growth(self, capacity: int) -> int:
         """Rows a full tier of ``capacity`` rows grows by for one more (the tiers' rule)."""
         return added_room(capacity, 1, self.step, None, geometric=True)
-
-    def commit_step(self, keys: mx.array, values: mx.array, tiers: mx.array) -> mx.array:
-        """One token (B, H, 1, D) in its tier (B, H, 1) uint8, or, for a head whose tier is
-        full, the nearest tier with room (ties toward the finer one); the tiers it took."""
-        caps = self._step_capacities()
-        from . import decode_step  # noqa: PLC0415 (it reads this module's MASKED)
-
-        taken = decode_step.commit_step(self, keys, values, tiers, caps)
-        if taken is not None:
-            self.flags.append(taken)
-            return taken
-        room = mx.stack([(mx.zeros(tiers.shape[:2], mx.int32) if kt.counts is None else kt.counts) < cap - 1
-                         for kt, cap in zip(self.k_tiers, caps)], axis=-1)  # (B, H, T)
-        order = mx.arange(len(caps))
-        wanted = tiers.astype(mx.int32)  # (B, H, 1)
-        cost = 2 * mx.abs(order - wanted) + (order > wanted)
-        tiers = mx.argmin(mx.where(room, cost, 4 * len(caps)), axis=-1, keepdims=True).astype(mx.uint8)
-        self._write(keys, values, tiers, [1] * len(caps), caps)
-        return tiers
 
     def _readers(self, t: int):
         kt, vt = self.k_tiers[t], self.v_tiers[t]
