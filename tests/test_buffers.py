@@ -40,3 +40,26 @@ def test_restore_room_gives_back_a_saved_buffers_spare_rows_and_ignores_rooms_gr
         other.reset(rows)
         other.restore_room(room)
         assert other.capacity == 5
+
+
+def test_an_emptied_buffer_saved_as_no_rows_gets_its_room_back_and_nothing_else_does():
+    g = GrowingArray(axis=2, step=8)
+    g.append(mx.ones((1, 2, 5, 3), dtype=mx.float16))
+    g.truncate(0)  # emptied in place: its room kept
+    saved_room, rows = g.capacity, g.view()
+    assert rows.shape == (1, 2, 0, 3)
+    restored = GrowingArray(axis=2, step=8)
+    restored.reset(rows)
+    assert restored.buffer is None and restored.length == 0
+    restored.restore_room(saved_room)
+    assert restored.buffer.shape == (1, 2, 8, 3) and restored.buffer.dtype == mx.float16
+    assert restored.length == 0 and restored.nbytes == g.nbytes
+    for room in (None, 0, 9):  # none saved, no room, more than a step
+        other = GrowingArray(axis=2, step=8)
+        other.reset(rows)
+        other.restore_room(room)
+        assert other.buffer is None
+    never_emptied = GrowingArray(axis=2, step=8)
+    never_emptied.reset(None)
+    never_emptied.restore_room(8)
+    assert never_emptied.buffer is None

@@ -444,3 +444,23 @@ def test_decode_rows_are_held_exactly_then_coded_together_as_one_at_a_time_would
     for mine, theirs in ((batched.keys, one_at_a_time.keys), (batched.values, one_at_a_time.values)):
         assert mx.array_equal(mine.words.view(), theirs.words.view()[:, :, :n])
         assert mx.array_equal(mine.norms.view(), theirs.norms.view()[:, :, :n])
+
+
+def test_a_cache_saved_with_its_window_just_coded_reloads_with_its_room_and_continues_bit_for_bit(tmp_path):
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from veloxquant_mlx import load_prompt_cache
+
+    k, v = structured(300), structured(300, seed=9)
+    cache = spectral(rotary_context())
+    feed(cache, k[:, :, :140], v[:, :, :140], 64)
+    feed(cache, k[:, :, 140 : 140 + 2 * es.DECODE_FLUSH], v[:, :, 140 : 140 + 2 * es.DECODE_FLUSH], 1)
+    assert cache.store.k_pend.length == 0 and cache.store.k_pend.capacity == es.DECODE_FLUSH
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [cache])
+    (back,) = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert back.nbytes == cache.nbytes
+    for c in (cache, back):
+        feed(c, k[:, :, 204:], v[:, :, 204:], 1)
+    assert back.nbytes == cache.nbytes
+    for mine, theirs in zip(cache.dequantized(mx.float32), back.dequantized(mx.float32)):
+        assert mx.array_equal(mine, theirs)

@@ -89,6 +89,7 @@ class GrowingArray:
         self.geometric = geometric
         self.buffer: mx.array | None = None
         self.length = 0
+        self.emptied: tuple[tuple[int, ...], mx.Dtype] | None = None  # the shape and dtype of rows reset to none
 
     @property
     def capacity(self) -> int:
@@ -122,16 +123,24 @@ class GrowingArray:
 
     def reset(self, rows: mx.array | None) -> None:
         """Replace the content by ``rows`` (exactly sized: no spare room)."""
+        self.emptied = None
         if rows is not None and rows.shape[self.axis] == 0:
-            rows = None  # an empty slice still holds the storage of the array it was cut from
+            # an empty slice still holds the storage of the array it was cut from: only its
+            # shape is kept, for the room a saved buffer emptied in place gets back
+            self.emptied, rows = (tuple(rows.shape), rows.dtype), None
         self.buffer = rows
         self.length = 0 if rows is None else rows.shape[self.axis]
 
     def restore_room(self, room: int | None) -> None:
-        """Zero rows after the content up to ``room``: the rows a saved buffer had room for.
-        A reader over a whole buffer (capacity-fixed shapes) then sums over the shapes it
-        summed over before the save, so a loaded cache continues bit for bit. A room more
+        """Zero rows after the content up to ``room``: the rows a saved buffer had room for
+        (an emptied one's too, ``truncate(0)``: saved as no rows). A reader over a whole buffer
+        (capacity-fixed shapes) then sums over the shapes it summed over before the save, and
+        the cache keeps the bytes it kept, so a loaded cache continues bit for bit. A room more
         than a step beyond the content is not one growth leaves: ignored."""
+        if self.buffer is None and self.emptied is not None and room is not None and 0 < room <= self.step:
+            shape, dtype = self.emptied
+            self.buffer = mx.zeros(tuple(room if i == self.axis % len(shape) else n for i, n in enumerate(shape)), dtype)
+            return
         if self.buffer is None or room is None or not 0 < room - self.capacity <= self.step:
             return
         pad = [(0, 0)] * self.buffer.ndim

@@ -306,9 +306,7 @@ class AMCCache(QuantizedCache):
             setattr(self, name, arrays.pop(name, None))
         for window in ("pending_k", "pending_v"):
             rows = arrays.pop(window, None)
-            getattr(self, window).reset(rows)
-            if rows is not None and rows.shape[2] == 0:  # an emptied window: its room comes back
-                getattr(self, window).buffer = rows
+            getattr(self, window).reset(rows)  # an emptied window gets its room back (restore_room)
         self.seen, self.at = int(meta.get("window_seen", 0)), int(meta.get("window_at", 0))
         rotary = meta.get("rotary", "none")  # as saved, whatever this process's context says
         self.rotary = None if rotary == "none" else Rotary.from_json(rotary)
