@@ -44,9 +44,9 @@ OVER_GRAPH_BOUND = {
     "amc": 2.73,
     # its read (6.40 while it coded each decode row as it came; 2026-12-05: 32 at a time)
     "spectral": 2.78,
-    # a compiled read and merge; still: the pair's SLERP for keys and values, the retained
-    # pairs' cumsum/scatter writes and the second layer's table reads
-    "minicache": 2.56,
+    # a compiled read of the merged rows in place (m (q.e)) and the rows held, the second
+    # layer's retained table read (2.56 while it merged each decode token; 2026-12-05: 32 at a time)
+    "minicache": 1.69,
     # composed (issue 36): h2o's every step dequantizes the kept keys for its accumulated
     # attention (the float32 score matmul/softmax/mean a layer, which the mass needs bit for bit)
     "h2o+kivi2": 2.23,
@@ -91,7 +91,7 @@ GRAPH_BOUND = 1.3
 # 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
     "full": 1.12, "vecinfer": 2.65, "kivi": 1.54, "svdq": 5.79, "kitty": 3.67, "adakv": 6.52,
-    "xquant": 2.24, "kvquant": 6.38, "palu": 5.60, "cachegen": 5.71, "minicache": 2.85,
+    "xquant": 2.24, "kvquant": 6.38, "palu": 5.60, "cachegen": 5.71, "minicache": 2.71,
     "gear": 8.29, "zipcache": 6.00, "snapkv": 1.27, "streaming_llm": 0.96, "h2o": 1.77,
     "tova": 2.04, "pyramidkv": 1.18, "squeeze": 1.29, "chunkkv": 1.27, "cam": 3.44, "xkv": 1.44,
     "nsnquant": 5.58, "knorm": 1.94, "skvq": 2.60, "qfilters": 1.65, "keyformer": 1.90,

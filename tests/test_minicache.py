@@ -1,15 +1,18 @@
 """MiniCache: never merges across the threshold, the card's invariants (identical and
 parallel rows exact, norms kept, t = 0 / 1 give either layer, threshold > 1 exact, layers
 below the start and an odd last layer exact, per-step merging equals merging at once),
-decode over merged rows in place, and memory."""
+decode over merged rows in place, and memory. The decode tokens are one flush's worth
+(``FLUSH``) plus 6 held exact: the merged state covers the first ``merged_rows`` tokens."""
 
 import mlx.core as mx
 import pytest
 
 from cross_layer_util import feed, kv, layered, reference_attention
+from veloxquant_mlx.methods.minicache.cache import FLUSH
 from veloxquant_mlx.methods.minicache.slerp import MergedRows
 
-T, DECODE = 120, 6
+T, HELD = 120, 6
+DECODE = FLUSH + HELD
 
 
 def _noisy(x0, i):
@@ -45,8 +48,10 @@ def _cos(a, b):
 def test_pairs_below_the_threshold_are_kept_apart_and_only_those(threshold):
     caches, ks, vs, _ = _run(minicache_retention_threshold=threshold)
     first, second = caches
-    for x, a, b in (("k", ks[0], ks[1]), ("v", vs[0], vs[1])):
-        cos = _cos(a, b)  # (1, H, T)
+    n = second.merged_rows
+    assert n == T + FLUSH and second.held_k.length == HELD
+    for x, a, b in (("k", ks[0][:, :, :n], ks[1][:, :, :n]), ("v", vs[0][:, :, :n], vs[1][:, :, :n])):
+        cos = _cos(a, b)  # (1, H, n)
         where = retained(second, x)
         kept = mx.zeros(cos.shape, mx.bool_).reshape(-1, cos.shape[-1])
         kept[where[:, 0], where[:, 1]] = True
@@ -67,19 +72,20 @@ def test_pairs_below_the_threshold_are_kept_apart_and_only_those(threshold):
 @pytest.mark.parametrize("scale", [1.0, 3.0])
 def test_identical_or_parallel_rows_merge_exactly(scale):
     caches, ks, vs, _ = _run(related=lambda x0, i: x0 * scale, minicache_retention_threshold=-1.0)
+    n = caches[1].merged_rows
     for layer, c in enumerate(caches):
         assert retained(caches[1], "k").shape[0] == 0  # everything merged
-        assert mx.allclose(_rebuilt(c, "k"), ks[layer], atol=1e-4, rtol=1e-5)
-        assert mx.allclose(_rebuilt(c, "v"), vs[layer], atol=1e-4, rtol=1e-5)
+        assert mx.allclose(_rebuilt(c, "k"), ks[layer][:, :, :n], atol=1e-4, rtol=1e-5)
+        assert mx.allclose(_rebuilt(c, "v"), vs[layer][:, :, :n], atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("t, exact_layer", [(0.0, 0), (1.0, 1)])
 def test_slerp_t_at_either_end_gives_that_layers_direction(t, exact_layer):
     caches, ks, vs, _ = _run(minicache_retention_threshold=-1.0, minicache_slerp_t=t)
-    c = caches[exact_layer]
-    assert mx.allclose(_rebuilt(c, "k"), ks[exact_layer], atol=1e-4, rtol=1e-5)
+    c, n = caches[exact_layer], caches[1].merged_rows
+    assert mx.allclose(_rebuilt(c, "k"), ks[exact_layer][:, :, :n], atol=1e-4, rtol=1e-5)
     other = caches[1 - exact_layer]
-    assert not mx.allclose(_rebuilt(other, "k"), ks[1 - exact_layer], atol=1e-2)
+    assert not mx.allclose(_rebuilt(other, "k"), ks[1 - exact_layer][:, :, :n], atol=1e-2)
 
 
 def test_a_threshold_above_one_retains_everything_and_attention_is_exact():
@@ -104,11 +110,12 @@ def test_layers_below_the_start_and_an_odd_last_layer_are_left_exact():
 def test_merging_step_by_step_equals_merging_the_whole_run_at_once():
     step, _, _, _ = _run(chunks=(64, 1), minicache_retention_threshold=0.5)
     once, _, _, _ = _run(chunks=(T, DECODE), minicache_retention_threshold=0.5)
+    n = step[1].merged_rows
     for name in ("e_k", "e_v"):
-        assert mx.allclose(step[1].shared[name].view(), once[1].shared[name].view(), atol=1e-6)
+        assert mx.allclose(step[1].shared[name].view(), once[1].shared[name].view()[:, :, :n], atol=1e-6)
     for x in ("k", "v"):
-        a, b = retained(step[1], x), retained(once[1], x)
-        assert mx.array_equal(mx.sort(a[:, 0] * 10000 + a[:, 1]), mx.sort(b[:, 0] * 10000 + b[:, 1]))
+        a, b = retained(step[1], x).tolist(), retained(once[1], x).tolist()
+        assert sorted(a) == sorted(e for e in b if e[1] < n)
 
 
 def test_decode_reads_the_merged_rows_in_place_as_the_rebuilt_history():
@@ -188,14 +195,16 @@ def _same_prompt_then_apart(x0, i):
 def test_a_decode_step_keeps_its_retained_pairs_in_reserved_rows_and_counts_the_overflow():
     """No host read at a decode step (issue 30): rows are reserved ahead at the prompt's rate
     plus a margin, min(1, 2 * 0 + 1/16) of the 2 pairs a token for 64 tokens: 8 rows. The
-    6 decode tokens retain all 12 pairs: the first 8 (tokens T..T+3, in head order) are kept
-    exactly, the last 4 are merged after all and counted."""
+    flush of the first 32 decode tokens retains all 64 pairs: the first 8 (tokens T..T+3,
+    in head order) are kept exactly, the other 56 are merged after all and counted; the 6
+    tokens held after them are not merged yet."""
     caches, ks, vs, _ = _run(related=_same_prompt_then_apart, minicache_retention_threshold=0.5)
     second = caches[1]
+    n = second.merged_rows
     for x, a, b in (("k", ks[0], ks[1]), ("v", vs[0], vs[1])):
         assert getattr(second, f"ret_{x}_where").length == 8
-        assert getattr(second, f"ret_{x}_dropped").item() == 4
+        assert getattr(second, f"ret_{x}_dropped").item() == 2 * FLUSH - 8
         assert retained(second, x).tolist() == [[h, t] for t in range(T, T + 4) for h in range(2)]
         x2 = _rebuilt(second, x)
         assert mx.allclose(x2[:, :, T:T + 4], b[:, :, T:T + 4], atol=1e-5)  # kept apart: exact
-        assert not mx.allclose(x2[:, :, T + 4:], b[:, :, T + 4:], atol=1e-2)  # dropped: merged
+        assert not mx.allclose(x2[:, :, T + 4:], b[:, :, T + 4:n], atol=1e-2)  # dropped: merged

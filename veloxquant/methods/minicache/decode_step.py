@@ -1,12 +1,14 @@
-"""A minicache decode step as compiled passes over the buffers' room.
+"""A minicache decode step and a flush as compiled passes over the buffers' room.
 
-What ``kernels/decode.py``'s joint path computes over ``MergedRows`` and the exact tail,
-and what ``slerp.slerp_merge`` plus ``slerp.write_retained`` compute for a decode token's
-pair, with shapes that change only when the buffers grow: the merged directions and
-magnitudes are read over the rows both buffers hold room for (rows past the merged count
-score -inf: their weights are zero), the retained table over its whole buffer (rows past
-its length weigh zero and point at row 0, token 0), and every count (merged tokens, the
-table's rows, its used rows, the token's position) comes in as a small array. The passes
+What ``kernels/decode.py``'s joint path computes over ``MergedRows`` and the exact rows a
+layer holds, and what ``slerp.slerp_merge`` plus ``slerp.write_retained`` compute for a
+run of decode tokens' pairs, with shapes that change only when the buffers grow: the
+merged directions and magnitudes are read over the rows both buffers hold room for (rows
+past the merged count score -inf: their weights are zero), the held rows over their
+buffer's room (rows past those held likewise), the retained table over its whole buffer
+(rows past its length weigh zero and point at row 0, token 0), and every count (merged
+tokens, held rows, the table's rows, its used rows, the first token's position) comes in
+as a small array. The passes
 are lru_cached per static setting (scale, t, threshold), so they are traced again only
 when a buffer grows; the row indices are built once per size, lazily, and evaluated with
 the first step that reads them. Nothing here reads an array's value on the host.
@@ -19,14 +21,16 @@ import functools
 import mlx.core as mx
 
 from ...cache.buffers import row_indices
-from .slerp import _slerp_merge
+from .slerp import _slerp_merge, norms
 
 
 @functools.lru_cache(maxsize=8)
-def _heads(n: int) -> tuple[mx.array, mx.array]:
-    """The (row, 0) pairs of ``n`` rows, int32 (n, 2), and the token column's selector [0, 1]:
-    a decode token's retained entries are ``base + start * column``."""
-    return mx.stack([mx.arange(n, dtype=mx.int32), mx.zeros((n,), mx.int32)], axis=1), mx.array([0, 1], mx.int32)
+def _entries(rows: int, tokens: int) -> tuple[mx.array, mx.array]:
+    """The (row, k) pairs of ``tokens`` tokens' ``rows`` (b*H + h) rows, int32 (tokens*rows,
+    2), token-major (the order merging one token at a time wrote them), and the token
+    column's selector [0, 1]: the retained entries are ``base + start * column``."""
+    i = mx.arange(rows * tokens, dtype=mx.int32)
+    return mx.stack([i % rows, i // rows], axis=1), mx.array([0, 1], mx.int32)
 
 
 def count(n: int) -> mx.array:
@@ -35,7 +39,7 @@ def count(n: int) -> mx.array:
 
 # -- attention ------------------------------------------------------------------------------
 def _attend(scale: float, tables: tuple[bool, bool], queries, ek, mk, ev, mv, n, token_rows, tail_k,
-            tail_v, *table_args):
+            tail_v, held, tail_rows, *table_args):
     # The retained tables are read over their whole buffers: rows past those held are zeros
     # (reserved rows are appended as zeros, a buffer's room is zeros, minicache is never
     # trimmed), which point at row 0, token 0 and add exactly 0 there.
@@ -59,7 +63,7 @@ def _attend(scale: float, tables: tuple[bool, bool], queries, ek, mk, ev, mv, n,
         flat = flat.at[index].add(extra)
         s = flat.reshape(b, h, r, g).transpose(0, 1, 3, 2)
     s = mx.where(token_rows[:r] < n, s, -mx.inf)
-    tail = q @ tail_k.astype(mx.float32).swapaxes(-1, -2)
+    tail = mx.where(tail_rows < held, q @ tail_k.astype(mx.float32).swapaxes(-1, -2), -mx.inf)
     p = mx.softmax(mx.concatenate([s, tail], axis=-1), axis=-1)
     pm = p[..., :r]
     o = (pm * mvf) @ evf
@@ -79,13 +83,16 @@ def _attend_fn(scale: float, tables: tuple[bool, bool]):
     return mx.compile(functools.partial(_attend, scale, tables))
 
 
-def decode_attention(queries, ek, mk, ev, mv, n: int, tail_k, tail_v, k_table, v_table, *, scale: float):
-    """One query token over the merged history and the exact tail: the merged directions
-    ``e*`` (B, H, room, d) and magnitudes ``m*`` (B, H, room') as whole buffers, the first
-    ``n`` tokens valid; ``*_table``: [] or the second layer's retained (where, delta) whole
+def decode_attention(queries, ek, mk, ev, mv, n: int, tail_k, tail_v, held: int, k_table, v_table, *,
+                     scale: float):
+    """One query token over the merged history and the exact rows held: the merged
+    directions ``e*`` (B, H, room, d) and magnitudes ``m*`` (B, H, room') as whole buffers,
+    the first ``n`` tokens valid; ``tail_*`` (B, H, room'', d) whole buffers, the first
+    ``held`` rows valid; ``*_table``: [] or the second layer's retained (where, delta) whole
     buffers and the rows they hold."""
     room = max(x.shape[2] for x in (ek, mk, ev, mv))
-    args = [queries, ek, mk, ev, mv, count(n), row_indices(room), tail_k, tail_v]
+    args = [queries, ek, mk, ev, mv, count(n), row_indices(room), tail_k, tail_v, count(held),
+            row_indices(tail_k.shape[2])]
     for table in (k_table, v_table):
         if table:
             where, delta, _ = table  # whole buffers: rows past those held are zeros (see _attend)
@@ -95,17 +102,19 @@ def decode_attention(queries, ek, mk, ev, mv, n: int, tail_k, tail_v, k_table, v
 
 # -- the pair's merge -----------------------------------------------------------------------
 def _write(where, table, used, reserved, before, retained, delta, start, base, column):
-    """``slerp.write_retained``, with the counts as integer identities of the running
-    count: ``keep.sum() == min(total, reserved - used)`` (``used <= reserved``)."""
-    b, h, _ = retained.shape
-    flag = retained.reshape(-1)
+    """``slerp.write_retained`` for a run of tokens, token after token (token-major: the
+    rows a run merged one token at a time took, in that order), with the counts as integer
+    identities of the running count: ``keep.sum() == min(total, reserved - used)``
+    (``used <= reserved``)."""
+    b, h, n = retained.shape
+    flag = retained.transpose(2, 0, 1).reshape(-1)
     running = mx.cumsum(flag.astype(mx.int32))
     pos = used + running - 1
     fits = flag & (pos < reserved)
     target = mx.where(fits, pos, 0)
     keep = fits.astype(mx.int32)[:, None]
     where = where.at[target].add((base + start * column) * keep)  # (b*H + h, start) where kept
-    table = table.at[target].add(delta.reshape(b * h, -1) * keep.astype(delta.dtype))
+    table = table.at[target].add(delta.transpose(2, 0, 1, 3).reshape(n * b * h, -1) * keep.astype(delta.dtype))
     total = used + running[-1]
     new_used = mx.minimum(total, reserved)
     dropped = total - new_used
@@ -116,7 +125,7 @@ def _merge(t: float, threshold: float, counted: bool, start, base, column, *args
     out = []
     for x1, x2, where, table, used, reserved, *before in (args[:7], args[7:]):
         e, m, retained, delta = _slerp_merge(x1, x2, t, threshold)
-        out += [e, m, *_write(where, table, used, reserved, before[0] if counted else None,
+        out += [e, norms(x1), m, *_write(where, table, used, reserved, before[0] if counted else None,
                               retained, delta, start, base, column)]
     return tuple(out)
 
@@ -127,12 +136,13 @@ def _merge_fn(t: float, threshold: float, counted: bool):
 
 
 def merge_decode(t: float, threshold: float, start: int, per_tensor):
-    """A decode token's pair merged and its retained pairs written, keys and values at once:
-    ``per_tensor`` holds, for keys then values, (first layer's row, second layer's row,
-    where buffer, table buffer, used (array), reserved rows (int), dropped before (array or
-    None)). Returns, per tensor, (e, m, where, table, used, dropped)."""
+    """A run of decode tokens' pairs merged and their retained pairs written, keys and values
+    in one pass: ``per_tensor`` holds, for keys then values, (first layer's rows, second
+    layer's rows (B, H, n, d), where buffer, table buffer, used (array), reserved rows (int),
+    dropped before (array or None)); ``start``: the first token's position. Returns, per
+    tensor, (e, first layer's magnitudes, second's, where, table, used, dropped)."""
     counted = per_tensor[0][6] is not None
-    b, h = per_tensor[0][0].shape[:2]
+    b, h, n = per_tensor[0][0].shape[:3]
     args = []
     for x1, x2, where, table, used, reserved, before in per_tensor:
         args += [x1, x2, where, table, used, count(reserved)]
@@ -142,5 +152,5 @@ def merge_decode(t: float, threshold: float, start: int, per_tensor):
         args = args[:6] + [None] + args[6:] + [None]
     # None is no array: pass a placeholder the pass ignores
     args = [count(0) if a is None else a for a in args]
-    out = _merge_fn(float(t), float(threshold), counted)(count(start), *_heads(b * h), *args)
-    return out[:6], out[6:]
+    out = _merge_fn(float(t), float(threshold), counted)(count(start), *_entries(b * h, n), *args)
+    return out[:7], out[7:]
