@@ -89,7 +89,7 @@ class GrowingArray:
         self.geometric = geometric
         self.buffer: mx.array | None = None
         self.length = 0
-        self.emptied: tuple[tuple[int, ...], mx.Dtype] | None = None  # the shape and dtype of rows reset to none
+        self.emptied: mx.array | None = None  # no rows, the shape and dtype of rows reset to none
 
     @property
     def capacity(self) -> int:
@@ -127,7 +127,7 @@ class GrowingArray:
         if rows is not None and rows.shape[self.axis] == 0:
             # an empty slice still holds the storage of the array it was cut from: only its
             # shape is kept, for the room a saved buffer emptied in place gets back
-            self.emptied, rows = (tuple(rows.shape), rows.dtype), None
+            self.emptied, rows = mx.zeros(rows.shape, rows.dtype), None
         self.buffer = rows
         self.length = 0 if rows is None else rows.shape[self.axis]
 
@@ -138,8 +138,9 @@ class GrowingArray:
         the cache keeps the bytes it kept, so a loaded cache continues bit for bit. A room more
         than a step beyond the content is not one growth leaves: ignored."""
         if self.buffer is None and self.emptied is not None and room is not None and 0 < room <= self.step:
-            shape, dtype = self.emptied
-            self.buffer = mx.zeros(tuple(room if i == self.axis % len(shape) else n for i, n in enumerate(shape)), dtype)
+            shape = list(self.emptied.shape)
+            shape[self.axis % len(shape)] = room
+            self.buffer = mx.zeros(shape, self.emptied.dtype)
             return
         if self.buffer is None or room is None or not 0 < room - self.capacity <= self.step:
             return
