@@ -224,14 +224,18 @@ def cuda_kernels_as_launch_nodes():
     ``Depends`` on its inputs): the Python that checks layouts, plans the launch and builds
     it runs as on CUDA, on the CPU (also ``benchmarks/host_time.py``'s host timings)."""
     from veloxquant_mlx.kernels import kivi_decode as kd
+    from veloxquant_mlx.methods.turboquant import kernel as turbo
 
-    saved = (getattr(mx.fast, "cuda_kernel", None), kd.gpu_backend, kd.kernel_self_check, dict(kd._KERNELS))
+    saved = (getattr(mx.fast, "cuda_kernel", None), kd.gpu_backend, kd.kernel_self_check, dict(kd._KERNELS),
+             turbo._self_check_problem, dict(turbo._CHECKED))
     try:
         mx.fast.cuda_kernel = lambda **_: _LaunchNode()
         kd.gpu_backend = lambda: "cuda"
         kd.kernel_self_check = lambda *key: True  # a launch node has no values to check
+        turbo._self_check_problem = lambda *args, **kwargs: None  # TurboQuant's own check, likewise
         kd._KERNELS.clear()
         kd._STEP_PLANS.clear()
+        turbo._CHECKED.clear()
         yield
     finally:
         if saved[0] is not None:
@@ -240,6 +244,9 @@ def cuda_kernels_as_launch_nodes():
         kd._KERNELS.clear()
         kd._KERNELS.update(saved[3])
         kd._STEP_PLANS.clear()
+        turbo._self_check_problem = saved[4]
+        turbo._CHECKED.clear()
+        turbo._CHECKED.update(saved[5])
 
 
 def _clear_package_caches() -> None:

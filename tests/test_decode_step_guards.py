@@ -68,7 +68,7 @@ OVER_GRAPH_BOUND = {
     "zipcache": 1.98,
     "svdq": 2.04,
     "anchorkv": 1.83,
-    "turboquant": 1.75,
+    "turboquant": 1.54,  # through its kernel (1.75 was its pure path: the stub failed its own self-check)
     "skvq": 1.77,
     # padded heads: a masked decode attention (2026-12-04: 1.63 with MLX's masked fused
     # attention, decomposed on CUDA)
@@ -101,7 +101,7 @@ PERIODIC_STEP = {
     "a2ats": 3.15, "anchorkv": 1.96, "rocketkv": 1.21, "age_tiered": 4.12,
     # its decode rows coded 32 at a time (2026-12-05; 7.58 before its read's QJL fold, 6.80 coding each row)
     "spectral": 6.96,
-    "turboquant": 2.71, "snapkv+kivi4": 2.58, "h2o+kivi2": 2.85, "tova+kivi4": 3.12,
+    "turboquant": 2.52, "snapkv+kivi4": 2.58, "h2o+kivi2": 2.85, "tova+kivi4": 3.12,
 }
 
 # Cache state that generate_step's loop never evaluates (it is not in the logits' graph),
