@@ -221,6 +221,30 @@ def rowwise_setup(method, settings):
     return model, make
 
 
+def rowwise_calibration(folder, method, settings, tokens=400, iters=0) -> str:
+    """A ``veloxquant calibrate`` file of ``method`` at ``settings`` for the row-wise model,
+    fitted on a token sequence of its own (``prompt(tokens, seed=99)``), each layer's keys and
+    values (and queries, for a class that calibrates on them) as the model makes them: its path."""
+    from tiny_models import prompt
+    from veloxquant_mlx.cache.calibration import calibration_header, write_calibration
+    from veloxquant_mlx.registry import METHODS
+
+    from conformance import config
+
+    cfg, args = config(method, settings), _RowwiseArgs()
+    cls = METHODS[method].load_implementation()
+    model, _ = rowwise_setup(method, settings)
+    ids = (mx.array(prompt(tokens, seed=99).tolist()) % model.vocab)[None]
+    layers = {}
+    for layer in range(len(model.layers)):
+        k, v, q = (model._rows(t[layer], ids, 0) for t in (model.k_table, model.v_table, model.q_table))
+        queries = {"queries": q} if getattr(cls, "calibration_queries", False) else {}
+        layers[layer] = cls.calibrate(k, v, cfg, iters=iters, seed=0, model_args=args, **queries)
+    path = str(folder / f"{method}-rowwise.safetensors")
+    write_calibration(path, layers, calibration_header(cls, cfg, args, "rowwise"))
+    return path
+
+
 def run_rows(cache, keys, values, queries, n_prompt, chunk=64):
     """A cache fed (B, H, T, D) keys and values directly: the first ``n_prompt`` tokens in
     chunks of ``chunk`` (causal), then one token a step; every attention output of the

@@ -234,15 +234,7 @@ def test_rows_of_a_batch_are_each_as_alone(made):
 def rowwise_calibration(tmp_path_factory):
     """A file for the row-wise model at a2ats' compressing settings, fitted on a text of its own."""
     settings = profile("a2ats").compressing
-    model, _ = batching.rowwise_setup("a2ats", settings)
-    cfg, args = config(**settings), batching._RowwiseArgs()
-    tokens = (mx.array(prompt(400, seed=99).tolist()) % model.vocab)[None]
-    layers = {}
-    for layer in range(len(model.layers)):
-        k, v, q = (model._rows(t[layer], tokens, 0) for t in (model.k_table, model.v_table, model.q_table))
-        layers[layer] = A2ATSCache.calibrate(k, v, cfg, iters=1, seed=0, model_args=args, queries=q)
-    path = str(tmp_path_factory.mktemp("a2ats-rowwise") / "rowwise.safetensors")
-    write_calibration(path, layers, calibration_header(A2ATSCache, cfg, args, "rowwise"))
+    path = batching.rowwise_calibration(tmp_path_factory.mktemp("a2ats-rowwise"), "a2ats", settings, iters=1)
     return {**settings, "calibration_file": path}
 
 

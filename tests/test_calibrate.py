@@ -42,6 +42,26 @@ def write_file(folder, name, *args) -> tuple[str, str]:
     return str(out), stderr
 
 
+def fitted_and_read_on_the_prompt(reference, folder, method, prompt, config, *args, decode=8, **settings):
+    """A method's caches fitted on ``prompt`` (``config(**settings)``) and read from a file that
+    ``veloxquant calibrate --method METHOD ARGS`` wrote on the prompt's own tokens (all but its
+    last, which comes as the first decode step; ``config(file, **settings)``), each run over
+    the prompt in one chunk then ``decode`` steps: their logits must be equal. Returns
+    (fitted caches, read caches, the prompt's tokens)."""
+    model, tokenizer = reference
+    text = folder / "prompt.txt"
+    text.write_text(prompt)
+    tokens = mx.array(tokenizer.encode(prompt))
+    n = tokens.shape[0]
+    path = write_file(folder, "on-the-prompt", "--method", method, "--text", str(text), "--tokens", str(n - 1),
+                      *args)[0]
+    fitted, read = make_prompt_cache(model, config(**settings)), make_prompt_cache(model, config(path, **settings))
+    a = run(model, fitted, tokens, chunk=n, decode=decode)
+    b = run(model, read, tokens, chunk=n, decode=decode)
+    assert mx.array_equal(a, b)
+    return fitted, read, n
+
+
 @pytest.fixture(scope="module")
 def reference():
     model, tokenizer = mlx_lm.load(str(REFERENCE_MODEL))

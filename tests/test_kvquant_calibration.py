@@ -16,14 +16,12 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import batching
-from conformance import config as conformance_config
 from conformance import profile
-from test_calibrate import cli, write_file, reference, text_file  # noqa: F401 - module fixtures reused
+from test_calibrate import cli, fitted_and_read_on_the_prompt, write_file, reference, text_file  # noqa: F401 - module fixtures reused
 from test_methods_exactness import run
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
-from veloxquant_mlx.cache.calibration import (CalibrationError, calibration_header, read_calibration,
-                                              write_calibration)
+from veloxquant_mlx.cache.calibration import CalibrationError, read_calibration, write_calibration
 from veloxquant_mlx.cache.options import KVQuantOptions
 from veloxquant_mlx.methods.kvquant import KVQuantCache
 from veloxquant_mlx.methods.kvquant.nonuniform import NonUniform
@@ -91,16 +89,7 @@ def test_a_file_calibrated_on_the_prompt_is_the_prompt_fit(reference, tmp_path):
     """Bit for bit: the calibration fits the same tokens (values past the sink, keys past
     it in whole blocks, rotated back at the same positions) with the same arithmetic and
     sample, and the file keeps the float32 centroids as they are."""
-    model, tokenizer = reference
-    text = tmp_path / "prompt.txt"
-    text.write_text(PROMPT)
-    tokens = mx.array(tokenizer.encode(PROMPT))
-    n = tokens.shape[0]
-    path = calibrate(tmp_path, "on-the-prompt", "--text", str(text), "--tokens", str(n - 1))
-    fitted, read = make_prompt_cache(model, config()), make_prompt_cache(model, config(path))
-    a = run(model, fitted, tokens, chunk=n, decode=8)
-    b = run(model, read, tokens, chunk=n, decode=8)
-    assert mx.array_equal(a, b)
+    fitted, read, _ = fitted_and_read_on_the_prompt(reference, tmp_path, "kvquant", PROMPT, config)
     for f, r in zip(fitted, read):
         assert f.store.keys.count > 0
         for x, y in ((f.store.keys, r.store.keys), (f.store.values, r.store.values)):
@@ -245,15 +234,7 @@ def test_calibrate_refuses_too_few_tokens_for_a_key_block(tmp_path, text_file): 
 def rowwise_calibration(tmp_path_factory):
     """A kvquant file for the row-wise model of tests/batching.py, fitted on a text of its own."""
     settings = profile("kvquant").compressing
-    model, _ = batching.rowwise_setup("kvquant", settings)
-    cfg, args = conformance_config("kvquant", settings), batching._RowwiseArgs()
-    tokens = (mx.array(prompt(300, seed=99).tolist()) % model.vocab)[None]
-    layers = {}
-    for layer in range(len(model.layers)):
-        k, v = (model._rows(t[layer], tokens, 0) for t in (model.k_table, model.v_table))
-        layers[layer] = KVQuantCache.calibrate(k, v, cfg, iters=0, seed=0, model_args=args)
-    path = str(tmp_path_factory.mktemp("kvquant") / "rowwise.safetensors")
-    write_calibration(path, layers, calibration_header(KVQuantCache, cfg, args, "rowwise"))
+    path = batching.rowwise_calibration(tmp_path_factory.mktemp("kvquant"), "kvquant", settings, tokens=300)
     return {**settings, "calibration_file": path}
 
 

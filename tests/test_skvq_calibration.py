@@ -17,12 +17,11 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 import batching
 from conformance import profile
 from feeding import feed
-from test_calibrate import cli, write_file, reference, text_file  # noqa: F401 - module fixtures reused
+from test_calibrate import cli, fitted_and_read_on_the_prompt, write_file, reference, text_file  # noqa: F401 - module fixtures reused
 from test_methods_exactness import run
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
-from veloxquant_mlx.cache.calibration import (CalibrationError, calibration_header, collect_kv,
-                                              read_calibration, write_calibration)
+from veloxquant_mlx.cache.calibration import CalibrationError, collect_kv, read_calibration, write_calibration
 from veloxquant_mlx.cache.options import SKVQOptions
 from veloxquant_mlx.methods.skvq import SKVQCache
 from veloxquant_mlx.methods.skvq import sliding_store
@@ -120,17 +119,9 @@ def test_a_file_calibrated_on_the_prompt_gives_what_the_prompt_fit_gives(setting
     """Exactly: a one-chunk prompt is fitted on its rows past the sinks, the very rows the
     command fits (the same keys: mlx-lm's cache and this one attend the first chunk alike),
     by the same function; the file keeps the uint32 orders and float32 ratios as they are."""
-    model, tokenizer = reference
-    text = tmp_path / "prompt.txt"
-    text.write_text(PROMPT)
-    tokens = mx.array(tokenizer.encode(PROMPT))
-    n = tokens.shape[0]
-    path = calibrate(tmp_path, "on-the-prompt", "--text", str(text), "--tokens", str(n - 1),
-                     *(f"--set={k}={v}" for k, v in settings.items()))
-    fitted, read = make_prompt_cache(model, config(**settings)), make_prompt_cache(model, config(path, **settings))
-    a = run(model, fitted, tokens, chunk=n, decode=40)
-    b = run(model, read, tokens, chunk=n, decode=40)
-    assert mx.array_equal(a, b)
+    fitted, read, _ = fitted_and_read_on_the_prompt(reference, tmp_path, "skvq", PROMPT, config,
+                                                    *(f"--set={k}={v}" for k, v in settings.items()),
+                                                    decode=40, **settings)
     for f, r in zip(fitted, read):
         assert f.n_quantized == r.n_quantized > 0 and f.nbytes == r.nbytes
         for name, x, y in zip(FITTED, store_arrays(f), store_arrays(r)):
@@ -262,15 +253,7 @@ def test_the_cli_file_serves_generation(made, reference):
 def rowwise_calibration(tmp_path_factory):
     """A file for the row-wise model at the conformance profile's settings, on a text of its own."""
     settings = profile("skvq").compressing
-    model, _ = batching.rowwise_setup("skvq", settings)
-    cfg, args = KVCacheConfig(method="skvq", options=SKVQOptions(**settings)), batching._RowwiseArgs()
-    tokens = (mx.array(prompt(400, seed=99).tolist()) % model.vocab)[None]
-    layers = {}
-    for layer in range(len(model.layers)):
-        k, v = (model._rows(t[layer], tokens, 0) for t in (model.k_table, model.v_table))
-        layers[layer] = SKVQCache.calibrate(k, v, cfg, iters=0, seed=0, model_args=args)
-    path = str(tmp_path_factory.mktemp("skvq") / "rowwise.safetensors")
-    write_calibration(path, layers, calibration_header(SKVQCache, cfg, args, "rowwise"))
+    path = batching.rowwise_calibration(tmp_path_factory.mktemp("skvq"), "skvq", settings)
     return {**settings, "calibration_file": path}
 
 

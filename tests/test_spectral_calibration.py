@@ -16,7 +16,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 import batching
 from conformance import profile
 from feeding import feed
-from test_calibrate import cli, write_file, reference, text_file  # noqa: F401 - module fixtures reused
+from test_calibrate import cli, fitted_and_read_on_the_prompt, write_file, reference, text_file  # noqa: F401 - module fixtures reused
 from test_methods_exactness import run
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache
@@ -87,16 +87,7 @@ def test_a_file_calibrated_on_the_prompt_rebuilds_what_the_prompt_fit_rebuilds(r
     it. The prompt is one chunk of fewer than collect_kv's 512 tokens, so the file is
     fitted on the very keys the cache receives. The fitted cache also keeps its running
     moments (two (H, D, D) float32 a layer), the calibrated one none."""
-    model, tokenizer = reference
-    text = tmp_path / "prompt.txt"
-    text.write_text(PROMPT)
-    tokens = mx.array(tokenizer.encode(PROMPT))
-    n = tokens.shape[0]
-    path = calibrate(tmp_path, "on-the-prompt", "--text", str(text), "--tokens", str(n - 1))
-    fitted, read = make_prompt_cache(model, config()), make_prompt_cache(model, config(path))
-    a = run(model, fitted, tokens, chunk=n, decode=8)
-    b = run(model, read, tokens, chunk=n, decode=8)
-    assert mx.array_equal(a, b)
+    fitted, read, n = fitted_and_read_on_the_prompt(reference, tmp_path, "spectral", PROMPT, config)
     for f, r in zip(fitted, read):
         assert f.store.length == r.store.length == n - 1 + 9
         for x, y in zip(f.store.history(mx.float32), r.store.history(mx.float32)):
@@ -159,15 +150,7 @@ def rowwise_file(tmp_path_factory):
     """A file for the row-wise batching model (2 KV heads of 32, its rotary), fitted on a
     token sequence of its own."""
     settings = profile("spectral").compressing
-    model, _ = batching.rowwise_setup("spectral", settings)
-    cfg, args = KVCacheConfig(method="spectral", **settings), batching._RowwiseArgs()
-    tokens = (mx.array(prompt(400, seed=99).tolist()) % model.vocab)[None]
-    layers = {}
-    for layer in range(len(model.layers)):
-        k, v = (model._rows(t[layer], tokens, 0) for t in (model.k_table, model.v_table))
-        layers[layer] = SpectralQuantCache.calibrate(k, v, cfg, iters=0, seed=0, model_args=args)
-    path = str(tmp_path_factory.mktemp("rowwise") / "spectral.safetensors")
-    write_calibration(path, layers, calibration_header(SpectralQuantCache, cfg, args, "rowwise"))
+    path = batching.rowwise_calibration(tmp_path_factory.mktemp("rowwise"), "spectral", settings)
     return {**settings, "calibration_file": path}
 
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 import batching
-from conformance import config, profile
+from conformance import profile
 from tiny_models import prompt
 from veloxquant_mlx.cache import batch as batch_module
 from veloxquant_mlx.cache.stacked import StackedLayout, _Group, _grouped
@@ -34,19 +34,7 @@ def kvtc_calibration(tmp_path_factory):
     """A calibration file for kvtc on the row-wise model (its compressing settings), fitted
     on a text of its own: every sequence codes with the file's codecs, so that distinct
     prompts share one cache (fitted on each prompt, their codecs differ: groups of one)."""
-    from veloxquant_mlx.cache.calibration import calibration_header, write_calibration
-    from veloxquant_mlx.methods.kvtc.cache import KVTCCache
-
-    settings = profile("kvtc").compressing
-    model, _ = batching.rowwise_setup("kvtc", settings)
-    cfg, args = config("kvtc", settings), batching._RowwiseArgs()
-    tokens = (mx.array(prompt(400, seed=99).tolist()) % model.vocab)[None]
-    layers = {}
-    for layer in range(len(model.layers)):
-        k, v = (model._rows(t[layer], tokens, 0) for t in (model.k_table, model.v_table))
-        layers[layer] = KVTCCache.calibrate(k, v, cfg, iters=0, seed=0, model_args=args)
-    path = str(tmp_path_factory.mktemp("kvtc") / "rowwise.safetensors")
-    write_calibration(path, layers, calibration_header(KVTCCache, cfg, args, "rowwise"))
+    path = batching.rowwise_calibration(tmp_path_factory.mktemp("kvtc"), "kvtc", profile("kvtc").compressing)
     return {"calibration_file": path}
 
 
