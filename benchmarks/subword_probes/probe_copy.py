@@ -1,13 +1,15 @@
 """Can the shipped model copy (teacher forced) a) 5-letter uppercase names, b) lowercase
 random words (its copy warm-up), c) 7-digit numbers, written twice as in train.py's
 copy_sequence ("x\n" then "x")?  And qa-format facts with 1, 2 and 7 facts (no haystack):
-p(correct town) at the answer."""
+p(correct town) at the answer. ``python probe_copy.py [MODEL]``: the subword model by
+default, ``reference`` for the byte-level one."""
 import random
+import sys
 import veloxquant_mlx
 import mlx.core as mx
 import numpy as np
 from veloxquant_mlx.cli_common import load_model, compute_dtype
-model, tok, _ = load_model("reference-subword")
+model, tok, _ = load_model(sys.argv[1] if len(sys.argv) > 1 else "reference-subword")
 model.set_dtype(compute_dtype("auto"))
 
 def tf(prompt, answer):
