@@ -66,7 +66,7 @@ def test_calibrate_writes_each_layers_codebook_metric_and_factor_under_the_model
         assert h.shape == factor.shape == (8, 8) and h.dtype == factor.dtype == mx.float32
         assert mx.array_equal(factor, retrieval.metric_factor(h))  # L L^T = H + eps I
         assert abs(float(mx.trace(h)) - 8) < 1e-3  # the blend of a unit-mean-eigenvalue moment and I
-    assert "layer 3 codebook and metric" in stderr and "queries of 400 tokens" in stderr
+    assert "layer 3 codebook and metric" in stderr and "queries, keys and values of 400 tokens" in stderr
 
 
 def test_the_files_tables_are_in_place_before_the_first_token_and_nothing_is_fitted(made, reference, monkeypatch):

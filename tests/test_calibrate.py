@@ -173,15 +173,21 @@ def test_calibrate_refuses_bad_requests_naming_what_is_wrong(tmp_path, text_file
     assert code == 2 and "calibrate writes the file that --out names" in err
 
 
-def test_collect_queries_gives_each_layers_post_rope_queries(reference):
+def test_collect_queries_gives_each_layers_post_rope_queries_and_collect_kvs_keys_and_values(reference):
     """What a layer's cache attends with over a text fed in chunks: layer 0's queries are
     its projection of the normed embeddings, rotated at their positions (chunking rounds
-    the rotation's angles by float32 ulps only)."""
+    the rotation's angles by float32 ulps only); the keys and values of the same pass are
+    mlx-lm's caches' (``collect_kv``), bit for bit, so one pass serves a query calibration."""
+    from veloxquant_mlx.cache.calibration import collect_kv
     from veloxquant_mlx.integrations.query_capture import collect_queries
 
     model, tokenizer = reference
     tokens = mx.array(tokenizer.encode((REFERENCE_MODEL / "heldout_kjv_acts.txt").read_text()[:700]))
-    queries = collect_queries(model, tokens, chunk=256)
+    queries, kv = collect_queries(model, tokens, chunk=256)
+    stock = collect_kv(model, tokens, chunk=256)
+    assert sorted(kv) == sorted(stock) == [0, 1, 2, 3]
+    for i in kv:
+        assert all(mx.array_equal(a, b) for a, b in zip(kv[i], stock[i]))
     attn = model.model.layers[0].self_attn
     assert sorted(queries) == [0, 1, 2, 3]
     assert queries[0].shape == (1, attn.n_heads, tokens.shape[0], 128)

@@ -397,13 +397,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                        f"at least {MIN_CALIBRATION_TOKENS}")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
-        task = bar.add_task(f"keys and values of {len(tokens)} tokens", total=len(tokens))
-        kv = collect_kv(model, mx.array(tokens), progress=lambda done, n: bar.update(task, completed=done))
         queries = {}
         if getattr(cls, "calibration_queries", False):  # its paper calibrates on queries too
-            task = bar.add_task(f"queries of {len(tokens)} tokens", total=len(tokens))
-            queries = collect_queries(model, mx.array(tokens),
-                                      progress=lambda done, n: bar.update(task, completed=done))
+            task = bar.add_task(f"queries, keys and values of {len(tokens)} tokens", total=len(tokens))
+            queries, kv = collect_queries(model, mx.array(tokens),
+                                          progress=lambda done, n: bar.update(task, completed=done))
+        else:
+            task = bar.add_task(f"keys and values of {len(tokens)} tokens", total=len(tokens))
+            kv = collect_kv(model, mx.array(tokens), progress=lambda done, n: bar.update(task, completed=done))
         layers = {}
         for i, (keys, values) in kv.items():
             task = bar.add_task(f"layer {i}", total=None)

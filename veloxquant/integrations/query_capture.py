@@ -1,5 +1,6 @@
-"""The queries a model's layers attend with over a text, for calibrations that fit on
-queries (``veloxquant calibrate`` with a class whose ``calibration_queries`` is true)."""
+"""The queries a model's layers attend with over a text, with the keys and values they
+attend to, for calibrations that fit on queries (``veloxquant calibrate`` with a class
+whose ``calibration_queries`` is true): one pass over the text gives all three."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from .mlx_lm import make_prompt_cache
 
 
 def collect_queries(model, tokens: mx.array, chunk: int = 512,
-                    progress: Callable[[int, int], None] | None = None) -> dict[int, mx.array]:
+                    progress: Callable[[int, int], None] | None = None
+                    ) -> tuple[dict[int, mx.array], dict[int, tuple[mx.array, mx.array]]]:
     """Run ``model`` over ``tokens`` (T,) through our uncompressed caches, recording what
     each layer attends with: its queries (1, n_heads, T, D), post-RoPE, as a cache's
-    ``attend`` receives them (for methods whose paper calibrates on queries). The
-    layers' keys and values are those ``collect_kv`` gives (the same computation)."""
+    ``attend`` receives them (for methods whose paper calibrates on queries), and the
+    keys and values (1, H, T, D) its cache holds after the text: those ``collect_kv``
+    gives (the same computation, tested bit for bit). Returns (queries, keys and values)
+    by layer."""
     cache = make_prompt_cache(model, KVCacheConfig())
     seen: dict[int, list[mx.array]] = {i: [] for i in range(len(cache))}
 
@@ -34,4 +38,5 @@ def collect_queries(model, tokens: mx.array, chunk: int = 512,
         mx.eval([c.state for c in cache], [q[-1] for q in seen.values() if q])
         if progress:
             progress(min(start + chunk, n), n)
-    return {i: mx.concatenate(q, axis=2) for i, q in seen.items() if q}
+    queries = {i: mx.concatenate(q, axis=2) for i, q in seen.items() if q}
+    return queries, {i: (cache[i].keys.view(), cache[i].values.view()) for i in queries}
