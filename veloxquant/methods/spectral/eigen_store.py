@@ -699,16 +699,16 @@ class EigenStore(PackedStore):
         blocks = [(k, v, (first, min(first + block, k.count)))
                   for k, v in zip(self.key_runs, self.value_runs) for first in range(0, k.count, block)]
         for i, (k, v, rows) in enumerate(blocks):
+            # a prompt chunk, not a decode step: each part reduced before the next is scored
+            # (left lazy, the scheduler computes many parts' scores before it reduces any:
+            # all of them, measured on the CPU, the chunk's own with the history's)
+            mx.eval(out, total, top)
             s = EigenScores(k, k.count, rows).scores(q)
             new_top = mx.maximum(top, s.max(axis=-1, keepdims=True))
             p, fade = mx.exp(s - new_top), mx.exp(top - new_top)
             total = total * fade + p.sum(axis=-1, keepdims=True)
             out = out * fade + EigenScores(v, v.count, rows).mix(p)
             top = new_top
-            if i + 1 < len(blocks):
-                # a prompt chunk, not a decode step: left lazy, the scheduler computes many
-                # blocks' scores before it reduces any (all of them, measured on the CPU)
-                mx.eval(out, total, top)
         self.commit(keys, values)
         return paced((out / total).reshape(b, hq, n, values.shape[-1]).astype(queries.dtype))
 
