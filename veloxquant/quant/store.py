@@ -131,9 +131,12 @@ class PackedStore:
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
         """A decode step: store the token, attend over every part of the packed cache."""
         self.commit(keys, values)
-        parts = self.decode_parts(absent_buffer(queries.dtype))
-        return decode_attention(queries, parts, scale=scale, use_kernel=use_kernel,
-                                n_kv_heads=keys.shape[1])
+        return self.attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=keys.shape[1])
+
+    def attend_parts(self, queries, *, scale, use_kernel, n_kv_heads: int) -> mx.array:
+        """A decode step's attention over every part of what is stored (``decode_parts``)."""
+        return decode_attention(queries, self.decode_parts(absent_buffer(queries.dtype)), scale=scale,
+                                use_kernel=use_kernel, n_kv_heads=n_kv_heads)
 
     def meta(self) -> dict[str, Any]:
         return {}
@@ -233,8 +236,7 @@ class QuantizedKVStore(PackedStore):
             return super().decode_attention(queries, keys, values, scale=scale, use_kernel=use_kernel)
         self.k_win.append(keys)
         self.v_win.append(values)
-        out = decode_attention(queries, self.decode_parts(absent_buffer(queries.dtype)), scale=scale,
-                               use_kernel=use_kernel, n_kv_heads=keys.shape[1])
+        out = self.attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=keys.shape[1])
         self._flush_windows()
         return out
 

@@ -46,12 +46,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.buffers import GrowingArray, RecentRows
-from ..kernels.decode import DecodePart, decode_attention
+from ..kernels.decode import DecodePart
 from ..kernels.kivi_decode import token_mix
 from . import vq
 from .cache import QuantizedCache
 from .packed import GROWTH_TOKENS, field_arrays, runs_layout, unpack_fields
-from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, absent_buffer, joined_history
+from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, joined_history
 from .vq import (CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, kmeans_rows,
                  rotate, rotation_problem)
 
@@ -401,8 +401,7 @@ class CodebookStore(PackedStore):
             return super().decode_attention(queries, keys, values, scale=scale, use_kernel=use_kernel)
         self.commit(keys, values)
         if not self.count:
-            return decode_attention(queries, self.decode_parts(absent_buffer(queries.dtype)), scale=scale,
-                                    use_kernel=use_kernel, n_kv_heads=keys.shape[1])
+            return self.attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=keys.shape[1])
         kc, vc = self.key_codec, self.value_codec
         (d_k, d_v), (b, hq) = self.dims, queries.shape[:2]
         h = keys.shape[1]

@@ -25,8 +25,8 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray, RecentRows
-from ...kernels.decode import DecodePart, decode_attention
-from ...quant.store import VALUE_ROOM, WINDOW_STEP, PackedStore, absent_buffer
+from ...kernels.decode import DecodePart
+from ...quant.store import VALUE_ROOM, WINDOW_STEP, PackedStore
 from . import decode_step
 
 CODE_EVERY = VALUE_ROOM  # decode rows coded at once: the window's buffer has that much room
@@ -106,8 +106,7 @@ class SinkWindowStore(PackedStore):
         out = decode_step.decode_attention(self, queries, scale, most_held=self.window + CODE_EVERY - 1)
         if out is not None:
             return out
-        return decode_attention(queries, self.decode_parts(absent_buffer(queries.dtype)), scale=scale,
-                                use_kernel=use_kernel, n_kv_heads=keys.shape[1])
+        return self.attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=keys.shape[1])
 
     # -- a restored state must agree with the policy ------------------------------------------
     def layout_problems(self, head_dims: tuple[int, int]):
