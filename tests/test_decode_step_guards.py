@@ -54,22 +54,25 @@ OVER_GRAPH_BOUND = {
     # a sum over every word: W times the indices' size over the whole buffer, 6x slower on the
     # H200; benchmarks/notes/serving_batches.md); 2.40 while it coded a token a step
     "vecinfer": 1.90,
-    "kvquant": 2.08,
+    # its table read counted on the CUDA path (a select an entry): the stub did not reach it before
+    # 2026-12-05 and 2.08 was the CPU gather's
+    "kvquant": 2.13,
     "palu": 1.96,
     "gear": 2.06,
     "cachegen": 2.00,
     "a2ats": 2.04,
     "nsnquant": 1.98,
     "kvtc": 2.02,
-    "kitty": 2.06,
+    "kitty": 1.81,  # 2.06 before its read ran over the buffers' room in one compiled pass (2026-12-05)
     "adakv": 1.92,
     "tova+kivi4": 1.94,
     "snapkv+kivi4": 1.94,
-    "zipcache": 1.98,
+    # one part read under one softmax, views kept between flushes (1.98 before, 2026-12-05)
+    "zipcache": 1.44,
     "svdq": 2.04,
     "anchorkv": 1.83,
     "turboquant": 1.54,  # through its kernel (1.75 was its pure path: the stub failed its own self-check)
-    "skvq": 1.77,
+    "skvq": 1.44,  # as zipcache (1.77 before, 2026-12-05)
     # padded heads: a masked decode attention (2026-12-04: 1.63 with MLX's masked fused
     # attention, decomposed on CUDA)
     "nestedkv": 1.38,
@@ -90,11 +93,11 @@ GRAPH_BOUND = 1.3
 # rows by one index a row from the flattened buffers (a take of its own), which the H200 ran
 # 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
-    "full": 1.12, "vecinfer": 2.65, "kivi": 1.54, "svdq": 5.79, "kitty": 3.67, "adakv": 6.52,
-    "xquant": 2.24, "kvquant": 6.38, "palu": 5.60, "cachegen": 5.71, "minicache": 2.71,
-    "gear": 8.29, "zipcache": 6.00, "snapkv": 1.27, "streaming_llm": 0.96, "h2o": 1.77,
+    "full": 1.12, "vecinfer": 2.65, "kivi": 1.54, "svdq": 5.79, "kitty": 3.42, "adakv": 6.52,
+    "xquant": 2.24, "kvquant": 6.44, "palu": 5.60, "cachegen": 5.71, "minicache": 2.71,
+    "gear": 8.29, "zipcache": 4.04, "snapkv": 1.27, "streaming_llm": 0.96, "h2o": 1.77,
     "tova": 2.04, "pyramidkv": 1.18, "squeeze": 1.29, "chunkkv": 1.27, "cam": 3.44, "xkv": 1.44,
-    "nsnquant": 5.58, "knorm": 1.94, "skvq": 2.60, "qfilters": 1.65, "keyformer": 1.90,
+    "nsnquant": 5.58, "knorm": 1.94, "skvq": 2.44, "qfilters": 1.65, "keyformer": 1.90,
     "morphkv": 2.42, "kvzip": 1.27, "kvtc": 5.54, "curdkv": 1.27, "nestedkv": 1.57,
     # the flush's tiering of 32 tokens, a scan unrolled in one compiled pass (8.58 a step before)
     "amc": 14.38,

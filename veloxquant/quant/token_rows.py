@@ -20,7 +20,11 @@ elsewhere (7 bits, other groups):
   (SKVQ, ZipCache) always come here. With a per-channel scale ``c`` (ZipCache's
   channel-separable rows ``x / c``, ``methods/zipcache/channel_scaled.py``) the scale is folded into
   the query (``(q * c) K'ᵀ``) and the output (``(p V') * c``);
-- ``PlainRows``: full-precision rows in the same protocol (values kept unquantized).
+- ``PlainRows``: full-precision rows in the same protocol (values kept unquantized);
+- ``row_scores`` / ``row_mix``: the same reads over valid rows a store has already cut
+  (a store that reads several runs under one softmax: ZipCache's classes, SKVQ's sinks,
+  packed rows and window), and ``ReadViews``, where such a store keeps those cuts between
+  the flushes that change them.
 
 Whole buffers with spare room are passed; only ``count`` rows are read.
 """
@@ -28,6 +32,7 @@ Whole buffers with spare room are passed; only ``count`` rows are read.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -136,8 +141,7 @@ class TokenRows:
         return x.codes[:, :, :n], x.scales[:, :, :n], x.biases[:, :, :n]
 
     def _qmm(self) -> bool:
-        x = self.layout
-        return _mlx_has(x.bits, x.group) and kd._pure_path() == "qmm"
+        return _reads_by_qmm(self.layout)
 
     def rows(self) -> mx.array:
         """The valid rows ``x / c`` (B, H, count, D) in float32 (transient)."""
@@ -180,3 +184,69 @@ class PlainRows:
 
     def mix(self, p: mx.array) -> mx.array:
         return kd.token_mix(p, self.rows[:, :, : self.count].astype(mx.float32))
+
+
+def _reads_by_qmm(codec) -> bool:
+    return _mlx_has(codec.bits, codec.group) and kd._pure_path() == "qmm"
+
+
+def row_scores(q: mx.array, rows, codec) -> mx.array:
+    """float32 ``q Kᵀ`` (B, H, R, n) of float32 queries (B, H, R, D) over packed rows
+    (the valid codes, scales and minima of a ``TokenGroups`` ``codec``)."""
+    if _reads_by_qmm(codec):
+        return mx.quantized_matmul(q, *rows, transpose=True, group_size=codec.group, bits=codec.bits)
+    return q @ dequantize_rows(*rows, codec.group, codec.bits, mx.float32).swapaxes(-1, -2)
+
+
+def mixed_into(out: mx.array | None, p: mx.array, values: mx.array) -> mx.array:
+    """``out + p V`` (``p V`` where ``out`` is None) for float32 rows ``values`` (B, H, n, D):
+    one ``addmm`` where ``token_mix`` would be one product (it cuts long runs on CUDA)."""
+    if out is None:
+        return kd.token_mix(p, values)
+    if p.shape[-1] < 2 * kd.SPLIT_TOKENS or not kd._splits_tokens():
+        return mx.addmm(out, p, values)
+    return out + kd.token_mix(p, values)
+
+
+def row_mix(out: mx.array | None, p: mx.array, rows, codec) -> mx.array:
+    """``out +`` float32 ``p V`` (B, H, R, D) of weights (B, H, R, n) over packed rows (as
+    ``row_scores``), or over full-precision rows (an array)."""
+    if isinstance(rows, mx.array):
+        return mixed_into(out, p, rows.astype(mx.float32))
+    if _reads_by_qmm(codec):
+        o = mx.quantized_matmul(p, *rows, transpose=False, group_size=codec.group, bits=codec.bits)
+        return o if out is None else out + o
+    return mixed_into(out, p, dequantize_rows(*rows, codec.group, codec.bits, mx.float32))
+
+
+def _same(a, b) -> bool:
+    return a is not None and len(a) == len(b) and all(x is y or (type(x) is int and x == y) for x, y in zip(a, b))
+
+
+class ReadViews:
+    """What a decode step reads of a store, in the layout it reads it (slices, reshapes
+    and broadcasts of the stored arrays: views, no bytes of their own, never saved),
+    built when what they are made from changes (a flush, a prefill chunk, a fit, a
+    restore) and kept until then, so that a step slices nothing of the history. ``key``:
+    the arrays they view (compared by identity) and the counts; ``clear`` before a write
+    in place into a viewed buffer. A copy of the store starts without them, and they
+    answer only the store that built them (a stacked batch's join shares attributes it
+    does not know)."""
+
+    __slots__ = ("owner", "key", "value")
+
+    def __init__(self):
+        self.owner = self.key = self.value = None
+
+    def __deepcopy__(self, memo):
+        return ReadViews()
+
+    def get(self, owner, key: tuple, build):
+        if self.owner is None or self.owner() is not owner or not _same(self.key, key):
+            self.owner, self.key, self.value = weakref.ref(owner), None, None
+            self.value = build()
+            self.key = key
+        return self.value
+
+    def clear(self) -> None:
+        self.key = self.value = None

@@ -132,62 +132,102 @@ class PromotedScores:
     def n_heads(self) -> int:
         return self.lo.codes.shape[1]
 
-    def up_values(self, index: mx.array | None = None) -> mx.array:
-        """The valid blocks' up plane in float32: (B, H, blocks, k, block); ``index``: the
-        valid blocks' channel indices as int32, if the caller has them."""
-        nb, g = self.count // self.block, self.lo.group
-        index = self.index[:, :, :nb].astype(mx.int32) if index is None else index
-        scales, codes = self._up_scales(index), self.up[:, :, :nb]
-        if self.up_bits in SUPPORTED_BITS:
-            return dequantize(codes, scales, mx.zeros_like(scales), g, self.up_bits)
-        return unpack_codes(codes, self.up_bits).astype(mx.float32) * mx.repeat(scales, g, axis=-1)
+    def up_values(self) -> mx.array:
+        """The valid blocks' up plane in float32: (B, H, blocks, k, block)."""
+        nb = self.count // self.block
+        return _up_plane(self.up[:, :, :nb], self._up_scales(self.index[:, :, :nb], self.lo.scales),
+                         self.lo.group, self.up_bits)
 
-    def _up_scales(self, index: mx.array) -> mx.array:
-        """The up plane's scales, float32 (B, H, blocks, k, block / group), for the valid
-        blocks' channel indices ``index`` (int32)."""
-        nb, g = index.shape[2], self.lo.group
-        b, h, d, cap = self.lo.scales.shape  # scales of the promoted channels, from the lo plane
-        offsets = mx.arange(nb)[:, None, None] * (self.block // g) + mx.arange(self.block // g)
-        where = (index[..., None] * cap + offsets).reshape(b, h, -1)
-        scales = mx.take_along_axis(self.lo.scales.reshape(b, h, d * cap), where, axis=-1)
-        return scales.reshape(*index.shape, self.block // g).astype(mx.float32) * (1 << self.lo.bits)
+    def _up_scales(self, index: mx.array, scales: mx.array) -> mx.array:
+        """The up plane's scales, float32 (B, H, blocks, k, block / group): the lo plane's
+        ``scales`` (B, H, D, blocks * block / group) of the channels ``index`` (B, H, blocks,
+        k) promoted in each block, times ``2**lo_bits``. One gather over the scales viewed as
+        (B, H, blocks, D, groups of a block)."""
+        b, h, nb, _ = index.shape
+        d, per_block = scales.shape[2], self.block // self.lo.group
+        scales = scales[..., : nb * per_block]  # the buffer itself in a decode read
+        by_block = scales.reshape(b, h, d, nb, per_block).swapaxes(2, 3)
+        up = mx.take_along_axis(by_block, index[..., None], axis=3)
+        return up.astype(mx.float32) * (1 << self.lo.bits)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens every buffer of the planes has room for (whole blocks): what the decode
+        read computes over, so that its compiled pass is traced again only when the buffers
+        grow (once per ``step_tokens``), not at every flushed block; what lies past ``count``
+        is zeros (or finite rows of a restored state) and is cut off after the product."""
+        lo = self.lo
+        rooms = [lo.codes.shape[-1] * 32 // lo.bits, lo.scales.shape[-1] * lo.group, lo.biases.shape[-1] * lo.group]
+        if self.up is not None:
+            rooms += [self.up.shape[2] * self.block, self.index.shape[2] * self.block]
+        return min(rooms) // self.block * self.block
 
     def scores(self, q: mx.array) -> mx.array:
         """float32 ``q Kᵀ`` (B, H, R, count): the lo plane's scores plus, per block, the
-        promoted channels' queries against the up plane. Compiled per stored count (which
-        changes once a block), over the whole buffers: a decode step's few dozen
-        elementwise operations on the planes fuse into a handful."""
-        lo = self.lo
-        fn = _compiled_scores(lo.count, lo.bits, lo.group, self.block, self.up_bits, self.up is None)
-        up, index = (q, q) if self.up is None else (self.up, self.index)
-        return fn(q, lo.codes, lo.scales, lo.biases, up, index)
+        promoted channels' queries against the up plane. One compiled pass over the whole
+        buffers (``capacity`` tokens: every slice below is the buffer itself unless a
+        restored state's buffers differ in room), then cut to ``count``: a decode step's
+        elementwise operations on the planes fuse into a handful, and the buffers are read
+        in place, not sliced to the count at every step."""
+        lo, cap = self.lo, self.capacity
+        words, groups = cap * lo.bits // 32, cap // lo.group
+        args = [q, _cut(lo.codes, -1, words), _cut(lo.scales, -1, groups), _cut(lo.biases, -1, groups)]
+        if self.up is not None:
+            nb = cap // self.block
+            args += [_cut(self.up, 2, nb), _cut(self.index, 2, nb),
+                     _zeros((*self.up.shape[:2], nb, self.index.shape[-1], self.block // lo.group))]
+        fn = _compiled_scores(lo.bits, lo.group, self.block, self.up_bits, self.up is None)
+        s = fn(*args)
+        return s if cap == self.count else s[..., : self.count]
 
-    def _scores(self, q: mx.array) -> mx.array:
+    def _scores(self, q: mx.array, zeros: mx.array | None) -> mx.array:
+        """The scores over every token of the buffers (``lo.count`` is their capacity)."""
         lo = self.lo
         s = kd.affine_key_scores(q, lo.codes, lo.scales, lo.biases, lo.count, lo.bits, lo.group)
-        if self.up is None or not self.count:
+        if self.up is None:
             return s
-        nb = self.count // self.block
-        index = self.index[:, :, :nb].astype(mx.int32)
-        q_up = mx.take_along_axis(q[:, :, None], index[:, :, :, None, :], axis=-1)  # (B, H, nb, R, k)
+        scales = self._up_scales(self.index, lo.scales)  # (B, H, nb, k, block / group)
+        q_up = mx.take_along_axis(q[:, :, None], self.index[:, :, :, None, :], axis=-1)  # (B, H, nb, R, k)
         if self.up_bits in SUPPORTED_BITS and kd._pure_path() == "qmm":
             # one product over the packed plane: dequantizing it first costs a step a few
             # dozen unpacking operations on the CPU
-            scales = self._up_scales(index)
-            s_up = mx.quantized_matmul(q_up, self.up[:, :, :nb], scales, mx.zeros_like(scales), transpose=False,
-                                       group_size=self.lo.group, bits=self.up_bits)
+            s_up = mx.quantized_matmul(q_up, self.up, scales, zeros, transpose=False,
+                                       group_size=lo.group, bits=self.up_bits)
         else:
-            s_up = q_up @ self.up_values(index)
+            s_up = q_up @ _up_plane(self.up, scales, lo.group, self.up_bits, zeros)
         s_up = s_up.transpose(0, 1, 3, 2, 4)  # (B, H, R, nb, block)
         return s + s_up.reshape(s.shape)
 
 
+def _up_plane(codes: mx.array, scales: mx.array, group: int, up_bits: int, zeros: mx.array | None = None):
+    """The up plane ``codes`` (B, H, nb, k, words) in float32 at ``scales`` (minimum 0)."""
+    if up_bits in SUPPORTED_BITS:
+        return dequantize(codes, scales, mx.zeros_like(scales) if zeros is None else zeros, group, up_bits)
+    return unpack_codes(codes, up_bits).astype(mx.float32) * mx.repeat(scales, group, axis=-1)
+
+
+def _cut(x: mx.array, axis: int, n: int) -> mx.array:
+    """``x`` cut to ``n`` entries along ``axis`` (2 or -1); ``x`` itself, with no call into
+    MLX, where it has them (a decode read: the buffers' room)."""
+    if x.shape[axis] == n:
+        return x
+    return x[..., :n] if axis == -1 else x[:, :, :n]
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(shape: tuple) -> mx.array:
+    """float32 zeros (the up plane's minima), built once per shape (it changes when the
+    buffers grow) and evaluated with the step that first reads them: a node less a layer
+    and step than ``zeros_like``."""
+    return mx.zeros(shape, mx.float32)
+
+
 @functools.lru_cache(maxsize=16)
-def _compiled_scores(count: int, bits: int, group: int, block: int, up_bits: int, no_up: bool):
-    def scores(q, codes, scales, biases, up, index):
+def _compiled_scores(bits: int, group: int, block: int, up_bits: int, no_up: bool):
+    def scores(q, codes, scales, biases, up=None, index=None, zeros=None):
+        count = scales.shape[-1] * group
         lo = AffineLayout(codes, scales, biases, count, bits, group, "channel")
-        view = PromotedScores(lo, None if no_up else up, None if no_up else index, block, up_bits)
-        return view._scores(q)
+        return PromotedScores(lo, up, index, block, up_bits)._scores(q, zeros)
 
     return mx.compile(scores)
 

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
-from ...kernels.kivi_decode import gpu_backend, token_mix
+from ...kernels import kivi_decode as kd
+from ...kernels.kivi_decode import token_mix
 from ...quant import codebook as cb
 from ...quant.outliers import per_tail, split_channel_groups, split_vectors
 from ...quant.packed import GROWTH_TOKENS
@@ -383,6 +384,12 @@ class _Read:
     rope: bool | None  # pre-RoPE keys rotated back (True: traditional pairs); None: no rotation
 
 
+def gpu_backend():
+    """The dispatcher's answer, asked through its module at each call (the CPU guards' CUDA
+    stub replaces it there, and so reaches this read)."""
+    return kd.gpu_backend()
+
+
 def _table_read(table: mx.array, codes: mx.array) -> mx.array:
     """``table[..., codes]`` along the last axis, exactly: a gather on the CPU; on CUDA a
     chain of selects, one per entry, which a compiled pass fuses into one elementwise
@@ -390,9 +397,10 @@ def _table_read(table: mx.array, codes: mx.array) -> mx.array:
     benchmarks/notes/decode_kernels.md)."""
     if gpu_backend() != "cuda":
         return mx.take_along_axis(table, codes, axis=-1)
-    out = mx.broadcast_to(table[..., :1], codes.shape)
+    entries = mx.split(table, table.shape[-1], axis=-1)  # one node, not a slice an entry
+    out = mx.broadcast_to(entries[0], codes.shape)
     for j in range(1, table.shape[-1]):
-        out = mx.where(codes == j, table[..., j : j + 1], out)
+        out = mx.where(codes == j, entries[j], out)
     return out
 
 

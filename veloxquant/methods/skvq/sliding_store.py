@@ -33,6 +33,14 @@ over the parts, and takes the output back through the inverse of the value order
 more gathers, and attention itself never un-permutes the history. ``history`` (prefill
 chunks, tests) gives every token back in the model's order.
 
+Decode read (``_JointRead``, one part of the dispatcher's joint path): the sinks, the packed rows and the window under one float32
+softmax, what ``kernels/decode.py``'s joint path computes for the parts ``decode_parts``
+describes (no kernel reads per-token keys, on any device): on the CPU one
+``quantized_matmul`` over the packed keys and one over the packed values, on a GPU their
+valid rows dequantized in float32 and multiplied. What it takes from the packed runs and
+the sinks (their valid rows), the orders in the queries' layout and the scale are views kept
+between flushes (``ReadViews``): a step slices nothing of the history.
+
 It is a ``QuantizedKVStore`` for its windows, its packed runs' shape checks and what it
 keeps; the flush, the reading and the policy checks are its own.
 
@@ -56,10 +64,10 @@ from ...kernels.decode import DecodePart, decode_attention
 from ...quant.affine import SUPPORTED_BITS
 from .clip import ClippedTokens, fixed_clip, search_clip
 from ...quant.packed import GROWTH_TOKENS, GroupAffine
-from .reorder import PAIRINGS, RangeOrder, inverse, is_permutation, permute, permute_heads
+from .reorder import PAIRINGS, RangeOrder, inverse, is_permutation, permute
 from ...quant.sink_store import Sinks
-from ...quant.store import VALUE_ROOM, WINDOW_STEP, QuantizedKVStore
-from ...quant.token_rows import TokenRows
+from ...quant.store import VALUE_ROOM, WINDOW_STEP, QuantizedKVStore, _rows
+from ...quant.token_rows import ReadViews, TokenRows, mixed_into, row_mix, row_scores
 
 
 FLUSH = VALUE_ROOM  # decode steps quantize the tokens past the window this many at a time
@@ -67,6 +75,62 @@ FLUSH = VALUE_ROOM  # decode steps quantize the tokens past the window this many
 
 def _cat(old, new):
     return new if old is None else mx.concatenate([old, new], axis=2)
+
+
+class _JointRead:
+    """A decode step's read of a ``SlidingWindowStore`` as one ``PackedScores`` part (keys
+    and values) of ``kernels/decode.py``: the sinks, the packed rows and the window under
+    the dispatcher's one softmax (its joint path: no kernel reads per-token keys), in the
+    reordered channel space: ``scores`` takes the queries through the key order, ``mix``
+    gives the output back through the inverse of the value order."""
+
+    def __init__(self, store: "SlidingWindowStore", q_shape, n_kv_heads: int):
+        b, hq, _, d = q_shape
+        self.packed_k, self.packed_v, sink_k, sink_v, self.perm, self.inv = \
+            store._read_views(b, n_kv_heads, hq // n_kv_heads, d)
+        self.key_codec, self.value_codec = store.keys.codec, store.values.codec
+        rows = [(sink_k, sink_v), (store.k_res, store.v_res)]
+        self.sinks, self.window = [x if x[0] is not None else None for x in rows]
+        self.n_heads = n_kv_heads
+        self.counts = [n for n in (_rows(sink_k), store.keys.count, _rows(store.k_res)) if n]
+        self.count = sum(self.counts)
+
+    def part(self) -> DecodePart:
+        return DecodePart(self, None, self, None)
+
+    def scores(self, q: mx.array) -> mx.array:
+        """float32 scores (B, H, R, N) for scaled float32 queries (B, H, R, D) (model order):
+        the sinks', the packed rows', the window's."""
+        if self.perm is not None:
+            q = mx.take_along_axis(q, self.perm, axis=-1)
+        out = []
+        if self.sinks is not None:
+            out.append(q @ self.sinks[0].astype(mx.float32).swapaxes(-1, -2))
+        if self.packed_k is not None:
+            out.append(row_scores(q, self.packed_k, self.key_codec))
+        if self.window is not None:
+            out.append(q @ self.window[0].astype(mx.float32).swapaxes(-1, -2))
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
+
+    def mix(self, p: mx.array) -> mx.array:
+        """float32 ``p V`` (B, H, R, D) in the model's channel order, weights (B, H, R, N)."""
+        cuts = self.counts[:-1]
+        for i in range(1, len(cuts)):
+            cuts[i] += cuts[i - 1]
+        weights = iter(mx.split(p, cuts, axis=-1) if cuts else [p])
+        out = None
+        if self.sinks is not None:
+            out = mixed_into(out, next(weights), self.sinks[1].astype(mx.float32))
+        if self.packed_v is not None:
+            out = row_mix(out, next(weights), self.packed_v, self.value_codec)
+        if self.window is not None:
+            out = mixed_into(out, next(weights), self.window[1].astype(mx.float32))
+        return out if self.inv is None else mx.take_along_axis(out, self.inv, axis=-1)
+
+
+def _valid(packed) -> tuple:
+    n = packed.count
+    return tuple(g.buffer[:, :, :n] for g in (packed.codes, packed.scales, packed.biases))
 
 
 class SlidingWindowStore(Sinks, QuantizedKVStore):
@@ -88,6 +152,7 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
         # Fitted at the first quantization: orders (B, H, 1, D) uint32, clip ratios (B, H).
         self.perm_k = self.perm_v = self.inv_v = None
         self.alpha_k = self.alpha_v = None
+        self._views = ReadViews()  # the decode read's views (``_read_views``)
 
     @property
     def fitted(self) -> bool:
@@ -165,6 +230,7 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
                 setattr(self, name, batch_rows(arrays[name], batch))
 
     def _pack(self, keys, values, decoding: bool) -> None:
+        self._views.clear()  # no view pins a buffer the appends below write in place
         self.keys.append(keys, self.alpha_k, decoding)
         self.values.append(values, self.alpha_v, decoding)
 
@@ -194,11 +260,30 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
 
     def attend(self, queries, *, scale, use_kernel, n_kv_heads=None) -> mx.array:
         """Decode attention over what is stored: queries through the key order, the output
-        back through the inverse of the value order."""
-        q = queries if self.perm_k is None else permute_heads(queries, self.perm_k)
-        out = decode_attention(q, self.decode_parts(mx.zeros((0,), queries.dtype)), scale=scale,
-                               use_kernel=use_kernel, n_kv_heads=n_kv_heads)
-        return out if self.inv_v is None else permute_heads(out, self.inv_v)
+        back through the inverse of the value order (``_JointRead``)."""
+        h = n_kv_heads or next(x.shape[1] for x in (self.k_res, self.sink_k.buffer, self.keys.codes.buffer)
+                               if x is not None)
+        return decode_attention(queries, [_JointRead(self, queries.shape, h).part()], scale=scale,
+                                use_kernel=use_kernel, n_kv_heads=h)
+
+    def _read_views(self, b: int, h: int, r: int, d: int):
+        """(packed keys' valid rows or None, packed values' likewise, sink keys, sink values
+        (or None), the key order and the inverse value order broadcast over the queries
+        (B, H, R, D), or None), views kept while what they view stays as it is."""
+        runs = (self.keys, self.values)
+        key = (b, h, r, d, self.perm_k, self.inv_v, self.sink_k.buffer, self.sink_k.length,
+               self.sink_v.buffer, self.sink_v.length) + \
+            tuple(x for t in runs for x in (t.codes.buffer, t.scales.buffer, t.biases.buffer, t.count))
+
+        def build():
+            shape = (b, h, r, d)
+            sinks = (self.sink_k.view(), self.sink_v.view()) if self.sink_k.length else (None, None)
+            packed = (_valid(self.keys), _valid(self.values)) if self.keys.count else (None, None)
+            perm = None if self.perm_k is None else mx.broadcast_to(self.perm_k, shape)
+            inv = None if self.inv_v is None else mx.broadcast_to(self.inv_v, shape)
+            return (*packed, *sinks, perm, inv)
+
+        return self._views.get(self, key, build)
 
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
         self.commit(keys, values)

@@ -18,14 +18,19 @@ chunk compresses the buffer and itself at once, scored by its probe queries.
 
 Attention. A prompt chunk attends over the history decoded in position order plus
 itself (one float32 softmax per query: SDPA); the same keys give the probes' weights. A
-decode step writes its token into the buffer, then attends over two parts merged by
-log-sum-exp (``kernels/decode.py``): the hi class with the buffer as its full-precision
-tail, and the lo class. The softmax does not depend on the order of the keys, so the
-classes are attended as stored. Their keys are per-token rows, which the fused kernels
-(per-channel keys) do not read: both parts are ``PackedScores`` (``token_rows.TokenRows``)
-on the pure-MLX path on every device, one pass over the packed codes each; a step
-dequantizes nothing. The block-scoring step (one in ``block``) scores the history once
-more for the softmax's normaliser.
+decode step writes its token into the buffer, then attends over the hi class, the lo
+class and the buffer under one float32 softmax: one part (``_JointRead``) of
+``kernels/decode.py``'s joint path (the softmax does not depend on the order of the
+keys, so the classes are attended as stored). Their keys are per-token rows, which the
+fused kernels (per-channel keys) do not read, so the read is pure MLX on every device:
+on the CPU one ``quantized_matmul`` over the packed codes for ``q Kᵀ`` and one for ``p V``
+a class (a step dequantizes nothing), on a GPU the valid rows dequantized in float32 and
+multiplied (``token_rows.TokenRows``' two paths). The channel scales are folded into the
+query (``(q c) K'ᵀ``, once for both classes) and the output (``(p V') c``, once for both).
+What the read takes from the classes (the valid rows of each packed buffer, the channel
+scales in the query's and the output's layout) are views kept between flushes
+(``ReadViews``): a step slices nothing of the history. The block-scoring step reuses that
+step's scores (the whole cache's, the buffer last): the history is read once.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ from .channel_scaled import channel_scale
 from ...quant.packed import GROWTH_TOKENS, PackedTokens
 from ...quant.saliency import n_salient, salient_split
 from ...quant.store import WINDOW_STEP, PackedStore, joined_history, paced
-from ...quant.token_rows import PlainRows, TokenGroups, TokenRows
+from ...quant.token_rows import (PlainRows, ReadViews, TokenGroups, TokenRows, mixed_into, row_mix,
+                                 row_scores)
 
 
 class TokenClass:
@@ -59,12 +65,28 @@ class TokenClass:
     def value_count(self) -> int:
         return self.values.count if self.values is not None else self.raw_values.length
 
-    def append(self, keys, values, k_channel, v_channel) -> None:
-        self.keys.append((keys.astype(mx.float32) / k_channel[:, :, None]).astype(keys.dtype))
+    def append(self, keys, values, k_channel, v_channel, decoding: bool = False) -> None:
+        """``decoding``: a decode block's tokens (shapes that recur: the compiled encoder)."""
+        self.keys.append((keys.astype(mx.float32) / k_channel[:, :, None]).astype(keys.dtype), decoding)
         if self.values is not None:
-            self.values.append((values.astype(mx.float32) / v_channel[:, :, None]).astype(values.dtype))
+            self.values.append((values.astype(mx.float32) / v_channel[:, :, None]).astype(values.dtype), decoding)
         else:
             self.raw_values.append(values)
+
+    def valid(self):
+        """What a decode step reads: ((key codes, scales, minima), (value codes, scales,
+        minima) or the full-precision values), each the valid rows of its buffer (views)."""
+        n = self.count
+        keys = tuple(g.buffer[:, :, :n] for g in (self.keys.codes, self.keys.scales, self.keys.biases))
+        if self.values is None:
+            return keys, self.raw_values.buffer[:, :, :n]
+        return keys, tuple(g.buffer[:, :, :n] for g in (self.values.codes, self.values.scales, self.values.biases))
+
+    def sources(self) -> tuple:
+        """The arrays ``valid`` views, and the count (what its views depend on)."""
+        stores = (self.keys, self.values) if self.values is not None else (self.keys,)
+        out = tuple(g.buffer for s in stores for g in (s.codes, s.scales, s.biases))
+        return out + ((self.raw_values.buffer,) if self.values is None else ()) + (self.count,)
 
     def decode(self, k_channel, v_channel, dtype) -> tuple[mx.array, mx.array]:
         """Keys and values (B, H, count, D) in ``dtype``, class order (transient)."""
@@ -92,6 +114,51 @@ def _gather(x: mx.array, index: mx.array) -> mx.array:
     return mx.take_along_axis(x, index[..., None], axis=2)
 
 
+class _JointRead:
+    """A decode step's read of a ``TokenMixedStore`` as one ``PackedScores`` part (keys and
+    values) of ``kernels/decode.py``: the hi class, the lo class and the buffer under the
+    dispatcher's one softmax (its joint path: no kernel reads per-token keys). ``scores``
+    keeps what it returns as ``logits`` (B, H, R, N): the classes' tokens in class order,
+    then the buffer's, which the block scoring reads."""
+
+    def __init__(self, store: "TokenMixedStore", q_shape, n_kv_heads: int):
+        b, hq, _, d = q_shape
+        self.classes, self.kc, self.vc = store._class_views(b, n_kv_heads, hq // n_kv_heads, d)
+        self.k_tail, self.v_tail = store.k_buf.view(), store.v_buf.view()
+        self.n_heads = n_kv_heads
+        self.count = sum(c.count for c, _ in self.classes) + (0 if self.k_tail is None else self.k_tail.shape[2])
+        self.logits = None
+
+    def part(self) -> DecodePart:
+        return DecodePart(self, None, self, None)
+
+    def scores(self, q: mx.array) -> mx.array:
+        """float32 scores (B, H, R, N) for scaled float32 queries (B, H, R, D)."""
+        out = []
+        if self.classes:
+            qc = q * self.kc  # keys are rows of x / c: (q c) (K / c)ᵀ = q Kᵀ, c once for both classes
+            out += [row_scores(qc, rows[0], c.keys.codec) for c, rows in self.classes]
+        if self.k_tail is not None:
+            out.append(q @ self.k_tail.astype(mx.float32).swapaxes(-1, -2))
+        self.logits = out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
+        return self.logits
+
+    def mix(self, p: mx.array) -> mx.array:
+        """float32 ``p V`` (B, H, R, D) for weights (B, H, R, N) in ``scores``' order."""
+        cuts = [c.count for c, _ in self.classes][: len(self.classes) - (self.k_tail is None)]
+        for i in range(1, len(cuts)):
+            cuts[i] += cuts[i - 1]
+        weights = mx.split(p, cuts, axis=-1) if cuts else [p]
+        out = None
+        for (c, rows), w in zip(self.classes, weights):
+            out = row_mix(out, w, rows[1], c.keys.codec if c.values is None else c.values.codec)
+        if self.vc is not None:
+            out = out * self.vc  # values are rows of x / c: (p V') c, c once for both classes
+        if self.v_tail is not None:
+            out = mixed_into(out, weights[-1], self.v_tail.astype(mx.float32))
+        return out
+
+
 class TokenMixedStore(PackedStore):
     """Two precision classes (``hi``, ``lo`` codecs) chosen per token and KV head by
     ``saliency`` (``prefill(queries, keys, scale, first)`` and ``decode(logits, n)``:
@@ -110,6 +177,7 @@ class TokenMixedStore(PackedStore):
         room = min(block, WINDOW_STEP)
         self.k_buf = GrowingArray(axis=2, step=room, limit=block, geometric=True)
         self.v_buf = GrowingArray(axis=2, step=room, limit=block, geometric=True)
+        self._views = ReadViews()  # the decode read's views of the classes (``_class_views``)
 
     @property
     def compressed(self) -> int:
@@ -126,10 +194,12 @@ class TokenMixedStore(PackedStore):
         self.k_buf.append(keys)
         self.v_buf.append(values)
 
-    def compress(self, keys: mx.array, values: mx.array, scores: mx.array | None) -> None:
+    def compress(self, keys: mx.array, values: mx.array, scores: mx.array | None,
+                 decoding: bool = False) -> None:
         """Store a span of tokens (B, H, n, D) by class: the ``n_salient`` largest
         ``scores`` (B, H, n) of each head at hi (scores are not read when one class
-        takes every token)."""
+        takes every token). ``decoding``: a decode block (compiled encoders)."""
+        self._views.clear()  # no view pins a buffer the appends below write in place
         n = keys.shape[2]
         n_hi = n_salient(self.fraction, n)
         if self.k_channel is None:
@@ -138,26 +208,22 @@ class TokenMixedStore(PackedStore):
         if 0 < n_hi < n:
             hi, lo = salient_split(scores, n_hi)
             flags = mx.put_along_axis(mx.zeros(keys.shape[:3], mx.uint8), hi, mx.array(1, mx.uint8), axis=-1)
-            self.hi.append(_gather(keys, hi), _gather(values, hi), self.k_channel, self.v_channel)
-            self.lo.append(_gather(keys, lo), _gather(values, lo), self.k_channel, self.v_channel)
+            self.hi.append(_gather(keys, hi), _gather(values, hi), self.k_channel, self.v_channel, decoding)
+            self.lo.append(_gather(keys, lo), _gather(values, lo), self.k_channel, self.v_channel, decoding)
         else:
-            (self.hi if n_hi else self.lo).append(keys, values, self.k_channel, self.v_channel)
+            (self.hi if n_hi else self.lo).append(keys, values, self.k_channel, self.v_channel, decoding)
             flags = mx.full(keys.shape[:3], 1 if n_hi else 0, mx.uint8)
         self.flags.append(flags)
 
-    def _flush_block(self, queries: mx.array, scale: float) -> None:
-        """The buffer is full: score it with the current query, compress it."""
+    def _flush_block(self, logits: mx.array) -> None:
+        """The buffer is full: score it with the current query (``logits`` (B, H, R, N):
+        this step's scores over the whole cache, the buffer last), compress it."""
         keys, values = self.k_buf.view(), self.v_buf.view()
         n = keys.shape[2]
         scores = None
         if 0 < n_salient(self.fraction, n) < n:
-            b, h, d = keys.shape[0], keys.shape[1], queries.shape[-1]
-            q = queries.astype(mx.float32).reshape(b, h, -1, d) * scale
-            logits = [k.scores(q) for cls in (self.hi, self.lo) if cls.count
-                      for k in [cls.readers(None, self.k_channel, self.v_channel)[0]]]
-            logits.append(q @ keys.astype(mx.float32).swapaxes(-1, -2))
-            scores = self.saliency.decode(mx.concatenate(logits, axis=-1), n)
-        self.compress(keys, values, scores)
+            scores = self.saliency.decode(logits, n)
+        self.compress(keys, values, scores, decoding=True)
         self.k_buf.truncate(0)
         self.v_buf.truncate(0)
 
@@ -181,17 +247,47 @@ class TokenMixedStore(PackedStore):
 
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
         """A decode step: the token joins the buffer, attention over the classes and the
-        buffer; a full buffer is then scored and compressed."""
+        buffer; a full buffer is then scored (by this step's scores) and compressed."""
         self.commit(keys, values)
-        parts = self.decode_parts(None)
-        out = decode_attention(queries, parts, scale=scale, use_kernel=use_kernel,
+        read = _JointRead(self, queries.shape, keys.shape[1])
+        out = decode_attention(queries, [read.part()], scale=scale, use_kernel=use_kernel,
                                n_kv_heads=keys.shape[1])
         if self.k_buf.length >= self.block:
-            self._flush_block(queries, scale)
+            self._flush_block(read.logits)
+            # the next steps' views of the classes, made now: built with this step, not in
+            # the next one's graph
+            b, hq, _, d = queries.shape
+            h = keys.shape[1]
+            classes, kc, vc = self._class_views(b, h, hq // h, d)
+            views = [x for _, rows in classes for r in rows for x in (r if isinstance(r, tuple) else (r,))]
             # no later step reads the flags: generate_step evaluates them with this step's
             # logits, or their appends would chain from flush to flush
-            out = mx.depends(out, [self.flags.buffer])
+            out = mx.depends(out, [self.flags.buffer, *views, *(x for x in (kc, vc) if x is not None)])
         return out
+
+    def attend(self, queries, *, scale, use_kernel, n_kv_heads=None) -> mx.array:
+        """A decode step's attention over what is stored (no token added, no flush)."""
+        h = n_kv_heads or self.k_buf.buffer.shape[1]
+        return decode_attention(queries, [_JointRead(self, queries.shape, h).part()], scale=scale,
+                                use_kernel=use_kernel, n_kv_heads=h)
+
+    def _class_views(self, b: int, h: int, r: int, d: int):
+        """(the classes that hold tokens with their valid rows, the key channel scales
+        (B, H, R, D), the value channel scales (B, H, R, D) or None), all views, kept while
+        the classes and the channel scales stay as they are."""
+        classes = [c for c in (self.hi, self.lo) if c.count]
+        key = (b, h, r, d, self.k_channel, self.v_channel) + tuple(x for c in (self.hi, self.lo) for x in c.sources())
+
+        def build():
+            shape = (b, h, r, d)
+            kc = vc = None
+            if classes:
+                kc = mx.broadcast_to(self.k_channel[:, :, None, :], shape)
+                if self.quantize_values:
+                    vc = mx.broadcast_to(self.v_channel[:, :, None, :], shape)
+            return [(c, c.valid()) for c in classes], kc, vc
+
+        return self._views.get(self, key, build)
 
     # -- reading ----------------------------------------------------------------------------
     def history(self, dtype) -> tuple[mx.array | None, mx.array | None]:

@@ -1,0 +1,82 @@
+"""Kitty's decode read (issue 30): the promoted-channel scores computed over the planes'
+whole buffers (the up plane's scales taken by one gather, the result cut to the count after
+the product) give, over 40 decode steps with key flushes among them, what attention over
+the dequantized history gives, to float32 reassociation."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.cache.options import KittyOptions
+from veloxquant_mlx.kernels import kivi_decode as kd
+from veloxquant_mlx.methods.kitty.cache import KittyCache
+from veloxquant_mlx.methods.kitty.promoted import PromotedScores
+
+EPS = float(mx.finfo(mx.float32).eps)
+
+
+def kitty(lo, hi, f, block):
+    options = KittyOptions(kitty_hi_fraction=f, kitty_hi_bit=hi, kitty_lo_bit=lo, kitty_group_size=32)
+    return KittyCache(KVCacheConfig(method="kitty", options=options, residual_window=block), None, 0)
+
+
+def keys_values(b, h, t, d, seed):
+    k = mx.random.normal((b, h, t, d), key=mx.random.key(seed)) * (1 + 6 * (mx.arange(d) % 9 == 0))
+    v = mx.random.normal((b, h, t, d), key=mx.random.key(seed + 1))
+    return k, v
+
+
+def reassociation_bound(q, k_hat, v_hat, scale):
+    """What float32 reassociation may move one output by, from the operands: each score is a
+    sum of D products (moved by at most D eps times the sum of their magnitudes), which moves
+    every softmax weight by a relative 2 max|delta s| at most; the mix is a sum of T products
+    (moved by T eps max|v| at most). Twice that, for the rounding of the steps around them."""
+    b, hq, _, d = q.shape
+    h = k_hat.shape[1]
+    qg = (q.reshape(b, h, hq // h, d) * scale).astype(mx.float32)
+    magnitude = mx.abs(qg) @ mx.abs(k_hat).swapaxes(-1, -2)  # (B, H, R, T)
+    ds = d * EPS * float(magnitude.max())
+    vmax, t = float(mx.abs(v_hat).max()), k_hat.shape[2]
+    return 2 * vmax * (2 * ds + t * EPS)
+
+
+@pytest.mark.parametrize("pure_path", ["qmm", "reference"])  # the CPU's path, the GPU's
+@pytest.mark.parametrize("lo, hi, f, block", [(2, 4, 0.25, 32), (3, 7, 0.25, 64), (1, 8, 0.5, 32)])
+def test_forty_decode_steps_match_attention_over_the_dequantized_history(lo, hi, f, block, pure_path,
+                                                                         monkeypatch):
+    monkeypatch.setattr(kd, "_pure_path", lambda: pure_path)
+    b, h, gqa, d, t0, steps = 2, 2, 2, 64, 150, 40
+    keys, values = keys_values(b, h, t0 + steps, d, seed=31 + lo + hi)
+    cache, scale = kitty(lo, hi, f, block), d**-0.5
+    cache.update_and_fetch(keys[:, :, :t0], values[:, :, :t0])
+    q0 = mx.random.normal((b, h * gqa, t0, d), key=mx.random.key(3))
+    cache.attend(q0, keys[:, :, :t0], values[:, :, :t0], scale=scale, mask="causal")
+    flushed, spare = set(), 0
+    for i in range(t0, t0 + steps):
+        k, v = keys[:, :, i : i + 1], values[:, :, i : i + 1]
+        q = mx.random.normal((b, h * gqa, 1, d), key=mx.random.key(100 + i))
+        cache.update_and_fetch(k, v)
+        out = cache.attend(q, k, v, scale=scale, mask=None)
+        store = cache.store
+        keys_layout = store.keys.layout(mx.zeros((0,)))
+        assert isinstance(keys_layout, PromotedScores)
+        flushed.add(store.keys.count)
+        spare = max(spare, keys_layout.capacity - keys_layout.count)
+        k_hat, v_hat = cache.dequantized(mx.float32)
+        assert k_hat.shape[2] == i + 1
+        ref = mx.fast.scaled_dot_product_attention(q, k_hat, v_hat, scale=scale)
+        err, bound = float(mx.abs(out - ref).max()), reassociation_bound(q, k_hat, v_hat, scale)
+        assert err <= bound, (i, err, bound)
+    # the steps crossed key flushes and read buffers with room past the count
+    assert len(flushed) > 1 and spare > 0
+    # the reference's up plane shares the scales' gather: that gather, against the lo plane's
+    # scales read one by one
+    keys = cache.store.keys
+    nb, g = keys.count // block, 32
+    index, lo_scales = np.array(keys.index.view()), np.array(keys.scales.view())
+    got = np.array(keys.layout(mx.zeros((0,)))._up_scales(keys.index.view(), keys.scales.buffer))
+    want = np.zeros(got.shape, np.float32)
+    for bi, hi_, j, kk, s in np.ndindex(*got.shape):
+        want[bi, hi_, j, kk, s] = lo_scales[bi, hi_, index[bi, hi_, j, kk], j * (block // g) + s] * (1 << lo)
+    assert got.shape[2] == nb and np.array_equal(got, want)
