@@ -23,6 +23,8 @@ instead of MLX's fused attention with a mask (``RowsByLength``).
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -204,9 +206,10 @@ def _mixed(w, reads, normalised: bool = False) -> mx.array:
     """``w V`` in float32 for weights ``w`` (B, H, R, tokens) over the values of ``reads``.
     ``normalised``: ``w`` sums to 1 over its tokens (a softmax), so values that are all of
     them may take the shortcut ``mix_normalised``."""
-    o, at = None, 0
-    for n, v in reads:
-        part_w = w if n == w.shape[-1] else w[..., at : at + n]
+    o = None
+    cuts = list(itertools.accumulate(n for n, _ in reads[:-1]))
+    weights = mx.split(w, cuts, axis=-1) if cuts else [w]  # one node, not a slice a read
+    for (n, v), part_w in zip(reads, weights):
         if isinstance(v, mx.array):
             r = kd.token_mix(part_w, v.astype(mx.float32))
         elif isinstance(v, AffineLayout):
@@ -216,7 +219,6 @@ def _mixed(w, reads, normalised: bool = False) -> mx.array:
         else:
             r = v.mix(part_w)
         o = r if o is None else o + r
-        at += n
     return o
 
 
