@@ -65,6 +65,16 @@ def added_room(length: int, n: int, step: int, limit: int | None, geometric: boo
     return room
 
 
+def arrays_written(kept: dict) -> list:
+    """The arrays among ``kept`` (a store's or cache's arrays by name; growing buffers
+    as their buffers). A prompt chunk's output that depends on them makes the chunk's
+    storing run with its layer, not when the state is evaluated after the whole model:
+    until then the arrays it reads (the chunk's queries, a decoded history) stay alive in
+    every layer at once."""
+    values = (x.buffer if isinstance(x, GrowingArray) else x for x in kept.values())
+    return [x for x in values if isinstance(x, mx.array)]
+
+
 class GrowingArray:
     """Rows appended along ``axis`` into a buffer grown ``step`` rows at a time.
 

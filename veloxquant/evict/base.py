@@ -346,7 +346,14 @@ class ScoredEvictionCache(CompressedKVCache):
         if prefill_end and isinstance(self.store, QuantizedSlots):
             self.store.pack(self.recent)  # scored over the model's own keys: now the kept ones are quantized
         self.in_prompt = n > 1
-        return mx.depends(out, self._step_writes())
+        return mx.depends(out, self._step_writes() + self._queries_kept())
+
+    def _queries_kept(self) -> list[mx.array]:
+        """Queries this step keeps for later scoring, each a copy of a few rows of the
+        step's queries: computed with the step's output, so that no layer's whole queries
+        stay alive until the state is evaluated (a prompt chunk's peak held every layer's
+        otherwise)."""
+        return [] if self.window_queries is None else [self.window_queries]
 
     def _step_writes(self) -> list[mx.array]:
         """What a step writes: generate_step evaluates only the logits, so a slot write

@@ -224,9 +224,12 @@ class QFiltersCache(ScoredEvictionCache):
         first = -(-before // new) * new  # the first multiple of the stride not yet held
         if first < after:
             start = self.n_sink + first - (self.offset - inputs.n_new)
-            fresh = inputs.queries[:, :, start::new]
+            fresh = mx.contiguous(inputs.queries[:, :, start::new])  # a view would pin all of q
             kept = fresh if kept is None else mx.concatenate([kept, fresh], axis=2)
         self.calib = kept
+
+    def _queries_kept(self):
+        return super()._queries_kept() + ([] if self.calib is None else [self.calib])
 
     # -- the filter, fixed at the first eviction ---------------------------------------
     def _evict(self, inputs, decode_step):

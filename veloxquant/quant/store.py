@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..cache.buffers import GrowingArray, RecentRows
+from ..cache.buffers import GrowingArray, RecentRows, arrays_written
 from ..kernels.decode import DecodePart, decode_attention
 from .packed import GROWTH_TOKENS, PackedTokens
 
@@ -126,7 +126,11 @@ class PackedStore:
         all_v = values if old_v is None else mx.concatenate([old_v, values], axis=2)
         out = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
         self.commit(keys, values)
-        return paced(out)
+        return paced(mx.depends(out, self.written()))
+
+    def written(self) -> list[mx.array]:
+        """Every array the store keeps (``buffers.arrays_written``)."""
+        return arrays_written(self.arrays())
 
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
         """A decode step: store the token, attend over every part of the packed cache."""

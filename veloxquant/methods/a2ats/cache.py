@@ -77,6 +77,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 
 from ...cache.base import CompressedKVCache
+from ...cache.buffers import arrays_written
 from ...cache.calibration import layer_calibration
 from ...cache.options import A2ATSOptions
 from ...cache.rope import Rotary, derotate
@@ -223,7 +224,8 @@ class A2ATSCache(CompressedKVCache):
         if n == 1:
             return self.store.decode_attention(queries, scale=scale, position=self.offset - 1)
         self.store.observe_queries(queries, mx.arange(self.offset - n, self.offset))
-        return self.store.prefill_attention(queries, scale=scale, mask=mask)
+        out = self.store.prefill_attention(queries, scale=scale, mask=mask)
+        return mx.depends(out, arrays_written(self.store.arrays()))  # stored with its layer
 
     # -- what is kept -------------------------------------------------------------------------------
     @property

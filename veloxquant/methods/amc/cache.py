@@ -73,7 +73,7 @@ import math
 import mlx.core as mx
 
 from ...cache.base import causal_mask
-from ...cache.buffers import GrowingArray
+from ...cache.buffers import GrowingArray, arrays_written
 from ...cache.rope import Rotary
 from ...kernels.decode import DecodePart, decode_attention
 from ...quant.cache import QuantizedCache
@@ -227,7 +227,7 @@ class AMCCache(QuantizedCache):
         out = mx.fast.scaled_dot_product_attention(queries, all_k, all_v, scale=scale, mask=mask)
         tiers, most = self._chunk_tiers(queries, all_k, k, scale) if self.mu is not None else self._all_high(k)
         self.store.commit(k, v, tiers, most)
-        return out
+        return mx.depends(out, arrays_written(self._arrays()))  # stored with its layer
 
     def _step(self, queries, k, v, scale):
         """A decode step: the token joins the window; a full window is flushed into the tiers."""

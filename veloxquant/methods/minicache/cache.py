@@ -59,7 +59,7 @@ import math
 import mlx.core as mx
 
 from ...cache.base import CompressedKVCache, causal_mask
-from ...cache.buffers import GrowingArray
+from ...cache.buffers import GrowingArray, arrays_written
 from ...cache.cross_layer import CrossLayer, CrossLayerError, consecutive_groups, rows
 from . import decode_step
 from .slerp import MergedRows, norms, retained_entries, slerp_merge
@@ -167,6 +167,8 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
             # the dropped count is read by no attention: it rides on the output (one node),
             # or its lazy sum would chain from flush to flush
             out = mx.depends(out, [self.ret_k_dropped, self.ret_v_dropped])
+        if not decode:  # a prompt chunk is stored with its layer (``buffers.arrays_written``)
+            out = mx.depends(out, arrays_written(self._arrays()))
         return out
 
     # -- the pair -----------------------------------------------------------------------------------

@@ -710,7 +710,8 @@ class EigenStore(PackedStore):
             out = out * fade + EigenScores(v, v.count, rows).mix(p)
             top = new_top
         self.commit(keys, values)
-        return paced((out / total).reshape(b, hq, n, values.shape[-1]).astype(queries.dtype))
+        out = (out / total).reshape(b, hq, n, values.shape[-1]).astype(queries.dtype)
+        return paced(mx.depends(out, self.written()))
 
     # -- what is kept ---------------------------------------------------------------------
     def arrays(self):

@@ -243,7 +243,7 @@ class TokenMixedStore(PackedStore):
         self.compress(all_k[:, :, first:], all_v[:, :, first:], scores)
         self.k_buf.truncate(0)
         self.v_buf.truncate(0)
-        return paced(out)
+        return paced(mx.depends(out, self.written()))
 
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
         """A decode step: the token joins the buffer, attention over the classes and the
