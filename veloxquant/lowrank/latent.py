@@ -37,6 +37,15 @@ post-RoPE keys mlx-lm hands the cache, so no rotation stands between query and l
 Palu's paper factors pre-RoPE keys and rotates each reconstructed key in a fused kernel,
 which this fold cannot do (a per-token rotation does not commute with ``V^(h)``).
 
+A decode step does small, fixed work (issue 30): what it reads of the packed spans (their
+valid tokens, in the layout its path reads: ``_SpanRead``) and of a run's basis and mean
+(per head, transposed, broadcast over the query rows: ``_BasisRead``) are views kept
+between flushes (``ReadViews``), so a step slices and reshapes nothing of the history; the
+folded query is cut into the spans' channels by one split and their scores summed into one
+another (``addmm``); the lift adds the mean in the same product; 1-bit words are unpacked
+in one fused pass on a GPU's path; a token's moments and both tensors' latents are tied by
+one dependency.
+
 ``LatentStore`` holds a layer: keys and values wait exactly (``pending``) until at least
 as many tokens as a basis has rows (n = g*d) are held, when the bases are fitted on every
 token held and everything is encoded (a basis fitted on fewer tokens spans only them, so
@@ -60,11 +69,13 @@ Python counter, checked at decode steps), a new basis of the same rank (the rank
 an array shape: choosing it again would read a value on the host) is taken from them
 and the tokens after it are coded on it, as a new ``Run``. Stored tokens keep the basis
 they were coded with: re-coding them would quantize them twice. A decode step reads one
-part a run (``decode_parts``).
+part a run (``decode_parts``), or, values kept exactly, one part of every run's keys and
+the values (``_RunKeys``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -75,11 +86,11 @@ from ..cache.buffers import GrowingArray
 from ..cache.calibration import batch_rows, layer_calibration
 from ..kernels import kivi_decode as kd
 from ..kernels.decode import DecodePart
-from ..quant import affine
 from ..quant.affine import SUPPORTED_BITS
 from ..quant.cache import QuantizedCache
 from ..quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
 from ..quant.store import WINDOW_STEP, PackedStore
+from ..quant.token_rows import ReadViews
 from .factors import energy_rank, gram_basis
 
 UNQUANTIZED_BITS = 16  # widths from here on keep a channel in the model's dtype
@@ -159,6 +170,11 @@ class LatentTokens:
                       for i, s in self.spans if s.bits >= UNQUANTIZED_BITS}
         self.buf = GrowingArray(axis=2, step=WINDOW_STEP, limit=group, geometric=True)
         self.flushed = 0  # tokens in the segments (a multiple of the group)
+        # the decode read's views: each span's valid tokens (``_span_views``, kept until the
+        # next flush) and its run's basis and mean in the read's layouts (``basis_views``)
+        self._views = ReadViews()
+        self._basis_views = ReadViews()
+        self._stored = [g for p in self.packed.values() for g in (p.codes, p.scales, p.biases)] + list(self.exact.values())
 
     @property
     def count(self) -> int:
@@ -169,7 +185,7 @@ class LatentTokens:
         if latents.shape[2] == 1:  # a decode step: in place, a block once a group is there
             self.buf.append(latents)
             if self.buf.length == self.group:
-                self._flush(self.buf.view())
+                self._flush(self.buf.view(), decoding=True)
                 self.buf.reset(None)
             return
         old = self.buf.view()
@@ -179,11 +195,13 @@ class LatentTokens:
             self._flush(x[:, :, :n])
         self.buf.reset(mx.contiguous(x[:, :, n:]) if x.shape[2] > n else None)
 
-    def _flush(self, block: mx.array) -> None:
+    def _flush(self, block: mx.array, decoding: bool = False) -> None:
+        """``decoding``: a decode step's block (a shape that recurs: the compiled encoder)."""
+        self._views.clear()  # no view pins a buffer the appends below write in place
         for i, s in self.spans:
             part = block[..., s.start:s.stop]
             if i in self.packed:
-                self.packed[i].append(part)
+                self.packed[i].append(part, decoding)
             elif i in self.exact:
                 self.exact[i].append(part)
         self.flushed += block.shape[2]
@@ -191,38 +209,45 @@ class LatentTokens:
     # -- reading ---------------------------------------------------------------------------
     def dense(self) -> mx.array:
         """Every latent (B, G, count, r), float32, 0 in dropped channels (transient)."""
-        cols = []
-        for i, s in self.spans:
-            if i in self.packed:
-                cols.append(self.packed[i].decode(mx.float32))
-            elif i in self.exact:
-                cols.append(self.exact[i].view().astype(mx.float32))
-            else:
-                cols.append(None)
         parts = []
-        if self.flushed:
+        if self.flushed:  # (an unquantized span has no rows before its first flush)
+            cols = []
+            for i, s in self.spans:
+                if i in self.packed:
+                    cols.append(self.packed[i].decode(mx.float32))
+                elif i in self.exact:
+                    cols.append(self.exact[i].view().astype(mx.float32))
+                else:
+                    cols.append(None)
             parts.append(mx.concatenate([c if c is not None else mx.zeros((*self.lead, self.flushed, s.stop - s.start))
                                          for c, (_, s) in zip(cols, self.spans)], axis=-1))
         if self.buf.length:
             parts.append(self.buf.view().astype(mx.float32))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
+    def _span_views(self) -> list["_SpanRead"]:
+        """What a decode step reads of each stored span: its valid tokens (views of the
+        buffers, in the layout the step's path reads), built when the segments change (a
+        flush, a restore) and kept until then: a step slices nothing of the history."""
+        path = kd._pure_path()
+        key = (self.flushed, path, *[g.buffer for g in self._stored])
+        return self._views.get(self, key, lambda: [_SpanRead.of(self, i, seg, path) for i, seg in self.spans])
+
+    def basis_views(self, basis: mx.array, mean: mx.array, g: int, rows: int) -> "_BasisRead":
+        """The run's basis and mean in the layouts a decode step reads (views, kept while the
+        run and the query rows a KV head stay as they are)."""
+        key = (basis, mean, g, rows)
+        return self._basis_views.get(self, key, lambda: _BasisRead.of(basis, mean, g, rows))
+
     def scores(self, qf: mx.array) -> mx.array:
         """(B, G, R, count) float32 ``qf Lᵀ`` for folded float32 queries (B, G, R, r)."""
         out = []
         if self.flushed:
+            spans = self._span_views()
+            qs = mx.split(qf, [sp.start for sp in spans[1:]], axis=-1) if len(spans) > 1 else [qf]
             s = None
-            for i, seg in self.spans:
-                q = qf[..., seg.start:seg.stop]
-                if i in self.packed:
-                    p = self.packed[i]
-                    t = kd.affine_key_scores(q, p.codes.buffer, p.scales.buffer, p.biases.buffer,
-                                             self.flushed, seg.bits, self.group)
-                elif i in self.exact:
-                    t = q @ self.exact[i].view().astype(mx.float32).swapaxes(-1, -2)
-                else:
-                    continue
-                s = t if s is None else s + t
+            for q, sp in zip(qs, spans):  # one split of the query, its pieces summed in place
+                s = sp.scores(s, q, self.group)
             out.append(s if s is not None else mx.zeros((*qf.shape[:3], self.flushed)))
         if self.buf.length:
             out.append(qf @ self.buf.view().astype(mx.float32).swapaxes(-1, -2))
@@ -231,23 +256,14 @@ class LatentTokens:
     def mix(self, p: mx.array) -> mx.array:
         """(B, G, R, r) float32 ``p L`` for float32 weights (B, G, R, count)."""
         out = None
+        pb = p
         if self.flushed:
-            pq = p[..., :self.flushed]
-            cols = []
-            for i, seg in self.spans:
-                if i in self.packed:
-                    c = self.packed[i]
-                    words, groups = self.flushed * seg.bits // 32, self.flushed // self.group
-                    cols.append(_channel_mix(pq, c.codes.buffer[..., :words], c.scales.buffer[..., :groups],
-                                             c.biases.buffer[..., :groups], seg.bits, self.group))
-                elif i in self.exact:
-                    cols.append(pq @ self.exact[i].view().astype(mx.float32))
-                else:
-                    cols.append(mx.zeros((*p.shape[:3], seg.stop - seg.start)))
+            pq, pb = mx.split(p, [self.flushed], axis=-1) if self.buf.length else (p, None)
+            cols = [sp.mix(pq, self.group) for sp in self._span_views()]
             out = cols[0] if len(cols) == 1 else mx.concatenate(cols, axis=-1)
         if self.buf.length:
-            b = p[..., self.flushed:] @ self.buf.view().astype(mx.float32)
-            out = b if out is None else out + b
+            latents = self.buf.view().astype(mx.float32)
+            out = pb @ latents if out is None else mx.addmm(out, pb, latents)
         return out
 
     # -- what is kept --------------------------------------------------------------------------
@@ -261,6 +277,7 @@ class LatentTokens:
 
     def restore(self, prefix: str, arrays: dict[str, Any], flushed: int) -> None:
         arrays = self._spans_joined(prefix, arrays)
+        self._views.clear()
         for name, kept in self.arrays(prefix).items():
             kept.reset(arrays.get(name))
         self.flushed = flushed
@@ -302,21 +319,107 @@ class LatentTokens:
                 yield f"{name} latent segment {i} channels", channels, seg.stop - seg.start
 
 
-def _channel_mix(p, codes, scales, biases, bits, group):
-    """``p L`` over per-channel packed latents L (channels, tokens): (B, G, R, channels)."""
-    if kd._pure_path() == "qmm":
-        return mx.quantized_matmul(p, codes, scales, biases, transpose=True, group_size=group, bits=bits)
-    latents_t = affine.dequantize(codes, scales, biases, group, bits)
-    return kd.token_mix(p, latents_t.astype(mx.float32).swapaxes(-1, -2))
+@functools.lru_cache(maxsize=None)
+def _word_bits() -> mx.array:
+    """The 32 bit positions of a word (uint32), made once: a leaf of the steps that read it."""
+    return mx.arange(32, dtype=mx.uint32)
 
 
-def _per_head(basis: mx.array, mean: mx.array, g: int):
-    """The basis rows and mean of each KV head: (B, H, d, r) and (B, H, 1, d)."""
-    if g == 1:  # a head a group: already per head
-        return basis, mean
-    b, groups, n, r = basis.shape
-    d = n // g
-    return basis.reshape(b, groups * g, d, r), mean.reshape(b, groups, 1, g, d).swapaxes(2, 3).reshape(b, groups * g, 1, d)
+# 1-bit codes, ``code * scale + bias`` in the scales' dtype, from words (..., groups, k, 1)
+# and their group's scales and minima (..., groups, 1, 1): one fused pass, the values
+# ``kivi_decode.unpacked_affine`` gives (its graph is a dozen nodes; MLX's own 1-bit
+# reading is wrong on CUDA, so 1-bit words are never handed to ``mx.dequantize``)
+_one_bit_affine = mx.compile(lambda words, bits, scales, biases:
+                             ((words >> bits) & 1).astype(scales.dtype) * scales + biases, shapeless=True)
+
+
+@dataclass(frozen=True)
+class _SpanRead:
+    """What a decode step reads of one stored span of ``LatentTokens``: its valid tokens, as
+    views of its buffers in the layout the step's path reads (``_span_views``)."""
+
+    start: int
+    stop: int
+    bits: int  # 0: dropped; UNQUANTIZED_BITS or more: kept unquantized
+    path: str  # kivi_decode._pure_path(): "qmm" (quantized_matmul) or a dequantization
+    arrays: tuple  # packed: (codes, scales, minima); unquantized: (rows, rows transposed); dropped: ()
+    unpacked: bool = False  # 1 bit (groups of 32k tokens): arrays (words (..., groups, k, 1), scales and minima (..., groups, 1, 1))
+
+    @classmethod
+    def of(cls, tokens: "LatentTokens", i: int, seg: ChannelSegment, path: str) -> "_SpanRead":
+        n = tokens.flushed
+        if i in tokens.packed:
+            p = tokens.packed[i]
+            groups, words = n // tokens.group, n * seg.bits // 32
+            codes = p.codes.buffer
+            arrays = (codes[..., :words], p.scales.buffer[..., :groups], p.biases.buffer[..., :groups])
+            k = tokens.group // 32  # words a group at 1 bit
+            if path != "qmm" and seg.bits == 1 and k and codes.shape[-1] % k == 0:
+                # (..., groups, words a group, 1) words against their group's (..., groups, 1, 1)
+                # scales and minima: the buffer's words (contiguous) grouped, then cut
+                words = codes[..., :words, None, None] if k == 1 else \
+                    codes.reshape(*codes.shape[:-1], -1, k)[..., :groups, :, None]
+                arrays = (words, *(a[..., None, None] for a in arrays[1:]))
+                return cls(seg.start, seg.stop, seg.bits, path, arrays, True)
+            return cls(seg.start, seg.stop, seg.bits, path, arrays)
+        if i in tokens.exact:
+            rows = tokens.exact[i].view()
+            return cls(seg.start, seg.stop, seg.bits, path, (rows, rows.swapaxes(-1, -2)))
+        return cls(seg.start, seg.stop, 0, path, ())
+
+    def _dequantized(self, dtype, group: int) -> mx.array:
+        """The span's latents (B, G, channels, tokens) in ``dtype`` (None: the scales')."""
+        codes, scales, biases = self.arrays
+        if dtype is not None:
+            scales, biases = scales.astype(dtype), biases.astype(dtype)
+        if self.unpacked:
+            out = _one_bit_affine(codes, _word_bits(), scales, biases)
+            return out.reshape(*out.shape[:-3], -1)
+        return kd.dequantize(codes, scales, biases, group, self.bits)
+
+    def scores(self, acc: mx.array | None, q: mx.array, group: int) -> mx.array | None:
+        """``acc +`` float32 ``q Lᵀ`` over the span's channels (``q``: the query's)."""
+        if not self.arrays:
+            return acc
+        if self.bits >= UNQUANTIZED_BITS:
+            keys_t = self.arrays[1].astype(mx.float32)
+        elif self.path == "qmm":
+            t = mx.quantized_matmul(q, *self.arrays, transpose=False, group_size=group, bits=self.bits)
+            return t if acc is None else acc + t
+        else:  # float32 scales: the dequantization writes float32 rows, no second pass to cast them
+            keys_t = self._dequantized(mx.float32, group)
+        return q @ keys_t if acc is None else mx.addmm(acc, q, keys_t)
+
+    def mix(self, p: mx.array, group: int) -> mx.array:
+        """float32 ``p L`` (B, G, R, channels) over the span's tokens."""
+        if not self.arrays:
+            return mx.zeros((*p.shape[:3], self.stop - self.start))
+        if self.bits >= UNQUANTIZED_BITS:
+            return p @ self.arrays[0].astype(mx.float32)
+        if self.path == "qmm":
+            return mx.quantized_matmul(p, *self.arrays, transpose=True, group_size=group, bits=self.bits)
+        return kd.token_mix(p, self._dequantized(None, group).astype(mx.float32).swapaxes(-1, -2))
+
+
+@dataclass(frozen=True)
+class _BasisRead:
+    """A run's basis and mean in the layouts a decode step reads (views): per KV head h,
+    ``V^(h)`` (B, H, d, r) and its transpose, ``μ_h`` (B, H, 1, d), its transpose, and
+    ``μ_h`` broadcast over the R query rows a KV head (B, H, R, d)."""
+
+    basis: mx.array
+    basis_t: mx.array
+    mean: mx.array
+    mean_t: mx.array
+    mean_rows: mx.array
+
+    @classmethod
+    def of(cls, basis: mx.array, mean: mx.array, g: int, rows: int) -> "_BasisRead":
+        b, groups, n, r = basis.shape
+        h, d = groups * g, n // g
+        if g > 1:  # a group's heads side by side: head k's rows are k*d .. (k+1)*d - 1
+            basis, mean = basis.reshape(b, h, d, r), mean.reshape(b, h, 1, d)
+        return cls(basis, basis.swapaxes(-1, -2), mean, mean.swapaxes(-1, -2), mx.broadcast_to(mean, (b, h, rows, d)))
 
 
 @dataclass(frozen=True)
@@ -336,23 +439,26 @@ class _Folded:
     def n_heads(self) -> int:
         return self.basis.shape[1] * self.heads_per_group
 
+    def _views(self, rows: int) -> _BasisRead:
+        return self.latents.basis_views(self.basis, self.mean, self.heads_per_group, rows)
+
 
 class FoldedKeys(_Folded):
     """Keys scored through the query folded onto the basis."""
 
     def scores(self, q: mx.array) -> mx.array:
-        basis, mean = _per_head(self.basis, self.mean, self.heads_per_group)
-        return self._latent_scores(q, basis) + (q * mean).sum(axis=-1, keepdims=True)
+        views = self._views(q.shape[2])
+        return self._latent_scores(q, views) + q @ views.mean_t
 
     def scores_shifted(self, q: mx.array) -> mx.array:
         """``scores`` less ``q.μ_h``, one constant a query row: what a softmax over these
         scores alone reads (``kernels/decode.py`` asks for it where this part is all)."""
-        return self._latent_scores(q, _per_head(self.basis, self.mean, self.heads_per_group)[0])
+        return self._latent_scores(q, self._views(q.shape[2]))
 
-    def _latent_scores(self, q, basis):
+    def _latent_scores(self, q, views: _BasisRead):
         b, h, rq, _ = q.shape
         g = self.heads_per_group
-        qf = q @ basis
+        qf = q @ views.basis
         if g > 1:
             qf = qf.reshape(b, h // g, g * rq, -1)  # (B, G, g*R, r)
         s = self.latents.scores(qf)
@@ -360,25 +466,42 @@ class FoldedKeys(_Folded):
 
 
 class FoldedValues(_Folded):
-    """Values mixed in the latent space, lifted once."""
+    """Values mixed in the latent space, lifted once (the mean added by the same product)."""
 
     def mix(self, p: mx.array) -> mx.array:
-        basis, mean = _per_head(self.basis, self.mean, self.heads_per_group)
-        return self._lifted(p, basis) + p.sum(axis=-1, keepdims=True) * mean
+        views = self._views(p.shape[2])
+        return mx.addmm(p.sum(axis=-1, keepdims=True) * views.mean, self._latent_mix(p), views.basis_t)
 
     def mix_normalised(self, p: mx.array) -> mx.array:
         """``mix`` for weights that sum to 1 over these tokens (a softmax over this part
         alone: ``kernels/decode.py`` asks for it then): ``Σp = 1`` leaves ``+ μ_h``."""
-        basis, mean = _per_head(self.basis, self.mean, self.heads_per_group)
-        return self._lifted(p, basis) + mean
+        views = self._views(p.shape[2])
+        return mx.addmm(views.mean_rows, self._latent_mix(p), views.basis_t)
 
-    def _lifted(self, p, basis):
+    def _latent_mix(self, p):
         b, h, rq, t = p.shape
         g = self.heads_per_group
         pl = self.latents.mix(p if g == 1 else p.reshape(b, h // g, g * rq, t))
-        if g > 1:
-            pl = pl.reshape(b, h, rq, -1)
-        return pl @ basis.swapaxes(-1, -2)
+        return pl if g == 1 else pl.reshape(b, h, rq, -1)
+
+
+@dataclass(frozen=True)
+class _RunKeys:
+    """The keys of several runs (each on its own basis) as one ``PackedScores``: their
+    scores side by side, in token order, each with its mean term."""
+
+    runs: tuple[FoldedKeys, ...]
+
+    @property
+    def count(self) -> int:
+        return sum(k.count for k in self.runs)
+
+    @property
+    def n_heads(self) -> int:
+        return self.runs[0].n_heads
+
+    def scores(self, q: mx.array) -> mx.array:
+        return mx.concatenate([k.scores(q) for k in self.runs], axis=-1)
 
 
 @dataclass(frozen=True)
@@ -446,14 +569,23 @@ class Latent:
         """Project ``x`` (B, G, n, g*d) onto the newest basis and keep its latents; its
         moments join the running ones (evaluated with the latents, which attention reads:
         a lazy sum left alone would lengthen at every step)."""
+        latents, moments = self.project(x)
+        self.tokens.append(mx.depends(latents, moments) if moments else latents)
+
+    def project(self, x: mx.array) -> tuple[mx.array, list[mx.array]]:
+        """The latents of ``x`` (B, G, n, g*d) on the newest basis, in its dtype, and the
+        running moments with ``x`` taken in ([] where none are kept): the caller has them
+        evaluated with the latents (``append``; ``LatentStore._encode``, for keys and values
+        at once)."""
         xf = x.astype(mx.float32)
         latents = ((xf - self.mean.astype(mx.float32)) @ self.basis.astype(mx.float32)).astype(x.dtype)
-        if self.gram is not None:
-            centred = xf - self.shift
-            self.gram = self.gram + centred.swapaxes(-1, -2) @ centred
-            self.total = self.total + centred.sum(axis=2, keepdims=True)
-            latents = mx.depends(latents, [self.gram, self.total])
-        self.tokens.append(latents)
+        if self.gram is None:
+            return latents, []
+        centred = xf - self.shift
+        self.gram = mx.addmm(self.gram, centred.swapaxes(-1, -2), centred)
+        # a decode token's sum over its one row is itself
+        self.total = self.total + (centred if x.shape[2] == 1 else centred.sum(axis=2, keepdims=True))
+        return latents, [self.gram, self.total]
 
     def refit(self) -> None:
         """A new run on a basis of the same rank from the running moments of every token
@@ -497,6 +629,8 @@ def _group(x: mx.array, g: int) -> mx.array:
     if g == 1:
         return x
     b, h, t, d = x.shape
+    if t == 1:  # a decode token: its heads are already side by side
+        return x.reshape(b, h // g, 1, g * d)
     return x.reshape(b, h // g, g, t, d).swapaxes(2, 3).reshape(b, h // g, t, g * d)
 
 
@@ -591,11 +725,17 @@ class LatentStore(PackedStore):
 
     def _encode(self, keys, values) -> None:
         g = self.heads_per_group
-        self.keys.append(_group(keys, g))
-        if self.values is not None:
-            self.values.append(_group(values, g))
-        else:
+        latents, moments = self.keys.project(_group(keys, g))
+        if self.values is None:
+            self.keys.tokens.append(mx.depends(latents, moments) if moments else latents)
             self.v_exact.append(values)
+            return
+        v_latents, v_moments = self.values.project(_group(values, g))
+        moments += v_moments
+        if moments:  # one dependency for both tensors' moments
+            latents, v_latents = mx.depends([latents, v_latents], moments)
+        self.keys.tokens.append(latents)
+        self.values.tokens.append(v_latents)
 
     # -- reading ---------------------------------------------------------------------------
     def history(self, dtype):
@@ -609,24 +749,17 @@ class LatentStore(PackedStore):
         return k, v
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
-        """One part per run (a run's keys and values were coded at the same steps)."""
+        """One part per run (a run's keys and values were coded at the same steps); values
+        kept exactly are one part with every run's keys (``_RunKeys``): one product reads them."""
         if not self.fitted:
             return [DecodePart(None, self.k_pend.view(), None, self.v_pend.view())]
         g = self.heads_per_group
-        parts, start = [], 0
-        for i, run in enumerate(self.keys.runs):
-            n = run.tokens.count
-            if not n:
-                continue
-            keys = FoldedKeys(run.tokens, run.basis, run.mean, g)
-            if self.values is None:
-                v = self.v_exact.view()
-                parts.append(DecodePart(keys, None, None, v if len(self.keys.runs) == 1 else v[:, :, start:start + n]))
-            else:
-                r = self.values.runs[i]
-                parts.append(DecodePart(keys, None, FoldedValues(r.tokens, r.basis, r.mean, g), None))
-            start += n
-        return parts
+        if self.values is None:
+            keys = [FoldedKeys(run.tokens, run.basis, run.mean, g) for run in self.keys.runs if run.tokens.count]
+            return [DecodePart(keys[0] if len(keys) == 1 else _RunKeys(tuple(keys)), None, None, self.v_exact.view())]
+        return [DecodePart(FoldedKeys(run.tokens, run.basis, run.mean, g), None,
+                           FoldedValues(r.tokens, r.basis, r.mean, g), None)
+                for run, r in zip(self.keys.runs, self.values.runs) if run.tokens.count]
 
     # -- what is kept, and checks of a restored state ------------------------------------------
     def arrays(self) -> dict[str, Any]:

@@ -40,6 +40,7 @@ import numpy as np
 from ...cache.buffers import GrowingArray
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.store import PackedStore
+from ...quant.token_rows import ReadViews
 
 WORD = 32  # channels a plane word holds
 
@@ -193,6 +194,32 @@ def compiled_decode(group: int, d: tuple[int, int], scale: float):
     return mx.compile(attend)
 
 
+def _fused_codes(planes, sources, weights) -> mx.array:
+    """Codes in float32 of planes viewed (B, P, nb, G, ..., 1), per bit k the plane of each
+    row's head's bit k and its weight broadcast to the gathered shape: (B, H, nb, G, ..., 32),
+    the 32 bits of a word on the last axis (elementwise: fused with the dequantization)."""
+    codes = None
+    for where, weight in zip(sources, weights):
+        bit = ((mx.take_along_axis(planes, where, axis=1) >> _constant("shifts", WORD)) & 1) * weight
+        codes = bit if codes is None else codes + bit
+    return codes.astype(mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_dequant(dtype):
+    """A decode step's keys and values (B, H, nb, G, ...) of the whole plane buffers, in a
+    layout where the dequantization is one elementwise pass after the gathers (the scales
+    and minima viewed in the codes' layout: ``PlaneStore._read_views``)."""
+
+    def dequant(k_planes, k_scales, k_min, k_sources, k_weights, v_planes, v_scales, v_min, v_sources,
+                v_weights):
+        keys = _fused_codes(k_planes, k_sources, k_weights) * k_scales.astype(mx.float32) + k_min.astype(mx.float32)
+        values = _fused_codes(v_planes, v_sources, v_weights) * v_scales.astype(mx.float32) + v_min.astype(mx.float32)
+        return keys.astype(dtype), values.astype(dtype)
+
+    return mx.compile(dequant)
+
+
 class PlaneStore(PackedStore):
     """Blocks of ``block`` tokens in bit planes behind a full-precision window of the newest
     ``window`` to ``window + block - 1`` tokens (fewer before that many came).
@@ -222,6 +249,7 @@ class PlaneStore(PackedStore):
         # it exactly: a short prompt pays no whole step
         self.k_win = GrowingArray(axis=2, step=room, limit=cap, geometric=True)
         self.v_win = GrowingArray(axis=2, step=room, limit=cap, geometric=True)
+        self._views = ReadViews()  # the decode read's views of the buffers (``_read_views``)
 
     def n_planes(self, n_heads: int) -> int:
         return self.levels[0] * n_heads + spare_bits(self.levels, self.target, n_heads)
@@ -267,6 +295,8 @@ class PlaneStore(PackedStore):
         self.v_win.reset(mx.contiguous(v[:, :, n_flush:]) if rest else None)
 
     def _flush(self, keys: mx.array, values: mx.array) -> None:
+        if getattr(self, "_views", None) is not None:
+            self._views.clear()  # no view pins a buffer the appends below write in place
         b, h = keys.shape[:2]
         widths = self.widths()
         if widths.shape != (b, h):  # one allocation for every row
@@ -313,10 +343,60 @@ class PlaneStore(PackedStore):
         return self.attend(queries, scale=scale)
 
     def attend(self, queries, *, scale, use_kernel=False, n_kv_heads=None) -> mx.array:
-        """One query token a sequence over every stored token (no fused kernel reads planes)."""
+        """One query token a sequence over every stored token (no fused kernel reads planes):
+        the planes dequantized over the buffers' room (one compiled pass), their stored rows
+        and the window's joined, one unmasked ``scaled_dot_product_attention``."""
+        k, v = self._window()
         if not self.stored:
-            k, v = self._window()
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+        views = self._read_views()
+        if views is None:  # a width or a group the fused layout does not take
+            return self._attend_masked(queries, scale=scale)
+        keys, values = compiled_dequant(queries.dtype)(*views)
+        b, h, nb, g = keys.shape[:4]
+        keys, values = keys.reshape(b, h, nb * g, -1), values.reshape(b, h, nb * g, -1)
+        if self.stored < nb * g:
+            keys, values = keys[:, :, : self.stored], values[:, :, : self.stored]
+        if k is not None:
+            keys = mx.concatenate([keys, k.astype(keys.dtype)], axis=2)
+            values = mx.concatenate([values, v.astype(values.dtype)], axis=2)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+
+    def _read_views(self):
+        """What ``compiled_dequant`` reads, views of the whole buffers kept between flushes:
+        the planes (B, P, nb, G, w, 1) for keys and (B, P, nb, G, d/g, g/32, 1) for values,
+        the scales and minima in the codes' layout, each bit's source plane and weight
+        broadcast to the gathered shape; None where a head dimension or the group is not a
+        multiple of 32 (the masked read then)."""
+        d_k, d_v = self._dims()
+        g = self.group
+        if d_k % WORD or d_v % WORD or g % WORD:
+            return None
+        bufs = (self.k_planes, self.k_scales, self.k_min, self.v_planes, self.v_scales, self.v_min,
+                *self.sources, *self.weights)
+        key = (self.k_planes.length, *(x.buffer for x in bufs))
+
+        def build():
+            kp, ks, kmin, vp, vs, vmin = (x.buffer for x in bufs[:6])
+            b, p, nb, rows = kp.shape[:4]
+            h = ks.shape[1]
+            kp = kp.reshape(b, p, nb, rows, d_k // WORD, 1)
+            vp = vp.reshape(b, p, nb, rows, d_v // g, g // WORD, 1)
+            k_shape, v_shape = (b, h, nb, rows, d_k // WORD, 1), (b, h, nb, rows, d_v // g, g // WORD, 1)
+            ks, kmin = (x.reshape(b, h, nb, 1, d_k // WORD, WORD) for x in (ks, kmin))
+            vs, vmin = (x.reshape(b, h, nb, rows, d_v // g, 1, 1) for x in (vs, vmin))
+            k_src = [mx.broadcast_to(x.buffer, k_shape) for x in self.sources]
+            v_src = [mx.broadcast_to(x.buffer.reshape(b, h, nb, 1, 1, 1, 1), v_shape) for x in self.sources]
+            k_w = [x.buffer for x in self.weights]  # (B, H, nb, 1, 1, 1)
+            v_w = [x.buffer.reshape(b, h, nb, 1, 1, 1, 1) for x in self.weights]
+            return kp, ks, kmin, k_src, k_w, vp, vs, vmin, v_src, v_w
+
+        if getattr(self, "_views", None) is None:  # a store made before it had them
+            self._views = ReadViews()
+        return self._views.get(self, key, build)
+
+    def _attend_masked(self, queries, *, scale) -> mx.array:
+        """The whole buffers dequantized, the spare rows masked out (``compiled_decode``)."""
         b, h = self.k_scales.buffer.shape[:2]
         d = self._dims()
         win_k, win_v = self.k_win.buffer, self.v_win.buffer

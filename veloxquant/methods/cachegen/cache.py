@@ -48,10 +48,9 @@ import numpy as np
 from ...cache.base import CacheStateError
 from ...quant import entropy
 from ...quant.affine import unpack_codes
-from ...quant.chunk_store import ChunkedStore
 from ...quant.coded_cache import EntropyCodedCache, from_numpy, join_segments, split_segments, to_numpy
 from ...quant.packed import GROWTH_TOKENS
-from .delta import ANCHOR_BITS, AnchoredCodec, AnchoredTokens, qmax
+from .delta import ANCHOR_BITS, AnchoredCodec, AnchoredStore, AnchoredTokens, qmax
 
 
 def layer_bits(options, layer: int, n_layers: int | None) -> int:
@@ -83,7 +82,7 @@ class CacheGenCache(EntropyCodedCache):
         self.resolved_bits = bits or layer_bits(o, self.layer, getattr(self.context, "n_layers", None))
         codec = AnchoredCodec(self.resolved_bits, self.group, o.cachegen_use_delta)
         step = max(GROWTH_TOKENS, self.group)
-        return ChunkedStore(AnchoredTokens(codec, step), AnchoredTokens(codec, step),
+        return AnchoredStore(AnchoredTokens(codec, step), AnchoredTokens(codec, step),
                             block=self.group, group=self.group, step_tokens=step)
 
     def _meta(self):

@@ -31,7 +31,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
+from ...kernels import kivi_decode as kd
 from ...quant.affine import dequantize, pack_codes, unpack_codes
+from ...quant.chunk_store import ChunkedStore
+from ...quant.token_rows import ReadViews, mixed_into
 
 ANCHOR_BITS = 8
 _MIN_SCALE = 2.0**-20  # an all-zero group: codes at zero, reconstructed exactly
@@ -110,6 +113,7 @@ class AnchoredTokens:
         self.scales = GrowingArray(axis=2, step=anchor_step if codec.use_delta else step_tokens)
         self.anchor_codes = GrowingArray(axis=2, step=anchor_step) if codec.use_delta else None
         self.anchor_scales = GrowingArray(axis=2, step=anchor_step) if codec.use_delta else None
+        self._views = ReadViews()  # what ``rebuilt`` reads, kept between flushes (``_read_views``)
 
     @property
     def count(self) -> int:
@@ -131,6 +135,7 @@ class AnchoredTokens:
         """Keep computed (unpacked) codes after the tokens already kept; ``exact``: replace
         what is kept by them, exactly sized (a restored state); ``packed``: the codes and
         anchor codes come packed already (a resident state)."""
+        self._views.clear()  # no view pins a buffer the appends below write in place
         keep = (lambda g, x: g.reset(x)) if exact else (lambda g, x: g.append(x))
         pack = (lambda x, bits: x) if packed else pack_codes
         keep(self.codes, pack(codes, self.codec.bits))
@@ -158,6 +163,51 @@ class AnchoredTokens:
         x = self.dense()
         return None if x is None else x.astype(dtype)
 
+    @property
+    def rebuilds(self) -> bool:
+        """Whether ``rebuilt`` reads the run: tokens held, each channel group's codes in
+        whole words (deltas and anchors)."""
+        c = self.codec
+        return self.count > 0 and c.group * c.bits % 32 == 0 and c.group * ANCHOR_BITS % 32 == 0
+
+    def _read_views(self) -> tuple:
+        """What ``rebuilt`` reads, as views kept until a write changes what they view (a
+        flush, a restore): the valid codes split into (anchor groups, their tokens, channel
+        groups, the group's words) and the scales shaped to broadcast over them, the anchors
+        likewise, and the unit affine maps (scale 1, bias ``-qmax``: broadcast scalars)."""
+        c, n = self.codec, self.count
+        runs = (self.codes, self.scales) + ((self.anchor_codes, self.anchor_scales) if c.use_delta else ())
+        key = tuple(g.buffer for g in runs) + (n,)
+
+        def build():
+            b, h, _, words = self.codes.buffer.shape
+            groups = words * 32 // c.bits // c.group
+            tokens = c.group if c.use_delta else 1
+            rows = n // tokens
+            views = (self.codes.buffer[:, :, :n].reshape(b, h, rows, tokens, groups, -1),
+                     self.scales.buffer[:, :, :rows].reshape(b, h, rows, 1, groups, 1),
+                     *_unit_affine((b, h, rows, tokens, groups, 1), c.bits))
+            if c.use_delta:
+                views += (self.anchor_codes.buffer[:, :, :rows].reshape(b, h, rows, 1, groups, -1),
+                          self.anchor_scales.buffer[:, :, :rows].reshape(b, h, rows, 1, groups, 1),
+                          *_unit_affine((b, h, rows, 1, groups, 1), ANCHOR_BITS))
+            return views
+
+        return self._views.get(self, key, build)
+
+    def rebuilt(self) -> mx.array:
+        """The run reconstructed, float32 (B, H, count, D), as a decode step on a GPU reads
+        it: the codes unpacked at unit scale (``code - qmax``: exact), then one fused
+        ``delta s + anchor s_a`` over every token (the anchors broadcast over their group's
+        tokens, the steps over their channel groups: no per-token copy of a scale)."""
+        c, v = self.codec, self._read_views()
+        x = dequantize(v[0], v[2], v[3], c.group, c.bits)  # (B, H, rows, tokens, groups, group)
+        if c.use_delta:
+            x = _anchored(x, v[1], dequantize(v[4], v[6], v[7], c.group, ANCHOR_BITS), v[5])
+        else:
+            x = _stepped(x, v[1])
+        return x.reshape(*x.shape[:2], self.count, -1)
+
     def layout(self, empty: mx.array) -> "AnchoredScores":
         views = (self.codes.view(), self.scales.view())
         if self.codec.use_delta:
@@ -177,6 +227,57 @@ class AnchoredTokens:
         if self.codec.use_delta:
             out.update({f"{prefix}_anchor_codes": self.anchor_codes, f"{prefix}_anchor_scales": self.anchor_scales})
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _unit(value: float) -> mx.array:
+    return mx.array(value, mx.float32)
+
+
+def _unit_affine(shape: tuple, bits: int) -> tuple[mx.array, mx.array]:
+    """Scale 1 and bias ``-qmax`` broadcast to ``shape`` (views of two scalars): ``mx.dequantize``
+    then gives ``code - qmax``."""
+    return mx.broadcast_to(_unit(1.0), shape), mx.broadcast_to(_unit(-qmax(bits)), shape)
+
+
+# one fused elementwise pass each (shapeless: traced once, whatever the run's length)
+_anchored = mx.compile(lambda d, s, a, s_a: d * s.astype(mx.float32) + a * s_a.astype(mx.float32), shapeless=True)
+_stepped = mx.compile(lambda d, s: d * s.astype(mx.float32), shapeless=True)
+_scaled = mx.compile(lambda q, scale: q.astype(mx.float32) * scale, shapeless=True)
+
+
+class AnchoredStore(ChunkedStore):
+    """``ChunkedStore`` whose decode step, where MLX reads no packed codes in place (a GPU:
+    ``kivi_decode._pure_path()``), attends over the runs rebuilt (``AnchoredTokens.rebuilt``)
+    and the buffer's rows under one softmax: what the joint path of ``kernels/decode.py``
+    computes over ``AnchoredScores``, in fewer operations (a tiny llama's steady step: 67
+    graph nodes a layer, 95 through the joint path; the full cache's 48). The CPU's read
+    (``quantized_matmul`` over the packed codes) is the parts' path, as before."""
+
+    def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
+        self.commit(keys, values)
+        runs = (self.keys, self.values)
+        if (kd._pure_path() == "qmm" or not self.quantize_values or self.values.count != self.keys.count
+                or not all(r.rebuilds for r in runs)):
+            return self.attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=keys.shape[1])
+        return rebuilt_attention(queries, self.keys.rebuilt(), self.values.rebuilt(), self.k_buf.view(),
+                                 self.v_buf.view(), scale)
+
+
+def rebuilt_attention(queries, k, v, k_tail, v_tail, scale) -> mx.array:
+    """One query token over float32 rows ``k``, ``v`` (B, H, n, D) and the full-precision
+    tails (None, or (B, H, t, D)), under one softmax: (B, Hq, 1, D) in the query dtype."""
+    b, hq, _, d = queries.shape
+    h = k.shape[1]
+    q = _scaled(queries, _unit(float(scale))).reshape(b, h, hq // h, d)
+    s = q @ k.swapaxes(-1, -2)
+    if k_tail is None:
+        o = kd.token_mix(mx.softmax(s, axis=-1), v)
+    else:
+        s = mx.concatenate([s, q @ k_tail.astype(mx.float32).swapaxes(-1, -2)], axis=-1)
+        p, p_tail = mx.split(mx.softmax(s, axis=-1), [k.shape[2]], axis=-1)
+        o = mixed_into(kd.token_mix(p, v), p_tail, v_tail.astype(mx.float32))
+    return o.reshape(b, hq, 1, v.shape[-1]).astype(queries.dtype)
 
 
 def reconstruct(codec: AnchoredCodec, codes, scales, anchor_codes=None, anchor_scales=None) -> mx.array:
@@ -225,7 +326,7 @@ class AnchoredScores:
 
     def _matmul(self, x, packed, transpose: bool) -> mx.array:
         codes, scales, biases, bits = packed
-        if mx.default_device() == mx.cpu:
+        if kd._pure_path() == "qmm":
             return mx.quantized_matmul(x, codes, scales, biases, transpose=transpose,
                                        group_size=self.codec.group, bits=bits)
         w = dequantize(codes, scales, biases, self.codec.group, bits)

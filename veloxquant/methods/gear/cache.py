@@ -41,7 +41,7 @@ or 8 bits, the fused kernel serves them on a GPU (``fused_attention``).
 from __future__ import annotations
 
 from ...quant.cache import QuantizedCache
-from ...quant.chunk_store import ChunkedStore
+from .joint import GEARStore
 from .error_feedback import ErrorFeedback, ErrorFeedbackTokens
 from ...quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
 
@@ -62,5 +62,5 @@ class GEARCache(QuantizedCache):
         keys = ErrorFeedbackTokens(codec("channel"), step)
         values = (ErrorFeedbackTokens(codec("token"), step) if o.gear_quantize_values
                   else PackedTokens(GroupAffine(o.gear_bits, self.group, "token")))  # stays empty
-        return ChunkedStore(keys, values, block=block, group=self.group,
+        return GEARStore(keys, values, block=block, group=self.group,
                             quantize_values=o.gear_quantize_values, step_tokens=step)

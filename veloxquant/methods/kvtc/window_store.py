@@ -27,6 +27,7 @@ import mlx.core as mx
 from ...cache.buffers import GrowingArray, RecentRows
 from ...kernels.decode import DecodePart
 from ...quant.store import VALUE_ROOM, WINDOW_STEP, PackedStore
+from ...quant.token_rows import ReadViews
 from . import decode_step
 
 CODE_EVERY = VALUE_ROOM  # decode rows coded at once: the window's buffer has that much room
@@ -41,6 +42,11 @@ class SinkWindowStore(PackedStore):
         # the window grows with what it holds (geometric): a short prompt pays no 32-row step
         self.k_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM, geometric=True)
         self.v_win = RecentRows(step=WINDOW_STEP, limit=window + VALUE_ROOM, geometric=True)
+        # what the compiled pass reads of the codes' buffers, the codecs (and their gather
+        # indices over the room), and the sinks' keys transposed (``decode_step.py``): views
+        # kept until what they view changes (a write in place into a viewed buffer clears them)
+        self._code_views, self._codec_views, self._room_views, self._sink_views = (
+            ReadViews(), ReadViews(), ReadViews(), ReadViews())
 
     @property
     def length(self) -> int:
@@ -48,6 +54,7 @@ class SinkWindowStore(PackedStore):
 
     def _code(self, keys: mx.array, values: mx.array) -> None:
         """Rows leaving the window (oldest first) join the middle; the first fit the runs."""
+        self._code_views.clear()  # no view pins a codes buffer the appends below write in place
         if self.keys.codec is None:
             held = [x for x in (self.k_win.view(),) if x is not None]
             self._fit(self.keys, mx.concatenate([keys, *held], axis=2))
@@ -59,6 +66,7 @@ class SinkWindowStore(PackedStore):
     def commit(self, keys: mx.array, values: mx.array) -> None:
         n = min(self.n_sink - self.sink_k.length, keys.shape[2])
         if n > 0:
+            self._sink_views.clear()
             self.sink_k.append(keys[:, :, :n])
             self.sink_v.append(values[:, :, :n])
             keys, values = keys[:, :, n:], values[:, :, n:]
