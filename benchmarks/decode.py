@@ -76,6 +76,12 @@ PRESETS = {
 }
 
 BASELINE = "mlx-lm KVCache"
+# Untimed steps per method at least: two of the caches' 32-token periods, so that every
+# method's first flush, coding or eviction (and the compilation of its kernels, seconds on
+# CUDA) falls before the timed rounds. With one warm-up round of 16 steps the H200's first
+# flushes fell in the timed steps: skvq 2.1 tok/s, kitty 6.6, vecinfer 2.3; warm, skvq 45.3
+# and kitty 51.8 (results/h200_s60).
+WARMUP_STEPS = 64
 METHODS = {
     BASELINE: None,
     "mlx-lm QuantizedKVCache 4-bit": "QuantizedKVCache",
@@ -268,7 +274,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of interleaved timing")
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="untimed interleaved rounds before the timed ones (a round's steps share "
-                         "one overlapped figure, so a slow first round moves the median)")
+                         "one overlapped figure, so a slow first round moves the median); at least "
+                         f"enough for {WARMUP_STEPS} steps")
     ap.add_argument("--prefill-repeats", type=int, default=2,
                     help="warm prefills per method after its first (the median is reported)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS),
@@ -316,8 +323,8 @@ def main() -> None:
                 results.append({"method": name, "context": context, "error": f"{type(exc).__name__}: {exc}",
                                 "traceback": traceback.format_exc(limit=4)})
                 print(f"  {name:30s} {context:7d}: failed: {exc}", flush=True)
-        if args.warmup_rounds:
-            time_interleaved(model, states, args.steps, args.warmup_rounds, args.timing == "overlapped")
+        warmup_rounds = max(args.warmup_rounds, -(-WARMUP_STEPS // args.steps))
+        time_interleaved(model, states, args.steps, warmup_rounds, args.timing == "overlapped")
         times = time_interleaved(model, states, args.steps, args.rounds, args.timing == "overlapped")
         for name in states:
             r = {"method": name, "context": context, **summary(figures[name], times[name])}
