@@ -18,27 +18,21 @@ reference: only the read's float32 rounding remains.
 from __future__ import annotations
 
 import copy
-import math
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import veloxquant_mlx  # noqa: F401 - before mlx's back-end is used
+from float64_attention import exact_attention_and_bound
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import SKVQOptions
 from veloxquant_mlx.kernels import kivi_decode as kd
 from veloxquant_mlx.methods.skvq import SKVQCache
-from veloxquant_mlx.methods.skvq import sliding_store
 from veloxquant_mlx.quant import token_rows
 from veloxquant_mlx.methods.skvq.sliding_store import FLUSH
 
-U = 2.0**-24
 PROMPT, STEPS, WINDOW, SINKS, GQA, D = 100, 40, 16, 4, 2, 64
-
-
-def gamma(n: int) -> float:
-    return n * U / (1 - n * U)
 
 
 def skvq(**kw):
@@ -55,23 +49,6 @@ def spread_rows(shape, seed):
 def call(cache, q, k, v, scale):
     cache.update_and_fetch(k, v)
     return cache.attend(q, k, v, scale=scale, mask="causal" if k.shape[2] > 1 else None)
-
-
-def exact_attention_and_bound(q, keys, values, scale):
-    """Attention of ``q`` (B, Hq, 1, D) over float32 ``keys``, ``values`` (B, H, N, D) in
-    float64 (numpy), and per output element the most a float32 evaluation may differ
-    from it (the module's docstring, per query row and channel)."""
-    b, hq, _, d = q.shape
-    h, n = keys.shape[1], keys.shape[2]
-    qs = np.array(q.astype(mx.float32), dtype=np.float64).reshape(b, h, hq // h, d) * scale
-    k = np.array(keys, dtype=np.float64)
-    v = np.array(values, dtype=np.float64)
-    s = qs @ k.swapaxes(-1, -2)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    delta = gamma(d + 3) * (np.abs(qs) @ np.abs(k).swapaxes(-1, -2)).max(axis=-1, keepdims=True)  # (B, H, R, 1)
-    bound = (np.expm1(2 * delta) + gamma(n + 3)) * (p @ np.abs(v))
-    return (p @ v).reshape(b, hq, 1, -1), bound.reshape(b, hq, 1, -1)
 
 
 def decode_against_reference(cache, monkeypatch, pure_path, batch=2, seed=3):

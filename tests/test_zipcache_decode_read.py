@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import veloxquant_mlx  # noqa: F401 - before mlx's back-end is used
+from float64_attention import exact_attention_and_bound, gamma
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import ZipCacheOptions
 from veloxquant_mlx.kernels import kivi_decode as kd
@@ -33,12 +34,7 @@ from veloxquant_mlx.methods.zipcache import ZipCacheKVCache
 from veloxquant_mlx.methods.zipcache import token_mixed
 from veloxquant_mlx.quant import token_rows
 
-U = 2.0**-24
 PROMPT, STEPS, GAP, GQA, D = 200, 40, 16, 2, 64
-
-
-def gamma(n: int) -> float:
-    return n * U / (1 - n * U)
 
 
 def zipcache(hi, lo, group, quantize_values, gap=GAP):
@@ -56,23 +52,6 @@ def outlier_rows(shape, seed):
 def call(cache, q, k, v, scale):
     cache.update_and_fetch(k, v)
     return cache.attend(q, k, v, scale=scale, mask="causal" if k.shape[2] > 1 else None)
-
-
-def exact_attention_and_bound(q, keys, values, scale):
-    """Attention of ``q`` (B, Hq, 1, D) over float32 ``keys``, ``values`` (B, H, N, D) in
-    float64 (numpy), and per output element the most a float32 evaluation may differ
-    from it (the module's docstring, per query row and channel)."""
-    b, hq, _, d = q.shape
-    h, n = keys.shape[1], keys.shape[2]
-    qs = np.array(q.astype(mx.float32), dtype=np.float64).reshape(b, h, hq // h, d) * scale
-    k = np.array(keys, dtype=np.float64)
-    v = np.array(values, dtype=np.float64)
-    s = qs @ k.swapaxes(-1, -2)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    delta = gamma(d + 3) * (np.abs(qs) @ np.abs(k).swapaxes(-1, -2)).max(axis=-1, keepdims=True)  # (B, H, R, 1)
-    bound = (np.expm1(2 * delta) + gamma(n + 3)) * (p @ np.abs(v))
-    return (p @ v).reshape(b, hq, 1, -1), bound.reshape(b, hq, 1, -1)
 
 
 def decode_against_reference(cache, monkeypatch, pure_path, batch=2, seed=3, check_blocks=True):
