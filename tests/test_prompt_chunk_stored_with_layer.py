@@ -27,9 +27,6 @@ LEFT_LAZY = {
     # no attention of its own (mlx-lm's reads what update_and_fetch returns), so nothing to
     # hang its storing on: the window it keeps is a slice of what that attention reads
     "streaming_llm": "its kept window is built after mlx-lm's attention, which it does not own",
-    # the second layer of a pair writes the first's merged magnitudes after the first's
-    # attention has returned
-    "minicache": "the pair's merged magnitudes are written by the second layer",
 }
 
 

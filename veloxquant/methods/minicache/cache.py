@@ -167,8 +167,13 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
             # the dropped count is read by no attention: it rides on the output (one node),
             # or its lazy sum would chain from flush to flush
             out = mx.depends(out, [self.ret_k_dropped, self.ret_v_dropped])
-        if not decode:  # a prompt chunk is stored with its layer (``buffers.arrays_written``)
-            out = mx.depends(out, arrays_written(self._arrays()))
+        if not decode:  # a prompt chunk is stored with its layer (``buffers.arrays_written``),
+            # the first layer's magnitudes too where this layer merged the pair
+            kept = self._arrays()
+            if role == "second":
+                first = self.member(self.layer_group[0])
+                kept = {**kept, "first_m_k": first.m_k, "first_m_v": first.m_v}
+            out = mx.depends(out, arrays_written(kept))
         return out
 
     # -- the pair -----------------------------------------------------------------------------------
