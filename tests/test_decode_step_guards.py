@@ -73,11 +73,8 @@ OVER_GRAPH_BOUND = {
     "anchorkv": 1.81,
     "turboquant": 1.54,  # through its kernel (1.75 was its pure path: the stub failed its own self-check)
     "skvq": 1.44,  # as zipcache (1.77 before, 2026-12-05)
-    # padded heads: a masked decode attention (2026-12-04: 1.63 with MLX's masked fused
-    # attention, decomposed on CUDA)
-    "nestedkv": 1.38,
-    "keyformer": 1.48,
-    "xkv": 1.38,
+    # its compiled score step in the heads' own 4-D shapes (1.48 before, 2026-12-05)
+    "keyformer": 1.38,
 }
 GRAPH_BOUND = 1.3
 
@@ -96,9 +93,9 @@ PERIODIC_STEP = {
     "full": 1.12, "vecinfer": 2.65, "kivi": 1.54, "svdq": 4.10, "kitty": 3.42, "adakv": 6.48,
     "xquant": 2.24, "kvquant": 6.44, "palu": 4.19, "cachegen": 5.48, "minicache": 2.71,
     "gear": 8.31, "zipcache": 4.04, "snapkv": 1.27, "streaming_llm": 0.96, "h2o": 1.77,
-    "tova": 2.04, "pyramidkv": 1.18, "squeeze": 1.29, "chunkkv": 1.27, "cam": 3.44, "xkv": 1.44,
-    "nsnquant": 5.58, "knorm": 1.94, "skvq": 2.44, "qfilters": 1.65, "keyformer": 1.90,
-    "morphkv": 2.42, "kvzip": 1.27, "kvtc": 5.25, "curdkv": 1.27, "nestedkv": 1.57,
+    "tova": 2.04, "pyramidkv": 1.18, "squeeze": 1.29, "chunkkv": 1.27, "cam": 3.44, "xkv": 1.36,
+    "nsnquant": 5.58, "knorm": 1.94, "skvq": 2.44, "qfilters": 1.65, "keyformer": 1.80,
+    "morphkv": 2.42, "kvzip": 1.27, "kvtc": 5.25, "curdkv": 1.27, "nestedkv": 1.46,
     # the flush's tiering of 32 tokens, a scan unrolled in one compiled pass (8.58 a step before)
     "amc": 14.38,
     "a2ats": 3.15, "anchorkv": 1.96, "rocketkv": 1.21, "age_tiered": 4.12,

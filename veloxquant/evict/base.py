@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..cache.base import CompressedKVCache, causal_mask
-from ..kernels.decode import masked_decode_attention
+from ..kernels.decode import held_rows_decode_attention
 from .attention import attention_mass, attention_weights
 from .quantized_slots import QuantizedSlots, slot_store
 from .select import top_k_sorted
@@ -324,8 +324,7 @@ class ScoredEvictionCache(CompressedKVCache):
         elif self.padded and n == 1 and sinks is None:
             # every kept position precedes the query: only the padding (position -1) is hidden,
             # without MLX's masked fused attention (5-10x its unmasked time on CUDA)
-            visible = (self.store.view("positions") >= 0)[:, :, None, :]
-            out = masked_decode_attention(queries, keys, values, visible, scale=scale)
+            out = held_rows_decode_attention(queries, keys, values, self.store.view("positions"), scale=scale)
         else:  # full precision, or a quantized store's rows dequantized (a prompt chunk)
             if self.padded:  # some heads keep fewer tokens: their padding slots are masked
                 mask = self._padding_mask(queries)

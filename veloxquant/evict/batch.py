@@ -42,7 +42,7 @@ import mlx.core as mx
 from ..cache.base import CacheStateError, CompressedKVCache
 from ..cache.buffers import take_rows
 from ..cache.batch import PackedLayout, check_step_rows, grown_capacity, pad_rows, single_buffer
-from ..kernels.decode import masked_decode_attention
+from ..kernels.decode import held_rows_decode_attention
 from .attention import attention_weights
 from .base import ScoredEvictionCache, ScoreInputs
 from .layer_budgets import LayerBudgets
@@ -217,7 +217,7 @@ class EvictionPacked(PackedLayout):
         b = queries.shape[0]
         positions = self.store.view("positions")
         if self.padded and sinks is None:  # MLX's fused attention with a mask: 5-10x slower on CUDA
-            out = masked_decode_attention(queries, keys, values, (positions >= 0)[:, :, None, :], scale=scale)
+            out = held_rows_decode_attention(queries, keys, values, positions, scale=scale)
         else:
             mask = None
             if self.padded:

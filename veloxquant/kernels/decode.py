@@ -327,9 +327,29 @@ def masked_decode_attention(queries, keys, values, visible, *, scale) -> mx.arra
     marks (per sequence, or per sequence and KV head):
     the scores' product, a float32 masked softmax, then the values' product over the token
     axis in pieces (``kivi_decode.token_mix``)."""
+    return _masked_attention(queries, keys, values, scale, _masked_softmax, visible)
+
+
+def held_rows_decode_attention(queries, keys, values, positions, *, scale) -> mx.array:
+    """``masked_decode_attention`` over the rows whose ``positions`` (B, Hkv, T) are >= 0 (an
+    eviction store's padding slots hold -1), the mask built inside the softmax's kernel."""
+    return _masked_attention(queries, keys, values, scale, _held_rows_softmax, positions)
+
+
+def _masked_attention(queries, keys, values, scale, softmax, mask) -> mx.array:
     b, hq, n, d = queries.shape
     h = keys.shape[1]
-    q = queries.reshape(b, h, hq // h * n, d) * scale
-    scores = (q @ keys.swapaxes(-1, -2)).astype(mx.float32)
-    p = mx.softmax(mx.where(visible, scores, -mx.inf), axis=-1).astype(values.dtype)
+    q = _scaled(queries.reshape(b, h, hq // h * n, d), mx.array(scale, queries.dtype))
+    p = softmax(q @ keys.swapaxes(-1, -2), mask).astype(values.dtype)
     return kd.token_mix(p, values).reshape(b, hq, n, values.shape[-1])
+
+
+# a decode step's scale and mask, each one kernel (traced once: shapeless)
+_scaled = mx.compile(lambda q, scale: q * scale, shapeless=True)
+_masked_softmax = mx.compile(
+    lambda scores, visible: mx.softmax(mx.where(visible, scores.astype(mx.float32), -mx.inf), axis=-1),
+    shapeless=True)
+_held_rows_softmax = mx.compile(
+    lambda scores, positions: mx.softmax(
+        mx.where(positions[:, :, None, :] >= 0, scores.astype(mx.float32), -mx.inf), axis=-1),
+    shapeless=True)

@@ -120,11 +120,12 @@ class LatentKeys:
     count: int
     n_heads: int
 
-    def scores(self, q: mx.array) -> mx.array:
-        """float32 ``q Kᵀ`` (B, H, R, count) for scaled float32 queries (B, H, R, d)."""
+    def scores(self, q: mx.array, views=None) -> mx.array:
+        """float32 ``q Kᵀ`` (B, H, R, count) for scaled float32 queries (B, H, R, d).
+        ``views``: ``read_views()`` kept by the caller between decode steps."""
         bsz, h, r_q, d = q.shape
-        b = self.b.astype(mx.float32).reshape(bsz, -1, h, d).transpose(0, 2, 3, 1)  # (B, H, d, r)
-        qb = (q @ b).reshape(bsz, 1, h * r_q, -1)  # the queries in the latent space
+        b_heads, tail_t = self.read_views(h, d) if views is None else views
+        qb = (q @ b_heads.astype(mx.float32)).reshape(bsz, 1, h * r_q, -1)  # the queries in the latent space
         s = []
         codes = self.kept.get("latent_codes")
         if codes is not None:
@@ -132,11 +133,17 @@ class LatentKeys:
             n_q = scales.shape[-1] * self.codec.group
             s.append(kd.affine_key_scores(qb, codes, scales, self.kept["latent_biases"], n_q,
                                           self.codec.bits, self.codec.group))
-        tail = self.kept.get("latent_tail")
-        if tail is not None:
-            s.append(qb @ tail.astype(mx.float32).swapaxes(-1, -2))
+        if tail_t is not None:
+            s.append(qb @ tail_t.astype(mx.float32))
         s = s[0] if len(s) == 1 else mx.concatenate(s, axis=-1)
         return s.reshape(bsz, h, r_q, -1)
+
+    def read_views(self, h: int, d: int):
+        """(b as (B, H, d, rank), the latent tail transposed (B, 1, rank, n) or None): views
+        of what is kept, in the layout ``scores`` reads."""
+        tail = self.kept.get("latent_tail")
+        b_heads = self.b.reshape(self.b.shape[0], -1, h, d).transpose(0, 2, 3, 1)
+        return b_heads, None if tail is None else tail.swapaxes(-1, -2)
 
     def reconstruct(self, dtype) -> mx.array:
         """The keys (B, H, count, d) in ``dtype`` (transient)."""

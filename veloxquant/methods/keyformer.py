@@ -194,11 +194,26 @@ def _decode_score(scale: float):
     buffer (rows past the count: spare room, never read). One compiled graph; its shapes
     change only when the buffers grow."""
 
-    def step(queries, keys, positions, score, rows, row_ids, q_position, tau, head_keys, col_key):
-        return score + _step_mass(queries, keys, positions, row_ids < rows, q_position, tau,
-                                  (head_keys, col_key), scale)
+    def step(queries, keys, positions, score, rows, row_ids, q_position, head_keys, col_key, tau):
+        # gumbel_mass's product, (B, Hkv, G, slots), a group's heads its rows, no block axis:
+        # no broadcast of the keys over the heads, no expanded axis to sum away
+        b, hq, _, d = queries.shape
+        hkv = keys.shape[1]
+        q = queries.reshape(b, hkv, hq // hkv, d).astype(mx.float32)
+        x = (q * scale) @ keys.astype(mx.float32).swapaxes(-1, -2)
+        rows_hash = _fmix32(head_keys ^ q_position)  # (B, Hkv, G, 1), q_position's shape (uint32)
+        cols = _fmix32(positions.astype(mx.uint32) ^ col_key)[:, :, None, :]  # (B, Hkv, 1, slots)
+        noisy = mx.where(row_ids < rows, _noisy(x, rows_hash, cols, tau), -float("inf"))
+        return score + mx.softmax(noisy, axis=-1, precise=True).sum(axis=2)
 
     return mx.compile(step)
+
+
+@functools.lru_cache(maxsize=1024)
+def _step_head_keys(seed: int, layer: int, b: int, hq: int, hkv: int) -> mx.array:
+    """``noise_stream``'s head keys shaped (B, Hkv, Hq / Hkv, 1) for ``_decode_score``."""
+    heads = noise_stream(seed, layer, b, hq, hkv)[0]
+    return mx.array(np.array(heads).reshape(b, hkv, hq // hkv, 1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,6 +259,16 @@ class KeyformerCache(ScoredEvictionCache):
         b, hq = queries.shape[:2]
         return noise_stream(self.options.keyformer_seed, self.layer, b, hq, keys.shape[1])
 
+    def _step_stream(self, queries, keys) -> tuple[mx.array, mx.array, mx.array]:
+        """The query position, head keys and column key as ``_decode_score`` takes them: the
+        position (the query's, ``offset - 1``) and the head keys both (B, Hkv, G, 1) uint32,
+        the position built on the host (a constant, no broadcast in the step's graph)."""
+        b, hq = queries.shape[:2]
+        seed, hkv = self.options.keyformer_seed, keys.shape[1]
+        position = [[[[self.offset - 1]] * (hq // hkv)] * hkv] * b
+        return (mx.array(position, mx.uint32), _step_head_keys(seed, self.layer, b, hq, hkv),
+                noise_stream(seed, self.layer, b, hq, hkv)[1])
+
     def tau(self, step: int) -> float:
         o = self.options
         if o.keyformer_tau is not None:
@@ -264,8 +289,7 @@ class KeyformerCache(ScoredEvictionCache):
             grown.buffer = _decode_score(float(inputs.scale))(
                 inputs.queries, room, self.store.arrays["positions"].buffer, grown.buffer,
                 mx.array(self.store.rows, mx.int32), row_indices(room.shape[2]),
-                mx.array([[self.offset - 1]], mx.int32), mx.array(self.tau(step), mx.float32),
-                *self.noise_stream(inputs.queries, room))
+                *self._step_stream(inputs.queries, room), mx.array(self.tau(step), mx.float32))
             return
         mass = gumbel_mass(
             inputs.queries, inputs.keys, inputs.scale, self.offset - inputs.n_new, inputs.positions,

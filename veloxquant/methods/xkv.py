@@ -43,6 +43,7 @@ is quantized (the paper keeps it in fp16); no selective reconstruction.
 
 from __future__ import annotations
 
+import struct
 import warnings
 
 import mlx.core as mx
@@ -50,8 +51,9 @@ import mlx.core as mx
 from ..cache.base import CompressedKVCache, causal_mask
 from ..cache.buffers import GrowingArray
 from ..cache.cross_layer import CrossLayer, consecutive_groups
-from ..kernels.decode import DecodePart, decode_attention
+from ..kernels import kivi_decode as kd
 from ..lowrank.shared_latent import SharedLatentCodec, LatentKeys, joint_factors
+from ..quant.token_rows import ReadViews
 
 
 class XKVCache(CrossLayer, CompressedKVCache):
@@ -74,6 +76,7 @@ class XKVCache(CrossLayer, CompressedKVCache):
         self.values = GrowingArray(geometric=True)
         self.b = None  # (B, r, n_kv*d): this layer's rows of the group's basis
         self.n_latent = 0  # tokens the shared latent stands for
+        self._views = ReadViews()  # the decode read's views of b, the latent and the scale
 
     # -- the protocol ---------------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
@@ -100,14 +103,43 @@ class XKVCache(CrossLayer, CompressedKVCache):
         self._own_attention_begins(sinks)
         latent = self.latent_keys()
         if queries.shape[2] == 1 and latent is not None:
-            part = DecodePart(latent, self.keys.view(), None, self.values.view())
-            return decode_attention(queries, [part], scale=scale, use_kernel=False)
+            return self._decode_read(queries, latent, scale)
         k = self.keys.view()
         if latent is not None:
             k = mx.concatenate([latent.reconstruct(k.dtype), k], axis=2)
         if isinstance(mask, mx.array):
             mask = causal_mask(queries.shape[2], k.shape[2])
         return mx.fast.scaled_dot_product_attention(queries, k, self.values.view(), scale=scale, mask=mask)
+
+    def _decode_read(self, queries, latent: LatentKeys, scale) -> mx.array:
+        """One query token over the latent's tokens and the exact keys under one softmax:
+        what ``kernels/decode.py``'s joint path computes for ``DecodePart(latent, keys, None,
+        values)`` (``LatentKeys.scores`` then the exact keys' scores, float32), its folded
+        basis, latent tail and scale read from views kept until b or the latent change."""
+        b, hq, _, d = queries.shape
+        h = self.kv_shape[1]
+        r = hq // h
+        b_heads, tail_t, scale_q = self._read_views(latent, b, h, r, d, scale)
+        q = queries.astype(mx.float32).reshape(b, h, r, d) * scale_q
+        scores = [latent.scores(q, (b_heads, tail_t))]
+        k = self.keys.view()
+        if k is not None:
+            scores.append(q @ k.astype(mx.float32).swapaxes(-1, -2))
+        p = mx.softmax(scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1), axis=-1)
+        o = kd.token_mix(p, self.values.view().astype(mx.float32))
+        return o.reshape(queries.shape).astype(queries.dtype)
+
+    def _read_views(self, latent: LatentKeys, b: int, h: int, r: int, d: int, scale):
+        """(b as (B, H, d, rank), the latent tail transposed (B, 1, rank, n) or None, the
+        scale broadcast over the folded queries (B, H, R, d)): views (a cast only where it
+        is one), kept until b or the latent are replaced (an SVD, a restore)."""
+        tail = latent.kept.get("latent_tail")
+        key = (b, h, r, d, int.from_bytes(struct.pack("<d", scale), "little"), self.b, tail)
+
+        def build():
+            return (*latent.read_views(h, d), mx.broadcast_to(mx.array(scale, mx.float32), (b, h, r, d)))
+
+        return self._views.get(self, key, build)
 
     def latent_keys(self) -> LatentKeys | None:
         if not self.n_latent:
