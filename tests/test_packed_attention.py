@@ -44,10 +44,13 @@ def test_a_batch_of_different_lengths_decodes_packed_through_the_masked_attentio
     max_tokens = (9, 7, 8)
     alone = [batching.run_alone(model, make, p, m) for p, m in zip(prompts, max_tokens)]
     calls = []
-    masked = decode_module.masked_decode_attention
-    counted = lambda q, *a, **kw: calls.append(q.shape[0]) or masked(q, *a, **kw)  # noqa: E731
-    monkeypatch.setattr(decode_module, "masked_decode_attention", counted)
-    monkeypatch.setattr(evict_batch, "masked_decode_attention", counted)
+
+    def counted(read):
+        return lambda q, *a, **kw: calls.append(q.shape[0]) or read(q, *a, **kw)
+
+    # a dense packed batch masks by lengths, an eviction store's by its padding slots
+    monkeypatch.setattr(decode_module, "masked_decode_attention", counted(decode_module.masked_decode_attention))
+    monkeypatch.setattr(evict_batch, "held_rows_decode_attention", counted(decode_module.held_rows_decode_attention))
     got = batching.run_batched(model, prompts, max_tokens, join_at=3)
     assert calls and max(calls) >= 2
     batching.assert_batch_equals_alone(got, alone)
