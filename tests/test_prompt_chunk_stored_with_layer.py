@@ -42,3 +42,26 @@ def test_a_prompt_chunks_storing_is_done_when_its_logits_are(method):
         pending = graph_nodes(cache_arrays(cache))
         assert pending == 0, (f"{method}: {pending} operations on the cache's arrays left undone after "
                               f"the logits of prompt tokens {start}..{stop} were evaluated")
+
+
+def test_a_kvzip_probe_chunks_reliance_is_done_when_its_output_is(monkeypatch):
+    """KVzip's reconstruction pass scores each probe chunk into ``reliance``; left lazy until
+    the pass evaluated every layer's, each layer's probe queries and keys stayed alive at
+    once (the quick bench's peak: 2.33x the full cache's, 1.44x scored with the layer)."""
+    from tiny_models import char_tokenizer
+    from veloxquant_mlx import KVCacheConfig
+    from veloxquant_mlx.methods.kvzip import cache as kvzip
+
+    monkeypatch.setattr(kvzip, "CHUNK", 64)
+    model, tok = tiny_model("llama"), char_tokenizer()
+    ids = prompt(150).tolist()
+    cache = make_prompt_cache(model, KVCacheConfig.from_dict({"method": "kvzip", "options": {"kvzip_budget": 40}}))
+    for c in cache:
+        c.begin_reconstruction()
+    mx.eval(model(mx.array(ids)[None], cache=cache))
+    start, end, probe = next(iter(kvzip.probe_chunks(tok, ids)))
+    for c in cache:
+        c.begin_probe(start, end)
+    mx.eval(model.model(mx.array(probe)[None], cache=cache))
+    pending = graph_nodes([c.reliance for c in cache])
+    assert pending == 0, f"{pending} operations of the probe's reliance left after its output"

@@ -125,6 +125,7 @@ class KVzipCache(ScoredEvictionCache):
         out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if self.probe is not None:
             self.reliance[..., self.probe[0] : self.probe[1]] = self._probe_reliance(queries, keys, scale)
+            out = mx.depends(out, [self.reliance])  # scored with its layer: no layer's probe kept alive
         return out
 
     def _probe_reliance(self, queries, keys, scale) -> mx.array:
