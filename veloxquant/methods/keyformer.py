@@ -81,10 +81,15 @@ def noise_stream(seed: int, layer: int, b: int, hq: int, hkv: int | None = None)
     hashes) gives a 32-bit row key r and column key c; the keys are fmix32(head ^ r) for the
     query heads numbered b * Hq + h, shaped (B, Hkv, Hq / Hkv, 1, 1) (``hkv``) or (B, Hq, 1, 1),
     and c, uint32. Host arithmetic, cached: a decode step builds no op for them."""
-    s = mix64(mix64(seed & MASK64) ^ layer)
-    heads = [_fmix32_int(h ^ (s & 0xFFFFFFFF)) for h in range(b * hq)]
+    heads, s = _head_keys(seed, layer, b, hq)
     shape = (b, hq, 1, 1) if hkv is None else (b, hkv, hq // hkv, 1, 1)
-    return mx.array(np.array(heads, np.uint32).reshape(shape)), mx.array(s >> 32, mx.uint32)
+    return mx.array(heads.reshape(shape)), mx.array(s >> 32, mx.uint32)
+
+
+def _head_keys(seed: int, layer: int, b: int, hq: int) -> tuple[np.ndarray, int]:
+    """The query heads' row keys (B * Hq,) uint32 and the layer's 64-bit hash, on the host."""
+    s = mix64(mix64(seed & MASK64) ^ layer)
+    return np.array([_fmix32_int(h ^ (s & 0xFFFFFFFF)) for h in range(b * hq)], np.uint32), s
 
 
 def _row_hash(head_keys, q_positions):
@@ -212,8 +217,7 @@ def _decode_score(scale: float):
 @functools.lru_cache(maxsize=1024)
 def _step_head_keys(seed: int, layer: int, b: int, hq: int, hkv: int) -> mx.array:
     """``noise_stream``'s head keys shaped (B, Hkv, Hq / Hkv, 1) for ``_decode_score``."""
-    heads = noise_stream(seed, layer, b, hq, hkv)[0]
-    return mx.array(np.array(heads).reshape(b, hkv, hq // hkv, 1))
+    return mx.array(_head_keys(seed, layer, b, hq)[0].reshape(b, hkv, hq // hkv, 1))
 
 
 @functools.lru_cache(maxsize=None)
