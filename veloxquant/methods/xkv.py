@@ -43,7 +43,6 @@ is quantized (the paper keeps it in fp16); no selective reconstruction.
 
 from __future__ import annotations
 
-import struct
 import warnings
 
 import mlx.core as mx
@@ -134,7 +133,7 @@ class XKVCache(CrossLayer, CompressedKVCache):
         scale broadcast over the folded queries (B, H, R, d)): views (a cast only where it
         is one), kept until b or the latent are replaced (an SVD, a restore)."""
         tail = latent.kept.get("latent_tail")
-        key = (b, h, r, d, int.from_bytes(struct.pack("<d", scale), "little"), self.b, tail)
+        key = (b, h, r, d, float(scale), self.b, tail)
 
         def build():
             return (*latent.read_views(h, d), mx.broadcast_to(mx.array(scale, mx.float32), (b, h, r, d)))
