@@ -19,9 +19,12 @@ taken in (``frame``: e.g. keys rotated back to pre-RoPE). A decode step:
 
 Steps 1-3 are one compiled pass (``_step_graph``) over the buffers' allocated room: its
 shapes change only when the buffers grow (the counts and k come in as arrays), the room past
-the coded tokens scores -inf, and a fixed number of rows (what k and the window can keep at
-most in that room) is gathered, those past the kept ones masked. ``selected`` is the same
-choice made directly (the indices themselves: tests and inspection).
+the coded tokens is keyed below every candidate, and a fixed number of rows (what k and the
+window can keep at most in that room) is gathered, those past the kept ones masked. What it
+reads of the codes and the codebook are views kept between codings (``_step_views``), and
+the top k of a query head are those whose key (the score's bits ordered as the floats, the
+position below them) is at least the k-th largest: one sort, no tie pass. ``selected`` is
+the same choice made directly (the indices themselves: tests and inspection).
 
 A prompt chunk attends exactly over every stored row plus itself. The codebook is given
 or fitted by k-means on the stored keys' sub-vectors when the first step retrieves
@@ -53,6 +56,7 @@ from ...cache.base import causal_mask
 from ...cache.buffers import GrowingArray, row_indices, row_starts
 from ...cache.rope import Rotary
 from ...quant.packed import GROWTH_TOKENS
+from ...quant.token_rows import ReadViews
 from ...quant.vq import kmeans_rows, lookup_scores, nearest
 
 FIT_ITERS = 10  # Lloyd iterations of a codebook fitted from the prompt
@@ -116,6 +120,9 @@ class RetrievalStore:
         self.factor = None if factor is None else _per_row(factor, batch)  # L (B, s, s)
         self.beta = beta
         self.h_sum = mx.zeros((batch, sub_dim, sub_dim), mx.float32) if learn_metric else None
+        # the retrieving step's views of the codes and of the codebook (``_step_views``): kept
+        # between codings (cleared before the codes buffer is written in place) and fits
+        self._views, self._table_views = ReadViews(), ReadViews()
 
     @property
     def length(self) -> int:
@@ -175,6 +182,7 @@ class RetrievalStore:
                 sub, c = sub @ factor, c @ factor
             # one byte an index (two past 8 bits), not packed: a step reads them with no
             # unpacking, and beside the exact rows kept they are a rounding error
+            self._views.clear()  # no view pins the buffer the append writes in place
             self.codes.append(nearest(sub, c).reshape(shape).astype(self.index_dtype))
 
     # -- attention ----------------------------------------------------------------------------
@@ -227,24 +235,48 @@ class RetrievalStore:
         t, first = self.length, self.n_sink
         n_cand = t - self.window - first
         k = min(int(self.fraction * t), n_cand)
-        k_all, v_all = self.rows(t)
         if n_cand <= 0 or k >= n_cand:
+            k_all, v_all = self.rows(t)
             return mx.fast.scaled_dot_product_attention(queries, k_all, v_all, scale=scale)
         if k == 0:  # the sinks and the window
+            k_all, v_all = self.rows(t)
             keys = mx.concatenate([k_all[:, :, :first], k_all[:, :, t - self.window:]], axis=2)
             values = mx.concatenate([v_all[:, :, :first], v_all[:, :, t - self.window:]], axis=2)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
         stop = self.coded_until()
         k = min(k, stop - first)
-        inside = self.rotary is not None  # the query framed in the pass, else by ``frame`` here
-        framed = queries if inside else self.frame(queries, mx.array([position - self.query_offset]))
-        frame = _frame_tables(self.rotary, queries.shape[-1]) if inside else ()
-        keys, values, codes = self.keys.buffer, self.values.buffer, self.codes.buffer
-        how = _Step(first, self.fraction, self.window, float(scale), inside)
-        n = codes.shape[2] - first  # candidates' room
-        return _step_fn(how)(queries, framed, keys, values, codes, self.centroids, mx.array(t),
-                             mx.array(stop), mx.array([n - k]), mx.array(float(position - self.query_offset)),
-                             row_indices(keys.shape[2]), row_starts(*keys.shape[:3]), *frame)
+        b, hq, _, d = queries.shape
+        keys, values = self.keys.buffer, self.values.buffer
+        h, room = keys.shape[1], keys.shape[2]
+        rotary = self.rotary  # when given, the query is framed in the pass, else by ``frame`` here
+        parts = 2 if rotary is not None and not rotary.traditional and (d // 2) % self.sub_dim == 0 else 1
+        codes, table = self._step_views(hq // h, parts)
+        room_c = codes.shape[-1]
+        fn, constants = _step_plan(rotary, first, self.fraction, self.window, float(scale), self.sub_dim, parts,
+                                   b, h, d, room, room_c)
+        pos = float(position - self.query_offset)
+        framed = queries if rotary is not None else self.frame(queries, mx.array([pos]))
+        return fn(queries, framed, keys, values, codes, table, _scalar(t), _scalar(stop), _scalar((room_c - k,)),
+                  _scalar(pos), *constants)
+
+    def _step_views(self, gqa: int, parts: int):
+        """The codes (B, H, Rc, D/s) as the step's gather reads them, (B, H, gqa, parts,
+        D/(s parts), Rc), and the codebook as its product reads it, (B, H, gqa, parts, s, 2**bits)
+        float32: views (a transpose and broadcasts), each built when what it views changes
+        (the codes at a coding, the codebook at its fit or a restore) and kept until then."""
+        codes, centroids = self.codes.buffer, self.centroids
+        b, h, room, n = codes.shape
+
+        def codes_view():
+            c = codes.reshape(b, h, 1, room, parts, n // parts).transpose(0, 1, 2, 4, 5, 3)
+            return mx.broadcast_to(c, (b, h, gqa, parts, n // parts, room))
+
+        def table_view():
+            t = centroids.astype(mx.float32).swapaxes(-1, -2)[:, None, None, None]  # (B, 1, 1, 1, s, K)
+            return mx.broadcast_to(t, (b, h, gqa, parts, *t.shape[-2:]))
+
+        return (self._views.get(self, (codes, gqa, parts), codes_view),
+                self._table_views.get(self, (centroids, b, h, gqa, parts), table_view))
 
     # -- what is kept -------------------------------------------------------------------------
     def arrays(self) -> dict[str, Any]:
@@ -255,6 +287,8 @@ class RetrievalStore:
         """The saved arrays back; a table saved without the batch axis (the layout before
         tables were per row: one sequence's, or one shared by a cache's rows) is every
         row's. (The cache gives each buffer its saved room back: ``CompressedKVCache.state``.)"""
+        self._views.clear()
+        self._table_views.clear()
         for name in ("keys", "values", "codes"):
             getattr(self, name).reset(arrays.get(name))
         for name in ("centroids", "factor", "h_sum"):
@@ -299,68 +333,120 @@ class _Step:
     window: int
     scale: float
     rotary: bool  # the query framed in the pass (by the ``_frame_tables``), else it comes framed
+    parts: int  # 2: each rotary pair's halves in sub-spaces D/2 apart (the query split in halves)
+    traditional: bool  # rotary pairs adjacent
 
 
 @functools.lru_cache(maxsize=8)
-def _frame_tables(rotary: Rotary, dims: int):
-    """``derotate`` at one position p as ``x cos(p w) + (x P) sin(p w)``: w (D,), each
-    channel's angle per position, and P (D, D), the signed permutation taking each rotary
-    pair (x1, x2) to (x2, -x1); built once per rotary setting, evaluated with the first step."""
+def _frame_tables(rotary: Rotary, dims: int, sub_dim: int, parts: int):
+    """``derotate`` at one position p as ``x cos(p w) + x' sign sin(p w)``, with x' each
+    channel's rotary partner (x2 for x1, x1 for x2: the query's halves, or its adjacent
+    pairs, reversed): w, each channel's angle per position, and the sign (+1 for a pair's
+    first member, -1 for its second), shaped as the step splits the query (``parts`` 2: (2,
+    D/(2s), s); else (2, D/2), or (D/2, 2) when the pairs are adjacent); built once per
+    rotary setting, evaluated with the first step."""
     w = rotary.inverse_frequencies(dims)
     half = dims // 2
     pair = mx.arange(dims) // 2 if rotary.traditional else mx.arange(dims) % half
-    partner = mx.arange(dims) ^ 1 if rotary.traditional else (mx.arange(dims) + half) % dims
     second = (mx.arange(dims) % 2 == 1) if rotary.traditional else (mx.arange(dims) >= half)
-    # y_i = x_i cos + sign_i x_partner(i) sin: +x2 for a first member, -x1 for a second
     sign = mx.where(second, -1.0, 1.0)
-    perm = (mx.arange(dims)[:, None] == partner[None, :]).astype(mx.float32) * sign[None, :]
-    return w[pair], perm
+    split = (2, half // sub_dim, sub_dim) if parts == 2 else ((half, 2) if rotary.traditional else (2, half))
+    return w[pair].reshape(split), sign.reshape(split)
 
 
-def _step_graph(how: _Step, queries, framed, keys, values, codes, centroids, t, stop, kth_at, pos,
-                rows, starts, *frame):
+# a float's bits as an unsigned integer ordered as the floats are (-0 as +0): negative ones
+# inverted, the sign bit set on the others
+_SIGN = 0x80000000
+
+
+def _ordered_bits(x: mx.array) -> mx.array:
+    u = mx.view(x, mx.uint32)
+    top = mx.array(_SIGN, mx.uint32)
+    return mx.where(u == top, top, mx.where(u >= top, ~u, u | top))
+
+
+def _step_graph(how: _Step, queries, framed, keys, values, codes, table, t, stop, kth_at, pos,
+                cand, rows, starts, *frame):
     """Sparse attention of a decode query over the buffers' room (``RetrievalStore.selected``
     and the attention over its choice, with static shapes): ``t`` tokens stored, ``stop``
-    coded, the k-th largest score at ``kth_at`` of the sorted candidates, the query framed
-    at ``pos``. Scores of the candidates (coded tokens past the sinks; the room past them
-    scores -inf), per query head the top ``k`` with ties at the k-th score to the latest,
-    their union over the KV head's query heads, then the sinks, the chosen and the window
-    (coded..stored) gathered in token order: one sort of the room with kept rows first. The
-    number gathered is fixed by the room, rows past those kept masked out. The KV head's
-    query heads attend as its rows of queries."""
+    coded, the query framed at ``pos``; ``codes`` and ``table`` the views of
+    ``RetrievalStore._step_views``, ``cand`` and ``rows`` the positions of the codes' room
+    and the buffers', ``starts`` (B, H, 1, 1) where each head's rows start in the flattened
+    buffers.
+
+    The candidates' (coded tokens past the sinks) scores by lookup tables, a sub-space's
+    table by one product a query head; each scored token keyed by its score's bits, ordered
+    as the floats, and its position below them (the room past the candidates keyed by its
+    position alone, below every candidate): per query head the top ``k`` keys, those from
+    the one at ``kth_at`` of the sorted keys, are the top ``k`` scores with ties at the k-th
+    to the latest tokens. Their union over the KV head's query heads, the sinks and the
+    window (coded..stored) are gathered in token order: one sort of the room with kept rows
+    first, each row's flat index (kept ones less the flattened buffers' size: negative, an
+    index from the end, which the take wraps to the row). The number gathered is fixed by
+    the room, rows past those kept masked out. The KV head's query heads attend as its rows
+    of queries."""
     b, hq, _, d = queries.shape
     h, room = keys.shape[1], keys.shape[2]
-    gqa, first = hq // h, how.first
-    q = framed.astype(mx.float32)
+    gqa, first, parts = hq // h, how.first, how.parts
+    _, _, _, _, n_part, room_c = codes.shape
+    sub = d // (parts * n_part)
     if how.rotary:
-        w, perm = frame
-        q = q * mx.cos(pos * w) + (q @ perm) * mx.sin(pos * w)
-    scores = lookup_scores(q.reshape(b, h, gqa, d), codes[:, :, first:], centroids)
-    n = scores.shape[-1]
-    cand = rows[first : first + n] if first + n <= room else mx.arange(first, first + n, dtype=mx.int32)
-    approx = mx.where(cand < stop, scores, -mx.inf)
-    kth = mx.take(mx.sort(approx, axis=-1), kth_at, axis=-1)  # the k-th largest
-    above, tied = approx > kth, approx == kth
-    need = (n - kth_at) - above.sum(axis=-1, keepdims=True)  # k - above
-    chosen = (above | (tied & (mx.cumsum(tied, axis=-1, reverse=True) <= need))).any(axis=2)
-    if first + n > room:
-        chosen = chosen[..., : room - first]
-    chosen = mx.pad(chosen, [(0, 0), (0, 0), (first, room - first - chosen.shape[-1])])
+        w, sign = frame
+        split = (b, h, gqa, *w.shape)
+        x = queries.reshape(split)
+        partner = x[..., ::-1] if how.traditional else x[:, :, :, ::-1]
+        angle = pos * w
+        q = x.astype(mx.float32) * mx.cos(angle) + partner.astype(mx.float32) * (sign * mx.sin(angle))
+    else:
+        q = framed.astype(mx.float32)
+    shape = (b, h, gqa, parts, n_part, sub)
+    q = q if q.shape == shape else q.reshape(shape)
+    # each sub-space's score of every centroid, taken at each token's code, summed
+    scores = mx.take_along_axis(q @ table, codes, axis=-1).sum(axis=(3, 4))  # (B, H, gqa, Rc)
+    scored = (cand >= first) & (cand < stop)
+    key = (mx.where(scored, _ordered_bits(scores), 0).astype(mx.uint64) << 32) | cand.astype(mx.uint64)
+    kth = mx.slice(mx.sort(key, axis=-1), kth_at, axes=(3,), slice_size=(b, h, gqa, 1))
+    chosen = (key >= kth).any(axis=2, keepdims=True)  # (B, H, 1, Rc)
+    if room_c < room:
+        chosen = mx.pad(chosen, [(0, 0), (0, 0), (0, 0), (0, room - room_c)], constant_values=False)
+    elif room_c > room:
+        chosen = chosen[..., :room]
     keep = chosen | (rows < first) | ((rows >= stop) & (rows < t))
     # at most k a query head (k <= fraction * room), and the window under 2 windows
+    n = room_c - first
     most = min(room, first + min(gqa * int(how.fraction * room), n) + how.window + max(1, how.window) - 1)
-    order = mx.sort(mx.where(keep, rows, rows + room), axis=-1)[..., :most]
-    valid = order < room
+    flat = b * h * room
+    order = mx.sort(mx.where(keep, rows - flat, rows) + starts, axis=-1)[..., :most]  # (B, H, 1, most)
     # whole rows by one index a row from the flattened (B H room, D) buffers: take_along_axis
     # with the index broadcast over D reads an index an element, and its CUDA kernel slowed
     # with the rows' count (benchmarks/notes/serving_batches.md)
-    at = mx.where(valid, order, order - room) + starts
+    at = order.reshape(b, h, most)
     k_sel, v_sel = mx.take(keys.reshape(-1, d), at, axis=0), mx.take(values.reshape(-1, d), at, axis=0)
     out = mx.fast.scaled_dot_product_attention(queries.reshape(b, h, gqa, d), k_sel, v_sel,
-                                               scale=how.scale, mask=valid[:, :, None, :])
+                                               scale=how.scale, mask=order < 0)
     return out.reshape(b, hq, 1, d)
 
 
 @functools.lru_cache(maxsize=None)
 def _step_fn(how: _Step):
     return mx.compile(functools.partial(_step_graph, how))
+
+
+@functools.lru_cache(maxsize=32)
+def _step_plan(rotary: Rotary | None, first: int, fraction: float, window: int, scale: float, sub_dim: int,
+               parts: int, b: int, h: int, d: int, room: int, room_c: int):
+    """A retrieving step's pass and its constant inputs for the buffers' rooms: the
+    positions of the codes' room and of the buffers', where each head's rows start in the
+    flattened buffers (B, H, 1, 1), and the rotation's tables (each built once a shape,
+    evaluated with the first step that reads it)."""
+    inside = rotary is not None
+    how = _Step(first, fraction, window, scale, inside, parts, inside and rotary.traditional)
+    frame = _frame_tables(rotary, d, sub_dim, parts) if inside else ()
+    return _step_fn(how), (row_indices(room_c), row_indices(room), row_starts(b, h, room)[..., None], *frame)
+
+
+@functools.lru_cache(maxsize=64, typed=True)
+def _scalar(value) -> mx.array:
+    """``value`` as an array (a tuple: int32 (n,)), made once a value: every layer's step at
+    one position reads the same counts."""
+    return mx.array(list(value), mx.int32) if isinstance(value, tuple) else mx.array(value)
