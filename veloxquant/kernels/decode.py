@@ -23,6 +23,7 @@ instead of MLX's fused attention with a mask (``RowsByLength``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 from dataclasses import dataclass
@@ -165,9 +166,7 @@ def _kernel_may_read(backend, part: DecodePart) -> bool:
 def _joint_attention(queries, parts: list[DecodePart], scale) -> mx.array:
     """Every part's scores under one softmax, then each part's values mixed by its slice
     of the probabilities: (B, Hq, 1, D) in the query dtype."""
-    b, hq, _, d = queries.shape
-    h = _kv_heads(parts[0])
-    q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
+    q = scaled_queries(queries, _kv_heads(parts[0]), scale)
     scores, reads = [], []
     for part in parts:
         key_tail, value_tail = part.tails()
@@ -175,6 +174,21 @@ def _joint_attention(queries, parts: list[DecodePart], scale) -> mx.array:
         reads += _value_reads(part, value_tail)
     p = mx.softmax(scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1), axis=-1)
     return _mixed(p, reads, normalised=True).reshape(queries.shape).astype(queries.dtype)
+
+
+def scaled_queries(queries, n_kv_heads: int, scale) -> mx.array:
+    """Queries (B, Hq, 1, D) as the pure reads take them: float32 (B, H, Hq / H, D) times
+    ``scale``, the cast and the product one compiled pass (a Python scale: a constant of it)."""
+    b, hq, _, d = queries.shape
+    q = queries.reshape(b, n_kv_heads, hq // n_kv_heads, d)
+    if isinstance(scale, mx.array):  # not made a constant: reading it would wait for the device
+        return q.astype(mx.float32) * scale
+    return _query_scaler(float(scale))(q)
+
+
+@functools.lru_cache(maxsize=None)
+def _query_scaler(scale: float):
+    return mx.compile(lambda q: q.astype(mx.float32) * scale, shapeless=True)
 
 
 def _key_scores(q, part: DecodePart, key_tail, alone: bool = False) -> list:
@@ -279,10 +293,8 @@ def _pure_partials(queries, part: DecodePart, scale):
 def _pure_state(queries, part: DecodePart, scale):
     """A part's softmax state per KV head and query: o (B, H, R, D) unnormalised, the
     scores' max and the sum of exp(score - max) (B, H, R, 1)."""
-    b, hq, _, d = queries.shape
-    h = _kv_heads(part)
     key_tail, value_tail = part.tails()
-    q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
+    q = scaled_queries(queries, _kv_heads(part), scale)
     scores = _key_scores(q, part, key_tail)
     s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     m = s.max(axis=-1, keepdims=True)
