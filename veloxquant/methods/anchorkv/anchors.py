@@ -16,8 +16,8 @@ set of older tokens does not depend on their order):
   value residuals ``value_codes``, ``value_scales`` and ``value_pos`` (B, H, N_v), the
   token each belongs to; the residual codec is ``quant/lloyd_max.RotatedGaussian``.
 
-Reads (``AnchorKeys.scores``, ``AnchorValues.mix``, ``PackedScores`` of
-``kernels/decode.py``) never rebuild the tokens:
+Reads (``_AnchorRead``: the prompt and the exact rows after it under one softmax, through
+views of the part kept until it changes, ``_Views``) never rebuild the tokens:
 
 - scores: ``A = q anchor_kᵀ`` (k per query), ``s_t = γ_t A[a(t)] + s_t (q~ . levels)`` for
   the residual rows, gathered per token by ``key_slot`` (gathers only: MLX's scatter is
@@ -40,9 +40,11 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
-from ...kernels.decode import DecodePart
+from ...kernels import kivi_decode as kd
+from ...kernels.decode import DecodePart, scaled_queries
 from .lloyd_max import RotatedGaussian
 from ...quant.store import WINDOW_STEP, PackedStore, joined_history
+from ...quant.token_rows import ReadViews
 
 
 def index_dtype(n: int):
@@ -90,50 +92,120 @@ class AnchorPart:
         return mx.concatenate([ka, k], axis=2), mx.concatenate([va, v], axis=2)
 
 
+# a decode step's elementwise passes, each one kernel (traced once: shapeless)
+_coef_scaled = mx.compile(lambda x, coef: x * coef.astype(mx.float32), shapeless=True)
+_coef_scaled_plus = mx.compile(lambda x, coef, r: x * coef.astype(mx.float32) + r, shapeless=True)
+_anchor_weights = mx.compile(lambda p, end, start: p + (end - start), shapeless=True)
+
+
 @dataclass(frozen=True)
-class _AnchorReader:
-    """The compressed prompt as the pure-MLX decode path reads it (``PackedScores``)."""
+class _Views:
+    """What a decode step reads of an ``AnchorPart``, in the layout it reads it (views: a
+    transpose, expanded and broadcast index and coefficient rows; no bytes of their own),
+    for ``r`` query rows per KV head."""
 
-    part: AnchorPart
-    codec: RotatedGaussian
+    anchor_kt: mx.array  # (B, H, d, k) anchor_k transposed
+    anchor_v: mx.array  # (B, H, k, d)
+    # None where every token is an anchor (M = 0):
+    key_ref: mx.array | None  # (B, H, r, M) each token's key anchor, broadcast over the query rows
+    key_coef: mx.array | None  # (B, H, 1, M) float16
+    value_coef: mx.array | None  # (B, H, 1, M) float16
+    value_ends: mx.array | None  # (B, H, r, k)
+    key_slot: mx.array | None  # (B, H, r, M), where keys have residuals
+    value_pos: mx.array | None  # (B, H, r, N_v), where values have residuals
 
-    @property
-    def count(self) -> int:
-        return self.part.count
+    @classmethod
+    def of(cls, p: AnchorPart, r: int) -> "_Views":
+        b, h, k, _ = p.anchor_k.shape
+        m = p.key_ref.shape[2]
+        rows = lambda x: mx.broadcast_to(x[:, :, None], (b, h, r, x.shape[2]))  # noqa: E731
+        if not m:  # every token an anchor
+            return cls(p.anchor_k.swapaxes(-1, -2), p.anchor_v, None, None, None, None, None, None)
+        return cls(p.anchor_k.swapaxes(-1, -2), p.anchor_v, rows(p.key_ref), p.key_coef[:, :, None],
+                   p.value_coef[:, :, None], rows(p.value_ends),
+                   rows(p.key_slot) if p.key_codes.shape[2] else None,
+                   rows(p.value_pos) if p.value_codes.shape[2] else None)
 
-    @property
-    def n_heads(self) -> int:
-        return self.part.anchor_k.shape[1]
 
+class _AnchorRead:
+    """The read of an ``AnchorStore`` holding a compressed prompt: the prompt and the exact
+    rows after it as one ``PackedScores`` part (keys and values) of ``kernels/decode.py``
+    (``decode_parts``; no kernel reads the anchor form), and a decode step's attention,
+    ``attention``: the joint path's arithmetic over that part, its queries scaled in one
+    pass. Scores, in this order: the anchors ``A = q anchor_kᵀ``, the other prompt tokens
+    ``γ_t A[a(t)]`` (plus their key residuals), the exact rows; values: one split of the
+    probabilities into the three, the per-anchor sums of ``p_t γ_t`` as differences of one
+    cumulative sum at ``value_ends``, one product with ``anchor_v``, the value residuals,
+    one product with the exact rows added to it. What is read of the part is the store's
+    ``_Views``, kept until the part changes."""
 
-class AnchorKeys(_AnchorReader):
+    def __init__(self, store: "AnchorStore"):
+        self.store, self.part, self.codec = store, store.part, store.codec
+        self.k_tail, self.v_tail = _rows_or_none(store.k_tail.view()), _rows_or_none(store.v_tail.view())
+        self.n_heads = self.part.anchor_k.shape[1]
+        self.count = self.part.count + (0 if self.k_tail is None else self.k_tail.shape[2])
+
+    def decode_part(self) -> DecodePart:
+        return DecodePart(self, None, self, None)
+
+    def attention(self, queries: mx.array, scale: float) -> mx.array:
+        """(B, Hq, 1, D) in the query dtype: the queries scaled in float32 in one pass."""
+        q = scaled_queries(queries, self.n_heads, scale)
+        o = self.mix(mx.softmax(self.scores(q), axis=-1))
+        return o.reshape(queries.shape).astype(queries.dtype)
+
     def scores(self, q: mx.array) -> mx.array:
-        p = self.part
-        a = q @ p.anchor_k.astype(mx.float32).swapaxes(-1, -2)  # (B, H, R, k)
-        s = mx.take_along_axis(a, p.key_ref.astype(mx.int32)[:, :, None], axis=-1)
-        s = s * p.key_coef.astype(mx.float32)[:, :, None]
-        if p.key_codes.shape[2]:
-            res = self.codec.rotate(q) @ self.codec.coordinates(p.key_codes, p.key_scales).swapaxes(-1, -2)
-            res = mx.pad(res, [(0, 0), (0, 0), (0, 0), (1, 0)])
-            s = s + mx.take_along_axis(res, p.key_slot.astype(mx.int32)[:, :, None], axis=-1)
-        return mx.concatenate([a, s], axis=-1)
+        """float32 scores (B, H, R, count) for scaled float32 queries (B, H, R, D)."""
+        p, v = self.part, self.store.read_views(q.shape[2])
+        a = q @ _float32(v.anchor_kt)  # (B, H, R, k)
+        out = [a]
+        if v.key_ref is not None:
+            g = mx.take_along_axis(a, v.key_ref, axis=-1)
+            if v.key_slot is None:
+                out.append(_coef_scaled(g, v.key_coef))
+            else:
+                res = self.codec.rotate(q) @ self.codec.coordinates(p.key_codes, p.key_scales).swapaxes(-1, -2)
+                res = mx.pad(res, [(0, 0), (0, 0), (0, 0), (1, 0)])  # slot 0: no residual
+                out.append(_coef_scaled_plus(g, v.key_coef, mx.take_along_axis(res, v.key_slot, axis=-1)))
+        if self.k_tail is not None:
+            out.append(q @ _float32(self.k_tail).swapaxes(-1, -2))
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
 
-
-class AnchorValues(_AnchorReader):
     def mix(self, w: mx.array) -> mx.array:
-        p = self.part
-        k = p.anchor_v.shape[2]
-        rest = w[..., k:]
-        run = mx.cumsum(rest * p.value_coef.astype(mx.float32)[:, :, None], axis=-1)
-        run = mx.pad(run, [(0, 0), (0, 0), (0, 0), (1, 0)])  # run[i]: the sum of the first i
-        ends = p.value_ends[:, :, None]
-        starts = mx.pad(ends[..., :-1], [(0, 0), (0, 0), (0, 0), (1, 0)])
-        per_anchor = mx.take_along_axis(run, ends, axis=-1) - mx.take_along_axis(run, starts, axis=-1)
-        o = (w[..., :k] + per_anchor) @ p.anchor_v.astype(mx.float32)
-        if p.value_codes.shape[2]:
-            picked = mx.take_along_axis(rest, p.value_pos.astype(mx.int32)[:, :, None], axis=-1)
+        """float32 ``w V`` (B, H, R, D) for weights (B, H, R, count) in ``scores``' order."""
+        p, v = self.part, self.store.read_views(w.shape[2])
+        k, m = p.anchor_v.shape[2], p.key_ref.shape[2]
+        cuts = ([k, k + m] if m else [k])[: (m > 0) + (self.v_tail is not None)]
+        parts = mx.split(w, cuts, axis=-1) if cuts else [w]  # one node, not a slice a part
+        w_anchor, rest = parts[0], parts[1] if m else None
+        if m:
+            run = mx.cumsum(_coef_scaled(rest, v.value_coef), axis=-1)
+            run = mx.pad(run, [(0, 0), (0, 0), (0, 0), (1, 0)])  # run[i]: the sum of the first i
+            end = mx.take_along_axis(run, v.value_ends, axis=-1)
+            start = mx.pad(end[..., :-1], [(0, 0), (0, 0), (0, 0), (1, 0)])  # a run starts where the last ended
+            w_anchor = _anchor_weights(w_anchor, end, start)
+        o = w_anchor @ _float32(v.anchor_v)
+        if v.value_pos is not None:
+            picked = mx.take_along_axis(rest, v.value_pos, axis=-1)
             o = o + self.codec.unrotate(picked @ self.codec.coordinates(p.value_codes, p.value_scales))
+        if self.v_tail is not None:
+            o = _mixed_into(o, parts[-1], _float32(self.v_tail))
         return o
+
+
+def _rows_or_none(x: mx.array | None) -> mx.array | None:
+    return None if x is None or x.shape[2] == 0 else x
+
+
+def _float32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
+def _mixed_into(o: mx.array, w: mx.array, rows: mx.array) -> mx.array:
+    """``o + w rows``: one fused product where ``token_mix`` would not cut the tokens."""
+    if w.shape[-1] < 2 * kd.SPLIT_TOKENS or not kd._splits_tokens():
+        return mx.addmm(o, w, rows)
+    return o + kd.token_mix(w, rows)
 
 
 class AnchorStore(PackedStore):
@@ -147,6 +219,7 @@ class AnchorStore(PackedStore):
         # prompt, 256 rows of room would cost more than the prompt itself.
         self.k_tail = GrowingArray(axis=2, step=WINDOW_STEP)
         self.v_tail = GrowingArray(axis=2, step=WINDOW_STEP)
+        self._views = ReadViews()  # the decode read's views of the part (``read_views``)
 
     @property
     def compressed(self) -> int:
@@ -172,11 +245,26 @@ class AnchorStore(PackedStore):
             parts_v.append(v.astype(dtype))
         return joined_history(parts_k, parts_v, self.k_tail.view(), self.v_tail.view(), dtype)
 
+    def read_views(self, r: int) -> _Views:
+        """The part's ``_Views`` for ``r`` query rows per KV head, kept until the part changes."""
+        p = self.part  # replaced, never changed in place (frozen): its identity keys the views
+        return self._views.get(self, (p, r), lambda: _Views.of(p, r))
+
+    def attend_parts(self, queries, *, scale, use_kernel, n_kv_heads: int) -> mx.array:
+        """A decode step's attention: once the prompt is compressed, ``_AnchorRead``."""
+        if self.part is None:
+            return super().attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+        return _AnchorRead(self).attention(queries, scale)
+
+    def attend(self, queries, *, scale, use_kernel, n_kv_heads=None) -> mx.array:
+        """A decode step's attention over what is stored (no token added)."""
+        n_kv_heads = n_kv_heads or (self.k_tail.buffer if self.part is None else self.part.anchor_k).shape[1]
+        return self.attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         if self.part is None:
             return [DecodePart(None, self.k_tail.view(), None, self.v_tail.view())]
-        return [DecodePart(AnchorKeys(self.part, self.codec), self.k_tail.view(),
-                           AnchorValues(self.part, self.codec), self.v_tail.view())]
+        return [_AnchorRead(self).decode_part()]
 
     def arrays(self) -> dict[str, Any]:
         out = {"k_tail": self.k_tail, "v_tail": self.v_tail}
