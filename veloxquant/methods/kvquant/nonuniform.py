@@ -51,6 +51,7 @@ from ...quant import codebook as cb
 from ...quant.outliers import per_tail, split_channel_groups, split_vectors
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import rotary_angles, to_pre_rope
+from ...quant.token_rows import ReadViews
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,9 @@ class NonUniformTokens:
         # that a scheduled refit at a decode step needs no read of the histogram (unknown
         # after a load: a refit over an empty histogram returns the codebook it started at).
         self.observed_since_fit = True
+        # what a read takes of the kept arrays, in the layouts it reads them in (views,
+        # ``_tile_views``), kept until a write changes them
+        self._views = ReadViews()
 
     @property
     def count(self) -> int:
@@ -186,6 +190,7 @@ class NonUniformTokens:
         """Start on the codebooks ``book`` (B, 2^bits) (a calibration file's; ``append``'s
         first fit installs its own): no fit follows, and with refits every later encode is
         observed as encoded since that fit."""
+        self._views.clear()  # no view pins the codebooks written in place
         self.books.append(book.reshape(book.shape[0], 1, 1, 1, book.shape[1]))
 
     def append(self, x: mx.array, decoding: bool = False) -> None:
@@ -193,6 +198,7 @@ class NonUniformTokens:
         and of the group); the first call, unless codebooks were installed, fits them on
         its own data."""
         c, dtype = self.codec, x.dtype
+        self._views.clear()  # no view pins a buffer the appends below write in place
         x = self._pre_rope(x)
         if not self.books.length:
             z, weights, offsets, ranges, pos, val = c.prepare(x, dtype)
@@ -228,6 +234,7 @@ class NonUniformTokens:
         if not self.observed_since_fit:
             return
         book = cb.compiled_refit(self.hist.buffer, self.centroids, self.codec.iters)
+        self._views.clear()
         self.books.append(book.reshape(book.shape[0], 1, 1, 1, book.shape[1]))
         self.hist.reset(mx.zeros_like(self.hist.buffer))
         self.observed_since_fit = False
@@ -250,9 +257,23 @@ class NonUniformTokens:
     def _read(self) -> tuple["_Read", tuple]:
         """How the kept arrays are read (the compiled pass's settings) and its inputs, over
         ``capacity`` tokens: every buffer sliced to it (a no-op where it is the buffer's
-        room), the memoised shift, group-start and rotary tables after them."""
+        room), the memoised shift, group-start and rotary tables after them. Where the
+        packed axis and the groups tile whole words (``_tile``), the inputs are views kept
+        between writes (``_tile_views``) in the layout ``_tile_graph`` reads."""
         c, g, n = self.codec, self.codec.group, self.capacity
         channel = c.axis == "channel"
+        per_unit = self.books.length > 1 and self.book_ids is not None
+        outliers = self.out_pos.buffer is not None
+        rope = self.rotary.traditional if channel and self.rotary is not None else None
+        tile = _tile(g, n if channel else self.offsets.buffer.shape[-1] * g,
+                     n // 32 if channel else self.codes.buffer.shape[-1])
+        if tile is not None and (1 << c.bits) <= g:
+            select = gpu_backend() == "cuda"
+            how = _Read(channel, g, per_unit, outliers, rope, (*tile, c.bits), select)
+            args = self._tile_views(how, n)
+            if rope is not None:
+                args = (*args, *_rotation(self.rotary, self.codes.buffer.shape[2], self.start, n, rope))
+            return how, args
         units = n // g if channel else n
         if channel:
             args = [self.codes.buffer[..., : n // 32], self.books.buffer,
@@ -261,19 +282,70 @@ class NonUniformTokens:
             args = [self.codes.buffer[:, :, :n], self.books.buffer,
                     self.ranges.buffer[:, :, :n], self.offsets.buffer[:, :, :n]]
         args += _shifts(c.bits)
-        per_unit = self.books.length > 1 and self.book_ids is not None
         if per_unit:
             args.append(self.book_ids.buffer[..., :units, :] if channel else self.book_ids.buffer[:, :, :units])
-        outliers = self.out_pos.buffer is not None
         if outliers:
             args += [self.out_pos.buffer[:, :, :units], self.out_val.buffer[:, :, :units]]
             if channel:
                 args.append(_group_starts(units, g))
-        rope = None
-        if channel and self.rotary is not None:
-            rope = self.rotary.traditional
+        if rope is not None:
             args += _rotation(self.rotary, self.codes.buffer.shape[2], self.start, n, rope)
         return _Read(channel, g, per_unit, outliers, rope), tuple(args)
+
+    def _tile_views(self, how: "_Read", n: int) -> tuple:
+        """``_tile_graph``'s inputs over ``n`` (the capacity) tokens, every one a view of a kept
+        array (slices, reshapes, broadcasts: no bytes of their own), built when an array or
+        a count they view changes and kept until then: a decode step slices, reshapes and
+        broadcasts nothing of the run. In order: each bit plane (..., A, Mp, 1); the
+        codebook entries (..., A, Mu, 1) one by one where a step selects among them (CUDA)
+        with one codebook, else the codebooks (per unit: to be gathered by the ids after
+        them); ranges and offsets (..., A, Mu, 1); the outlier positions and values (per
+        channel flat over the groups, with each one's group start after them)."""
+        arrays = (self.codes, self.offsets, self.ranges, self.out_pos, self.out_val, self.books, self.book_ids)
+        key = (n, int(how.select), int(how.per_unit), self.books.length, self.count) + tuple(
+            x for a in arrays if a is not None for x in (a.buffer, a.length))
+        return self._views.get(self, key, lambda: self._build_tile_views(how, n))
+
+    def _build_tile_views(self, how: "_Read", n: int) -> tuple:
+        c, g = self.codec, self.codec.group
+        a, mp, mu, _, _ = how.tile
+        k = 1 << c.bits
+        codes = self.codes.buffer
+        if how.channel:  # (B, H, D, bits, W): a plane's words are a channel's tokens
+            units = n // g
+            words = codes[..., : n // 32]
+            planes = [words[:, :, :, j].reshape(*words.shape[:3], a, mp)[..., None] for j in range(c.bits)]
+            ranges, offsets = (x.buffer[..., :units] for x in (self.ranges, self.offsets))
+        else:  # (B, H, n, bits, W): a plane's words are a token's channels
+            units = n
+            words = codes[:, :, :n]
+            planes = [words[:, :, :, j].reshape(*words.shape[:3], a, mp)[..., None] for j in range(c.bits)]
+            ranges, offsets = (x.buffer[:, :, :n] for x in (self.ranges, self.offsets))
+        ranges, offsets = (x.reshape(*x.shape[:3], a, mu)[..., None] for x in (ranges, offsets))
+        nb = self.books.length
+        books = self.books.buffer[:, :, :, :nb]  # (B, 1, 1, codebooks, 2^bits)
+        rows = books.shape[0]
+        if how.per_unit:
+            ids = self.book_ids.buffer
+            if how.channel:  # (B, 1, 1, units, 1) -> (B, 1, 1, A, Mu, 2^bits); codebooks along axis 3
+                ids = mx.broadcast_to(ids[..., :units, :].reshape(rows, 1, 1, a, mu, 1), (rows, 1, 1, a, mu, k))
+                books = mx.broadcast_to(books[..., None, :], (rows, 1, 1, nb, mu, k))
+            else:  # (B, 1, n, 1, 1) -> (B, 1, n, 1, 1, 2^bits); codebooks along axis 2
+                ids = mx.broadcast_to(ids[:, :, :n, :, :, None], (rows, 1, n, 1, 1, k))
+                books = books.swapaxes(2, 3)[..., None, :]  # (B, 1, codebooks, 1, 1, 2^bits)
+            source = (books, ids)
+        else:
+            book = books[:, :, :, nb - 1 :].reshape(rows, 1, 1, 1, 1, k)
+            source = tuple(book[..., j : j + 1] for j in range(k)) if how.select else (book,)
+        out = [*planes, *source, ranges, offsets]
+        if how.outliers:
+            pos, val = self.out_pos.buffer[:, :, :units], self.out_val.buffer[:, :, :units]
+            if how.channel:  # a group's (channel * g + token) -> channel * n + token, flat over the groups
+                per = pos.shape[-1]
+                out += [pos.reshape(*pos.shape[:2], -1), val.reshape(*val.shape[:2], -1), _flat_group_starts(units, g, per)]
+            else:
+                out += [pos, val]
+        return tuple(out)
 
     def dense(self) -> mx.array:
         """float32 reconstruction of ``capacity`` tokens in the storage layout: (B, H, n, D)
@@ -373,6 +445,115 @@ def _group_starts(units: int, group: int) -> mx.array:
     return (mx.arange(units, dtype=mx.int32) * group)[:, None]
 
 
+def _tile(group: int, length: int, words: int) -> tuple[int, int, int, int] | None:
+    """How ``_tile_graph`` lays out the ``length`` indices of a packed axis (a channel's
+    tokens, or a token's channels) held in ``words`` words of each bit plane: as (A, M, C),
+    a word or a group split so that each of its bits is one element and each group's
+    offset and range broadcast over its own: returns (A, Mp, Mu, C), a plane's words
+    viewed as (A, Mp), the groups' statistics as (A, Mu), with M = max(Mp, Mu): groups of
+    whole words (Mp = group / 32 words a group, Mu = 1) or words of whole groups (Mp = 1,
+    Mu = 32 / group groups a word). None: neither, or indices past ``length`` in the last
+    word (the general ``_dense_graph`` reads those)."""
+    if words * 32 != length:
+        return None
+    if group % 32 == 0 and length % group == 0:
+        return length // group, group // 32, 1, 32
+    if 32 % group == 0:
+        return words, 1, 32 // group, group
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _bit_masks(mp: int, mu: int, width: int) -> mx.array:
+    """Each element's bit in its word, ``1 << position`` (uint32), in the (M, C) shape of a
+    tile's last axes: (32,) for groups of whole words, (32 / g, g) for words of groups."""
+    masks = mx.array([1 << i for i in range(32)], dtype=mx.uint32)
+    return masks if mu == 1 else masks.reshape(mu, width)
+
+
+@functools.lru_cache(maxsize=8)
+def _flat_group_starts(units: int, group: int, per: int) -> mx.array:
+    """Each outlier's group's first token, (units * per,) int32, in the order of a run's
+    outlier table flattened over its groups (``per`` a group); built once per group count."""
+    return mx.repeat(mx.arange(units, dtype=mx.int32) * group, per)
+
+
+def _tile_graph(how: "_Read", *args):
+    """``_dense_graph``'s reconstruction from ``NonUniformTokens._tile_views``' views: each
+    element's index bits tested in its word of each plane, in the views' layout (..., A, M,
+    C) (no unpacking sum, no reshape of the codes); on CUDA the centroid they name picked
+    by a tree of selects over the entries (2^bits - 1 selects, one fused elementwise pass
+    with the bit tests and ``c * rho + o``), elsewhere a table of ``c * rho + o`` per group
+    read by the index (a gather); then the outliers and the rotation as there."""
+    a, mp, mu, width, bits = how.tile
+    k, g = 1 << bits, how.group
+    args = list(args)
+    planes = args[:bits]
+    del args[:bits]
+    if how.per_unit:  # each unit's codebook, by its id
+        books, ids = args[:2]
+        del args[:2]
+        entries = mx.take_along_axis(books, ids, axis=3 if how.channel else 2)
+        if how.select:
+            entries = mx.split(entries, k, axis=-1)  # one node, not a slice an entry
+    elif how.select:
+        entries = args[:k]
+        del args[:k]
+    else:
+        entries = args.pop(0)
+    ranges, offsets = (x.astype(mx.float32) for x in args[:2])
+    del args[:2]
+    masks = _bit_masks(mp, mu, width)
+    on = [(p & masks) != 0 for p in planes]  # (..., A, M, C): bit j of each element's index
+    if how.select:
+        level = list(entries)
+        for bit in on:  # the lowest bit picks within pairs, the next within pairs of pairs, ...
+            level = [mx.where(bit, level[i + 1], level[i]) for i in range(0, len(level), 2)]
+        x = level[0] * ranges + offsets
+    else:
+        codes = on[0].astype(mx.uint32)
+        for j, bit in enumerate(on[1:], 1):
+            codes = codes + (bit.astype(mx.uint32) << j)
+        table = entries * ranges + offsets  # (..., A, Mu, 2^bits)
+        x = mx.take_along_axis(table, codes, axis=-1)
+    lead = x.shape[:2]
+    length = a * max(mp, mu) * width
+    if how.channel:
+        d, n = x.shape[2], length
+        flat = (*lead, d, n)
+    else:
+        n, d = x.shape[2], length
+        flat = (*lead, n, d)
+    if how.outliers:
+        if how.channel:  # flat over the groups: a group's (channel * g + token) -> channel * n + token
+            pos, val, starts = args[:3]
+            del args[:3]
+            pos = pos.astype(mx.int32)
+            index = (pos // g) * n + starts + pos % g
+            x = mx.put_along_axis(x.reshape(*lead, d * n), index, val.astype(x.dtype), axis=-1)
+        else:
+            pos, val = args[:2]
+            del args[:2]
+            x = mx.put_along_axis(x.reshape(flat), pos, val.astype(x.dtype), axis=-1)
+    return _rotated(how, x, flat, args)
+
+
+def _rotated(how: "_Read", x: mx.array, flat: tuple, extra) -> mx.array:
+    """``x`` (any shape of ``flat``'s size) as ``flat``, pre-RoPE keys rotated back."""
+    if how.rope is None:
+        return x.reshape(flat)
+    # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin: x cos + x_swapped (-sin, sin)
+    lead, d, n = flat[:2], flat[2], flat[3]
+    cos, signed_sin = extra
+    if how.rope:  # pairs (2i, 2i + 1): (..., D/2, 2, n)
+        x = x.reshape(*lead, d // 2, 2, n)
+        swapped = x[..., ::-1, :]
+    else:  # halves: (..., 2, D/2, n)
+        x = x.reshape(*lead, 2, d // 2, n)
+        swapped = x[:, :, ::-1]
+    return (x * cos + swapped * signed_sin).reshape(flat)
+
+
 @dataclass(frozen=True)
 class _Read:
     """What a read of a run depends on besides its arrays' shapes."""
@@ -382,6 +563,8 @@ class _Read:
     per_unit: bool  # several codebooks: each unit reads its own (``book_ids``)
     outliers: bool
     rope: bool | None  # pre-RoPE keys rotated back (True: traditional pairs); None: no rotation
+    tile: tuple | None = None  # (A, Mp, Mu, C) of ``_tile``: the views' layout; None: ``_dense_graph``
+    select: bool = False  # entries taken by a tree of selects (CUDA), not a gather
 
 
 def gpu_backend():
@@ -476,9 +659,10 @@ def _rotation(rotary, dims: int, start: int, n: int, traditional: bool):
 def _read_fn(how: _Read, product: bool):
     """The reconstruction as one compiled pass (``product``: ``left @`` it, in the same
     pass): the layers of a step, of equal shapes, replay one traced graph."""
+    graph = _dense_graph if how.tile is None else _tile_graph
     if product:
-        return mx.compile(lambda left, *args: token_mix(left, _dense_graph(how, *args)))
-    return mx.compile(lambda *args: _dense_graph(how, *args))
+        return mx.compile(lambda left, *args: token_mix(left, graph(how, *args)))
+    return mx.compile(lambda *args: graph(how, *args))
 
 
 @dataclass(frozen=True)

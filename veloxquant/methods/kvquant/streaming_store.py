@@ -13,17 +13,26 @@
   every value is encoded as it comes (a token stream), or, with ``value_flush`` > 1, decode
   steps encode the values past the window that many at a time;
 - a decode step (one token) written in place and, every ``refit_interval`` decode steps
-  (0: never), ``refit()`` on both storages.
+  (0: never), ``refit()`` on both storages;
+- a decode step's read as one part (``_JointRead``) of ``kernels/decode.py``'s joint path
+  (no kernel reads these storages): the sinks, the packed keys and the exact key tail under
+  one softmax, the values likewise, the sink keys read through a transposed view kept
+  while they stay as they are, the three value products summed in one fused pass.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import Any
 
 import mlx.core as mx
 
+from ...kernels.decode import DecodePart, decode_attention, scaled_queries
+from ...kernels.kivi_decode import token_mix
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.sink_store import SinkKVStore
+from ...quant.token_rows import ReadViews
 
 
 class StreamingStore(SinkKVStore):
@@ -32,9 +41,12 @@ class StreamingStore(SinkKVStore):
         super().__init__(keys, values, window=window, key_block=key_block, n_sink=n_sink, step_tokens=step_tokens,
                          value_flush=value_flush)
         self.refit_interval, self.steps = refit_interval, 0
+        self._views = ReadViews()  # the sinks as a decode step reads them (``_sink_views``)
 
     # -- writing -------------------------------------------------------------------------
     def commit(self, keys: mx.array, values: mx.array) -> None:
+        if self.sink_k.length < self.n_sink:
+            self._views.clear()  # no view pins the sink buffers written in place below
         keys, values, n = self._take_sinks(keys, values)
         if keys.shape[2] == 1 and not n:
             self._step(keys, values)
@@ -55,6 +67,30 @@ class StreamingStore(SinkKVStore):
         if self.refit_interval and self.steps % self.refit_interval == 0:
             for storage in (self.keys, self.values):
                 getattr(storage, "refit", lambda: None)()
+
+    # -- reading -------------------------------------------------------------------------------
+    def attend_parts(self, queries, *, scale, use_kernel, n_kv_heads: int) -> mx.array:
+        """A decode step's attention: every stored token as one part (``_JointRead``)."""
+        if self.segments:
+            return super().attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+        read = _JointRead(self, n_kv_heads)
+        if not read.count:
+            return decode_attention(queries, [DecodePart(read, None, read, None)], scale=scale,
+                                    use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+        # kernels/decode.py's joint path (no kernel reads these storages), the queries
+        # scaled in one fused pass
+        q = scaled_queries(queries, n_kv_heads, scale)
+        p = mx.softmax(read.scores(q), axis=-1)
+        return read.mix(p).reshape(queries.shape).astype(queries.dtype)
+
+    def _sink_views(self):
+        """(the sink keys transposed (B, H, D, n_sink), the sink values), views kept while the
+        sinks stay as they are; (None, None) without sinks."""
+        k, v = self.sink_k, self.sink_v
+        if not k.length:
+            return None, None
+        key = (k.buffer, k.length, v.buffer, v.length)
+        return self._views.get(self, key, lambda: (k.view().swapaxes(-1, -2), v.view()))
 
     # -- a restored state must agree with the policy ------------------------------------------
     def layout_problems(self, head_dims: tuple[int, int]):
@@ -77,3 +113,55 @@ class StreamingStore(SinkKVStore):
             from ...cache.rope import Rotary
 
             self.keys.rotary = Rotary.from_json(meta["rotary"])
+
+
+class _JointRead:
+    """A decode step's read of a ``StreamingStore`` as one ``PackedScores`` part (keys and
+    values) of ``kernels/decode.py``'s joint path: scores over the sinks, the packed keys and
+    the exact key tail, in the tokens' order, under its one softmax; ``mix`` takes the
+    weights in the same order and cuts them where the values' sinks, packed run and exact
+    tail meet (the keys' and the values' packed runs may hold different counts)."""
+
+    def __init__(self, store: StreamingStore, n_kv_heads: int):
+        self.sink_kt, self.sink_v = store._sink_views()
+        self.keys = store.keys.layout(None) if store.keys.count else None
+        self.values = store.values.layout(None) if store.values.count else None
+        self.k_tail, self.v_tail = store.k_win.view(), store.v_win.view()
+        self.n_heads = n_kv_heads
+        self.count = store.length
+
+    def scores(self, q: mx.array) -> mx.array:
+        """float32 scores (B, H, R, count) for scaled float32 queries (B, H, R, D)."""
+        out = []
+        if self.sink_kt is not None:
+            out.append(q @ self.sink_kt.astype(mx.float32))
+        if self.keys is not None:
+            out.append(self.keys.scores(q))
+        if self.k_tail is not None:
+            out.append(q @ self.k_tail.astype(mx.float32).swapaxes(-1, -2))
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
+
+    def mix(self, p: mx.array) -> mx.array:
+        """float32 ``p V`` (B, H, R, D) for weights (B, H, R, count) in ``scores``' order."""
+        reads = [(x.shape[2], lambda w, x=x: w @ x.astype(mx.float32)) for x in (self.sink_v,) if x is not None]
+        if self.values is not None:
+            reads.append((self.values.count, self.values.mix))
+        if self.v_tail is not None:
+            reads.append((self.v_tail.shape[2], lambda w, x=self.v_tail: token_mix(w, x.astype(mx.float32))))
+        cuts = list(itertools.accumulate(n for n, _ in reads[:-1]))
+        weights = mx.split(p, cuts, axis=-1) if cuts else [p]  # one node, not a slice a read
+        outs = [read(w) for (_, read), w in zip(reads, weights)]
+        return outs[0] if len(outs) == 1 else _summed(len(outs))(*outs)
+
+
+
+@functools.lru_cache(maxsize=None)
+def _summed(n: int):
+    """The sum of ``n`` arrays as one fused pass (in the order given)."""
+    def total(*xs):
+        out = xs[0]
+        for x in xs[1:]:
+            out = out + x
+        return out
+
+    return mx.compile(total)
