@@ -304,12 +304,20 @@ class ScoredEvictionCache(CompressedKVCache):
         b, h, n, _ = keys.shape
         if self.schedule.decode_every:  # steady state: the budget plus the steps between scorings
             self.store.set_limit(self.budget + self.schedule.decode_every)
-        positions = (mx.full((b, h, 1), self.offset, mx.int32) if n == 1 else
+        # a decode token's position made on the host (a constant: no graph node)
+        positions = (mx.array([[[self.offset]] * h] * b, mx.int32) if n == 1 else
                      mx.broadcast_to(mx.arange(self.offset, self.offset + n, dtype=mx.int32), (b, h, n)))
         self.store.write({"keys": keys, "values": values, "positions": positions,
                           **self.new_token_state(keys, values)})
         self.offset += n
+        if self._packed_step(n):  # attend reads the packed rows: no dequantized views to build
+            return keys, values
         return self.store.view("keys"), self.store.view("values")
+
+    def _packed_step(self, n: int) -> bool:
+        """A decode token over kept rows held quantized: ``update_and_fetch`` returns the
+        token's own rows and ``attend`` reads the store."""
+        return n == 1 and isinstance(self.store, QuantizedSlots) and self.store.quantized
 
     def _rows_returned(self, n_new: int) -> int:
         return self.store.rows + n_new - (self.store.free is not None and n_new > 0)
@@ -318,8 +326,10 @@ class ScoredEvictionCache(CompressedKVCache):
         self._awaiting_attend = False
         n = queries.shape[2]
         prefill_end = n == 1 and self.in_prompt
-        packed = isinstance(self.store, QuantizedSlots) and self.store.quantized
-        if packed and n == 1 and not self.padded and sinks is None:
+        packed = self._packed_step(n)
+        if packed and (self.padded or sinks is not None):  # update_and_fetch gave the token's rows
+            keys, values = self.store.view("keys"), self.store.view("values")
+        if packed and not self.padded and sinks is None:
             out = self.store.attend_one(queries, scale, self.offset)  # reads the packed rows
         elif self.padded and n == 1 and sinks is None:
             # every kept position precedes the query: only the padding (position -1) is hidden,

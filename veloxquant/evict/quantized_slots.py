@@ -27,11 +27,12 @@ scales/minima in the model's dtype, for keys and for values; then, as without st
 the position (int32) and the method's per-token state (float32 each). Per layer and KV
 head: the ring, ``recent`` rows of keys and values in the model's dtype.
 
-Decode attention reads the packed rows through ``TokenRows`` (the pure-MLX reads of
+Decode attention reads the packed rows as ``TokenRows`` does (the pure-MLX reads of
 ``kernels/decode.py``'s per-token parts: one ``quantized_matmul`` for ``q Kᵀ`` and one for
 ``p V`` on the CPU, a float32 dequantization of the kept rows on a GPU, where MLX's CUDA
 back-end has no ``quantized_matmul`` for these shapes; the fused kernels read keys per
-channel only); scores that need keys read them dequantized.
+channel only), in one compiled pass with the ring under one softmax; scores that need
+keys read them dequantized (a GPU's step dequantizes the keys once for both).
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ import functools
 
 import mlx.core as mx
 
-from ..cache.buffers import take_rows
+from ..cache.buffers import row_indices, take_rows
 from ..kernels import kivi_decode as kd
+from ..quant.affine import _MIN_SCALE
 from ..quant.groups import check_divides
 from ..quant.packed import AffineLayout
-from ..quant.token_rows import TokenRows, compiled_quantizer, dequantize_rows, packs, quantize_rows
+from ..quant.token_rows import _mlx_has, compiled_quantizer, dequantize_rows, packs, quantize_rows
 from .store import SlotStore
 
 PACKED = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
@@ -72,6 +74,11 @@ class QuantizedSlots:
         self.window, self.ring_next, self.ring_fill = 0, 0, 0
         self.k_ring: mx.array | None = None
         self.v_ring: mx.array | None = None
+        # ``room_keys`` was asked (the method scores over the room's keys at decode steps),
+        # and the keys ``attend_one`` dequantized for this step's ``room_keys``, with the
+        # codes buffer they came from
+        self._keys_read = False
+        self._step_keys: tuple[mx.array, mx.array] | None = None
 
     # -- what the scorer base reads and writes -------------------------------------------
     @property
@@ -108,16 +115,22 @@ class QuantizedSlots:
     def room_keys(self) -> mx.array | None:
         """The keys of every slot over the buffers' whole room, dequantized (rows past
         ``rows`` are spare room): what a compiled score over the room reads; None before
-        the store is packed."""
+        the store is packed. After ``attend_one`` dequantized the same keys in float32 (a
+        GPU, scales in float32: the same values), those."""
         if not self.quantized:
             return None
         g = self.slots.arrays
         codes, scales, biases = (g[f"k_{part}"] for part in ("codes", "scales", "biases"))
         if codes.buffer is None:
             return None
+        self._keys_read = True
+        step_keys, self._step_keys = self._step_keys, None  # held for this step only
+        if step_keys is not None and step_keys[0] is codes.buffer and scales.buffer.dtype == mx.float32:
+            return step_keys[1]
         return _dequantize_pass(self.group, self.bits)(codes.buffer, scales.buffer, biases.buffer)
 
     def write(self, new: dict[str, mx.array]) -> None:
+        self._step_keys = None  # a step's keys are read within the step
         if self.quantized:
             keys, values = new.pop("keys"), new.pop("values")
             if self._appends_one(keys):
@@ -151,7 +164,7 @@ class QuantizedSlots:
         row = mx.array([arrays["k_codes"].length], mx.int32)
         rings = (self.k_ring, self.v_ring, mx.array([self.ring_next], mx.int32)) if self.window else ()
         step = _append_pass(self.bits, self.group, len(self.extra), bool(self.window))
-        out = step(keys, values, row, *[arrays[n].buffer for n in PACKED],
+        out = step(keys, values, row, _word_shifts(self.bits), *[arrays[n].buffer for n in PACKED],
                    *[arrays[n].buffer for n in self.extra], *[new[n] for n in self.extra], *rings)
         for name, buffer in zip((*PACKED, *self.extra), out):
             arrays[name].buffer = buffer
@@ -215,6 +228,7 @@ class QuantizedSlots:
         """A saved state names its arrays: packed rows (``k_codes`` ...) or, saved before
         the prompt ended, full-precision ``keys``/``values``."""
         self.quantized = "k_codes" in arrays
+        self._step_keys = None
         self.k_ring, self.v_ring = arrays.get("k_ring"), arrays.get("v_ring")
         self.window = 0 if self.k_ring is None else self.k_ring.shape[2]
         self.slots = SlotStore((*PACKED, *self.extra) if self.quantized else self.names)
@@ -296,15 +310,25 @@ class QuantizedSlots:
         one run of rows: no partial states to merge (``kernels/decode.py``'s several-part
         path), which keeps the step's graph small. One compiled pass over the buffers'
         whole room (rows past the slot count masked, the counts passed as arrays): it
-        retraces only when the buffers grow."""
+        retraces only when the buffers grow. Where it dequantizes the keys (a GPU) and the
+        method read the room's keys at its last step (``room_keys``: H2O's mass), it keeps
+        them for this step's ``room_keys``: the same values, dequantized once."""
         g = self.slots.arrays
         n = self.ring_fill
-        attend = _attend_pass(self.bits, self.group, float(scale), kd._pure_path(),
-                              n > 0, n == self.window)
-        rings = (self.k_ring, self.v_ring, mx.array(n, mx.int32)) if n else ()
-        return attend(queries, *[g[name].buffer for name in PACKED], g["positions"].buffer,
-                      mx.array(self.rows, mx.int32), mx.array(offset - n, mx.int32), *rings)
-
+        qmm = _mlx_has(self.bits, self.group) and kd._pure_path() == "qmm"
+        keys_out = self._keys_read and not qmm
+        attend = _attend_pass(self.bits, self.group, float(scale), qmm, n > 0, n == self.window, keys_out)
+        b, h, room = g["k_codes"].buffer.shape[:3]
+        scores = (b, h, queries.shape[1] // h)
+        rings = (self.k_ring, self.v_ring, mx.array(n, mx.int32), row_indices(self.window),
+                 _zeros_view((*scores, self.window))) if n else ()
+        out = attend(queries, *[g[name].buffer for name in PACKED], g["positions"].buffer,
+                     mx.array(self.rows, mx.int32), mx.array(offset - n, mx.int32), row_indices(room),
+                     _zeros_view((*scores, room)), *rings)
+        if keys_out:
+            out, keys = out
+            self._step_keys = (g["k_codes"].buffer, keys)
+        return out
 
 def _dequantize_pass(group: int, bits: int):
     return _dequantize_compiled(group, bits, mx.default_device() == mx.cpu and 32 % bits == 0)
@@ -324,17 +348,64 @@ def _dequantize_compiled(group: int, bits: int, unpacked_here: bool):
     return mx.compile(dequantize)
 
 
+@functools.lru_cache(maxsize=16)
+def _zeros_view(shape: tuple[int, ...]) -> mx.array:
+    """float32 zeros of ``shape`` as a broadcast of one zero (four bytes held, however
+    large the shape): the addend of a product whose epilogue adds a mask, built once per
+    shape and evaluated with the step that first reads it (a leaf after that)."""
+    return mx.broadcast_to(mx.zeros((), mx.float32), shape)
+
+
+@functools.lru_cache(maxsize=8)
+def _word_shifts(bits: int) -> mx.array:
+    """The shift of each code in a uint32 word (``pack_codes``' order), built once per
+    width: an input of the append pass, evaluated with the step that first reads it."""
+    return mx.arange(32 // bits, dtype=mx.uint32) * bits
+
+
+def _whole_words(bits: int, group: int) -> bool:
+    """Whether a group's codes fill whole words (``_quantized_pair``'s layout)."""
+    return 32 % bits == 0 and group % (32 // bits) == 0
+
+
+def _quantized_pair(keys, values, group: int, bits: int, shifts):
+    """``quantize_rows`` of one token's keys and of its values (B, H, 1, D) in one pass:
+    (k codes, k scales, k minima, v codes, v scales, v minima), each (B, H, 1, ...). The
+    same codes, scales and minima bit for bit (``quantize_rows``' arithmetic; a min or max
+    is exact in any order, and disjoint bit fields sum exactly), with fewer operations:
+    the rows viewed as (group, word, code in word), so one elementwise pass computes the
+    codes shifted into place and one sum packs them (no reshape between), and the scales
+    and minima cut from one array."""
+    x = mx.concatenate([keys, values], axis=2)
+    b, h, n, d = x.shape
+    per_word = 32 // bits
+    levels = (1 << bits) - 1
+    groups = x.reshape(b, h, n, d // group, group // per_word, per_word).astype(mx.float32)
+    low = groups.min(axis=(-2, -1), keepdims=True)
+    high = groups.max(axis=(-2, -1), keepdims=True)
+    scale = mx.maximum((high - low) / levels, _MIN_SCALE).astype(x.dtype)
+    low = low.astype(x.dtype)
+    codes = mx.clip(mx.round((groups - low.astype(mx.float32)) / scale.astype(mx.float32)), 0, levels)
+    words = (codes.astype(mx.uint32) << shifts).sum(axis=-1, keepdims=True).astype(mx.uint32)
+    kc, vc = mx.split(words.reshape(b, h, n, d * bits // 32), 2, axis=2)
+    ks, vs, km, vm = mx.split(mx.concatenate([scale, low], axis=2).reshape(b, h, 2 * n, d // group), 4, axis=2)
+    return kc, ks, km, vc, vs, vm
+
+
 @functools.lru_cache(maxsize=None)
 def _append_pass(bits: int, group: int, n_extra: int, ring: bool):
-    """``QuantizedSlots._append_one``'s pass: (keys, values, row, the six packed buffers,
-    the extra buffers, the extra rows[, k_ring, v_ring, ring row]) -> the new buffers."""
+    """``QuantizedSlots._append_one``'s pass: (keys, values, row, word shifts, the six packed
+    buffers, the extra buffers, the extra rows[, k_ring, v_ring, ring row]) -> the new buffers."""
 
-    def step(keys, values, row, *rest):
+    def step(keys, values, row, shifts, *rest):
         packed, extra, extra_rows = rest[:6], rest[6 : 6 + n_extra], rest[6 + n_extra : 6 + 2 * n_extra]
-        codes, scales, minima = quantize_rows(mx.concatenate([keys, values], axis=2), group, bits)
-        (kc, vc), (ks, vs), (km, vm) = (mx.split(x, 2, axis=2) for x in (codes, scales, minima))
-        rows = (kc, ks, km, vc, vs, vm, *extra_rows)
-        out = [mx.slice_update(b, r, row, axes=(2,)) for b, r in zip((*packed, *extra), rows)]
+        if _whole_words(bits, group):
+            rows = _quantized_pair(keys, values, group, bits, shifts)
+        else:
+            codes, scales, minima = quantize_rows(mx.concatenate([keys, values], axis=2), group, bits)
+            (kc, vc), (ks, vs), (km, vm) = (mx.split(x, 2, axis=2) for x in (codes, scales, minima))
+            rows = (kc, ks, km, vc, vs, vm)
+        out = [mx.slice_update(b, r, row, axes=(2,)) for b, r in zip((*packed, *extra), (*rows, *extra_rows))]
         if ring:
             k_ring, v_ring, ring_row = rest[6 + 2 * n_extra :]
             out += [mx.slice_update(k_ring, keys, ring_row, axes=(2,)),
@@ -345,33 +416,45 @@ def _append_pass(bits: int, group: int, n_extra: int, ring: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _attend_pass(bits: int, group: int, scale: float, path: str, ring: bool, ring_full: bool):
+def _attend_pass(bits: int, group: int, scale: float, qmm: bool, ring: bool, ring_full: bool, keys_out: bool):
     """``QuantizedSlots.attend_one``'s pass: (queries, the six packed buffers, positions,
-    rows, ring start[, k_ring, v_ring, ring fill]) -> the attention output. Rows past
-    ``rows`` and the ring's tokens' packed copies (positions >= ring start) are masked."""
+    rows, ring start, slot ids[, k_ring, v_ring, ring fill, ring ids]) -> the attention
+    output (and, with ``keys_out``, the float32 keys it dequantized). Rows past ``rows`` and
+    the ring's tokens' packed copies (positions >= ring start) are masked. ``qmm``: the
+    packed rows read by ``quantized_matmul`` (the CPU), else dequantized in float32 (a GPU).
+    One softmax over the packed rows and the ring; the two products of ``p V`` in one
+    ``addmm``."""
 
-    def attend(queries, kc, ks, kb, vc, vs, vb, positions, rows, ring_start, *rings):
+    def attend(queries, kc, ks, kb, vc, vs, vb, positions, rows, ring_start, slot_ids, zeros, *rings):
         b, hq, _, d = queries.shape
-        room = kc.shape[2]
-        keys = TokenRows(AffineLayout(kc, ks, kb, room, bits, group, "token"))
-        values = TokenRows(AffineLayout(vc, vs, vb, room, bits, group, "token"))
-        h = keys.n_heads
-        q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * scale
-        s = keys.scores(q)
-        hidden = mx.arange(room) >= rows
+        h = kc.shape[1]
+        q = queries.astype(mx.float32).reshape(b, h, hq // h, d)
+        visible = slot_ids < rows
         if ring:
-            hidden = hidden | (positions >= ring_start)
-        s = mx.where(hidden[..., None, :], -float("inf"), s)
-        if not ring:
+            visible = visible & (positions[:, :, None, :] < ring_start)
+        keys = None
+        if qmm:
+            s = mx.quantized_matmul(q * scale, kc, ks, kb, transpose=True, group_size=group, bits=bits)
+            s = mx.where(visible, s, -float("inf"))
+        else:  # the scale and the mask in the product's epilogue: scale q Kᵀ + (0 or -inf)
+            keys = dequantize_rows(kc, ks, kb, group, bits, mx.float32)
+            s = mx.addmm(mx.where(visible, zeros, -float("inf")), q, keys.swapaxes(-1, -2), alpha=scale)
+        if ring:
+            k_ring, v_ring, fill, ring_ids, ring_zeros = rings
+            hidden = ring_zeros if ring_full else mx.where(ring_ids < fill, ring_zeros, -float("inf"))
+            r = mx.addmm(hidden, q, k_ring.astype(mx.float32).swapaxes(-1, -2), alpha=scale)
+            p, p_ring = mx.split(mx.softmax(mx.concatenate([s, r], axis=-1), axis=-1, precise=True),
+                                 [s.shape[-1]], axis=-1)
+        else:
             p = mx.softmax(s, axis=-1, precise=True)
-            return values.mix(p).reshape(b, hq, 1, -1).astype(queries.dtype)
-        k_ring, v_ring, fill = rings
-        r = q @ k_ring.astype(mx.float32).swapaxes(-1, -2)
-        if not ring_full:
-            r = mx.where(mx.arange(k_ring.shape[2]) >= fill, -float("inf"), r)
-        p = mx.softmax(mx.concatenate([s, r], axis=-1), axis=-1, precise=True)
-        o = values.mix(p[..., :room]) + p[..., room:] @ v_ring.astype(mx.float32)
-        return o.reshape(b, hq, 1, -1).astype(queries.dtype)
+        if qmm:
+            o = mx.quantized_matmul(p, vc, vs, vb, transpose=False, group_size=group, bits=bits)
+        else:
+            o = kd.token_mix(p, dequantize_rows(vc, vs, vb, group, bits, mx.float32))
+        if ring:
+            o = mx.addmm(o, p_ring, v_ring.astype(mx.float32))
+        o = o.reshape(b, hq, 1, -1).astype(queries.dtype)
+        return (o, keys) if keys_out else o
 
     return mx.compile(attend)
 
