@@ -40,41 +40,46 @@ def test_a_decode_step_reads_no_array_value_on_the_host(method):
 # H200's counts at 4k (defaults): benchmarks/notes/decode_host_bound.md.
 OVER_GRAPH_BOUND = {
     # reads 3 tiers and its window: dequantization, the Low tier's basis and rotation (8.58 while
-    # it wrote every token into all 3 tiers branchless; 2026-12-05: tiered 32 at a time)
-    "amc": 2.73,
-    # its read (6.40 while it coded each decode row as it came; 2026-12-05: 32 at a time)
-    "spectral": 2.75,
+    # it wrote every token into all 3 tiers branchless; 2.73 tiered 32 at a time, 2026-12-05; one
+    # mask for every part and RoPE in one pass, 2026-12-05)
+    "amc": 1.82,
+    # its read (6.40 while it coded each decode row as it came; 2.75 coding 32 at a time; one unpack
+    # of every code, the QJL correction folded into the basis, views kept between flushes, 2026-12-05)
+    "spectral": 1.61,
     # a compiled read of the merged rows in place (m (q.e)) and the rows held, the second
     # layer's retained table read (2.56 while it merged each decode token; 2026-12-05: 32 at a time)
     "minicache": 1.69,
     # composed (issue 36): h2o's every step dequantizes the kept keys for its accumulated
-    # attention (the float32 score matmul/softmax/mean a layer, which the mass needs bit for bit)
-    "h2o+kivi2": 2.17,
+    # attention (the float32 score matmul/softmax/mean a layer, which the mass needs bit for bit);
+    # the new token quantized in one pass, one mask, the scale in the product (2.17 before, 2026-12-05)
+    "h2o+kivi2": 1.88,
     # each index read from the two words it spans, two gathers a code buffer (2.13 before, with
     # a sum over every word: W times the indices' size over the whole buffer, 6x slower on the
     # H200; benchmarks/notes/serving_batches.md); 2.40 while it coded a token a step
     "vecinfer": 1.90,
-    # its table read counted on the CUDA path (a select an entry; the stub did not reach it before
-    # 2026-12-05: 2.08 was the CPU gather's); the joint read's weights split once (2.13 -> 2.08)
-    "kvquant": 2.08,
-    "palu": 1.75,  # each span's valid rows and each run's per-head basis kept as views between flushes (1.96 before, 2026-12-05)
-    "gear": 1.67,  # one part, outliers written into the dequantized rows, views kept between flushes (2.04 before, 2026-12-05)
+    # its table read counted on the CUDA path (a select an entry); bit planes read in place and
+    # the sinks, run and tail one part (2.08 before, 2026-12-05)
+    "kvquant": 1.61,
+    "palu": 1.73,  # each span's valid rows and each run's per-head basis kept as views between flushes (1.96 before, 2026-12-05)
+    "gear": 1.65,  # one part, outliers written into the dequantized rows, views kept between flushes (2.04 before, 2026-12-05)
     "cachegen": 1.40,  # its read rebuilt in one compiled pass from views kept between flushes (1.98 before, 2026-12-05)
-    "a2ats": 2.04,
-    "nsnquant": 1.96,
+    # lookup tables read from kept views, top-k by one sort of (score, position) keys (2.04 before, 2026-12-05)
+    "a2ats": 1.61,
+    # coded rows rebuilt in the rotated frame in one pass from kept views (1.96 before, 2026-12-05)
+    "nsnquant": 1.50,
     "kvtc": 1.65,  # keys rebuilt channels first, gather indices and views kept between codings (2.02 before, 2026-12-05)
-    "kitty": 1.77,  # 2.06 before its read ran over the buffers' room in one compiled pass (2026-12-05)
+    "kitty": 1.75,  # 2.06 before its read ran over the buffers' room in one compiled pass (2026-12-05)
     "adakv": 1.46,  # planes dequantized in one compiled pass, one unmasked attention (1.92 before, 2026-12-05)
-    "tova+kivi4": 1.94,
-    "snapkv+kivi4": 1.94,
+    "tova+kivi4": 1.67,  # as h2o+kivi2 (1.94 before, 2026-12-05)
+    "snapkv+kivi4": 1.67,
     # one part read under one softmax, views kept between flushes (1.98 before, 2026-12-05)
-    "zipcache": 1.44,
-    "svdq": 1.54,  # as palu, and runs with exact values read as one part (2.04 before, 2026-12-05)
-    "anchorkv": 1.81,
-    "turboquant": 1.54,  # through its kernel (1.75 was its pure path: the stub failed its own self-check)
-    "skvq": 1.44,  # as zipcache (1.77 before, 2026-12-05)
-    # its compiled score step in the heads' own 4-D shapes (1.48 before, 2026-12-05)
-    "keyformer": 1.38,
+    "zipcache": 1.42,
+    "svdq": 1.52,  # as palu, and runs with exact values read as one part (2.04 before, 2026-12-05)
+    "anchorkv": 1.40,  # one reader under one softmax, views kept (1.81 before, 2026-12-05)
+    "turboquant": 1.52,  # through its kernel (1.75 was its pure path: the stub failed its own self-check)
+    "skvq": 1.42,  # as zipcache (1.77 before, 2026-12-05)
+    # its compiled score step in the heads' own 4-D shapes (1.48 before); the position made on the host (2026-12-05)
+    "keyformer": 1.33,
 }
 GRAPH_BOUND = 1.3
 
@@ -90,18 +95,18 @@ GRAPH_BOUND = 1.3
 # rows by one index a row from the flattened buffers (a take of its own), which the H200 ran
 # 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
-    "full": 1.12, "vecinfer": 2.65, "kivi": 1.54, "svdq": 4.10, "kitty": 3.42, "adakv": 6.48,
-    "xquant": 2.24, "kvquant": 6.44, "palu": 4.19, "cachegen": 5.48, "minicache": 2.71,
-    "gear": 8.31, "zipcache": 4.04, "snapkv": 1.27, "streaming_llm": 0.96, "h2o": 1.77,
-    "tova": 2.04, "pyramidkv": 1.18, "squeeze": 1.29, "chunkkv": 1.27, "cam": 3.44, "xkv": 1.36,
-    "nsnquant": 5.58, "knorm": 1.94, "skvq": 2.44, "qfilters": 1.65, "keyformer": 1.80,
-    "morphkv": 2.42, "kvzip": 1.27, "kvtc": 5.25, "curdkv": 1.27, "nestedkv": 1.46,
-    # the flush's tiering of 32 tokens, a scan unrolled in one compiled pass (8.58 a step before)
-    "amc": 14.38,
-    "a2ats": 3.15, "anchorkv": 1.96, "rocketkv": 1.21, "age_tiered": 4.12,
-    # its decode rows coded 32 at a time (2026-12-05; 7.58 before its read's QJL fold, 6.80 coding each row)
-    "spectral": 6.96,
-    "turboquant": 2.52, "snapkv+kivi4": 2.58, "h2o+kivi2": 2.85, "tova+kivi4": 3.12,
+    "full": 1.13, "vecinfer": 2.65, "kivi": 1.54, "svdq": 4.08, "kitty": 3.35, "adakv": 6.48,
+    "xquant": 2.22, "kvquant": 6.38, "palu": 4.17, "cachegen": 5.48, "minicache": 2.71,
+    "gear": 8.29, "zipcache": 4.02, "snapkv": 1.23, "streaming_llm": 0.96, "h2o": 1.67,
+    "tova": 2.00, "pyramidkv": 1.14, "squeeze": 1.25, "chunkkv": 1.23, "cam": 3.40, "xkv": 1.35,
+    "nsnquant": 5.56, "knorm": 1.90, "skvq": 2.42, "qfilters": 1.60, "keyformer": 1.75,
+    "morphkv": 2.42, "kvzip": 1.23, "kvtc": 5.25, "curdkv": 1.23, "nestedkv": 1.42,
+    # the flush's tiering of 32 tokens, a scan unrolled in one compiled pass (8.58 a step before; 14.38 before 2026-12-05's read)
+    "amc": 13.54,
+    "a2ats": 2.77, "anchorkv": 1.52, "rocketkv": 1.17, "age_tiered": 4.12,
+    # its decode rows coded 32 at a time (2026-12-05; 7.58 before its read's QJL fold, 6.80 coding each row, 6.96 before its kept views)
+    "spectral": 6.27,
+    "turboquant": 2.50, "snapkv+kivi4": 2.47, "h2o+kivi2": 2.50, "tova+kivi4": 2.85,
 }
 
 # Cache state that generate_step's loop never evaluates (it is not in the logits' graph),
