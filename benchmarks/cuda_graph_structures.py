@@ -1,0 +1,102 @@
+"""Which CUDA graphs a decode step commits, and whether the next steps meet them again.
+
+MLX's CUDA back-end records a stream's kernels into a graph, commits it every 100 nodes, and
+looks the graph up in a cache keyed by its structure (node kinds, child graphs' nodes,
+edges): a graph whose key was not seen before is instantiated, a millisecond-scale cost
+(``notes/cuda_graphs.md``). This runs one method's decode steps one at a time
+(``MLX_SAVE_CUDA_GRAPHS_DOT_FILE`` set: MLX writes every committed graph), and reports per
+step how many graphs it committed and how many of their structures no earlier decode
+step had. A structure is each node's label with addresses and node numbers removed, in
+order, plus the edges. Steady steps whose graphs keep being new pay an instantiation each.
+
+    MLX_SAVE_CUDA_GRAPHS_DOT_FILE=/tmp/g/cg python benchmarks/cuda_graph_structures.py \
+        --preset llama3-8b --layers 4 --context 4096 --steps 48 --method cachegen
+(one process per method: MLX reads the variable once)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode as bench  # noqa: E402  (imports veloxquant_mlx before mlx)
+
+import mlx.core as mx  # noqa: E402
+
+_NOISE = re.compile(r"0x[0-9a-fA-F]+|graph_\d+_node_\d+|\bnode_\d+\b|\b\d+\\n")
+
+
+def structure(path: str) -> tuple[str, list[str]]:
+    """(a digest of the graph's structure, its kernels' names in order) from a dot file."""
+    text = open(path, errors="replace").read()
+    # plain ("...") or HTML (<...>) labels, whichever the CUDA version writes
+    found = re.findall(r'label\s*=\s*(?:"((?:[^"\\]|\\.)*)"|<(.*?)>\s*[\],;])', text, flags=re.S)
+    labels = [_NOISE.sub("", a or b) for a, b in found]
+    edges = len(re.findall(r"->", text))
+    kernels = [m.replace("\\n", " | ")[:160] for m in labels if m]
+    digest = hashlib.sha1(("\n".join(labels) + f"|{edges}").encode()).hexdigest()[:12]
+    return digest, kernels
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", choices=list(bench.PRESETS))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--method", required=True)
+    ap.add_argument("--keep", type=int, default=6, help="dot files of the first decode steps kept (for reading)")
+    ap.add_argument("--out", required=True, help="a JSON file; kept dot files go beside it")
+    args = ap.parse_args()
+    prefix = os.environ.get("MLX_SAVE_CUDA_GRAPHS_DOT_FILE")
+    if not prefix:
+        ap.error("set MLX_SAVE_CUDA_GRAPHS_DOT_FILE=<dir>/<prefix> (MLX reads it once, at its first commit)")
+    if args.method in bench.implemented_methods():
+        bench.METHODS.setdefault(args.method, bench.KVCacheConfig(method=args.method))
+    model = bench.build_model(args.preset, mx.float16, args.layers)
+    cache, y, _ = bench.start(model, bench.METHODS[args.method], args.context, prefill_repeats=1)
+    mx.eval(y)
+
+    def written():
+        return set(glob.glob(f"{prefix}_*.dot"))
+
+    seen_before = written()
+    for f in seen_before:
+        os.remove(f)
+    known, steps, kept = {}, [], Path(args.out).with_suffix("")
+    kept.mkdir(parents=True, exist_ok=True)
+    for i in range(args.steps):
+        y, _ = bench.step(model, cache, y)  # evaluated: its commits are its own
+        files = sorted(written(), key=lambda f: int(re.search(r"_(\d+)\.dot$", f).group(1)))
+        keys = []
+        for f in files:
+            digest, kernels = structure(f)
+            keys.append(digest)
+            known.setdefault(digest, {"first_step": i, "kernels": kernels})
+            if i < args.keep:
+                os.replace(f, kept / f"step{i:02d}_{Path(f).name}")
+            else:
+                os.remove(f)
+        new = sum(1 for k in keys if known[k]["first_step"] == i)
+        steps.append({"step": i, "graphs": len(keys), "new": new, "keys": keys})
+        print(f"step {i:3d}: {len(keys):3d} graphs, {new:3d} new", flush=True)
+    steady = steps[len(steps) // 3:]
+    report = {"method": args.method, "preset": args.preset, "layers": args.layers, "context": args.context,
+              "graphs_a_step": [s["graphs"] for s in steps], "new_a_step": [s["new"] for s in steps],
+              "distinct": len(known), "steady_new_share": sum(s["new"] for s in steady) /
+              max(1, sum(s["graphs"] for s in steady)), "steps": steps,
+              "structures": known}
+    Path(args.out).write_text(json.dumps(report))
+    print(f"{args.method}: {len(known)} distinct graphs over {args.steps} steps; in the last two thirds "
+          f"{report['steady_new_share']:.0%} of committed graphs were new")
+
+
+if __name__ == "__main__":
+    main()
