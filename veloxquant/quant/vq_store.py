@@ -505,7 +505,7 @@ class CodebookCache(QuantizedCache):
     def sub_dim_problem(cls, config, d_k: int, d_v: int) -> str | None:
         """Why the sub-vector fields do not fit these key and value head_dims, or None."""
         for name, d in zip(cls.sub_dim_fields, (d_k, d_v)):
-            sub = getattr(config.options, name)
+            sub = getattr(config, name)  # the flat field (a decode step asks: no options object)
             if d % sub:
                 allowed = ", ".join(str(s) for s in range(1, d + 1) if d % s == 0)
                 return f"{name}={sub} must divide head_dim={d}; allowed here: {allowed}"

@@ -191,7 +191,7 @@ def flush(cache, keys: mx.array, values: mx.array) -> mx.array:
     """Decode tokens (B, H, n, D), the next after the stored ones, into their tiers: the
     cache's thresholds and saliency window, its store's tiers, counts, flags and host
     counters move as n decode steps of one token each would move them. The tiers taken."""
-    o, store = cache.config.options, cache.store
+    o, store = cache.config, cache.store  # the flat fields (no options object built a flush)
     n, start, w = keys.shape[2], store.length, o.amc_threshold_window
     ks, vs = store.k_tiers, store.v_tiers
     caps = store.step_capacities(n)  # each token's room, from host counters

@@ -97,7 +97,7 @@ class KVTCCache(EntropyCodedCache):
             self._calibration(None)
 
     def update_and_fetch(self, keys, values):
-        _check_budget(self.config.options, keys, values)
+        _check_budget(self.config, keys, values)  # the flat fields: ``options`` builds an object a read
         if self.config.calibration_file and self.kv_shape is None:  # the file meets the keys
             self._calibration((keys.shape[1], keys.shape[-1]))
         return super().update_and_fetch(keys, values)

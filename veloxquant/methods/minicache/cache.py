@@ -74,16 +74,22 @@ FLUSH = 32
 RESERVE_TOKENS = 64
 
 
+@functools.lru_cache(maxsize=256)
+def _pair_groups(compressed: tuple[int, ...], n_layers: int, start_frac: float, size: int):
+    start = math.floor(start_frac * n_layers)
+    return tuple(g for g in consecutive_groups(compressed, size, start) if len(g) == size)
+
+
 class MiniCacheCache(CrossLayer, CompressedKVCache):
     batchable = "per_sequence"  # its merged layer keeps a data-dependent number of retained tokens: two sequences' shapes differ, so no two share a stacked cache (cache/stacked.py)
     requires_attention_hook = True
     owner_position = -1  # the deeper layer merges and keeps the merged directions
 
     def layer_groups(self, compressed, n_layers):
-        o = self.config.options
-        start = math.floor(o.minicache_start_frac * n_layers)
-        size = o.minicache_group_size
-        return [g for g in consecutive_groups(compressed, size, start) if len(g) == size]
+        # asked at every layer's step (``role``, ``owner``): the flat fields, the groups kept
+        # (``config.options`` builds and validates an options object at each read)
+        return _pair_groups(tuple(compressed), n_layers, self.config.minicache_start_frac,
+                            self.config.minicache_group_size)
 
     @property
     def role(self) -> str:
@@ -117,7 +123,7 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
         self._expect_attend()
         self._check_shape(keys, values)
         n, role = keys.shape[2], self.role
-        limit = self.config.options.minicache_max_ctx
+        limit = self.config.minicache_max_ctx
         if role != "alone" and self.offset + n > limit:
             raise ValueError(
                 f"minicache_max_ctx={limit}: layer {self.layer}'s pair would merge "
@@ -271,7 +277,7 @@ class MiniCacheCache(CrossLayer, CompressedKVCache):
         """Decode tokens' pairs merged and their retained pairs written into the reserved
         rows, keys and values in one compiled pass (``decode_step.merge_decode``): the state
         merging them one at a time leaves, bit for bit."""
-        o = self.config.options
+        o = self.config  # the flat fields (no options object built a merge)
         n = own[0].shape[2]
         # one bound on the table's rows for the whole run: no reservation falls inside it
         assert (self._decode_merges + n - 1) // RESERVE_TOKENS == self._decode_merges // RESERVE_TOKENS

@@ -53,7 +53,7 @@ class NSNQuantCache(CodebookCache):
         return NSNStore(NSNCodec(codebook, o.nsn_bits), o.nsn_residual_length, o.nsn_max_ctx)
 
     def update_and_fetch(self, keys, values):
-        cap = self.config.options.nsn_max_ctx
+        cap = self.config.nsn_max_ctx  # the flat field: ``options`` builds an object a read
         if self.offset + keys.shape[2] > cap:
             raise ValueError(f"nsn_max_ctx={cap}: layer {self.layer} holds {self.offset} tokens and "
                              f"{keys.shape[2]} more came; allowed: at most {cap} (raise nsn_max_ctx)")

@@ -127,7 +127,7 @@ class SKVQCache(QuantizedCache):
                                  cache_metadata=None if order is None else {"key_pairs": order.pairs})
 
     def update_and_fetch(self, keys, values):
-        cap = self.config.options.skvq_max_ctx
+        cap = self.config.skvq_max_ctx  # the flat field: ``options`` builds an object a read
         if cap is not None and self.offset + keys.shape[2] > cap:
             raise ValueError(
                 f"skvq_max_ctx={cap}: this update would take the sequence to "

@@ -77,7 +77,7 @@ class ZipCacheKVCache(QuantizedCache):
 
     def update_and_fetch(self, keys, values):
         d_k, d_v = keys.shape[-1], values.shape[-1]
-        o = self.config.options
+        o = self.config  # its flat fields: ``config.options`` builds and validates an object a read
         check_divides(self.group_field, self.group, d_k, d_v)
         for name in ("zipcache_hi_bits", "zipcache_lo_bits"):
             bits = getattr(o, name)
