@@ -43,6 +43,7 @@ is quantized (the paper keeps it in fp16); no selective reconstruction.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import mlx.core as mx
@@ -60,13 +61,15 @@ class XKVCache(CrossLayer, CompressedKVCache):
     requires_attention_hook = True
     max_ctx_covers = "prompt"  # xkv_max_ctx bounds the first prompt; decode tokens are kept exact
 
+    # The fields are read flat from the config (what ``config.options`` is built from): a
+    # decode step reads the groups (through ``group_shared``) and the codec at every layer,
+    # and ``config.options`` builds and validates an options object at each read.
     def layer_groups(self, compressed, n_layers):
-        return consecutive_groups(compressed, self.config.options.xkv_group_size)
+        return _groups(tuple(compressed), self.config.xkv_group_size)
 
     @property
     def codec(self) -> SharedLatentCodec:
-        o = self.config.options
-        return SharedLatentCodec(o.xkv_latent_bits, o.xkv_group_quant_size)
+        return _codec(self.config.xkv_latent_bits, self.config.xkv_group_quant_size)
 
     def _init_storage(self) -> None:
         self._init_cross_layer()
@@ -81,8 +84,9 @@ class XKVCache(CrossLayer, CompressedKVCache):
     def update_and_fetch(self, keys, values):
         self._expect_attend()
         self._check_shape(keys, values)
-        n, limit = keys.shape[2], self.config.options.xkv_max_ctx
-        if not self.n_latent and not self.prompts_done and self.offset + n > limit:
+        n = keys.shape[2]
+        if not self.n_latent and not self.prompts_done and self.offset + n > self.config.xkv_max_ctx:
+            limit = self.config.xkv_max_ctx
             raise ValueError(
                 f"xkv_max_ctx={limit}: layer {self.layer} would hold {self.offset + n} exact "
                 f"prompt keys for its group's SVD; allowed: at most xkv_max_ctx (raise it)")
@@ -192,3 +196,13 @@ class XKVCache(CrossLayer, CompressedKVCache):
             latent = held.codec.decode(held.kept, mx.float32)
             if latent.shape[1:] != (self.n_latent, self.b.shape[1]):
                 yield "shared latent (tokens, rank)", latent.shape[1:], (self.n_latent, self.b.shape[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _codec(bits: int, group: int) -> SharedLatentCodec:
+    return SharedLatentCodec(bits, group)
+
+
+@functools.lru_cache(maxsize=256)
+def _groups(compressed: tuple[int, ...], size: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(consecutive_groups(compressed, size))

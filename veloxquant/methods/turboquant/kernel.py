@@ -34,6 +34,7 @@ import warnings
 import mlx.core as mx
 
 from ...kernels import kivi_decode as kd
+from .codec import _matrices
 
 NT = 128  # threads a block: 4 warps
 TARGET_BLOCKS = 1024  # blocks a launch aims at (several waves of an H200's 132 SMs)
@@ -319,20 +320,26 @@ def _levels(codec, d: int) -> mx.array:
 
 
 def turned_query(queries, keys, scale):
-    """``qm``: (B, H, G, KD) float32, the queries scaled into base 2 and turned by M."""
-    from .codec import _matrices
-
+    """``qm``: (B, H, G, KD) float32, the queries scaled into base 2 and turned by M (a
+    Python scale: one compiled call a step, the cast and the product one pass)."""
     b, hq, _, d = queries.shape
     h = keys.n_heads
+    if isinstance(scale, (int, float)):
+        return _turner(keys.tokens.codec, b, h, hq // h, d, queries.dtype, scale * LOG2E)(queries)
     q = queries.astype(mx.float32).reshape(b, h, hq // h, d) * (scale * LOG2E)
     return q @ _matrices(keys.tokens.codec, d)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _turner(codec, b: int, h: int, g: int, d: int, dtype, factor: float):
+    """``turned_query`` for queries (b, h * g, 1, d) of ``dtype``, compiled, M a constant."""
+    m = _matrices(codec, d)[0]
+    return mx.compile(lambda q: (q.astype(mx.float32).reshape(b, h, g, d) * factor) @ m)
 
 
 def launch_partials(backend, queries, keys, values, scale):
     """The kernel's partials over the packed rows, turned back into the model's frame:
     (o (B*Hq, S, D) unnormalised, ml (B*Hq, S, 2))."""
-    from .codec import _matrices
-
     o, ml = _kernel(backend)(**launch_args(keys, values, turned_query(queries, keys, scale)))
     d = queries.shape[-1]
     return o @ _matrices(values.tokens.codec, d)[1], ml
