@@ -60,8 +60,8 @@ def _event_caches(n_layers=4):
 
 
 def test_groups_are_consecutive_runs_of_the_compressed_layers():
-    assert consecutive_groups((0, 1, 2, 3, 4), 2) == [(0, 1), (2, 3), (4,)]
-    assert consecutive_groups((0, 2, 3, 5, 6), 2, start=3) == [(3, 5), (6,)]
+    assert consecutive_groups((0, 1, 2, 3, 4), 2) == ((0, 1), (2, 3), (4,))
+    assert consecutive_groups((0, 2, 3, 5, 6), 2, start=3) == ((3, 5), (6,))
     caches = _event_caches(5)
     assert [c.layer_group for c in caches] == [(0, 1), (0, 1), (2, 3), (2, 3), (4,)]
     assert caches[1].owner is caches[0] and caches[0].is_owner and not caches[1].is_owner

@@ -60,4 +60,4 @@ def test_the_flat_fields_are_the_options(monkeypatch):
         assert c.layer_group == (c.layer - c.layer % o.xkv_group_size,
                                  c.layer - c.layer % o.xkv_group_size + 1)
         assert c.group_shared is caches[c.layer - c.layer % o.xkv_group_size].shared
-    assert xkv._groups((0, 1, 2), 2) == ((0, 1), (2,))
+    assert xkv.consecutive_groups((0, 1, 2), 2) == ((0, 1), (2,))

@@ -46,6 +46,8 @@ the ones a load waits for.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import uuid
 import weakref
@@ -59,11 +61,16 @@ LINK_KEY = "cross_layer_link"  # the context's id in ``ModelContext.shared``
 _ASSEMBLING: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 
 
-def consecutive_groups(layers, size: int, start: int = 0) -> list[tuple[int, ...]]:
+def consecutive_groups(layers, size: int, start: int = 0) -> tuple[tuple[int, ...], ...]:
     """``layers`` (increasing) from index ``start`` on, cut into runs of ``size``; the last
-    run may be shorter."""
+    run may be shorter. Kept per arguments: a decode step asks for its layer's group."""
+    return _consecutive_groups(tuple(layers), size, start)
+
+
+@functools.lru_cache(maxsize=256)
+def _consecutive_groups(layers: tuple[int, ...], size: int, start: int) -> tuple[tuple[int, ...], ...]:
     kept = [i for i in layers if i >= start]
-    return [tuple(kept[i : i + size]) for i in range(0, len(kept), size)]
+    return tuple(tuple(kept[i : i + size]) for i in range(0, len(kept), size))
 
 
 class SharedArrays:

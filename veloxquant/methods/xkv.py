@@ -65,7 +65,7 @@ class XKVCache(CrossLayer, CompressedKVCache):
     # decode step reads the groups (through ``group_shared``) and the codec at every layer,
     # and ``config.options`` builds and validates an options object at each read.
     def layer_groups(self, compressed, n_layers):
-        return _groups(tuple(compressed), self.config.xkv_group_size)
+        return consecutive_groups(compressed, self.config.xkv_group_size)
 
     @property
     def codec(self) -> SharedLatentCodec:
@@ -202,7 +202,3 @@ class XKVCache(CrossLayer, CompressedKVCache):
 def _codec(bits: int, group: int) -> SharedLatentCodec:
     return SharedLatentCodec(bits, group)
 
-
-@functools.lru_cache(maxsize=256)
-def _groups(compressed: tuple[int, ...], size: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(consecutive_groups(compressed, size))

@@ -35,6 +35,7 @@ the stored keys are the pages (no copy; the official code keeps a transposed one
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -68,25 +69,75 @@ def approximate_logits(queries, pages, r):
     t_j (B, Hkv, G, 1) and I1 (B, Hkv, r, 1). queries (B, Hq, 1, D); ``pages`` (B, Hkv, 2D,
     pages): each page's min key over its D rows, then its max (D rows: single-token pages,
     the keys themselves)."""
-    b, hq, _, d = queries.shape
-    hkv = pages.shape[1]
-    q = queries.reshape(b, hkv, hq // hkv, d).astype(mx.float32)
-    magnitude = mx.abs(q)
-    dims = mx.argpartition(-magnitude.sum(axis=2), kth=r - 1, axis=-1)[..., :r]  # I1
-    q_r = mx.take_along_axis(q, dims[:, :, None], axis=-1)  # (B, Hkv, G, r)
-    index = dims if pages.shape[2] == d else dims + d * (q_r.sum(axis=2) > 0)  # max if the group leans up
-    proxy = mx.take_along_axis(pages, index[..., None], axis=2).astype(mx.float32)  # (B, Hkv, r, pages)
-    t = mx.sqrt(d * mx.abs(q_r).sum(-1, keepdims=True) / mx.maximum(magnitude.sum(-1, keepdims=True), 1e-30))
-    return q_r @ proxy, mx.maximum(t, 1e-30), dims[..., None]
+    q_r, index, t, dims = _query_side(pages.shape[1], r, pages.shape[2] == queries.shape[-1])(queries)
+    proxy = mx.take_along_axis(pages, index, axis=2).astype(mx.float32)  # (B, Hkv, r, pages)
+    return q_r @ proxy, t, dims
+
+
+@functools.lru_cache(maxsize=None)
+def _query_side(hkv: int, r: int, keys_are_pages: bool):
+    """What the approximate logits take of the query alone, compiled (one call for some
+    twenty operations a step; the query's shape is the same at every step, so it is
+    traced once): q_j[I1] (B, Hkv, G, r) float32, the proxy rows to gather (B, Hkv, r, 1),
+    the temperature t_j (B, Hkv, G, 1) and I1 (B, Hkv, r, 1)."""
+
+    def side(queries):
+        b, hq, _, d = queries.shape
+        q = queries.reshape(b, hkv, hq // hkv, d).astype(mx.float32)
+        magnitude = mx.abs(q)
+        dims = mx.argpartition(-magnitude.sum(axis=2), kth=r - 1, axis=-1)[..., :r]  # I1
+        q_r = mx.take_along_axis(q, dims[:, :, None], axis=-1)  # (B, Hkv, G, r)
+        index = dims if keys_are_pages else dims + d * (q_r.sum(axis=2) > 0)  # max if the group leans up
+        t = mx.sqrt(d * mx.abs(q_r).sum(-1, keepdims=True) / mx.maximum(magnitude.sum(-1, keepdims=True), 1e-30))
+        return q_r, index[..., None], mx.maximum(t, 1e-30), dims[..., None]
+
+    return mx.compile(side)
 
 
 def page_scores(queries, pages, r, counts) -> mx.array:
     """sum over a KV group's queries of the approximate softmax of one token of each page
     (a page's logit stands for each of its ``counts`` tokens): (B, Hkv, pages)."""
-    x, t, _ = approximate_logits(queries, pages, r)
-    logits = x / t
+    q_r, index, t, _ = _query_side(pages.shape[1], r, pages.shape[2] == queries.shape[-1])(queries)
+    return _page_scores(q_r, index, t, pages, counts)
+
+
+def _page_scores(q_r, index, t, pages, counts) -> mx.array:
+    proxy = mx.take_along_axis(pages, index, axis=2).astype(mx.float32)  # (B, Hkv, r, pages)
+    logits = (q_r @ proxy) / t
     lse = mx.logsumexp(logits + mx.log(counts.astype(mx.float32)), axis=-1, keepdims=True)
     return mx.exp(logits - lse).sum(axis=2)
+
+
+@mx.compile
+def _opened_page(key):
+    """A page of one token (B, Hkv, 2D, 1): its key as both the min and the max."""
+    column = key.swapaxes(-1, -2)  # (B, Hkv, D, 1)
+    return mx.concatenate([column, column], axis=2)
+
+
+@mx.compile
+def _joined_page(page, key):
+    """The last page (B, Hkv, 2D, 1) with the token's key joined to its min and max."""
+    column = key.swapaxes(-1, -2)
+    d = column.shape[2]
+    return mx.concatenate([mx.minimum(page[:, :, :d], column), mx.maximum(page[:, :, d:], column)], axis=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _page_slots(p: int, repeats: int, masked: bool):
+    """The stored slots of the chosen pages (B, Hkv, n P, 1), compiled (the chosen pages'
+    shape is the same at every step); ``masked`` (the last page not full): also the mask
+    of the slots up to the ``rows`` stored (B, Hq, 1, n P), the slots past them clamped to
+    the last."""
+
+    def slots_of(pages, rows=None):
+        slots = (pages[..., None] * p + mx.arange(p)).reshape(*pages.shape[:2], -1)
+        if not masked:
+            return slots[..., None]
+        mask = mx.repeat((slots < rows)[:, :, None], repeats, axis=1)
+        return mx.minimum(slots, rows - 1)[..., None], mask
+
+    return mx.compile(slots_of)
 
 
 class RocketKVCache(ScoredEvictionCache):
@@ -154,14 +205,11 @@ class RocketKVCache(ScoredEvictionCache):
     def _extend_pages(self, rows: int, key: mx.array) -> None:
         """The token written at slot ``rows`` joins the last page, or opens a new one."""
         p = self.plan[0]
-        column = key.swapaxes(-1, -2)  # (B, Hkv, D, 1)
         if p > 1 and rows % p == 0:
-            self.pages.append(mx.concatenate([column, column], axis=2))
+            self.pages.append(_opened_page(key))
         elif p > 1:
-            d, buffer, last = column.shape[2], self.pages.buffer, self.pages.length - 1
-            page = buffer[..., last : last + 1]
-            buffer[..., last : last + 1] = mx.concatenate(
-                [mx.minimum(page[:, :, :d], column), mx.maximum(page[:, :, d:], column)], axis=2)
+            buffer, last = self.pages.buffer, self.pages.length - 1
+            buffer[..., last : last + 1] = _joined_page(buffer[..., last : last + 1], key)
         self.paged_rows = rows + 1
 
     # -- stage 2, at a decode step: attend to the chosen pages' tokens --------------------------
@@ -189,19 +237,18 @@ class RocketKVCache(ScoredEvictionCache):
             return None
         pages = keys.swapaxes(-1, -2) if p == 1 else self.pages.view()
         counts = mx.minimum(rows - p * mx.arange(n_pages), p)
-        scores = page_scores(queries, pages, r, counts)
-        return mx.argpartition(-scores, kth=n - 1, axis=-1)[..., :n]
+        q_r, index, t, _ = _query_side(pages.shape[1], r, pages.shape[2] == queries.shape[-1])(queries)
+        return mx.argpartition(-_page_scores(q_r, index, t, pages, counts), kth=n - 1, axis=-1)[..., :n]
 
     def gather_pages(self, pages, keys, values, n_heads):
         """The chosen pages' keys and values (B, Hkv, n P, D) and the mask that hides the
         slots past the last token (None when the last page is full)."""
         p, rows = self.plan[0], keys.shape[2]
-        slots = (pages[..., None] * p + mx.arange(p)).reshape(*pages.shape[:2], -1)
         mask = None
         if rows % p:
-            mask = mx.repeat((slots < rows)[:, :, None], n_heads // keys.shape[1], axis=1)
-            slots = mx.minimum(slots, rows - 1)
-        index = slots[..., None]
+            index, mask = _page_slots(p, n_heads // keys.shape[1], True)(pages, mx.array(rows))
+        else:
+            index = _page_slots(p, 1, False)(pages)
         return mx.take_along_axis(keys, index, axis=2), mx.take_along_axis(values, index, axis=2), mask
 
     # -- storage and state ---------------------------------------------------------------------

@@ -28,6 +28,7 @@ from ...quant.affine import _MIN_SCALE, packed_length, unpack_codes
 from ...quant.packed import GROWTH_TOKENS, AffineLayout, GroupAffine, PackedTokens
 from ...quant.residual import ResidualScores
 from ...quant.store import QuantizedKVStore
+from ...quant.token_rows import ReadViews
 
 
 class BorrowedCodes:
@@ -38,6 +39,7 @@ class BorrowedCodes:
         self.scales = GrowingArray(axis=codec.append_axis, step=step)
         self.biases = GrowingArray(axis=codec.append_axis, step=step)
         self.residual = None if residual is None else PackedTokens(residual, step_tokens)
+        self._views = ReadViews()  # the decode layout, kept until a buffer or a count changes
 
     @property
     def count(self) -> int:
@@ -91,6 +93,15 @@ class BorrowedCodes:
         return x.astype(dtype)
 
     def layout(self, empty: mx.array):
+        """What a decode step reads: whole buffers (their objects, which writes in place
+        keep), so it is built again only when a buffer is replaced or a count changes."""
+        codes, r = self.source().codes, self.residual
+        key = (codes.buffer, self.scales.buffer, self.biases.buffer, self.scales.length, empty)
+        if r is not None:
+            key += (r.codes.buffer, r.scales.buffer, r.biases.buffer, r.codes.length, r.scales.length)
+        return self._views.get(self, key, lambda: self._layout(empty))
+
+    def _layout(self, empty: mx.array):
         base = self._base(empty)
         if self.residual is None:
             return base

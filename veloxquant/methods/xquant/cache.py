@@ -43,7 +43,9 @@ class XQuantCache(CrossLayer, QuantizedCache):
     group_field = "xquant_group_quant_size"
 
     def layer_groups(self, compressed, n_layers):
-        return consecutive_groups(compressed, self.config.options.xquant_group_size)
+        # the flat field, not ``config.options`` (which builds and validates an options
+        # object at each read; the group is looked up at every step: the groups are kept)
+        return consecutive_groups(compressed, self.config.xquant_group_size)
 
     def _init_storage(self) -> None:
         self._init_cross_layer()
@@ -78,7 +80,7 @@ class XQuantCache(CrossLayer, QuantizedCache):
         self.store = self.make_store()  # a restored layer learns its role from its context
 
     def update_and_fetch(self, keys, values):
-        limit = self.config.options.xquant_max_ctx
+        limit = self.config.xquant_max_ctx  # the flat field: config.options validates at each read
         if len(self.layer_group) > 1 and self.offset + keys.shape[2] > limit:
             raise ValueError(
                 f"xquant_max_ctx={limit}: layer {self.layer}'s group would share codes for "
