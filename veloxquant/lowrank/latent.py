@@ -85,7 +85,7 @@ import mlx.core as mx
 from ..cache.buffers import GrowingArray
 from ..cache.calibration import batch_rows, layer_calibration
 from ..kernels import kivi_decode as kd
-from ..kernels.decode import DecodePart
+from ..kernels.decode import DecodePart, scaled_queries
 from ..quant.affine import SUPPORTED_BITS
 from ..quant.cache import QuantizedCache
 from ..quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
@@ -229,9 +229,13 @@ class LatentTokens:
         """What a decode step reads of each stored span: its valid tokens (views of the
         buffers, in the layout the step's path reads), built when the segments change (a
         flush, a restore) and kept until then: a step slices nothing of the history."""
+        return self._span_reads()[0]
+
+    def _span_reads(self) -> tuple[list["_SpanRead"], list[int]]:
+        """``_span_views`` and where the folded query is cut into their channels."""
         path = kd._pure_path()
         key = (self.flushed, path, *[g.buffer for g in self._stored])
-        return self._views.get(self, key, lambda: [_SpanRead.of(self, i, seg, path) for i, seg in self.spans])
+        return self._views.get(self, key, lambda: _span_reads(self, path))
 
     def basis_views(self, basis: mx.array, mean: mx.array, g: int, rows: int) -> "_BasisRead":
         """The run's basis and mean in the layouts a decode step reads (views, kept while the
@@ -243,8 +247,8 @@ class LatentTokens:
         """(B, G, R, count) float32 ``qf Lᵀ`` for folded float32 queries (B, G, R, r)."""
         out = []
         if self.flushed:
-            spans = self._span_views()
-            qs = mx.split(qf, [sp.start for sp in spans[1:]], axis=-1) if len(spans) > 1 else [qf]
+            spans, cuts = self._span_reads()
+            qs = mx.split(qf, cuts, axis=-1) if cuts else [qf]
             s = None
             for q, sp in zip(qs, spans):  # one split of the query, its pieces summed in place
                 s = sp.scores(s, q, self.group)
@@ -317,6 +321,11 @@ class LatentTokens:
                 yield f"{name} latent segment {i} tokens", found, self.flushed
             elif channels is not None and channels != seg.stop - seg.start:
                 yield f"{name} latent segment {i} channels", channels, seg.stop - seg.start
+
+
+def _span_reads(tokens: LatentTokens, path: str) -> tuple[list["_SpanRead"], list[int]]:
+    spans = [_SpanRead.of(tokens, i, seg, path) for i, seg in tokens.spans]
+    return spans, [sp.start for sp in spans[1:]]
 
 
 @functools.lru_cache(maxsize=None)
@@ -748,6 +757,33 @@ class LatentStore(PackedStore):
         v = (_ungroup(self.values.dense(), g) if self.values is not None else self.v_exact.view()).astype(dtype)
         return k, v
 
+    def attend_parts(self, queries, *, scale, use_kernel, n_kv_heads: int) -> mx.array:
+        """A decode step's attention. One run (no refit yet, the steady state) is one part
+        that no kernel reads: what ``kernels/decode.py``'s joint softmax does with it (the same
+        operations in the same order), without building the parts and dispatching on them
+        each step; otherwise the general reading."""
+        runs = self.keys.runs
+        if len(runs) != 1 or not runs[0].tokens.count:
+            return super().attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+        run, g = runs[0], self.heads_per_group
+        q = scaled_queries(queries, n_kv_heads, scale)
+        b, h, rq, _ = q.shape
+        views = run.tokens.basis_views(run.basis, run.mean, g, rq)
+        qf = q @ views.basis
+        if g > 1:
+            qf = qf.reshape(b, h // g, g * rq, -1)  # (B, G, g*R, r)
+        # the softmax is row by row: taken in the groups' layout, where the value latents
+        # are mixed, it spares the scores' and the weights' reshapes
+        p = mx.softmax(run.tokens.scores(qf), axis=-1)
+        if self.values is None:
+            o = kd.token_mix(p if g == 1 else p.reshape(b, h, rq, -1), self.v_exact.view().astype(mx.float32))
+        else:
+            r = self.values.runs[0]
+            pl = r.tokens.mix(p)
+            views = r.tokens.basis_views(r.basis, r.mean, g, rq)
+            o = mx.addmm(views.mean_rows, pl if g == 1 else pl.reshape(b, h, rq, -1), views.basis_t)
+        return o.reshape(queries.shape).astype(queries.dtype)
+
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         """One part per run (a run's keys and values were coded at the same steps); values
         kept exactly are one part with every run's keys (``_RunKeys``): one product reads them."""
@@ -871,7 +907,8 @@ class LatentCache(QuantizedCache):
 
     def update_and_fetch(self, keys, values):
         store = self.store
-        store.n_groups = self.head_groups(self.config, keys.shape[1])
+        if store.heads_per_group is None:  # read once: the first commit fixes the groups
+            store.n_groups = self.head_groups(self.config, keys.shape[1])
         if self.config.calibration_file and not store.fitted and store.calibrated is None:
             store.calibrated = self._calibration((keys.shape[1], keys.shape[-1]))
         return super().update_and_fetch(keys, values)
