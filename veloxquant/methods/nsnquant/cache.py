@@ -29,8 +29,7 @@ Attention: a prompt chunk attends over the decoded history plus itself; a decode
 one part read through ``NSNKeys`` and ``NSNValues`` (query rotated once, chunk means scored
 once per chunk, centroids gathered by index; at 1 bit, key scores through lookup tables),
 the tail as its full-precision rows: the pure-MLX path on every device (no fused kernel
-reads codebooks). Once chunks are coded, a decode step reads the same sums in the rotated
-frame, from views of the codes kept between flushes (``NSNStore._steady_read``).
+reads codebooks).
 """
 
 from __future__ import annotations

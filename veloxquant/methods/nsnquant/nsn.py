@@ -33,11 +33,6 @@ scores go through lookup tables (``vq.lookup_scores``); at 2 bits the signs diff
 token, so the centroids are gathered by index and signed. Each read is one compiled pass
 over the buffers' whole room (rows past the count are zeros: their scores are cut off,
 their weights are zero), so a step's shapes change only when the buffers grow.
-
-A steady decode step (``NSNStore.decode_attention`` once chunks are coded) reads the same sums
-reassociated, in fewer graph nodes (the section before ``NSNStore``): each coded token rebuilt
-in the rotated frame, ``s1 (s2 y_hat + o H)``, in one fused pass over views of the valid rows
-kept between flushes, ``q . x_hat = (q H) . (x_hat H)`` and ``p X_hat = (p (X_hat H)) H``.
 """
 
 from __future__ import annotations
@@ -48,13 +43,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from ...cache.buffers import GrowingArray
 from ...kernels.decode import DecodePart
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.store import WINDOW_STEP, PackedStore, joined_history
-from ...quant.token_rows import ReadViews
 from ...quant.vq import gather_centroids, index_words, kmeans, lookup_scores, nearest, pack_indices, rotate, unpack_indices
 
 UNIVERSAL_SAMPLES = 1 << 16  # N(0, I) samples the universal codebook is fitted on (at least 16 a centroid)
@@ -307,120 +300,6 @@ class NSNValues(_NSNReader):
             p, idx, sign, norms, means, t.codec.codebook, *_sign_tables())
 
 
-
-# -- the steady decode step, in few graph nodes ------------------------------------------------
-# ``NSNStore.decode_attention`` once chunks are coded: the joint softmax of ``kernels/decode.py``
-# over the coded part (``NSNKeys``, ``NSNValues``) and the tail, reassociated so that a step's
-# graph holds few nodes (issue 30's guard):
-# - every coded token is rebuilt in the rotated frame in one fused pass over the valid rows,
-#   ``x_hat H = s1 (s2 y_hat + o H)`` (keys and values alike), from views of the code buffers laid
-#   out (chunk, token in chunk, sub-vector, 1, channel in sub-vector), so that the gathered
-#   centroids, each sub-vector's sign bits, the per-token norms and the per-chunk rotated mean
-#   broadcast against each other with no per-step reshape; ``q . x_hat = (q H) . (x_hat H)``: the
-#   query is rotated once (the softmax scale folded into the rotation), no per-chunk repeat, and
-#   ``p X_hat = (p (X_hat H)) H``: one rotation of the output;
-# - the views (``_CodedViews``) are kept between flushes (``ReadViews``), so a step slices,
-#   views and reshapes none of the stored buffers;
-# - the tail is read over its whole buffer (fewer than R rows of room), its rows past the count
-#   masked by a constant bias added in the scores' product (``mx.addmm``, the scale its alpha),
-#   and its values added to the output in one ``addmm``.
-
-
-@dataclass(frozen=True)
-class _CodedViews:
-    """A tensor's coded tokens as the steady step reads them (views of its buffers, no bytes
-    of their own): indices (B, H, C, R, n, 1), sign words (B, H, C, R, n, 1, 1) of one
-    sub-vector's width (None at 1 bit), s1 and s2 (B, H, C, R, 1, 1, 1) float16, the chunk
-    means (B, H, C, D) float16."""
-
-    idx: mx.array
-    sign: mx.array | None
-    s1: mx.array
-    s2: mx.array
-    means: mx.array
-
-
-_SIGN_WORDS = {8: mx.uint8, 16: mx.uint16, 32: mx.uint32}
-
-
-def _steady_reads(codec: NSNCodec, head_dims: tuple[int, int]) -> bool:
-    """Whether the steady step reads this codec's tokens: at 2 bits (the signs differ per
-    token, so ``decode_parts`` gathers every centroid too), byte-wide indices, a sub-vector's
-    signs one word of 8, 16 or 32 bits. At 1 bit ``decode_parts``' lookup tables score the
-    keys with less device work than rebuilding every row, so they keep that read."""
-    return (codec.bits == 2 and codec.index_bits in (8, 16)
-            and all(d % codec.sub_dim == 0 for d in head_dims) and codec.sub_dim in _SIGN_WORDS)
-
-
-def _coded_views(tokens: NSNTokens, head_dim: int) -> _CodedViews:
-    """``_CodedViews`` of the ``count`` coded tokens: each buffer reshaped whole (contiguous)
-    to the read's rank, then sliced to the count (views, never copies; few operations: they
-    are built in the step that flushes)."""
-    codec, r, n = tokens.codec, tokens.chunk, tokens.count
-    c, sub = n // r, head_dim // codec.sub_dim
-
-    def chunked(x, *trailing):
-        """(B, H, cap, W) -> (B, H, c, R, W, *trailing) cut to the coded chunks."""
-        b, h, cap, w = x.shape
-        if cap % r:  # whole chunks first (a strided view: MLX reshapes it without a copy)
-            x, cap = x[:, :, :n], n
-        return x.reshape(b, h, cap // r, r, w, *trailing)
-
-    def cut(x, width):
-        return x if x.shape[2] == c and x.shape[4] == width else x[:, :, :c, :, :width]
-
-    idx = cut(chunked(mx.view(tokens.idx.buffer, mx.uint8 if codec.index_bits == 8 else mx.uint16), 1), sub)
-    sign = None
-    if codec.bits == 2:
-        sign = cut(chunked(mx.view(tokens.sign.buffer, _SIGN_WORDS[codec.sub_dim]), 1, 1), sub)
-    norms = chunked(tokens.norms.buffer, 1, 1)
-    s1, s2 = norms[:, :, :c, :, 0:1], norms[:, :, :c, :, 1:2]
-    means = tokens.mean.buffer
-    return _CodedViews(idx, sign, s1, s2, means if means.shape[2] == c else means[:, :, :c])
-
-
-@functools.lru_cache(maxsize=None)
-def _sign_shifts(sub_dim: int) -> mx.array:
-    """The bit positions of a sub-vector's sign word (a constant of the process)."""
-    return mx.array(np.arange(sub_dim), dtype=_SIGN_WORDS[sub_dim])
-
-
-def _signed_rows(y, sign, shifts, s1, s2, o):
-    negative = ((sign >> shifts) & 1).astype(mx.float32)
-    return s1.astype(mx.float32) * (s2.astype(mx.float32) * (y * (1.0 - 2.0 * negative)) + o)
-
-
-def _unsigned_rows(y, s1, s2, o):
-    return s1.astype(mx.float32) * (s2.astype(mx.float32) * y + o)
-
-
-# one fused pass each (traced again when the coded tokens' count changes, at a flush: a
-# shapeless trace would not fuse the broadcasts)
-_signed_rows_fn = mx.compile(_signed_rows)
-_unsigned_rows_fn = mx.compile(_unsigned_rows)
-
-
-def _rotated_rows(v: _CodedViews, codebook: mx.array, head_dim: int) -> mx.array:
-    """The coded tokens rebuilt in the rotated frame, ``s1 (s2 y_hat + o H)``: (B, H, T, D)
-    float32, one gather and one fused pass (the chunk means rotated once a step)."""
-    b, h, c, r, sub, _ = v.idx.shape
-    y = mx.take(codebook, v.idx, axis=0)  # (B, H, C, R, n, 1, s)
-    o = rotate(v.means).reshape(b, h, c, 1, sub, 1, codebook.shape[1])
-    if v.sign is None:
-        rows = _unsigned_rows_fn(y, v.s1, v.s2, o)
-    else:
-        rows = _signed_rows_fn(y, v.sign, _sign_shifts(codebook.shape[1]), v.s1, v.s2, o)
-    return rows.reshape(b, h, c * r, head_dim)
-
-
-@functools.lru_cache(maxsize=256)
-def _tail_bias(shape: tuple[int, ...], held: int) -> mx.array:
-    """(B, H, R, room) float32: 0 over the tail's ``held`` rows, -inf past them (built on the
-    host: a constant with no graph behind it)."""
-    row = np.where(np.arange(shape[-1]) < held, 0.0, -np.inf).astype(np.float32)
-    return mx.array(np.ascontiguousarray(np.broadcast_to(row, shape)))
-
-
 class NSNStore(PackedStore):
     """Keys and values NSN-coded in chunks of ``chunk`` tokens, the incomplete chunk in
     full precision; at most ``limit`` tokens (the buffers stop growing there)."""
@@ -433,7 +312,6 @@ class NSNStore(PackedStore):
         self.v_tail = GrowingArray(step=min(WINDOW_STEP, chunk), limit=chunk, geometric=True)
         self.dims: tuple[int, int] | None = None
         self.codebook_shape = tuple(codec.codebook.shape)  # what the options ask for
-        self._views = ReadViews()  # the steady step's views of the coded tokens (``_CodedViews``)
 
     @property
     def length(self) -> int:
@@ -449,7 +327,6 @@ class NSNStore(PackedStore):
         k = keys if not self.k_tail.length else mx.concatenate([self.k_tail.view(), keys], axis=2)
         v = values if not self.v_tail.length else mx.concatenate([self.v_tail.view(), values], axis=2)
         whole = k.shape[2] // self.chunk * self.chunk
-        self._views.clear()  # the coded buffers are written in place: no view may hold them
         self.keys.append(k[:, :, :whole])
         self.values.append(v[:, :, :whole])
         self.k_tail.truncate(0)
@@ -457,45 +334,6 @@ class NSNStore(PackedStore):
         if whole < k.shape[2]:
             self.k_tail.append(k[:, :, whole:])
             self.v_tail.append(v[:, :, whole:])
-
-    def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
-        """A decode step: ``commit``, then, once chunks are coded, the steady read (see above:
-        ``decode_parts``' joint softmax, reassociated); before, or for codecs it does not read,
-        through ``decode_parts``."""
-        self.commit(keys, values)
-        codec = self.keys.codec
-        if not self.keys.count or not _steady_reads(codec, self.dims) or queries.shape[1] % keys.shape[1]:
-            return self.attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=keys.shape[1])
-        return self._steady_read(queries, scale)
-
-    def _views_now(self) -> tuple[_CodedViews, _CodedViews]:
-        k, v = self.keys, self.values
-        key = (k.idx.buffer, k.sign.buffer, k.norms.buffer, k.mean.buffer, v.idx.buffer, v.sign.buffer,
-               v.norms.buffer, v.mean.buffer, k.count, v.count, *self.dims)
-        return self._views.get(self, key, lambda: (_coded_views(k, self.dims[0]), _coded_views(v, self.dims[1])))
-
-    def _steady_read(self, queries, scale) -> mx.array:
-        """The step's attention output over the coded tokens and the tail, (B, Hq, 1, D_v)."""
-        (d_k, d_v), (b, hq) = self.dims, queries.shape[:2]
-        codebook = self.keys.codec.codebook
-        keys, values = self._views_now()
-        h = keys.idx.shape[1]
-        q = queries.astype(mx.float32).reshape(b, h, hq // h, d_k)
-        qh = mx.hadamard_transform(q, scale=scale * d_k**-0.5)  # (q H) scale
-        scores = qh @ _rotated_rows(keys, codebook, d_k).swapaxes(-1, -2)
-        held = self.k_tail.length
-        if held:  # (the tails grow together: their buffers have the same room)
-            k_tail, v_tail = self.k_tail.buffer, self.v_tail.buffer
-            bias = _tail_bias((b, h, hq // h, k_tail.shape[2]), held)
-            tail = mx.addmm(bias, q, k_tail.astype(mx.float32).swapaxes(-1, -2), alpha=scale)
-            p, p_tail = mx.split(mx.softmax(mx.concatenate([scores, tail], axis=-1), axis=-1),
-                                 [scores.shape[-1]], axis=-1)
-        else:
-            p = mx.softmax(scores, axis=-1)
-        out = rotate(p @ _rotated_rows(values, codebook, d_v))
-        if held:
-            out = mx.addmm(out, p_tail, v_tail.astype(mx.float32))
-        return out.reshape(b, hq, 1, d_v).astype(queries.dtype)
 
     def history(self, dtype):
         parts_k, parts_v = [], []

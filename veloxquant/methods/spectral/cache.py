@@ -52,8 +52,8 @@ A configuration of the eigenbasis store (``methods/spectral/eigen_store.py``). P
    an unbiased estimate of ``q_sem · r_sem`` (tests/test_spectral.py measures it);
    ``S`` is seeded by the layer index.
 5. **Attention** is the cache's: decode scores ``q · k̂ + sqrt(π/2)/e ‖r‖ (S q_sem)·signs``
-   over the packed rows (``EigenRead``, pure MLX on every device, a block of the history
-   at a time, its views of the stored arrays kept between flushes); a prompt chunk after the first uses the same corrected scores over the
+   over the packed rows (``EigenScores``, pure MLX on every device, a block of the history
+   at a time); a prompt chunk after the first uses the same corrected scores over the
    history. Post-RoPE keys and all values are read in the rotated frame (no per-token
    rotation); pre-RoPE keys must be rotated back and re-RoPE'd at every step, one (D x D)
    product over the history (the QJL term folded into it). CPU cost against kivi:

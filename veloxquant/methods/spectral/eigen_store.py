@@ -43,9 +43,6 @@ rides in the same product: ``(S q_sem) · sign = q_sem · (Sᵀ sign)``, so it i
 step's few query rows the norms scale the (R, n) scores and weights instead of the (n, D)
 coordinates. The history is read a block at a time (``read_block``), each block after the
 previous one's result, so a step's float32 transients are a block's at any length or batch.
-A decode step reads through ``EigenRead`` (the same arithmetic, the QJL signs as e more
-coordinates of each row and the basis extended by the sketch, views kept between flushes);
-``EigenScores`` serves prompt chunks and ``qjl=False``.
 """
 
 from __future__ import annotations
@@ -56,7 +53,6 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from ...cache.buffers import GrowingArray
 from ...cache.calibration import batch_rows
@@ -65,10 +61,9 @@ from ...kernels.kivi_decode import token_mix
 from ...lowrank.factors import sample_rows
 from ...quant import codebook as cb
 from .bitfields import pack_fields, read_codes, row_words
-from ...quant.packed import GROWTH_TOKENS, field_arrays
+from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import from_pre_rope_channels, rotary_angles, to_pre_rope
 from ...quant.store import VALUE_ROOM, PackedStore, paced
-from ...quant.token_rows import ReadViews
 
 RANGE_SIGMAS = 6.0  # the quadrature range, in σ (the repo starts its search on ±3.5σ; wider keeps the tails)
 GRID_POINTS = 16384  # quadrature points of the Gaussian density over that range
@@ -78,13 +73,11 @@ QJL_SCALE = math.sqrt(math.pi / 2)
 HISTORY_BLOCK_SCORES = 1 << 26  # float32 scores of a prompt chunk against one block of the history (256 MiB)
 MIN_HISTORY_BLOCK = 256
 # float32 coordinates a decode step's reader decodes at once (``read_block``). On the CPU
-# the step's transients stay within MLX's 32 MiB cache of freed buffers: about 16 block-sized
-# arrays are in flight whatever the number of blocks (the scheduler runs ahead of the blocks'
-# chain by a number of operations, and ``EigenRead`` has few a block): 19 MB at 8 x 4k with
-# 1 MiB blocks, 35 MB with 2 MiB (the reader before it, with more operations a block, held
-# 25 MB at 2 MiB); on a GPU, a bound on the step's peak (20.2 GB at 128k on the H200 while
-# every layer's whole history was decoded in float32; not yet re-measured)
-READ_BLOCK_BYTES = 1 << 20
+# the step's transients (about 6 copies of a block, two blocks in flight: 24 MB at 8 x 4k)
+# stay within MLX's 32 MiB cache of freed buffers; on a GPU, a bound on the step's peak
+# (20.2 GB at 128k on the H200 while every layer's whole history was decoded in float32;
+# not yet re-measured)
+READ_BLOCK_BYTES = 2 << 20
 READ_BLOCK_BYTES_GPU = 256 << 20
 # decode rows held exactly once the basis is fitted, coded this many at a time: a steady decode
 # step only writes its row (the quantized stores flush every 32 steps too)
@@ -295,7 +288,6 @@ class EigenTokens:
         self.sigma: mx.array | None = None  # (B, H, 2) float32
         self.sketch: mx.array | None = None  # (e, e) float32 (QJL only)
         self.tables: mx.array | None = None  # (B, H, 2^head + 2^tail) float32, σ units (trained at the fit)
-        self._views = ReadViews()  # the decode read's views of the coded rows (``EigenRead``)
 
     @property
     def count(self) -> int:
@@ -347,7 +339,6 @@ class EigenTokens:
             self.moment = self.moment + unit.swapaxes(-1, -2) @ unit
             self.seen += x.shape[2]
             words = mx.depends(words, self.moment)
-        self._views.clear()  # no view pins a buffer the appends below write in place
         self.words.append(words)
         self.norms.append(norms)
 
@@ -367,8 +358,8 @@ class EigenTokens:
         rows_t = from_pre_rope_channels(self.basis @ scaled.swapaxes(-1, -2), self.start, self.rotary)
         return rows_t.swapaxes(-1, -2).astype(dtype)
 
-    def reader(self) -> "EigenRead":
-        return EigenRead(self, self.count)
+    def reader(self) -> "EigenScores":
+        return EigenScores(self, self.count)
 
     def arrays(self, prefix: str):
         out = {f"{prefix}_words": self.words, f"{prefix}_norms": self.norms,
@@ -556,236 +547,6 @@ class EigenScores:
             part = token_mix(w if on_rows else w * norm, z)
             out = part if out is None else out + part
         return out @ t.basis.swapaxes(-1, -2)
-
-
-# -- the decode step's read ------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _field_reader(layout: tuple[tuple[int, int], ...], offsets: tuple[int, ...], shape: tuple[int, ...]):
-    """``quant/packed.py``'s unpacking arrays of every code of a row (``layout``'s fields in
-    order), each plus its entry of ``offsets``, shaped ``shape`` (one -1: the codes' axis),
-    and whether any code spans two words (else its high word is never read). Built in numpy
-    once."""
-    word, next_word, shift, high_shift, crosses, mask = field_arrays(
-        np.concatenate([np.full(n, b, dtype=np.int64) for n, b in layout]))[0]
-    arrays = tuple(mx.array(a.reshape(shape)) for a in (word, next_word, shift, high_shift, crosses, mask))
-    return arrays + (mx.array(np.asarray(offsets, dtype=np.uint32).reshape(shape)),), bool(crosses.any())
-
-
-@functools.lru_cache(maxsize=None)
-def _coordinate_index(n: int, shape: tuple[int, ...]) -> mx.array:
-    """(0, 1, .., n - 1) float32 shaped ``shape`` (one -1): a code's coordinate in its row."""
-    return mx.arange(n, dtype=mx.float32).reshape(shape)
-
-
-@functools.lru_cache(maxsize=None)
-def _gaussian_tables(head_bits: int, tail_bits: int) -> mx.array:
-    """The two Gaussian codebooks one after the other (a state saved without trained ones)."""
-    return mx.concatenate([gaussian_codebook(head_bits), gaussian_codebook(tail_bits)])
-
-
-_HALF_SIGNS = mx.array([-1.0, 1.0]).reshape(2, 1, 1)  # the rotated halves' signs (x1 c - x2 s, x2 c + x1 s)
-
-
-def _codes_low(low, shift, mask, offsets):
-    return ((low >> shift) & mask) + offsets
-
-
-def _codes_crossing(low, high, shift, high_shift, crosses, mask, offsets):
-    return (((low >> shift) | mx.where(crosses, high << high_shift, 0).astype(mx.uint32)) & mask) + offsets
-
-
-# the codes of a block of rows, one kernel (shapeless: every block and count)
-_unpack_low = mx.compile(_codes_low, shapeless=True)
-_unpack_crossing = mx.compile(_codes_crossing, shapeless=True)
-
-
-@functools.lru_cache(maxsize=None)
-def _scaled_fn(e: int, d: int, qjl: bool):
-    """The coordinates ``‖x‖ σ_block c`` (c: a codebook entry) of a block's codes, and with
-    ``qjl`` the sign rows after them as ``sqrt(π/2)/e ‖r‖ (2 sign - 1)``: one kernel."""
-
-    def scaled(looked_up, coordinate, head_sigma, tail_sigma, norm):
-        return looked_up * mx.where(coordinate < e, head_sigma, tail_sigma) * norm.astype(mx.float32)
-
-    def scaled_signs(looked_up, codes, coordinate, head_sigma, tail_sigma, norm, residual):
-        signs = (2 * codes.astype(mx.float32) - 1) * (QJL_SCALE / e) * residual.astype(mx.float32)
-        return mx.where(coordinate < d, scaled(looked_up, coordinate, head_sigma, tail_sigma, norm), signs)
-
-    return mx.compile(scaled_signs if qjl else scaled, shapeless=True)
-
-
-def _turned_halves(y, y_swapped, cos, sin, signs):
-    return y * cos + (signs * sin) * y_swapped
-
-
-# RoPE of rows in the per-channel layout with their halves on an axis of their own: one kernel
-_turn_halves = mx.compile(_turned_halves, shapeless=True)
-
-
-@dataclass(frozen=True)
-class _BlockViews:
-    """What a decode step reads of a block of a run's coded rows: views of the stored
-    buffers (no bytes of their own) in the layout the read takes them."""
-
-    words: mx.array  # keys (B, H, W, n), values (B, H, n, W)
-    low: mx.array  # the word index of each code's low bits, broadcast over the rows
-    high: mx.array | None  # the same for its high bits (None: no code spans two words)
-    tables: mx.array  # (B, H, T, n) | (B, H, n, T): both codebooks, broadcast over the rows
-    norm: mx.array  # float16 ‖x‖: keys (B, H, 1, n), values (B, H, n, 1)
-    residual: mx.array | None  # float16 ‖r‖ as ``norm`` (keys with the QJL sketch)
-
-
-@dataclass(frozen=True)
-class EigenRead:
-    """An ``EigenTokens`` run as a decode step reads it (``PackedScores``), the valid rows a
-    block of ``read_block`` tokens at a time (each block's read made to wait for the
-    previous block's result, as ``EigenScores``). Every view it takes of the stored arrays
-    (each block's words and norms, the codebooks and σ, the basis, the unpacking indices
-    broadcast over the rows) is kept between the writes that change them (``ReadViews``),
-    so a steady step slices nothing of the history.
-
-    Keys are read in the per-channel layout (codes (B, H, K, n), K = D + the e QJL signs):
-    the rows ``u = [‖k‖ ẑ, sqrt(π/2)/e ‖r‖ sign]`` meet the basis extended by the sketch,
-    ``[V, V_e Sᵀ]`` (D, D + e), in one product: the keys before RoPE (``_coordinates``'
-    QJL fold, the norm taken into the rows). Pre-RoPE keys are turned at their positions
-    with their halves on an axis of their own (``x c + (±s) x_swapped``, one kernel, the
-    swap one slice), then scored by one product. Values are read in the token layout and
-    turned back by ``Vᵀ`` after ``p V``, as ``EigenScores.mix``."""
-
-    tokens: EigenTokens
-    count: int
-
-    @property
-    def n_heads(self) -> int:
-        return self.tokens.words.buffer.shape[1]
-
-    def _views(self):
-        t = self.tokens
-        b, h = t.words.buffer.shape[:2]
-        block = read_block(b * h * t.dim * 4)
-        key = (t.words.buffer, t.norms.buffer, self.count, t.basis, t.sigma, t.tables, t.sketch, t.rotary, block)
-        return t._views.get(t, key, lambda: self._build(block))
-
-    def _spans(self) -> list[tuple[int, int]]:
-        """The blocks of buffer rows read, over its room (as ``EigenScores``)."""
-        return [span for span, _ in self._views()[0]]
-
-    def _build(self, block: int):
-        t, keys = self.tokens, self.tokens.codec.key
-        n_rows = t.words.capacity  # spare rows included: the shapes change only as the buffer grows
-        codec, d = t.codec, t.dim
-        b, h = t.words.buffer.shape[:2]
-        e, head_bits, tail_bits = codec.widths(d)
-        sizes = codec.table_sizes(d)
-        layout = codec.layout(d)
-        k = d + (e if codec.qjl else 0)
-        # keys: codes along axis -2 (rows last); values: along the last axis
-        shape = (1, 1, -1, 1) if keys else (1, 1, 1, -1)
-        axis = -2 if keys else -1
-        offsets = (0,) * e + (sizes[0],) * (d - e) + (0,) * (k - d)
-        (word, next_word, shift, high_shift, crosses, mask, offset), crossing = _field_reader(
-            tuple(layout), offsets, shape)
-        tables = t.tables if t.tables is not None else _gaussian_tables(head_bits, tail_bits)[None, None]
-        tables = tables[:, :, :, None] if keys else tables[:, :, None, :]
-        words, norms = t.words.buffer, t.norms.buffer
-        blocks = []
-        for first in range(0, n_rows, block):
-            end = min(first + block, n_rows)
-            n = end - first
-            rows = words[:, :, first:end]
-            norm = norms[:, :, first:end]
-            if keys:
-                cut = (b, h, k, n)
-                rows, norm_rows = rows.swapaxes(-1, -2), norm.swapaxes(-1, -2)
-                norm, residual = norm_rows[:, :, :1], (norm_rows[:, :, 1:2] if codec.qjl else None)
-                table = mx.broadcast_to(tables, (b, h, sum(sizes), n))
-            else:
-                cut = (b, h, n, k)
-                norm, residual = norm[..., :1], None
-                table = mx.broadcast_to(tables, (b, h, n, sum(sizes)))
-            blocks.append(((first, end), _BlockViews(
-                rows, mx.broadcast_to(word, cut), mx.broadcast_to(next_word, cut) if crossing else None,
-                table, norm, residual)))
-        sigma = t.sigma[:, :, None, None, :]
-        consts = (shift, high_shift, crosses, mask, offset, _coordinate_index(k, shape),
-                  sigma[..., 0], sigma[..., 1])
-        basis = None
-        if keys:
-            basis = t.basis
-            if t.rotary is not None and t.rotary.traditional:  # the halves: channels 2i and 2i + 1
-                basis = basis.reshape(b, h, d // 2, 2, d).swapaxes(2, 3)
-            sketch = None
-            if codec.qjl:
-                sketch = mx.broadcast_to(t.sketch.T, (*basis.shape[:-2], e, e))
-            basis = (basis, basis[..., :e], sketch)
-        else:
-            basis = t.basis.swapaxes(-1, -2)
-        return blocks, consts, basis
-
-    def _coordinates(self, v: _BlockViews, consts, after: mx.array | None) -> mx.array:
-        """float32 ``u`` of a block: keys (B, H, D (+ e), n), values (B, H, n, D)."""
-        shift, high_shift, crosses, mask, offset, coordinate, head_sigma, tail_sigma = consts
-        axis = -2 if self.tokens.codec.key else -1
-        words = v.words if after is None else mx.depends(v.words, after)
-        low = mx.take_along_axis(words, v.low, axis=axis)
-        if v.high is None:
-            codes = _unpack_low(low, shift, mask, offset)
-        else:
-            high = mx.take_along_axis(words, v.high, axis=axis)
-            codes = _unpack_crossing(low, high, shift, high_shift, crosses, mask, offset)
-        looked_up = mx.take_along_axis(v.tables, codes, axis=axis)
-        codec = self.tokens.codec
-        e = codec.widths(self.tokens.dim)[0]
-        fn = _scaled_fn(e, self.tokens.dim, codec.qjl)
-        if codec.qjl:
-            return fn(looked_up, codes, coordinate, head_sigma, tail_sigma, v.norm, v.residual)
-        return fn(looked_up, coordinate, head_sigma, tail_sigma, v.norm)
-
-    def scores(self, q: mx.array, qjl: bool = True) -> mx.array:
-        """float32 ``q Kᵀ`` (B, H, R, count) for scaled float32 queries (B, H, R, D), with the
-        QJL correction when the codec keeps one (``qjl=False``: without it, ``EigenScores``' read)."""
-        t = self.tokens
-        if not qjl and t.codec.qjl:
-            return EigenScores(t, self.count).scores(q, qjl=False)
-        blocks, consts, (basis, semantic, sketch) = self._views()
-        reach = t.words.capacity
-        # the basis extended by the sketch: [V, V_e Sᵀ] (a step's small product)
-        extended = basis if sketch is None else mx.concatenate([basis, semantic @ sketch], axis=-1)
-        if extended.ndim == 5:  # traditional pairs: the basis's rows gathered by halves
-            extended = extended.reshape(*extended.shape[:2], t.dim, -1)
-        if t.rotary is None:
-            q = q @ extended
-        else:
-            d = t.dim
-            cos, sin = rotary_angles(t.rotary, d, t.start, reach)
-        out = []
-        for (first, end), v in blocks:
-            u = self._coordinates(v, consts, out[-1] if out else None)
-            if t.rotary is None:
-                out.append(q @ u)
-                continue
-            b, h, _, n = u.shape
-            y = (extended @ u).reshape(b, h, 2, d // 2, n)
-            c, s = _part(cos, first, end, reach), _part(sin, first, end, reach)
-            x = _turn_halves(y, y[:, :, ::-1], c, s, _HALF_SIGNS)
-            if t.rotary.traditional:
-                x = x.swapaxes(2, 3)
-            out.append(q @ x.reshape(b, h, d, n))
-        s = mx.concatenate(out, axis=-1) if len(out) > 1 else out[0]
-        return s if reach == self.count else s[..., : self.count]
-
-    def mix(self, p: mx.array) -> mx.array:
-        """float32 ``p V`` (B, H, R, D) for probabilities (B, H, R, count)."""
-        blocks, consts, basis_t = self._views()
-        reach = self.tokens.words.capacity
-        if reach > self.count:
-            p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, reach - self.count)])
-        out = None
-        for (first, end), v in blocks:
-            z = self._coordinates(v, consts, out)
-            part = token_mix(_part(p, first, end, reach), z)
-            out = part if out is None else out + part
-        return out @ basis_t
 
 
 def history_block(query_rows: int) -> int:
