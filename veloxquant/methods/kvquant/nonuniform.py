@@ -631,17 +631,7 @@ def _dense_graph(how: _Read, planes, books, ranges, offsets, along, across, *ext
                                   val.reshape(*lead, -1).astype(x.dtype), axis=-1)
         else:
             x = mx.put_along_axis(x.reshape(flat), pos.astype(mx.int32), val.astype(x.dtype), axis=-1)
-    if how.rope is None:
-        return x.reshape(flat)
-    # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin: x cos + x_swapped (-sin, sin)
-    cos, signed_sin = extra
-    if how.rope:  # pairs (2i, 2i + 1): (..., D/2, 2, n)
-        x = x.reshape(*lead, d // 2, 2, n)
-        swapped = x[..., ::-1, :]
-    else:  # halves: (..., 2, D/2, n)
-        x = x.reshape(*lead, 2, d // 2, n)
-        swapped = x[:, :, ::-1]
-    return (x * cos + swapped * signed_sin).reshape(flat)
+    return _rotated(how, x, flat, extra)
 
 
 @functools.lru_cache(maxsize=1)
