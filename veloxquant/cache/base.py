@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .attention_hook import hook_caller_module, hooked_sdpa
 from .buffers import GrowingArray
 from .config import KVCacheConfig
 
@@ -213,7 +214,8 @@ class CompressedKVCache:
 
     def _check_shape(self, keys: mx.array, values: mx.array) -> None:
         """Every update must bring keys and values of the shape the cache holds."""
-        shape = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+        (b, h, _, d_k), d_v = keys.shape, values.shape[3]
+        shape = (b, h, d_k, d_v)
         if self.kv_shape is None:
             self.kv_shape = shape
         elif shape != self.kv_shape:
@@ -274,12 +276,11 @@ class CompressedKVCache:
         token is computed; a model module that computes attention inline is refused.
         The second check catches callers that are not mlx-lm model modules.
         """
-        frame = sys._getframe(1)
+        frame = _frame(1)
         while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
             frame = frame.f_back
-        if frame is not None:
-            from .attention_hook import hook_caller_module
-
+        # a module already routed to the hook is the common case: nothing to look up
+        if frame is not None and frame.f_globals.get("scaled_dot_product_attention") is not hooked_sdpa:
             hook_caller_module(frame.f_globals, self)
         if self._awaiting_attend:
             raise AttentionHookMissing(

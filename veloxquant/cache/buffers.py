@@ -106,7 +106,11 @@ class GrowingArray:
         return 0 if self.buffer is None else self.buffer.shape[self.axis]
 
     def append(self, rows: mx.array) -> None:
-        n = rows.shape[self.axis]
+        n, length, buffer = rows.shape[self.axis], self.length, self.buffer
+        if length and length + n <= buffer.shape[self.axis]:  # a decode step's row: room is there
+            buffer[_along(self.axis, length, length + n)] = rows
+            self.length = length + n
+            return
         if self.length + n > self.capacity:
             shape = list(rows.shape)
             shape[self.axis] = added_room(self.length, n, self.step, self.limit, self.geometric)

@@ -55,7 +55,8 @@ class PackedScores(Protocol):
     #   mix_normalised(p): ``mix`` for weights that sum to 1 over its tokens.
 
 
-@dataclass(frozen=True)
+# not frozen: a decode step builds one a part, and a frozen dataclass takes about five times as long to make
+@dataclass(eq=False, slots=True)
 class DecodePart:
     keys: AffineLayout | Any | None  # the part's first keys, packed
     key_tail: mx.array | None  # (B, H, n, D) full-precision keys after them
@@ -86,9 +87,10 @@ class DecodePart:
     @property
     def affine(self) -> bool:
         """Group-affine layouts at a width the fused kernels take (empty ones count)."""
-        layouts = [x for x in (self.keys, self.values) if x is not None]
-        return bool(layouts) and all(
-            isinstance(x, AffineLayout) and x.bits in kd.SUPPORTED_BITS for x in layouts)
+        k, v = self.keys, self.values
+        if k is None:
+            return v is not None and _served(v)
+        return _served(k) and (v is None or _served(v))
 
     @property
     def bits_and_group(self) -> tuple[int, int]:
@@ -105,6 +107,11 @@ class DecodePart:
 
 def _rows(x) -> int:
     return 0 if x is None else x.shape[2]
+
+
+def _served(layout) -> bool:
+    """A group-affine layout at a width the fused kernels take."""
+    return isinstance(layout, AffineLayout) and layout.bits in kd.SUPPORTED_BITS
 
 
 def decode_attention(queries, parts: list[DecodePart], *, scale, use_kernel=True,

@@ -998,10 +998,6 @@ class _StepPlan:
 _STEP_PLANS: "OrderedDict[tuple, Optional[_StepPlan]]" = OrderedDict()
 
 
-def _spec(x):
-    return None if x is None else (x.shape, x.dtype)
-
-
 def _step_plan(backend, args, bits, group_size, scale) -> Optional[_StepPlan]:
     """The cached :class:`_StepPlan` of a dispatched launch, None where no kernel applies
     (the dispatcher then falls back). Keyed by everything the plan reads: backend, shapes
@@ -1011,8 +1007,15 @@ def _step_plan(backend, args, bits, group_size, scale) -> Optional[_StepPlan]:
     q, kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = args
     # scales and biases take their codes' shape bar the last axis, and the query's dtype
     # (checked when a plan is made): codes, windows and the scales' dtype decide the rest
-    key = (backend, q.shape, q.dtype, _spec(kc), _spec(ks), _spec(kr), _spec(vc), _spec(vs),
-           _spec(vr), n_kq, n_kres, n_vq, n_vres, bits, group_size, float(scale))
+    # spelled out, not a call a buffer: built for every layer at every decode step
+    key = (backend, q.shape, q.dtype,
+           None if kc is None else kc.shape, None if kc is None else kc.dtype,
+           None if ks is None else ks.shape, None if ks is None else ks.dtype,
+           None if kr is None else kr.shape, None if kr is None else kr.dtype,
+           None if vc is None else vc.shape, None if vc is None else vc.dtype,
+           None if vs is None else vs.shape, None if vs is None else vs.dtype,
+           None if vr is None else vr.shape, None if vr is None else vr.dtype,
+           n_kq, n_kres, n_vq, n_vres, bits, group_size, float(scale))
     plan = _STEP_PLANS.get(key, False)
     if plan is None or (plan and plan.current()):
         return plan

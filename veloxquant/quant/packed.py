@@ -37,7 +37,8 @@ from .affine import (
 GROWTH_TOKENS = 256  # room added to packed storage at a time, in tokens
 
 
-@dataclass(frozen=True)
+# not frozen: a decode step builds one a packed run, and a frozen dataclass takes about five times as long to make
+@dataclass(eq=False, slots=True)
 class AffineLayout:
     """Group-affine packed tokens as the kernels read them (buffers may have spare room).
 
@@ -130,12 +131,9 @@ class PackedTokens:
     def layout(self, empty: mx.array) -> AffineLayout:
         """What the decode kernels read: whole buffers (spare room included), no copy."""
 
-        def whole(g: GrowingArray):
-            return g.buffer if g.buffer is not None else empty
-
-        c = self.codec
-        return AffineLayout(whole(self.codes), whole(self.scales), whole(self.biases),
-                            self.count, c.bits, c.group, c.axis)
+        c, codes, scales, biases = self.codec, self.codes.buffer, self.scales.buffer, self.biases.buffer
+        return AffineLayout(empty if codes is None else codes, empty if scales is None else scales,
+                            empty if biases is None else biases, self.count, c.bits, c.group, c.axis)
 
     def arrays(self, prefix: str) -> dict[str, GrowingArray]:
         return {f"{prefix}_codes": self.codes, f"{prefix}_scales": self.scales,
