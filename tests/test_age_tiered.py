@@ -227,7 +227,7 @@ def test_which_tiers_the_kernel_can_serve():
     assert isinstance(mid.keys, AffineLayout) and (mid.keys.bits, mid.keys.axis) == (8, "channel")
     assert isinstance(mid.values, AffineLayout) and mid.values.axis == "token" and mid.affine
     assert recent.keys is None and not recent.affine and recent.key_tail.shape[2] == s.counts[2]
-    assert tail.keys is None and tail.key_tail.shape[2] == 200 % 32
+    assert tail.keys is None and tail.tail_counts[0] == 200 % 32 and tail.tails()[0].shape[2] == 200 % 32
 
 
 def test_decode_through_the_model_matches_the_dequantized_reference():

@@ -32,7 +32,6 @@ tiers (full-precision rows) take the pure-MLX path.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import accumulate
 
 import mlx.core as mx
@@ -42,6 +41,7 @@ from ...kernels.decode import DecodePart
 from ...quant.affine import packed_length
 from ...quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
 from ...quant.store import PackedStore, Segment, joined_history
+from ...quant.token_rows import ReadViews
 
 FULL_PRECISION_BITS = 16  # a tier of this width (or more) stores the model's rows
 
@@ -158,6 +158,10 @@ class TieredStore(PackedStore):
         self.tiers = [self._tier(b, limit, step_tokens) for b, limit in zip(bits, [None] + spans)]
         self.k_tail = GrowingArray(axis=2, step=block, limit=block)
         self.v_tail = GrowingArray(axis=2, step=block, limit=block)
+        self._views = ReadViews()  # the tiers' decode parts, kept until a settle or a restore
+        # (tokens in the tiers, the stored count at which a boundary next moves), kept
+        # likewise: a decode step between blocks then settles nothing, computes no tier ends
+        self._moves = ReadViews()
 
     def _tier(self, bits: int, limit: int | None, step: int) -> Segment:
         if bits >= FULL_PRECISION_BITS:
@@ -178,6 +182,12 @@ class TieredStore(PackedStore):
     def commit(self, keys: mx.array, values: mx.array) -> None:
         """Take new tokens in; quantize whole blocks and demote what crossed a boundary."""
         n_tail, n = self.k_tail.length, keys.shape[2]
+        if n_tail + n < self.block:
+            packed, moves_at = self._moves.get(self, (), self._next_move)
+            if packed + n_tail + n < moves_at:  # between blocks, no boundary reached: a row in place
+                self.k_tail.append(keys)
+                self.v_tail.append(values)
+                return
         ends = tier_ends(self.length + n, self.ages, self.block)
         new_k = new_v = None
         if n_tail + n < self.block:  # a decode step between blocks: one row in place
@@ -197,8 +207,19 @@ class TieredStore(PackedStore):
         if new_k is not None or ends[:-1] != list(accumulate(self.counts))[:-1]:
             self._settle(ends, new_k, new_v, keys.dtype, decoding=n == 1)
 
+    def _next_move(self) -> tuple[int, int]:
+        """(tokens in the tiers, the stored count at which a tier's end first moves): tier
+        ``i``'s end (``tier_ends``, at its cumulative count once settled) moves at
+        ``end + block + ages[i]`` stored tokens, the youngest's at ``end + block`` (ends
+        rounded up to a block first: a restored state's tiers need not be settled)."""
+        ends = [-(-end // self.block) * self.block for end in accumulate(self.counts)]
+        packed = sum(self.counts)
+        return packed, min([end + self.block + age for end, age in zip(ends, self.ages)] + [ends[-1] + self.block])
+
     def _settle(self, ends: list[int], new_k, new_v, dtype, decoding: bool = False) -> None:
         """``decoding``: a decode step's block (shapes that recur: the compiled encoders)."""
+        self._views.clear()  # no view of a tier kept across its writes
+        self._moves.clear()
         packed = sum(self.counts)  # stored tokens before the new ones
         for i in range(len(self.tiers) - 1):  # older tiers pull from the fronts of younger ones
             j = i + 1
@@ -236,7 +257,21 @@ class TieredStore(PackedStore):
         return joined_history(parts_k, parts_v, self.k_tail.view(), self.v_tail.view(), dtype)
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
-        """One part per non-empty tier, oldest first; the tail joins the youngest."""
+        """One part per non-empty tier, oldest first; the tail joins the youngest (its whole
+        buffer, rows from 0: no slice a step). The tiers' parts are kept between settles."""
+        parts = list(self._views.get(self, (empty,), lambda: self._tier_parts(empty)))
+        n = self.k_tail.length
+        if n:
+            rows = (n, self.v_tail.length)
+            if parts and parts[-1].key_tail is None:
+                last = parts[-1]
+                parts[-1] = DecodePart(last.keys, self.k_tail.buffer, last.values, self.v_tail.buffer,
+                                       tail_rows=rows)
+            else:
+                parts.append(DecodePart(None, self.k_tail.buffer, None, self.v_tail.buffer, tail_rows=rows))
+        return parts
+
+    def _tier_parts(self, empty: mx.array) -> tuple[DecodePart, ...]:
         parts = []
         for t in self.tiers:
             if not t.keys.count:
@@ -245,13 +280,7 @@ class TieredStore(PackedStore):
                 parts.append(DecodePart(None, t.keys.rows.view(), None, t.values.rows.view()))
             else:
                 parts.append(DecodePart(t.keys.layout(empty), None, t.values.layout(empty), None))
-        if self.k_tail.length:
-            tail_k, tail_v = self.k_tail.view(), self.v_tail.view()
-            if parts and parts[-1].key_tail is None:
-                parts[-1] = replace(parts[-1], key_tail=tail_k, value_tail=tail_v)
-            else:
-                parts.append(DecodePart(None, tail_k, None, tail_v))
-        return parts
+        return tuple(parts)
 
     # -- checks of a restored state ------------------------------------------------------------
     def layout_problems(self, head_dims: tuple[int, int]):
@@ -298,5 +327,7 @@ class TieredStore(PackedStore):
         return out
 
     def restore(self, meta: dict, arrays: dict) -> None:
+        self._views.clear()
+        self._moves.clear()
         for name, kept in self.arrays().items():
             kept.reset(arrays.get(name))
