@@ -34,6 +34,7 @@ that step's token and every later one are kept exactly after it (never re-anchor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -90,12 +91,6 @@ class AnchorPart:
             hit = self.value_pos.astype(mx.int32)[..., None] == mx.arange(m)  # (B, H, N_v, M)
             v = v + hit.astype(mx.float32).swapaxes(-1, -2) @ res
         return mx.concatenate([ka, k], axis=2), mx.concatenate([va, v], axis=2)
-
-
-# a decode step's elementwise passes, each one kernel (traced once: shapeless)
-_coef_scaled = mx.compile(lambda x, coef: x * coef.astype(mx.float32), shapeless=True)
-_coef_scaled_plus = mx.compile(lambda x, coef, r: x * coef.astype(mx.float32) + r, shapeless=True)
-_anchor_weights = mx.compile(lambda p, end, start: p + (end - start), shapeless=True)
 
 
 @dataclass(frozen=True)
@@ -157,16 +152,12 @@ class _AnchorRead:
     def scores(self, q: mx.array) -> mx.array:
         """float32 scores (B, H, R, count) for scaled float32 queries (B, H, R, D)."""
         p, v = self.part, self.store.read_views(q.shape[2])
-        a = q @ _float32(v.anchor_kt)  # (B, H, R, k)
-        out = [a]
-        if v.key_ref is not None:
-            g = mx.take_along_axis(a, v.key_ref, axis=-1)
-            if v.key_slot is None:
-                out.append(_coef_scaled(g, v.key_coef))
-            else:
-                res = self.codec.rotate(q) @ self.codec.coordinates(p.key_codes, p.key_scales).swapaxes(-1, -2)
-                res = mx.pad(res, [(0, 0), (0, 0), (0, 0), (1, 0)])  # slot 0: no residual
-                out.append(_coef_scaled_plus(g, v.key_coef, mx.take_along_axis(res, v.key_slot, axis=-1)))
+        if v.key_ref is None:
+            out = [q @ _float32(v.anchor_kt)]  # (B, H, R, k)
+        else:  # the prompt's scores: one compiled call (its shapes are the part's: traced once)
+            read = _prompt_scores(self.codec.bits, self.codec.seed, v.key_slot is not None)
+            out = list(read(q, v.anchor_kt, v.key_ref, v.key_coef, p.key_codes, p.key_scales, v.key_slot)
+                       if v.key_slot is not None else read(q, v.anchor_kt, v.key_ref, v.key_coef))
         if self.k_tail is not None:
             out.append(q @ _float32(self.k_tail).swapaxes(-1, -2))
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
@@ -177,20 +168,56 @@ class _AnchorRead:
         k, m = p.anchor_v.shape[2], p.key_ref.shape[2]
         cuts = ([k, k + m] if m else [k])[: (m > 0) + (self.v_tail is not None)]
         parts = mx.split(w, cuts, axis=-1) if cuts else [w]  # one node, not a slice a part
-        w_anchor, rest = parts[0], parts[1] if m else None
-        if m:
-            run = mx.cumsum(_coef_scaled(rest, v.value_coef), axis=-1)
-            run = mx.pad(run, [(0, 0), (0, 0), (0, 0), (1, 0)])  # run[i]: the sum of the first i
-            end = mx.take_along_axis(run, v.value_ends, axis=-1)
-            start = mx.pad(end[..., :-1], [(0, 0), (0, 0), (0, 0), (1, 0)])  # a run starts where the last ended
-            w_anchor = _anchor_weights(w_anchor, end, start)
-        o = w_anchor @ _float32(v.anchor_v)
-        if v.value_pos is not None:
-            picked = mx.take_along_axis(rest, v.value_pos, axis=-1)
-            o = o + self.codec.unrotate(picked @ self.codec.coordinates(p.value_codes, p.value_scales))
+        if m:  # the prompt's mix: one compiled call (its shapes are the part's: traced once)
+            read = _prompt_mix(self.codec.bits, self.codec.seed, v.value_pos is not None)
+            o = (read(parts[0], parts[1], v.value_coef, v.value_ends, v.anchor_v, v.value_pos,
+                      p.value_codes, p.value_scales)
+                 if v.value_pos is not None else read(parts[0], parts[1], v.value_coef, v.value_ends, v.anchor_v))
+        else:
+            o = parts[0] @ _float32(v.anchor_v)
         if self.v_tail is not None:
             o = _mixed_into(o, parts[-1], _float32(self.v_tail))
         return o
+
+
+@functools.lru_cache(maxsize=None)
+def _prompt_scores(bits: int, seed: int, residuals: bool):
+    """The scores of a compressed prompt (other tokens present), compiled: the anchors'
+    ``A = q anchor_kᵀ`` and the others' ``γ_t A[a(t)]`` (plus their key residuals), the
+    operations ``scores`` did one by one, in the same order (a step's host time)."""
+    codec = RotatedGaussian(bits, seed)
+
+    def read(q, anchor_kt, key_ref, key_coef, key_codes=None, key_scales=None, key_slot=None):
+        a = q @ _float32(anchor_kt)  # (B, H, R, k)
+        g = mx.take_along_axis(a, key_ref, axis=-1)
+        if not residuals:
+            return a, g * key_coef.astype(mx.float32)
+        res = codec.rotate(q) @ codec.coordinates(key_codes, key_scales).swapaxes(-1, -2)
+        res = mx.pad(res, [(0, 0), (0, 0), (0, 0), (1, 0)])  # slot 0: no residual
+        return a, g * key_coef.astype(mx.float32) + mx.take_along_axis(res, key_slot, axis=-1)
+
+    return mx.compile(read)
+
+
+@functools.lru_cache(maxsize=None)
+def _prompt_mix(bits: int, seed: int, residuals: bool):
+    """The mix over a compressed prompt (other tokens present), compiled: the per-anchor
+    sums of ``p_t γ_t`` from one cumulative sum, one product with ``anchor_v``, the value
+    residuals (``mix``'s operations one by one before, in the same order)."""
+    codec = RotatedGaussian(bits, seed)
+
+    def read(w_anchor, rest, value_coef, value_ends, anchor_v, value_pos=None, value_codes=None, value_scales=None):
+        run = mx.cumsum(rest * value_coef.astype(mx.float32), axis=-1)
+        run = mx.pad(run, [(0, 0), (0, 0), (0, 0), (1, 0)])  # run[i]: the sum of the first i
+        end = mx.take_along_axis(run, value_ends, axis=-1)
+        start = mx.pad(end[..., :-1], [(0, 0), (0, 0), (0, 0), (1, 0)])  # a run starts where the last ended
+        o = (w_anchor + (end - start)) @ _float32(anchor_v)
+        if residuals:
+            picked = mx.take_along_axis(rest, value_pos, axis=-1)
+            o = o + codec.unrotate(picked @ codec.coordinates(value_codes, value_scales))
+        return o
+
+    return mx.compile(read)
 
 
 def _rows_or_none(x: mx.array | None) -> mx.array | None:
