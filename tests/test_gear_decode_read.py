@@ -85,3 +85,35 @@ def test_the_pure_reads_views_are_kept_between_flushes(monkeypatch):
                              scale=scale, mask=None))
         seen.append(cache.store.read_views(2))
     assert all(x is seen[0] for x in seen)
+
+
+@pytest.mark.parametrize("pure_path", ["qmm", "reference"])  # the CPU's path, the GPU's
+@pytest.mark.parametrize("options", [dict(gear_rank=None), dict(gear_rank=2, gear_sparse_fraction=0.05),
+                                     dict(gear_rank=2, gear_bits=4, gear_quantize_values=False)])
+def test_the_kept_step_plan_gives_the_joint_parts_read_bit_for_bit(options, pure_path, monkeypatch):
+    """``GEARStore._step`` (the compiled passes and their inputs, or the pure path's views,
+    kept between flushes) against ``decode_attention`` over a ``JointRead`` part built anew
+    at each step, over 40 steps with chunk flushes among them: equal bit for bit."""
+    from veloxquant_mlx.kernels.decode import decode_attention
+    from veloxquant_mlx.methods.gear.joint import JointRead
+    from veloxquant_mlx.quant.store import absent_buffer
+
+    monkeypatch.setattr(kd, "_pure_path", lambda: pure_path)
+    b, h, gqa, d, t0, steps = 2, 2, 2, 64, 150, 40
+    keys, values = keys_values(b, h, t0 + steps, d, seed=11)
+    cache, scale = gear(32, gear_group_size=32, **options), d**-0.5
+    cache.update_and_fetch(keys[:, :, :t0], values[:, :, :t0])
+    cache.attend(mx.random.normal((b, h * gqa, t0, d), key=mx.random.key(3)), keys[:, :, :t0],
+                 values[:, :, :t0], scale=scale, mask="causal")
+    counts = set()
+    for i in range(t0, t0 + steps):
+        k, v = keys[:, :, i : i + 1], values[:, :, i : i + 1]
+        q = mx.random.normal((b, h * gqa, 1, d), key=mx.random.key(100 + i))
+        cache.update_and_fetch(k, v)
+        out = cache.attend(q, k, v, scale=scale, mask=None)
+        store = cache.store
+        ref = decode_attention(q, [JointRead(store, absent_buffer(q.dtype)).part()], scale=scale,
+                               use_kernel=True, n_kv_heads=h)
+        assert mx.array_equal(out, ref).item(), i
+        counts.add(store.keys.count)
+    assert len(counts) > 1  # the steps crossed a flush

@@ -24,10 +24,12 @@ The chunks are read two ways, to the same sums (float32 reassociation apart):
 
 from __future__ import annotations
 
+import operator
+
 import mlx.core as mx
 
 from ...kernels import kivi_decode as kd
-from ...kernels.decode import DecodePart, decode_attention
+from ...kernels.decode import DecodePart, decode_attention, scaled_queries
 from ...quant.chunk_store import ChunkedStore
 from ...quant.store import absent_buffer
 from ...quant.token_rows import ReadViews
@@ -177,10 +179,17 @@ class GEARStore(ChunkedStore):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._views = ReadViews()  # the pure path's views of the runs (``read_views``)
+        self._plan = _Plan()  # a decode step's reads of the runs (``_step_plan``)
 
     def _flush(self, keys: mx.array, values: mx.array, decoding: bool = False) -> None:
         self._read_views_holder().clear()  # no view pins a buffer the appends below write in place
+        self._plan_holder().value = None
         super()._flush(keys, values, decoding=decoding)
+
+    def _plan_holder(self) -> "_Plan":
+        if getattr(self, "_plan", None) is None:
+            self._plan = _Plan()
+        return self._plan
 
     def _read_views_holder(self) -> ReadViews:
         if getattr(self, "_views", None) is None:
@@ -200,11 +209,97 @@ class GEARStore(ChunkedStore):
 
     def attend_parts(self, queries, *, scale, use_kernel, n_kv_heads: int) -> mx.array:
         """A decode step's attention: one ``JointRead`` part where the chunks keep more than
-        the backbone (``decode_parts`` otherwise: the fused kernel's layouts)."""
+        the backbone (``decode_parts`` otherwise: the fused kernel's layouts), computed as
+        ``kernels/decode.py``'s joint path computes that part (``_step``)."""
         if not self.keys.count or not _has_terms(self.keys) or (self.quantize_values and not _has_terms(self.values)):
             return super().attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
-        return decode_attention(queries, [JointRead(self, absent_buffer(queries.dtype)).part()], scale=scale,
-                                use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+        return self._step(queries, scale, n_kv_heads)
+
+    def _step(self, queries, scale, n_kv_heads: int) -> mx.array:
+        """``decode_attention`` of the one ``JointRead`` part (its joint path: no kernel reads
+        the part), the same operations in the same order, with what the reads take of the
+        runs kept between writes (``_step_plan``): the compiled passes and their inputs on
+        the CPU's ``quantized_matmul`` path, the views on the pure path."""
+        n_heads = self.keys.base.codes.buffer.shape[1]  # the part's heads (``JointRead.n_heads``)
+        plan = self._step_plan(queries.shape[1] // n_heads, queries.dtype)
+        q = scaled_queries(queries, n_heads, scale)
+        if plan[0]:  # the pure path
+            s = _key_scores(q, plan[1][0], plan[2], plan[3])
+        else:
+            s = plan[1](q, *plan[2])
+            if plan[3] is not None:
+                s = s[..., : plan[3]]
+        k_tail = self.k_buf.view()
+        if k_tail is not None:
+            s = mx.concatenate([s, q @ k_tail.astype(mx.float32).swapaxes(-1, -2)], axis=-1)
+        p = mx.softmax(s, axis=-1)
+        v_tail = self.v_buf.view()
+        if not self.quantize_values:  # every value in full precision, in the buffer
+            o = kd.token_mix(p, v_tail.astype(mx.float32))
+        else:
+            w, w_tail = mx.split(p, [plan[7]], axis=-1) if v_tail is not None else (p, None)
+            if plan[0]:
+                o = _value_mix(w, plan[1][1], plan[5], plan[6])
+            else:
+                if plan[6] is not None:  # the weights of the rows past the count: zeros
+                    w = mx.pad(w, plan[6])
+                o = plan[4](w, *plan[5])
+            if w_tail is not None:
+                o = mx.addmm(o, w_tail, v_tail.astype(mx.float32))
+        return o.reshape(queries.shape).astype(queries.dtype)
+
+    def _step_plan(self, rows: int, dtype) -> tuple:
+        """What a decode step reads of the runs for ``rows`` query rows a KV head, built at
+        the first step after a write (``_flush`` drops it) and kept while the runs' buffers
+        (by identity), counts and the read path stay: (pure, then the pure path's
+        (views, None, key bits, key group, None, value bits, value group) or the CPU's (key
+        pass, its inputs, the key count where it is cut from the room, value pass, its
+        inputs, the weights' pad)), then the packed count."""
+        path = kd._pure_path()
+        keys, values = self.keys, self.values
+        counts = (rows, path, keys.count, values.count)
+        holder = self._plan_holder()
+        plan = holder.value
+        if plan is not None and plan[0] is keys and plan[1] is values and plan[2] == counts \
+                and all(map(operator.is_, map(_BUFFER, plan[3]), plan[4])):
+            return plan[5]
+        grown = tuple(_grown(keys)) + (tuple(_grown(values)) if self.quantize_values else ())
+        buffers = tuple(g.buffer for g in grown)
+        lead = (*keys.base.codes.buffer.shape[:2], rows)
+        if path != "qmm":
+            kc = keys.codec.base
+            vc = values.codec.base if self.quantize_values else kc
+            step = (True, self.read_views(rows), kc.bits, kc.group, None, vc.bits, vc.group, keys.count)
+        else:
+            empty = absent_buffer(dtype)
+            k_fn, k_in, k_cut = keys.layout(empty).score_pass(lead, path)
+            v_fn = v_in = v_pad = None
+            if self.quantize_values:
+                v_fn, v_in, v_pad = values.layout(empty).mix_pass(lead, path)
+            step = (False, k_fn, k_in, k_cut, v_fn, v_in, v_pad, keys.count)
+        holder.value = (keys, values, counts, grown, buffers, step)
+        return step
+
+
+_BUFFER = operator.attrgetter("buffer")
+
+
+class _Plan:
+    """A store's kept step plan (``GEARStore._step_plan``): a copy of the store starts
+    without it (it holds this store's buffers and views of them)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = None
+
+    def __deepcopy__(self, memo):
+        return _Plan()
+
+
+def _grown(run) -> list:
+    """Every growing buffer a run keeps (``arrays``), in a fixed order."""
+    return list(run.arrays("").values())
 
 
 def _run_sources(run: ErrorFeedbackTokens) -> tuple:

@@ -65,7 +65,9 @@ class ErrorFeedbackScores(ResidualScores):
     """``ResidualScores`` whose ``terms`` (a ``LowRankTerm``, a ``SparseTerm``, either or
     both) read the buffers' whole room, and whose scores and mix are one compiled pass."""
 
-    def _inputs(self, x: mx.array, n: int, out_rows: int) -> tuple:
+    def _inputs(self, lead: tuple, n: int, out_rows: int) -> tuple:
+        """The compiled pass's settings (low rank, sparse) and its inputs after the queries
+        (weights) of leading shape ``lead`` (B, H, R)."""
         lowrank = sparse = False
         rest = []
         for term in self.terms:
@@ -74,20 +76,37 @@ class ErrorFeedbackScores(ResidualScores):
                 rest = list(term.views) + rest
             elif isinstance(term, SparseTerm):
                 sparse = True
-                rest += [*term.inputs(), row_offsets(*x.shape[:3], out_rows)]
+                rest += [*term.inputs(), row_offsets(*lead, out_rows)]
         b = self.base
         return (lowrank, sparse), (b.codes, b.scales, b.biases, *rest)
 
-    def scores(self, q: mx.array) -> mx.array:
+    def score_pass(self, lead: tuple, path: str):
+        """(the compiled key pass, its inputs after the queries, the valid count or None
+        where it is the room): ``scores`` of queries of leading shape ``lead``, kept by a
+        store between writes (``joint.GEARStore``) so that a step calls the pass alone."""
         b, n = self.base, backbone_room(self.base)
-        flags, inputs = self._inputs(q, n, n)
-        s = _compiled(True, b.bits, b.group, *flags, kd._pure_path())(q, *inputs)
-        return s if n == self.count else s[..., : self.count]
+        flags, inputs = self._inputs(lead, n, n)
+        return _compiled(True, b.bits, b.group, *flags, path), inputs, (None if n == self.count else self.count)
+
+    def mix_pass(self, lead: tuple, path: str):
+        """(the compiled value pass, its inputs after the weights, the pad of the weights
+        to the room or None): ``mix`` of weights of leading shape ``lead``, kept as
+        ``score_pass``."""
+        b, n = self.base, backbone_room(self.base)
+        d = b.codes.shape[-1] * 32 // b.bits
+        flags, inputs = self._inputs(lead, n, d)
+        pad = [(0, 0)] * 3 + [(0, n - self.count)] if self.count < n else None
+        return _compiled(False, b.bits, b.group, *flags, path), inputs, pad
+
+    def scores(self, q: mx.array) -> mx.array:
+        fn, inputs, cut = self.score_pass(q.shape[:3], kd._pure_path())
+        s = fn(q, *inputs)
+        return s if cut is None else s[..., :cut]
 
     def mix(self, p: mx.array) -> mx.array:
         b, n = self.base, backbone_room(self.base)
         if p.shape[-1] < n:  # the weights of the rows past ``count``: zeros
             p = mx.pad(p, [(0, 0)] * 3 + [(0, n - p.shape[-1])])
         d = b.codes.shape[-1] * 32 // b.bits
-        flags, inputs = self._inputs(p, n, d)
+        flags, inputs = self._inputs(p.shape[:3], n, d)
         return _compiled(False, b.bits, b.group, *flags, kd._pure_path())(p, *inputs)
