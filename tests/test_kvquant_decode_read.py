@@ -115,3 +115,49 @@ def test_the_steps_read_reconstructs_what_the_general_read_does_bit_for_bit(grou
                 assert bool(mx.array_equal(tiled, general)), (i, float(mx.abs(tiled - general).max()))
     assert min(store.keys.books.length, store.values.books.length) > 1 and (rope is None or store.keys.rotary is not None)
     assert (store.keys.out_pos.buffer is not None) == bool(fraction)
+
+
+@pytest.mark.parametrize("backend", [None, "cuda"])
+@pytest.mark.parametrize("rope, refit", [(False, 0), (True, 8)])
+def test_the_kept_read_passes_give_the_joint_read_bit_for_bit(rope, refit, backend, monkeypatch):
+    """``StreamingStore.attend_parts`` (each run's compiled pass and inputs kept between its
+    writes, ``NonUniformTokens.read_pass``) against ``_JointRead``'s scores and mix with every
+    run read through a pass built anew (``_read`` and ``_read_fn``), over 40 steps with key
+    flushes, value flushes and refits among them: equal bit for bit."""
+    from veloxquant_mlx.kernels.decode import scaled_queries
+    from veloxquant_mlx.methods.kvquant import streaming_store
+
+    monkeypatch.setattr(nonuniform, "gpu_backend", lambda: backend)
+    nonuniform._read_fn.cache_clear()
+
+    def fresh(self):  # the read before the kept passes: built at every call
+        how, args = self._read()
+        return nonuniform._read_fn(how, True), args, self.capacity
+
+    t0, steps, d, scale = 170, 40, 64, 0.125
+    keys, values = kv(t0 + steps, d=d, seed=43)
+    options = KVQuantOptions(kvquant_bits=3, kvquant_refit_interval=refit, kvquant_n_sink=3, kvquant_group_size=32)
+    cache = KVQuantCache(KVCacheConfig(method="kvquant", options=options), rotary_context() if rope else None, 0)
+    cache.update_and_fetch(keys[:, :, :t0], values[:, :, :t0])
+    cache.attend(mx.random.normal((1, 4, t0, d), key=mx.random.key(5)), keys[:, :, :t0], values[:, :, :t0],
+                 scale=scale, mask="causal")
+    counts = set()
+    try:
+        for i in range(t0, t0 + steps):
+            k, v = keys[:, :, i : i + 1], values[:, :, i : i + 1]
+            q = mx.random.normal((1, 4, 1, d), key=mx.random.key(200 + i))
+            cache.update_and_fetch(k, v)
+            out = cache.attend(q, k, v, scale=scale, mask=None)
+            store = cache.store
+            with monkeypatch.context() as m:
+                m.setattr(nonuniform.NonUniformTokens, "read_pass", fresh)
+                read = streaming_store._JointRead(store, k.shape[1])
+                p = mx.softmax(read.scores(scaled_queries(q, k.shape[1], scale)), axis=-1)
+                ref = read.mix(p).reshape(q.shape).astype(q.dtype)
+            assert mx.array_equal(out, ref).item(), i
+            counts.add((store.keys.count, store.values.count, store.keys.books.length))
+    finally:
+        nonuniform._read_fn.cache_clear()
+    assert len({c[0] for c in counts}) > 1 and len({c[1] for c in counts}) > 1
+    if refit:
+        assert len({c[2] for c in counts}) > 1

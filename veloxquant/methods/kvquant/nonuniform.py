@@ -40,6 +40,7 @@ pure-MLX path on every device.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -156,6 +157,7 @@ class NonUniformTokens:
         # what a read takes of the kept arrays, in the layouts it reads them in (views,
         # ``_tile_views``), kept until a write changes them
         self._views = ReadViews()
+        self._pass = _Pass()  # the decode read's compiled pass and inputs (``read_pass``)
 
     @property
     def count(self) -> int:
@@ -191,6 +193,7 @@ class NonUniformTokens:
         first fit installs its own): no fit follows, and with refits every later encode is
         observed as encoded since that fit."""
         self._views.clear()  # no view pins the codebooks written in place
+        self._pass_holder().value = None
         self.books.append(book.reshape(book.shape[0], 1, 1, 1, book.shape[1]))
 
     def append(self, x: mx.array, decoding: bool = False) -> None:
@@ -199,6 +202,7 @@ class NonUniformTokens:
         its own data."""
         c, dtype = self.codec, x.dtype
         self._views.clear()  # no view pins a buffer the appends below write in place
+        self._pass_holder().value = None
         x = self._pre_rope(x)
         if not self.books.length:
             z, weights, offsets, ranges, pos, val = c.prepare(x, dtype)
@@ -235,6 +239,7 @@ class NonUniformTokens:
             return
         book = cb.compiled_refit(self.hist.buffer, self.centroids, self.codec.iters)
         self._views.clear()
+        self._pass_holder().value = None
         self.books.append(book.reshape(book.shape[0], 1, 1, 1, book.shape[1]))
         self.hist.reset(mx.zeros_like(self.hist.buffer))
         self.observed_since_fit = False
@@ -355,8 +360,29 @@ class NonUniformTokens:
 
     def times_dense(self, left: mx.array) -> mx.array:
         """``left @ dense()`` in the same compiled pass as the reconstruction (float32)."""
+        fn, args, _ = self.read_pass()
+        return fn(left, *args)
+
+    def _pass_holder(self) -> "_Pass":
+        if getattr(self, "_pass", None) is None:
+            self._pass = _Pass()
+        return self._pass
+
+    def read_pass(self) -> tuple:
+        """(``times_dense``'s compiled pass, its inputs after ``left``, ``capacity``), built
+        at the first read after a write (``append``, ``install`` and ``refit`` drop it) and
+        kept while the kept arrays (by identity), the count, the codebooks and the
+        dispatcher's backend stay: a step calls the pass alone."""
+        grown = (self.codes, self.offsets, self.ranges, self.out_pos, self.out_val, self.books, self.book_ids)
+        state = (gpu_backend(), self.count, self.books.length, self.rotary)
+        holder = self._pass_holder()
+        kept = holder.value
+        if kept is not None and kept[0] == state and all(map(operator.is_, map(_buffer, grown), kept[1])):
+            return kept[2]
         how, args = self._read()
-        return _read_fn(how, True)(left, *args)
+        out = (_read_fn(how, True), args, self.capacity)
+        holder.value = (state, tuple(map(_buffer, grown)), out)
+        return out
 
     def decode(self, dtype) -> mx.array | None:
         """The valid tokens (B, H, count, D) in ``dtype`` (transient: prefill chunks and tests)."""
@@ -428,6 +454,23 @@ class NonUniformTokens:
                 yield f"{name} refit histogram", tuple(self.hist.buffer.shape), f"({rows}, 2, {cb.HIST_BINS})"
         if k and n and int(self.out_pos.view().max()) >= (head_dim * c.group if channel else head_dim):
             yield f"{name} outlier position", int(self.out_pos.view().max()), "inside its vector"
+
+
+def _buffer(grown: GrowingArray | None):
+    return None if grown is None else grown.buffer
+
+
+class _Pass:
+    """A run's kept read pass (``NonUniformTokens.read_pass``): a copy of the run starts
+    without it (it holds this run's buffers and views of them)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = None
+
+    def __deepcopy__(self, memo):
+        return _Pass()
 
 
 @functools.lru_cache(maxsize=None)
@@ -668,12 +711,14 @@ class NonUniformScores:
 
     def scores(self, q: mx.array) -> mx.array:
         """float32 ``q K^T`` (B, H, R, count) over per-channel keys."""
-        scores = self.tokens.times_dense(q)
-        return scores if scores.shape[-1] == self.count else scores[..., : self.count]
+        fn, args, capacity = self.tokens.read_pass()
+        scores = fn(q, *args)
+        return scores if capacity == self.count else scores[..., : self.count]
 
     def mix(self, p: mx.array) -> mx.array:
         """float32 ``p V`` (B, H, R, D) over per-token values (p padded to the capacity)."""
-        room = self.tokens.capacity - self.count
+        fn, args, capacity = self.tokens.read_pass()
+        room = capacity - self.count
         if room:
             p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, room)])
-        return self.tokens.times_dense(p)
+        return fn(p, *args)

@@ -73,15 +73,52 @@ class StreamingStore(SinkKVStore):
         """A decode step's attention: every stored token as one part (``_JointRead``)."""
         if self.segments:
             return super().attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
-        read = _JointRead(self, n_kv_heads)
-        if not read.count:
+        sink_kt, sink_v = self._sink_views()
+        keys, values = self.keys, self.values
+        n_keys, k_tail = keys.count, self.k_win.view()
+        if sink_kt is None and not n_keys and k_tail is None:  # nothing stored
+            read = _JointRead(self, n_kv_heads)
             return decode_attention(queries, [DecodePart(read, None, read, None)], scale=scale,
                                     use_kernel=use_kernel, n_kv_heads=n_kv_heads)
         # kernels/decode.py's joint path (no kernel reads these storages), the queries
-        # scaled in one fused pass
+        # scaled in one fused pass: ``_JointRead``'s scores and mix, their operations in
+        # the same order, each run's compiled pass and inputs kept between its writes
+        # (``NonUniformTokens.read_pass``)
         q = scaled_queries(queries, n_kv_heads, scale)
-        p = mx.softmax(read.scores(q), axis=-1)
-        return read.mix(p).reshape(queries.shape).astype(queries.dtype)
+        out = []
+        if sink_kt is not None:
+            out.append(q @ sink_kt.astype(mx.float32))
+        if n_keys:
+            fn, args, capacity = keys.read_pass()
+            s = fn(q, *args)
+            out.append(s if capacity == n_keys else s[..., :n_keys])
+        if k_tail is not None:
+            out.append(q @ k_tail.astype(mx.float32).swapaxes(-1, -2))
+        p = mx.softmax(out[0] if len(out) == 1 else mx.concatenate(out, axis=-1), axis=-1)
+        n_values, v_tail = values.count, self.v_win.view()
+        cuts = []  # where the weights of the sinks, the packed values and the tail meet
+        if sink_v is not None:
+            cuts.append(sink_v.shape[2])
+        if n_values:
+            cuts.append(n_values + (cuts[-1] if cuts else 0))
+        if v_tail is None:
+            cuts.pop()
+        weights = mx.split(p, cuts, axis=-1) if cuts else [p]  # one node, not a slice a read
+        outs, i = [], 0
+        if sink_v is not None:
+            outs.append(weights[0] @ sink_v.astype(mx.float32))
+            i = 1
+        if n_values:
+            fn, args, capacity = values.read_pass()
+            w = weights[i]
+            if capacity > n_values:  # the weights of the rows past the count: zeros
+                w = mx.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, capacity - n_values)])
+            outs.append(fn(w, *args))
+            i += 1
+        if v_tail is not None:
+            outs.append(token_mix(weights[i], v_tail.astype(mx.float32)))
+        o = outs[0] if len(outs) == 1 else _summed(len(outs))(*outs)
+        return o.reshape(queries.shape).astype(queries.dtype)
 
     def _sink_views(self):
         """(the sink keys transposed (B, H, D, n_sink), the sink values), views kept while the
