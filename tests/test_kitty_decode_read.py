@@ -80,3 +80,35 @@ def test_forty_decode_steps_match_attention_over_the_dequantized_history(lo, hi,
     for bi, hi_, j, kk, s in np.ndindex(*got.shape):
         want[bi, hi_, j, kk, s] = lo_scales[bi, hi_, index[bi, hi_, j, kk], j * (block // g) + s] * (1 << lo)
     assert got.shape[2] == nb and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("pure_path", ["qmm", "reference"])  # the CPU's path, the GPU's
+@pytest.mark.parametrize("lo, hi, f, block", [(2, 4, 0.25, 32), (1, 8, 0.5, 32)])
+def test_the_kept_step_read_gives_the_parts_read_bit_for_bit(lo, hi, f, block, pure_path, monkeypatch):
+    """``KittyStore.attend_parts`` (the keys' compiled pass and inputs kept between writes,
+    the value products summed in one pass) against the sink store's own read (its decode
+    parts through ``kernels/decode.py``, the keys' read built anew), over 40 steps with key
+    flushes among them: equal bit for bit."""
+    from veloxquant_mlx.methods.kitty.cache import KittyStore
+    from veloxquant_mlx.quant.sink_store import SinkQuantizedStore
+
+    monkeypatch.setattr(kd, "_pure_path", lambda: pure_path)
+    b, h, gqa, d, t0, steps = 2, 2, 2, 64, 150, 40
+    keys, values = keys_values(b, h, t0 + steps, d, seed=17 + lo)
+    cache, scale = kitty(lo, hi, f, block), d**-0.5
+    assert isinstance(cache.store, KittyStore)
+    cache.update_and_fetch(keys[:, :, :t0], values[:, :, :t0])
+    cache.attend(mx.random.normal((b, h * gqa, t0, d), key=mx.random.key(3)), keys[:, :, :t0],
+                 values[:, :, :t0], scale=scale, mask="causal")
+    counts = set()
+    for i in range(t0, t0 + steps):
+        k, v = keys[:, :, i : i + 1], values[:, :, i : i + 1]
+        q = mx.random.normal((b, h * gqa, 1, d), key=mx.random.key(100 + i))
+        cache.update_and_fetch(k, v)
+        out = cache.attend(q, k, v, scale=scale, mask=None)
+        store = cache.store
+        assert store.keys.step_read() is not None  # the kept read served this step
+        ref = SinkQuantizedStore.attend_parts(store, q, scale=scale, use_kernel=True, n_kv_heads=h)
+        assert mx.array_equal(out, ref).item(), i
+        counts.add(store.keys.count)
+    assert len(counts) > 1  # the steps crossed a key flush

@@ -31,6 +31,12 @@ on a GPU (``fused_attention``).
 
 from __future__ import annotations
 
+import functools
+
+import mlx.core as mx
+
+from ...kernels import kivi_decode as kd
+from ...kernels.decode import scaled_queries
 from ...quant.cache import QuantizedCache
 from ...quant.packed import GROWTH_TOKENS, GroupAffine
 from .promoted import PromotedChannels, PromotedKeys
@@ -38,6 +44,50 @@ from ...quant.sink_store import SinkQuantizedStore
 from ...quant.store import VALUE_ROOM
 
 N_SINK = 32  # the repo's sink_length
+
+
+class KittyStore(SinkQuantizedStore):
+    """The sink store whose decode step, past the sinks with channels promoted, computes
+    what ``kernels/decode.py``'s joint path computes for its two parts (the sinks; the
+    promoted keys and packed values with the windows' rows), the same operations in the
+    same order, the keys' compiled pass and its inputs kept between writes
+    (``PromotedKeys.step_read``) and the three value products summed in one fused pass."""
+
+    def attend_parts(self, queries, *, scale, use_kernel, n_kv_heads: int) -> mx.array:
+        keys, values = self.keys, self.values
+        read = None
+        if not self.segments and self.sink_k.length and values.count and self.k_win.held and self.v_win.held:
+            read = keys.step_read()  # None: no promoted channels (the fused kernel may read the part)
+        if read is None:
+            return super().attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+        fn, args, cut = read
+        sink_k, sink_v = self.sink_k.view(), self.sink_v.view()
+        k_tail, v_tail = self.k_win.view(), self.v_win.view()
+        q = scaled_queries(queries, sink_k.shape[1], scale)
+        s = fn(q, *args)
+        if cut is not None:
+            s = s[..., :cut]
+        s = mx.concatenate([q @ sink_k.astype(mx.float32).swapaxes(-1, -2), s,
+                            q @ k_tail.astype(mx.float32).swapaxes(-1, -2)], axis=-1)
+        p = mx.softmax(s, axis=-1)
+        n_sink, n_values = sink_v.shape[2], values.count
+        w_sink, w, w_tail = mx.split(p, [n_sink, n_sink + n_values], axis=-1)
+        c = values.codec
+        o = kd.affine_value_mix(w, values.codes.buffer, values.scales.buffer, values.biases.buffer, n_values,
+                                c.bits, c.group)
+        o = _summed3(kd.token_mix(w_sink, sink_v.astype(mx.float32)), o,
+                     kd.token_mix(w_tail, v_tail.astype(mx.float32)))
+        return o.reshape(queries.shape).astype(queries.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _sum3():
+    return mx.compile(lambda a, b, c: a + b + c)
+
+
+def _summed3(a, b, c):
+    """``a + b + c`` (in that order) as one fused pass."""
+    return _sum3()(a, b, c)
 
 
 class KittyCache(QuantizedCache):
@@ -48,7 +98,7 @@ class KittyCache(QuantizedCache):
         o, block = self.config.options, self.config.residual_window
         codec = PromotedChannels(o.kitty_lo_bit, o.kitty_hi_bit, self.group, block, o.kitty_hi_fraction)
         step = max(GROWTH_TOKENS, block)
-        return SinkQuantizedStore(
+        return KittyStore(
             PromotedKeys(codec, step), GroupAffine(o.kitty_lo_bit, self.group, "token"),
             window=block, key_block=block, n_sink=N_SINK, step_tokens=step, value_flush=VALUE_ROOM,
         )

@@ -36,6 +36,7 @@ promoted channel). Without promoted channels the store hands the lo plane's
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -169,16 +170,23 @@ class PromotedScores:
         restored state's buffers differ in room), then cut to ``count``: a decode step's
         elementwise operations on the planes fuse into a handful, and the buffers are read
         in place, not sliced to the count at every step."""
+        fn, args, cut = self.score_pass()
+        s = fn(q, *args)
+        return s if cut is None else s[..., :cut]
+
+    def score_pass(self) -> tuple:
+        """(``scores``' compiled pass, its inputs after the queries, the count where the
+        scores are cut to it from the room, else None): what ``PromotedKeys.step_read``
+        keeps between writes."""
         lo, cap = self.lo, self.capacity
         words, groups = cap * lo.bits // 32, cap // lo.group
-        args = [q, _cut(lo.codes, -1, words), _cut(lo.scales, -1, groups), _cut(lo.biases, -1, groups)]
+        args = [_cut(lo.codes, -1, words), _cut(lo.scales, -1, groups), _cut(lo.biases, -1, groups)]
         if self.up is not None:
             nb = cap // self.block
             args += [_cut(self.up, 2, nb), _cut(self.index, 2, nb),
                      _zeros((*self.up.shape[:2], nb, self.index.shape[-1], self.block // lo.group))]
         fn = _compiled_scores(lo.bits, lo.group, self.block, self.up_bits, self.up is None)
-        s = fn(*args)
-        return s if cap == self.count else s[..., : self.count]
+        return fn, tuple(args), (None if cap == self.count else self.count)
 
     def _scores(self, q: mx.array, zeros: mx.array | None) -> mx.array:
         """The scores over every token of the buffers (``lo.count`` is their capacity)."""
@@ -232,6 +240,18 @@ def _compiled_scores(bits: int, group: int, block: int, up_bits: int, no_up: boo
     return mx.compile(scores)
 
 
+class _StepRead:
+    """A run's kept decode read (``PromotedKeys.step_read``): a copy starts without it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = None
+
+    def __deepcopy__(self, memo):
+        return _StepRead()
+
+
 class PromotedKeys:
     """A growing run of keys in ``PromotedChannels`` blocks (the ``PackedTokens`` interface)."""
 
@@ -243,6 +263,7 @@ class PromotedKeys:
         self.biases = GrowingArray(axis=-1, step=step_tokens // codec.group)
         self.up = GrowingArray(axis=2, step=step_blocks)
         self.index = GrowingArray(axis=2, step=step_blocks)
+        self._read = _StepRead()  # a decode step's compiled pass and inputs (``step_read``)
 
     @property
     def count(self) -> int:
@@ -250,6 +271,7 @@ class PromotedKeys:
 
     def append(self, x: mx.array, decoding: bool = False) -> None:
         """Encode whole blocks ``x`` (B, H, n*block, D) after the keys already kept."""
+        self._read_holder().value = None  # the kept read holds the buffers written in place below
         codes, scales, biases, up, index = self.codec.encode(x)
         self.codes.append(codes)
         self.scales.append(scales)
@@ -272,6 +294,28 @@ class PromotedKeys:
         the shared readers take its width, else ``PromotedScores`` (whole buffers, no copy)."""
         view = self._view(empty)
         return view.lo if view.up is None and 32 % view.lo.bits == 0 else view
+
+    def _read_holder(self) -> "_StepRead":
+        if getattr(self, "_read", None) is None:
+            self._read = _StepRead()
+        return self._read
+
+    def step_read(self):
+        """``PromotedScores.score_pass`` of the kept keys where ``layout`` is a
+        ``PromotedScores`` with promoted channels (None otherwise, or with no keys), built at
+        the first read after a write and kept while the buffers (by identity) and the count
+        stay: a decode step calls the pass alone (``cache.KittyStore``)."""
+        count = self.count
+        buffers = (self.codes.buffer, self.scales.buffer, self.biases.buffer, self.up.buffer, self.index.buffer)
+        holder = self._read_holder()
+        kept = holder.value
+        if kept is not None and kept[0] == count and all(map(operator.is_, buffers, kept[1])):
+            return kept[2]
+        out = None
+        if count and self.up.buffer is not None:
+            out = self._view(None).score_pass()
+        holder.value = (count, buffers, out)
+        return out
 
     def decode(self, dtype) -> mx.array | None:
         """The valid keys (B, H, count, D) in ``dtype`` (transient: prefill chunks and tests)."""
