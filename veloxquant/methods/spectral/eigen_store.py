@@ -57,13 +57,14 @@ import mlx.core as mx
 from ...cache.buffers import GrowingArray
 from ...cache.calibration import batch_rows
 from ...kernels.decode import DecodePart
-from ...kernels.kivi_decode import token_mix
+from ...kernels.kivi_decode import _splits_tokens, token_mix
 from ...lowrank.factors import sample_rows
 from ...quant import codebook as cb
 from .bitfields import pack_fields, read_codes, row_words
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import from_pre_rope_channels, rotary_angles, to_pre_rope
 from ...quant.store import VALUE_ROOM, PackedStore, paced
+from ...quant.token_rows import ReadViews
 
 RANGE_SIGMAS = 6.0  # the quadrature range, in σ (the repo starts its search on ±3.5σ; wider keeps the tails)
 GRID_POINTS = 16384  # quadrature points of the Gaussian density over that range
@@ -288,6 +289,7 @@ class EigenTokens:
         self.sigma: mx.array | None = None  # (B, H, 2) float32
         self.sketch: mx.array | None = None  # (e, e) float32 (QJL only)
         self.tables: mx.array | None = None  # (B, H, 2^head + 2^tail) float32, σ units (trained at the fit)
+        self._views = ReadViews()  # what a decode step reads, kept until a write or a new basis (``read_views``)
 
     @property
     def count(self) -> int:
@@ -339,6 +341,7 @@ class EigenTokens:
             self.moment = self.moment + unit.swapaxes(-1, -2) @ unit
             self.seen += x.shape[2]
             words = mx.depends(words, self.moment)
+        self._views.clear()  # before the write in place into the buffers they view
         self.words.append(words)
         self.norms.append(norms)
 
@@ -347,6 +350,22 @@ class EigenTokens:
         zero norms, zero rows)."""
         return _coordinates_fn(self.codec, self.dim, True, False)(
             self.words.buffer, self.norms.buffer, self.sigma, self.tables, None)[0]
+
+    def read_views(self):
+        """(spans, their (words, norms) slices) as a decode step reads the whole buffer, a
+        ``read_block`` at a time: views of the buffers, kept until the buffers or the block
+        change (``_views``, cleared before each write)."""
+        words, norms = self.words.buffer, self.norms.buffer
+        b, h, capacity, _ = words.shape
+        block = read_block(b * h * self.dim * 4)
+
+        def build():
+            spans = tuple((first, min(first + block, capacity)) for first in range(0, capacity, block))
+            cuts = tuple((words, norms) if (first, end) == (0, capacity)
+                         else (words[:, :, first:end], norms[:, :, first:end]) for first, end in spans)
+            return spans, cuts
+
+        return self._views.get(self, (words, norms, block), build)
 
     def decode(self, dtype) -> mx.array | None:
         """The valid rows (B, H, count, D) in ``dtype``, post-RoPE again for keys (transient)."""
@@ -409,14 +428,14 @@ def _coordinates(codec: EigenCodec, d: int, on_rows: bool, qjl: bool, words, nor
     a decode step's few query rows). With ``qjl`` the key's QJL correction is folded into its
     first e coordinates: ``(S q_sem) . sign`` is ``q_sem . (Sᵀ sign)``, so the corrected
     score is the score of ``ẑ + sqrt(π/2)/e ‖r‖/‖x‖ [Sᵀ sign, 0]``, and one rebuild of the keys
-    (and for pre-RoPE keys one rotation) serves both terms."""
+    (and for pre-RoPE keys one rotation) serves both terms. The codebooks are scaled here, in
+    each block's pass, and the QJL signs read apart from the codes: a table made once for
+    every block, or one read of both, raised a stacked CPU step's peak by 4-6 MB (past the
+    32 MiB of freed buffers MLX's CPU allocator keeps, tests/test_spectral.py)."""
     e = codec.widths(d)[0]
     b, h = words.shape[:2]
-    book_head, book_tail = codec.tables(tables, d, (b, h))
-    # one table a batch row and head, each block's σ in it; a tail code indexes past the
-    # semantic codebook: one gather, and its result is already in the basis's units
-    table = mx.concatenate([book_head * sigma[..., None, 0], book_tail * sigma[..., None, 1]], axis=-1)
-    codes = read_codes(words, codec.layout(d), 0, d, (0,) * e + (book_head.shape[-1],) * (d - e))
+    table = _scaled_table(codec, d, sigma, tables, (b, h))
+    codes = read_codes(words, codec.layout(d), 0, d, (0,) * e + (codec.table_sizes(d)[0],) * (d - e))
     z = mx.take_along_axis(table, codes.reshape(b, h, -1), axis=-1).reshape(codes.shape)
     norm = norms[..., :1].astype(mx.float32)
     if on_rows:
@@ -428,6 +447,47 @@ def _coordinates(codec: EigenCodec, d: int, on_rows: bool, qjl: bool, words, nor
             rho = mx.where(norm > 0, rho / mx.maximum(norm, 1e-30), 0.0)
         z[..., :e] = z[..., :e] + (QJL_SCALE / e) * rho * (signs @ sketch)
     return z, norm.swapaxes(-1, -2)
+
+
+@functools.lru_cache(maxsize=256)  # a span per read block and capacity: bounded
+def _key_span_fn(codec: EigenCodec, d: int, qjl: bool, traditional: bool | None, lo: int, hi: int, reach: int):
+    """A decode step's (R <= D query rows) scores over one span of a run, one compiled pass:
+    ``_coordinates`` (the norms left out), the scores (post-RoPE keys: of the queries in the
+    basis; pre-RoPE (``traditional`` not None): of the keys rotated back and turned by the
+    span's columns [lo, hi) of the (D/2, reach) angle tables), times the norms: what
+    ``EigenScores.scores`` computes a span at a time for more query rows."""
+
+    def run(q, words, norms, sigma, tables, sketch, basis=None, cos=None, sin=None):
+        z, norm = _coordinates(codec, d, False, qjl, words, norms, sigma, tables, sketch)
+        if traditional is None:
+            s = q @ z.swapaxes(-1, -2)
+        else:
+            s = _turned_scores(q, basis @ z.swapaxes(-1, -2), _part(cos, lo, hi, reach), _part(sin, lo, hi, reach),
+                               traditional)
+        return s * norm
+
+    return mx.compile(run)
+
+
+@functools.lru_cache(maxsize=256)  # as _key_span_fn
+def _value_span_fn(codec: EigenCodec, d: int, lo: int, hi: int, reach: int, splits: bool):
+    """A decode step's ``p Z`` over one span of a run (in the basis), one compiled pass: the
+    span's columns [lo, hi) of the weights (padded to the run's whole buffer), times the
+    norms, over ``_coordinates``. ``splits``: ``token_mix`` cuts the token axis (CUDA)."""
+
+    def run(p, words, norms, sigma, tables):
+        z, norm = _coordinates(codec, d, False, False, words, norms, sigma, tables, None)
+        return token_mix(_part(p, lo, hi, reach) * norm, z)
+
+    return mx.compile(run)
+
+
+def _scaled_table(codec: EigenCodec, d: int, sigma, tables, lead) -> mx.array:
+    """The codebooks in the basis' units (B, H, 2^head + 2^tail) float32: each block's σ times
+    its codebook, the tail's after the semantic one's (a tail code indexes past the semantic
+    codebook: ``_coordinates``' one gather)."""
+    book_head, book_tail = codec.tables(tables, d, lead)
+    return mx.concatenate([book_head * sigma[..., None, 0], book_tail * sigma[..., None, 1]], axis=-1)
 
 
 def _turn_pairs(x1, x2, cos, sin):
@@ -487,21 +547,24 @@ class EigenScores:
     def n_heads(self) -> int:
         return self.tokens.words.buffer.shape[1]
 
-    def _spans(self) -> list[tuple[int, int]]:
-        if self.rows:
-            return [self.rows]
-        b, h, capacity, _ = self.tokens.words.buffer.shape
-        block = read_block(b * h * self.tokens.dim * 4)
-        return [(first, min(first + block, capacity)) for first in range(0, capacity, block)]
-
-    def _read(self, first: int, end: int, on_rows: bool, qjl: bool, after: mx.array | None):
-        """``_coordinates`` of the buffer rows [first, end), read once ``after`` (the previous
-        block's result) is made: left free, MLX's scheduler decodes every block before it
-        reduces any (benchmarks/notes/prefill.md)."""
+    def _spans(self):
+        """The spans read and, per span, its (words, norms): the whole buffer's
+        (``EigenTokens.read_views``, kept between writes), or the rows asked for."""
         t = self.tokens
+        if not self.rows:
+            return t.read_views()
+        first, end = self.rows
         words, norms = t.words.buffer, t.norms.buffer
         if (first, end) != (0, words.shape[2]):
             words, norms = words[:, :, first:end], norms[:, :, first:end]
+        return (self.rows,), ((words, norms),)
+
+    def _read(self, cut, on_rows: bool, qjl: bool, after: mx.array | None):
+        """``_coordinates`` of a span's (words, norms) ``cut``, read once ``after`` (the previous
+        block's result) is made: left free, MLX's scheduler decodes every block before it
+        reduces any (benchmarks/notes/prefill.md)."""
+        t = self.tokens
+        words, norms = cut
         if after is not None:
             words = mx.depends(words, after)
         return _coordinates_fn(t.codec, t.dim, on_rows, qjl)(words, norms, t.sigma, t.tables,
@@ -512,15 +575,26 @@ class EigenScores:
         the QJL correction when the codec keeps one (``qjl=False``: without it)."""
         t = self.tokens
         qjl, on_rows = qjl and t.codec.qjl, q.shape[-2] > t.dim  # the norms scale whichever is smaller
-        spans = self._spans()
+        spans, cuts = self._spans()
         origin, reach = spans[0][0], spans[-1][1] - spans[0][0]
         if t.rotary is None:
             q = q @ t.basis
         else:
             cos, sin = rotary_angles(t.rotary, t.dim, t.start + origin, reach)
+        if not on_rows:  # a decode step: each span one compiled pass (``_key_span_fn``)
+            out, sketch = [], t.sketch if qjl else None
+            traditional = None if t.rotary is None else t.rotary.traditional
+            for (first, end), (words, norms) in zip(spans, cuts):
+                if out:
+                    words = mx.depends(words, out[-1])
+                fn = _key_span_fn(t.codec, t.dim, qjl, traditional, first - origin, end - origin, reach)
+                out.append(fn(q, words, norms, t.sigma, t.tables, sketch) if traditional is None
+                           else fn(q, words, norms, t.sigma, t.tables, sketch, t.basis, cos, sin))
+            s = mx.concatenate(out, axis=-1) if len(out) > 1 else out[0]
+            return s if self.rows else s[..., : self.count]
         out = []
-        for first, end in spans:
-            z, norm = self._read(first, end, on_rows, qjl, out[-1] if out else None)
+        for (first, end), cut in zip(spans, cuts):
+            z, norm = self._read(cut, on_rows, qjl, out[-1] if out else None)
             if t.rotary is None:
                 s = q @ z.swapaxes(-1, -2)
             else:
@@ -538,11 +612,19 @@ class EigenScores:
         if room:
             p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, room)])
         on_rows = p.shape[-2] > t.dim
-        spans = self._spans()
+        spans, cuts = self._spans()
         origin, reach = spans[0][0], spans[-1][1] - spans[0][0]
         out = None
-        for first, end in spans:
-            z, norm = self._read(first, end, on_rows, False, out)
+        if not on_rows:  # a decode step: each span one compiled pass (``_value_span_fn``)
+            for (first, end), (words, norms) in zip(spans, cuts):
+                if out is not None:
+                    words = mx.depends(words, out)
+                part = _value_span_fn(t.codec, t.dim, first - origin, end - origin, reach, _splits_tokens())(
+                    p, words, norms, t.sigma, t.tables)
+                out = part if out is None else out + part
+            return out @ t.basis.swapaxes(-1, -2)
+        for (first, end), cut in zip(spans, cuts):
+            z, norm = self._read(cut, on_rows, False, out)
             w = _part(p, first - origin, end - origin, reach)
             part = token_mix(w if on_rows else w * norm, z)
             out = part if out is None else out + part
