@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...cache.rope import Rotary, derotate
+from ...kernels import kivi_decode as kd
 from ...kernels.kivi_decode import token_mix
 from ...quant.token_rows import dequantize_rows
 from .token_tiers import MASKED
@@ -32,6 +33,23 @@ class _Step:
     rotary: Rotary | None  # the projected keys kept pre-RoPE, rotated with these settings
     present: tuple[bool, ...]  # each tier has buffers
     window: bool  # the cache holds exact rows in its window
+    unpacked_here: bool  # on the CPU: words unpacked in one shift (``_dequantize``)
+
+
+def _unpacks_here() -> bool:
+    """Whether the words are unpacked here (``_dequantize``): on the CPU."""
+    return mx.default_device() == mx.cpu
+
+
+def _dequantize(how: _Step, codes, scales, biases, group: int, bits: int) -> mx.array:
+    """``dequantize_rows(..., float32)``. On the CPU, where ``mx.dequantize`` expands into a
+    graph of one shift per code in a word (28 shift nodes and as many expansions for the
+    three tiers' keys, as many for their values), the words are unpacked in one shift
+    (``kivi_decode.unpacked_affine``, as ``evict/quantized_slots.py`` does: the same values,
+    bit for bit); on a GPU ``mx.dequantize`` is one node."""
+    if how.unpacked_here and 32 % bits == 0:
+        return kd.unpacked_affine(codes, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
+    return dequantize_rows(codes, scales, biases, group, bits, mx.float32)
 
 
 def _graph(how: _Step, queries, counts, tiers, projections, positions, window):
@@ -41,8 +59,8 @@ def _graph(how: _Step, queries, counts, tiers, projections, positions, window):
     scores, values = [], []
     for t, ((kc, ks, kb), (vc, vs, vb)) in tiers.items():
         bits, group = how.codecs[t]
-        keys = dequantize_rows(kc, ks, kb, group, bits, mx.float32)
-        vals = dequantize_rows(vc, vs, vb, group, bits, mx.float32)
+        keys = _dequantize(how, kc, ks, kb, group, bits)
+        vals = _dequantize(how, vc, vs, vb, group, bits)
         if how.projected[t]:
             k_mean, k_basis, v_mean, v_basis = (a.astype(mx.float32) for a in projections[t])
             keys = keys @ k_basis.swapaxes(-1, -2) + k_mean[:, :, None]
@@ -107,7 +125,7 @@ def decode_attention(store, queries, scale: float, window=None) -> mx.array | No
         return None
     rotary = store.rotary if any(p and ks[t].positions is not None for t, p in enumerate(present)) else None
     how = _Step(float(scale), tuple((k.codec.bits, k.codec.group) for k in ks), projected, rotary, present,
-                window is not None)
+                window is not None, _unpacks_here())
     args = list(window or ())
     for t, (k, v) in enumerate(zip(ks, vs)):
         if present[t]:
