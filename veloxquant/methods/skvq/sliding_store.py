@@ -54,6 +54,8 @@ per channel only. ``capacity`` (None: unbounded) caps the packed rows' room at
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Any
 
 import mlx.core as mx
@@ -86,14 +88,16 @@ class _JointRead:
 
     def __init__(self, store: "SlidingWindowStore", q_shape, n_kv_heads: int):
         b, hq, _, d = q_shape
-        self.packed_k, self.packed_v, sink_k, sink_v, self.perm, self.inv = \
+        self.packed_k, self.packed_v, self.sinks, self.perm, self.inv, ends = \
             store._read_views(b, n_kv_heads, hq // n_kv_heads, d)
         self.key_codec, self.value_codec = store.keys.codec, store.values.codec
-        rows = [(sink_k, sink_v), (store.k_res, store.v_res)]
-        self.sinks, self.window = [x if x[0] is not None else None for x in rows]
+        k_res = store.k_res  # a view of the window built once a step (a property: a slice a read)
+        self.window = None if k_res is None else (k_res, store.v_res)
         self.n_heads = n_kv_heads
-        self.counts = [n for n in (_rows(sink_k), store.keys.count, _rows(store.k_res)) if n]
-        self.count = sum(self.counts)
+        n = _rows(k_res)
+        # where the sinks' and the packed rows' weights end (those held), then the window's
+        self.cuts = ends if n else ends[:-1]
+        self.count = (ends[-1] if ends else 0) + n
 
     def part(self) -> DecodePart:
         return DecodePart(self, None, self, None)
@@ -114,9 +118,7 @@ class _JointRead:
 
     def mix(self, p: mx.array) -> mx.array:
         """float32 ``p V`` (B, H, R, D) in the model's channel order, weights (B, H, R, N)."""
-        cuts = self.counts[:-1]
-        for i in range(1, len(cuts)):
-            cuts[i] += cuts[i - 1]
+        cuts = self.cuts
         weights = iter(mx.split(p, cuts, axis=-1) if cuts else [p])
         out = None
         if self.sinks is not None:
@@ -267,13 +269,14 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
                                 use_kernel=use_kernel, n_kv_heads=h)
 
     def _read_views(self, b: int, h: int, r: int, d: int):
-        """(packed keys' valid rows or None, packed values' likewise, sink keys, sink values
-        (or None), the key order and the inverse value order broadcast over the queries
-        (B, H, R, D), or None), views kept while what they view stays as it is."""
-        runs = (self.keys, self.values)
-        key = (b, h, r, d, self.perm_k, self.inv_v, self.sink_k.buffer, self.sink_k.length,
-               self.sink_v.buffer, self.sink_v.length) + \
-            tuple(x for t in runs for x in (t.codes.buffer, t.scales.buffer, t.biases.buffer, t.count))
+        """(packed keys' valid rows or None, packed values' likewise, (sink keys, sink
+        values) or None, the key order and the inverse value order broadcast over the queries
+        (B, H, R, D), or None, where the sinks' and the packed rows' tokens end (those held,
+        in that order)), views kept while what they view stays as it is."""
+        sk, sv, k, v = self.sink_k, self.sink_v, self.keys, self.values  # spelled out: built every step
+        key = (b, h, r, d, self.perm_k, self.inv_v, sk.buffer, sk.length, sv.buffer, sv.length,
+               k.codes.buffer, k.scales.buffer, k.biases.buffer, k.count,
+               v.codes.buffer, v.scales.buffer, v.biases.buffer, v.count)
 
         def build():
             shape = (b, h, r, d)
@@ -281,7 +284,8 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
             packed = (_valid(self.keys), _valid(self.values)) if self.keys.count else (None, None)
             perm = None if self.perm_k is None else mx.broadcast_to(self.perm_k, shape)
             inv = None if self.inv_v is None else mx.broadcast_to(self.inv_v, shape)
-            return (*packed, *sinks, perm, inv)
+            ends = list(itertools.accumulate(n for n in (_rows(sinks[0]), self.keys.count) if n))
+            return (*packed, None if sinks[0] is None else sinks, perm, inv, ends)
 
         return self._views.get(self, key, build)
 

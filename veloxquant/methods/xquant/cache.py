@@ -81,7 +81,8 @@ class XQuantCache(CrossLayer, QuantizedCache):
 
     def update_and_fetch(self, keys, values):
         limit = self.config.xquant_max_ctx  # the flat field: config.options validates at each read
-        if len(self.layer_group) > 1 and self.offset + keys.shape[2] > limit:
+        # the count first: a step within the cap never looks its group up
+        if self.offset + keys.shape[2] > limit and len(self.layer_group) > 1:
             raise ValueError(
                 f"xquant_max_ctx={limit}: layer {self.layer}'s group would share codes for "
                 f"{self.offset + keys.shape[2]} tokens; allowed: at most xquant_max_ctx (raise it)")

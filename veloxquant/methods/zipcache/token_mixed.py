@@ -35,6 +35,8 @@ step's scores (the whole cache's, the buffer last): the history is read once.
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Any
 
 import mlx.core as mx
@@ -84,9 +86,11 @@ class TokenClass:
 
     def sources(self) -> tuple:
         """The arrays ``valid`` views, and the count (what its views depend on)."""
-        stores = (self.keys, self.values) if self.values is not None else (self.keys,)
-        out = tuple(g.buffer for s in stores for g in (s.codes, s.scales, s.biases))
-        return out + ((self.raw_values.buffer,) if self.values is None else ()) + (self.count,)
+        k, v = self.keys, self.values  # spelled out: a decode step builds it (``_class_views``' key)
+        if v is None:
+            return k.codes.buffer, k.scales.buffer, k.biases.buffer, self.raw_values.buffer, k.count
+        return (k.codes.buffer, k.scales.buffer, k.biases.buffer, v.codes.buffer, v.scales.buffer,
+                v.biases.buffer, k.count)
 
     def decode(self, k_channel, v_channel, dtype) -> tuple[mx.array, mx.array]:
         """Keys and values (B, H, count, D) in ``dtype``, class order (transient)."""
@@ -123,10 +127,10 @@ class _JointRead:
 
     def __init__(self, store: "TokenMixedStore", q_shape, n_kv_heads: int):
         b, hq, _, d = q_shape
-        self.classes, self.kc, self.vc = store._class_views(b, n_kv_heads, hq // n_kv_heads, d)
+        self.classes, self.kc, self.vc, stored, self.ends = store._class_views(b, n_kv_heads, hq // n_kv_heads, d)
         self.k_tail, self.v_tail = store.k_buf.view(), store.v_buf.view()
         self.n_heads = n_kv_heads
-        self.count = sum(c.count for c, _ in self.classes) + (0 if self.k_tail is None else self.k_tail.shape[2])
+        self.count = stored + (0 if self.k_tail is None else self.k_tail.shape[2])
         self.logits = None
 
     def part(self) -> DecodePart:
@@ -137,7 +141,7 @@ class _JointRead:
         out = []
         if self.classes:
             qc = q * self.kc  # keys are rows of x / c: (q c) (K / c)ᵀ = q Kᵀ, c once for both classes
-            out += [row_scores(qc, rows[0], c.keys.codec) for c, rows in self.classes]
+            out += [row_scores(qc, keys, codec) for keys, codec, _, _ in self.classes]
         if self.k_tail is not None:
             out.append(q @ self.k_tail.astype(mx.float32).swapaxes(-1, -2))
         self.logits = out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
@@ -145,13 +149,11 @@ class _JointRead:
 
     def mix(self, p: mx.array) -> mx.array:
         """float32 ``p V`` (B, H, R, D) for weights (B, H, R, N) in ``scores``' order."""
-        cuts = [c.count for c, _ in self.classes][: len(self.classes) - (self.k_tail is None)]
-        for i in range(1, len(cuts)):
-            cuts[i] += cuts[i - 1]
+        cuts = self.ends if self.k_tail is not None else self.ends[:-1]  # each class's end, then the buffer's
         weights = mx.split(p, cuts, axis=-1) if cuts else [p]
         out = None
-        for (c, rows), w in zip(self.classes, weights):
-            out = row_mix(out, w, rows[1], c.keys.codec if c.values is None else c.values.codec)
+        for (_, _, values, codec), w in zip(self.classes, weights):
+            out = row_mix(out, w, values, codec)
         if self.vc is not None:
             out = out * self.vc  # values are rows of x / c: (p V') c, c once for both classes
         if self.v_tail is not None:
@@ -258,8 +260,9 @@ class TokenMixedStore(PackedStore):
             # the next one's graph
             b, hq, _, d = queries.shape
             h = keys.shape[1]
-            classes, kc, vc = self._class_views(b, h, hq // h, d)
-            views = [x for _, rows in classes for r in rows for x in (r if isinstance(r, tuple) else (r,))]
+            classes, kc, vc, _, _ = self._class_views(b, h, hq // h, d)
+            views = [x for keys, _, values, _ in classes for r in (keys, values)
+                     for x in (r if isinstance(r, tuple) else (r,))]
             # no later step reads the flags: generate_step evaluates them with this step's
             # logits, or their appends would chain from flush to flush
             out = mx.depends(out, [self.flags.buffer, *views, *(x for x in (kc, vc) if x is not None)])
@@ -272,20 +275,27 @@ class TokenMixedStore(PackedStore):
                                 use_kernel=use_kernel, n_kv_heads=h)
 
     def _class_views(self, b: int, h: int, r: int, d: int):
-        """(the classes that hold tokens with their valid rows, the key channel scales
-        (B, H, R, D), the value channel scales (B, H, R, D) or None), all views, kept while
-        the classes and the channel scales stay as they are."""
-        classes = [c for c in (self.hi, self.lo) if c.count]
-        key = (b, h, r, d, self.k_channel, self.v_channel) + tuple(x for c in (self.hi, self.lo) for x in c.sources())
+        """(the classes that hold tokens, each as (its keys' valid rows, their codec, its
+        values' valid rows, their codec), the key channel scales (B, H, R, D), the value
+        channel scales (B, H, R, D) or None, the tokens the classes hold, each class's end
+        in their order), the arrays views, kept while the classes and the channel scales
+        stay as they are."""
+        key = (b, h, r, d, self.k_channel, self.v_channel) + self.hi.sources() + self.lo.sources()
 
         def build():
+            classes = [c for c in (self.hi, self.lo) if c.count]
             shape = (b, h, r, d)
             kc = vc = None
             if classes:
                 kc = mx.broadcast_to(self.k_channel[:, :, None, :], shape)
                 if self.quantize_values:
                     vc = mx.broadcast_to(self.v_channel[:, :, None, :], shape)
-            return [(c, c.valid()) for c in classes], kc, vc
+            reads = []
+            for c in classes:
+                keys, values = c.valid()
+                reads.append((keys, c.keys.codec, values, c.keys.codec if c.values is None else c.values.codec))
+            ends = list(itertools.accumulate(c.count for c in classes))
+            return reads, kc, vc, (ends[-1] if ends else 0), ends
 
         return self._views.get(self, key, build)
 
