@@ -45,7 +45,7 @@ OVER_GRAPH_BOUND = {
     "amc": 2.73,
     # its read (6.40 while it coded each decode row as it came; 2026-12-05: 32 at a time); a read at
     # 1.60 made the CPU's decode 2.3x slower: benchmarks/results/h200_s61/spectral_read.patch
-    "spectral": 2.73,
+    "spectral": 2.69,  # 2.73 before each read span was one compiled pass (2026-12-05, host time)
     # a compiled read of the merged rows in place (m (q.e)) and the rows held, the second
     # layer's retained table read (2.56 while it merged each decode token; 2026-12-05: 32 at a time)
     "minicache": 1.69,
@@ -68,7 +68,7 @@ OVER_GRAPH_BOUND = {
     # a read at 1.50 made the CPU's decode 1.3x slower: benchmarks/results/h200_s61/nsnquant_read.patch
     "nsnquant": 1.94,
     "kvtc": 1.65,  # keys rebuilt channels first, gather indices and views kept between codings (2.02 before, 2026-12-05)
-    "kitty": 1.75,  # 2.06 before its read ran over the buffers' room in one compiled pass (2026-12-05)
+    "kitty": 1.73,  # 2.06 before its read ran over the buffers' room in one compiled pass, 1.75 before its three value products were summed in one (2026-12-05)
     "adakv": 1.46,  # planes dequantized in one compiled pass, one unmasked attention (1.92 before, 2026-12-05)
     "tova+kivi4": 1.67,  # as h2o+kivi2 (1.94 before, 2026-12-05)
     "snapkv+kivi4": 1.67,
@@ -105,7 +105,7 @@ PERIODIC_STEP = {
     "amc": 14.38,
     "a2ats": 2.77, "anchorkv": 1.52, "rocketkv": 1.17, "age_tiered": 4.12,
     # its decode rows coded 32 at a time (2026-12-05; 7.58 before its read's QJL fold, 6.80 coding each row)
-    "spectral": 6.90,
+    "spectral": 6.86,
     "turboquant": 2.50, "snapkv+kivi4": 2.47, "h2o+kivi2": 2.50, "tova+kivi4": 2.85,
 }
 
