@@ -444,6 +444,12 @@ def _valid(stored_room: int, window_room: int, stored: int, held: int) -> mx.arr
     return mx.array((pos < stored) | ((pos >= stored_room) & (pos < stored_room + held)))
 
 
+@functools.lru_cache(maxsize=1024)
+def _position(pos: int) -> mx.array:
+    """``mx.array([pos])``, made once a position (a decode step writes one a step)."""
+    return mx.array([pos])
+
+
 class RecentNorms:
     """The L2 norms of the newest ``window`` keys of each KV head, in a ring. Each write
     makes a new array (``slice_update``), so a ``snapshot`` is a reference, not a copy: an
@@ -462,9 +468,10 @@ class RecentNorms:
         if self.norms is None:
             self.norms = mx.zeros((*norms.shape[:2], self.window), mx.float32)
         first = min(m, self.window - self.pos)
-        self.norms = mx.slice_update(self.norms, norms[:, :, :first], mx.array([self.pos]), axes=(2,))
+        self.norms = mx.slice_update(self.norms, norms if first == m else norms[:, :, :first],
+                                     _position(self.pos), axes=(2,))
         if m > first:  # wraps around
-            self.norms = mx.slice_update(self.norms, norms[:, :, first:], mx.array([0]), axes=(2,))
+            self.norms = mx.slice_update(self.norms, norms[:, :, first:], _position(0), axes=(2,))
         self.pos = (self.pos + m) % self.window
         self.filled = min(self.window, self.filled + n)
 
