@@ -586,15 +586,17 @@ class Latent:
         running moments with ``x`` taken in ([] where none are kept): the caller has them
         evaluated with the latents (``append``; ``LatentStore._encode``, for keys and values
         at once)."""
-        xf = x.astype(mx.float32)
-        latents = ((xf - self.mean.astype(mx.float32)) @ self.basis.astype(mx.float32)).astype(x.dtype)
-        if self.gram is None:
+        run, f32 = self.runs[-1], mx.float32
+        xf = x.astype(f32)  # (a cast to the dtype an array has is the array: no node)
+        latents = ((xf - run.mean.astype(f32)) @ run.basis.astype(f32)).astype(x.dtype)
+        gram = self.gram
+        if gram is None:
             return latents, []
         centred = xf - self.shift
-        self.gram = mx.addmm(self.gram, centred.swapaxes(-1, -2), centred)
+        self.gram = gram = mx.addmm(gram, centred.swapaxes(-1, -2), centred)
         # a decode token's sum over its one row is itself
-        self.total = self.total + (centred if x.shape[2] == 1 else centred.sum(axis=2, keepdims=True))
-        return latents, [self.gram, self.total]
+        self.total = total = self.total + (centred if x.shape[2] == 1 else centred.sum(axis=2, keepdims=True))
+        return latents, [gram, total]
 
     def refit(self) -> None:
         """A new run on a basis of the same rank from the running moments of every token
@@ -681,6 +683,12 @@ class LatentStore(PackedStore):
 
     # -- writing ---------------------------------------------------------------------------
     def commit(self, keys: mx.array, values: mx.array) -> None:
+        if self.keys.runs and keys.shape[2] == 1 and self.heads_per_group is not None:
+            # a decode step, fitted (its groups known): the steady state
+            self._encode(keys, values)
+            if self.keys.gram is not None and self.length >= REFIT_GROWTH * self.fitted_at:
+                self._refit()
+            return
         if self.heads_per_group is None:
             self.heads_per_group = 1 if self.n_groups is None else keys.shape[1] // self.n_groups
         if not self.fitted and self.calibrated is not None:
@@ -733,18 +741,18 @@ class LatentStore(PackedStore):
         self.fitted_at = self.length
 
     def _encode(self, keys, values) -> None:
-        g = self.heads_per_group
-        latents, moments = self.keys.project(_group(keys, g))
-        if self.values is None:
-            self.keys.tokens.append(mx.depends(latents, moments) if moments else latents)
+        g, k_latent, v_latent = self.heads_per_group, self.keys, self.values
+        latents, moments = k_latent.project(_group(keys, g))
+        if v_latent is None:
+            k_latent.runs[-1].tokens.append(mx.depends(latents, moments) if moments else latents)
             self.v_exact.append(values)
             return
-        v_latents, v_moments = self.values.project(_group(values, g))
-        moments += v_moments
+        v_latents, v_moments = v_latent.project(_group(values, g))
+        moments = moments + v_moments
         if moments:  # one dependency for both tensors' moments
             latents, v_latents = mx.depends([latents, v_latents], moments)
-        self.keys.tokens.append(latents)
-        self.values.tokens.append(v_latents)
+        k_latent.runs[-1].tokens.append(latents)
+        v_latent.runs[-1].tokens.append(v_latents)
 
     # -- reading ---------------------------------------------------------------------------
     def history(self, dtype):
