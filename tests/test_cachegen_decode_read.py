@@ -170,3 +170,57 @@ def test_the_cpu_read_rebuilds_nothing(monkeypatch):
 
     monkeypatch.setattr(delta.AnchoredTokens, "rebuilt", refuse)
     decode_against_reference(cachegen(cachegen_group_size=32), monkeypatch, "qmm", batch=1)
+
+
+def _plain_layout(run, empty):
+    """``AnchoredTokens.layout`` built the plain way each step: fresh views of the valid rows."""
+    views = (run.codes.view(), run.scales.view())
+    if run.codec.use_delta:
+        views += (run.anchor_codes.view(), run.anchor_scales.view())
+    return delta.AnchoredScores(run.codec, run.count, views)
+
+
+def _plain_token_affine(scores):
+    """``AnchoredScores._token_affine`` the plain way: the steps cast, then repeated over their tokens."""
+    c, codes, s = scores.codec, scores.views[0], scores.views[1].astype(mx.float32)
+    if c.use_delta:
+        b, h, n_groups, w = s.shape
+        s = mx.broadcast_to(s[:, :, :, None], (b, h, n_groups, c.group, w)).reshape(b, h, -1, w)
+    return codes, s, s * delta._neg_offset(c.bits), c.bits
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(f"{v}" for v in s.values()))
+@pytest.mark.parametrize("pure_path", ["qmm", "reference"])
+def test_the_parts_read_kept_between_flushes_is_the_plain_one_bit_for_bit(settings, pure_path, monkeypatch):
+    """The parts' path (the CPU's; a GPU's where the runs are not rebuilt) reads the scores'
+    views kept between flushes (``layout``) and the steps broadcast once (``_token_affine``):
+    over 40 steps crossing flushes, each step's output equals, bit for bit, that of a twin
+    whose reads are built the plain way every step."""
+    monkeypatch.setattr(kd, "CPU_DEFAULT_PATH", pure_path)
+    # the parts' path on either: values kept unquantized would leave it too, so refuse the rebuild
+    monkeypatch.setattr(delta.AnchoredTokens, "rebuilds", property(lambda self: False))
+    batch, h, total, seed = 2, 2, PROMPT + STEPS, 7
+    keys = rows((batch, h, total, D), seed, True)
+    values = rows((batch, h, total, D), seed + 2, True) * 0.5
+    kept, plain = cachegen(**settings), cachegen(**settings)
+    kept_layout, kept_affine = delta.AnchoredTokens.layout, delta.AnchoredScores._token_affine
+
+    def step(q, start, stop):
+        outs = []
+        for cache, layout, affine in ((kept, kept_layout, kept_affine), (plain, _plain_layout, _plain_token_affine)):
+            monkeypatch.setattr(delta.AnchoredTokens, "layout", layout)
+            monkeypatch.setattr(delta.AnchoredScores, "_token_affine", affine)
+            outs.append(call(cache, q, keys[:, :, start:stop], values[:, :, start:stop], D**-0.5))
+        mx.eval(outs)
+        return outs
+
+    for start, stop in ((0, 120), (120, PROMPT)):
+        step(mx.random.normal((batch, h * GQA, stop - start, D), key=mx.random.key(seed + start)), start, stop)
+    flushes = 0
+    for t in range(PROMPT, total):
+        count = kept.store.keys.count
+        a, b = step(mx.random.normal((batch, h * GQA, 1, D), key=mx.random.key(200 + t)), t, t + 1)
+        flushes += kept.store.keys.count != count
+        assert a.shape == b.shape and mx.array_equal(a, b).item(), t
+    assert flushes >= 1
+    assert kept.store.keys._scores.value is not None  # the kept views were read

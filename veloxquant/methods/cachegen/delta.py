@@ -26,7 +26,7 @@ deltas and one for the anchors (keys and values alike), never a decoded copy of 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -114,6 +114,7 @@ class AnchoredTokens:
         self.anchor_codes = GrowingArray(axis=2, step=anchor_step) if codec.use_delta else None
         self.anchor_scales = GrowingArray(axis=2, step=anchor_step) if codec.use_delta else None
         self._views = ReadViews()  # what ``rebuilt`` reads, kept between flushes (``_read_views``)
+        self._scores = ReadViews()  # ``layout``'s AnchoredScores (views), kept likewise
 
     @property
     def count(self) -> int:
@@ -136,6 +137,7 @@ class AnchoredTokens:
         what is kept by them, exactly sized (a restored state); ``packed``: the codes and
         anchor codes come packed already (a resident state)."""
         self._views.clear()  # no view pins a buffer the appends below write in place
+        self._scores.clear()
         keep = (lambda g, x: g.reset(x)) if exact else (lambda g, x: g.append(x))
         pack = (lambda x, bits: x) if packed else pack_codes
         keep(self.codes, pack(codes, self.codec.bits))
@@ -209,10 +211,11 @@ class AnchoredTokens:
         return x.reshape(*x.shape[:2], self.count, -1)
 
     def layout(self, empty: mx.array) -> "AnchoredScores":
-        views = (self.codes.view(), self.scales.view())
-        if self.codec.use_delta:
-            views += (self.anchor_codes.view(), self.anchor_scales.view())
-        return AnchoredScores(self.codec, self.count, views)
+        """The run as the parts' path reads it: views of the valid rows, built when a write
+        changes them (kept in ``_scores`` until then: a steady step slices nothing)."""
+        runs = (self.codes, self.scales) + ((self.anchor_codes, self.anchor_scales) if self.codec.use_delta else ())
+        return self._scores.get(self, tuple(g.buffer for g in runs) + (self.count,),
+                                lambda: AnchoredScores(self.codec, self.count, tuple(g.view() for g in runs)))
 
     def expected_shapes(self, head_dim: int):
         c, n = self.codec, self.count
@@ -307,17 +310,29 @@ class AnchoredScores:
     codec: AnchoredCodec
     count: int
     views: tuple
+    # with delta coding, the anchor groups' steps broadcast over their tokens (B, H, groups,
+    # G, w): a view of ``views[1]`` (no bytes of its own), made with the others
+    steps: mx.array | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.codec.use_delta and self.steps is None and self.views[1] is not None:
+            b, h, n_groups, w = self.views[1].shape
+            object.__setattr__(self, "steps", mx.broadcast_to(self.views[1][:, :, :, None],
+                                                              (b, h, n_groups, self.codec.group, w)))
 
     @property
     def n_heads(self) -> int:
         return self.views[0].shape[1]
 
     def _token_affine(self):
-        """The codes with one (scale, bias) per token and channel group."""
-        c, codes, s = self.codec, self.views[0], self.views[1].astype(mx.float32)
+        """The codes with one (scale, bias) per token and channel group (float16 steps made
+        float32: exact, so cast before or after their repetition over the tokens alike)."""
+        c, codes = self.codec, self.views[0]
         if c.use_delta:  # one step per anchor group: repeated over its tokens
-            b, h, n_groups, w = s.shape
-            s = mx.broadcast_to(s[:, :, :, None], (b, h, n_groups, c.group, w)).reshape(b, h, -1, w)
+            b, h, _, _, w = self.steps.shape
+            s = self.steps.reshape(b, h, -1, w).astype(mx.float32)
+        else:
+            s = self.views[1].astype(mx.float32)
         return codes, s, s * _neg_offset(c.bits), c.bits
 
     def _anchors(self):
