@@ -35,6 +35,7 @@ reads codebooks).
 from __future__ import annotations
 
 from .nsn import NSNCodec, NSNStore, universal_codebook
+from ...quant.cache import QuantizedCache
 from ...quant.vq import MAX_BITS
 from ...quant.vq_store import CodebookCache
 
@@ -51,9 +52,16 @@ class NSNQuantCache(CodebookCache):
         codebook = universal_codebook(o.nsn_bits, o.nsn_codebook_size, o.nsn_subvector_dim, o.nsn_seed)
         return NSNStore(NSNCodec(codebook, o.nsn_bits), o.nsn_residual_length, o.nsn_max_ctx)
 
+    _dims_checked = None  # (key, value) head_dims that passed CodebookCache's checks
+
     def update_and_fetch(self, keys, values):
         cap = self.config.nsn_max_ctx  # the flat field: ``options`` builds an object a read
         if self.offset + keys.shape[2] > cap:
             raise ValueError(f"nsn_max_ctx={cap}: layer {self.layer} holds {self.offset} tokens and "
                              f"{keys.shape[2]} more came; allowed: at most {cap} (raise nsn_max_ctx)")
-        return super().update_and_fetch(keys, values)
+        dims = (keys.shape[-1], values.shape[-1])
+        if dims == self._dims_checked:  # the sub-vector and rotation checks passed for these
+            return QuantizedCache.update_and_fetch(self, keys, values)
+        out = super().update_and_fetch(keys, values)
+        self._dims_checked = dims
+        return out

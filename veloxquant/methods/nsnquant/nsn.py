@@ -312,6 +312,7 @@ class NSNStore(PackedStore):
         self.v_tail = GrowingArray(step=min(WINDOW_STEP, chunk), limit=chunk, geometric=True)
         self.dims: tuple[int, int] | None = None
         self.codebook_shape = tuple(codec.codebook.shape)  # what the options ask for
+        self._readers = None  # (count, dims, NSNKeys, NSNValues) of the last decode step
 
     @property
     def length(self) -> int:
@@ -344,10 +345,16 @@ class NSNStore(PackedStore):
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         keys = values = None
-        if self.keys.count:
-            keys, values = NSNKeys(self.keys, self.dims[0]), NSNValues(self.values, self.dims[1])
-        tail = lambda g: g.view() if g.length else None  # noqa: E731
-        return [DecodePart(keys, tail(self.k_tail), values, tail(self.v_tail))]
+        n = self.keys.count
+        if n:
+            kept = self._readers  # immutable readers: the same ones until a flush or a restore
+            if kept is None or kept[0] != n or kept[1] != self.dims or kept[2].tokens is not self.keys:
+                kept = self._readers = (n, self.dims, NSNKeys(self.keys, self.dims[0]),
+                                        NSNValues(self.values, self.dims[1]))
+            keys, values = kept[2], kept[3]
+        k_tail, v_tail = self.k_tail, self.v_tail
+        return [DecodePart(keys, k_tail.view() if k_tail.length else None, values,
+                           v_tail.view() if v_tail.length else None)]
 
     # -- checks of a restored state ---------------------------------------------------------
     def layout_problems(self, head_dims: tuple[int, int]):
