@@ -44,11 +44,16 @@ class TurboQuantCache(QuantizedCache):
                                 step_tokens=GROWTH_TOKENS, attend_then_flush=True,
                                 slide_block=FLUSH_TOKENS)
 
+    _dims_checked = None  # the (key, value) head_dims whose rotation was found possible
+
     def update_and_fetch(self, keys, values):
-        for d in {keys.shape[-1], values.shape[-1]}:
-            problem = rotation_problem(d)
-            if problem:
-                raise ValueError(f"method 'turboquant': {problem}")
+        dims = (keys.shape[-1], values.shape[-1])
+        if dims != self._dims_checked:
+            for d in set(dims):
+                problem = rotation_problem(d)
+                if problem:
+                    raise ValueError(f"method 'turboquant': {problem}")
+            self._dims_checked = dims
         return super().update_and_fetch(keys, values)
 
     def _restore_meta(self, meta) -> None:

@@ -214,6 +214,9 @@ class TurboTokens:
         self.words = GrowingArray(axis=2, step=step_tokens)
         self.norms = GrowingArray(axis=2, step=step_tokens)
         self.dim: int | None = None
+        # the fused read's plan between two flushes (kernel.py): not kept, not copied, and
+        # not walked by cache/stacked.py (no __dict__); stamped by the buffers it reads
+        self.launch = None
 
     @property
     def count(self) -> int:
@@ -246,6 +249,9 @@ class TurboTokens:
             yield f"{name} words and norms per row", found, f"{want} ({self.codec.bits}-bit TurboQuant rows)"
 
 
+_kernel_partials = None  # kernel.kernel_partials, imported at first use (kernel.py imports this module)
+
+
 @dataclass(frozen=True)
 class TurboScores:
     """A ``TurboTokens`` run as the pure-MLX decode path reads it (``PackedScores``):
@@ -271,9 +277,10 @@ class TurboScores:
     def kernel_partials(self, backend, queries, values: "TurboScores", scale):
         """The fused kernel's partials over these keys and ``values`` (``kernel.py``), or
         None where it does not serve (the pure path reads them then)."""
-        from .kernel import kernel_partials
-
-        return kernel_partials(backend, queries, self, values, scale)
+        global _kernel_partials
+        if _kernel_partials is None:
+            from .kernel import kernel_partials as _kernel_partials
+        return _kernel_partials(backend, queries, self, values, scale)
 
     def mix(self, p: mx.array) -> mx.array:
         """float32 ``p x̃`` (B, H, R, d) for probabilities (B, H, R, count)."""
