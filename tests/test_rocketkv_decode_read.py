@@ -1,5 +1,6 @@
 """RocketKV's decode step with its query-side work, page update and page slots compiled
-(``_query_side``, ``_opened_page``/``_joined_page``, ``_page_slots``) against the same step
+(``_query_side``, ``_opened_page``/``_joined_page``, ``_page_slots``; the pages' starts
+kept, ``_page_starts``) against the same step
 written out operation by operation (the code before they were compiled, below): the
 same operations on the same arrays, so every step's output and the pages are equal bit
 for bit, over 40 decode steps that open pages and fill them, whole last pages and

@@ -108,6 +108,14 @@ def _page_scores(q_r, index, t, pages, counts) -> mx.array:
     return mx.exp(logits - lse).sum(axis=2)
 
 
+@functools.lru_cache(maxsize=8)
+def _page_starts(p: int, n_pages: int) -> mx.array:
+    """``p arange(n_pages)`` int32: each page's first row (built when a page opens; a
+    shapeless compiled page choice was tried instead and crashed at one query head per KV
+    head: not kept)."""
+    return p * mx.arange(n_pages)
+
+
 @mx.compile
 def _opened_page(key):
     """A page of one token (B, Hkv, 2D, 1): its key as both the min and the max."""
@@ -236,7 +244,7 @@ class RocketKVCache(ScoredEvictionCache):
         if n >= n_pages:
             return None
         pages = keys.swapaxes(-1, -2) if p == 1 else self.pages.view()
-        counts = mx.minimum(rows - p * mx.arange(n_pages), p)
+        counts = mx.minimum(rows - _page_starts(p, n_pages), p)  # the starts kept while no page opens
         q_r, index, t, _ = _query_side(pages.shape[1], r, pages.shape[2] == queries.shape[-1])(queries)
         return mx.argpartition(-_page_scores(q_r, index, t, pages, counts), kth=n - 1, axis=-1)[..., :n]
 
