@@ -224,6 +224,21 @@ def _same(a, b) -> bool:
         x is y or (type(x) in (int, float) and type(y) is type(x) and x == y) for x, y in zip(a, b))
 
 
+class KeptRead:
+    """What a store's decode read keeps between writes (a compiled pass with its inputs, a
+    launch plan), checked by its owner at each read and dropped before each write: a copy of
+    the store starts without it (it holds this store's buffers and views of them), and
+    ``cache/stacked.py`` does not walk it (no ``__dict__``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = None
+
+    def __deepcopy__(self, memo):
+        return KeptRead()
+
+
 class ReadViews:
     """What a decode step reads of a store, in the layout it reads it (slices, reshapes
     and broadcasts of the stored arrays: views, no bytes of their own, never saved),

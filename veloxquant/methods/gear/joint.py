@@ -32,7 +32,7 @@ from ...kernels import kivi_decode as kd
 from ...kernels.decode import DecodePart, decode_attention, scaled_queries
 from ...quant.chunk_store import ChunkedStore
 from ...quant.store import absent_buffer
-from ...quant.token_rows import ReadViews
+from ...quant.token_rows import KeptRead, ReadViews
 from .error_feedback import ErrorFeedbackTokens
 
 
@@ -179,16 +179,16 @@ class GEARStore(ChunkedStore):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._views = ReadViews()  # the pure path's views of the runs (``read_views``)
-        self._plan = _Plan()  # a decode step's reads of the runs (``_step_plan``)
+        self._plan = KeptRead()  # a decode step's reads of the runs (``_step_plan``)
 
     def _flush(self, keys: mx.array, values: mx.array, decoding: bool = False) -> None:
         self._read_views_holder().clear()  # no view pins a buffer the appends below write in place
         self._plan_holder().value = None
         super()._flush(keys, values, decoding=decoding)
 
-    def _plan_holder(self) -> "_Plan":
+    def _plan_holder(self) -> "KeptRead":
         if getattr(self, "_plan", None) is None:
-            self._plan = _Plan()
+            self._plan = KeptRead()
         return self._plan
 
     def _read_views_holder(self) -> ReadViews:
@@ -282,19 +282,6 @@ class GEARStore(ChunkedStore):
 
 
 _BUFFER = operator.attrgetter("buffer")
-
-
-class _Plan:
-    """A store's kept step plan (``GEARStore._step_plan``): a copy of the store starts
-    without it (it holds this store's buffers and views of them)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self):
-        self.value = None
-
-    def __deepcopy__(self, memo):
-        return _Plan()
 
 
 def _grown(run) -> list:

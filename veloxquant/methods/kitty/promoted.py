@@ -45,6 +45,7 @@ from ...cache.buffers import GrowingArray
 from ...kernels import kivi_decode as kd
 from ...quant.affine import _MIN_SCALE, SUPPORTED_BITS, dequantize, pack_codes, packed_length, unpack_codes
 from ...quant.packed import GROWTH_TOKENS, AffineLayout
+from ...quant.token_rows import KeptRead
 
 
 def n_promoted(head_dim: int, fraction: float) -> int:
@@ -240,18 +241,6 @@ def _compiled_scores(bits: int, group: int, block: int, up_bits: int, no_up: boo
     return mx.compile(scores)
 
 
-class _StepRead:
-    """A run's kept decode read (``PromotedKeys.step_read``): a copy starts without it."""
-
-    __slots__ = ("value",)
-
-    def __init__(self):
-        self.value = None
-
-    def __deepcopy__(self, memo):
-        return _StepRead()
-
-
 class PromotedKeys:
     """A growing run of keys in ``PromotedChannels`` blocks (the ``PackedTokens`` interface)."""
 
@@ -263,7 +252,7 @@ class PromotedKeys:
         self.biases = GrowingArray(axis=-1, step=step_tokens // codec.group)
         self.up = GrowingArray(axis=2, step=step_blocks)
         self.index = GrowingArray(axis=2, step=step_blocks)
-        self._read = _StepRead()  # a decode step's compiled pass and inputs (``step_read``)
+        self._read = KeptRead()  # a decode step's compiled pass and inputs (``step_read``)
 
     @property
     def count(self) -> int:
@@ -295,9 +284,9 @@ class PromotedKeys:
         view = self._view(empty)
         return view.lo if view.up is None and 32 % view.lo.bits == 0 else view
 
-    def _read_holder(self) -> "_StepRead":
+    def _read_holder(self) -> "KeptRead":
         if getattr(self, "_read", None) is None:
-            self._read = _StepRead()
+            self._read = KeptRead()
         return self._read
 
     def step_read(self):

@@ -52,7 +52,7 @@ from ...quant import codebook as cb
 from ...quant.outliers import per_tail, split_channel_groups, split_vectors
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import rotary_angles, to_pre_rope
-from ...quant.token_rows import ReadViews
+from ...quant.token_rows import KeptRead, ReadViews
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class NonUniformTokens:
         # what a read takes of the kept arrays, in the layouts it reads them in (views,
         # ``_tile_views``), kept until a write changes them
         self._views = ReadViews()
-        self._pass = _Pass()  # the decode read's compiled pass and inputs (``read_pass``)
+        self._pass = KeptRead()  # the decode read's compiled pass and inputs (``read_pass``)
 
     @property
     def count(self) -> int:
@@ -363,9 +363,9 @@ class NonUniformTokens:
         fn, args, _ = self.read_pass()
         return fn(left, *args)
 
-    def _pass_holder(self) -> "_Pass":
+    def _pass_holder(self) -> "KeptRead":
         if getattr(self, "_pass", None) is None:
-            self._pass = _Pass()
+            self._pass = KeptRead()
         return self._pass
 
     def read_pass(self) -> tuple:
@@ -458,19 +458,6 @@ class NonUniformTokens:
 
 def _buffer(grown: GrowingArray | None):
     return None if grown is None else grown.buffer
-
-
-class _Pass:
-    """A run's kept read pass (``NonUniformTokens.read_pass``): a copy of the run starts
-    without it (it holds this run's buffers and views of them)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self):
-        self.value = None
-
-    def __deepcopy__(self, memo):
-        return _Pass()
 
 
 @functools.lru_cache(maxsize=None)
