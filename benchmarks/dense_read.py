@@ -1,0 +1,111 @@
+"""Probe (issue 30): every packed store's decode step as its whole history decoded in the
+query dtype, then one ``mx.fast.scaled_dot_product_attention`` (the fp16 cache's kernel).
+
+Does a GPU step spend less device time decoding the history to float16 rows and handing
+them to the fused attention than it does in the stores' own float32 reads (scores per
+part, one softmax, each part's mix)? Installed into a process by ``install()`` (the
+device runs import it from sitecustomize when ``VQ_DENSE_READ=1``); ``benchmarks/decode.py``
+then times the methods as usual. What the patch leaves out, so the figures are a bound on
+this read's device time, not a method: a store's own decode-time bookkeeping in its
+``decode_attention`` (zipcache's saliency, a skvq window's sink logic) and any pacing of
+the decoded rows (each layer's decoded history is transient; MLX may hold several at once).
+
+    VQ_DENSE_READ=1 python benchmarks/decode.py --preset llama3-8b --contexts 4096 --isolate \
+        --methods "mlx-lm KVCache" kitty skvq
+    python benchmarks/dense_read.py        # CPU check: the patched read against the stores' own
+"""
+
+from __future__ import annotations
+
+import os
+
+import veloxquant_mlx  # noqa: F401  (before mlx: the system BLAS)
+import mlx.core as mx
+
+from veloxquant_mlx.quant.store import PackedStore
+
+
+def _dense_decode(self, queries, keys, values, *, scale, use_kernel):
+    # a store that attends before it flushes (KIVI's order) reads the step's rows exact
+    then_flush = getattr(self, "attend_then_flush", False) and (self.window or self.sliding_keys)
+    if then_flush:
+        self.k_win.append(keys)
+        self.v_win.append(values)
+    else:
+        self.commit(keys, values)
+    k, v = self.history(queries.dtype)
+    out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+    if then_flush:
+        self._flush_windows()
+    return out
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def install() -> list[str]:
+    """Every ``PackedStore`` subclass's ``decode_attention`` replaced; their names."""
+    import veloxquant_mlx.methods  # noqa: F401  (every room's store classes defined)
+
+    patched = []
+    for cls in [PackedStore, *_subclasses(PackedStore)]:
+        cls.decode_attention = _dense_decode
+        patched.append(cls.__name__)
+    return patched
+
+
+if os.environ.get("VQ_DENSE_READ") == "1" and __name__ != "__main__":
+    install()
+
+
+def _check(methods, context=160, steps=48) -> int:
+    """Each method's decode logits with the patched read against its own read, on the tiny
+    float32 preset: the same history, so they agree to float32 rounding (returns failures)."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("decode_bench", pathlib.Path(__file__).with_name("decode.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    import veloxquant_mlx.methods  # noqa: F401  (every store class defined before they are listed)
+
+    model = bench.build_model("tiny", mx.float32)
+    tokens = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(1))
+    originals = {c: c.__dict__.get("decode_attention") for c in [PackedStore, *_subclasses(PackedStore)]}
+
+    def logits_of(name):
+        config = bench.resolve_methods([name], None, False) and bench.METHODS[name]
+        cache = bench.make_cache(model, config)
+        out = [bench.prefill(model, cache, tokens)]
+        y = mx.argmax(out[0])[None]
+        for _ in range(steps):
+            logits = model(y[:, None], cache=cache)[:, -1]
+            y = mx.argmax(logits, axis=-1)
+            out.append(logits)
+        return mx.concatenate([o.reshape(1, -1) for o in out])
+
+    failures = 0
+    for name in methods:
+        for c in [PackedStore, *_subclasses(PackedStore)]:  # classes made since count too
+            if originals.get(c) is not None:
+                c.decode_attention = originals[c]
+            elif "decode_attention" in c.__dict__:
+                delattr(c, "decode_attention")
+        own = logits_of(name)
+        install()
+        dense = logits_of(name)
+        err = mx.abs(dense - own).max().item() / mx.abs(own).max().item()
+        ok = err < 1e-4
+        failures += not ok
+        print(f"{name:12s} largest difference {err:.2e} of the largest logit {'ok' if ok else 'FAILED'}")
+    return failures
+
+
+if __name__ == "__main__":
+    import sys
+
+    names = sys.argv[1:] or ["kitty", "skvq", "zipcache", "gear", "kvquant", "age_tiered", "palu", "nsnquant"]
+    raise SystemExit(_check(names))
