@@ -96,10 +96,10 @@ def _check_examples(tok, ids, kind, w):
     run is exactly the answer its question asks for and weighs 1. Returns the tasks of
     the answers seen, one entry per answer run."""
     seen = []
-    assert not w[kind != 2].any()
+    assert not w[kind < 2].any()
     starts = list(np.flatnonzero(ids == tok.bos)) + [len(ids)]
     for a, b in zip(starts, starts[1:]):
-        runs = [(s + a, e + a) for s, e in _runs(kind[a:b] == 2)]
+        runs = [(s + a, e + a) for s, e in _runs(kind[a:b] >= 2)]
         if not runs:
             continue
         eos = np.flatnonzero(ids[a:b] == tok.eos)
@@ -124,7 +124,7 @@ def test_every_task_fits_and_every_answer_is_whole_and_right(tok, corpus, L):
         rng = random.Random(f"test/{task}/{L}")
         answers = []
         for _ in range(n):
-            ids, kind, w = M.make_sequence(rng, L, corpus, tok, "ruler", task=task)
+            ids, kind, w, free = M.make_sequence(rng, L, corpus, tok, "ruler", task=task)
             assert ids.shape == kind.shape == w.shape == (L + 1,)
             answers += _check_examples(tok, ids, kind, w)
         if task == "ruler:vt" and L < M.MIN_SLOT[task]:
@@ -139,7 +139,7 @@ def test_qa_and_vt_ask_more_than_the_bench_question(tok, corpus, L):
     for task in per_example:
         rng = random.Random(f"extra/{task}")
         for _ in range(8):
-            ids, kind, w = M.make_sequence(rng, L, corpus, tok, "ruler", task=task)
+            ids, kind, w, free = M.make_sequence(rng, L, corpus, tok, "ruler", task=task)
             starts = list(np.flatnonzero(ids == tok.bos)) + [len(ids)]
             for a, b in zip(starts, starts[1:]):
                 if (k := len(_runs(kind[a:b] == 2))):
@@ -154,7 +154,7 @@ def test_the_mixtures_sequences_fit_and_the_256_one_trains_qa_and_cwe(tok, corpu
         rng = random.Random(f"mix/{L}")
         seen = Counter()
         for _ in range(n):
-            ids, kind, w = M.make_sequence(rng, L, corpus, tok, "ruler")
+            ids, kind, w, free = M.make_sequence(rng, L, corpus, tok, "ruler")
             if tok.eos in ids:  # task examples (copy and text sequences have no <eos>)
                 seen.update(_check_examples(tok, ids, kind, w))
             else:  # copy or text: the copy's answer is one example
@@ -171,7 +171,7 @@ def test_copy_warmup_holds_the_tasks_token_types(tok, corpus):
     text = ""
     rng = random.Random("copy")
     for _ in range(4):
-        ids, kind, w = M.copy_sequence(rng, 256, tok, corpus, "ruler")
+        ids, kind, w, free = M.copy_sequence(rng, 256, tok, corpus, "ruler")
         text += _decode(tok, ids[kind == 2]) + " "
         assert float(w.sum()) == pytest.approx(1.0, abs=1e-5)
     words = set(text.split())
@@ -181,7 +181,7 @@ def test_copy_warmup_holds_the_tasks_token_types(tok, corpus):
         assert words & {p.split()[0] for p in pool}
     assert len(words & set(M.ruler._vocabulary(corpus)) - set(M.ruler._THINGS)) > 5
     # the byte model's warm-up is what it was: lower case and digits, a token weighs 1
-    ids, kind, w = M.copy_sequence(random.Random("copy"), 256, M.Tok(None), corpus)
+    ids, kind, w, free = M.copy_sequence(random.Random("copy"), 256, M.Tok(None), corpus)
     assert re.fullmatch(r"[a-z0-9 ]+", bytes(ids[kind == 2].astype(np.uint8)).decode())
     assert (w == (kind == 2)).all()
 
@@ -193,7 +193,7 @@ def test_the_byte_models_stream_is_unchanged(corpus):
     for L, n in ((256, 40), (1024, 12), (4096, 4)):
         rng = random.Random(f"golden/{L}")
         for _ in range(n):
-            ids, kind, w = M.make_sequence(rng, L, corpus, tok, "reference")
+            ids, kind, w, free = M.make_sequence(rng, L, corpus, tok, "reference")
             assert (w == (kind == 2)).all()  # the per-token mean, as before
             h.update(ids.tobytes())
             h.update(kind.tobytes())
@@ -227,3 +227,71 @@ def test_the_checks_during_training_cover_the_leaderboard_from_512(tok):
     for name, prompt, answer in M.make_eval_examples(512, 1, 999, tok, "ruler"):
         if name.startswith("ruler:"):
             assert tok.count(prompt) + len(tok.encode(answer)) <= 512
+
+
+# --- cwe's words in any order (kind 3: the note's section 6, item 8) ----------------------
+
+
+def test_cwe_frees_each_listed_words_first_token_among_the_words_not_yet_written(tok, corpus):
+    checked = 0
+    for L in (256, 1024):
+        rng = random.Random(f"free/{L}")
+        for _ in range(3):
+            ids, kind, w, free = M.make_sequence(rng, L, corpus, tok, "ruler", task="ruler:cwe")
+            assert free.shape == (L + 1, M.FREE_WIDTH)
+            assert (free[kind != 3] == -1).all()
+            for s, e in _runs(kind >= 2):
+                words = _decode(tok, ids[s:e]).split(", ")
+                firsts = [int(tok.encode(x)[0]) for x in words]
+                at = s + np.flatnonzero(kind[s:e] == 3)
+                assert len(at) == len(words) == 10  # one free token a word, at its first token
+                for j, i in enumerate(at):
+                    assert _decode(tok, ids[i:e]).startswith(words[j])
+                    allowed = [int(x) for x in free[i] if x >= 0]
+                    assert allowed == list(dict.fromkeys(firsts[j:]))  # the words from this one on
+                    assert int(ids[i]) in allowed
+                checked += 1
+    assert checked >= 6
+    # the other tasks' answers are exact targets
+    ids, kind, w, free = M.make_sequence(random.Random("qa"), 512, corpus, tok, "ruler", task="ruler:qa")
+    assert not (kind == 3).any() and (free == -1).all()
+
+
+def test_teacher_forced_match_takes_cwes_words_in_any_order_and_nothing_else(tok):
+    words = ["gentle", "apple", "river", "stone", "candle", "mirror", "tiger", "window", "basket", "orange"]
+    said = ", ".join(words)
+    target = tok.encode(said)
+    assert M.teacher_forced_match(tok, "ruler:cwe", said, target)
+    _, free = M.free_targets(tok, said)
+    offsets = [o for o, _ in free]
+    # the first word written as the fourth (its first token: still a word not yet written)
+    pred = target.copy()
+    pred[offsets[0]] = tok.encode("stone")[0]
+    assert M.teacher_forced_match(tok, "ruler:cwe", said, pred)
+    # a word already written, or none of the ten, is wrong
+    for wrong in ("gentle", "zebra"):
+        pred = target.copy()
+        pred[offsets[3]] = tok.encode(wrong)[0]
+        assert not M.teacher_forced_match(tok, "ruler:cwe", said, pred)
+    # a separator or a continuation token is exact, and other tasks are exact everywhere
+    pred = target.copy()
+    pred[offsets[1] - 1] = tok.encode("stone")[0]
+    assert not M.teacher_forced_match(tok, "ruler:cwe", said, pred)
+    pred = target.copy()
+    pred[offsets[0]] = tok.encode("stone")[0]
+    assert not M.teacher_forced_match(tok, "ruler:niah_multivalue", said, pred)
+
+
+def test_free_target_loss_is_minus_log_of_the_allowed_mass():
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO / "training"))
+    import train as T
+
+    logits = torch.randn(3, 50, dtype=torch.float64)
+    allowed = torch.tensor([[4, 9, 17, -1], [7, -1, -1, -1], [1, 2, 3, 49]])
+    got = T.free_target_loss(logits, allowed)
+    p = torch.softmax(logits, -1)
+    want = torch.stack([-torch.log(p[i, [a for a in row.tolist() if a >= 0]].sum()) for i, row in enumerate(allowed)])
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    ce = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 7, 0]), reduction="none")
+    assert torch.allclose(got[1].double(), ce[1], atol=1e-6)  # one id: its cross-entropy

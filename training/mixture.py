@@ -136,6 +136,33 @@ MIN_SLOT = {"ruler:vt": 400}
 # always fit, the wider copy warm-up, extra questions); the others keep the old stream
 NEW_RULES = {"ruler"}
 QA_EXTRA_MAX = 3  # further qa questions about the same prompt's other bindings
+# Target kinds (entry i describes ids[i] as a target): 0 ignored, 1 text, 2 answer, 3 the
+# first token of a word in an answer list the scorer takes in any order (cwe): its loss is
+# -log of the probability of every first token of the list's words not yet written, so the
+# model is not trained to guess an order it cannot know when it writes the first word (the
+# note's section 6, item 8). ``FREE_WIDTH`` such tokens at most a target (-1: none).
+FREE = "free"  # an answer part of words in any order, joined by ", "
+FREE_WIDTH = ruler.CWE_COMMON
+
+
+def free_targets(tok: "Tok", text: str) -> tuple[np.ndarray, list]:
+    """An answer list ``text`` ("w1, w2, ...") as (its token ids, [(offset of word j's first
+    token, the first tokens of words j, j+1, ... without repeats)]). The words are encoded
+    alone: the tokenizer's pieces never join letters to punctuation or spaces, so the ids
+    are ``tok.encode(text)``; where they are not, no token is free."""
+    words = text.split(", ")
+    sep = tok.encode(", ")
+    pieces = [tok.encode(w) for w in words]
+    ids = np.concatenate([x for i, b in enumerate(pieces) for x in ((sep, b) if i else (b,))])
+    whole = tok.encode(text)
+    if len(ids) != len(whole) or (ids != whole).any() or not all(len(b) for b in pieces):
+        return whole, []
+    firsts = [int(b[0]) for b in pieces]
+    out, offset = [], 0
+    for j, b in enumerate(pieces):
+        out.append((offset, list(dict.fromkeys(firsts[j:]))))
+        offset += len(b) + len(sep)
+    return whole, out
 
 
 def mixture_at(mixture: str, L: int) -> dict:
@@ -196,7 +223,8 @@ def _task_words(rng: random.Random, n: int, vocabulary: list) -> str:
 
 def copy_sequence(rng: random.Random, L: int, tok: Tok, corpus: str = "", mixture: str = "reference"):
     """Induction warm-up: blocks of words, each written twice; the second copy is the
-    answer, one example (its weights sum to 1 under the new rules, else 1 a token)."""
+    answer, one example (its weights sum to 1 under the new rules, else 1 a token). The
+    same four arrays as ``make_sequence``."""
     ids = np.full(L + 1, tok.pad, dtype=np.int32)
     kind = np.zeros(L + 1, dtype=np.int8)
     ids[0] = tok.bos
@@ -215,7 +243,11 @@ def copy_sequence(rng: random.Random, L: int, tok: Tok, corpus: str = "", mixtur
     w = (kind == 2).astype(np.float32)
     if new:
         w /= max(1.0, float(w.sum()))
-    return ids, kind, w
+    return ids, kind, w, _no_free(L)
+
+
+def _no_free(L: int) -> np.ndarray:
+    return np.full((L + 1, FREE_WIDTH), -1, dtype=np.int32)
 
 
 # ---------------------------------------------------------------------------
@@ -335,7 +367,7 @@ def ruler_parts(task: str, rng: random.Random, size: int, corpus: str, tok: Tok,
     prompt = render(n)
     if task in ("niah_multivalue", "cwe"):
         said = ", ".join(in_text_order(task, prompt, answers))
-    parts = [(prompt, False), (said, True)]
+    parts = [(prompt, False), (said, FREE if task == "cwe" else True)]
     for q, a in extras:
         parts += [(q, False), (a, True)]
     return parts
@@ -379,7 +411,13 @@ def _fitting_example(rng, weights: dict, size: int, corpus: str, tok: Tok):
             parts = tasks_parts(task, rng, size, corpus, tok)
         if parts is None:
             continue
-        enc = [(tok.encode(t), a) for t, a in parts]
+        enc = []
+        for t, a in parts:
+            if a == FREE:  # the first token of each word free among the words not yet written
+                b, free = free_targets(tok, t)
+                enc.append((b, free or True))
+            else:
+                enc.append((tok.encode(t), a))
         if 2 + sum(len(b) for b, _ in enc) <= size:
             return enc
     return None
@@ -388,12 +426,14 @@ def _fitting_example(rng, weights: dict, size: int, corpus: str, tok: Tok):
 def make_sequence(rng: random.Random, L: int, corpus: str, tok: Tok, mixture: str = "reference",
                   task: str | None = None):
     """L+1 token ids and, per target position (entry i describes ids[i] as a target), a
-    kind (0 ignore, 1 text, 2 answer) and the answer loss's weight. ``task`` (tests,
+    kind (0 ignore, 1 text, 2 answer, 3 an answer token free among ``free[i]``'s ids), the
+    answer loss's weight and ``free`` (L+1, FREE_WIDTH; -1 pads). ``task`` (tests,
     simulations): every example of that task, no copy or text sequences."""
     new = mixture in NEW_RULES
     ids = np.full(L + 1, tok.pad, dtype=np.int32)
     kind = np.zeros(L + 1, dtype=np.int8)
     w = np.zeros(L + 1, dtype=np.float32)
+    free = _no_free(L)
     # the subword model's 512 phase is for the leaderboard's tasks, not the warm-up
     short = L < 512 if new else L <= 512
     if task is None and rng.random() < (P_COPY_SHORT if short else P_COPY):
@@ -406,7 +446,7 @@ def make_sequence(rng: random.Random, L: int, corpus: str, tok: Tok, mixture: st
         ids[0] = tok.bos
         ids[1 : 1 + len(chunk)] = chunk
         kind[1 : 1 + len(chunk)] = 1
-        return ids, kind, w
+        return ids, kind, w, free
     # packed examples from 1,024 tokens on for the subword model: at 512, two slots of
     # 256 would shut out vt, the task its 512 phase is for
     if rng.random() < P_SINGLE or L < (1024 if new else 512):
@@ -440,6 +480,11 @@ def make_sequence(rng: random.Random, L: int, corpus: str, tok: Tok, mixture: st
             n = min(len(b), L + 1 - p)
             ids[p : p + n] = b[:n]
             kind[p : p + n] = 2 if is_answer else 1
+            if isinstance(is_answer, list):  # a list's words in any order (``free_targets``)
+                for offset, allowed in is_answer:
+                    if offset < n:
+                        kind[p + offset] = 3
+                        free[p + offset, : len(allowed)] = allowed
             if is_answer and n:
                 # one example's answer weighs 1 in all under the new rules
                 w[p : p + n] = 1.0 / len(b) if new else 1.0
@@ -451,11 +496,25 @@ def make_sequence(rng: random.Random, L: int, corpus: str, tok: Tok, mixture: st
         pos = max(p, pos + size)
         if pos >= L + 1:
             break
-    return ids, kind, w
+    return ids, kind, w, free
 
 
 # ---------------------------------------------------------------------------
 # Evaluation examples (teacher forced in train.py)
+
+
+def teacher_forced_match(tok: Tok, name: str, answer: str, predicted) -> bool:
+    """Whether the argmax predictions at an answer's positions (teacher forced) give the
+    answer: every token exact, except that in a list the scorer takes in any order (cwe,
+    as trained) a word may start as any word not yet written."""
+    target, free = free_targets(tok, answer) if name == "ruler:cwe" else (tok.encode(answer), [])
+    pred = np.asarray(predicted).reshape(-1)
+    if len(pred) != len(target):
+        return False
+    ok = pred == target
+    for offset, allowed in free:
+        ok[offset] = int(pred[offset]) in allowed
+    return bool(ok.all())
 
 
 def make_eval_examples(ctx: int, n: int, seed: int, tok: Tok, mixture: str) -> list:

@@ -49,7 +49,7 @@ sys.path.insert(0, str(HERE))
 import byte_tokenizer as bt  # noqa: E402
 # the data (torch-free, tested in tests/test_training_mixture.py)
 from mixture import (MIXTURES, Tok, in_text_order, make_eval_examples,  # noqa: E402,F401
-                     make_sequence, ruler, ruler_parts, tasks)
+                     make_sequence, ruler, ruler_parts, tasks, teacher_forced_match)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the data workers fork
 
@@ -217,6 +217,17 @@ def init_weights(model: Llama, seed: int):
             p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+def free_target_loss(logits, allowed):
+    """-log of the probability of any of ``allowed``'s ids (n, FREE_WIDTH; -1 pads, at least
+    one id a row) under ``logits`` (n, vocabulary): the loss of an answer token the scorer
+    takes in any order (``mixture.make_sequence``'s kind 3). With one id it is that id's
+    cross-entropy."""
+    logits = logits.float()
+    valid = allowed >= 0
+    picked = logits.gather(-1, allowed.clamp(min=0).long()).masked_fill(~valid, float("-inf"))
+    return torch.logsumexp(logits, -1) - torch.logsumexp(picked, -1)
+
+
 # ---------------------------------------------------------------------------
 # Data: batches of fixed length built by CPU workers.
 
@@ -234,8 +245,8 @@ class Batches(torch.utils.data.IterableDataset):
             rng = random.Random(f"train/{self.seed}/{self.phase}/{k}")
             seqs = [make_sequence(rng, self.L, self.corpus, self.tok, self.mixture)
                     for _ in range(self.B)]
-            # token ids, target kinds, answer-loss weights
-            yield tuple(torch.from_numpy(np.stack([s[i] for s in seqs])) for i in range(3))
+            # token ids, target kinds, answer-loss weights, free targets (mixture.make_sequence)
+            yield tuple(torch.from_numpy(np.stack([s[i] for s in seqs])) for i in range(4))
             k += nw
 
 
@@ -330,8 +341,9 @@ def _eval_examples(ctx, n, seed, tok: Tok, mixture: str):
 @torch.no_grad()
 def eval_retrieval(model, ctx, n, seed, device, amp, tok: Tok, mixture: str, batch=8):
     """Teacher-forced exact match of every answer token (argmax == greedy decoding gives
-    the answer; answers the scorer takes in any order are checked in the text's order,
-    the order the ruler mixture trains)."""
+    the answer; niah_multivalue's values in the text's order, the order trained; cwe's
+    words in any order, each word's first token free among those not yet written:
+    ``mixture.teacher_forced_match``)."""
     model.eval()
     res: dict = {}
     examples = [e for e in _eval_examples(ctx, n, seed, tok, mixture) if e[2] is not None]
@@ -346,10 +358,9 @@ def eval_retrieval(model, ctx, n, seed, device, amp, tok: Tok, mixture: str, bat
         ids = ids.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             pred = model(ids).argmax(-1)
-        for j, ((name, _, _), p, a) in enumerate(zip(chunk, prompts, answers)):
+        for j, ((name, _, said), p, a) in enumerate(zip(chunk, prompts, answers)):
             got = pred[j, len(p) - 1 : len(p) - 1 + len(a)]
-            ok = bool((got == ids[j, len(p) : len(p) + len(a)]).all())
-            res.setdefault(name, []).append(ok)
+            res.setdefault(name, []).append(teacher_forced_match(tok, name, said, got.cpu().numpy()))
     model.train()
     return {k: sum(v) / len(v) for k, v in res.items()}
 
@@ -539,10 +550,11 @@ def main():
                     break
             elif time.time() - train_t0 >= phase_end_time:
                 break
-            ids, kind, wts = next(it)
+            ids, kind, wts, free = next(it)
             ids = ids.to(device, non_blocking=True).long()
             kind = kind.to(device, non_blocking=True)
             wts = wts.to(device, non_blocking=True)
+            free = free.to(device, non_blocking=True)
             x, y, k, w_ans = ids[:, :-1], ids[:, 1:], kind[:, 1:], wts[:, 1:]
             p = progress()
             lr = args.lr * min(1.0, (step + 1) / args.warmup)
@@ -569,8 +581,11 @@ def main():
                 y.reshape(-1),
                 reduction="none",
             ).view_as(y)
+            is_free = k == 3
+            if is_free.any():
+                ce = ce.masked_scatter(is_free, free_target_loss(logits[is_free], free[:, 1:][is_free]))
             m_txt = (k == 1).float()
-            m_ans = (k == 2).float()
+            m_ans = (k >= 2).float()
             lm = (ce * m_txt).sum() / m_txt.sum().clamp(min=1)
             # the answer weights are 1 a token (--mixture reference: the per-token mean) or
             # 1/n on each answer's n tokens (ruler: the mean over answers, so one-token qa
@@ -587,9 +602,11 @@ def main():
             tok_log += x.numel()
             if step % 10 == 0:
                 with torch.no_grad():
-                    a_acc = (
-                        (logits.argmax(-1) == y).float() * m_ans
-                    ).sum() / m_ans.sum().clamp(min=1)
+                    hit = logits.argmax(-1) == y
+                    if is_free.any():  # a free target's argmax may be any of its ids
+                        top = logits[is_free].argmax(-1, keepdim=True)
+                        hit = hit.masked_scatter(is_free, (free[:, 1:][is_free] == top).any(-1))
+                    a_acc = (hit.float() * m_ans).sum() / m_ans.sum().clamp(min=1)
                 acc["lm"] += lm.item()
                 acc["ans"] += ans.item()
                 acc["acc"] += a_acc.item()
