@@ -57,8 +57,65 @@ def install() -> list[str]:
     return patched
 
 
-if os.environ.get("VQ_DENSE_READ") == "1" and __name__ != "__main__":
-    install()
+def _affine_rows(layout, tail, dtype) -> list:
+    """A part's keys or values as (B, H, n, D) rows: its packed run dequantized in one
+    ``mx.dequantize``, then its full-precision tail."""
+    rows = []
+    if layout is not None and layout.count:
+        x = mx.dequantize(layout.codes, layout.scales, layout.biases, group_size=layout.group, bits=layout.bits)
+        x = x[..., :layout.count].swapaxes(-1, -2) if layout.axis == "channel" else x[:, :, :layout.count]
+        rows.append(x.astype(dtype))
+    if tail is not None and tail.shape[2]:
+        rows.append(tail.astype(dtype))
+    return rows
+
+
+def _lean(original):
+    """``kernels/decode.decode_attention`` reading parts that are all group-affine (KIVI's
+    layouts) as their rows dequantized by ``mx.dequantize`` + one fused SDPA; other parts as before."""
+    from veloxquant_mlx.quant.packed import AffineLayout
+
+    def affine(layout):
+        return layout is None or (isinstance(layout, AffineLayout) and layout.bits in (2, 4, 8))
+
+    def decode_attention(queries, parts, *, scale, use_kernel=True, n_kv_heads=None):
+        parts = [p for p in parts if p.length]
+        if not parts or any(p.heads is not None or not (affine(p.keys) and affine(p.values)) for p in parts):
+            return original(queries, parts, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+        ks, vs = [], []
+        for p in parts:
+            key_tail, value_tail = p.tails()
+            ks += _affine_rows(p.keys, key_tail, queries.dtype)
+            vs += _affine_rows(p.values, value_tail, queries.dtype)
+        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+
+    return decode_attention
+
+
+def install_lean() -> list[str]:
+    """Every module of the package that took ``decode_attention`` from ``kernels/decode.py``
+    given the lean dense read for group-affine parts; their names."""
+    import sys
+
+    import veloxquant_mlx.methods  # noqa: F401
+    from veloxquant_mlx.kernels import decode
+
+    original, lean, patched = decode.decode_attention, None, []
+    lean = _lean(original)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("veloxquant_mlx") and getattr(module, "decode_attention", None) is original:
+            module.decode_attention = lean
+            patched.append(name)
+    return patched
+
+
+if __name__ != "__main__":
+    if os.environ.get("VQ_DENSE_READ") == "1":
+        install()
+    elif os.environ.get("VQ_DENSE_READ") == "2":
+        install_lean()
 
 
 def _check(methods, context=160, steps=48) -> int:
