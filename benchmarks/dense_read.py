@@ -102,13 +102,25 @@ def install_lean() -> list[str]:
     import veloxquant_mlx.methods  # noqa: F401
     from veloxquant_mlx.kernels import decode
 
-    original, lean, patched = decode.decode_attention, None, []
+    original = decode.decode_attention
     lean = _lean(original)
+    lean.original = original
+    patched = []
     for name, module in list(sys.modules.items()):
         if name.startswith("veloxquant_mlx") and getattr(module, "decode_attention", None) is original:
             module.decode_attention = lean
             patched.append(name)
     return patched
+
+
+def uninstall_lean() -> None:
+    """``install_lean`` undone in every module it patched."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        f = getattr(module, "decode_attention", None) if name.startswith("veloxquant_mlx") else None
+        if hasattr(f, "original"):
+            module.decode_attention = f.original
 
 
 if __name__ != "__main__":

@@ -1,8 +1,8 @@
 """H2O's and Keyformer's decode steps add their query's (noisy) attention to each slot's
 score in one compiled pass over the keys' whole room, plain or packed store: the same
-log-probabilities and the same score on every kept slot, bit for bit, as the reference
-(``attention_mass`` / ``gumbel_mass`` over the kept keys), through evictions, in float32
-and float16."""
+log-probabilities, bit for bit, and the same score on every kept slot to float32 rounding,
+as the reference (``attention_mass`` / ``gumbel_mass`` over the kept keys), through
+evictions, in float32 and float16."""
 
 import pytest
 
@@ -70,5 +70,8 @@ def test_the_compiled_score_equals_the_reference_bit_for_bit(settings, dtype, mo
     # prompt's last token, which attends before the store is packed)
     assert calls >= (STEPS - 1) * len(mass)
     np.testing.assert_array_equal(lp, lp_ref)
+    # the scores are float32 sums of 70 steps' probabilities: bit for bit on the Intel CPUs
+    # this was written on; on an AMD EPYC the compiled pass's exponentials round apart from
+    # the plain ones' by an ulp here and there (largest 1.6e-7 relative), so within 8 ulps
     for m, ref in zip(mass, mass_ref):
-        np.testing.assert_array_equal(m, ref)
+        np.testing.assert_allclose(m, ref, rtol=8 * np.finfo(np.float32).eps, atol=0)

@@ -20,6 +20,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import conformance
 from conformance import BUDGET, PROMPT, arrays_held, config, edit_saved_layer, profile
+from rounding import SPECTRAL_ULPS, assert_same_logits
 from tiny_models import char_tokenizer, prompt, tiny_model
 import veloxquant_mlx._blas as blas
 from veloxquant_mlx import make_prompt_cache, patched_kv_cache
@@ -296,7 +297,9 @@ def _bit_equal_or_close(a, b):
 def test_save_load_continue_gives_the_same_logits(method, tmp_path):
     """Bit for bit over 40 steps: a loaded cache holds what the saved one held, its buffers'
     spare room included (readers over whole buffers sum over the same shapes; without the
-    rooms adakv and minicache drifted 1e-6 from their 20th step, a2ats diverged)."""
+    rooms adakv and minicache drifted 1e-6 from their 20th step, a2ats diverged). spectral:
+    within ``SPECTRAL_ULPS`` of the largest logit (its reads round apart on some CPUs from
+    the first step on, by 3.3e-7 to 6.6e-7 on an AMD EPYC, without growing)."""
     model = tiny_model("llama")
     tokens = prompt(PROMPT + 44)
     head, tail = tokens[: PROMPT + 4], tokens[PROMPT + 4 :]
@@ -312,7 +315,7 @@ def test_save_load_continue_gives_the_same_logits(method, tmp_path):
     for t in tail:
         a = model(t.reshape(1, 1), cache=cache)[:, -1]
         b = model(t.reshape(1, 1), cache=loaded)[:, -1]
-        assert mx.array_equal(a, b), float(mx.abs(a - b).max())
+        assert_same_logits(a, b, ulps=SPECTRAL_ULPS if method == "spectral" else 0)
 
 
 @pytest.mark.parametrize("method", METHOD_KEYS)
