@@ -112,3 +112,34 @@ def test_the_kept_step_read_gives_the_parts_read_bit_for_bit(lo, hi, f, block, p
         assert mx.array_equal(out, ref).item(), i
         counts.add(store.keys.count)
     assert len(counts) > 1  # the steps crossed a key flush
+
+
+@pytest.mark.parametrize("lo, hi, f, block", [(2, 4, 0.25, 32), (1, 8, 0.5, 32)])
+def test_on_cuda_the_decoded_rows_and_one_fused_attention_give_the_float32_read(lo, hi, f, block,
+                                                                                 monkeypatch):
+    """On CUDA a step reads every stored row decoded in the queries' dtype through one fused
+    attention (benchmarks/results/h200_s63): over 40 steps with key flushes among them, what
+    the float32 read of the CPU gives, to float32 reassociation."""
+    b, h, gqa, d, t0, steps = 1, 2, 2, 64, 100, 40
+    keys, values = keys_values(b, h, t0 + steps, d, seed=7 + lo + hi)
+    cache, scale = kitty(lo, hi, f, block), d**-0.5
+    cache.update_and_fetch(keys[:, :, :t0], values[:, :, :t0])
+    cache.attend(mx.random.normal((b, h * gqa, t0, d), key=mx.random.key(3)), keys[:, :, :t0],
+                 values[:, :, :t0], scale=scale, mask="causal")
+    fused = []
+    real_sdpa = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda *a, **kw: fused.append(1) or real_sdpa(*a, **kw))
+    for i in range(t0, t0 + steps):
+        k, v = keys[:, :, i : i + 1], values[:, :, i : i + 1]
+        q = mx.random.normal((b, h * gqa, 1, d), key=mx.random.key(200 + i))
+        cache.update_and_fetch(k, v)
+        out = cache.attend(q, k, v, scale=scale, mask=None)  # the CPU's read
+        monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
+        before = len(fused)
+        on_cuda = cache.store.attend_parts(q, scale=scale, use_kernel=True, n_kv_heads=h)
+        assert len(fused) == before + 1  # the fused attention read it
+        monkeypatch.setattr(kd, "gpu_backend", lambda: None)
+        k_hat, v_hat = cache.dequantized(mx.float32)
+        err, bound = float(mx.abs(on_cuda - out).max()), reassociation_bound(q, k_hat, v_hat, scale)
+        assert err <= bound, (i, err, bound)

@@ -20,11 +20,12 @@ the promoted channels' upper ``hi - lo`` bits with their channel indices per blo
 extra scales. Every ``kitty_hi_bit`` in 2..8 works, 7 included: what is packed is the lo
 plane (1-4 bits) and the upper plane (1-7 bits, 7 packed by hand).
 
-Attention: a prompt chunk attends over the decoded history plus itself. A decode step
-attends over two parts merged by log-sum-exp: the sinks (full precision), and the quantized
-blocks with the full-precision tails, whose keys are read by ``PromotedScores`` on the
-pure-MLX path on every device, the GPU included (the fused kernel would need an extra score
-term for the promoted channels). With no channel promoted (``int(d * f) = 0``) the keys
+Attention: a prompt chunk attends over the decoded history plus itself. A decode step on
+CUDA does the same: every stored row decoded in the queries' dtype, one fused attention. On
+the CPU (and Metal) it attends over two parts merged by log-sum-exp: the sinks (full
+precision), and the quantized blocks with the full-precision tails, whose keys are read by
+``PromotedScores`` on the pure-MLX path (the fused kernel would need an extra score term
+for the promoted channels). With no channel promoted (``int(d * f) = 0``) the keys
 are a plain group-affine layout and, at 2 or 4 bits, the fused kernel serves that part
 on a GPU (``fused_attention``).
 """
@@ -54,6 +55,13 @@ class KittyStore(SinkQuantizedStore):
     (``PromotedKeys.step_read``) and the three value products summed in one fused pass."""
 
     def attend_parts(self, queries, *, scale, use_kernel, n_kv_heads: int) -> mx.array:
+        if use_kernel and kd.gpu_backend() == "cuda" and self.keys.count:
+            # on CUDA every stored row decoded in the queries' dtype and one fused attention:
+            # 0.40x the fp16 cache's decode at 4k on the H200 against 0.29x for the float32
+            # read below, whose products cuBLAS serves badly at decode shapes
+            # (benchmarks/results/h200_s63)
+            k, v = self.history(queries.dtype)
+            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
         keys, values = self.keys, self.values
         read = None
         if not self.segments and self.sink_k.length and values.count and self.k_win.held and self.v_win.held:
