@@ -56,10 +56,9 @@ class KittyStore(SinkQuantizedStore):
 
     def attend_parts(self, queries, *, scale, use_kernel, n_kv_heads: int) -> mx.array:
         if use_kernel and kd.gpu_backend() == "cuda" and self.keys.count:
-            # on CUDA every stored row decoded in the queries' dtype and one fused attention:
-            # 0.40x the fp16 cache's decode at 4k on the H200 against 0.29x for the float32
-            # read below, whose products cuBLAS serves badly at decode shapes
-            # (benchmarks/results/h200_s63)
+            # on CUDA the float32 read below spends its device time in products cuBLAS serves
+            # badly at decode shapes: every stored row decoded in the queries' dtype and one
+            # fused attention take less (benchmarks/results/h200_s63)
             k, v = self.history(queries.dtype)
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
         keys, values = self.keys, self.values
