@@ -21,8 +21,8 @@ extra scales. Every ``kitty_hi_bit`` in 2..8 works, 7 included: what is packed i
 plane (1-4 bits) and the upper plane (1-7 bits, 7 packed by hand).
 
 Attention: a prompt chunk attends over the decoded history plus itself. A decode step on
-CUDA does the same: every stored row decoded in the queries' dtype, one fused attention. On
-the CPU (and Metal) it attends over two parts merged by log-sum-exp: the sinks (full
+CUDA with channels promoted does the same: every stored row decoded in the queries' dtype,
+one fused attention. Otherwise it attends over two parts merged by log-sum-exp: the sinks (full
 precision), and the quantized blocks with the full-precision tails, whose keys are read by
 ``PromotedScores`` on the pure-MLX path (the fused kernel would need an extra score term
 for the promoted channels). With no channel promoted (``int(d * f) = 0``) the keys
@@ -55,10 +55,11 @@ class KittyStore(SinkQuantizedStore):
     (``PromotedKeys.step_read``) and the three value products summed in one fused pass."""
 
     def attend_parts(self, queries, *, scale, use_kernel, n_kv_heads: int) -> mx.array:
-        if use_kernel and kd.gpu_backend() == "cuda" and self.keys.count:
-            # on CUDA the float32 read below spends its device time in products cuBLAS serves
-            # badly at decode shapes: every stored row decoded in the queries' dtype and one
-            # fused attention take less (benchmarks/results/h200_s63)
+        if use_kernel and self.keys.count and self.keys.up.buffer is not None and kd.gpu_backend() == "cuda":
+            # promoted channels, which the fused kernel does not read: on CUDA the float32
+            # read below spends its device time in products cuBLAS serves badly at decode
+            # shapes, and every stored row decoded in the queries' dtype and one fused
+            # attention take less (benchmarks/results/h200_s63)
             k, v = self.history(queries.dtype)
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
         keys, values = self.keys, self.values
