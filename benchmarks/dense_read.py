@@ -7,8 +7,9 @@ part, one softmax, each part's mix)? Installed into a process by ``install()`` (
 device runs import it from sitecustomize when ``VQ_DENSE_READ=1``); ``benchmarks/decode.py``
 then times the methods as usual. What the patch leaves out, so the figures are a bound on
 this read's device time, not a method: a store's own decode-time bookkeeping in its
-``decode_attention`` (zipcache's saliency, a skvq window's sink logic) and any pacing of
-the decoded rows (each layer's decoded history is transient; MLX may hold several at once).
+``decode_attention`` (zipcache's saliency, a skvq window's sink logic). Each layer's
+history is decoded only once its queries exist (``PackedStore.history_after``), as kitty's
+CUDA read does, so that MLX does not hold several layers' decoded rows at once.
 
     VQ_DENSE_READ=1 python benchmarks/decode.py --preset llama3-8b --contexts 4096 --isolate \
         --methods "mlx-lm KVCache" kitty skvq
@@ -33,7 +34,7 @@ def _dense_decode(self, queries, keys, values, *, scale, use_kernel):
         self.v_win.append(values)
     else:
         self.commit(keys, values)
-    k, v = self.history(queries.dtype)
+    k, v = self.history_after(queries.dtype, queries)
     out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
     if then_flush:
         self._flush_windows()

@@ -24,11 +24,12 @@ def main() -> None:
     ap.add_argument("--read", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=None, help="of the small preset's 8: a pile-up across layers grows with them")
     args = ap.parse_args()
     spec = importlib.util.spec_from_file_location("decode_bench", Path(__file__).with_name("decode.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    model = bench.build_model("small", mx.float32)
+    model = bench.build_model("small", mx.float32, args.layers)
     cache = bench.make_cache(model, KVCacheConfig(method="kitty"))
     tokens = mx.random.randint(0, model.args.vocab_size, (args.context,), key=mx.random.key(1))
     y = mx.argmax(bench.prefill(model, cache, tokens))[None]

@@ -143,3 +143,63 @@ def test_on_cuda_the_decoded_rows_and_one_fused_attention_give_the_float32_read(
         k_hat, v_hat = cache.dequantized(mx.float32)
         err, bound = float(mx.abs(on_cuda - out).max()), reassociation_bound(q, k_hat, v_hat, scale)
         assert err <= bound, (i, err, bound)
+
+
+def _step_peak(n_layers: int, monkeypatch, t: int = 4096, h: int = 2, d: int = 128) -> float:
+    """Bytes a decode step through ``n_layers`` chained kitty layers (each layer's queries
+    are the one before it's output) holds above what the caches keep, on the CUDA read."""
+    monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
+    caches = [KittyCache(KVCacheConfig(method="kitty"), None, 0) for _ in range(n_layers)]  # defaults
+    k, v = keys_values(1, h, t, d, seed=5)
+    for cache in caches:
+        cache.update_and_fetch(k, v)
+        cache.attend(k, k, v, scale=d**-0.5, mask="causal")
+
+    def step(x):
+        for cache in caches:
+            kn, vn = x * 0.5, x * 0.25
+            cache.update_and_fetch(kn, vn)
+            x = cache.attend(x, kn, vn, scale=d**-0.5, mask=None)
+        return x
+
+    x = mx.random.normal((1, h, 1, d), key=mx.random.key(2))
+    for _ in range(3):  # past the first steps' one-time work
+        x = step(x)
+        mx.eval(x, [cache.state for cache in caches])
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()
+    mx.eval(step(x), [cache.state for cache in caches])
+    return mx.get_peak_memory() - held
+
+
+def test_cuda_read_decodes_a_layers_history_only_once_its_queries_exist(monkeypatch):
+    """The stored codes are ready before a step runs: unless each layer's decode waits for
+    its queries, MLX decodes later layers' histories ahead of their attention and holds them
+    together: before the gate, each layer added 3.6 MiB to the step's peak at these sizes
+    (about half its decoded keys and values). Gated, the next layer's decode may overlap
+    this layer's attention (1 to 4 layers: 33.4 to 36.2 MiB), but the peak stops growing:
+    from 4 to 8 layers it must grow by less than a tenth of one layer's decoded rows."""
+    one_layer_rows = 2 * 2 * 4096 * 128 * 4
+    assert _step_peak(8, monkeypatch) - _step_peak(4, monkeypatch) < one_layer_rows / 10
+
+
+def test_float16_history_is_the_float32_one_rounded_but_on_the_promoted_channels():
+    """The keys decoded in float16 (the CUDA read's dtype, a float16 model's scales) are
+    float32's decode rounded once, except on the promoted channels, whose two planes are
+    summed in float16: there one rounding of each plane more, a few float16 steps of the
+    planes' magnitudes (bounded by the largest key's, as planes that cancel are rare)."""
+    cache = kitty(2, 4, 0.25, 32)
+    k, v = (x.astype(mx.float16) for x in keys_values(1, 2, 256, 64, seed=9))
+    cache.update_and_fetch(k, v)
+    cache.attend(k, k, v, scale=0.125, mask="causal")
+    keys = cache.store.keys
+    assert keys.up.buffer is not None
+    k16, k32 = keys.decode(mx.float16).astype(mx.float32), keys.decode(mx.float32)
+    once = k32.astype(mx.float16).astype(mx.float32)
+    moved = np.argwhere(np.array(k16 != once))
+    assert len(moved)  # the promoted channels' sums round differently somewhere
+    promoted = np.array(keys.index.view())  # (B, H, blocks, k): the channels of each block
+    for b, h, t, ch in moved:
+        assert ch in promoted[b, h, t // 32], (b, h, t, ch)
+    assert float(mx.abs(k16 - once).max()) <= 4 * float(mx.abs(k32).max()) * 2.0**-11

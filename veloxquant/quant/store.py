@@ -128,6 +128,22 @@ class PackedStore:
         self.commit(keys, values)
         return paced(mx.depends(out, self.written()))
 
+    def history_after(self, dtype, after: mx.array) -> tuple[mx.array | None, mx.array | None]:
+        """``history``, computed no earlier than ``after``: a decode step's read over the
+        decoded history. The stored arrays are ready before the layer runs, so without the
+        gate MLX may decode several layers' histories ahead of their attention and hold
+        them all (benchmarks/dense_read_peak.py). The gate is on the buffers for this read
+        only: the store keeps its own arrays, free of the step's graph."""
+        held = [a for a in self.arrays().values() if isinstance(getattr(a, "buffer", None), mx.array)]
+        kept = [a.buffer for a in held]
+        for a, gated in zip(held, mx.depends(kept, [after]) if held else []):
+            a.buffer = gated
+        try:
+            return self.history(dtype)
+        finally:
+            for a, buffer in zip(held, kept):
+                a.buffer = buffer
+
     def written(self) -> list[mx.array]:
         """Every array the store keeps (``buffers.arrays_written``)."""
         return arrays_written(self.arrays())

@@ -60,7 +60,7 @@ class KittyStore(SinkQuantizedStore):
             # read below spends its device time in products cuBLAS serves badly at decode
             # shapes, and every stored row decoded in the queries' dtype and one fused
             # attention take less (benchmarks/results/h200_s63)
-            k, v = self.history(queries.dtype)
+            k, v = self.history_after(queries.dtype, queries)
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
         keys, values = self.keys, self.values
         read = None

@@ -311,15 +311,19 @@ class PromotedKeys:
         if not self.count:
             return None
         c = self.codec
+        # in ``dtype`` throughout (a float16 read: the promoted channels rounded twice, not
+        # once): no float32 copy of the history beside the one returned
         keys = dequantize(self.codes.view(), self.scales.view(), self.biases.view(), c.group,
-                          c.lo_bits, mx.float32)  # (B, H, D, count): the lo plane
-        if self.up.buffer is not None:  # plus the up plane, scattered to its channels
+                          c.lo_bits, dtype)  # (B, H, D, count): the lo plane
+        if self.up.buffer is not None:  # plus the up plane, added to its channels in place:
+            # one more array of the keys' size, not a dense up plane and its transpose
             b, h, d, t = keys.shape
-            index = self.index.view().astype(mx.int32)[..., None]
-            dense = mx.zeros((b, h, t // c.block, d, c.block), mx.float32)
-            dense = mx.put_along_axis(dense, index, self._view(None).up_values(), axis=3)
-            keys = keys + dense.transpose(0, 1, 3, 2, 4).reshape(b, h, d, t)
-        return keys.swapaxes(-1, -2).astype(dtype)
+            by_block = keys.reshape(b, h, d, t // c.block, c.block)
+            index = self.index.view().astype(mx.int32).swapaxes(-1, -2)[..., None]  # (B, H, k, nb, 1)
+            up = self._view(None).up_values().swapaxes(2, 3).astype(dtype)  # (B, H, k, nb, block)
+            promoted = mx.take_along_axis(by_block, index, axis=2) + up
+            keys = mx.put_along_axis(by_block, index, promoted, axis=2).reshape(b, h, d, t)
+        return keys.swapaxes(-1, -2)
 
     def expected_shapes(self, head_dim: int):
         """The trailing two dims of the lo plane's codes and scales for ``count`` keys."""
