@@ -135,9 +135,8 @@ class PackedStore:
         them all (benchmarks/dense_read_peak.py). The gate is on the buffers for this read
         only: the store keeps its own arrays, free of the step's graph. It holds back the
         integer buffers (codes, indices: every decode that expands rows reads one), or the
-        largest buffer where there are none (latents); each gated buffer costs graph-
-        building time (all twelve of kitty's: +50 us a layer on the CPU, its four integer
-        ones: +7)."""
+        largest buffer where there are none (latents): each gated buffer costs graph-
+        building time (benchmarks/notes/decode_kernels.md)."""
         held = [a for a in self.arrays().values() if isinstance(getattr(a, "buffer", None), mx.array)]
         gated = [a for a in held if mx.issubdtype(a.buffer.dtype, mx.integer)]
         if not gated and held:
