@@ -68,7 +68,7 @@ def _solve(text: str):
         counts = Counter(items).most_common()
         assert counts[9][1] > counts[10][1]  # the ten are well defined
         top = {w for w, _ in counts[:10]}
-        first = [w for w in dict.fromkeys(items) if w in top]  # the text's order, as trained
+        first = [w for w in dict.fromkeys(items) if w in top]  # the text's order (trained: any)
         return "cwe", ", ".join(first), first
     if m := re.search(r"Answer: (\w+) keeps the (\w+) in $", text):
         (town,) = [t for p, th, t in _FACT.findall(text) if (p, th) == (m[1], m[2])]
@@ -107,8 +107,11 @@ def _check_examples(tok, ids, kind, w):
         for s, e in runs:
             task, expected, refs = _solve(_decode(tok, ids[a + 1 : s]))
             got = _decode(tok, ids[s:e])
-            assert got == expected, (task, got, expected)
-            assert list(ids[s:e]) == list(tok.encode(expected))  # whole: not cut
+            if task == "cwe":  # its words in an order drawn per example
+                assert sorted(got.split(", ")) == sorted(expected.split(", ")), (task, got, expected)
+            else:
+                assert got == expected, (task, got, expected)
+            assert list(ids[s:e]) == list(tok.encode(got))  # whole: not cut
             if refs is not None:
                 scored = {"niah": "niah_single"}.get(task, task)
                 assert M.ruler.ruler_score(scored, got, answers=refs) == 1.0
@@ -255,6 +258,22 @@ def test_cwe_frees_each_listed_words_first_token_among_the_words_not_yet_written
     # the other tasks' answers are exact targets
     ids, kind, w, free = M.make_sequence(random.Random("qa"), 512, corpus, tok, "ruler", task="ruler:qa")
     assert not (kind == 3).any() and (free == -1).all()
+
+
+def test_cwe_writes_its_common_words_in_a_random_order_not_the_texts(tok, corpus):
+    """Each cwe answer is the ten most common words of its list, each once; the order is
+    drawn per example (the text's order only by chance, 1 in 10!), so that the free targets
+    see every word among those already written."""
+    in_text_order = []
+    for k in range(12):
+        parts = M.ruler_parts("cwe", random.Random(f"order/{k}"), 1024, corpus, tok)
+        prompt, said = parts[0][0], parts[1][0]
+        listed = Counter(re.findall(r"\d+\. (\w+)", prompt))
+        common = sorted(w for w, c in listed.items() if c == max(listed.values()))
+        words = said.split(", ")
+        assert sorted(words) == common and len(common) == 10
+        in_text_order.append(words == M.in_text_order("cwe", prompt, words))
+    assert sum(in_text_order) <= 2  # in text order, all 12 would be
 
 
 def test_teacher_forced_match_takes_cwes_words_in_any_order_and_nothing_else(tok):

@@ -365,8 +365,15 @@ def ruler_parts(task: str, rng: random.Random, size: int, corpus: str, tok: Tok,
     if task == "cwe" and n == 0:  # only the ten words, none rarer: not the task
         return None
     prompt = render(n)
-    if task in ("niah_multivalue", "cwe"):
+    if task == "niah_multivalue":
         said = ", ".join(in_text_order(task, prompt, answers))
+    elif task == "cwe":
+        # its words are free targets, so the order written only decides which words are
+        # already written when the next is asked for: a random order shows every word
+        # written early, the model's favourite too (in text order, a model that had one
+        # favourite common word learned to say it again after writing it; notes/
+        # subword_baseline.md section 10)
+        said = ", ".join(rng.sample(list(answers), len(answers)))
     parts = [(prompt, False), (said, FREE if task == "cwe" else True)]
     for q, a in extras:
         parts += [(q, False), (a, True)]
