@@ -314,3 +314,33 @@ def test_free_target_loss_is_minus_log_of_the_allowed_mass():
     assert torch.allclose(got.double(), want, atol=1e-5)
     ce = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 7, 0]), reduction="none")
     assert torch.allclose(got[1].double(), ce[1], atol=1e-6)  # one id: its cross-entropy
+
+
+def test_cwe_free_run_scores_a_repeated_word_as_the_bench_does(tok):
+    """The training log's free-run cwe check generates from the model's own words: a model
+    that writes the ten words scores 1, one that writes its first word ten times 0.1 (the
+    bench's score), although that one writes a common word at every word start."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO / "training"))
+    import train as T
+
+    ((_, prompt, said),) = [e for e in T._eval_examples(512, 1, 7, tok, "ruler") if e[0] == "ruler:cwe"]
+    words = said.split(", ")
+    start = 1 + len(tok.encode(prompt))
+
+    class Scripted(torch.nn.Module):  # says ``text`` after the prompt, one token a call
+        def __init__(self, text):
+            super().__init__()
+            self.says = list(tok.encode(text)) + [tok.eos]
+
+        def forward(self, ids):
+            logits = torch.zeros(ids.shape[0], ids.shape[1], tok.vocab_size)
+            logits[:, -1, self.says[min(ids.shape[1] - start, len(self.says) - 1)]] = 1.0
+            return logits
+
+    def score(text):
+        (value,) = T.eval_cwe_free(Scripted(text), 512, 1, 7, torch.device("cpu"), False, tok, "ruler").values()
+        return value
+
+    assert score(", ".join(reversed(words))) == 1.0
+    assert score(", ".join([words[0]] * 10)) == 0.1

@@ -365,6 +365,31 @@ def eval_retrieval(model, ctx, n, seed, device, amp, tok: Tok, mixture: str, bat
     return {k: sum(v) / len(v) for k, v in res.items()}
 
 
+@torch.no_grad()
+def eval_cwe_free(model, ctx, n, seed, device, amp, tok: Tok, mixture: str) -> dict:
+    """cwe as the bench scores it: each prompt's answer generated greedily from the model's
+    own words (no teacher forcing: a model that says one word again scores 1 of 10 here
+    while it may pass the teacher-forced check), scored by ``ruler.ruler_score``. Empty
+    where the mixture has no cwe."""
+    model.eval()
+    scores = []
+    for name, prompt, said in _eval_examples(ctx, n, seed, tok, mixture):
+        if name != "ruler:cwe" or said is None:
+            continue
+        start = 1 + len(tok.encode(prompt))
+        ids = torch.from_numpy(np.concatenate([[tok.bos], tok.encode(prompt)]).astype(np.int64))[None].to(device)
+        for _ in range(len(tok.encode(said)) + 4):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                nxt = model(ids)[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], 1)
+            if int(nxt) == tok.eos:
+                break
+        text = tok.t.decode(ids[0, start:].tolist(), skip_special_tokens=True)
+        scores.append(ruler.ruler_score("cwe", text, answers=said.split(", ")))
+    model.train()
+    return {"ruler:cwe(free)": sum(scores) / len(scores)} if scores else {}
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -634,6 +659,7 @@ def main():
             now = time.time()
             if args.eval_every and now - last_eval >= args.eval_every:
                 r = eval_retrieval(model, min(L, 4096), args.eval_n, 999, device, amp, tok, args.mixture)
+                r.update(eval_cwe_free(model, min(L, 4096), args.eval_n, 999, device, amp, tok, args.mixture))
                 evals.append({"step": step, "ctx": min(L, 4096), **r})
                 log(
                     f"eval step {step} ctx {min(L, 4096)} (seed 999, n={args.eval_n}): "
@@ -660,6 +686,7 @@ def main():
             model, ctx, args.final_eval_n, 4321, device, amp, tok, args.mixture,
             batch=max(1, 32768 // ctx),
         )
+        r.update(eval_cwe_free(model, ctx, args.final_eval_n, 4321, device, amp, tok, args.mixture))
         final[ctx] = r
         log(
             f"final eval ctx {ctx} (seed 4321, n={args.final_eval_n}): "
