@@ -179,10 +179,11 @@ def test_cuda_read_decodes_a_layers_history_only_once_its_queries_exist(monkeypa
     together: before the gate, each layer from the 4th to the 8th added 4.1 MiB to the
     step's peak at these sizes (half its decoded keys and values). Gated, the next layer's
     decode may overlap this layer's attention (1 to 6 layers: 33.4 to 36.2 MiB), but the
-    peak stops growing:
-    from 4 to 8 layers it must grow by less than a tenth of one layer's decoded rows."""
+    peak stops growing: from 4 to 8 layers by less than half of one layer's decoded rows
+    (0.2 MiB alone, 2.8 MiB once in a CI worker after other tests; ungated, two layers'
+    rows)."""
     one_layer_rows = 2 * 2 * 4096 * 128 * 4
-    assert _step_peak(8, monkeypatch) - _step_peak(4, monkeypatch) < one_layer_rows / 10
+    assert _step_peak(8, monkeypatch) - _step_peak(4, monkeypatch) < one_layer_rows / 2
 
 
 def test_float16_history_is_the_float32_one_rounded_but_on_the_promoted_channels():
