@@ -376,8 +376,8 @@ def eval_cwe_free(model, ctx, n, seed, device, amp, tok: Tok, mixture: str) -> d
     for name, prompt, said in _eval_examples(ctx, n, seed, tok, mixture):
         if name != "ruler:cwe" or said is None:
             continue
-        start = 1 + len(tok.encode(prompt))
-        ids = torch.from_numpy(np.concatenate([[tok.bos], tok.encode(prompt)]).astype(np.int64))[None].to(device)
+        prompt_ids = np.concatenate([[tok.bos], tok.encode(prompt)]).astype(np.int64)
+        start, ids = len(prompt_ids), torch.from_numpy(prompt_ids)[None].to(device)
         for _ in range(len(tok.encode(said)) + 4):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 nxt = model(ids)[:, -1].argmax(-1, keepdim=True)
