@@ -68,10 +68,10 @@ def _fmix32(h: mx.array) -> mx.array:
     return h ^ (h >> 16)
 
 
-def _fmix32_int(h: int) -> int:
-    """``_fmix32`` on a Python int."""
-    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
-    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+def _fmix32_host(h: np.ndarray) -> np.ndarray:
+    """``_fmix32`` on a uint32 numpy array (its products wrap as uint32's do)."""
+    h = (h ^ (h >> 16)) * np.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * np.uint32(0xC2B2AE35)
     return h ^ (h >> 16)
 
 
@@ -89,7 +89,7 @@ def noise_stream(seed: int, layer: int, b: int, hq: int, hkv: int | None = None)
 def _head_keys(seed: int, layer: int, b: int, hq: int) -> tuple[np.ndarray, int]:
     """The query heads' row keys (B * Hq,) uint32 and the layer's 64-bit hash, on the host."""
     s = mix64(mix64(seed & MASK64) ^ layer)
-    return np.array([_fmix32_int(h ^ (s & 0xFFFFFFFF)) for h in range(b * hq)], np.uint32), s
+    return _fmix32_host(np.arange(b * hq, dtype=np.uint32) ^ np.uint32(s & 0xFFFFFFFF)), s
 
 
 def _row_hash(head_keys, q_positions):
@@ -115,16 +115,23 @@ def _log_e(rows, cols):
     return mx.log(mx.maximum(-mx.log(u), 2.0**-25))
 
 
-def _noisy(x, rows, cols, tau):
-    """(x + zeta) / tau, one kernel: MLX fuses chains of at most 11 ops (compile.cpp's
-    max_compile_depth), and this is 11: xor, *, |, astype, *, log, -, max, log, -, /."""
-    return (x - _log_e(rows, cols)) / tau
+def _noisy(x, rows, cols, tau, scale):
+    """(x * scale + zeta) / tau for the unscaled logits x, one kernel: MLX fuses chains of at
+    most 11 ops (compile.cpp's max_compile_depth), and the noise's is 11: xor, *, |, astype,
+    *, log, -, max, log, -, /. The scale is on x's side of the sum, off that chain, so it
+    joins the kernel instead of costing a pass over the queries before the product."""
+    return (x * scale - _log_e(rows, cols)) / tau
 
 
-def _noisy_causal(x, rows, cols, tau, k_positions, q_positions):
-    """``_noisy`` where the key is at most at the query's position, -inf elsewhere; the mask
-    is taken on x's side of the sum, off the noise's chain, so that it stays one kernel."""
-    return (mx.where(k_positions <= q_positions, x, -float("inf")) - _log_e(rows, cols)) / tau
+def _noisy_where(x, keep, rows, cols, tau, scale):
+    """``_noisy`` where ``keep``, -inf elsewhere; the mask is taken on x's side of the sum,
+    off the noise's chain, so that it stays one kernel."""
+    return (mx.where(keep, x * scale, -float("inf")) - _log_e(rows, cols)) / tau
+
+
+def _noisy_causal(x, rows, cols, tau, scale, k_positions, q_positions):
+    """``_noisy`` where the key is at most at the query's position, -inf elsewhere."""
+    return _noisy_where(x, k_positions <= q_positions, rows, cols, tau, scale)
 
 
 def _zeta(rows, cols):
@@ -166,22 +173,23 @@ def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, stream=None) ->
     k = keys.astype(mx.float32).swapaxes(-1, -2)  # a group's heads are one product's rows
     if stream is not None:
         cols = _col_hash(stream[1], k_positions[:, :, None, None, :])  # (B, Hkv, 1, 1, n)
-        tau_array = mx.array(tau, mx.float32)
+        tau_array, scale_array = mx.array(tau, mx.float32), mx.array(scale, mx.float32)
 
     def block(q, start, stop):
         q = q.reshape(b, hkv, hq // hkv * (stop - start), d).astype(mx.float32)
-        x = ((q * scale) @ k).reshape(b, hkv, hq // hkv, stop - start, -1)  # (B, Hkv, G, block, n)
+        x = (q @ k).reshape(b, hkv, hq // hkv, stop - start, -1)  # (B, Hkv, G, block, n), unscaled
         causal = start < n_queries - 1  # the last query (a decode step's only one) sees every key
         if causal or stream is not None:
             q_positions = mx.arange(q_start + start, q_start + stop)[:, None]
         if stream is not None:
             rows = _row_hash(stream[0], q_positions)  # (B, Hkv, G, block, 1)
             if causal:
-                x = _noisy_causal_block(x, rows, cols, tau_array, k_positions[:, :, None, None, :], q_positions)
+                x = _noisy_causal_block(x, rows, cols, tau_array, scale_array, k_positions[:, :, None, None, :],
+                                        q_positions)
             else:
-                x = (_noisy_step if n_queries == 1 else _noisy_block)(x, rows, cols, tau_array)
+                x = (_noisy_step if n_queries == 1 else _noisy_block)(x, rows, cols, tau_array, scale_array)
             return mx.softmax(x, axis=-1, precise=True).sum(axis=(2, 3))
-        x = x if tau == 1 else x / tau
+        x = x * scale if tau == 1 else x * scale / tau
         if causal:
             x = mx.where(k_positions[:, :, None, None, :] <= q_positions, x, -float("inf"))
         return mx.softmax(x, axis=-1, precise=True).sum(axis=(2, 3))
@@ -192,32 +200,32 @@ def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, stream=None) ->
 @functools.lru_cache(maxsize=None)
 def _decode_score(scale: float):
     """A decode step's ``observe`` over the store's room: ``gumbel_mass`` of the one query
-    (at ``q_position`` (1, 1)) over the keys of every slot, their noise from the slots'
-    positions, rows past the slot count masked after the noise (their weight is 0; the
-    kept rows' weights equal the unmasked softmax's, bit for bit on the CPU:
+    (its heads' ``rows_hash`` made on the host, ``_step_stream``) over the keys of every
+    slot, their noise from the slots' positions, rows past the slot count masked on the
+    logits' side of the noise (their weight is 0; the kept rows' weights equal the
+    unmasked softmax's, bit for bit on the CPU:
     tests/test_compiled_decode_scores.py), added to the score buffer; returns the
     buffer (rows past the count: spare room, never read). One compiled graph; its shapes
     change only when the buffers grow."""
 
-    def step(queries, keys, positions, score, rows, row_ids, q_position, head_keys, col_key, tau):
+    def step(queries, keys, positions, score, rows, row_ids, rows_hash, col_key, tau):
         # gumbel_mass's product, (B, Hkv, G, slots), a group's heads its rows, no block axis:
         # no broadcast of the keys over the heads, no expanded axis to sum away
         b, hq, _, d = queries.shape
         hkv = keys.shape[1]
         q = queries.reshape(b, hkv, hq // hkv, d).astype(mx.float32)
-        x = (q * scale) @ keys.astype(mx.float32).swapaxes(-1, -2)
-        rows_hash = _fmix32(head_keys ^ q_position)  # (B, Hkv, G, 1), q_position's shape (uint32)
+        x = q @ keys.astype(mx.float32).swapaxes(-1, -2)
         cols = _fmix32(positions.astype(mx.uint32) ^ col_key)[:, :, None, :]  # (B, Hkv, 1, slots)
-        noisy = mx.where(row_ids < rows, _noisy(x, rows_hash, cols, tau), -float("inf"))
+        noisy = _noisy_where(x, row_ids < rows, rows_hash, cols, tau, scale)
         return score + mx.softmax(noisy, axis=-1, precise=True).sum(axis=2)
 
     return mx.compile(step)
 
 
 @functools.lru_cache(maxsize=1024)
-def _step_head_keys(seed: int, layer: int, b: int, hq: int, hkv: int) -> mx.array:
-    """``noise_stream``'s head keys shaped (B, Hkv, Hq / Hkv, 1) for ``_decode_score``."""
-    return mx.array(_head_keys(seed, layer, b, hq)[0].reshape(b, hkv, hq // hkv, 1))
+def _step_head_keys(seed: int, layer: int, b: int, hq: int, hkv: int) -> np.ndarray:
+    """``noise_stream``'s head keys shaped (B, Hkv, Hq / Hkv, 1), on the host."""
+    return _head_keys(seed, layer, b, hq)[0].reshape(b, hkv, hq // hkv, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,12 +248,12 @@ def _step_mass(queries, keys, positions, visible, q_position, tau, stream, scale
     b, hq, _, d = queries.shape
     hkv = keys.shape[1]
     q = queries.reshape(b, hkv, hq // hkv, 1, d).astype(mx.float32)
-    x = (q * scale) @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
+    x = q @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
     if stream is None:
-        logits = x / tau
+        logits = x * scale / tau
     else:
         cols = _col_hash(stream[1], positions[:, :, None, None, :])
-        logits = _noisy_step(x, _row_hash(stream[0], q_position), cols, tau)
+        logits = _noisy_step(x, _row_hash(stream[0], q_position), cols, tau, mx.array(scale, mx.float32))
     noisy = mx.where(visible, logits, -float("inf"))
     return mx.softmax(noisy, axis=-1, precise=True).sum(axis=(2, 3))
 
@@ -263,15 +271,15 @@ class KeyformerCache(ScoredEvictionCache):
         b, hq = queries.shape[:2]
         return noise_stream(self.options.keyformer_seed, self.layer, b, hq, keys.shape[1])
 
-    def _step_stream(self, queries, keys) -> tuple[mx.array, mx.array, mx.array]:
-        """The query position, head keys and column key as ``_decode_score`` takes them: the
-        position (the query's, ``offset - 1``) and the head keys both (B, Hkv, G, 1) uint32,
-        the position built on the host (a constant, no broadcast in the step's graph)."""
+    def _step_stream(self, queries, keys) -> tuple[mx.array, mx.array]:
+        """The row hashes and column key as ``_decode_score`` takes them: the row hashes
+        (``_row_hash`` of the head keys and the query's position, ``offset - 1``), (B, Hkv, G,
+        1) uint32, made on the host from Python numbers (a constant: no kernel in the step)."""
         b, hq = queries.shape[:2]
         seed, hkv = self.options.keyformer_seed, keys.shape[1]
-        position = [[[[self.offset - 1]] * (hq // hkv)] * hkv] * b
-        return (mx.array(position, mx.uint32), _step_head_keys(seed, self.layer, b, hq, hkv),
-                noise_stream(seed, self.layer, b, hq, hkv)[1])
+        heads = _step_head_keys(seed, self.layer, b, hq, hkv)
+        rows = _fmix32_host(heads ^ np.uint32((self.offset - 1) & 0xFFFFFFFF))
+        return mx.array(rows), noise_stream(seed, self.layer, b, hq, hkv)[1]
 
     def tau(self, step: int) -> float:
         o = self.options
