@@ -80,7 +80,6 @@ OVER_GRAPH_BOUND = {
     "svdq": 1.52,  # as palu, and runs with exact values read as one part (2.04 before, 2026-12-05)
     "anchorkv": 1.40,  # one reader under one softmax, views kept (1.81 before, 2026-12-05)
     "turboquant": 1.52,  # through its kernel (1.75 was its pure path: the stub failed its own self-check)
-    "skvq": 1.42,  # as zipcache (1.77 before, 2026-12-05)
     # its compiled score step in the heads' own 4-D shapes (1.48 before); the position made on the host
     # (1.33, 2026-12-05); the row hashes made on the host and the scale taken in the noise's kernel:
     # two kernels fewer a layer, one node (two standalone broadcasts take their place), 2026-12-06
@@ -104,7 +103,9 @@ PERIODIC_STEP = {
     "xquant": 2.22, "kvquant": 6.38, "palu": 4.17, "cachegen": 5.48, "minicache": 2.71,
     "gear": 8.29, "zipcache": 4.02, "snapkv": 1.23, "streaming_llm": 0.96, "h2o": 1.67,
     "tova": 2.00, "pyramidkv": 1.14, "squeeze": 1.25, "chunkkv": 1.23, "cam": 3.40, "xkv": 1.35,
-    "nsnquant": 5.56, "knorm": 1.90, "skvq": 2.42, "qfilters": 1.60, "keyformer": 1.75,
+    "nsnquant": 5.56, "knorm": 1.90,
+    # its CUDA read, the kept rows decoded + one fused attention over views kept between flushes (2.42 before, 2026-12-06)
+    "skvq": 2.27, "qfilters": 1.60, "keyformer": 1.75,
     "morphkv": 2.42, "kvzip": 1.23, "kvtc": 5.25, "curdkv": 1.23, "nestedkv": 1.42,
     # the flush's tiering of 32 tokens, a scan unrolled in one compiled pass (8.58 a step before)
     "amc": 14.38,

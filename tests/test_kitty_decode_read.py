@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from chained_layers import step_peak
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import KittyOptions
 from veloxquant_mlx.kernels import kivi_decode as kd
@@ -145,32 +146,8 @@ def test_on_cuda_the_decoded_rows_and_one_fused_attention_give_the_float32_read(
         assert err <= bound, (i, err, bound)
 
 
-def _step_peak(n_layers: int, monkeypatch, t: int = 4096, h: int = 2, d: int = 128) -> float:
-    """Bytes a decode step through ``n_layers`` chained kitty layers (each layer's queries
-    are the output of the layer before) holds above what the caches keep, on the CUDA read."""
-    monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
-    caches = [KittyCache(KVCacheConfig(method="kitty"), None, 0) for _ in range(n_layers)]  # defaults
-    k, v = keys_values(1, h, t, d, seed=5)
-    for cache in caches:
-        cache.update_and_fetch(k, v)
-        cache.attend(k, k, v, scale=d**-0.5, mask="causal")
-
-    def step(x):
-        for cache in caches:
-            kn, vn = x * 0.5, x * 0.25
-            cache.update_and_fetch(kn, vn)
-            x = cache.attend(x, kn, vn, scale=d**-0.5, mask=None)
-        return x
-
-    x = mx.random.normal((1, h, 1, d), key=mx.random.key(2))
-    for _ in range(3):  # past the first steps' one-time work
-        x = step(x)
-        mx.eval(x, [cache.state for cache in caches])
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    held = mx.get_active_memory()
-    mx.eval(step(x), [cache.state for cache in caches])
-    return mx.get_peak_memory() - held
+def _step_peak(n_layers: int, monkeypatch) -> float:
+    return step_peak(lambda: KittyCache(KVCacheConfig(method="kitty"), None, 0), n_layers, monkeypatch)  # defaults
 
 
 def test_cuda_read_decodes_a_layers_history_only_once_its_queries_exist(monkeypatch):

@@ -36,10 +36,14 @@ chunks, tests) gives every token back in the model's order.
 Decode read (``_JointRead``, one part of the dispatcher's joint path): the sinks, the packed rows and the window under one float32
 softmax, what ``kernels/decode.py``'s joint path computes for the parts ``decode_parts``
 describes (no kernel reads per-token keys, on any device): on the CPU one
-``quantized_matmul`` over the packed keys and one over the packed values, on a GPU their
+``quantized_matmul`` over the packed keys and one over the packed values, on Metal their
 valid rows dequantized in float32 and multiplied. What it takes from the packed runs and
 the sinks (their valid rows), the orders in the queries' layout and the scale are views kept
-between flushes (``ReadViews``): a step slices nothing of the history.
+between flushes (``ReadViews``): a step slices nothing of the history. On CUDA, once rows
+are packed, a step decodes every kept row in the queries' dtype (kept channel order) and
+reads them with one ``mx.fast.scaled_dot_product_attention``, queries and output through
+the orders as above; each layer's decode waits for its queries
+(``PackedStore.history_after``).
 
 It is a ``QuantizedKVStore`` for its windows, its packed runs' shape checks and what it
 keeps; the flush, the reading and the policy checks are its own.
@@ -62,6 +66,7 @@ import mlx.core as mx
 
 from ...cache.buffers import RecentRows
 from ...cache.calibration import batch_rows
+from ...kernels import kivi_decode as kd
 from ...kernels.decode import DecodePart, decode_attention
 from ...quant.affine import SUPPORTED_BITS
 from .clip import ClippedTokens, fixed_clip, search_clip
@@ -240,16 +245,22 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
     def history(self, dtype) -> tuple[mx.array | None, mx.array | None]:
         """Every stored token in ``dtype``, in order and in the model's channel order
         (transient: prefill chunks and tests)."""
-        rows = []
-        for packed, win in ((self.keys, self.k_res), (self.values, self.v_res)):
-            parts = [x.astype(dtype) for x in (packed.decode(dtype), win) if x is not None]
-            rows.append(None if not parts else parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
-        keys, values = self._with_sinks(*rows, dtype)
+        keys, values = self._reordered_history(dtype)
         if keys is not None and self.perm_k is not None:
             keys = permute(keys, inverse(self.perm_k))
         if values is not None and self.inv_v is not None:
             values = permute(values, self.inv_v)
         return keys, values
+
+    def _reordered_history(self, dtype) -> tuple[mx.array | None, mx.array | None]:
+        """Every stored token in ``dtype``, in order, in the channel space they are kept in."""
+        sinks = (self.sink_k.view(), self.sink_v.view()) if self.sink_k.length else (None, None)
+        rows = []
+        for sink, packed, win in zip(sinks, (self.keys, self.values), (self.k_res, self.v_res)):
+            parts = [x if x.dtype == dtype else x.astype(dtype) for x in (sink, packed.decode(dtype), win)
+                     if x is not None]
+            rows.append(None if not parts else parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
+        return tuple(rows)
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         """Sinks, then packed rows with the window as tails (the reordered space)."""
@@ -265,8 +276,32 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
         back through the inverse of the value order (``_JointRead``)."""
         h = n_kv_heads or next(x.shape[1] for x in (self.k_res, self.sink_k.buffer, self.keys.codes.buffer)
                                if x is not None)
+        if use_kernel and self.keys.count and kd.gpu_backend() == "cuda":
+            return self._decoded_attention(queries, scale, h)
         return decode_attention(queries, [_JointRead(self, queries.shape, h).part()], scale=scale,
                                 use_kernel=use_kernel, n_kv_heads=h)
+
+    def _decoded_attention(self, queries, scale, h: int) -> mx.array:
+        """On CUDA: every kept row decoded in the queries' dtype, in the kept channel order,
+        and one fused attention; the queries go through the key order and the output back
+        through the inverse of the value order, so the history is never un-permuted. The
+        float32 read's products are what cuBLAS serves badly at decode shapes
+        (benchmarks/results/h200_s65). The packed runs, the sinks and the orders are the
+        views kept between flushes; the codes are decoded only once the queries exist, so
+        that MLX does not decode later layers' rows ahead of their attention and hold them
+        all (``PackedStore.history_after``)."""
+        b, hq, _, d = queries.shape
+        packed_k, packed_v, sinks, perm, inv, _ = self._read_views(b, h, hq // h, d)
+        codes = mx.depends([packed_k[0], packed_v[0]], [queries])
+        dtype, rows = queries.dtype, []
+        runs = ((packed_k, self.keys, self.k_res), (packed_v, self.values, self.v_res))
+        for i, (packed, run, window) in enumerate(runs):
+            parts = [None if sinks is None else sinks[i], run.codec.decode(codes[i], *packed[1:], dtype), window]
+            parts = [x if x.dtype == dtype else x.astype(dtype) for x in parts if x is not None]
+            rows.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
+        q = queries if perm is None else mx.take_along_axis(queries.reshape(perm.shape), perm, axis=-1)
+        out = mx.fast.scaled_dot_product_attention(q.reshape(queries.shape), *rows, scale=scale)
+        return out if inv is None else mx.take_along_axis(out.reshape(inv.shape), inv, axis=-1).reshape(out.shape)
 
     def _read_views(self, b: int, h: int, r: int, d: int):
         """(packed keys' valid rows or None, packed values' likewise, (sink keys, sink

@@ -1,0 +1,38 @@
+"""A decode step's peak through chained cache layers (each layer's queries are the output
+of the layer before), as the CUDA reads run it: for the reads that decode a layer's kept
+rows in one piece, whose decode must wait for its queries."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from veloxquant_mlx.kernels import kivi_decode as kd
+
+
+def step_peak(make_cache, n_layers: int, monkeypatch, t: int = 4096, h: int = 2, d: int = 128) -> float:
+    """Bytes a decode step through ``n_layers`` caches from ``make_cache()``, each given the
+    same ``t``-token prompt, holds above what the caches keep, on the CUDA read."""
+    monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
+    caches = [make_cache() for _ in range(n_layers)]
+    k = mx.random.normal((1, h, t, d), key=mx.random.key(5)) * (1 + 6 * (mx.arange(d) % 9 == 0))
+    v = mx.random.normal((1, h, t, d), key=mx.random.key(6))
+    for cache in caches:
+        cache.update_and_fetch(k, v)
+        cache.attend(k, k, v, scale=d**-0.5, mask="causal")
+
+    def step(x):
+        for cache in caches:
+            kn, vn = x * 0.5, x * 0.25
+            cache.update_and_fetch(kn, vn)
+            x = cache.attend(x, kn, vn, scale=d**-0.5, mask=None)
+        return x
+
+    x = mx.random.normal((1, h, 1, d), key=mx.random.key(2))
+    for _ in range(3):  # past the first steps' one-time work
+        x = step(x)
+        mx.eval(x, [cache.state for cache in caches])
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()
+    mx.eval(step(x), [cache.state for cache in caches])
+    return mx.get_peak_memory() - held
