@@ -66,8 +66,9 @@ def _solve(text: str):
         listed = text[text.rindex("often.\n\n"): text.rindex("\n\nQuestion")]
         items = re.findall(r"\d+\. ([a-z]+)", listed)
         counts = Counter(items).most_common()
-        assert counts[9][1] > counts[10][1]  # the ten are well defined
-        top = {w for w, _ in counts[:10]}
+        n = int(re.findall(r"What are the (\d+) most common words", text)[-1])
+        assert counts[n - 1][1] > counts[n][1]  # the n are well defined
+        top = {w for w, _ in counts[:n]}
         first = [w for w in dict.fromkeys(items) if w in top]  # the text's order (trained: any)
         return "cwe", ", ".join(first), first
     if m := re.search(r"Answer: (\w+) keeps the (\w+) in $", text):
@@ -247,7 +248,8 @@ def test_cwe_frees_each_listed_words_first_token_among_the_words_not_yet_written
                 words = _decode(tok, ids[s:e]).split(", ")
                 firsts = [int(tok.encode(x)[0]) for x in words]
                 at = s + np.flatnonzero(kind[s:e] == 3)
-                assert len(at) == len(words) == 10  # one free token a word, at its first token
+                # one free token a word, at its first token (fewer words in short slots: cwe_words)
+                assert len(at) == len(words) == len(set(words)) and len(words) in (3, 5, 10)
                 for j, i in enumerate(at):
                     assert _decode(tok, ids[i:e]).startswith(words[j])
                     allowed = [int(x) for x in free[i] if x >= 0]
@@ -260,13 +262,31 @@ def test_cwe_frees_each_listed_words_first_token_among_the_words_not_yet_written
     assert not (kind == 3).any() and (free == -1).all()
 
 
+def test_cwe_asks_short_slots_for_fewer_words_listed_far_more_often_than_the_others(tok, corpus):
+    """Ten common words leave each listed twice against the other words' once below 1,024
+    tokens; training's smaller instances (``cwe_words``) ask for fewer, each listed at least
+    ``ratio`` times as often as any other word, and the bench's ten from 2,048 tokens on."""
+    for size, counts, ratio in ((256, {3}, 2), (512, {3, 5}, 3), (1024, {5, 10}, 5), (4096, {10}, 10)):
+        asked = set()
+        for k in range(8):
+            parts = M.ruler_parts("cwe", random.Random(f"curriculum/{size}/{k}"), size, corpus, tok)
+            prompt, words = parts[0][0], parts[1][0].split(", ")
+            listed = Counter(re.findall(r"\d+\. (\w+)", prompt))
+            assert f"What are the {len(words)} most common words" in prompt
+            assert sorted(words) == sorted(w for w, c in listed.items() if c == max(listed.values()))
+            least_common = min(listed[w] for w in words)
+            assert all(least_common >= ratio * c for w, c in listed.items() if w not in words), size
+            asked.add(len(words))
+        assert asked == counts, size
+
+
 def test_cwe_writes_its_common_words_in_a_random_order_not_the_texts(tok, corpus):
     """Each cwe answer is the ten most common words of its list, each once; the order is
     drawn per example (the text's order only by chance, 1 in 10!), so that the free targets
     see every word among those already written."""
     in_text_order = []
     for k in range(12):
-        parts = M.ruler_parts("cwe", random.Random(f"order/{k}"), 1024, corpus, tok)
+        parts = M.ruler_parts("cwe", random.Random(f"order/{k}"), 2048, corpus, tok)
         prompt, said = parts[0][0], parts[1][0]
         listed = Counter(re.findall(r"\d+\. (\w+)", prompt))
         common = sorted(w for w, c in listed.items() if c == max(listed.values()))

@@ -231,13 +231,16 @@ def _vocabulary(corpus: str) -> list[str]:
     return _WORDS_CACHE[key]
 
 
-def _cwe(rng: random.Random, corpus: str, context_tokens: int, count: Callable[[str], int]):
+def _cwe(rng: random.Random, corpus: str, context_tokens: int, count: Callable[[str], int],
+         n_common: int = CWE_COMMON):
+    """cwe's prompt maker; ``n_common`` common words (the bench's ten; fewer for training's
+    smaller instances, ``training/mixture.py``)."""
     vocabulary = _vocabulary(corpus)
     words = rng.sample(vocabulary, min(len(vocabulary), 2000))
-    common, rare = words[:CWE_COMMON], words[CWE_COMMON:]
-    order = [rng.random() for _ in range(len(rare) * 3 + CWE_COMMON * 30)]
-    question = (f"Question: What are the {CWE_COMMON} most common words in the above list?\n"
-                f"Answer: The top {CWE_COMMON} words that appear most often in the list are: ")
+    common, rare = words[:n_common], words[n_common:]
+    order = [rng.random() for _ in range(len(rare) * 3 + n_common * 30)]
+    question = (f"Question: What are the {n_common} most common words in the above list?\n"
+                f"Answer: The top {n_common} words that appear most often in the list are: ")
 
     def render_at(freq_common: int, freq_rare: int, n: int) -> str:
         items = [w for w in common for _ in range(freq_common)]
