@@ -75,3 +75,18 @@ def test_the_compiled_score_equals_the_reference_bit_for_bit(settings, dtype, mo
     # the plain ones' by an ulp here and there (largest 1.6e-7 relative), so within 8 ulps
     for m, ref in zip(mass, mass_ref):
         np.testing.assert_allclose(m, ref, rtol=8 * np.finfo(np.float32).eps, atol=0)
+
+
+def test_keyformers_row_hashes_stay_right_past_each_table_of_positions(monkeypatch):
+    """A decode step's row hashes come from a table of the next positions', made on the
+    host: with a table of 7 positions, 70 steps refill it ten times and still score as
+    the reference (a stale or shifted table would draw other noise)."""
+    monkeypatch.setattr(keyformer, "ROW_HASH_BLOCK", 7)
+    config = KVCacheConfig(options=KeyformerOptions(keyformer_budget=40, keyformer_seed=3))
+    lp_ref, mass_ref, _ = _decode(config, mx.float32, compiled=False, monkeypatch=monkeypatch)
+    monkeypatch.setattr(keyformer, "ROW_HASH_BLOCK", 7)  # _decode undoes the patches
+    lp, mass, calls = _decode(config, mx.float32, compiled=True, monkeypatch=monkeypatch)
+    assert calls >= (STEPS - 1) * len(mass)
+    np.testing.assert_array_equal(lp, lp_ref)
+    for m, ref in zip(mass, mass_ref):
+        np.testing.assert_allclose(m, ref, rtol=8 * np.finfo(np.float32).eps, atol=0)

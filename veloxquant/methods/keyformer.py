@@ -222,6 +222,9 @@ def _decode_score(scale: float):
     return mx.compile(step)
 
 
+ROW_HASH_BLOCK = 256  # decode positions whose row hashes a decode step's table holds
+
+
 @functools.lru_cache(maxsize=1024)
 def _step_head_keys(seed: int, layer: int, b: int, hq: int, hkv: int) -> np.ndarray:
     """``noise_stream``'s head keys shaped (B, Hkv, Hq / Hkv, 1), on the host."""
@@ -266,6 +269,7 @@ class KeyformerCache(ScoredEvictionCache):
     state_from_queries = True
     gumbel_noise = True  # False (tests only): score with softmax(x / tau), no noise
     batchable = True
+    _row_hashes = None  # (shape, first position, the row hashes of ROW_HASH_BLOCK positions)
 
     def noise_stream(self, queries, keys) -> tuple[mx.array, mx.array]:
         b, hq = queries.shape[:2]
@@ -274,12 +278,18 @@ class KeyformerCache(ScoredEvictionCache):
     def _step_stream(self, queries, keys) -> tuple[mx.array, mx.array]:
         """The row hashes and column key as ``_decode_score`` takes them: the row hashes
         (``_row_hash`` of the head keys and the query's position, ``offset - 1``), (B, Hkv, G,
-        1) uint32, made on the host from Python numbers (a constant: no kernel in the step)."""
+        1) uint32, a constant made on the host (no kernel in the step), taken from a table of
+        the next ``ROW_HASH_BLOCK`` positions' made at once: hashing on the host each step
+        cost five times the table's lookup."""
         b, hq = queries.shape[:2]
         seed, hkv = self.options.keyformer_seed, keys.shape[1]
-        heads = _step_head_keys(seed, self.layer, b, hq, hkv)
-        rows = _fmix32_host(heads ^ np.uint32((self.offset - 1) & 0xFFFFFFFF))
-        return mx.array(rows), noise_stream(seed, self.layer, b, hq, hkv)[1]
+        position, block = self.offset - 1, self._row_hashes
+        if block is None or block[0] != (b, hq, hkv) or not 0 <= position - block[1] < len(block[2]):
+            heads = _step_head_keys(seed, self.layer, b, hq, hkv)
+            ahead = np.arange(position, position + ROW_HASH_BLOCK, dtype=np.int64) & 0xFFFFFFFF
+            block = self._row_hashes = ((b, hq, hkv), position,
+                                        _fmix32_host(heads[None] ^ ahead.astype(np.uint32)[:, None, None, None, None]))
+        return mx.array(block[2][position - block[1]]), noise_stream(seed, self.layer, b, hq, hkv)[1]
 
     def tau(self, step: int) -> float:
         o = self.options
