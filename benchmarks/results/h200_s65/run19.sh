@@ -10,7 +10,8 @@ export MLX_DEFAULT_DEVICE=gpu MLX_PTX_CACHE_DIR=/tmp/ptx MLX_ENABLE_TF32=${MLX_E
 for f in ${FILES:-tests/test_kitty_decode_read.py tests/test_skvq_decode_read.py tests/test_cachegen_decode_read.py \
                    tests/test_anchorkv_decode_read.py tests/test_amc_decode_read.py tests/test_a2ats_decode_read.py}; do
   log=$OUT/$(basename $f .py).log
-  timeout ${PER_FILE_S:-90} python3 -m pytest -q -rf --tb=line -p no:cacheprovider --no-header $f > $log 2>&1
-  echo "$f rc=$? after ${SECONDS}s"; grep -E "^FAILED|^/.*: |passed|failed" $log | cut -c1-300 | head -12
+  # -v names each test as it ends; the first three failures' tracebacks come before the time runs out
+  timeout ${PER_FILE_S:-90} python3 -m pytest -v --tb=short --maxfail=3 -p no:cacheprovider --no-header $f > $log 2>&1
+  echo "$f rc=$? after ${SECONDS}s"; grep -E "FAILED|^E |passed|failed" $log | cut -c1-300 | head -16
   [ $SECONDS -gt 540 ] && break
 done
