@@ -29,7 +29,7 @@ import mlx.core as mx
 from ..cache.buffers import GrowingArray, RecentRows
 from ..kernels.decode import DecodePart
 from .packed import GROWTH_TOKENS, GroupAffine, PackedTokens
-from .store import WINDOW_STEP, QuantizedKVStore, _rows
+from .store import WINDOW_STEP, QuantizedKVStore, _rows, as_dtype
 
 
 class Sinks:
@@ -50,14 +50,11 @@ class Sinks:
         self.sink_v.append(values[:, :, :n])
         return keys[:, :, n:], values[:, :, n:], n
 
-    def _with_sinks(self, keys, values, dtype):
-        """``keys``/``values`` (or None) of the tokens after the sinks, the sinks in front."""
+    def _leading_history(self, dtype) -> tuple[list, list]:
+        """The sinks' keys and values in ``dtype``, to lead ``history``'s one join."""
         if not self.sink_k.length:
-            return keys, values
-        sink_k, sink_v = self.sink_k.view().astype(dtype), self.sink_v.view().astype(dtype)
-        if keys is None:
-            return sink_k, sink_v
-        return mx.concatenate([sink_k, keys], axis=2), mx.concatenate([sink_v, values], axis=2)
+            return [], []
+        return [as_dtype(self.sink_k.view(), dtype)], [as_dtype(self.sink_v.view(), dtype)]
 
     def _sink_parts(self) -> list[DecodePart]:
         if not self.sink_k.length:
@@ -103,9 +100,6 @@ class SinkKVStore(Sinks, QuantizedKVStore):
     @property
     def length(self) -> int:
         return self.sink_k.length + super().length
-
-    def history(self, dtype):
-        return self._with_sinks(*super().history(dtype), dtype)
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         return self._sink_parts() + super().decode_parts(empty)

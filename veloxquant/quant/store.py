@@ -65,12 +65,17 @@ def joined_history(parts_k: list, parts_v: list, tail_k, tail_v, dtype):
     the full-precision tails (None, or rows: an empty one is left out), each joined along
     the tokens; (None, None) when nothing is stored."""
     if _rows(tail_k):
-        parts_k = parts_k + [tail_k.astype(dtype)]
+        parts_k = parts_k + [as_dtype(tail_k, dtype)]
     if _rows(tail_v):
-        parts_v = parts_v + [tail_v.astype(dtype)]
+        parts_v = parts_v + [as_dtype(tail_v, dtype)]
     if not parts_k:
         return None, None
     return _joined(parts_k), _joined(parts_v)
+
+
+def as_dtype(x: mx.array, dtype) -> mx.array:
+    """``x`` in ``dtype``, itself where it already is (no copy in the graph)."""
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 def _joined(parts: list):
@@ -291,13 +296,18 @@ class QuantizedKVStore(PackedStore):
     # -- reading --------------------------------------------------------------------------
     def history(self, dtype) -> tuple[mx.array | None, mx.array | None]:
         """Every stored token in ``dtype``, in order (transient: prefill chunks and tests)."""
-        parts_k, parts_v = [], []
+        parts_k, parts_v = self._leading_history(dtype)
         for keys, values in [(s.keys, s.values) for s in self.segments] + [(self.keys, self.values)]:
             if keys.count:
                 parts_k.append(keys.decode(dtype))
             if values.count:
                 parts_v.append(values.decode(dtype))
         return joined_history(parts_k, parts_v, self.k_res, self.v_res, dtype)
+
+    def _leading_history(self, dtype) -> tuple[list, list]:
+        """Rows that lead ``history``'s join before the packed runs (none here; a sink
+        store's sinks), as lists of keys and of values in ``dtype``."""
+        return [], []
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         parts = [DecodePart(s.keys.layout(empty), None, s.values.layout(empty), None)
