@@ -73,7 +73,7 @@ from .clip import ClippedTokens, fixed_clip, search_clip
 from ...quant.packed import GROWTH_TOKENS, GroupAffine
 from .reorder import PAIRINGS, RangeOrder, inverse, is_permutation, permute
 from ...quant.sink_store import Sinks
-from ...quant.store import VALUE_ROOM, WINDOW_STEP, QuantizedKVStore, _rows
+from ...quant.store import VALUE_ROOM, WINDOW_STEP, QuantizedKVStore, _rows, joined_history
 from ...quant.token_rows import ReadViews, TokenRows, mixed_into, row_mix, row_scores
 
 
@@ -254,13 +254,11 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
 
     def _reordered_history(self, dtype) -> tuple[mx.array | None, mx.array | None]:
         """Every stored token in ``dtype``, in order, in the channel space they are kept in."""
-        sinks = (self.sink_k.view(), self.sink_v.view()) if self.sink_k.length else (None, None)
-        rows = []
-        for sink, packed, win in zip(sinks, (self.keys, self.values), (self.k_res, self.v_res)):
-            parts = [x if x.dtype == dtype else x.astype(dtype) for x in (sink, packed.decode(dtype), win)
-                     if x is not None]
-            rows.append(None if not parts else parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
-        return tuple(rows)
+        parts_k, parts_v = self._leading_history(dtype)
+        if self.keys.count:
+            parts_k.append(self.keys.decode(dtype))
+            parts_v.append(self.values.decode(dtype))
+        return joined_history(parts_k, parts_v, self.k_res, self.v_res, dtype)
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         """Sinks, then packed rows with the window as tails (the reordered space)."""
