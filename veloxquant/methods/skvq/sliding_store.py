@@ -73,7 +73,7 @@ from .clip import ClippedTokens, fixed_clip, search_clip
 from ...quant.packed import GROWTH_TOKENS, GroupAffine
 from .reorder import PAIRINGS, RangeOrder, inverse, is_permutation, permute
 from ...quant.sink_store import Sinks
-from ...quant.store import VALUE_ROOM, WINDOW_STEP, QuantizedKVStore, _rows, joined_history
+from ...quant.store import VALUE_ROOM, WINDOW_STEP, QuantizedKVStore, _rows, as_dtype, joined_history
 from ...quant.token_rows import ReadViews, TokenRows, mixed_into, row_mix, row_scores
 
 
@@ -290,13 +290,12 @@ class SlidingWindowStore(Sinks, QuantizedKVStore):
         all (``PackedStore.history_after``)."""
         b, hq, _, d = queries.shape
         packed_k, packed_v, sinks, perm, inv, _ = self._read_views(b, h, hq // h, d)
-        codes = mx.depends([packed_k[0], packed_v[0]], [queries])
-        dtype, rows = queries.dtype, []
-        runs = ((packed_k, self.keys, self.k_res), (packed_v, self.values, self.v_res))
-        for i, (packed, run, window) in enumerate(runs):
-            parts = [None if sinks is None else sinks[i], run.codec.decode(codes[i], *packed[1:], dtype), window]
-            parts = [x if x.dtype == dtype else x.astype(dtype) for x in parts if x is not None]
-            rows.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
+        codes_k, codes_v = mx.depends([packed_k[0], packed_v[0]], [queries])
+        dtype = queries.dtype
+        parts_k, parts_v = ([], []) if sinks is None else ([as_dtype(sinks[0], dtype)], [as_dtype(sinks[1], dtype)])
+        parts_k.append(self.keys.codec.decode(codes_k, *packed_k[1:], dtype))
+        parts_v.append(self.values.codec.decode(codes_v, *packed_v[1:], dtype))
+        rows = joined_history(parts_k, parts_v, self.k_res, self.v_res, dtype)
         q = queries if perm is None else mx.take_along_axis(queries.reshape(perm.shape), perm, axis=-1)
         out = mx.fast.scaled_dot_product_attention(q.reshape(queries.shape), *rows, scale=scale)
         return out if inv is None else mx.take_along_axis(out.reshape(inv.shape), inv, axis=-1).reshape(out.shape)
