@@ -71,8 +71,10 @@ OVER_GRAPH_BOUND = {
     # 2.06 before its read ran over the buffers' room in one compiled pass, 1.75 before its
     # three value products were summed in one (2026-12-05); 1.73 before its CUDA read's decode
     # waited for the queries (one node a layer: the layers' decoded rows no longer pile up); 1.79
-    # before the sinks, the decoded runs and the window were joined in one concatenation (2026-12-06)
-    "kitty": 1.75,
+    # before the sinks, the decoded runs and the window were joined in one concatenation (2026-12-06);
+    # 1.75 before its keys were decoded in one compiled pass over views kept between flushes, the
+    # up plane joined to the lo plane's codes before one affine step (no gather of its scales)
+    "kitty": 1.38,
     "adakv": 1.46,  # planes dequantized in one compiled pass, one unmasked attention (1.92 before, 2026-12-05)
     "tova+kivi4": 1.67,  # as h2o+kivi2 (1.94 before, 2026-12-05)
     "snapkv+kivi4": 1.67,
@@ -100,7 +102,7 @@ GRAPH_BOUND = 1.3
 # rows by one index a row from the flattened buffers (a take of its own), which the H200 ran
 # 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
-    "full": 1.13, "vecinfer": 2.65, "kivi": 1.54, "svdq": 4.08, "kitty": 3.35, "adakv": 6.48,
+    "full": 1.13, "vecinfer": 2.65, "kivi": 1.54, "svdq": 4.08, "kitty": 3.21, "adakv": 6.48,
     "xquant": 2.22, "kvquant": 6.38, "palu": 4.17, "cachegen": 5.48, "minicache": 2.71,
     "gear": 8.29, "zipcache": 4.02, "snapkv": 1.23, "streaming_llm": 0.96, "h2o": 1.67,
     "tova": 2.00, "pyramidkv": 1.14, "squeeze": 1.25, "chunkkv": 1.23, "cam": 3.40, "xkv": 1.35,

@@ -40,9 +40,10 @@ from ...kernels import kivi_decode as kd
 from ...kernels.decode import scaled_queries
 from ...quant.cache import QuantizedCache
 from ...quant.packed import GROWTH_TOKENS, GroupAffine
-from .promoted import PromotedChannels, PromotedKeys
+from .promoted import PromotedChannels, PromotedKeys, RoomInputs
 from ...quant.sink_store import SinkQuantizedStore
-from ...quant.store import VALUE_ROOM
+from ...quant.store import VALUE_ROOM, joined_history
+from ...quant.token_rows import ReadViews
 
 N_SINK = 32  # the repo's sink_length
 
@@ -60,8 +61,7 @@ class KittyStore(SinkQuantizedStore):
             # read below spends its device time in products cuBLAS serves badly at decode
             # shapes, and every stored row decoded in the queries' dtype and one fused
             # attention take less (benchmarks/results/h200_s63)
-            k, v = self.history_after(queries.dtype, queries)
-            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+            return self._decoded_attention(queries, scale)
         keys, values = self.keys, self.values
         read = None
         if not self.segments and self.sink_k.length and values.count and self.k_win.held and self.v_win.held:
@@ -86,6 +86,34 @@ class KittyStore(SinkQuantizedStore):
         o = _summed3(kd.token_mix(w_sink, sink_v.astype(mx.float32)), o,
                      kd.token_mix(w_tail, v_tail.astype(mx.float32)))
         return o.reshape(queries.shape).astype(queries.dtype)
+
+    def _decoded_attention(self, queries, scale) -> mx.array:
+        """On CUDA: every stored row decoded in the queries' dtype, one fused attention. The
+        keys are decoded over their buffers' room in one compiled pass and cut to the count
+        (``PromotedKeys.room_rows``), the values from views kept between their flushes; the
+        codes are gated on the queries, so that MLX does not decode later layers' rows ahead
+        of their attention and hold them all (``PackedStore.history_after``)."""
+        keys, values, dtype = self.keys, self.values, queries.dtype
+        v_codes, v_scales, v_biases = self._value_views()
+        room = keys.room_inputs()
+        arrays = list(room.arrays)
+        *words, v_codes = mx.depends([*(arrays[i] for i in room.words), v_codes], [queries])
+        for i, w in zip(room.words, words):
+            arrays[i] = w
+        parts_k, parts_v = self._leading_history(dtype)
+        parts_k.append(keys.room_rows(dtype, RoomInputs(tuple(arrays), room.words))[:, :, : keys.count])
+        parts_v.append(values.codec.decode(v_codes, v_scales, v_biases, dtype))
+        k, v = joined_history(parts_k, parts_v, self.k_res, self.v_res, dtype)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+
+    def _value_views(self) -> tuple:
+        """The packed values' valid codes, scales and minima, views kept while the buffers
+        (by identity) and the count stay: a value flush comes every ``value_flush`` steps."""
+        v = self.values
+        key = (v.codes.buffer, v.scales.buffer, v.biases.buffer, v.count)
+        if getattr(self, "_views", None) is None:  # stores made without __init__ (a stacked batch's join)
+            self._views = ReadViews()
+        return self._views.get(self, key, lambda: (v.codes.view(), v.scales.view(), v.biases.view()))
 
 
 @functools.lru_cache(maxsize=None)

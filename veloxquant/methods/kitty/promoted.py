@@ -134,12 +134,6 @@ class PromotedScores:
     def n_heads(self) -> int:
         return self.lo.codes.shape[1]
 
-    def up_values(self) -> mx.array:
-        """The valid blocks' up plane in float32: (B, H, blocks, k, block)."""
-        nb = self.count // self.block
-        return _up_plane(self.up[:, :, :nb], self._up_scales(self.index[:, :, :nb], self.lo.scales),
-                         self.lo.group, self.up_bits)
-
     def _up_scales(self, index: mx.array, scales: mx.array) -> mx.array:
         """The up plane's scales, float32 (B, H, blocks, k, block / group): the lo plane's
         ``scales`` (B, H, D, blocks * block / group) of the channels ``index`` (B, H, blocks,
@@ -241,6 +235,84 @@ def _compiled_scores(bits: int, group: int, block: int, up_bits: int, no_up: boo
     return mx.compile(scores)
 
 
+def _word_view(words: mx.array, bits: int) -> mx.array:
+    """Packed words (..., W) as ``_unpacked`` reads them: (..., W, 1) where a word holds
+    whole codes (one shift per code over the broadcast word), else as they are."""
+    return words[..., None] if 32 % bits == 0 else words
+
+
+@functools.lru_cache(maxsize=None)
+def _shifts(bits: int) -> mx.array:
+    """(32 / bits,) uint32: each code's shift within its word."""
+    return mx.arange(32 // bits, dtype=mx.uint32) * bits
+
+
+def _unpacked(words: mx.array, bits: int, shifts: mx.array | None) -> mx.array:
+    """``affine.unpack_codes`` of ``_word_view``'s words (..., W[, 1]): (..., W * 32 / bits)
+    uint8 (codes of at most 8 bits: a quarter of uint32's bytes for the rows in between)."""
+    if shifts is None:
+        return unpack_codes(words, bits).astype(mx.uint8)
+    codes = ((words >> shifts) & ((1 << bits) - 1)).astype(mx.uint8)
+    return codes.reshape(*codes.shape[:-2], -1)
+
+
+@dataclass(frozen=True)
+class RoomInputs:
+    """``_compiled_rows``' inputs (``arrays``, views of the planes' buffers over their room)
+    and which of them are packed words (``words``: what a decode read gates on its queries)."""
+
+    arrays: tuple
+    words: tuple[int, ...]
+
+
+def _room_inputs(view: "PromotedScores", codec: PromotedChannels) -> RoomInputs:
+    """The lo plane's words by block, (B, H, blocks, D, words a block[, 1]) (channels and
+    blocks swapped: a view), scales and minima likewise (B, H, blocks, D, groups a block, 1),
+    the words' shifts where a word holds whole codes; where channels are promoted, then the
+    up plane's words (B, H, blocks, k, words a block[, 1]), the promoted channels (B, H,
+    blocks, k, 1) and the up plane's shifts likewise."""
+    lo, cap, block = view.lo, view.capacity, codec.block
+    nb = cap // block
+    b, h, d = lo.scales.shape[:3]
+
+    def by_block(x, per_block):
+        return x.reshape(b, h, d, nb, per_block).swapaxes(2, 3)
+
+    words = _word_view(by_block(_cut(lo.codes, -1, cap * lo.bits // 32), block * lo.bits // 32), lo.bits)
+    arrays = [words, *(by_block(_cut(x, -1, cap // lo.group), block // lo.group)[..., None]
+                       for x in (lo.scales, lo.biases))]
+    arrays += [_shifts(lo.bits)] if 32 % lo.bits == 0 else []
+    if view.up is None:
+        return RoomInputs(tuple(arrays), (0,))
+    gated = (0, len(arrays))
+    arrays += [_word_view(_cut(view.up, 2, nb), codec.up_bits), _cut(view.index, 2, nb)[..., None]]
+    arrays += [_shifts(codec.up_bits)] if 32 % codec.up_bits == 0 else []
+    return RoomInputs(tuple(arrays), gated)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_rows(lo_bits: int, up_bits: int, group: int, block: int, dtype, promoted: bool):
+    """``PromotedKeys.room_rows``' pass over ``_room_inputs``: every channel's code at its
+    own width (a promoted channel's ``low + 2**lo * up``, the hi-bit code), then ``scale *
+    code + minimum`` in float32, rounded once to ``dtype`` (a promoted channel's two planes
+    are one code, not two dequantized terms each rounded): keys (B, H, room, D)."""
+    lo_aligned, up_aligned = 32 % lo_bits == 0, 32 % up_bits == 0
+
+    def rows(*arrays):
+        words, scales, biases, *rest = arrays
+        codes = _unpacked(words, lo_bits, rest.pop(0) if lo_aligned else None)  # (B, H, blocks, D, block)
+        if promoted:
+            up, index, *rest = rest
+            upper = _unpacked(up, up_bits, rest[0] if up_aligned else None) << lo_bits  # (B, H, blocks, k, block)
+            codes = mx.put_along_axis(codes, index, mx.take_along_axis(codes, index, axis=3) | upper, axis=3)
+        b, h, nb, d, _ = codes.shape
+        x = codes.reshape(b, h, nb, d, block // group, group).astype(mx.float32)
+        x = x * scales.astype(mx.float32) + biases.astype(mx.float32)
+        return x.astype(dtype).reshape(b, h, nb, d, block).swapaxes(3, 4).reshape(b, h, nb * block, d)
+
+    return mx.compile(rows)
+
+
 class PromotedKeys:
     """A growing run of keys in ``PromotedChannels`` blocks (the ``PackedTokens`` interface)."""
 
@@ -260,7 +332,8 @@ class PromotedKeys:
 
     def append(self, x: mx.array, decoding: bool = False) -> None:
         """Encode whole blocks ``x`` (B, H, n*block, D) after the keys already kept."""
-        self._read_holder().value = None  # the kept read holds the buffers written in place below
+        self._read_holder().value = None  # the kept reads hold the buffers written in place below
+        self._rows_holder().value = None
         codes, scales, biases, up, index = self.codec.encode(x)
         self.codes.append(codes)
         self.scales.append(scales)
@@ -310,20 +383,34 @@ class PromotedKeys:
         """The valid keys (B, H, count, D) in ``dtype`` (transient: prefill chunks and tests)."""
         if not self.count:
             return None
+        return self.room_rows(dtype)[:, :, : self.count]
+
+    def room_rows(self, dtype, inputs: "RoomInputs | None" = None) -> mx.array:
+        """The keys over the buffers' room (``PromotedScores.capacity`` tokens; past
+        ``count``, rows of the buffers' spare room, to be cut off), (B, H, room, D) in
+        ``dtype``, in one compiled pass whose shapes change only when the buffers grow.
+        ``inputs``: ``room_inputs()`` as the caller holds them (a decode read gates the codes
+        on its queries), else built from the buffers now."""
         c = self.codec
-        # in ``dtype`` throughout (a float16 read: the promoted channels rounded twice, not
-        # once): no float32 copy of the history beside the one returned
-        keys = dequantize(self.codes.view(), self.scales.view(), self.biases.view(), c.group,
-                          c.lo_bits, dtype)  # (B, H, D, count): the lo plane
-        if self.up.buffer is not None:  # plus the up plane, added to its channels in place:
-            # one more array of the keys' size, not a dense up plane and its transpose
-            b, h, d, t = keys.shape
-            by_block = keys.reshape(b, h, d, t // c.block, c.block)
-            index = self.index.view().astype(mx.int32).swapaxes(-1, -2)[..., None]  # (B, H, k, nb, 1)
-            up = self._view(None).up_values().swapaxes(2, 3).astype(dtype)  # (B, H, k, nb, block)
-            promoted = mx.take_along_axis(by_block, index, axis=2) + up
-            keys = mx.put_along_axis(by_block, index, promoted, axis=2).reshape(b, h, d, t)
-        return keys.swapaxes(-1, -2)
+        arrays = (_room_inputs(self._view(None), c) if inputs is None else inputs).arrays
+        return _compiled_rows(c.lo_bits, c.up_bits, c.group, c.block, dtype, self.up.buffer is not None)(*arrays)
+
+    def room_inputs(self) -> "RoomInputs":
+        """``room_rows``' inputs, views of the buffers in the pass's layouts, kept while the
+        buffers (by identity) and the count stay (the CUDA read, ``cache.KittyStore``):
+        a step slices and reshapes nothing."""
+        count = self.count
+        buffers = (self.codes.buffer, self.scales.buffer, self.biases.buffer, self.up.buffer, self.index.buffer)
+        holder = self._rows_holder()
+        kept = holder.value
+        if kept is None or kept[0] != count or not all(map(operator.is_, buffers, kept[1])):
+            kept = holder.value = (count, buffers, _room_inputs(self._view(None), self.codec))
+        return kept[2]
+
+    def _rows_holder(self) -> "KeptRead":
+        if getattr(self, "_rows_read", None) is None:
+            self._rows_read = KeptRead()
+        return self._rows_read
 
     def expected_shapes(self, head_dim: int):
         """The trailing two dims of the lo plane's codes and scales for ``count`` keys."""
