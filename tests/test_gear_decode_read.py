@@ -94,6 +94,10 @@ def test_the_kept_step_plan_gives_the_joint_parts_read_bit_for_bit(options, pure
     """``GEARStore._step`` (the compiled passes and their inputs, or the pure path's views,
     kept between flushes) against ``decode_attention`` over a ``JointRead`` part built anew
     at each step, over 40 steps with chunk flushes among them: equal bit for bit."""
+    if pure_path == "qmm" and mx.default_device() != mx.cpu:
+        # a GPU reads the reference path; forced onto MLX's CUDA quantized_matmul, the two
+        # reads differed in the last bit from step 150 on (benchmarks/results/h200_s66)
+        pytest.skip("quantized_matmul is the CPU's path only")
     from veloxquant_mlx.kernels.decode import decode_attention
     from veloxquant_mlx.methods.gear.joint import JointRead
     from veloxquant_mlx.quant.store import absent_buffer

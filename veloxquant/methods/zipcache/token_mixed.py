@@ -30,7 +30,9 @@ query (``(q c) K'ᵀ``, once for both classes) and the output (``(p V') c``, onc
 What the read takes from the classes (the valid rows of each packed buffer, the channel
 scales in the query's and the output's layout) are views kept between flushes
 (``ReadViews``): a step slices nothing of the history. The block-scoring step reuses that
-step's scores (the whole cache's, the buffer last): the history is read once.
+step's scores (the whole cache's, the buffer last): the history is read once. On CUDA the
+other steps, which score nothing, read both classes' rows decoded in the queries' dtype and
+the buffer through one fused attention (``TokenMixedStore._decoded_attention``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
+from ...kernels import kivi_decode as kd
 from ...kernels.decode import DecodePart, decode_attention
 from .channel_scaled import channel_scale
 from ...quant.packed import GROWTH_TOKENS, PackedTokens
@@ -161,6 +164,18 @@ class _JointRead:
         return out
 
 
+@mx.compile
+def _times_channels(x, c):
+    """Rows (B, Hq, 1, D) times channel scales ``c`` (B, H, R, D) float32, in ``x``'s dtype."""
+    return (x.reshape(c.shape).astype(mx.float32) * c).astype(x.dtype).reshape(x.shape)
+
+
+@mx.compile
+def _over_channels(x, c):
+    """Rows (B, H, n, D) over channel scales ``c`` (B, H, D) float32, in ``x``'s dtype."""
+    return (x.astype(mx.float32) / c[:, :, None]).astype(x.dtype)
+
+
 class TokenMixedStore(PackedStore):
     """Two precision classes (``hi``, ``lo`` codecs) chosen per token and KV head by
     ``saliency`` (``prefill(queries, keys, scale, first)`` and ``decode(logits, n)``:
@@ -251,6 +266,9 @@ class TokenMixedStore(PackedStore):
         """A decode step: the token joins the buffer, attention over the classes and the
         buffer; a full buffer is then scored (by this step's scores) and compressed."""
         self.commit(keys, values)
+        if (use_kernel and self.k_buf.length < self.block and self.compressed
+                and kd.gpu_backend() == "cuda"):  # no block to score at this step
+            return self._decoded_attention(queries, scale, keys.shape[1])
         read = _JointRead(self, queries.shape, keys.shape[1])
         out = decode_attention(queries, [read.part()], scale=scale, use_kernel=use_kernel,
                                n_kv_heads=keys.shape[1])
@@ -267,6 +285,30 @@ class TokenMixedStore(PackedStore):
             # logits, or their appends would chain from flush to flush
             out = mx.depends(out, [self.flags.buffer, *views, *(x for x in (kc, vc) if x is not None)])
         return out
+
+    def _decoded_attention(self, queries, scale, h: int) -> mx.array:
+        """On CUDA, a step that scores no block: both classes' rows decoded in the queries'
+        dtype, as stored (each row ``x / c``, classes in turn: softmax does not depend on
+        the keys' order), the buffer's rows divided by the channel scales, then one fused
+        attention of the queries times the key scales, its output times the value scales.
+        The float32 read's products are what cuBLAS serves badly at decode shapes
+        (benchmarks/results/h200_s66). The codes are decoded only once the queries exist,
+        so that MLX does not decode later layers' rows ahead of their attention and hold
+        them all (``PackedStore.history_after``)."""
+        b, hq, _, d = queries.shape
+        classes, kc, vc, _, _ = self._class_views(b, h, hq // h, d)
+        coded = [x[0] for keys, _, values, _ in classes for x in (keys, values) if isinstance(x, tuple)]
+        gated = iter(mx.depends(coded, [queries]))
+        dtype, rows_k, rows_v = queries.dtype, [], []
+        for keys, k_codec, values, v_codec in classes:
+            rows_k.append(k_codec.decode(next(gated), *keys[1:], dtype))
+            rows_v.append(v_codec.decode(next(gated), *values[1:], dtype) if isinstance(values, tuple)
+                          else values.astype(dtype))
+        tail_k, tail_v = self.k_buf.view(), self.v_buf.view()
+        tail_v = tail_v if vc is None else _over_channels(tail_v, self.v_channel)
+        k, v = joined_history(rows_k, rows_v, _over_channels(tail_k, self.k_channel), tail_v, dtype)
+        out = mx.fast.scaled_dot_product_attention(_times_channels(queries, kc), k, v, scale=scale)
+        return out if vc is None else _times_channels(out, vc)
 
     def attend(self, queries, *, scale, use_kernel, n_kv_heads=None) -> mx.array:
         """A decode step's attention over what is stored (no token added, no flush)."""
