@@ -78,9 +78,6 @@ OVER_GRAPH_BOUND = {
     "adakv": 1.46,  # planes dequantized in one compiled pass, one unmasked attention (1.92 before, 2026-12-05)
     "tova+kivi4": 1.67,  # as h2o+kivi2 (1.94 before, 2026-12-05)
     "snapkv+kivi4": 1.67,
-    # one part read under one softmax, views kept between flushes (1.98 before, 2026-12-05); on
-    # CUDA a step that scores no block reads its rows decoded + one fused attention (1.42 before, 2026-12-06)
-    "zipcache": 1.36,
     "svdq": 1.52,  # as palu, and runs with exact values read as one part (2.04 before, 2026-12-05)
     "anchorkv": 1.40,  # one reader under one softmax, views kept (1.81 before, 2026-12-05)
     "turboquant": 1.52,  # through its kernel (1.75 was its pure path: the stub failed its own self-check)

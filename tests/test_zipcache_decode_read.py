@@ -140,9 +140,9 @@ def test_the_cpu_read_dequantizes_nothing(monkeypatch):
 @pytest.mark.parametrize("hi, lo, group, quantize_values", [(4, 2, 32, True), (8, 1, 32, False)])
 def test_on_cuda_a_step_that_scores_no_block_reads_the_decoded_rows_in_one_fused_attention(
         hi, lo, group, quantize_values, monkeypatch):
-    """On CUDA every step but a block's last reads both classes' rows decoded as stored
-    (``x / c``), the buffer over the channel scales, and the queries and the output through
-    them, in one ``scaled_dot_product_attention``; the block's last step reads the joint
+    """On CUDA every step but a block's last reads both classes' rows decoded and multiplied
+    by the channel scales, and the buffer's rows, in one ``scaled_dot_product_attention``;
+    the block's last step reads the joint
     part, whose scores classify the block. Against the float64 reference with the float32
     bound above, over 40 steps and both flushes."""
     monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")

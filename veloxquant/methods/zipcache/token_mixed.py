@@ -166,14 +166,8 @@ class _JointRead:
 
 @mx.compile
 def _times_channels(x, c):
-    """Rows (B, Hq, 1, D) times channel scales ``c`` (B, H, R, D) float32, in ``x``'s dtype."""
-    return (x.reshape(c.shape).astype(mx.float32) * c).astype(x.dtype).reshape(x.shape)
-
-
-@mx.compile
-def _over_channels(x, c):
-    """Rows (B, H, n, D) over channel scales ``c`` (B, H, D) float32, in ``x``'s dtype."""
-    return (x.astype(mx.float32) / c[:, :, None]).astype(x.dtype)
+    """Rows (B, H, n, D) times channel scales ``c`` (B, H, 1, D) float32, in ``x``'s dtype."""
+    return (x.astype(mx.float32) * c).astype(x.dtype)
 
 
 class TokenMixedStore(PackedStore):
@@ -288,27 +282,34 @@ class TokenMixedStore(PackedStore):
 
     def _decoded_attention(self, queries, scale, h: int) -> mx.array:
         """On CUDA, a step that scores no block: both classes' rows decoded in the queries'
-        dtype, as stored (each row ``x / c``, classes in turn: softmax does not depend on
-        the keys' order), the buffer's rows divided by the channel scales, then one fused
-        attention of the queries times the key scales, its output times the value scales.
-        The float32 read's products are what cuBLAS serves badly at decode shapes
+        dtype and multiplied by the channel scales (classes in turn: softmax does not depend
+        on the keys' order), the buffer's rows as they are, one fused attention. The float32
+        read's products are what cuBLAS serves badly at decode shapes
         (benchmarks/results/h200_s66). The codes are decoded only once the queries exist,
         so that MLX does not decode later layers' rows ahead of their attention and hold
         them all (``PackedStore.history_after``)."""
         b, hq, _, d = queries.shape
-        classes, kc, vc, _, _ = self._class_views(b, h, hq // h, d)
+        classes = self._class_views(b, h, hq // h, d)[0]
         coded = [x[0] for keys, _, values, _ in classes for x in (keys, values) if isinstance(x, tuple)]
         gated = iter(mx.depends(coded, [queries]))
+        k_rows, v_rows = self._channel_rows()
         dtype, rows_k, rows_v = queries.dtype, [], []
         for keys, k_codec, values, v_codec in classes:
-            rows_k.append(k_codec.decode(next(gated), *keys[1:], dtype))
-            rows_v.append(v_codec.decode(next(gated), *values[1:], dtype) if isinstance(values, tuple)
-                          else values.astype(dtype))
-        tail_k, tail_v = self.k_buf.view(), self.v_buf.view()
-        tail_v = tail_v if vc is None else _over_channels(tail_v, self.v_channel)
-        k, v = joined_history(rows_k, rows_v, _over_channels(tail_k, self.k_channel), tail_v, dtype)
-        out = mx.fast.scaled_dot_product_attention(_times_channels(queries, kc), k, v, scale=scale)
-        return out if vc is None else _times_channels(out, vc)
+            rows_k.append(_times_channels(k_codec.decode(next(gated), *keys[1:], dtype), k_rows))
+            if isinstance(values, tuple):
+                rows_v.append(_times_channels(v_codec.decode(next(gated), *values[1:], dtype), v_rows))
+            else:
+                rows_v.append(values.astype(dtype))
+        k, v = joined_history(rows_k, rows_v, self.k_buf.view(), self.v_buf.view(), dtype)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+
+    def _channel_rows(self) -> tuple:
+        """The key and value channel scales as rows (B, H, 1, D) (values: None where they are
+        kept in full precision), views kept while the scales stay."""
+        if getattr(self, "_channel_views", None) is None:  # stores made without __init__
+            self._channel_views = ReadViews()
+        k, v = self.k_channel, self.v_channel
+        return self._channel_views.get(self, (k, v), lambda: (k[:, :, None], None if v is None else v[:, :, None]))
 
     def attend(self, queries, *, scale, use_kernel, n_kv_heads=None) -> mx.array:
         """A decode step's attention over what is stored (no token added, no flush)."""
