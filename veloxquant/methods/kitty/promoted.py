@@ -28,8 +28,10 @@ promoted (``k = 0``) the lo plane is plain per-channel quantization at ``lo_bits
 Attention: scores add over channels, so the up plane's term cannot be a part of its own
 in the log-sum-exp merge; ``PromotedScores`` (the ``PackedScores`` protocol of
 ``kernels/decode.py``) adds it to the lo plane's scores and is read by the pure-MLX path
-on every device, a GPU included (the fused kernel would need an extra score term per
-promoted channel). Without promoted channels the store hands the lo plane's
+(the fused kernel would need an extra score term per promoted channel). On CUDA a decode
+step instead decodes the keys (``PromotedKeys.room_rows``: each promoted channel's two
+planes joined into its hi-bit code, one affine step) for one fused attention
+(``cache.KittyStore``). Without promoted channels the store hands the lo plane's
 ``AffineLayout`` itself, which the fused kernel serves at 2, 4 and 8 bits.
 """
 

@@ -49,7 +49,7 @@ from ...kernels.decode import DecodePart, decode_attention
 from .channel_scaled import channel_scale
 from ...quant.packed import GROWTH_TOKENS, PackedTokens
 from ...quant.saliency import n_salient, salient_split
-from ...quant.store import WINDOW_STEP, PackedStore, joined_history, paced
+from ...quant.store import WINDOW_STEP, PackedStore, as_dtype, joined_history, paced
 from ...quant.token_rows import (PlainRows, ReadViews, TokenGroups, TokenRows, mixed_into, row_mix,
                                  row_scores)
 
@@ -299,7 +299,7 @@ class TokenMixedStore(PackedStore):
             if isinstance(values, tuple):
                 rows_v.append(_times_channels(v_codec.decode(next(gated), *values[1:], dtype), v_rows))
             else:
-                rows_v.append(values.astype(dtype))
+                rows_v.append(as_dtype(values, dtype))
         k, v = joined_history(rows_k, rows_v, self.k_buf.view(), self.v_buf.view(), dtype)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
 
