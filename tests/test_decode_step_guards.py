@@ -62,7 +62,6 @@ OVER_GRAPH_BOUND = {
     "kvquant": 1.61,
     "palu": 1.73,  # each span's valid rows and each run's per-head basis kept as views between flushes (1.96 before, 2026-12-05)
     "gear": 1.65,  # one part, outliers written into the dequantized rows, views kept between flushes (2.04 before, 2026-12-05)
-    "cachegen": 1.40,  # its read rebuilt in one compiled pass from views kept between flushes (1.98 before, 2026-12-05)
     # lookup tables read from kept views, top-k by one sort of (score, position) keys (2.04 before, 2026-12-05)
     "a2ats": 1.61,
     # a read at 1.50 made the CPU's decode 1.3x slower: benchmarks/results/h200_s61/nsnquant_read.patch
@@ -101,7 +100,7 @@ GRAPH_BOUND = 1.3
 # 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
     "full": 1.13, "vecinfer": 2.65, "kivi": 1.54, "svdq": 4.08, "kitty": 3.21, "adakv": 6.48,
-    "xquant": 2.22, "kvquant": 6.38, "palu": 4.17, "cachegen": 5.48, "minicache": 2.71,
+    "xquant": 2.22, "kvquant": 6.38, "palu": 4.17, "cachegen": 5.40, "minicache": 2.71,
     "gear": 8.29, "zipcache": 4.02, "snapkv": 1.23, "streaming_llm": 0.96, "h2o": 1.67,
     "tova": 2.00, "pyramidkv": 1.14, "squeeze": 1.25, "chunkkv": 1.23, "cam": 3.40, "xkv": 1.35,
     "nsnquant": 5.56, "knorm": 1.90,

@@ -34,6 +34,7 @@ from ...cache.buffers import GrowingArray
 from ...kernels import kivi_decode as kd
 from ...quant.affine import dequantize, pack_codes, unpack_codes
 from ...quant.chunk_store import ChunkedStore
+from ...quant.store import joined_history
 from ...quant.token_rows import ReadViews, mixed_into
 
 ANCHOR_BITS = 8
@@ -197,17 +198,22 @@ class AnchoredTokens:
 
         return self._views.get(self, key, build)
 
-    def rebuilt(self) -> mx.array:
-        """The run reconstructed, float32 (B, H, count, D), as a decode step on a GPU reads
-        it: the codes unpacked at unit scale (``code - qmax``: exact), then one fused
-        ``delta s + anchor s_a`` over every token (the anchors broadcast over their group's
-        tokens, the steps over their channel groups: no per-token copy of a scale)."""
+    def rebuilt(self, dtype=mx.float32, after: mx.array | None = None) -> mx.array:
+        """The run reconstructed (B, H, count, D) in ``dtype``, as a decode step on a GPU
+        reads it: the codes unpacked at unit scale (``code - qmax``: exact), then one fused
+        ``delta s + anchor s_a`` over every token in float32, rounded once to ``dtype`` (the
+        anchors broadcast over their group's tokens, the steps over their channel groups: no
+        per-token copy of a scale). ``after``: the codes are unpacked no earlier than it (a
+        decode read's queries: ``PackedStore.history_after``)."""
         c, v = self.codec, self._read_views()
-        x = dequantize(v[0], v[2], v[3], c.group, c.bits)  # (B, H, rows, tokens, groups, group)
+        codes = (v[0], v[4]) if c.use_delta else (v[0],)
+        if after is not None:
+            codes = mx.depends(list(codes), [after])
+        x = dequantize(codes[0], v[2], v[3], c.group, c.bits)  # (B, H, rows, tokens, groups, group)
         if c.use_delta:
-            x = _anchored(x, v[1], dequantize(v[4], v[6], v[7], c.group, ANCHOR_BITS), v[5])
+            x = _anchored(dtype)(x, v[1], dequantize(codes[1], v[6], v[7], c.group, ANCHOR_BITS), v[5])
         else:
-            x = _stepped(x, v[1])
+            x = _stepped(dtype)(x, v[1])
         return x.reshape(*x.shape[:2], self.count, -1)
 
     def layout(self, empty: mx.array) -> "AnchoredScores":
@@ -243,9 +249,18 @@ def _unit_affine(shape: tuple, bits: int) -> tuple[mx.array, mx.array]:
     return mx.broadcast_to(_unit(1.0), shape), mx.broadcast_to(_unit(-qmax(bits)), shape)
 
 
-# one fused elementwise pass each (shapeless: traced once, whatever the run's length)
-_anchored = mx.compile(lambda d, s, a, s_a: d * s.astype(mx.float32) + a * s_a.astype(mx.float32), shapeless=True)
-_stepped = mx.compile(lambda d, s: d * s.astype(mx.float32), shapeless=True)
+# one fused elementwise pass each (shapeless: traced once a dtype, whatever the run's length)
+@functools.lru_cache(maxsize=None)
+def _anchored(dtype):
+    return mx.compile(lambda d, s, a, s_a: (d * s.astype(mx.float32) + a * s_a.astype(mx.float32)).astype(dtype),
+                      shapeless=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _stepped(dtype):
+    return mx.compile(lambda d, s: (d * s.astype(mx.float32)).astype(dtype), shapeless=True)
+
+
 _scaled = mx.compile(lambda q, scale: q.astype(mx.float32) * scale, shapeless=True)
 
 
@@ -254,7 +269,8 @@ class AnchoredStore(ChunkedStore):
     ``kivi_decode._pure_path()``), attends over the runs rebuilt (``AnchoredTokens.rebuilt``)
     and the buffer's rows under one softmax: what the joint path of ``kernels/decode.py``
     computes over ``AnchoredScores``, in fewer operations (a tiny llama's steady step: 67
-    graph nodes a layer, 95 through the joint path; the full cache's 48). The CPU's read
+    graph nodes a layer, 95 through the joint path; the full cache's 48). On CUDA the runs
+    are rebuilt in the queries' dtype for one fused attention instead. The CPU's read
     (``quantized_matmul`` over the packed codes) is the parts' path, as before."""
 
     def decode_attention(self, queries, keys, values, *, scale, use_kernel) -> mx.array:
@@ -263,6 +279,14 @@ class AnchoredStore(ChunkedStore):
         if (kd._pure_path() == "qmm" or not self.quantize_values or self.values.count != self.keys.count
                 or not all(r.rebuilds for r in runs)):
             return self.attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=keys.shape[1])
+        if use_kernel and kd.gpu_backend() == "cuda":
+            # the float32 products below are what cuBLAS serves badly at decode shapes; the
+            # runs rebuilt in the queries' dtype and one fused attention take less on CUDA
+            # (kitty's and skvq's reads, benchmarks/results/h200_s66)
+            dtype = queries.dtype
+            k, v = joined_history([self.keys.rebuilt(dtype, queries)], [self.values.rebuilt(dtype, queries)],
+                                  self.k_buf.view(), self.v_buf.view(), dtype)
+            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
         return rebuilt_attention(queries, self.keys.rebuilt(), self.values.rebuilt(), self.k_buf.view(),
                                  self.v_buf.view(), scale)
 
