@@ -1,8 +1,13 @@
 import os
 from pathlib import Path
 
-import veloxquant_mlx  # noqa: F401  first: it may load an optimized BLAS before mlx
-import pytest
+# The tests bound float32 rounding; MLX's CUDA back-end multiplies float32 in TF32 unless told
+# not to (a2ats', kvtc's and nestedkv's decode-read tests failed so, passed without:
+# benchmarks/results/h200_s66). Set before MLX loads; the package itself leaves it to the user.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import veloxquant_mlx  # noqa: E402,F401  first: it may load an optimized BLAS before mlx
+import pytest  # noqa: E402
 
 # Tests run on the CPU: CI has no GPU, and MLX's CPU back-end is the reference.
 os.environ.setdefault("MLX_DEFAULT_DEVICE", "cpu")
