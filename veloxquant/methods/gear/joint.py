@@ -20,6 +20,11 @@ The chunks are read two ways, to the same sums (float32 reassociation apart):
   What it reads of the stored buffers (the valid rows, reshaped, broadcast, the chunk of
   each group) are views kept between flushes (``ReadViews``): a step slices nothing of
   the history.
+
+On CUDA the float32 products of that path are what cuBLAS serves badly at decode shapes: a
+step there rebuilds the rows in the queries' dtype instead (the backbone, the outliers
+written in, each group's rows of A times its chunk's B) for one fused attention
+(``GEARStore._decoded_attention``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import mlx.core as mx
 from ...kernels import kivi_decode as kd
 from ...kernels.decode import DecodePart, decode_attention, scaled_queries
 from ...quant.chunk_store import ChunkedStore
-from ...quant.store import absent_buffer
+from ...quant.store import absent_buffer, as_dtype, joined_history
 from ...quant.token_rows import KeptRead, ReadViews
 from .error_feedback import ErrorFeedbackTokens
 
@@ -72,6 +77,37 @@ def _run_views(tokens: ErrorFeedbackTokens, rows: int, keys: bool) -> dict:
         # keys: a channel's token positions, values: a token's channels (distinct in a vector)
         out["sparse"] = (index, delta)
     return out
+
+
+def _dense_views(tokens: ErrorFeedbackTokens, keys: bool) -> dict:
+    """What a run's rows are rebuilt from (``_rows``): its backbone's and outliers' views as
+    ``_run_views`` takes them, and its low-rank factors by group (A (B, H, groups, group,
+    r), each chunk's Bᵀ (B, H, C, r, d), the chunk of each group (1, 1, groups, 1, 1))."""
+    out = _run_views(tokens, 1, keys)
+    out.pop("lowrank", None)
+    f, group = tokens.factors, tokens.codec.base.group
+    if f is not None and f.count:
+        n = tokens.count
+        a = f.a.buffer[:, :, :n]
+        out["lowrank"] = (a.reshape(*a.shape[:2], n // group, group, a.shape[-1]), f.b.view().swapaxes(-1, -2),
+                          f.chunk.buffer[:n:group].reshape(1, 1, n // group, 1, 1))
+    return out
+
+
+def _rows(v: dict, keys: bool, bits: int, group: int, dtype) -> mx.array:
+    """A run's rows (B, H, n, D) in ``dtype``: the backbone dequantized in its scales' dtype
+    (the model's), the outliers written in, the low-rank term added group by group (each
+    group's rows of A times its chunk's B)."""
+    x = kd.dequantize(v["codes"], v["scales"], v["biases"], group, bits)
+    if "sparse" in v:
+        x = _outliers_added(x, *v["sparse"])
+    x = x.swapaxes(-1, -2) if keys else x
+    if "lowrank" in v:
+        a, b_t, chunk = v["lowrank"]
+        bs, h, groups, g, _ = a.shape
+        low = a.astype(x.dtype) @ mx.take_along_axis(b_t, chunk, axis=2).astype(x.dtype)  # (B, H, groups, group, d)
+        x = x + low.reshape(bs, h, groups * g, -1)
+    return as_dtype(x, dtype)
 
 
 def _along_rows(x: mx.array, rows: int) -> mx.array:
@@ -183,6 +219,8 @@ class GEARStore(ChunkedStore):
 
     def _flush(self, keys: mx.array, values: mx.array, decoding: bool = False) -> None:
         self._read_views_holder().clear()  # no view pins a buffer the appends below write in place
+        if getattr(self, "_dense", None) is not None:
+            self._dense.clear()
         self._plan_holder().value = None
         super()._flush(keys, values, decoding=decoding)
 
@@ -213,7 +251,39 @@ class GEARStore(ChunkedStore):
         ``kernels/decode.py``'s joint path computes that part (``_step``)."""
         if not self.keys.count or not _has_terms(self.keys) or (self.quantize_values and not _has_terms(self.values)):
             return super().attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+        if use_kernel and kd.gpu_backend() == "cuda":
+            return self._decoded_attention(queries, scale)
         return self._step(queries, scale, n_kv_heads)
+
+    def _decoded_attention(self, queries, scale) -> mx.array:
+        """On CUDA: the runs' rows rebuilt in the queries' dtype (``_rows``) and the buffer's,
+        one fused attention. The float32 read's products are what cuBLAS serves badly at
+        decode shapes (kitty's and skvq's reads, benchmarks/results/h200_s66). What the
+        rebuild reads first (the codes, the outliers' positions, the rows of A) waits for
+        the queries, so that MLX does not rebuild later layers' rows ahead of their
+        attention and hold them all (``PackedStore.history_after``)."""
+        views = self.dense_views()
+        firsts = [(i, name) for i, v in enumerate(views) if v is not None for name in ("codes", "sparse", "lowrank")
+                  if name in v]
+        gated = mx.depends([views[i][name] if name == "codes" else views[i][name][0] for i, name in firsts],
+                           [queries])
+        views = [None if v is None else dict(v) for v in views]
+        for (i, name), x in zip(firsts, gated):
+            views[i][name] = x if name == "codes" else (x, *views[i][name][1:])
+        dtype, runs = queries.dtype, (self.keys, self.values)
+        rows = [_rows(v, i == 0, runs[i].codec.base.bits, runs[i].codec.base.group, dtype)
+                for i, v in enumerate(views) if v is not None]
+        k, v = joined_history(rows[:1], rows[1:], self.k_buf.view(), self.v_buf.view(), dtype)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+
+    def dense_views(self) -> tuple:
+        """(keys' ``_dense_views``, values' or None), kept while the runs stay as they are."""
+        runs = [self.keys] + ([self.values] if self.quantize_values else [])
+        key = ("dense",) + tuple(x for run in runs for x in _run_sources(run))
+        if getattr(self, "_dense", None) is None:  # stores made without __init__ (a stacked batch's join)
+            self._dense = ReadViews()
+        return self._dense.get(self, key, lambda: (_dense_views(self.keys, keys=True),
+                                                  _dense_views(self.values, keys=False) if self.quantize_values else None))
 
     def _step(self, queries, scale, n_kv_heads: int) -> mx.array:
         """``decode_attention`` of the one ``JointRead`` part (its joint path: no kernel reads
