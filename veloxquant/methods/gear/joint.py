@@ -45,8 +45,9 @@ def _has_terms(tokens) -> bool:
     return isinstance(tokens, ErrorFeedbackTokens) and (tokens.factors is not None or tokens.sparse is not None)
 
 
-def _run_views(tokens: ErrorFeedbackTokens, rows: int, keys: bool) -> dict:
-    """The pure path's views of one run (keys per channel, values per token)."""
+def _run_views(tokens: ErrorFeedbackTokens, rows: int, keys: bool, lowrank: bool = True) -> dict:
+    """The pure path's views of one run (keys per channel, values per token); ``lowrank``
+    off: the backbone's and the outliers' only."""
     n, c = tokens.count, tokens.codec.base
     base = tokens.base
     if keys:  # (B, H, D, words), (B, H, D, groups)
@@ -55,7 +56,7 @@ def _run_views(tokens: ErrorFeedbackTokens, rows: int, keys: bool) -> dict:
     else:  # (B, H, rows, ·)
         out = {name: getattr(base, name).buffer[:, :, :n] for name in ("codes", "scales", "biases")}
     f = tokens.factors
-    if f is not None and f.count:
+    if lowrank and f is not None and f.count:
         a, b = f.a.buffer[:, :, :n], f.b.view()  # (B, H, n, r), (B, H, C, d, r)
         bs, h, _, rank = a.shape
         groups, g = n // c.group, c.group
@@ -83,8 +84,7 @@ def _dense_views(tokens: ErrorFeedbackTokens, keys: bool) -> dict:
     """What a run's rows are rebuilt from (``_rows``): its backbone's and outliers' views as
     ``_run_views`` takes them, and its low-rank factors by group (A (B, H, groups, group,
     r), each chunk's Bᵀ (B, H, C, r, d), the chunk of each group (1, 1, groups, 1, 1))."""
-    out = _run_views(tokens, 1, keys)
-    out.pop("lowrank", None)
+    out = _run_views(tokens, 1, keys, lowrank=False)
     f, group = tokens.factors, tokens.codec.base.group
     if f is not None and f.count:
         n = tokens.count
@@ -262,24 +262,21 @@ class GEARStore(ChunkedStore):
         rebuild reads first (the codes, the outliers' positions, the rows of A) waits for
         the queries, so that MLX does not rebuild later layers' rows ahead of their
         attention and hold them all (``PackedStore.history_after``)."""
-        views = self.dense_views()
-        firsts = [(i, name) for i, v in enumerate(views) if v is not None for name in ("codes", "sparse", "lowrank")
-                  if name in v]
-        gated = mx.depends([views[i][name] if name == "codes" else views[i][name][0] for i, name in firsts],
-                           [queries])
-        views = [None if v is None else dict(v) for v in views]
-        for (i, name), x in zip(firsts, gated):
-            views[i][name] = x if name == "codes" else (x, *views[i][name][1:])
-        dtype, runs = queries.dtype, (self.keys, self.values)
-        rows = [_rows(v, i == 0, runs[i].codec.base.bits, runs[i].codec.base.group, dtype)
-                for i, v in enumerate(views) if v is not None]
+        views = [dict(v) for v in self.dense_views() if v is not None]  # keys', then values' if packed
+        slots = [(v, name) for v in views for name in ("codes", "sparse", "lowrank") if name in v]
+        firsts = [v[name] if name == "codes" else v[name][0] for v, name in slots]
+        for (v, name), x in zip(slots, mx.depends(firsts, [queries])):
+            v[name] = x if name == "codes" else (x, *v[name][1:])
+        dtype = queries.dtype
+        rows = [_rows(v, run is self.keys, run.codec.base.bits, run.codec.base.group, dtype)
+                for v, run in zip(views, (self.keys, self.values))]
         k, v = joined_history(rows[:1], rows[1:], self.k_buf.view(), self.v_buf.view(), dtype)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
 
     def dense_views(self) -> tuple:
         """(keys' ``_dense_views``, values' or None), kept while the runs stay as they are."""
         runs = [self.keys] + ([self.values] if self.quantize_values else [])
-        key = ("dense",) + tuple(x for run in runs for x in _run_sources(run))
+        key = tuple(x for run in runs for x in _run_sources(run))
         if getattr(self, "_dense", None) is None:  # stores made without __init__ (a stacked batch's join)
             self._dense = ReadViews()
         return self._dense.get(self, key, lambda: (_dense_views(self.keys, keys=True),
