@@ -36,3 +36,13 @@ def step_peak(make_cache, n_layers: int, monkeypatch, t: int = 4096, h: int = 2,
     held = mx.get_active_memory()
     mx.eval(step(x), [cache.state for cache in caches])
     return mx.get_peak_memory() - held
+
+
+def layer_rows(t: int = 4096, h: int = 2, d: int = 128) -> int:
+    """Bytes of one layer's decoded keys and values at ``step_peak``'s sizes (float32)."""
+    return 2 * h * t * d * 4
+
+
+def peak_growth(make_cache, fewer: int, more: int, monkeypatch, t: int = 4096) -> float:
+    """How much a step's peak grows from ``fewer`` to ``more`` chained layers (``step_peak``)."""
+    return step_peak(make_cache, more, monkeypatch, t=t) - step_peak(make_cache, fewer, monkeypatch, t=t)

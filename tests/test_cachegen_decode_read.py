@@ -247,13 +247,7 @@ def test_cuda_read_rebuilds_a_layers_runs_only_once_its_queries_exist(monkeypatc
     the next layer's rebuild overlaps this layer's attention: from 1 to 4 chained layers the
     step's peak grows by at most about one layer's rebuilt rows (3.4 MiB of 8 in a process of
     its own, 7.6 in a test worker after other tests); ungated by three layers' (24)."""
-    from chained_layers import step_peak
+    from chained_layers import layer_rows, peak_growth
 
     monkeypatch.setattr(kd, "CPU_DEFAULT_PATH", "reference")
-    t = 4096
-    one_layer_rows = 2 * 2 * t * 128 * 4
-
-    def peak(n):
-        return step_peak(lambda: cachegen(), n, monkeypatch, t=t)  # defaults
-
-    assert peak(4) - peak(1) < 1.5 * one_layer_rows
+    assert peak_growth(cachegen, 1, 4, monkeypatch) < 1.5 * layer_rows()  # defaults

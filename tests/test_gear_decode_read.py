@@ -151,13 +151,8 @@ def test_cuda_read_rebuilds_a_layers_rows_only_once_its_queries_exist(monkeypatc
     held. Gated, at most the next layer's rebuild overlaps this layer's attention: from 1 to
     4 chained layers the step's peak grows by about one layer's rows at most (5.8 MiB of 8
     in a process of its own); ungated by more than three layers' (29)."""
-    from chained_layers import step_peak
+    from chained_layers import layer_rows, peak_growth
 
     monkeypatch.setattr(kd, "_pure_path", lambda: "reference")
-    t = 4096
-    one_layer_rows = 2 * 2 * t * 128 * 4
-
-    def peak(n):
-        return step_peak(lambda: GEARCache(KVCacheConfig(method="gear"), None, 0), n, monkeypatch, t=t)  # defaults
-
-    assert peak(4) - peak(1) < 1.5 * one_layer_rows
+    make = lambda: GEARCache(KVCacheConfig(method="gear"), None, 0)  # noqa: E731  (defaults)
+    assert peak_growth(make, 1, 4, monkeypatch) < 1.5 * layer_rows()

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from chained_layers import step_peak
+from chained_layers import layer_rows, peak_growth
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import KittyOptions
 from veloxquant_mlx.kernels import kivi_decode as kd
@@ -146,10 +146,6 @@ def test_on_cuda_the_decoded_rows_and_one_fused_attention_give_the_float32_read(
         assert err <= bound, (i, err, bound)
 
 
-def _step_peak(n_layers: int, monkeypatch) -> float:
-    return step_peak(lambda: KittyCache(KVCacheConfig(method="kitty"), None, 0), n_layers, monkeypatch)  # defaults
-
-
 def test_cuda_read_decodes_a_layers_history_only_once_its_queries_exist(monkeypatch):
     """The stored codes are ready before a step runs: unless each layer's decode waits for
     its queries, MLX decodes later layers' histories ahead of their attention and holds them
@@ -159,8 +155,8 @@ def test_cuda_read_decodes_a_layers_history_only_once_its_queries_exist(monkeypa
     peak stops growing: from 4 to 8 layers by less than half of one layer's decoded rows
     (0.2 MiB alone, 2.8 MiB once in a CI worker after other tests; ungated, two layers'
     rows)."""
-    one_layer_rows = 2 * 2 * 4096 * 128 * 4
-    assert _step_peak(8, monkeypatch) - _step_peak(4, monkeypatch) < one_layer_rows / 2
+    make = lambda: KittyCache(KVCacheConfig(method="kitty"), None, 0)  # noqa: E731  (defaults)
+    assert peak_growth(make, 4, 8, monkeypatch) < layer_rows() / 2
 
 
 def test_float16_history_is_the_float32_one_rounded_once():

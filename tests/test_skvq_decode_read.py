@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import veloxquant_mlx  # noqa: F401 - before mlx's back-end is used
-from chained_layers import step_peak
+from chained_layers import layer_rows, peak_growth
 from float64_attention import exact_attention_and_bound
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.cache.options import SKVQOptions
@@ -148,10 +148,5 @@ def test_cuda_read_decodes_a_layers_rows_only_once_its_queries_exist(monkeypatch
     most the next layer's decode overlaps this layer's attention: from 1 to 4 layers the
     step's peak grows by well under one layer's decoded rows (0.43 of them on this CPU;
     ungated 0.98)."""
-    t = 8192
-    one_layer_rows = 2 * 2 * t * 128 * 4
-
-    def peak(n):
-        return step_peak(lambda: SKVQCache(KVCacheConfig(method="skvq"), None, 0), n, monkeypatch, t=t)  # defaults
-
-    assert peak(4) - peak(1) < 0.7 * one_layer_rows
+    make = lambda: SKVQCache(KVCacheConfig(method="skvq"), None, 0)  # noqa: E731  (defaults)
+    assert peak_growth(make, 1, 4, monkeypatch, t=8192) < 0.7 * layer_rows(8192)

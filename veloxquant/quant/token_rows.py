@@ -224,6 +224,16 @@ def _same(a, b) -> bool:
         x is y or (type(x) in (int, float) and type(y) is type(x) and x == y) for x, y in zip(a, b))
 
 
+def held(owner, name: str, kind):
+    """``owner``'s ``name`` (a ``ReadViews`` or ``KeptRead``), made at its first use: a store
+    made without ``__init__`` (a stacked batch's join) or before it kept one has none yet."""
+    kept = getattr(owner, name, None)
+    if kept is None:
+        kept = kind()
+        setattr(owner, name, kept)
+    return kept
+
+
 class KeptRead:
     """What a store's decode read keeps between writes (a compiled pass with its inputs, a
     launch plan), checked by its owner at each read and dropped before each write: a copy of

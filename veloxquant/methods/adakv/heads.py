@@ -40,7 +40,7 @@ import numpy as np
 from ...cache.buffers import GrowingArray
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.store import PackedStore
-from ...quant.token_rows import ReadViews
+from ...quant.token_rows import ReadViews, held
 
 WORD = 32  # channels a plane word holds
 
@@ -391,9 +391,7 @@ class PlaneStore(PackedStore):
             v_w = [x.buffer.reshape(b, h, nb, 1, 1, 1, 1) for x in self.weights]
             return kp, ks, kmin, k_src, k_w, vp, vs, vmin, v_src, v_w
 
-        if getattr(self, "_views", None) is None:  # a store made before it had them
-            self._views = ReadViews()
-        return self._views.get(self, key, build)
+        return held(self, "_views", ReadViews).get(self, key, build)
 
     def _attend_masked(self, queries, *, scale) -> mx.array:
         """The whole buffers dequantized, the spare rows masked out (``compiled_decode``)."""

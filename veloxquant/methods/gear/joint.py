@@ -37,7 +37,7 @@ from ...kernels import kivi_decode as kd
 from ...kernels.decode import DecodePart, decode_attention, scaled_queries
 from ...quant.chunk_store import ChunkedStore
 from ...quant.store import absent_buffer, as_dtype, joined_history
-from ...quant.token_rows import KeptRead, ReadViews
+from ...quant.token_rows import KeptRead, ReadViews, held
 from .error_feedback import ErrorFeedbackTokens
 
 
@@ -219,20 +219,15 @@ class GEARStore(ChunkedStore):
 
     def _flush(self, keys: mx.array, values: mx.array, decoding: bool = False) -> None:
         self._read_views_holder().clear()  # no view pins a buffer the appends below write in place
-        if getattr(self, "_dense", None) is not None:
-            self._dense.clear()
+        held(self, "_dense", ReadViews).clear()
         self._plan_holder().value = None
         super()._flush(keys, values, decoding=decoding)
 
     def _plan_holder(self) -> "KeptRead":
-        if getattr(self, "_plan", None) is None:
-            self._plan = KeptRead()
-        return self._plan
+        return held(self, "_plan", KeptRead)
 
     def _read_views_holder(self) -> ReadViews:
-        if getattr(self, "_views", None) is None:
-            self._views = ReadViews()
-        return self._views
+        return held(self, "_views", ReadViews)
 
     def read_views(self, rows: int) -> tuple:
         """(keys' views, values' views or None) for ``rows`` query rows a KV head."""
@@ -277,9 +272,7 @@ class GEARStore(ChunkedStore):
         """(keys' ``_dense_views``, values' or None), kept while the runs stay as they are."""
         runs = [self.keys] + ([self.values] if self.quantize_values else [])
         key = tuple(x for run in runs for x in _run_sources(run))
-        if getattr(self, "_dense", None) is None:  # stores made without __init__ (a stacked batch's join)
-            self._dense = ReadViews()
-        return self._dense.get(self, key, lambda: (_dense_views(self.keys, keys=True),
+        return held(self, "_dense", ReadViews).get(self, key, lambda: (_dense_views(self.keys, keys=True),
                                                   _dense_views(self.values, keys=False) if self.quantize_values else None))
 
     def _step(self, queries, scale, n_kv_heads: int) -> mx.array:

@@ -43,7 +43,7 @@ from ...quant.packed import GROWTH_TOKENS, GroupAffine
 from .promoted import PromotedChannels, PromotedKeys, RoomInputs
 from ...quant.sink_store import SinkQuantizedStore
 from ...quant.store import VALUE_ROOM, joined_history
-from ...quant.token_rows import ReadViews
+from ...quant.token_rows import ReadViews, held
 
 N_SINK = 32  # the repo's sink_length
 
@@ -111,9 +111,7 @@ class KittyStore(SinkQuantizedStore):
         (by identity) and the count stay: a value flush comes every ``value_flush`` steps."""
         v = self.values
         key = (v.codes.buffer, v.scales.buffer, v.biases.buffer, v.count)
-        if getattr(self, "_views", None) is None:  # stores made without __init__ (a stacked batch's join)
-            self._views = ReadViews()
-        return self._views.get(self, key, lambda: (v.codes.view(), v.scales.view(), v.biases.view()))
+        return held(self, "_views", ReadViews).get(self, key, lambda: (v.codes.view(), v.scales.view(), v.biases.view()))
 
 
 @functools.lru_cache(maxsize=None)

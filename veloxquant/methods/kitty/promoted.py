@@ -47,7 +47,7 @@ from ...cache.buffers import GrowingArray
 from ...kernels import kivi_decode as kd
 from ...quant.affine import _MIN_SCALE, SUPPORTED_BITS, dequantize, pack_codes, packed_length, unpack_codes
 from ...quant.packed import GROWTH_TOKENS, AffineLayout
-from ...quant.token_rows import KeptRead
+from ...quant.token_rows import KeptRead, held
 
 
 def n_promoted(head_dim: int, fraction: float) -> int:
@@ -360,9 +360,7 @@ class PromotedKeys:
         return view.lo if view.up is None and 32 % view.lo.bits == 0 else view
 
     def _read_holder(self) -> "KeptRead":
-        if getattr(self, "_read", None) is None:
-            self._read = KeptRead()
-        return self._read
+        return held(self, "_read", KeptRead)
 
     def step_read(self):
         """``PromotedScores.score_pass`` of the kept keys where ``layout`` is a
@@ -410,9 +408,7 @@ class PromotedKeys:
         return kept[2]
 
     def _rows_holder(self) -> "KeptRead":
-        if getattr(self, "_rows_read", None) is None:
-            self._rows_read = KeptRead()
-        return self._rows_read
+        return held(self, "_rows_read", KeptRead)
 
     def expected_shapes(self, head_dim: int):
         """The trailing two dims of the lo plane's codes and scales for ``count`` keys."""

@@ -52,7 +52,7 @@ from ...quant import codebook as cb
 from ...quant.outliers import per_tail, split_channel_groups, split_vectors
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import rotary_angles, to_pre_rope
-from ...quant.token_rows import KeptRead, ReadViews
+from ...quant.token_rows import KeptRead, ReadViews, held
 
 
 @dataclass(frozen=True)
@@ -364,9 +364,7 @@ class NonUniformTokens:
         return fn(left, *args)
 
     def _pass_holder(self) -> "KeptRead":
-        if getattr(self, "_pass", None) is None:
-            self._pass = KeptRead()
-        return self._pass
+        return held(self, "_pass", KeptRead)
 
     def read_pass(self) -> tuple:
         """(``times_dense``'s compiled pass, its inputs after ``left``, ``capacity``), built

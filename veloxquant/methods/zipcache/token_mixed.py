@@ -50,7 +50,7 @@ from .channel_scaled import channel_scale
 from ...quant.packed import GROWTH_TOKENS, PackedTokens
 from ...quant.saliency import n_salient, salient_split
 from ...quant.store import WINDOW_STEP, PackedStore, as_dtype, joined_history, paced
-from ...quant.token_rows import (PlainRows, ReadViews, TokenGroups, TokenRows, mixed_into, row_mix,
+from ...quant.token_rows import (PlainRows, ReadViews, TokenGroups, TokenRows, held, mixed_into, row_mix,
                                  row_scores)
 
 
@@ -306,10 +306,8 @@ class TokenMixedStore(PackedStore):
     def _channel_rows(self) -> tuple:
         """The key and value channel scales as rows (B, H, 1, D) (values: None where they are
         kept in full precision), views kept while the scales stay."""
-        if getattr(self, "_channel_views", None) is None:  # stores made without __init__
-            self._channel_views = ReadViews()
         k, v = self.k_channel, self.v_channel
-        return self._channel_views.get(self, (k, v), lambda: (k[:, :, None], None if v is None else v[:, :, None]))
+        return held(self, "_channel_views", ReadViews).get(self, (k, v), lambda: (k[:, :, None], None if v is None else v[:, :, None]))
 
     def attend(self, queries, *, scale, use_kernel, n_kv_heads=None) -> mx.array:
         """A decode step's attention over what is stored (no token added, no flush)."""
