@@ -109,22 +109,22 @@ def reference_and_bound(cache, q, scale):
     return (p @ v_hat).reshape(b, hq, 1, -1), bound.reshape(b, hq, 1, -1)
 
 
-def decode_against_reference(cache, monkeypatch, pure_path, *, heads=2, prompt=40, batch=2, seed=3, dv=D):
+def decode_against_reference(cache, monkeypatch, pure_path, *, heads=2, prompt=40, batch=2, seed=3, dv=D, d=D):
     """A chunked prompt, then STEPS decode steps, each step's output against the reference
     over what the store holds after it (the step reads its own token as stored). Returns
     the largest error as a fraction of its bound, and the flushes and runs seen."""
     monkeypatch.setattr(kd, "CPU_DEFAULT_PATH", pure_path)
     total = prompt + STEPS
-    keys = rows((batch, heads, total, D), seed)
+    keys = rows((batch, heads, total, d), seed)
     values = rows((batch, heads, total, dv), seed + 2) * 0.5
-    scale = D**-0.5
+    scale = d**-0.5
     for start, stop in ((0, prompt // 2), (prompt // 2, prompt)):
-        q = mx.random.normal((batch, heads * GQA, stop - start, D), key=mx.random.key(seed + start))
+        q = mx.random.normal((batch, heads * GQA, stop - start, d), key=mx.random.key(seed + start))
         call(cache, q, keys[:, :, start:stop], values[:, :, start:stop], scale)
     assert cache.store.fitted
     worst, flushes = 0.0, 0
     for t in range(prompt, total):
-        q = mx.random.normal((batch, heads * GQA, 1, D), key=mx.random.key(100 + t))
+        q = mx.random.normal((batch, heads * GQA, 1, d), key=mx.random.key(100 + t))
         before = sum(r.tokens.flushed for r in cache.store.keys.runs)
         out = call(cache, q, keys[:, :, t : t + 1], values[:, :, t : t + 1], scale)
         flushes += sum(r.tokens.flushed for r in cache.store.keys.runs) > before

@@ -46,6 +46,13 @@ another (``addmm``); the lift adds the mean in the same product; 1-bit words are
 in one fused pass on a GPU's path; a token's moments and both tensors' latents are tied by
 one dependency.
 
+On CUDA, a steady step (one run, the queries one row) is one fused
+``scaled_dot_product_attention`` in the latent space instead: the folded queries against
+the latents decoded in the queries' dtype, the value latents (or the exact values) as its
+values, every width zero-padded to one MLX fuses (``FUSED_WIDTHS``), the mixed latents
+lifted with the mean in one product (``LatentStore._fused_attention``). The stored rows
+are read once the queries exist, as the other CUDA reads do (``PackedStore.history_after``).
+
 ``LatentStore`` holds a layer: keys and values wait exactly (``pending``) until at least
 as many tokens as a basis has rows (n = g*d) are held, when the bases are fitted on every
 token held and everything is encoded (a basis fitted on fewer tokens spans only them, so
@@ -89,11 +96,14 @@ from ..kernels.decode import DecodePart, scaled_queries
 from ..quant.affine import SUPPORTED_BITS
 from ..quant.cache import QuantizedCache
 from ..quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
-from ..quant.store import WINDOW_STEP, PackedStore
-from ..quant.token_rows import ReadViews
+from ..quant.store import WINDOW_STEP, PackedStore, as_dtype
+from ..quant.token_rows import ReadViews, held
 from .factors import energy_rank, gram_basis
 
 UNQUANTIZED_BITS = 16  # widths from here on keep a channel in the model's dtype
+# the head widths MLX's CUDA back-end fuses a one-row attention for (0.32.4,
+# ``ScaledDotProductAttention::use_fallback``: queries', keys' and values' widths equal)
+FUSED_WIDTHS = (64, 96, 128, 256)
 REFIT_GROWTH = 2  # a new basis each time the tokens held have doubled since the last fit
 
 
@@ -270,6 +280,35 @@ class LatentTokens:
             out = pb @ latents if out is None else mx.addmm(out, pb, latents)
         return out
 
+    def read_inputs(self) -> list[mx.array]:
+        """What ``rows`` reads of each stored span first (its codes, or its unquantized
+        rows): what a decode step holds back until its queries exist."""
+        return [sp.arrays[0] for sp in self._span_views() if sp.arrays] if self.flushed else []
+
+    def rows(self, dtype, width: int, inputs) -> mx.array:
+        """Every latent (B, G, count, width) in ``dtype``, 0 in dropped channels and past the
+        rank: the keys or values of one fused attention in the latent space (a CUDA decode
+        step); ``inputs``: ``read_inputs()`` as the caller holds them (an iterator)."""
+        parts = []
+        if self.flushed:
+            spans = self._span_views()
+            zeros = held(self, "_zero_views", ReadViews).get(
+                self, (self.flushed, str(dtype)), lambda: {sp.start: mx.zeros((*self.lead, self.flushed, sp.stop - sp.start), dtype)
+                                                      for sp in spans if not sp.arrays})
+            cols = [sp.rows(dtype, self.group, next(inputs)) if sp.arrays else zeros[sp.start] for sp in spans]
+            parts.append(cols[0] if len(cols) == 1 else mx.concatenate(cols, axis=-1))
+        if self.buf.length:
+            parts.append(as_dtype(self.buf.view(), dtype))
+        out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+        return mx.pad(out, [(0, 0)] * 3 + [(0, width - self.rank)]) if width > self.rank else out
+
+    def fused_views(self, basis: mx.array, mean: mx.array, g: int, rows: int, width: int, dtype) -> "_BasisRead":
+        """``basis_views`` in ``dtype`` with the basis zero-padded to ``width`` columns (the
+        fused read's fold and lift, the padded channels multiplied by zeros), kept likewise."""
+        key = (basis, mean, g, rows, width, str(dtype))
+        return held(self, "_fused_basis_views", ReadViews).get(self, key, lambda: _BasisRead.of(
+            mx.pad(basis, [(0, 0)] * 3 + [(0, width - basis.shape[-1])]).astype(dtype), mean.astype(dtype), g, rows))
+
     # -- what is kept --------------------------------------------------------------------------
     def arrays(self, prefix: str) -> dict[str, GrowingArray]:
         out = {f"{prefix}_buf": self.buf}
@@ -376,15 +415,24 @@ class _SpanRead:
             return cls(seg.start, seg.stop, seg.bits, path, (rows, rows.swapaxes(-1, -2)))
         return cls(seg.start, seg.stop, 0, path, ())
 
-    def _dequantized(self, dtype, group: int) -> mx.array:
-        """The span's latents (B, G, channels, tokens) in ``dtype`` (None: the scales')."""
-        codes, scales, biases = self.arrays
+    def _dequantized(self, dtype, group: int, codes: mx.array | None = None) -> mx.array:
+        """The span's latents (B, G, channels, tokens) in ``dtype`` (None: the scales');
+        ``codes``: the span's codes as the caller holds them (None: its own view)."""
+        own, scales, biases = self.arrays
+        codes = own if codes is None else codes
         if dtype is not None:
             scales, biases = scales.astype(dtype), biases.astype(dtype)
         if self.unpacked:
             out = _one_bit_affine(codes, _word_bits(), scales, biases)
             return out.reshape(*out.shape[:-3], -1)
         return kd.dequantize(codes, scales, biases, group, self.bits)
+
+    def rows(self, dtype, group: int, first: mx.array) -> mx.array:
+        """The span's latents (B, G, tokens, channels) in ``dtype``, its first array (codes,
+        or the unquantized rows) as ``first``."""
+        if self.bits >= UNQUANTIZED_BITS:
+            return as_dtype(first, dtype)
+        return self._dequantized(dtype, group, first).swapaxes(-1, -2)
 
     def scores(self, acc: mx.array | None, q: mx.array, group: int) -> mx.array | None:
         """``acc +`` float32 ``q Lᵀ`` over the span's channels (``q``: the query's)."""
@@ -774,6 +822,9 @@ class LatentStore(PackedStore):
         if len(runs) != 1 or not runs[0].tokens.count:
             return super().attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
         run, g = runs[0], self.heads_per_group
+        width = self._fused_width(queries) if use_kernel and kd.gpu_backend() == "cuda" else None
+        if width is not None:
+            return self._fused_attention(queries, scale, n_kv_heads, width)
         q = scaled_queries(queries, n_kv_heads, scale)
         b, h, rq, _ = q.shape
         views = run.tokens.basis_views(run.basis, run.mean, g, rq)
@@ -791,6 +842,46 @@ class LatentStore(PackedStore):
             views = r.tokens.basis_views(r.basis, r.mean, g, rq)
             o = mx.addmm(views.mean_rows, pl if g == 1 else pl.reshape(b, h, rq, -1), views.basis_t)
         return o.reshape(queries.shape).astype(queries.dtype)
+
+    def _fused_width(self, queries) -> int | None:
+        """The width one fused attention in the latent space reads the run at (the ranks,
+        or the head dim of values kept exactly, rounded up to a width MLX fuses), or None
+        where it cannot: a width past them all; values kept exactly per head while a
+        group holds several heads (keys and values would have different head counts)."""
+        if queries.shape[2] != 1:
+            return None
+        r = self.keys.runs[0].tokens.rank
+        if self.values is None:
+            d = queries.shape[-1]
+            return d if self.heads_per_group == 1 and r <= d and d in FUSED_WIDTHS else None
+        r = max(r, self.values.runs[0].tokens.rank)
+        return next((w for w in FUSED_WIDTHS if w >= r), None)
+
+    def _fused_attention(self, queries, scale, n_kv_heads: int, width: int) -> mx.array:
+        """A decode step on CUDA: attention in the latent space as one fused
+        ``scaled_dot_product_attention``. The queries folded onto their heads' rows of the
+        key basis are its queries (a group's heads' query rows as its query heads), the
+        latents decoded in the queries' dtype its keys and values, all zero-padded to
+        ``width`` (the bases too: the padded channels meet zeros); the mixed value latents
+        are lifted with the mean in one product, in the queries' dtype. The
+        float32 read's small products are what cuBLAS serves badly at decode shapes
+        (``benchmarks/notes/cuda_dense_reads.md``). ``q.μ_h`` is left out as in
+        ``FoldedKeys.scores_shifted`` (the run is the step's only part)."""
+        run, g = self.keys.runs[0], self.heads_per_group
+        b, hq, _, d = queries.shape
+        h, dtype = n_kv_heads, queries.dtype
+        rq = hq // h
+        vr = None if self.values is None else self.values.runs[0]
+        inputs = run.tokens.read_inputs() + ([] if vr is None else vr.tokens.read_inputs())
+        inputs = iter(mx.depends(inputs, [queries]) if inputs else [])
+        qf = queries.reshape(b, h, rq, d) @ run.tokens.fused_views(run.basis, run.mean, g, rq, width, dtype).basis
+        keys = run.tokens.rows(dtype, width, inputs)
+        values = as_dtype(self.v_exact.view(), dtype) if vr is None else vr.tokens.rows(dtype, width, inputs)
+        out = mx.fast.scaled_dot_product_attention(qf.reshape(b, h * rq, 1, width), keys, values, scale=scale)
+        if vr is None:
+            return out.reshape(queries.shape)
+        views = vr.tokens.fused_views(vr.basis, vr.mean, g, rq, width, dtype)
+        return mx.addmm(views.mean_rows, out.reshape(b, h, rq, width), views.basis_t).reshape(queries.shape)
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         """One part per run (a run's keys and values were coded at the same steps); values

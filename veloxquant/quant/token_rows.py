@@ -221,7 +221,7 @@ def row_mix(out: mx.array | None, p: mx.array, rows, codec) -> mx.array:
 
 def _same(a, b) -> bool:
     return a is not None and len(a) == len(b) and all(
-        x is y or (type(x) in (int, float) and type(y) is type(x) and x == y) for x, y in zip(a, b))
+        x is y or (type(x) in (int, float, str) and type(y) is type(x) and x == y) for x, y in zip(a, b))
 
 
 def held(owner, name: str, kind):
@@ -255,7 +255,7 @@ class ReadViews:
     built when what they are made from changes (a flush, a prefill chunk, a fit, a
     restore) and kept until then, so that a step slices nothing of the history. ``key``:
     the arrays they view (compared by identity), the counts and settings (numbers, by
-    value); ``clear`` before a write
+    value; a dtype as its name); ``clear`` before a write
     in place into a viewed buffer. A copy of the store starts without them, and they
     answer only the store that built them (a stacked batch's join shares attributes it
     does not know)."""
