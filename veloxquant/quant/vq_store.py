@@ -29,7 +29,11 @@ gathered by index (``CodebookValues``), the window as the part's full-precision 
 pure-MLX path on every device. Once tokens are coded (the codebooks fixed), a decode step
 does the same arithmetic in a graph of fewer operations (``CodebookStore.decode_attention``), a
 stacked batch's reads a block of rows after another, so that the step holds about a block's
-index reads, lookups and value rows rather than the batch's (``_read_blocks``).
+index reads, lookups and value rows rather than the batch's (``_read_blocks``). On CUDA a
+steady step gathers the centroids of the coded keys (in the code space, where the lookups
+read them) and values, takes the window's keys into the code space, all in the queries'
+dtype, and attends with one ``scaled_dot_product_attention`` by the queries taken there
+(``_decoded_attention``): a stacked batch's rows in one piece, a layer's at a time.
 
 ``CodebookCache`` is the ``QuantizedCache`` of such methods: its ``sub_dim_fields`` must
 divide head_dim, and the head_dim must admit the rotation where the method rotates.
@@ -46,12 +50,14 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.buffers import GrowingArray, RecentRows
+from ..kernels import kivi_decode as kd
 from ..kernels.decode import DecodePart
 from ..kernels.kivi_decode import token_mix
 from . import vq
 from .cache import QuantizedCache
 from .packed import GROWTH_TOKENS, field_arrays, runs_layout, unpack_fields
-from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, joined_history
+from .store import VALUE_ROOM, WINDOW_STEP, PackedStore, as_dtype, joined_history
+from .token_rows import ReadViews, held
 from .vq import (CodebookKeys, CodebookValues, ProductVQ, index_words, kmeans, kmeans_rows,
                  rotate, rotation_problem)
 
@@ -313,6 +319,36 @@ def _read_blocks(arrays, count, kc, vc, n_k, n_v):
     return mx.concatenate(out)
 
 
+def _code_space(x, lam, dtype, scaled: bool, rotated: bool):
+    """``ProductVQ.to_code_space`` of rows (a step's window keys), in ``dtype``."""
+    y = x.astype(mx.float32)
+    if scaled:
+        y = y / lam
+    return (rotate(y) if rotated else y).astype(dtype)
+
+
+def _query_code_space(q, lam, dtype, scaled: bool, rotated: bool):
+    """``ProductVQ.query_to_code_space`` of a step's queries, in ``dtype``."""
+    y = q.astype(mx.float32)
+    if scaled:
+        y = y * lam
+    return (rotate(y) if rotated else y).astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _code_space_fn(dtype, scaled: bool, rotated: bool, query: bool):
+    return mx.compile(functools.partial(_query_code_space if query else _code_space, dtype=dtype,
+                                        scaled=scaled, rotated=rotated))
+
+
+def _gathered(words, flat, n: int, bits: int, books: int, count: int) -> mx.array:
+    """The coded tokens' rows (B, H, count, n s) of the whole code buffer ``words``: each
+    token's centroids gathered from the codebooks laid end to end (``flat`` (books K, s))."""
+    at = _value_index_fn(words, *_fields(n, bits), _value_offsets(books, flat.shape[0] // books))
+    rows = mx.take(flat, at, axis=0)  # (B, H, rows, n, s)
+    return rows.reshape(*rows.shape[:3], -1)[:, :, :count]
+
+
 class CodebookStore(PackedStore):
     def __init__(self, window: int, fit: CodebookFit, codecs: tuple[ProductVQ, ProductVQ] | None = None):
         self.window, self.fitter = window, fit
@@ -402,6 +438,8 @@ class CodebookStore(PackedStore):
         self.commit(keys, values)
         if not self.count:
             return self.attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=keys.shape[1])
+        if use_kernel and kd.gpu_backend() == "cuda":
+            return self._decoded_attention(queries, scale)
         kc, vc = self.key_codec, self.value_codec
         (d_k, d_v), (b, hq) = self.dims, queries.shape[:2]
         h = keys.shape[1]
@@ -415,6 +453,41 @@ class CodebookStore(PackedStore):
         arrays = (q, qt, self.k_codes.buffer, self.v_codes.buffer, self.k_win.view(), self.v_win.view(), k_c32, v_c32)
         o = _read_blocks(arrays, self.count, kc, vc, n_k, n_v)
         return o.reshape(queries.shape).astype(queries.dtype)
+
+    def _decoded_attention(self, queries, scale) -> mx.array:
+        """A steady decode step on CUDA: the coded keys in the code space (their centroids
+        gathered by index, as the table lookup reads them) and the window's keys taken there,
+        the values' centroids and the window's rows, all in the queries' dtype, read with one
+        ``scaled_dot_product_attention`` by the queries taken into the code space
+        (``q~ . y = q . x``). The float32 read's lookups and mix are what cuBLAS and the
+        gathers serve slowly at decode shapes (``benchmarks/notes/cuda_dense_reads.md``). The
+        codes are read once the queries exist, so that MLX does not decode later layers'
+        rows ahead of their attention and hold them all (``PackedStore.history_after``)."""
+        kc, vc, dtype = self.key_codec, self.value_codec, queries.dtype
+        d_k, d_v = self.dims
+        lam, scaled = _scale_arg(kc), kc.scale is not None
+        k_flat, v_flat, books_k, books_v = self._flat_codebooks(queries.shape[0], dtype)
+        k_words, v_words = mx.depends([self.k_codes.buffer, self.v_codes.buffer], [queries])
+        k, v = joined_history(
+            [_gathered(k_words, k_flat, d_k // kc.sub_dim, kc.bits, books_k, self.count)],
+            [_gathered(v_words, v_flat, d_v // vc.sub_dim, vc.bits, books_v, self.count)],
+            _code_space_fn(dtype, scaled, kc.rotated, False)(self.k_win.view(), lam), self.v_win.view(), dtype)
+        b, hq, _, _ = queries.shape
+        h = self.k_codes.buffer.shape[1]
+        q = _code_space_fn(dtype, scaled, kc.rotated, True)(queries.reshape(b, h, hq // h, d_k), lam)
+        return mx.fast.scaled_dot_product_attention(q.reshape(queries.shape), k, v, scale=scale)
+
+    def _flat_codebooks(self, b: int, dtype):
+        """Both codecs' codebooks laid end to end (books K, s) in ``dtype`` and how many books
+        each holds (one, or one a row), kept while the codebooks stay."""
+        kc, vc = self.key_codec, self.value_codec
+
+        def build():
+            out = [c.codebooks(b) for c in (kc, vc)]
+            books = [c.shape[0] if c.ndim == 3 else 1 for c in out]
+            return (*(as_dtype(c.reshape(-1, c.shape[-1]), dtype) for c in out), *books)
+
+        return held(self, "_codebook_views", ReadViews).get(self, (kc.centroids, vc.centroids, b, str(dtype)), build)
 
     # -- reading --------------------------------------------------------------------------
     def history(self, dtype) -> tuple[mx.array | None, mx.array | None]:

@@ -42,9 +42,11 @@ before the batch axis gets it when restored.
 scores keys in the score domain: ``q~ = (q * lambda) H`` once per step, a table
 ``q~_j . C_K`` per sub-space, then a gather by index and a sum (``CodebookKeys``); values
 are centroids gathered by index (``CodebookValues``); the window is the part's
-full-precision tail. Everything takes the pure-MLX path, on every device: no fused
-kernel reads codebooks (the paper's CUDA kernels are not ported); the steady state's step
-takes that arithmetic in few graph operations (``quant/vq_store.py``). CPU time of the
+full-precision tail. No fused kernel reads codebooks (the paper's CUDA kernels are not
+ported); the steady state's step takes that arithmetic in few graph operations
+(``quant/vq_store.py``). On CUDA a steady step instead gathers the coded keys' centroids in
+the code space and the values' centroids, takes the window's keys there, all in the
+queries' dtype, and reads them with one fused attention by ``q~``. CPU time of the
 lookup-table scores against dequantize-then-attend: ``benchmarks/vq_decode_cpu.py``
 (results in ``benchmarks/results/vq_decode_cpu.md``).
 
