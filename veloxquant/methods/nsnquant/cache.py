@@ -28,8 +28,10 @@ shared by every layer, counted by each).
 Attention: a prompt chunk attends over the decoded history plus itself; a decode step over
 one part read through ``NSNKeys`` and ``NSNValues`` (query rotated once, chunk means scored
 once per chunk, centroids gathered by index; at 1 bit, key scores through lookup tables),
-the tail as its full-precision rows: the pure-MLX path on every device (no fused kernel
-reads codebooks).
+the tail as its full-precision rows: the pure-MLX path (no fused kernel reads codebooks).
+On CUDA a step reads in the rotated frame instead: the rows rebuilt as ``s1 (s2 y_hat + o
+H)`` in the queries' dtype, the tail rotated, one fused attention of the rotated queries,
+the output rotated back (``nsn.NSNStore.attend_parts``).
 """
 
 from __future__ import annotations

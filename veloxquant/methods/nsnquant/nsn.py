@@ -32,7 +32,10 @@ the per-chunk means are scored once per chunk; ``p X_hat = (sum_t p_t s1_t s2_t 
 scores go through lookup tables (``vq.lookup_scores``); at 2 bits the signs differ per
 token, so the centroids are gathered by index and signed. Each read is one compiled pass
 over the buffers' whole room (rows past the count are zeros: their scores are cut off,
-their weights are zero), so a step's shapes change only when the buffers grow.
+their weights are zero), so a step's shapes change only when the buffers grow. On CUDA a
+step reads in the rotated frame instead (``NSNStore.attend_parts``): every row rebuilt as
+``s1 (s2 y_hat + o H)`` in the queries' dtype, the tails rotated, one fused attention of the
+rotated queries, its output rotated back.
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ from typing import Any
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
+from ...kernels import kivi_decode as kd
 from ...kernels.decode import DecodePart
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.store import WINDOW_STEP, PackedStore, joined_history
+from ...quant.token_rows import ReadViews, held
 from ...quant.vq import gather_centroids, index_words, kmeans, lookup_scores, nearest, pack_indices, rotate, unpack_indices
 
 UNIVERSAL_SAMPLES = 1 << 16  # N(0, I) samples the universal codebook is fitted on (at least 16 a centroid)
@@ -217,6 +222,16 @@ class NSNTokens:
         sign = self.sign.buffer[:, :, :n] if self.codec.bits == 2 else None
         return self.idx.buffer[:, :, :n], sign, self.norms.buffer[:, :, :n], self.mean.buffer[:, :, : n // self.chunk]
 
+    def fused_inputs(self) -> tuple:
+        """``read_args`` with the chunks' means rotated (``o H``, float32): a CUDA step's
+        inputs, kept while the buffers and the count stay (a chunk coded changes them)."""
+        def build():
+            idx, sign, norms, means = self.read_args()
+            return idx, sign, norms, rotate(means.astype(mx.float32))
+
+        key = (self.count, self.idx.buffer, self.sign.buffer, self.norms.buffer, self.mean.buffer)
+        return held(self, "_fused_views", ReadViews).get(self, key, build)
+
     def decode(self, dtype) -> mx.array:
         y, s1, s2, means = self.parts(self.mean.buffer.shape[-1])
         b, h, t, d = y.shape
@@ -270,10 +285,36 @@ def _value_mix(bits, head_dim, chunk, p, idx, sign, norms, means, codebook, shif
     return rotate((w * s2) @ y) + per_chunk @ means.astype(mx.float32)
 
 
+def _code_rows(bits, head_dim, chunk, dtype, idx, sign, norms, rotated_means, codebook, shifts, patterns):
+    """Every row of the whole buffers in the rotated frame, ``x_hat H = s1 (s2 y_hat + o H)``
+    (H symmetric and orthonormal), in ``dtype``: a CUDA step's keys or values."""
+    y = _y_hat(codebook, bits, idx, sign, head_dim, (shifts, patterns))
+    b, h, t, d = y.shape
+    s = norms.astype(mx.float32)
+    o = rotated_means[:, :, :, None]  # (B, H, chunks, 1, D)
+    y = s[..., 1:].reshape(b, h, -1, chunk, 1) * y.reshape(b, h, -1, chunk, d) + o
+    return (s[..., :1] * y.reshape(b, h, t, d)).astype(dtype)
+
+
+def _rotated(x, dtype):
+    return rotate(x).astype(dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(read, bits: int, head_dim: int, chunk: int):
     """A read as one compiled pass: its shapes change only when the buffers grow."""
     return mx.compile(lambda x, idx, sign, *rest: read(bits, head_dim, chunk, x, idx, sign, *rest))
+
+
+@functools.lru_cache(maxsize=None)
+def _code_rows_fn(bits: int, head_dim: int, chunk: int, dtype):
+    """``_code_rows`` as one compiled pass: its shapes change only when the buffers grow."""
+    return mx.compile(functools.partial(_code_rows, bits, head_dim, chunk, dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _rotated_fn(dtype):
+    return mx.compile(functools.partial(_rotated, dtype=dtype))
 
 
 class NSNKeys(_NSNReader):
@@ -335,6 +376,28 @@ class NSNStore(PackedStore):
         if whole < k.shape[2]:
             self.k_tail.append(k[:, :, whole:])
             self.v_tail.append(v[:, :, whole:])
+
+    def attend_parts(self, queries, *, scale, use_kernel, n_kv_heads: int) -> mx.array:
+        """On CUDA once chunks are coded: attention in the rotated frame, one fused
+        ``scaled_dot_product_attention`` of the queries rotated (``q . x = (q H) . (x H)``)
+        over every row rebuilt there in the queries' dtype (``_code_rows``: no rotation of
+        the history, the chunks' means rotated once a step) and the tails rotated, the output
+        rotated back. The joint read's float32 products and per-token gathers are what the
+        GPU serves slowly at decode shapes (``benchmarks/notes/cuda_dense_reads.md``). The
+        codes are read once the queries exist (``PackedStore.history_after``)."""
+        if not (use_kernel and self.keys.count and queries.shape[2] == 1 and kd.gpu_backend() == "cuda"):
+            return super().attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+        dtype, n = queries.dtype, self.keys.count
+        parts = []
+        for tokens, tail, d in ((self.keys, self.k_tail, self.dims[0]), (self.values, self.v_tail, self.dims[1])):
+            idx, sign, norms, means = tokens.fused_inputs()
+            idx = mx.depends([idx], [queries])[0]
+            rows = _code_rows_fn(tokens.codec.bits, d, tokens.chunk, dtype)(
+                idx, sign, norms, means, tokens.codec.codebook, *_sign_tables())
+            rows = rows[:, :, :n]
+            parts.append(mx.concatenate([rows, _rotated_fn(dtype)(tail.view())], axis=2) if tail.length else rows)
+        out = mx.fast.scaled_dot_product_attention(_rotated_fn(dtype)(queries), *parts, scale=scale)
+        return _rotated_fn(dtype)(out)
 
     def history(self, dtype):
         parts_k, parts_v = [], []
