@@ -105,7 +105,8 @@ GRAPH_BOUND = 1.3
 # rows by one index a row from the flattened buffers (a take of its own), which the H200 ran
 # 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
-    "full": 1.13, "vecinfer": 2.40,  # 2.65 before its CUDA read (2026-12-06) "kivi": 1.54, "svdq": 4.08, "kitty": 3.21, "adakv": 6.48,
+    # vecinfer 2.65 before its CUDA read (2026-12-06)
+    "full": 1.13, "vecinfer": 2.40, "kivi": 1.54, "svdq": 4.08, "kitty": 3.21, "adakv": 6.48,
     "xquant": 2.22, "kvquant": 6.38, "palu": 4.17, "cachegen": 5.40, "minicache": 2.71,
     "gear": 7.98, "zipcache": 4.02, "snapkv": 1.23, "streaming_llm": 0.96, "h2o": 1.67,
     "tova": 2.00, "pyramidkv": 1.14, "squeeze": 1.25, "chunkkv": 1.23, "cam": 3.40, "xkv": 1.35,
