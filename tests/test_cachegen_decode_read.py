@@ -165,6 +165,8 @@ def test_a_copy_reads_as_the_original(monkeypatch):
 
 def test_the_cpu_read_rebuilds_nothing(monkeypatch):
     """On the CPU (``quantized_matmul``) a decode step reads the packed codes as they are."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the CPU's read")  # a GPU's rebuilds the runs (results/h200_s67)
     def refuse(*a, **k):
         raise AssertionError("a CPU decode step rebuilt a run")
 

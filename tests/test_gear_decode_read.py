@@ -120,6 +120,8 @@ def test_the_kept_step_plan_gives_the_joint_parts_read_bit_for_bit(options, pure
         # a GPU reads the reference path; forced onto MLX's CUDA quantized_matmul, the two
         # reads differed in the last bit from step 150 on (benchmarks/results/h200_s66)
         pytest.skip("quantized_matmul is the CPU's path only")
+    if kd.gpu_backend() == "cuda":  # the steps take the CUDA read (results/h200_s67), tested on its own
+        pytest.skip("on CUDA a step reads _decoded_attention, not the kept plan")
     from veloxquant_mlx.kernels.decode import decode_attention
     from veloxquant_mlx.methods.gear.joint import JointRead
     from veloxquant_mlx.quant.store import absent_buffer

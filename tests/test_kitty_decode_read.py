@@ -93,6 +93,10 @@ def test_the_kept_step_read_gives_the_parts_read_bit_for_bit(lo, hi, f, block, p
     from veloxquant_mlx.methods.kitty.cache import KittyStore
     from veloxquant_mlx.quant.sink_store import SinkQuantizedStore
 
+    if mx.default_device() != mx.cpu and (pure_path == "qmm" or kd.gpu_backend() == "cuda"):
+        # MLX's CUDA back-end has no quantized_matmul for these shapes, and a CUDA step takes the
+        # CUDA read (tested on its own), not the kept step read (results/h200_s67)
+        pytest.skip("the CPU's path, or the kept read a CUDA step does not take")
     monkeypatch.setattr(kd, "_pure_path", lambda: pure_path)
     b, h, gqa, d, t0, steps = 2, 2, 2, 64, 150, 40
     keys, values = keys_values(b, h, t0 + steps, d, seed=17 + lo)

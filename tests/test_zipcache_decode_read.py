@@ -116,6 +116,8 @@ def test_a_copy_reads_as_the_original(monkeypatch):
 def test_the_cpu_read_dequantizes_nothing(monkeypatch):
     """On the CPU (``quantized_matmul`` widths and groups) a decode step, flushes included,
     reads the packed codes as they are."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the CPU's read")  # a GPU's reads the rows decoded (results/h200_s67)
     cache = zipcache(4, 2, 32, True)
 
     def refuse(*a, **k):
