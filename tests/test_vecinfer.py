@@ -276,3 +276,23 @@ def test_a_steady_decode_step_holds_about_the_lookups_it_gathers_not_a_word_per_
     out = cache.attend(q, *cache.update_and_fetch(k[:, :, -1:], v[:, :, -1:]), scale=d ** -0.5, mask=None)
     mx.eval(out)
     assert mx.get_peak_memory() - before < tables + distances + 6 * lookups, (mx.get_peak_memory() - before, lookups)
+
+
+def test_a_prompt_fit_on_a_gpu_reads_nothing_on_the_host_and_gives_the_cpus_codebooks(monkeypatch):
+    """A fit from the prompt (``CodebookFit.fit_rows``) on the CPU reads each Lloyd
+    iteration's settling on the host and stops there; on a GPU each read waits for the
+    device (vecinfer's 4k prefill on an H100: 16.5x KVCache's, benchmarks/results/h200_s67),
+    so the iterations are built lazily, settled rows keeping their centroids: the same
+    codebooks, and no wait while the distances fit one block of ``nearest``."""
+    keys, values = kv(300, d=64)
+    fit = CodebookFit(key_sub_dim=4, key_bits=6, value_sub_dim=8, value_bits=4, iters=8, sample=8)
+    cpu = fit.fit_rows(keys, values)
+    waits = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(mx, "eval", lambda *a: (waits.append(1), real_eval(*a))[1])
+    gpu = fit.fit_rows(keys, values)
+    assert waits == []
+    for a, b in zip(cpu, gpu):
+        assert mx.array_equal(a.centroids, b.centroids)
+        assert (a.scale is None and b.scale is None) or mx.array_equal(a.scale, b.scale)

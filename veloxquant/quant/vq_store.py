@@ -118,8 +118,11 @@ class CodebookFit:
             k = 1 << bits
             report = (lambda d, t, name=name: progress(name, d, t)) if progress else None
             points = x.reshape(x.shape[0], -1, s) if per_row else x.reshape(-1, s)
-            c = (kmeans_rows if per_row else kmeans)(points, k, iters=self.iters, key=rng,
-                                                     sample=self.sample * k, progress=report)
+            if per_row:  # a prompt's fit: on a GPU no host read a Lloyd iteration (the same centroids)
+                c = kmeans_rows(points, k, iters=self.iters, key=rng, sample=self.sample * k, progress=report,
+                                read_host=report is not None or mx.default_device() == mx.cpu)
+            else:
+                c = kmeans(points, k, iters=self.iters, key=rng, sample=self.sample * k, progress=report)
             codecs.append(ProductVQ(c.astype(mx.float16), bits, base.scale, base.rotated))
         return codecs[0], codecs[1]
 
