@@ -143,6 +143,21 @@ def test_codes_pack_in_mx_quantize_order_at_every_width(bits):
     assert mx.array_equal(mx.dequantize(words, ones, zeros, group_size=32, bits=bits), codes.astype(mx.float32))
 
 
+@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+def test_codes_of_six_axes_pack_and_unpack_at_widths_across_words(bits):
+    """kitty's 7-bit plane, (B, H, blocks, channels, words): on CUDA its pack and unpack
+    failed with 'ndim can not be larger than 10' (MLX turns the slices before an index
+    array into index arrays; benchmarks/results/h200_s67). The leading axes go as one."""
+    from veloxquant_mlx.quant.affine import pack_codes, unpack_codes
+
+    codes = mx.random.randint(0, 2**bits, (2, 2, 3, 4, 5, 64), key=mx.random.key(bits)).astype(mx.uint32)
+    words = pack_codes(codes, bits)
+    assert words.shape == (2, 2, 3, 4, 5, 64 * bits // 32)
+    assert mx.array_equal(unpack_codes(words, bits), codes)
+    flat = pack_codes(codes.reshape(-1, 64), bits)  # the same words as each row packed alone
+    assert mx.array_equal(words.reshape(-1, 2 * bits), flat)
+
+
 @pytest.mark.parametrize("bits", [3, 5, 6])
 def test_a_lone_part_at_a_width_the_kernels_do_not_take_is_attended(bits):
     k, v = tokens(320, seed=bits)

@@ -17,6 +17,8 @@ it has (1-6 and 8 bits), so ``mx.dequantize``, ``mx.quantized_matmul`` and our k
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from ..kernels import kivi_decode as kd
@@ -42,11 +44,14 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
         shifts = mx.arange(per_word, dtype=mx.uint32) * bits
         return (grouped << shifts).sum(axis=-1).astype(mx.uint32)  # disjoint bit fields
     *lead, n = codes.shape
-    grouped = codes.reshape(*lead, n // 32, 32)
+    # the leading axes as one: MLX turns the slices before an index array into index arrays
+    # of their own, and its CUDA gather and scatter take 10 axes at most (index and source
+    # together; kitty's 7-bit plane's 6 axes failed there, benchmarks/results/h200_s67)
+    grouped = codes.reshape(math.prod(lead), n // 32, 32)
     word, shift, spills = _bit_fields(bits)
     low = grouped << shift  # the part that fits, shifted in place (high bits drop off)
     high = mx.where(spills, grouped >> (32 - shift), 0)  # the rest, at the next word's start
-    words = mx.zeros((*lead, n // 32, bits + 1), mx.uint32)
+    words = mx.zeros((grouped.shape[0], n // 32, bits + 1), mx.uint32)
     words = words.at[..., word].add(low).at[..., word + 1].add(high)
     return words[..., :bits].reshape(*lead, n * bits // 32)
 
@@ -60,7 +65,8 @@ def unpack_codes(words: mx.array, bits: int) -> mx.array:
         codes = (words[..., None] >> shifts) & mask
         return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
     *lead, w = words.shape
-    grouped = mx.pad(words.reshape(*lead, w // bits, bits), [(0, 0)] * len(lead) + [(0, 0), (0, 1)])
+    # the leading axes as one, as ``pack_codes`` does: the CUDA gather's 10 axes at most
+    grouped = mx.pad(words.reshape(math.prod(lead), w // bits, bits), [(0, 0), (0, 0), (0, 1)])
     word, shift, spills = _bit_fields(bits)
     low = grouped[..., word] >> shift
     high = mx.where(spills, grouped[..., word + 1] << (32 - shift), 0)
