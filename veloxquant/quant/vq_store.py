@@ -322,26 +322,18 @@ def _read_blocks(arrays, count, kc, vc, n_k, n_v):
     return mx.concatenate(out)
 
 
-def _code_space(x, lam, dtype, scaled: bool, rotated: bool):
-    """``ProductVQ.to_code_space`` of rows (a step's window keys), in ``dtype``."""
+def _code_space(x, lam, dtype, scaled: bool, rotated: bool, query: bool):
+    """``ProductVQ.to_code_space`` of rows (a step's window keys), or with ``query``
+    ``query_to_code_space`` (the smoothing multiplied, not divided), in ``dtype``."""
     y = x.astype(mx.float32)
     if scaled:
-        y = y / lam
-    return (rotate(y) if rotated else y).astype(dtype)
-
-
-def _query_code_space(q, lam, dtype, scaled: bool, rotated: bool):
-    """``ProductVQ.query_to_code_space`` of a step's queries, in ``dtype``."""
-    y = q.astype(mx.float32)
-    if scaled:
-        y = y * lam
+        y = y * lam if query else y / lam
     return (rotate(y) if rotated else y).astype(dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def _code_space_fn(dtype, scaled: bool, rotated: bool, query: bool):
-    return mx.compile(functools.partial(_query_code_space if query else _code_space, dtype=dtype,
-                                        scaled=scaled, rotated=rotated))
+    return mx.compile(functools.partial(_code_space, dtype=dtype, scaled=scaled, rotated=rotated, query=query))
 
 
 def _gathered(words, flat, n: int, bits: int, books: int, count: int) -> mx.array:

@@ -381,7 +381,7 @@ class NSNStore(PackedStore):
         """On CUDA once chunks are coded: attention in the rotated frame, one fused
         ``scaled_dot_product_attention`` of the queries rotated (``q . x = (q H) . (x H)``)
         over every row rebuilt there in the queries' dtype (``_code_rows``: no rotation of
-        the history, the chunks' means rotated once a step) and the tails rotated, the output
+        the history, the chunks' means rotated once a chunk) and the tails rotated, the output
         rotated back. The joint read's float32 products and per-token gathers are what the
         GPU serves slowly at decode shapes (``benchmarks/notes/cuda_dense_reads.md``). The
         codes are read once the queries exist (``PackedStore.history_after``)."""
