@@ -234,13 +234,12 @@ def test_on_cuda_the_rebuilt_runs_and_one_fused_attention_give_the_float32_read(
     ``scaled_dot_product_attention``: against float64 within the bound above, every step
     (the rows rebuilt in float32, as the bound takes them, here: a float32 model)."""
     monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
-    fused = []
-    real_sdpa = mx.fast.scaled_dot_product_attention
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
-                        lambda q, *a, **kw: fused.append(q.shape[2]) or real_sdpa(q, *a, **kw))
+    from sdpa_calls import one_row, recorded
+
+    calls = recorded(monkeypatch)
     worst, flushes = decode_against_reference(cachegen(**settings), monkeypatch, "reference")
     assert flushes >= 1 and 0 < worst <= 1
-    assert fused.count(1) == STEPS
+    assert len(one_row(calls)) == STEPS
 
 
 def test_cuda_read_rebuilds_a_layers_runs_only_once_its_queries_exist(monkeypatch):

@@ -61,12 +61,11 @@ def test_on_cuda_the_rebuilt_rows_and_one_fused_attention_give_the_float32_read(
     written in, the low-rank term added per group) and the buffer through one
     ``scaled_dot_product_attention``: the same bound, one fused attention a step."""
     monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
-    fused = []
-    real_sdpa = mx.fast.scaled_dot_product_attention
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
-                        lambda q, *a, **kw: fused.append(q.shape[2]) or real_sdpa(q, *a, **kw))
+    from sdpa_calls import one_row, recorded
+
+    calls = recorded(monkeypatch)
     steps = forty_steps_against_the_reconstruction(options, window, "reference", monkeypatch)
-    assert fused.count(1) == 2 * steps  # the read's and the test's reference's
+    assert len(one_row(calls)) == 2 * steps  # the read's and the test's reference's
 
 
 def forty_steps_against_the_reconstruction(options, window, pure_path, monkeypatch) -> int:

@@ -131,10 +131,9 @@ def test_on_cuda_the_decoded_rows_and_one_fused_attention_give_the_float32_read(
     cache.update_and_fetch(keys[:, :, :t0], values[:, :, :t0])
     cache.attend(mx.random.normal((b, h * gqa, t0, d), key=mx.random.key(3)), keys[:, :, :t0],
                  values[:, :, :t0], scale=scale, mask="causal")
-    fused = []
-    real_sdpa = mx.fast.scaled_dot_product_attention
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
-                        lambda *a, **kw: fused.append(1) or real_sdpa(*a, **kw))
+    from sdpa_calls import recorded
+
+    fused = recorded(monkeypatch)
     for i in range(t0, t0 + steps):
         k, v = keys[:, :, i : i + 1], values[:, :, i : i + 1]
         q = mx.random.normal((b, h * gqa, 1, d), key=mx.random.key(200 + i))

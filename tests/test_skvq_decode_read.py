@@ -128,18 +128,13 @@ def test_on_cuda_the_decoded_rows_and_one_fused_attention_give_the_attention_ove
     """On CUDA a step decodes the kept rows in the queries' dtype and reads them with one
     fused attention, queries and output through the orders (benchmarks/results/h200_s65):
     within the float32 bound of the float64 reference, as the float32 read, over a flush."""
-    fused = []
-    real_sdpa = mx.fast.scaled_dot_product_attention
-
-    def sdpa(q, k, v, **kw):
-        fused.append(k.shape[2])
-        return real_sdpa(q, k, v, **kw)
+    from sdpa_calls import recorded
 
     monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", sdpa)
+    calls = recorded(monkeypatch)
     decode_against_reference(skvq(**options), monkeypatch, "reference")
     # one fused read a decode step, over every kept row (the prompt's chunks read their own way)
-    assert fused[-STEPS:] == list(range(PROMPT + 1, PROMPT + STEPS + 1))
+    assert [c.keys for c in calls[-STEPS:]] == list(range(PROMPT + 1, PROMPT + STEPS + 1))
 
 
 def test_cuda_read_decodes_a_layers_rows_only_once_its_queries_exist(monkeypatch):

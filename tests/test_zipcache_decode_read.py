@@ -148,13 +148,11 @@ def test_on_cuda_a_step_that_scores_no_block_reads_the_decoded_rows_in_one_fused
     part, whose scores classify the block. Against the float64 reference with the float32
     bound above, over 40 steps and both flushes."""
     monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
-    fused = []
-    real_sdpa = mx.fast.scaled_dot_product_attention
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
-                        lambda q, *a, **kw: fused.append(q.shape[2]) or real_sdpa(q, *a, **kw))
+    from sdpa_calls import one_row, recorded
+
+    calls = recorded(monkeypatch)
     decode_against_reference(zipcache(hi, lo, group, quantize_values), monkeypatch, "reference")
-    steps = [n for n in fused if n == 1]
-    assert len(steps) == STEPS - STEPS // GAP  # every step but the two that score a block
+    assert len(one_row(calls)) == STEPS - STEPS // GAP  # every step but the two that score a block
 
 
 def test_cuda_read_decodes_a_layers_rows_only_once_its_queries_exist(monkeypatch):
