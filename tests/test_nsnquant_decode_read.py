@@ -28,7 +28,7 @@ import pytest
 
 import veloxquant_mlx  # noqa: F401 - before mlx's back-end is used
 from test_nsnquant import card_data, nsnquant
-from test_vecinfer_decode_read import gamma, hadamard
+from test_vecinfer_decode_read import gamma, hadamard, steps_against
 from veloxquant_mlx.kernels import kivi_decode as kd
 from sdpa_calls import one_row, recorded
 
@@ -85,15 +85,6 @@ def test_forty_steps_through_one_fused_attention_match_the_reconstructed_history
     cache.update_and_fetch(keys[:, :, :t0], values[:, :, :t0])
     cache.attend(mx.random.normal((1, 2 * h, t0, d), key=mx.random.key(3)), keys[:, :, :t0], values[:, :, :t0],
                  scale=scale, mask="causal")
-    counts, worst = set(), 0.0
-    for i in range(t0, t0 + steps):
-        k, v = keys[:, :, i : i + 1], values[:, :, i : i + 1]
-        q = mx.random.normal((1, 2 * h, 1, d), key=mx.random.key(100 + i))
-        cache.update_and_fetch(k, v)
-        out = cache.attend(q, k, v, scale=scale, mask=None)
-        ref, bound = reference_and_bound(cache, q, scale)
-        err = np.abs(np.array(out, dtype=np.float64) - ref)
-        assert (err <= bound).all(), (i, (err - bound).max(), bound.max())
-        worst = max(worst, (err / bound).max())
-        counts.add(cache.store.keys.count)
+    worst, counts = steps_against(cache, keys, values, t0, steps, 2 * h, scale, reference_and_bound,
+                                  lambda: cache.store.keys.count)
     assert len(counts) > 1 and len(one_row(calls)) == steps and 0 < worst < 1

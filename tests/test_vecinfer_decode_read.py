@@ -59,6 +59,25 @@ def reference_and_bound(cache, q, scale):
     return (p @ v_hat).reshape(b, hq, 1, d), bound.reshape(b, hq, 1, d)
 
 
+def steps_against(cache, keys, values, t0: int, steps: int, heads: int, scale, reference_and_bound, count):
+    """``steps`` decode steps from token ``t0``, each output against ``reference_and_bound``
+    (cache, queries, scale) -> (float64 reference, bound): the largest error as a fraction
+    of its bound, and the ``count()`` values seen (the coded tokens, to see flushes)."""
+    counts, worst = set(), 0.0
+    b, _, _, d = keys.shape
+    for i in range(t0, t0 + steps):
+        k, v = keys[:, :, i : i + 1], values[:, :, i : i + 1]
+        q = mx.random.normal((b, heads, 1, d), key=mx.random.key(100 + i))
+        cache.update_and_fetch(k, v)
+        out = cache.attend(q, k, v, scale=scale, mask=None)
+        ref, bound = reference_and_bound(cache, q, scale)
+        err = np.abs(np.array(out, dtype=np.float64) - ref)
+        assert (err <= bound).all(), (i, (err - bound).max(), bound.max())
+        worst = max(worst, (err / bound).max())
+        counts.add(count())
+    return worst, counts
+
+
 @pytest.mark.parametrize("options", [dict(SMALL), dict(SMALL, key_sub_dim=8, value_sub_dim=4)])
 @pytest.mark.parametrize("batch", [1, 2])  # one codebook read by one row; a codebook a row
 def test_forty_steps_through_one_fused_attention_match_the_reconstructed_history(options, batch, monkeypatch):
@@ -71,15 +90,6 @@ def test_forty_steps_through_one_fused_attention_match_the_reconstructed_history
     cache.update_and_fetch(keys[:, :, :t0], values[:, :, :t0])
     cache.attend(mx.random.normal((batch, 2 * h, t0, d), key=mx.random.key(3)), keys[:, :, :t0], values[:, :, :t0],
                  scale=scale, mask="causal")
-    counts, worst = set(), 0.0
-    for i in range(t0, t0 + steps):
-        k, v = keys[:, :, i : i + 1], values[:, :, i : i + 1]
-        q = mx.random.normal((batch, 2 * h, 1, d), key=mx.random.key(100 + i))
-        cache.update_and_fetch(k, v)
-        out = cache.attend(q, k, v, scale=scale, mask=None)
-        ref, bound = reference_and_bound(cache, q, scale)
-        err = np.abs(np.array(out, dtype=np.float64) - ref)
-        assert (err <= bound).all(), (i, (err - bound).max(), bound.max())
-        worst = max(worst, (err / bound).max())
-        counts.add(cache.store.count)
+    worst, counts = steps_against(cache, keys, values, t0, steps, 2 * h, scale, reference_and_bound,
+                                  lambda: cache.store.count)
     assert len(counts) > 1 and len(one_row(calls)) == steps and 0 < worst < 1
