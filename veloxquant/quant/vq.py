@@ -31,7 +31,10 @@ A product-VQ codec cuts each head's vector (D channels) into ``D / s`` sub-vecto
   before reducing any (14 GB for those keys). A decode step's rows are one block at every
   method's defaults (vecinfer codes a token a step, a2ats a 128-token window against 256
   centroids): nothing waits there; only a call past 64 MiB of distances waits, where
-  lazy blocks would hold them all. ``benchmarks/notes/kernel_constants.md``.
+  lazy blocks would hold them all. ``benchmarks/notes/kernel_constants.md``. On a GPU with
+  sub-vectors of up to 32 channels none of this runs: one kernel keeps each row's running
+  minimum and writes no distance (``kernels/nearest_centroid.py``; exact float32 sums, no
+  waits).
 - **Packed indices** (``pack_indices``/``unpack_indices``): every width from 1 to 16
   bits, one little-endian bit stream per token (``affine.pack_codes``' order), padded to
   whole uint32 words per token: ``index_words(n, bits) = ceil(n * bits / 32)``. Unpacking
@@ -60,6 +63,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..kernels.kivi_decode import token_mix
+from ..kernels.nearest_centroid import nearest_rows
 
 MAX_BITS = 16
 NEAREST_CHUNK = 1 << 19  # distances formed at a time by ``nearest`` with the CPU as the device
@@ -141,6 +145,9 @@ def nearest(x: mx.array, centroids: mx.array) -> mx.array:
         return nearest(x[0], centroids[0])[None]
     *lead, s = x.shape
     flat = x.reshape(*lead[: centroids.ndim - 2], -1, s).astype(mx.float32)  # (M, s) or (B, M, s)
+    fused = nearest_rows(flat, centroids)
+    if fused is not None:
+        return fused.reshape(lead)
     c = centroids.astype(mx.float32)
     ext = mx.concatenate([-2.0 * c, (c * c).sum(axis=-1, keepdims=True)], axis=-1).swapaxes(-1, -2)  # (s+1, K)
     flat = mx.concatenate([flat, mx.ones((*flat.shape[:-1], 1), mx.float32)], axis=-1)
