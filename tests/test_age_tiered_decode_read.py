@@ -71,3 +71,64 @@ def test_the_tail_is_passed_whole_with_its_counts():
     *_, last = s.decode_parts(mx.zeros((0,)))
     assert last.key_tail is s.k_tail.buffer and last.value_tail is s.v_tail.buffer
     assert last.tail_counts == (140 % 32, 140 % 32)
+
+
+@pytest.mark.parametrize("bits, ages", [((2, 4, 8), [96, 32]), ((3, 8, 16), [80, 40])])
+def test_on_cuda_the_decoded_rows_and_one_fused_attention_give_the_float32_read(bits, ages, monkeypatch):
+    """On CUDA a step reads every stored row decoded in the queries' dtype through one fused
+    attention (benchmarks/results/h200_s68): over 60 steps with flushes of the tail and
+    demotions among them, what the tiers' float32 parts give on the CPU, to float32
+    reassociation."""
+    from sdpa_calls import recorded
+    from test_kitty_decode_read import reassociation_bound
+
+    s = TieredStore(bits=list(bits), ages=ages, block=32)
+    total = PROMPT + STEPS
+    keys = mx.random.normal((1, H, total, D), key=mx.random.key(4))
+    values = mx.random.normal((1, H, total, D), key=mx.random.key(5))
+    s.commit(keys[:, :, :PROMPT], values[:, :, :PROMPT])
+    empty = mx.zeros((0,), mx.float32)
+    fused = recorded(monkeypatch)
+    for t in range(PROMPT, total):
+        q = mx.random.normal((1, H * GQA, 1, D), key=mx.random.key(300 + t))
+        s.commit(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+        ref = decode_attention(q, s.decode_parts(empty), scale=D**-0.5)  # the CPU's read
+        monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
+        before = len(fused)
+        out = s.attend_parts(q, scale=D**-0.5, use_kernel=True, n_kv_heads=H)
+        assert [c.keys for c in fused[before:]] == [t + 1]  # one fused attention over every row
+        monkeypatch.setattr(kd, "gpu_backend", lambda: None)
+        k_hat, v_hat = s.history(mx.float32)
+        err, bound = float(mx.abs(out - ref).max()), reassociation_bound(q, k_hat, v_hat, D**-0.5)
+        assert err <= bound, (t, err, bound)
+
+
+def test_cuda_read_decodes_a_layers_history_only_once_its_queries_exist(monkeypatch):
+    """Gated on its queries (``history_after``), a layer's rows are not decoded ahead of its
+    attention beside the other layers': from 4 to 8 chained layers the step's peak grows by
+    less than half of one layer's decoded rows (ungated, by several layers' rows)."""
+    from chained_layers import layer_rows, peak_growth
+
+    from veloxquant_mlx import KVCacheConfig
+    from veloxquant_mlx.methods.age_tiered.cache import AgeTieredKVCache
+
+    make = lambda: AgeTieredKVCache(KVCacheConfig(method="age_tiered"), None, 0)  # noqa: E731  (defaults)
+    assert peak_growth(make, 4, 8, monkeypatch) < layer_rows() / 2
+
+
+def test_cuda_read_of_unquantized_tiers_alone(monkeypatch):
+    """Tiers of 16 bits only (nothing coded, nothing to gate): the rows and the tail, exactly
+    the float32 read to reassociation."""
+    from test_kitty_decode_read import reassociation_bound
+
+    s = TieredStore(bits=[16, 16], ages=[64], block=32)
+    keys = mx.random.normal((1, H, 150, D), key=mx.random.key(8))
+    values = mx.random.normal((1, H, 150, D), key=mx.random.key(9))
+    s.commit(keys[:, :, :149], values[:, :, :149])
+    s.commit(keys[:, :, 149:], values[:, :, 149:])
+    q = mx.random.normal((1, H * GQA, 1, D), key=mx.random.key(10))
+    ref = decode_attention(q, s.decode_parts(mx.zeros((0,), mx.float32)), scale=D**-0.5)
+    monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
+    out = s.attend_parts(q, scale=D**-0.5, use_kernel=True, n_kv_heads=H)
+    k_hat, v_hat = s.history(mx.float32)
+    assert float(mx.abs(out - ref).max()) <= reassociation_bound(q, k_hat, v_hat, D**-0.5)

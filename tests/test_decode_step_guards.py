@@ -116,7 +116,9 @@ PERIODIC_STEP = {
     "morphkv": 2.42, "kvzip": 1.23, "kvtc": 5.25, "curdkv": 1.23, "nestedkv": 1.42,
     # the flush's tiering of 32 tokens, a scan unrolled in one compiled pass (8.58 a step before)
     "amc": 14.38,
-    "a2ats": 2.77, "anchorkv": 1.52, "rocketkv": 1.17, "age_tiered": 4.12,
+    "a2ats": 2.77, "anchorkv": 1.52, "rocketkv": 1.17,
+    # on CUDA every tier decoded + one fused attention (steady step 1.06 -> 1.25; 4.12 before, 2026-12-06)
+    "age_tiered": 4.31,
     # its decode rows coded 32 at a time (2026-12-05; 7.58 before its read's QJL fold, 6.80 coding each row)
     "spectral": 6.86,
     "turboquant": 2.50, "snapkv+kivi4": 2.47, "h2o+kivi2": 2.50, "tova+kivi4": 2.85,

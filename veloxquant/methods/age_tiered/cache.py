@@ -24,8 +24,10 @@ Choices where the card is inferred or open (recorded in the spec's docs too):
 
 Attention: a prompt chunk attends over the decoded history plus itself; a decode step
 over one part per tier merged by log-sum-exp (``kernels/decode.py``): the 2, 4 and 8-bit
-tiers through the fused kernel on a GPU, 3-bit and 16-bit tiers on the pure-MLX path
-(the full-precision tail rides with the youngest tier's part).
+tiers through the fused kernel on Metal, 3-bit and 16-bit tiers on the pure-MLX path
+(the full-precision tail rides with the youngest tier's part). On CUDA a decode step
+decodes every stored row in the model's dtype and reads them with one fused attention
+(``TieredStore.attend_parts``).
 """
 
 from __future__ import annotations

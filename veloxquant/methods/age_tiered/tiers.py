@@ -26,8 +26,9 @@ buffers stop growing there.
 
 Decode: one part per non-empty tier, the tail joined to the youngest, merged by
 log-sum-exp (``kernels/decode.py``). Group-affine tiers at 2, 4 and 8 bits are served by
-the fused kernel on a GPU; tiers at widths the kernels do not read (3 bits) and 16-bit
-tiers (full-precision rows) take the pure-MLX path.
+the fused kernel on Metal; tiers at widths the kernels do not read (3 bits) and 16-bit
+tiers (full-precision rows) take the pure-MLX path. On CUDA a decode step decodes every
+stored row in the queries' dtype and reads them with one fused attention.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from itertools import accumulate
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
+from ...kernels import kivi_decode as kd
 from ...kernels.decode import DecodePart
 from ...quant.affine import packed_length
 from ...quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
@@ -162,6 +164,7 @@ class TieredStore(PackedStore):
         # (tokens in the tiers, the stored count at which a boundary next moves), kept
         # likewise: a decode step between blocks then settles nothing, computes no tier ends
         self._moves = ReadViews()
+        self._row_views = ReadViews()  # the tiers' valid tokens a CUDA step decodes, kept likewise
 
     def _tier(self, bits: int, limit: int | None, step: int) -> Segment:
         if bits >= FULL_PRECISION_BITS:
@@ -220,6 +223,7 @@ class TieredStore(PackedStore):
         """``decoding``: a decode step's block (shapes that recur: the compiled encoders)."""
         self._views.clear()  # no view of a tier kept across its writes
         self._moves.clear()
+        self._row_views.clear()
         packed = sum(self.counts)  # stored tokens before the new ones
         for i in range(len(self.tiers) - 1):  # older tiers pull from the fronts of younger ones
             j = i + 1
@@ -255,6 +259,38 @@ class TieredStore(PackedStore):
         parts_k = [t.keys.decode(dtype) for t in tiers]
         parts_v = [t.values.decode(dtype) for t in tiers]
         return joined_history(parts_k, parts_v, self.k_tail.view(), self.v_tail.view(), dtype)
+
+    def attend_parts(self, queries, *, scale, use_kernel, n_kv_heads: int) -> mx.array:
+        """A decode step's attention. On CUDA: every stored row decoded in the queries' dtype
+        and one fused attention, which spends less device time there than the tiers' float32
+        parts, each its own products before the merge (benchmarks/results/h200_s68);
+        elsewhere the parts' joint read."""
+        if use_kernel and queries.shape[2] == 1 and self.length and kd.gpu_backend() == "cuda":
+            return self._decoded_attention(queries, scale)
+        return super().attend_parts(queries, scale=scale, use_kernel=use_kernel, n_kv_heads=n_kv_heads)
+
+    def _decoded_attention(self, queries, scale) -> mx.array:
+        """``history_after`` over the tiers' valid tokens as views kept between settles (a
+        step slices none of them), then one fused attention: the codes are decoded once the
+        queries exist, so that MLX does not decode later layers' rows ahead and hold them all."""
+        dtype = queries.dtype
+        tiers = self._row_views.get(self, (), self._tier_views)
+        codes = [a[0] for a in tiers if a[-1] is not None]
+        gated = iter(mx.depends(codes, [queries]) if codes else [])
+        rows = [a[0].astype(dtype) if a[-1] is None else a[-1].decode(next(gated), *a[1:-1], dtype) for a in tiers]
+        k, v = joined_history(rows[::2], rows[1::2], self.k_tail.view(), self.v_tail.view(), dtype)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+
+    def _tier_views(self) -> list[tuple]:
+        """Each non-empty tier's keys, then its values: (codes, scales, biases, codec) views of
+        its valid tokens, or (rows, None) for a 16-bit tier."""
+        out = []
+        for t in self.tiers:
+            if t.keys.count:
+                for x in (t.keys, t.values):
+                    out.append((x.rows.view(), None) if isinstance(x, RawTokens) else
+                               (x.codes.view(), x.scales.view(), x.biases.view(), x.codec))
+        return out
 
     def decode_parts(self, empty: mx.array) -> list[DecodePart]:
         """One part per non-empty tier, oldest first; the tail joins the youngest (its whole
@@ -329,5 +365,6 @@ class TieredStore(PackedStore):
     def restore(self, meta: dict, arrays: dict) -> None:
         self._views.clear()
         self._moves.clear()
+        self._row_views.clear()
         for name, kept in self.arrays().items():
             kept.reset(arrays.get(name))
