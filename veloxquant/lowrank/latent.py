@@ -283,24 +283,27 @@ class LatentTokens:
     def read_inputs(self) -> list[mx.array]:
         """What ``rows`` reads of each stored span first (its codes, or its unquantized
         rows): what a decode step holds back until its queries exist."""
-        return [sp.arrays[0] for sp in self._span_views() if sp.arrays] if self.flushed else []
+        return [sp.inputs[0] for sp in self._span_views() if sp.arrays] if self.flushed else []
 
     def rows(self, dtype, width: int, inputs) -> mx.array:
         """Every latent (B, G, count, width) in ``dtype``, 0 in dropped channels and past the
         rank: the keys or values of one fused attention in the latent space (a CUDA decode
         step); ``inputs``: ``read_inputs()`` as the caller holds them (an iterator)."""
-        parts = []
+        parts, pad = [], width - self.rank
         if self.flushed:
             spans = self._span_views()
-            zeros = held(self, "_zero_views", ReadViews).get(
-                self, (self.flushed, str(dtype)), lambda: {sp.start: mx.zeros((*self.lead, self.flushed, sp.stop - sp.start), dtype)
-                                                      for sp in spans if not sp.arrays})
+            # dropped channels and the padding as zeros broadcast (no bytes): the join writes
+            # them, so the rows are written once, not padded in a pass of their own
+            zeros = held(self, "_zero_views", ReadViews).get(self, (self.flushed, str(dtype), width), lambda: {
+                at: mx.broadcast_to(_zero(str(dtype)), (*self.lead, self.flushed, n))
+                for at, n in [(sp.start, sp.stop - sp.start) for sp in spans if not sp.arrays] + [(self.rank, pad)] if n})
             cols = [sp.rows(dtype, self.group, next(inputs)) if sp.arrays else zeros[sp.start] for sp in spans]
+            cols += [zeros[self.rank]] if pad else []
             parts.append(cols[0] if len(cols) == 1 else mx.concatenate(cols, axis=-1))
         if self.buf.length:
-            parts.append(as_dtype(self.buf.view(), dtype))
-        out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
-        return mx.pad(out, [(0, 0)] * 3 + [(0, width - self.rank)]) if width > self.rank else out
+            rows = as_dtype(self.buf.view(), dtype)
+            parts.append(mx.pad(rows, [(0, 0)] * 3 + [(0, pad)]) if pad else rows)
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
     def fused_views(self, basis: mx.array, mean: mx.array, g: int, rows: int, width: int, dtype) -> "_BasisRead":
         """``basis_views`` in ``dtype`` with the basis zero-padded to ``width`` columns (the
@@ -368,6 +371,12 @@ def _span_reads(tokens: LatentTokens, path: str) -> tuple[list["_SpanRead"], lis
 
 
 @functools.lru_cache(maxsize=None)
+def _zero(dtype: str) -> mx.array:
+    """A zero of ``dtype`` (by name), made once: a leaf of the steps that broadcast it."""
+    return mx.zeros((1, 1, 1, 1), getattr(mx, dtype.split(".")[-1]))
+
+
+@functools.lru_cache(maxsize=None)
 def _word_bits() -> mx.array:
     """The 32 bit positions of a word (uint32), made once: a leaf of the steps that read it."""
     return mx.arange(32, dtype=mx.uint32)
@@ -392,6 +401,10 @@ class _SpanRead:
     path: str  # kivi_decode._pure_path(): "qmm" (quantized_matmul) or a dequantization
     arrays: tuple  # packed: (codes, scales, minima); unquantized: (rows, rows transposed); dropped: ()
     unpacked: bool = False  # 1 bit (groups of 32k tokens): arrays (words (..., groups, k, 1), scales and minima (..., groups, 1, 1))
+    # packed at 2 bits or more: the whole buffers (codes, scales, minima) over the same room of
+    # tokens, which ``rows`` decodes before it cuts the valid tokens (a step's fused read):
+    # slices of the buffers are not contiguous, and the dequantization would copy each first
+    room: tuple = ()
 
     @classmethod
     def of(cls, tokens: "LatentTokens", i: int, seg: ChannelSegment, path: str) -> "_SpanRead":
@@ -409,7 +422,12 @@ class _SpanRead:
                     codes.reshape(*codes.shape[:-1], -1, k)[..., :groups, :, None]
                 arrays = (words, *(a[..., None, None] for a in arrays[1:]))
                 return cls(seg.start, seg.stop, seg.bits, path, arrays, True)
-            return cls(seg.start, seg.stop, seg.bits, path, arrays)
+            room = (codes, p.scales.buffer, p.biases.buffer)
+            coded, scaled = codes.shape[-1] * 32 // seg.bits, room[1].shape[-1] * tokens.group
+            if coded != scaled:  # rooms of unequal size (a restored state): their common room
+                n_room = min(coded, scaled)
+                room = (codes[..., : n_room * seg.bits // 32], *(a[..., : n_room // tokens.group] for a in room[1:]))
+            return cls(seg.start, seg.stop, seg.bits, path, arrays, room=room)
         if i in tokens.exact:
             rows = tokens.exact[i].view()
             return cls(seg.start, seg.stop, seg.bits, path, (rows, rows.swapaxes(-1, -2)))
@@ -428,11 +446,20 @@ class _SpanRead:
         return kd.dequantize(codes, scales, biases, group, self.bits)
 
     def rows(self, dtype, group: int, first: mx.array) -> mx.array:
-        """The span's latents (B, G, tokens, channels) in ``dtype``, its first array (codes,
-        or the unquantized rows) as ``first``."""
+        """The span's latents (B, G, tokens, channels) in ``dtype``, its first input
+        (``inputs[0]``: codes, or the unquantized rows) as ``first``."""
         if self.bits >= UNQUANTIZED_BITS:
             return as_dtype(first, dtype)
+        if self.room:
+            scales, biases = (a.astype(dtype) for a in self.room[1:])
+            tokens = self.arrays[1].shape[-1] * group
+            return kd.dequantize(first, scales, biases, group, self.bits)[..., :tokens].swapaxes(-1, -2)
         return self._dequantized(dtype, group, first).swapaxes(-1, -2)
+
+    @property
+    def inputs(self) -> tuple:
+        """What ``rows`` reads: the whole buffers where it decodes their room, else ``arrays``."""
+        return self.room or self.arrays
 
     def scores(self, acc: mx.array | None, q: mx.array, group: int) -> mx.array | None:
         """``acc +`` float32 ``q Lᵀ`` over the span's channels (``q``: the query's)."""
