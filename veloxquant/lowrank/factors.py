@@ -1,7 +1,9 @@
 """Low-rank factors ``x ~ A Bᵀ`` of a batch of matrices ``x (..., T, d)``, float32, with
 no QR or SVD over the tokens: the work over the T rows is matrix products on the default
 device, and the only decompositions are of small matrices (``eigh`` of d x d or k x k for a
-rank k, QR of d x k) on the CPU stream, where MLX runs them.
+rank k, QR of d x k) on the CPU stream, where MLX runs them (``gram_basis``' d x d eigh goes
+through ``kernels/jacobi_eigh.symmetric_eigh``: the device's Jacobi kernel for the sizes it
+takes, none until measured).
 
 - ``sample_rows``: at most ``FIT_SAMPLE_TOKENS`` evenly spaced rows, float32, non-finite
   entries zeroed (LAPACK refuses a NaN: one overflowed row must not stop a prefill).
@@ -53,6 +55,8 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+
+from ..kernels.jacobi_eigh import symmetric_eigh
 
 POWER_ITERATIONS = 3  # GEAR's run scripts (--loop 3)
 SEED = 0  # the start of every power iteration: the same chunk gives the same factors
@@ -184,7 +188,7 @@ def gram_basis(x: mx.array, sample: int | None = None):
     t = x.shape[-2]
     x = sample_rows(x, sample)
     gram = x.swapaxes(-1, -2) @ x
-    _, vectors = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending
+    _, vectors = symmetric_eigh(gram)  # ascending
     vectors = vectors[..., ::-1]
     # ‖x v‖ rather than the eigenvalue's root: the small singular values keep float32's
     # precision instead of losing half of it to the square
