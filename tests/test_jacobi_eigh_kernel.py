@@ -8,9 +8,6 @@ A wrong rotation (a sign, a pair missed by the ordering) leaves errors of order 
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -23,31 +20,14 @@ EPS = 2.0 ** -24
 
 def emulate(a: mx.array, workdir) -> tuple[np.ndarray, np.ndarray]:
     """One launch of the CUDA source as C++ threads on the CPU: (work, vecs) as it leaves them."""
-    from test_kernel_kivi_decode import _EMU_PRELUDE, _emu_function
+    from test_kernel_kivi_decode import emulate_launch
 
     args = je.launch_args(a)
     (x,) = args["inputs"]
     b, n, _ = x.shape
-    src = _EMU_PRELUDE + _emu_function("kmain", je.CUDA_SOURCE, [("a", "float32")],
-                                       [("work", "float32"), ("vecs", "float32")], args["template"])
-    path = os.path.join(workdir, "a.bin")
-    np.array(x).tofile(path)
-    nt = args["threadgroup"][0]
-    outs = {k: os.path.join(workdir, k + ".out") for k in ("work", "vecs")}
-    main = (f'int main() {{\n  auto b_a = rd("{path}");\n'
-            f"  std::vector<float> work({b * n * n}, NAN), vecs({b * n * n}, NAN);\n"
-            f"  launch({b}, 1, {nt}, [&] {{ kmain((const float*)b_a.data(), work.data(), vecs.data()); }});\n")
-    for k, p in outs.items():
-        main += f'  {{ FILE* f = fopen("{p}", "wb"); fwrite({k}.data(), 4, {k}.size(), f); fclose(f); }}\n'
-    main += "  return 0;\n}\n"
-    cpp, exe = os.path.join(workdir, "k.cpp"), os.path.join(workdir, "k")
-    with open(cpp, "w") as fh:
-        fh.write(src + main)
-    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-w", "-o", exe, cpp], capture_output=True, text=True)
-    if r.returncode:
-        pytest.fail("the CUDA source does not compile as C++ in the emulation:\n" + r.stderr[-3000:])
-    subprocess.run([exe], check=True, timeout=600)
-    return tuple(np.fromfile(outs[k], np.float32).reshape(b, n, n) for k in ("work", "vecs"))
+    out = emulate_launch(je.CUDA_SOURCE, [("a", "float32", x)], [("work", "float32", b * n * n), ("vecs", "float32", b * n * n)],
+                         args["template"], (b, 1), args["threadgroup"][0], workdir)
+    return out["work"].reshape(b, n, n), out["vecs"].reshape(b, n, n)
 
 
 def symmetric(b: int, n: int, seed: int, spectrum=None) -> mx.array:

@@ -613,6 +613,43 @@ def _emu_function(name, source, inputs, outputs, template):
     return f"void {name}({', '.join(args)}) {{\n{body}{source}\n}}\n"
 
 
+_NP = {"float32": np.float32, "uint32": np.uint32, "int32": np.int32, "float16": np.float16}
+
+
+def emulate_launch(source, inputs, outputs, template, blocks, threads, workdir, header=""):
+    """One launch of a kernel's CUDA ``source`` as C++ threads on the CPU: ``inputs``
+    [(name, dtype name, array)], ``outputs`` [(name, dtype name, size)] (filled with NaN,
+    or all ones bits for integers, so that an unwritten entry shows), ``blocks`` (x, y)
+    of ``threads`` each; the outputs as flat numpy arrays, by name."""
+    src = _EMU_PRELUDE + header + _emu_function(
+        "kmain", source, [(n, d) for n, d, _ in inputs], [(n, d) for n, d, _ in outputs], template)
+    main, call = "int main() {\n", []
+    for n, d, a in inputs:
+        path = os.path.join(workdir, n + ".bin")
+        np.array(a).astype(_NP[d]).tofile(path)
+        main += f'  auto b_{n} = rd("{path}");\n'
+        call.append(f"(const {_CT[d]}*)b_{n}.data()")
+        if n + "_shape" in source:
+            call.append("Shape{" + ",".join(map(str, list(a.shape) + [0] * (10 - a.ndim))) + "}")
+    for n, d, size in outputs:
+        fill = "NAN" if d.startswith("float") else "~0u"
+        main += f"  std::vector<{_CT[d]}> o_{n}({size}, {fill});\n"
+        call.append(f"o_{n}.data()")
+    main += f"  launch({blocks[0]}, {blocks[1]}, {threads}, [&] {{ kmain({', '.join(call)}); }});\n"
+    for n, d, _ in outputs:
+        path = os.path.join(workdir, n + ".out")
+        main += f'  {{ FILE* f = fopen("{path}", "wb"); fwrite(o_{n}.data(), sizeof(o_{n}[0]), o_{n}.size(), f); fclose(f); }}\n'
+    main += "  return 0;\n}\n"
+    cpp, exe = os.path.join(workdir, "k.cpp"), os.path.join(workdir, "k")
+    with open(cpp, "w") as fh:
+        fh.write(src + main)
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-w", "-o", exe, cpp], capture_output=True, text=True)
+    if r.returncode:
+        pytest.fail("the CUDA source does not compile as C++ in the emulation:\n" + r.stderr[-3000:])
+    subprocess.run([exe], check=True, timeout=600)
+    return {n: np.fromfile(os.path.join(workdir, n + ".out"), _NP[d]) for n, d, _ in outputs}
+
+
 def runtime_launch(algo, args, *, scale, bits, group_size, chunk, target):
     """The runtime's (source, splits, threads, params, template) of a dispatched kernel."""
     q, kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = args

@@ -7,9 +7,6 @@ to the lowest index, as ``mx.argmin``'s do."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -21,33 +18,15 @@ from veloxquant_mlx.quant import vq
 
 def emulate(rows: mx.array, centroids: mx.array, workdir) -> np.ndarray:
     """One launch of the CUDA source as C++ threads on the CPU: the indices it writes."""
-    from test_kernel_kivi_decode import _CT, _EMU_PRELUDE, _emu_function
+    from test_kernel_kivi_decode import emulate_launch
 
     args = nc.launch_args(rows, centroids)
-    names = ("rows", "centroids", "params")
-    dts = {mx.float32: "float32", mx.int32: "int32"}
-    src = _EMU_PRELUDE + _emu_function("kmain", nc.CUDA_SOURCE, [(n, dts[a.dtype]) for n, a in zip(names, args["inputs"])],
-                                       [("out", "uint32")], args["template"])
-    main, call = "int main() {\n", []
-    for n, a in zip(names, args["inputs"]):
-        path = os.path.join(workdir, n + ".bin")
-        np.array(a).tofile(path)
-        main += f'  auto b_{n} = rd("{path}");\n'
-        call.append(f"(const {_CT[dts[a.dtype]]}*)b_{n}.data()")
+    x, c, params = args["inputs"]
     (size,) = args["output_shapes"][0]
     gx, gy, _ = args["grid"]
-    out = os.path.join(workdir, "out.bin")
-    main += f"  std::vector<uint32_t> o({size}, 0xFFFFFFFFu);\n"
-    main += f"  launch({gx // nc.NT}, {gy}, {nc.NT}, [&] {{ kmain({', '.join(call)}, o.data()); }});\n"
-    main += f'  FILE* f = fopen("{out}", "wb"); fwrite(o.data(), 4, o.size(), f); fclose(f);\n  return 0;\n}}\n'
-    cpp, exe = os.path.join(workdir, "k.cpp"), os.path.join(workdir, "k")
-    with open(cpp, "w") as fh:
-        fh.write(src + main)
-    r = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-w", "-o", exe, cpp], capture_output=True, text=True)
-    if r.returncode:
-        pytest.fail("the CUDA source does not compile as C++ in the emulation:\n" + r.stderr[-3000:])
-    subprocess.run([exe], check=True, timeout=300)
-    return np.fromfile(out, np.uint32).reshape(rows.shape[:-1])
+    out = emulate_launch(nc.CUDA_SOURCE, [("rows", "float32", x), ("centroids", "float32", c), ("params", "int32", params)],
+                         [("out", "uint32", size)], args["template"], (gx // nc.NT, gy), nc.NT, workdir)
+    return out["out"].reshape(rows.shape[:-1])
 
 
 def float64_excess(rows, centroids, idx) -> np.ndarray:

@@ -221,44 +221,16 @@ def test_memory_per_token_is_the_papers_bits_plus_norms():
 def emulate_turbo_kernel(args: dict, workdir) -> tuple[np.ndarray, np.ndarray]:
     """One launch of the CUDA source (``kernel.launch_args``) as C++ threads on the CPU:
     (o_part, ml_part) as the kernel writes them."""
-    import os
-    import subprocess
-
-    from test_kernel_kivi_decode import _EMU_PRELUDE, _CT, _emu_function
+    from test_kernel_kivi_decode import emulate_launch
     from veloxquant_mlx.kernels import kivi_decode as kd
     from veloxquant_mlx.methods.turboquant import kernel as tk
 
-    names = tk.INPUT_NAMES
     dts = {mx.float32: "float32", mx.float16: "float16", mx.uint32: "uint32", mx.int32: "int32"}
-    ins = [(n, dts[a.dtype], a) for n, a in zip(names, args["inputs"])]
-    src = _EMU_PRELUDE + kd.CUDA_HEADER + _emu_function(
-        "kmain", tk.CUDA_SOURCE, [(n, d) for n, d, _ in ins], [("o_part", "float32"), ("ml_part", "float32")],
-        args["template"])
-    call = []
-    main = "int main() {\n"
-    for n, d, a in ins:
-        path = os.path.join(workdir, n + ".bin")
-        np.array(a).tofile(path)
-        main += f'  auto b_{n} = rd("{path}");\n'
-        call.append(f"(const {_CT[d]}*)b_{n}.data()")
-        if n + "_shape" in tk.CUDA_SOURCE:
-            call.append("Shape{" + ",".join(map(str, list(a.shape) + [0] * (10 - a.ndim))) + "}")
+    ins = [(n, dts[a.dtype], a) for n, a in zip(tk.INPUT_NAMES, args["inputs"])]
     (o_shape, ml_shape) = args["output_shapes"]
-    splits, bh = args["grid"][0] // tk.NT, args["grid"][1]
-    main += f"  std::vector<float> o({math.prod(o_shape)}, NAN), ml({math.prod(ml_shape)}, NAN);\n"
-    main += f"  launch({splits}, {bh}, {tk.NT}, [&] {{ kmain({', '.join(call)}, o.data(), ml.data()); }});\n"
-    for n in ("o", "ml"):
-        main += f'  {{ FILE* f = fopen("{os.path.join(workdir, n)}.out", "wb"); fwrite({n}.data(), 4, {n}.size(), f); fclose(f); }}\n'
-    main += "  return 0;\n}\n"
-    cpp, exe = os.path.join(workdir, "k.cpp"), os.path.join(workdir, "k")
-    with open(cpp, "w") as fh:
-        fh.write(src + main)
-    r = subprocess.run(["g++", "-std=c++20", "-O0", "-pthread", "-w", "-o", exe, cpp], capture_output=True, text=True)
-    if r.returncode:
-        pytest.fail("the CUDA source does not compile as C++ in the emulation:\n" + r.stderr[-3000:])
-    subprocess.run([exe], check=True, timeout=300)
-    return (np.fromfile(os.path.join(workdir, "o.out"), np.float32).reshape(o_shape),
-            np.fromfile(os.path.join(workdir, "ml.out"), np.float32).reshape(ml_shape))
+    out = emulate_launch(tk.CUDA_SOURCE, ins, [("o_part", "float32", math.prod(o_shape)), ("ml_part", "float32", math.prod(ml_shape))],
+                         args["template"], (args["grid"][0] // tk.NT, args["grid"][1]), tk.NT, workdir, header=kd.CUDA_HEADER)
+    return out["o_part"].reshape(o_shape), out["ml_part"].reshape(ml_shape)
 
 
 @pytest.mark.parametrize("key_bits,qjl,value_bits,gqa,n", [
