@@ -53,11 +53,6 @@ OVER_GRAPH_BOUND = {
     # attention (the float32 score matmul/softmax/mean a layer, which the mass needs bit for bit);
     # the new token quantized in one pass, one mask, the scale in the product (2.17 before, 2026-12-05)
     "h2o+kivi2": 1.88,
-    # each index read from the two words it spans, two gathers a code buffer (2.13 before, with
-    # a sum over every word: W times the indices' size over the whole buffer, 6x slower on the
-    # H200; benchmarks/notes/serving_batches.md); 2.40 while it coded a token a step; on CUDA its
-    # centroids gathered in the code space + one fused attention (1.90 before, 2026-12-06)
-    "vecinfer": 1.65,
     # its table read counted on the CUDA path (a select an entry); bit planes read in place and
     # the sinks, run and tail one part (2.08 before, 2026-12-05)
     "kvquant": 1.61,
@@ -105,8 +100,8 @@ GRAPH_BOUND = 1.3
 # rows by one index a row from the flattened buffers (a take of its own), which the H200 ran
 # 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
-    # vecinfer 2.65 before its CUDA read (2026-12-06)
-    "full": 1.13, "vecinfer": 2.40, "kivi": 1.54, "svdq": 4.08, "kitty": 3.21, "adakv": 6.48,
+    # vecinfer 2.65 before its CUDA read, 2.40 before its coded rows came from one launch (2026-12-06)
+    "full": 1.13, "vecinfer": 1.98, "kivi": 1.54, "svdq": 4.08, "kitty": 3.21, "adakv": 6.48,
     "xquant": 2.22, "kvquant": 6.38, "cachegen": 5.40, "minicache": 2.71,
     # its CUDA read decodes each span's whole room and cuts the valid tokens (a slice a span)
     # instead of copying the spans' sliced codes first (4.17 before, 2026-12-06)

@@ -53,6 +53,7 @@ from ..cache.buffers import GrowingArray, RecentRows
 from ..kernels import kivi_decode as kd
 from ..kernels.decode import DecodePart
 from ..kernels.kivi_decode import token_mix
+from ..kernels.codebook_rows import codebook_rows
 from . import vq
 from .cache import QuantizedCache
 from .packed import GROWTH_TOKENS, field_arrays, runs_layout, unpack_fields
@@ -338,7 +339,11 @@ def _code_space_fn(dtype, scaled: bool, rotated: bool, query: bool):
 
 def _gathered(words, flat, n: int, bits: int, books: int, count: int) -> mx.array:
     """The coded tokens' rows (B, H, count, n s) of the whole code buffer ``words``: each
-    token's centroids gathered from the codebooks laid end to end (``flat`` (books K, s))."""
+    token's centroids gathered from the codebooks laid end to end (``flat`` (books K, s)); on
+    a GPU in one launch (``kernels/codebook_rows.py``), the same values."""
+    rows = codebook_rows(words, flat, n, bits, books, count)
+    if rows is not None:
+        return rows
     at = _value_index_fn(words, *_fields(n, bits), _value_offsets(books, flat.shape[0] // books))
     rows = mx.take(flat, at, axis=0)  # (B, H, rows, n, s)
     return rows.reshape(*rows.shape[:3], -1)[:, :, :count]
