@@ -225,16 +225,18 @@ def cuda_kernels_as_launch_nodes():
     it runs as on CUDA, on the CPU (also ``benchmarks/host_time.py``'s host timings)."""
     from veloxquant_mlx.kernels import codebook_rows as cr
     from veloxquant_mlx.kernels import kivi_decode as kd
+    from veloxquant_mlx.methods.nsnquant import kernel as nsn
     from veloxquant_mlx.methods.turboquant import kernel as turbo
 
     saved = (getattr(mx.fast, "cuda_kernel", None), kd.gpu_backend, kd.kernel_self_check, dict(kd._KERNELS),
-             turbo._self_check_problem, dict(turbo._CHECKED), cr.kernel_checked)
+             turbo._self_check_problem, dict(turbo._CHECKED), cr.kernel_checked, nsn.kernel_checked)
     try:
         mx.fast.cuda_kernel = lambda **_: _LaunchNode()
         kd.gpu_backend = lambda: "cuda"
         kd.kernel_self_check = lambda *key: True  # a launch node has no values to check
         turbo._self_check_problem = lambda *args, **kwargs: None  # TurboQuant's own check, likewise
         cr.kernel_checked = lambda *key: True  # the codebook-rows kernel's, likewise
+        nsn.kernel_checked = lambda *key: True  # nsnquant's code-rows kernel's, likewise
         kd._KERNELS.clear()
         kd._STEP_PLANS.clear()
         turbo._CHECKED.clear()
@@ -249,7 +251,7 @@ def cuda_kernels_as_launch_nodes():
         turbo._self_check_problem = saved[4]
         turbo._CHECKED.clear()
         turbo._CHECKED.update(saved[5])
-        cr.kernel_checked = saved[6]
+        cr.kernel_checked, nsn.kernel_checked = saved[6:8]
 
 
 def _clear_package_caches() -> None:

@@ -64,9 +64,6 @@ OVER_GRAPH_BOUND = {
     "gear": 1.46,
     # lookup tables read from kept views, top-k by one sort of (score, position) keys (2.04 before, 2026-12-05)
     "a2ats": 1.61,
-    # a read at 1.50 made the CPU's decode 1.3x slower: benchmarks/results/h200_s61/nsnquant_read.patch;
-    # on CUDA its rows rebuilt in the rotated frame + one fused attention (1.94 before, 2026-12-06)
-    "nsnquant": 1.75,
     "kvtc": 1.65,  # keys rebuilt channels first, gather indices and views kept between codings (2.02 before, 2026-12-05)
     # 2.06 before its read ran over the buffers' room in one compiled pass, 1.75 before its
     # three value products were summed in one (2026-12-05); 1.73 before its CUDA read's decode
@@ -108,7 +105,9 @@ PERIODIC_STEP = {
     "palu": 4.29,
     "gear": 7.98, "zipcache": 4.02, "snapkv": 1.23, "streaming_llm": 0.96, "h2o": 1.67,
     "tova": 2.00, "pyramidkv": 1.14, "squeeze": 1.25, "chunkkv": 1.23, "cam": 3.40, "xkv": 1.35,
-    "nsnquant": 5.50, "knorm": 1.90,
+    "knorm": 1.90,
+    # its coded rows in one launch a tensor (5.50 before, 2026-12-06)
+    "nsnquant": 4.92,
     # its CUDA read, the kept rows decoded + one fused attention over views kept between flushes (2.42 before, 2026-12-06)
     "skvq": 2.27, "qfilters": 1.60, "keyformer": 1.75,
     "morphkv": 2.42, "kvzip": 1.23, "kvtc": 5.25, "curdkv": 1.23, "nestedkv": 1.42,

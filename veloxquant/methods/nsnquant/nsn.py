@@ -34,8 +34,8 @@ token, so the centroids are gathered by index and signed. Each read is one compi
 over the buffers' whole room (rows past the count are zeros: their scores are cut off,
 their weights are zero), so a step's shapes change only when the buffers grow. On CUDA a
 step reads in the rotated frame instead (``NSNStore.attend_parts``): every row rebuilt as
-``s1 (s2 y_hat + o H)`` in the queries' dtype, the tails rotated, one fused attention of the
-rotated queries, its output rotated back.
+``s1 (s2 y_hat + o H)`` in the queries' dtype (one launch a tensor: ``kernel.py``), the tails
+rotated, one fused attention of the rotated queries, its output rotated back.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from ...kernels.decode import DecodePart
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.store import WINDOW_STEP, PackedStore, joined_history
 from ...quant.token_rows import ReadViews, held
+from .kernel import code_rows
 from ...quant.vq import gather_centroids, index_words, kmeans, lookup_scores, nearest, pack_indices, rotate, unpack_indices
 
 UNIVERSAL_SAMPLES = 1 << 16  # N(0, I) samples the universal codebook is fitted on (at least 16 a centroid)
@@ -392,9 +393,10 @@ class NSNStore(PackedStore):
         for tokens, tail, d in ((self.keys, self.k_tail, self.dims[0]), (self.values, self.v_tail, self.dims[1])):
             idx, sign, norms, means = tokens.fused_inputs()
             idx = mx.depends([idx], [queries])[0]
-            rows = _code_rows_fn(tokens.codec.bits, d, tokens.chunk, dtype)(
-                idx, sign, norms, means, tokens.codec.codebook, *_sign_tables())
-            rows = rows[:, :, :n]
+            rows = code_rows(idx, sign, norms, means, tokens.codec.codebook, d, tokens.chunk, n, dtype)
+            if rows is None:  # no kernel: the same rows through MLX's ops
+                rows = _code_rows_fn(tokens.codec.bits, d, tokens.chunk, dtype)(
+                    idx, sign, norms, means, tokens.codec.codebook, *_sign_tables())[:, :, :n]
             parts.append(mx.concatenate([rows, _rotated_fn(dtype)(tail.view())], axis=2) if tail.length else rows)
         out = mx.fast.scaled_dot_product_attention(_rotated_fn(dtype)(queries), *parts, scale=scale)
         return _rotated_fn(dtype)(out)
