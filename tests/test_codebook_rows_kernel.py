@@ -24,7 +24,8 @@ def emulate(words, books, n, bits, book_rows, count, workdir) -> np.ndarray:
     shape = args["output_shapes"][0]
     gx, gy, _ = args["grid"]
     out = emulate_launch(cr.CUDA_SOURCE, [("words", "uint32", ws), ("books", dt, bs), ("params", "int32", params)],
-                         [("out", dt, int(np.prod(shape)))], template, (gx // cr.NT, gy), cr.NT, workdir)
+                         [("out", dt, int(np.prod(shape)))], template, (gx // cr.NT, gy), cr.NT, workdir,
+                         header=cr.PACKED_INDEX_CUDA)
     return out["out"].reshape(shape)
 
 

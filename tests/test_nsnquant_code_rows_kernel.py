@@ -27,7 +27,7 @@ def emulate(args, workdir) -> np.ndarray:
     shape = args["output_shapes"][0]
     gx, gy, _ = args["grid"]
     out = emulate_launch(nk.CUDA_SOURCE, ins, [("out", out_dt, int(np.prod(shape)))], template,
-                         (gx // nk.NT, gy), nk.NT, workdir)
+                         (gx // nk.NT, gy), nk.NT, workdir, header=nk.PACKED_INDEX_CUDA)
     return out["out"].reshape(shape)
 
 

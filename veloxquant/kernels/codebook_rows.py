@@ -32,6 +32,27 @@ from . import kivi_decode as kd
 
 NT = 256
 
+# An index of ``bits`` (at most 31) from a token's little-endian bit stream of words ``w``:
+# index j's low bits in word (j bits) / 32, its high bits in the next where it crosses.
+# Shared with nsnquant's code-rows kernel.
+PACKED_INDEX_CUDA = r"""
+__device__ __forceinline__ unsigned int vq_packed_index(const unsigned int* w, int j, int bits) {
+  const int bit = j * bits;
+  unsigned int code = w[bit >> 5] >> (bit & 31);
+  if ((bit & 31) + bits > 32) code |= w[(bit >> 5) + 1] << (32 - (bit & 31));
+  return code & ((1u << bits) - 1u);
+}
+"""
+
+PACKED_INDEX_METAL = r"""
+inline uint vq_packed_index(const device uint* w, int j, int bits) {
+  const int bit = j * bits;
+  uint code = w[bit >> 5] >> (bit & 31);
+  if ((bit & 31) + bits > 32) code |= w[(bit >> 5) + 1] << (32 - (bit & 31));
+  return code & ((1u << bits) - 1u);
+}
+"""
+
 CUDA_SOURCE = r"""
   const int count = params[0];
   const int room = params[1];
@@ -44,11 +65,7 @@ CUDA_SOURCE = r"""
   const int t = (int)(i / ROW);
   const int c = (int)(i - (size_t)t * ROW);
   const int j = c / S;
-  const int bit = j * BITS;
-  const unsigned int* w = words + ((size_t)bh * room + t) * W;
-  unsigned int code = w[bit >> 5] >> (bit & 31);
-  if ((bit & 31) + BITS > 32) code |= w[(bit >> 5) + 1] << (32 - (bit & 31));
-  code &= (1u << BITS) - 1u;
+  const unsigned int code = vq_packed_index(words + ((size_t)bh * room + t) * W, j, BITS);
   const int book = book_rows > 1 ? (bh / heads) * K : 0;
   out[(size_t)bh * count * ROW + i] = books[((size_t)book + code) * S + (c - j * S)];
 """
@@ -65,11 +82,7 @@ METAL_SOURCE = r"""
   const int t = int(i / ROW);
   const int c = int(i - size_t(t) * ROW);
   const int j = c / S;
-  const int bit = j * BITS;
-  const device uint* w = words + (size_t(bh) * room + t) * W;
-  uint code = w[bit >> 5] >> (bit & 31);
-  if ((bit & 31) + BITS > 32) code |= w[(bit >> 5) + 1] << (32 - (bit & 31));
-  code &= (1u << BITS) - 1u;
+  const uint code = vq_packed_index(words + (size_t(bh) * room + t) * W, j, BITS);
   const int book = book_rows > 1 ? (bh / heads) * K : 0;
   out[size_t(bh) * count * ROW + i] = books[(size_t(book) + code) * S + (c - j * S)];
 """
@@ -78,8 +91,9 @@ METAL_SOURCE = r"""
 @functools.lru_cache(maxsize=None)
 def _kernel(backend: str):
     make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+    cuda = backend == "cuda"
     return make(name="vq_codebook_rows", input_names=["words", "books", "params"], output_names=["out"],
-                source=CUDA_SOURCE if backend == "cuda" else METAL_SOURCE)
+                source=CUDA_SOURCE if cuda else METAL_SOURCE, header=PACKED_INDEX_CUDA if cuda else PACKED_INDEX_METAL)
 
 
 def launch_args(words: mx.array, books: mx.array, n: int, bits: int, book_rows: int, count: int) -> dict:

@@ -8,7 +8,8 @@ row value in one:
 
 - a thread owns one value: token t, channel c (sub-vector ``c / s``, its component ``c % s``);
 - the index is read from the token's little-endian bit stream (``vq.pack_indices``' layout:
-  8 and 16 bits are its bytes and halves), the centroid's component taken from the codebook;
+  8 and 16 bits are its bytes and halves; ``codebook_rows.PACKED_INDEX_CUDA``), the centroid's
+  component taken from the codebook;
 - at 2 bits the sign is bit ``c % 32`` of the token's sign word ``c / 32`` (``pack_indices(y
   < 0, 1)``), and a set bit negates;
 - ``s1 (s2 y + o)`` in float32, ``o`` the token's chunk's rotated mean, then the output dtype.
@@ -29,6 +30,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ...kernels import kivi_decode as kd
+from ...kernels.codebook_rows import PACKED_INDEX_CUDA, PACKED_INDEX_METAL
 
 NT = 256
 
@@ -43,11 +45,7 @@ CUDA_SOURCE = r"""
   const int t = (int)(i / D);
   const int c = (int)(i - (size_t)t * D);
   const int j = c / S;
-  const int bit = j * IBITS;
-  const unsigned int* w = idx + ((size_t)bh * room_idx + t) * IW;
-  unsigned int code = w[bit >> 5] >> (bit & 31);
-  if ((bit & 31) + IBITS > 32) code |= w[(bit >> 5) + 1] << (32 - (bit & 31));
-  code &= IBITS == 32 ? 0xffffffffu : ((1u << IBITS) - 1u);
+  const unsigned int code = vq_packed_index(idx + ((size_t)bh * room_idx + t) * IW, j, IBITS);
   float y = codebook[(size_t)code * S + (c - j * S)];
   if (SIGNED) {
     const unsigned int s = sign[((size_t)bh * room_idx + t) * SW + (c >> 5)];
@@ -70,11 +68,7 @@ METAL_SOURCE = r"""
   const int t = int(i / D);
   const int c = int(i - size_t(t) * D);
   const int j = c / S;
-  const int bit = j * IBITS;
-  const device uint* w = idx + (size_t(bh) * room_idx + t) * IW;
-  uint code = w[bit >> 5] >> (bit & 31);
-  if ((bit & 31) + IBITS > 32) code |= w[(bit >> 5) + 1] << (32 - (bit & 31));
-  code &= IBITS == 32 ? 0xffffffffu : ((1u << IBITS) - 1u);
+  const uint code = vq_packed_index(idx + (size_t(bh) * room_idx + t) * IW, j, IBITS);
   float y = codebook[size_t(code) * S + (c - j * S)];
   if (SIGNED) {
     const uint s = sign[(size_t(bh) * room_idx + t) * SW + (c >> 5)];
@@ -92,8 +86,9 @@ _INPUTS = ["idx", "sign", "norms", "means", "codebook", "params"]
 @functools.lru_cache(maxsize=None)
 def _kernel(backend: str):
     make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+    cuda = backend == "cuda"
     return make(name="vq_nsn_code_rows", input_names=_INPUTS, output_names=["out"],
-                source=CUDA_SOURCE if backend == "cuda" else METAL_SOURCE)
+                source=CUDA_SOURCE if cuda else METAL_SOURCE, header=PACKED_INDEX_CUDA if cuda else PACKED_INDEX_METAL)
 
 
 def launch_args(idx, sign, norms, rotated_means, codebook, head_dim: int, chunk: int, count: int, dtype) -> dict:
