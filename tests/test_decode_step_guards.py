@@ -72,7 +72,6 @@ OVER_GRAPH_BOUND = {
     # 1.75 before its keys were decoded in one compiled pass over views kept between flushes, the
     # up plane joined to the lo plane's codes before one affine step (no gather of its scales)
     "kitty": 1.38,
-    "adakv": 1.46,  # planes dequantized in one compiled pass, one unmasked attention (1.92 before, 2026-12-05)
     "tova+kivi4": 1.67,  # as h2o+kivi2 (1.94 before, 2026-12-05)
     "snapkv+kivi4": 1.67,
     "svdq": 1.52,  # as palu, and runs with exact values read as one part (2.04 before, 2026-12-05)
@@ -98,7 +97,9 @@ GRAPH_BOUND = 1.3
 # 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
     # vecinfer 2.65 before its CUDA read, 2.40 before its coded rows came from one launch (2026-12-06)
-    "full": 1.13, "vecinfer": 1.98, "kivi": 1.54, "svdq": 4.08, "kitty": 3.21, "adakv": 6.48,
+    "full": 1.13, "vecinfer": 1.98, "kivi": 1.54, "svdq": 4.08, "kitty": 3.21,
+    # its stored rows from one launch on a GPU; the flush stacks the plane maps the kernel reads (6.48 before, 2026-12-06)
+    "adakv": 6.58,
     "xquant": 2.22, "kvquant": 6.38, "cachegen": 5.40, "minicache": 2.71,
     # its CUDA read decodes each span's whole room and cuts the valid tokens (a slice a span)
     # instead of copying the spans' sliced codes first (4.17 before, 2026-12-06)

@@ -13,6 +13,7 @@ import pytest
 
 import veloxquant_mlx  # noqa: F401  (before mlx binds its CPU BLAS)
 from veloxquant_mlx.kernels import kivi_decode as kd
+from veloxquant_mlx.kernels.checks import within_a_rounding
 from veloxquant_mlx.methods.nsnquant import kernel as nk
 
 
@@ -54,8 +55,8 @@ def test_the_check_allows_one_rounding_and_no_more():
     ref = mx.array([1.0, -3.0, 1000.0], mx.float16)
     one_ulp = mx.array([1.0 + 2.0 ** -10, -3.0, 1000.0], mx.float16)
     two_ulp = mx.array([1.0 + 2.0 ** -9, -3.0, 1000.0], mx.float16)
-    assert nk.within_a_rounding(ref, ref) and nk.within_a_rounding(one_ulp, ref)
-    assert not nk.within_a_rounding(two_ulp, ref)
+    assert within_a_rounding(ref, ref) and within_a_rounding(one_ulp, ref)
+    assert not within_a_rounding(two_ulp, ref)
 
 
 def test_a_test_that_takes_a_gpus_paths_on_the_cpu_gets_the_mlx_pass(monkeypatch):
@@ -74,4 +75,4 @@ def test_on_a_gpu_the_kernel_gives_the_mlx_passs_rows():
     got = nk.code_rows(idx, sign, norms, means, codebook, 128, 64, 4000, mx.float16)
     assert got is not None
     ref = nk.reference(idx, sign, norms, means, codebook, 2, 128, 64, 4000, mx.float16)
-    assert nk.within_a_rounding(got, ref)
+    assert within_a_rounding(got, ref)

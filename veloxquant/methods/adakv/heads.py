@@ -41,6 +41,7 @@ from ...cache.buffers import GrowingArray
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.store import PackedStore
 from ...quant.token_rows import ReadViews, held
+from .kernel import plane_rows, stacked_maps
 
 WORD = 32  # channels a plane word holds
 
@@ -352,15 +353,35 @@ class PlaneStore(PackedStore):
         views = self._read_views()
         if views is None:  # a width or a group the fused layout does not take
             return self._attend_masked(queries, scale=scale)
-        keys, values = compiled_dequant(queries.dtype)(*views)
-        b, h, nb, g = keys.shape[:4]
-        keys, values = keys.reshape(b, h, nb * g, -1), values.reshape(b, h, nb * g, -1)
-        if self.stored < nb * g:
-            keys, values = keys[:, :, : self.stored], values[:, :, : self.stored]
+        rows = plane_rows(self.plane_inputs, stored=self.stored, group=self.group, dtype=queries.dtype)
+        keys, values = rows if rows is not None else self._dequantized_rows(views, queries.dtype)
         if k is not None:
             keys = mx.concatenate([keys, k.astype(keys.dtype)], axis=2)
             values = mx.concatenate([values, v.astype(values.dtype)], axis=2)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+
+    def _dequantized_rows(self, views, dtype) -> tuple[mx.array, mx.array]:
+        """The stored keys and values (B, H, stored, d) through the compiled MLX pass."""
+        keys, values = compiled_dequant(dtype)(*views)
+        b, h, nb, g = keys.shape[:4]
+        keys, values = keys.reshape(b, h, nb * g, -1), values.reshape(b, h, nb * g, -1)
+        if self.stored < nb * g:
+            keys, values = keys[:, :, : self.stored], values[:, :, : self.stored]
+        return keys, values
+
+    def plane_inputs(self) -> tuple:
+        """What ``kernel.plane_rows`` reads: the whole buffers and the per-bit plane maps
+        stacked (HI, B, H, nb), kept between flushes like ``_read_views``."""
+        bufs = (self.k_planes, self.v_planes, self.k_scales, self.k_min, self.v_scales, self.v_min,
+                *self.sources, *self.weights)
+        key = (self.k_planes.length, *(x.buffer for x in bufs))
+
+        def build():
+            hi = len(self.sources)
+            return (*(x.buffer for x in bufs[:6]),
+                    *stacked_maps([x.buffer for x in bufs[6 : 6 + hi]], [x.buffer for x in bufs[6 + hi :]]))
+
+        return held(self, "_plane_inputs", ReadViews).get(self, key, build)
 
     def _read_views(self):
         """What ``compiled_dequant`` reads, views of the whole buffers kept between flushes:
@@ -493,3 +514,16 @@ class RecentNorms:
 
     def restore(self, meta: dict[str, Any], norms: mx.array | None) -> None:
         self.norms, self.pos, self.filled = norms, int(meta.get("norms_pos", 0)), int(meta.get("norms_filled", 0))
+
+
+def check_case(dtype) -> tuple["PlaneStore", tuple[mx.array, mx.array]]:
+    """A store of random tokens at the defaults' widths (2/3/4 bits, a target of 3, blocks and
+    groups of 32, per-head widths that differ) and its stored keys and values through the
+    compiled MLX pass: what ``kernel.py``'s self-check and tests compare the kernel with."""
+    b, h, d, n = 2, 4, 64, 100
+    widths = mx.array([[2, 4, 3, 3], [4, 2, 2, 4]], mx.int32)
+    store = PlaneStore((2, 3, 4), 3.0, block=32, group=32, widths=lambda: widths, window=0)
+    key = mx.random.split(mx.random.key(5), 2)
+    store.commit(mx.random.normal((b, h, n, d), key=key[0]).astype(dtype),
+                 mx.random.normal((b, h, n, d), key=key[1]).astype(dtype))
+    return store, store._dequantized_rows(store._read_views(), dtype)

@@ -16,9 +16,10 @@ row value in one:
 
 The same formula as ``_code_rows``, in the same order; CUDA may contract ``s2 y + o`` into
 one fused multiply-add, so a value may differ from the MLX pass by one float32 rounding
-before the cast (the check allows that). The first use checks the kernel against
-``_code_rows`` once a process; a failure keeps the MLX pass. The CUDA source is run on the
-CPU by emulation (tests). The Metal twin mirrors it line for line: UNTESTED ON HARDWARE.
+before the cast (``kernels/checks.within_a_rounding`` allows that). The first use checks the
+kernel against ``_code_rows`` once a process; a failure keeps the MLX pass. The CUDA source
+is run on the CPU by emulation (tests). The Metal twin mirrors it line for line: UNTESTED ON
+HARDWARE.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ...kernels import kivi_decode as kd
+from ...kernels.checks import within_a_rounding
 from ...kernels.codebook_rows import PACKED_INDEX_CUDA, PACKED_INDEX_METAL
 
 NT = 256
@@ -142,14 +144,6 @@ def reference(idx, sign, norms, rotated_means, codebook, bits: int, head_dim: in
 
     return _code_rows_fn(bits, head_dim, chunk, dtype)(idx, sign, norms, rotated_means, codebook,
                                                         *_sign_tables())[:, :, :count]
-
-
-def within_a_rounding(got: mx.array, ref: mx.array) -> bool:
-    """Equal up to one float32 rounding of ``s2 y + o`` (a fused multiply-add) before the
-    cast: at most one unit in the last place of the output dtype, relative to the values."""
-    ulp = {mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}.get(got.dtype, 2.0 ** -22)
-    diff = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32))
-    return bool((diff <= ulp * mx.maximum(mx.abs(ref.astype(mx.float32)), 1e-30)).all().item())
 
 
 def random_store(b: int, h: int, room: int, head_dim: int, sub_dim: int, index_bits: int, chunk: int, seed: int):
