@@ -51,9 +51,9 @@ import numpy as np
 
 from ..cache.buffers import GrowingArray, RecentRows
 from ..kernels import kivi_decode as kd
+from ..kernels.codebook_rows import codebook_rows
 from ..kernels.decode import DecodePart
 from ..kernels.kivi_decode import token_mix
-from ..kernels.codebook_rows import codebook_rows
 from . import vq
 from .cache import QuantizedCache
 from .packed import GROWTH_TOKENS, field_arrays, runs_layout, unpack_fields

@@ -53,8 +53,8 @@ from ...kernels.decode import DecodePart
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.store import WINDOW_STEP, PackedStore, joined_history
 from ...quant.token_rows import ReadViews, held
-from .kernel import code_rows
 from ...quant.vq import gather_centroids, index_words, kmeans, lookup_scores, nearest, pack_indices, rotate, unpack_indices
+from .kernel import code_rows
 
 UNIVERSAL_SAMPLES = 1 << 16  # N(0, I) samples the universal codebook is fitted on (at least 16 a centroid)
 UNIVERSAL_ITERS = 20  # its Lloyd iterations, at most
