@@ -225,12 +225,14 @@ def cuda_kernels_as_launch_nodes():
     it runs as on CUDA, on the CPU (also ``benchmarks/host_time.py``'s host timings)."""
     from veloxquant_mlx.kernels import codebook_rows as cr
     from veloxquant_mlx.methods.adakv import kernel as adakv
+    from veloxquant_mlx.methods.kitty import kernel as kitty
     from veloxquant_mlx.kernels import kivi_decode as kd
     from veloxquant_mlx.methods.nsnquant import kernel as nsn
     from veloxquant_mlx.methods.turboquant import kernel as turbo
 
     saved = (getattr(mx.fast, "cuda_kernel", None), kd.gpu_backend, kd.kernel_self_check, dict(kd._KERNELS),
-             turbo._self_check_problem, dict(turbo._CHECKED), cr.kernel_checked, nsn.kernel_checked, adakv.kernel_checked)
+             turbo._self_check_problem, dict(turbo._CHECKED), cr.kernel_checked, nsn.kernel_checked, adakv.kernel_checked,
+             kitty.kernel_checked)
     try:
         mx.fast.cuda_kernel = lambda **_: _LaunchNode()
         kd.gpu_backend = lambda: "cuda"
@@ -239,6 +241,7 @@ def cuda_kernels_as_launch_nodes():
         cr.kernel_checked = lambda *key: True  # the codebook-rows kernel's, likewise
         nsn.kernel_checked = lambda *key: True  # nsnquant's code-rows kernel's, likewise
         adakv.kernel_checked = lambda *key: True  # AdaKV's plane-rows kernel's, likewise
+        kitty.kernel_checked = lambda *key: True  # kitty's key-rows kernel's, likewise
         kd._KERNELS.clear()
         kd._STEP_PLANS.clear()
         turbo._CHECKED.clear()
@@ -253,7 +256,7 @@ def cuda_kernels_as_launch_nodes():
         turbo._self_check_problem = saved[4]
         turbo._CHECKED.clear()
         turbo._CHECKED.update(saved[5])
-        cr.kernel_checked, nsn.kernel_checked, adakv.kernel_checked = saved[6:9]
+        cr.kernel_checked, nsn.kernel_checked, adakv.kernel_checked, kitty.kernel_checked = saved[6:10]
 
 
 def _clear_package_caches() -> None:

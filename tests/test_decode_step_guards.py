@@ -65,13 +65,6 @@ OVER_GRAPH_BOUND = {
     # lookup tables read from kept views, top-k by one sort of (score, position) keys (2.04 before, 2026-12-05)
     "a2ats": 1.61,
     "kvtc": 1.65,  # keys rebuilt channels first, gather indices and views kept between codings (2.02 before, 2026-12-05)
-    # 2.06 before its read ran over the buffers' room in one compiled pass, 1.75 before its
-    # three value products were summed in one (2026-12-05); 1.73 before its CUDA read's decode
-    # waited for the queries (one node a layer: the layers' decoded rows no longer pile up); 1.79
-    # before the sinks, the decoded runs and the window were joined in one concatenation (2026-12-06);
-    # 1.75 before its keys were decoded in one compiled pass over views kept between flushes, the
-    # up plane joined to the lo plane's codes before one affine step (no gather of its scales)
-    "kitty": 1.38,
     "tova+kivi4": 1.67,  # as h2o+kivi2 (1.94 before, 2026-12-05)
     "snapkv+kivi4": 1.67,
     "svdq": 1.52,  # as palu, and runs with exact values read as one part (2.04 before, 2026-12-05)
@@ -97,7 +90,9 @@ GRAPH_BOUND = 1.3
 # 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
     # vecinfer 2.65 before its CUDA read, 2.40 before its coded rows came from one launch (2026-12-06)
-    "full": 1.13, "vecinfer": 1.98, "kivi": 1.54, "svdq": 4.08, "kitty": 3.21,
+    "full": 1.13, "vecinfer": 1.98, "kivi": 1.54, "svdq": 4.08,
+    # its stored keys from one launch on CUDA (3.21 before, 2026-12-06)
+    "kitty": 2.71,
     # its stored rows from one launch on a GPU; the flush stacks the plane maps the kernel reads (6.48 before, 2026-12-06)
     "adakv": 6.58,
     "xquant": 2.22, "kvquant": 6.38, "cachegen": 5.40, "minicache": 2.71,

@@ -596,7 +596,8 @@ static std::vector<char> rd(const char* p) {
 #define __align__(n) __attribute__((aligned(n)))
 """
 
-_CT = {"float16": "__half", "float32": "float", "uint32": "uint32_t", "int32": "int32_t"}
+_CT = {"float16": "__half", "float32": "float", "uint32": "uint32_t", "int32": "int32_t", "uint8": "uint8_t",
+       "uint16": "uint16_t"}
 
 
 def _emu_function(name, source, inputs, outputs, template):
@@ -613,7 +614,8 @@ def _emu_function(name, source, inputs, outputs, template):
     return f"void {name}({', '.join(args)}) {{\n{body}{source}\n}}\n"
 
 
-_NP = {"float32": np.float32, "uint32": np.uint32, "int32": np.int32, "float16": np.float16}
+_NP = {"float32": np.float32, "uint32": np.uint32, "int32": np.int32, "float16": np.float16, "uint8": np.uint8,
+       "uint16": np.uint16}
 
 
 def emulate_launch(source, inputs, outputs, template, blocks, threads, workdir, header=""):

@@ -40,10 +40,11 @@ from ...kernels import kivi_decode as kd
 from ...kernels.decode import scaled_queries
 from ...quant.cache import QuantizedCache
 from ...quant.packed import GROWTH_TOKENS, GroupAffine
-from .promoted import PromotedChannels, PromotedKeys, RoomInputs
 from ...quant.sink_store import SinkQuantizedStore
 from ...quant.store import VALUE_ROOM, joined_history
 from ...quant.token_rows import ReadViews, held
+from .kernel import kernel_backend, key_rows
+from .promoted import PromotedChannels, PromotedKeys, RoomInputs
 
 N_SINK = 32  # the repo's sink_length
 
@@ -95,13 +96,20 @@ class KittyStore(SinkQuantizedStore):
         of their attention and hold them all (``PackedStore.history_after``)."""
         keys, values, dtype = self.keys, self.values, queries.dtype
         v_codes, v_scales, v_biases = self._value_views()
-        room = keys.room_inputs()
-        arrays = list(room.arrays)
-        *words, v_codes = mx.depends([*(arrays[i] for i in room.words), v_codes], [queries])
-        for i, w in zip(room.words, words):
-            arrays[i] = w
         parts_k, parts_v = self._leading_history(dtype)
-        parts_k.append(keys.room_rows(dtype, RoomInputs(tuple(arrays), room.words))[:, :, : keys.count])
+        backend = kernel_backend(dtype)
+        if backend is not None:  # the stored keys in one launch (``kernel.py``)
+            codes, scales, biases, up, index = keys.kernel_inputs()
+            *words, v_codes = mx.depends([codes, *([] if up is None else [up]), v_codes], [queries])
+            parts_k.append(key_rows(backend, words[0], scales, biases, words[1] if up is not None else None, index,
+                                    codec=keys.codec, count=keys.count, dtype=dtype))
+        else:
+            room = keys.room_inputs()
+            arrays = list(room.arrays)
+            *words, v_codes = mx.depends([*(arrays[i] for i in room.words), v_codes], [queries])
+            for i, w in zip(room.words, words):
+                arrays[i] = w
+            parts_k.append(keys.room_rows(dtype, RoomInputs(tuple(arrays), room.words))[:, :, : keys.count])
         parts_v.append(values.codec.decode(v_codes, v_scales, v_biases, dtype))
         k, v = joined_history(parts_k, parts_v, self.k_res, self.v_res, dtype)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)

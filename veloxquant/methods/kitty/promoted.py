@@ -395,6 +395,11 @@ class PromotedKeys:
         arrays = (_room_inputs(self._view(None), c) if inputs is None else inputs).arrays
         return _compiled_rows(c.lo_bits, c.up_bits, c.group, c.block, dtype, self.up.buffer is not None)(*arrays)
 
+    def kernel_inputs(self) -> tuple:
+        """What ``kernel.key_rows`` reads: the whole buffers (lo codes, scales, minima, up
+        codes, channel indices; the last two None where no channel is promoted)."""
+        return self.codes.buffer, self.scales.buffer, self.biases.buffer, self.up.buffer, self.index.buffer
+
     def room_inputs(self) -> "RoomInputs":
         """``room_rows``' inputs, views of the buffers in the pass's layouts, kept while the
         buffers (by identity) and the count stay (the CUDA read, ``cache.KittyStore``):
