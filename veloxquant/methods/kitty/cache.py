@@ -90,8 +90,9 @@ class KittyStore(SinkQuantizedStore):
 
     def _decoded_attention(self, queries, scale) -> mx.array:
         """On CUDA: every stored row decoded in the queries' dtype, one fused attention. The
-        keys are decoded over their buffers' room in one compiled pass and cut to the count
-        (``PromotedKeys.room_rows``), the values from views kept between their flushes; the
+        stored keys come from one launch (``kernel.py``), or, where it does not run, from one
+        compiled pass over their buffers' room cut to the count (``PromotedKeys.room_rows``);
+        the values from views kept between their flushes; the
         codes are gated on the queries, so that MLX does not decode later layers' rows ahead
         of their attention and hold them all (``PackedStore.history_after``)."""
         keys, values, dtype = self.keys, self.values, queries.dtype
