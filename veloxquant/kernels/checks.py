@@ -1,8 +1,14 @@
-"""What a kernel's self-check allows where its arithmetic may round once more than MLX's."""
+"""What the kernels' self-checks share: the check made once a process, and the tolerance
+where a kernel's arithmetic may round once more than MLX's."""
 
 from __future__ import annotations
 
+import warnings
+from typing import Callable, Optional
+
 import mlx.core as mx
+
+from . import kivi_decode as kd
 
 
 def within_a_rounding(got: mx.array, ref: mx.array) -> bool:
@@ -12,3 +18,19 @@ def within_a_rounding(got: mx.array, ref: mx.array) -> bool:
     ulp = {mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}.get(got.dtype, 2.0 ** -22)
     diff = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32))
     return bool((diff <= ulp * mx.maximum(mx.abs(ref.astype(mx.float32)), 1e-30)).all().item())
+
+
+def checked_once(table: dict, backend: str, key: tuple, problem: Callable[[], Optional[str]], kernel: str,
+                 instead: str) -> bool:
+    """Whether ``problem()`` (a kernel against its MLX reference) found nothing, asked once a
+    process and ``key`` (kept in ``table``; a problem warns once, naming the ``kernel`` and what
+    runs ``instead``). A process whose back-end is not ``backend`` (a test that takes a GPU's
+    paths on the CPU) has no kernel to check: False, without a warning and without asking."""
+    if kd._gpu_kind() != backend:
+        return False
+    if key not in table:
+        table[key] = found = problem()
+        if found is not None:
+            warnings.warn(f"veloxquant: the {backend} {kernel} failed its self-check: {found}; {instead}",
+                          RuntimeWarning, stacklevel=3)
+    return table[key] is None

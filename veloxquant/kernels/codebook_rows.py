@@ -23,12 +23,12 @@ layout, and keeps the gathers if it fails. The CUDA source is run on the CPU by 
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Optional
 
 import mlx.core as mx
 
 from . import kivi_decode as kd
+from .checks import checked_once
 
 NT = 256
 
@@ -122,19 +122,11 @@ _CHECKED: dict = {}
 
 
 def kernel_checked(backend: str, dtype) -> bool:
-    """Whether the kernel passed its check for ``dtype`` (run once a process): a random case
-    of two rows with a codebook each, 12-bit indices that cross words, against the gathers
-    (``reference``), bit for bit. A process whose back-end is not ``backend`` (a test that
-    takes a GPU's paths on the CPU) has no kernel to check: False, without a warning."""
-    if kd._gpu_kind() != backend:
-        return False
-    key = (backend, str(dtype))
-    if key not in _CHECKED:
-        _CHECKED[key] = problem = _check_problem(backend, dtype)
-        if problem is not None:
-            warnings.warn(f"veloxquant: the {backend} codebook-rows kernel failed its self-check: {problem}; "
-                          "coded rows are gathered through MLX's ops instead", RuntimeWarning, stacklevel=3)
-    return _CHECKED[key] is None
+    """Whether the kernel passed its check for ``dtype`` (``checks.checked_once``): a random
+    case of two rows with a codebook each, 12-bit indices that cross words, against the gathers
+    (``reference``), bit for bit."""
+    return checked_once(_CHECKED, backend, (backend, str(dtype)), lambda: _check_problem(backend, dtype),
+                        "codebook-rows kernel", "coded rows are gathered through MLX's ops instead")
 
 
 def reference(words, books, n: int, bits: int, book_rows: int, count: int) -> mx.array:

@@ -22,13 +22,12 @@ CPU by emulation (tests). The Metal twin mirrors it line for line: UNTESTED ON H
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Optional
 
 import mlx.core as mx
 
 from ...kernels import kivi_decode as kd
-from ...kernels.checks import within_a_rounding
+from ...kernels.checks import checked_once, within_a_rounding
 
 NT = 256
 
@@ -149,19 +148,11 @@ _CHECKED: dict = {}
 
 
 def kernel_checked(backend: str, dtype) -> bool:
-    """Whether the kernel passed its check for ``dtype`` (once a process): a store of random
-    tokens at the defaults' widths, against the MLX pass, within one float32 rounding. A
-    process whose back-end is not ``backend`` (a test taking a GPU's paths on the CPU) has no
-    kernel to check: False, without a warning."""
-    if kd._gpu_kind() != backend:
-        return False
-    key = (backend, str(dtype))
-    if key not in _CHECKED:
-        _CHECKED[key] = problem = _check_problem(backend, dtype)
-        if problem is not None:
-            warnings.warn(f"veloxquant: the {backend} AdaKV plane-rows kernel failed its self-check: {problem}; "
-                          "planes are dequantized through MLX's ops instead", RuntimeWarning, stacklevel=3)
-    return _CHECKED[key] is None
+    """Whether the kernel passed its check for ``dtype`` (``checks.checked_once``): a store of
+    random tokens at the defaults' widths (``heads.check_case``) against the MLX pass, within
+    one float32 rounding."""
+    return checked_once(_CHECKED, backend, (backend, str(dtype)), lambda: _check_problem(backend, dtype),
+                        "AdaKV plane-rows kernel", "planes are dequantized through MLX's ops instead")
 
 
 def _check_problem(backend: str, dtype) -> Optional[str]:

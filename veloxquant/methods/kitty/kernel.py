@@ -24,13 +24,12 @@ it line for line: UNTESTED ON HARDWARE.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Optional
 
 import mlx.core as mx
 
 from ...kernels import kivi_decode as kd
-from ...kernels.checks import within_a_rounding
+from ...kernels.checks import checked_once, within_a_rounding
 from ...kernels.codebook_rows import PACKED_INDEX_CUDA, PACKED_INDEX_METAL
 
 NT = 256
@@ -131,19 +130,10 @@ _CHECKED: dict = {}
 
 
 def kernel_checked(backend: str, dtype) -> bool:
-    """Whether the kernel passed its check for ``dtype`` (once a process): random keys at the
-    defaults' planes (2 and 4 bits, a quarter of the channels promoted, blocks of 32), against
-    the MLX pass, within one float32 rounding. A process whose back-end is not ``backend`` (a
-    test taking a GPU's paths on the CPU) has no kernel to check: False, without a warning."""
-    if kd._gpu_kind() != backend:
-        return False
-    key = (backend, str(dtype))
-    if key not in _CHECKED:
-        _CHECKED[key] = problem = _check_problem(backend, dtype)
-        if problem is not None:
-            warnings.warn(f"veloxquant: the {backend} kitty key-rows kernel failed its self-check: {problem}; "
-                          "keys are decoded through MLX's ops instead", RuntimeWarning, stacklevel=3)
-    return _CHECKED[key] is None
+    """Whether the kernel passed its check for ``dtype`` (``checks.checked_once``): random keys
+    at the defaults' planes (``check_case``) against the MLX pass, within one float32 rounding."""
+    return checked_once(_CHECKED, backend, (backend, str(dtype)), lambda: _check_problem(backend, dtype),
+                        "kitty key-rows kernel", "keys are decoded through MLX's ops instead")
 
 
 def check_case(dtype, lo: int = 2, hi: int = 4, fraction: float = 0.25, tokens: int = 96):

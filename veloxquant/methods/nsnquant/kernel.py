@@ -25,13 +25,12 @@ HARDWARE.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Optional
 
 import mlx.core as mx
 
 from ...kernels import kivi_decode as kd
-from ...kernels.checks import within_a_rounding
+from ...kernels.checks import checked_once, within_a_rounding
 from ...kernels.codebook_rows import PACKED_INDEX_CUDA, PACKED_INDEX_METAL
 
 NT = 256
@@ -123,19 +122,10 @@ _CHECKED: dict = {}
 
 
 def kernel_checked(backend: str, dtype) -> bool:
-    """Whether the kernel passed its check for ``dtype`` (once a process): a random 2-bit
-    store's rows against ``nsn._code_rows``, within one float32 rounding before the cast. A
-    process whose back-end is not ``backend`` (a test taking a GPU's paths on the CPU) has
-    no kernel to check: False, without a warning."""
-    if kd._gpu_kind() != backend:
-        return False
-    key = (backend, str(dtype))
-    if key not in _CHECKED:
-        _CHECKED[key] = problem = _check_problem(backend, dtype)
-        if problem is not None:
-            warnings.warn(f"veloxquant: the {backend} nsnquant code-rows kernel failed its self-check: {problem}; "
-                          "rows are rebuilt through MLX's ops instead", RuntimeWarning, stacklevel=3)
-    return _CHECKED[key] is None
+    """Whether the kernel passed its check for ``dtype`` (``checks.checked_once``): a random
+    2-bit store's rows against ``nsn._code_rows``, within one float32 rounding."""
+    return checked_once(_CHECKED, backend, (backend, str(dtype)), lambda: _check_problem(backend, dtype),
+                        "nsnquant code-rows kernel", "rows are rebuilt through MLX's ops instead")
 
 
 def reference(idx, sign, norms, rotated_means, codebook, bits: int, head_dim: int, chunk: int, count: int, dtype):
