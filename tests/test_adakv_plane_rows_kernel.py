@@ -17,17 +17,10 @@ from veloxquant_mlx.methods.adakv.heads import check_case
 
 
 def emulate(args: dict, workdir) -> tuple[np.ndarray, np.ndarray]:
-    from test_kernel_kivi_decode import emulate_launch
+    from test_kernel_kivi_decode import emulate_kernel_args
 
-    dts = {mx.uint32: "uint32", mx.float16: "float16", mx.float32: "float32", mx.int32: "int32"}
-    ins = [(n, dts[a.dtype], a) for n, a in zip(ak._INPUTS, args["inputs"])]
-    out_dt = dts[args["output_dtypes"][0]]
-    template = [(k, out_dt if k == "T" else v) for k, v in args["template"]]
-    (ks, vs) = args["output_shapes"]
-    gx, gy, _ = args["grid"]
-    out = emulate_launch(ak.CUDA_SOURCE, ins, [("keys", out_dt, int(np.prod(ks))), ("values", out_dt, int(np.prod(vs)))],
-                         template, (gx // ak.NT, gy), ak.NT, workdir)
-    return out["keys"].reshape(ks), out["values"].reshape(vs)
+    out = emulate_kernel_args(ak.CUDA_SOURCE, ak._INPUTS, args, ["keys", "values"], workdir)
+    return out["keys"], out["values"]
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32])

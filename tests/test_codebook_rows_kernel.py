@@ -15,18 +15,11 @@ from veloxquant_mlx.quant.vq import pack_indices
 
 
 def emulate(words, books, n, bits, book_rows, count, workdir) -> np.ndarray:
-    from test_kernel_kivi_decode import emulate_launch
+    from test_kernel_kivi_decode import emulate_kernel_args
 
     args = cr.launch_args(words, books, n, bits, book_rows, count)
-    ws, bs, params = args["inputs"]
-    dt = {mx.float16: "float16", mx.float32: "float32"}[bs.dtype]
-    template = [(k, dt if k == "T" else v) for k, v in args["template"]]
-    shape = args["output_shapes"][0]
-    gx, gy, _ = args["grid"]
-    out = emulate_launch(cr.CUDA_SOURCE, [("words", "uint32", ws), ("books", dt, bs), ("params", "int32", params)],
-                         [("out", dt, int(np.prod(shape)))], template, (gx // cr.NT, gy), cr.NT, workdir,
-                         header=cr.PACKED_INDEX_CUDA)
-    return out["out"].reshape(shape)
+    return emulate_kernel_args(cr.CUDA_SOURCE, ["words", "books", "params"], args, ["out"], workdir,
+                               header=cr.PACKED_INDEX_CUDA)["out"]
 
 
 def coded(b, h, room, n, bits, book_rows, seed, dtype):

@@ -20,14 +20,10 @@ EPS = 2.0 ** -24
 
 def emulate(a: mx.array, workdir) -> tuple[np.ndarray, np.ndarray]:
     """One launch of the CUDA source as C++ threads on the CPU: (work, vecs) as it leaves them."""
-    from test_kernel_kivi_decode import emulate_launch
+    from test_kernel_kivi_decode import emulate_kernel_args
 
-    args = je.launch_args(a)
-    (x,) = args["inputs"]
-    b, n, _ = x.shape
-    out = emulate_launch(je.CUDA_SOURCE, [("a", "float32", x)], [("work", "float32", b * n * n), ("vecs", "float32", b * n * n)],
-                         args["template"], (b, 1), args["threadgroup"][0], workdir)
-    return out["work"].reshape(b, n, n), out["vecs"].reshape(b, n, n)
+    out = emulate_kernel_args(je.CUDA_SOURCE, ["a"], je.launch_args(a), ["work", "vecs"], workdir)
+    return out["work"], out["vecs"]
 
 
 def symmetric(b: int, n: int, seed: int, spectrum=None) -> mx.array:

@@ -652,6 +652,28 @@ def emulate_launch(source, inputs, outputs, template, blocks, threads, workdir, 
     return {n: np.fromfile(os.path.join(workdir, n + ".out"), _NP[d]) for n, d, _ in outputs}
 
 
+_DTYPE_NAMES = {"float32": "float32", "float16": "float16", "uint32": "uint32", "int32": "int32", "uint8": "uint8",
+                "uint16": "uint16"}
+
+
+def _dtype_name(dtype) -> str:
+    return _DTYPE_NAMES[str(dtype).rsplit(".", 1)[-1]]
+
+
+def emulate_kernel_args(source, input_names, args: dict, output_names, workdir, header=""):
+    """``emulate_launch`` of a runtime's launch arguments (``mx.fast.cuda_kernel``'s keywords:
+    inputs, template with dtypes, grid, threadgroup, output shapes and dtypes): the outputs
+    as numpy arrays of their shapes, by name."""
+    ins = [(n, _dtype_name(a.dtype), a) for n, a in zip(input_names, args["inputs"])]
+    template = [(k, _dtype_name(v) if isinstance(v, type(mx.float32)) else v) for k, v in args["template"]]
+    shapes, dtypes = args["output_shapes"], args["output_dtypes"]
+    outs = [(n, _dtype_name(d), int(np.prod(shape))) for n, shape, d in zip(output_names, shapes, dtypes)]
+    threads = args["threadgroup"][0]
+    gx, gy, _ = args["grid"]
+    got = emulate_launch(source, ins, outs, template, (gx // threads, gy), threads, workdir, header=header)
+    return {n: got[n].reshape(shape) for n, shape in zip(output_names, shapes)}
+
+
 def runtime_launch(algo, args, *, scale, bits, group_size, chunk, target):
     """The runtime's (source, splits, threads, params, template) of a dispatched kernel."""
     q, kc, ks, kb, n_kq, kr, n_kres, vc, vs, vb, n_vq, vr, n_vres = args

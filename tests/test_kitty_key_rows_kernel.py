@@ -15,18 +15,9 @@ from veloxquant_mlx.methods.kitty import kernel as kk
 
 
 def emulate(args: dict, workdir) -> np.ndarray:
-    from test_kernel_kivi_decode import emulate_launch
+    from test_kernel_kivi_decode import emulate_kernel_args
 
-    dts = {mx.uint32: "uint32", mx.float16: "float16", mx.float32: "float32", mx.int32: "int32",
-           mx.uint8: "uint8", mx.uint16: "uint16"}
-    ins = [(n, dts[a.dtype], a) for n, a in zip(kk._INPUTS, args["inputs"])]
-    out_dt = dts[args["output_dtypes"][0]]
-    template = [(k, out_dt if k == "T" else v) for k, v in args["template"]]
-    shape = args["output_shapes"][0]
-    gx, gy, _ = args["grid"]
-    out = emulate_launch(kk.CUDA_SOURCE, ins, [("keys", out_dt, int(np.prod(shape)))], template,
-                         (gx // kk.NT, gy), kk.NT, workdir, header=kk.PACKED_INDEX_CUDA)
-    return out["keys"].reshape(shape)
+    return emulate_kernel_args(kk.CUDA_SOURCE, kk._INPUTS, args, ["keys"], workdir, header=kk.PACKED_INDEX_CUDA)["keys"]
 
 
 @pytest.mark.parametrize("lo,hi,fraction,tokens,dtype", [

@@ -18,15 +18,11 @@ from veloxquant_mlx.quant import vq
 
 def emulate(rows: mx.array, centroids: mx.array, workdir) -> np.ndarray:
     """One launch of the CUDA source as C++ threads on the CPU: the indices it writes."""
-    from test_kernel_kivi_decode import emulate_launch
+    from test_kernel_kivi_decode import emulate_kernel_args
 
     args = nc.launch_args(rows, centroids)
-    x, c, params = args["inputs"]
-    (size,) = args["output_shapes"][0]
-    gx, gy, _ = args["grid"]
-    out = emulate_launch(nc.CUDA_SOURCE, [("rows", "float32", x), ("centroids", "float32", c), ("params", "int32", params)],
-                         [("out", "uint32", size)], args["template"], (gx // nc.NT, gy), nc.NT, workdir)
-    return out["out"].reshape(rows.shape[:-1])
+    out = emulate_kernel_args(nc.CUDA_SOURCE, ["rows", "centroids", "params"], args, ["out"], workdir)["out"]
+    return out.reshape(rows.shape[:-1])
 
 
 def float64_excess(rows, centroids, idx) -> np.ndarray:

@@ -18,18 +18,9 @@ from veloxquant_mlx.methods.nsnquant import kernel as nk
 
 
 def emulate(args, workdir) -> np.ndarray:
-    from test_kernel_kivi_decode import emulate_launch
+    from test_kernel_kivi_decode import emulate_kernel_args
 
-    names = ("idx", "sign", "norms", "means", "codebook", "params")
-    dts = {mx.uint32: "uint32", mx.float16: "float16", mx.float32: "float32", mx.int32: "int32"}
-    ins = [(n, dts[a.dtype], a) for n, a in zip(names, args["inputs"])]
-    out_dt = dts[args["output_dtypes"][0]]
-    template = [(k, out_dt if k == "T" else v) for k, v in args["template"]]
-    shape = args["output_shapes"][0]
-    gx, gy, _ = args["grid"]
-    out = emulate_launch(nk.CUDA_SOURCE, ins, [("out", out_dt, int(np.prod(shape)))], template,
-                         (gx // nk.NT, gy), nk.NT, workdir, header=nk.PACKED_INDEX_CUDA)
-    return out["out"].reshape(shape)
+    return emulate_kernel_args(nk.CUDA_SOURCE, nk._INPUTS, args, ["out"], workdir, header=nk.PACKED_INDEX_CUDA)["out"]
 
 
 @pytest.mark.parametrize("bits,head_dim,sub_dim,index_bits,count,dtype", [
