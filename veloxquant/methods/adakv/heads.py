@@ -24,8 +24,9 @@ A decode step writes its token into the full-precision window in place (``window
 ``window + block - 1`` rows) and attends through one compiled function over the whole
 buffers (planes, scales, widths, window: spare room masked out, so its shapes change
 only when a buffer grows): bits unpacked to codes per head, dequantized, the window
-appended, one ``scaled_dot_product_attention``. Pure MLX on every back-end (no fused
-kernel reads planes). ``RecentNorms`` keeps the key statistics the importance reads.
+appended, one ``scaled_dot_product_attention``. On a GPU the stored rows come from one
+kernel launch (``kernel.py``) instead of the compiled pass, the same values.
+``RecentNorms`` keeps the key statistics the importance reads.
 """
 
 from __future__ import annotations
@@ -344,9 +345,10 @@ class PlaneStore(PackedStore):
         return self.attend(queries, scale=scale)
 
     def attend(self, queries, *, scale, use_kernel=False, n_kv_heads=None) -> mx.array:
-        """One query token a sequence over every stored token (no fused kernel reads planes):
-        the planes dequantized over the buffers' room (one compiled pass), their stored rows
-        and the window's joined, one unmasked ``scaled_dot_product_attention``."""
+        """One query token a sequence over every stored token: the stored rows from the
+        planes (one launch on a GPU, ``kernel.py``; else one compiled pass over the buffers'
+        room, cut to the stored rows) and the window's joined, one unmasked
+        ``scaled_dot_product_attention``."""
         k, v = self._window()
         if not self.stored:
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)

@@ -21,8 +21,8 @@ extra scales. Every ``kitty_hi_bit`` in 2..8 works, 7 included: what is packed i
 plane (1-4 bits) and the upper plane (1-7 bits, 7 packed by hand).
 
 Attention: a prompt chunk attends over the decoded history plus itself. A decode step on
-CUDA with channels promoted does the same: every stored row decoded in the queries' dtype,
-one fused attention. Otherwise it attends over two parts merged by log-sum-exp: the sinks (full
+CUDA with channels promoted does the same: every stored row decoded in the queries' dtype
+(the keys in one kernel launch, ``kernel.py``), one fused attention. Otherwise it attends over two parts merged by log-sum-exp: the sinks (full
 precision), and the quantized blocks with the full-precision tails, whose keys are read by
 ``PromotedScores`` on the pure-MLX path (the fused kernel would need an extra score term
 for the promoted channels). With no channel promoted (``int(d * f) = 0``) the keys
