@@ -45,8 +45,10 @@ are centroids gathered by index (``CodebookValues``); the window is the part's
 full-precision tail. No fused kernel reads codebooks (the paper's CUDA kernels are not
 ported); the steady state's step takes that arithmetic in few graph operations
 (``quant/vq_store.py``). On CUDA a steady step instead gathers the coded keys' centroids in
-the code space and the values' centroids, takes the window's keys there, all in the
-queries' dtype, and reads them with one fused attention by ``q~``. CPU time of the
+the code space and the values' centroids (one kernel launch a tensor:
+``kernels/codebook_rows.py``), takes the window's keys there, all in the queries' dtype, and
+reads them with one fused attention by ``q~``. On a GPU the prompt's nearest centroids come
+from one kernel that writes no distance (``kernels/nearest_centroid.py``). CPU time of the
 lookup-table scores against dequantize-then-attend: ``benchmarks/vq_decode_cpu.py``
 (results in ``benchmarks/results/vq_decode_cpu.md``).
 
