@@ -82,7 +82,10 @@ def test_the_self_check_refuses_a_kernel_that_picks_wrong_centroids(monkeypatch)
 
 
 def test_a_kernel_that_fails_its_check_leaves_nearest_on_the_products(monkeypatch):
+    from veloxquant_mlx.kernels import kivi_decode as kd
+
     monkeypatch.setattr(nc, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kd, "_gpu_kind", lambda: "cuda")  # the process's back-end, which the check asks
     monkeypatch.setattr(nc, "_CHECKED", {})
     monkeypatch.setattr(nc, "_check_problem", lambda backend, s: "broken")
     rows = mx.random.normal((10, 4), key=mx.random.key(2))

@@ -1,14 +1,25 @@
-"""What the kernels' self-checks share: the check made once a process, and the tolerance
-where a kernel's arithmetic may round once more than MLX's."""
+"""What the custom kernels share: how one is made for a back-end, the self-check made once
+a process, and the tolerance where a kernel's arithmetic may round once more than MLX's."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Callable, Optional
 
 import mlx.core as mx
 
 from . import kivi_decode as kd
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_kernel(backend: str, name: str, inputs: tuple, outputs: tuple, sources: tuple, headers: tuple = ("", "")):
+    """The kernel ``name`` for ``backend`` ("cuda": ``sources[0]`` and ``headers[0]``, else
+    Metal's twins ``sources[1]`` and ``headers[1]``), made once a process."""
+    cuda = backend == "cuda"
+    make = mx.fast.cuda_kernel if cuda else mx.fast.metal_kernel
+    return make(name=name, input_names=list(inputs), output_names=list(outputs), source=sources[0 if cuda else 1],
+                header=headers[0 if cuda else 1])
 
 
 def within_a_rounding(got: mx.array, ref: mx.array) -> bool:

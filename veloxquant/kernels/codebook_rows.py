@@ -22,13 +22,12 @@ layout, and keeps the gathers if it fails. The CUDA source is run on the CPU by 
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
 
 from . import kivi_decode as kd
-from .checks import checked_once
+from .checks import checked_once, gpu_kernel
 
 NT = 256
 
@@ -88,12 +87,9 @@ METAL_SOURCE = r"""
 """
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel(backend: str):
-    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-    cuda = backend == "cuda"
-    return make(name="vq_codebook_rows", input_names=["words", "books", "params"], output_names=["out"],
-                source=CUDA_SOURCE if cuda else METAL_SOURCE, header=PACKED_INDEX_CUDA if cuda else PACKED_INDEX_METAL)
+    return gpu_kernel(backend, "vq_codebook_rows", ("words", "books", "params"), ("out",), (CUDA_SOURCE, METAL_SOURCE),
+                      (PACKED_INDEX_CUDA, PACKED_INDEX_METAL))
 
 
 def launch_args(words: mx.array, books: mx.array, n: int, bits: int, book_rows: int, count: int) -> dict:

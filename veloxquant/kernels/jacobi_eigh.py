@@ -30,11 +30,11 @@ device's timings against the CPU stream's eigh are in (``benchmarks/gpu_eigh.py`
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
 
+from .checks import gpu_kernel
 from .kivi_decode import gpu_backend
 
 GPU_MAX_N = 0  # the largest n the kernel takes on a GPU (0: none, until measured)
@@ -255,11 +255,8 @@ METAL_SOURCE = r"""
 """
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel(backend: str):
-    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-    return make(name="vq_jacobi_eigh", input_names=["a"], output_names=["work", "vecs"],
-                source=CUDA_SOURCE if backend == "cuda" else METAL_SOURCE)
+    return gpu_kernel(backend, "vq_jacobi_eigh", ("a",), ("work", "vecs"), (CUDA_SOURCE, METAL_SOURCE))
 
 
 def threads(n: int) -> int:

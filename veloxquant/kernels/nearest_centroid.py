@@ -25,12 +25,11 @@ it line for line: UNTESTED ON HARDWARE (no Metal device was available).
 
 from __future__ import annotations
 
-import functools
-import warnings
 from typing import Optional
 
 import mlx.core as mx
 
+from .checks import checked_once, gpu_kernel
 from .kivi_decode import gpu_backend
 
 NT = 256  # threads (rows) a block
@@ -117,11 +116,8 @@ METAL_SOURCE = r"""
 _INPUT_NAMES = ["rows", "centroids", "params"]
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel(backend: str):
-    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-    return make(name="vq_nearest_centroid", input_names=_INPUT_NAMES, output_names=["out"],
-                source=CUDA_SOURCE if backend == "cuda" else METAL_SOURCE)
+    return gpu_kernel(backend, "vq_nearest_centroid", tuple(_INPUT_NAMES), ("out",), (CUDA_SOURCE, METAL_SOURCE))
 
 
 def launch_args(rows: mx.array, centroids: mx.array) -> dict:
@@ -178,13 +174,10 @@ _CHECKED: dict = {}
 
 
 def _passes_check(backend: str, s: int) -> bool:
-    if (backend, s) not in _CHECKED:
-        _CHECKED[backend, s] = problem = _check_problem(backend, s)
-        if problem is not None:
-            warnings.warn(f"veloxquant: the {backend} nearest-centroid kernel (sub-vectors of {s}) "
-                          f"failed its self-check: {problem}; nearest centroids of this width are "
-                          "found through matrix products instead", RuntimeWarning, stacklevel=3)
-    return _CHECKED[backend, s] is None
+    """Whether the kernel passed its check for sub-vectors of ``s`` (``checks.checked_once``)."""
+    return checked_once(_CHECKED, backend, (backend, s), lambda: _check_problem(backend, s),
+                        f"nearest-centroid kernel (sub-vectors of {s})",
+                        "nearest centroids of this width are found through matrix products instead")
 
 
 def _check_problem(backend: str, s: int) -> Optional[str]:

@@ -21,13 +21,12 @@ CPU by emulation (tests). The Metal twin mirrors it line for line: UNTESTED ON H
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
 
 from ...kernels import kivi_decode as kd
-from ...kernels.checks import checked_once, within_a_rounding
+from ...kernels.checks import checked_once, gpu_kernel, within_a_rounding
 
 NT = 256
 
@@ -103,11 +102,8 @@ METAL_SOURCE = r"""
 _INPUTS = ["k_planes", "v_planes", "k_scales", "k_min", "v_scales", "v_min", "sources", "weights", "params"]
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel(backend: str):
-    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-    return make(name="vq_adakv_plane_rows", input_names=_INPUTS, output_names=["keys", "values"],
-                source=CUDA_SOURCE if backend == "cuda" else METAL_SOURCE)
+    return gpu_kernel(backend, "vq_adakv_plane_rows", tuple(_INPUTS), ("keys", "values"), (CUDA_SOURCE, METAL_SOURCE))
 
 
 def stacked_maps(sources: list, weights: list) -> tuple[mx.array, mx.array]:

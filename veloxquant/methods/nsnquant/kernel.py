@@ -24,13 +24,12 @@ HARDWARE.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
 
 from ...kernels import kivi_decode as kd
-from ...kernels.checks import checked_once, within_a_rounding
+from ...kernels.checks import checked_once, gpu_kernel, within_a_rounding
 from ...kernels.codebook_rows import PACKED_INDEX_CUDA, PACKED_INDEX_METAL
 
 NT = 256
@@ -84,12 +83,9 @@ METAL_SOURCE = r"""
 _INPUTS = ["idx", "sign", "norms", "means", "codebook", "params"]
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel(backend: str):
-    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-    cuda = backend == "cuda"
-    return make(name="vq_nsn_code_rows", input_names=_INPUTS, output_names=["out"],
-                source=CUDA_SOURCE if cuda else METAL_SOURCE, header=PACKED_INDEX_CUDA if cuda else PACKED_INDEX_METAL)
+    return gpu_kernel(backend, "vq_nsn_code_rows", tuple(_INPUTS), ("out",), (CUDA_SOURCE, METAL_SOURCE),
+                      (PACKED_INDEX_CUDA, PACKED_INDEX_METAL))
 
 
 def launch_args(idx, sign, norms, rotated_means, codebook, head_dim: int, chunk: int, count: int, dtype) -> dict:
