@@ -70,10 +70,6 @@ OVER_GRAPH_BOUND = {
     "svdq": 1.52,  # as palu, and runs with exact values read as one part (2.04 before, 2026-12-05)
     "anchorkv": 1.40,  # one reader under one softmax, views kept (1.81 before, 2026-12-05)
     "turboquant": 1.52,  # through its kernel (1.75 was its pure path: the stub failed its own self-check)
-    # its compiled score step in the heads' own 4-D shapes (1.48 before); the position made on the host
-    # (1.33, 2026-12-05); the row hashes made on the host and the scale taken in the noise's kernel:
-    # two kernels fewer a layer, one node (two standalone broadcasts take their place), 2026-12-06
-    "keyformer": 1.31,
 }
 GRAPH_BOUND = 1.3
 
@@ -105,7 +101,9 @@ PERIODIC_STEP = {
     # its coded rows in one launch a tensor (5.50 before, 2026-12-06)
     "nsnquant": 4.92,
     # its CUDA read, the kept rows decoded + one fused attention over views kept between flushes (2.42 before, 2026-12-06)
-    "skvq": 2.27, "qfilters": 1.60, "keyformer": 1.75,
+    "skvq": 2.27, "qfilters": 1.60,
+    # its noise's broadcasts inside the noisy-logits kernel (1.75 before, 2026-12-06)
+    "keyformer": 1.69,
     "morphkv": 2.42, "kvzip": 1.23, "kvtc": 5.25, "curdkv": 1.23, "nestedkv": 1.42,
     # the flush's tiering of 32 tokens, a scan unrolled in one compiled pass (8.58 a step before)
     "amc": 14.38,

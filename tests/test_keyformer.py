@@ -125,8 +125,8 @@ def _zeta(seed, layer, head, q_position, k_positions):
     row = _fmix32(_fmix32(np.uint32(head) ^ np.uint32(s & 0xFFFFFFFF)) ^ np.uint32(q_position))
     col = _fmix32(np.asarray(k_positions).astype(np.uint32) ^ np.uint32(s >> 32))
     h = ((row ^ col) * np.uint32(0x85EBCA6B)) | np.uint32(1)
-    u = h.astype(np.float32) * np.float32((1 - 2.0**-24) * 2.0**-32)
-    return -np.log(np.maximum(-np.log(u), np.float32(2.0**-25)))
+    e = np.log(np.float32(2.0**32 / (1 - 2.0**-24)) / h.astype(np.float32))  # -log(u), u = h / that
+    return -np.log(np.maximum(e, np.float32(2.0**-25)))
 
 
 def _simulate(k, q, n_prompt, chunk, budget, sink, recent, seed, layer, tau):
@@ -352,14 +352,16 @@ def test_the_scores_do_not_depend_on_the_block_size_or_the_chunking(chunk, eleme
 
 
 def test_the_uniform_is_never_0_or_1_and_the_noise_is_finite_at_the_hash_extremes():
-    """u = float32(h | 1) * (1 - 2**-24) / 2**32 for h = (row ^ column) * M: h = 0 and
-    h = 2**32 - 1 (the row ^ column that M maps there) give finite noise at Gumbel's two
-    ends, -log(-log(u)) for u = 2**-32 (1 - 2**-24) and u = 1 - 2**-24."""
+    """u = float32(h | 1) / float32(2**32 / (1 - 2**-24)) for h = (row ^ column) * M, the
+    divisor 2**32 (1 + 2**-23): h = 0 and h = 2**32 - 1 (the row ^ column that M maps there)
+    give finite noise at Gumbel's two ends, -log(-log(u)) for u = 1 / divisor and
+    u = 2**32 / divisor (float32 rounds 2**32 - 1 up to 2**32)."""
     m_inverse = pow(0x85EBCA6B, -1, 2**32)
     rows = mx.array([0, 0, 0, 7], mx.uint32)
     cols = mx.array([0, m_inverse * 0xFFFFFFFF % 2**32, m_inverse * 0x80000000 % 2**32, 7], mx.uint32)
     zeta = np.array(keyformer_module._zeta(rows, cols), np.float64)
-    u = np.array([2.0**-32 * (1 - 2.0**-24), 1 - 2.0**-24, 0.5 * (1 - 2.0**-24), 2.0**-32 * (1 - 2.0**-24)])
+    divisor = 2.0**32 * (1 + 2.0**-23)
+    u = np.array([1, 2.0**32, 2.0**31, 1]) / divisor
     np.testing.assert_allclose(zeta, -np.log(-np.log(u)), rtol=1e-5)
     assert np.isfinite(zeta).all() and zeta.min() > -3.2 and zeta.max() < 16.7
 

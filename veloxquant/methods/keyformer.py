@@ -26,9 +26,10 @@ row and query head (numbered b * Hq + h), query position and key position, keyed
 ``keyformer_seed`` and the layer. With r and c the halves of splitmix64's finaliser of
 (seed, layer) and fmix32 murmur3's finaliser: row = fmix32(fmix32(head ^ r) ^ query
 position), column = fmix32(key position ^ c), h = (row ^ column) * 0x85EBCA6B and
-u = float32(h | 1) * (1 - 2**-24) / 2**32. It is computed elementwise in the compiled
-pass that scales and masks a block's logits (``gumbel_mass``: one kernel, no full-size
-intermediate besides the logits), and is i.i.d. Gumbel(0, 1) per sequence, query head,
+u = float32(h | 1) / float32(2**32 / (1 - 2**-24)), a divisor of 2**32 (1 + 2**-23), and
+-log(u) is taken as the log of _C / float32(h | 1). It is computed elementwise in the
+compiled pass that scales and masks a block's logits (``gumbel_mass``: one kernel, no
+full-size intermediate besides the logits), and is i.i.d. Gumbel(0, 1) per sequence, query head,
 query and key as in the paper (the tests check its moments, its Kolmogorov-Smirnov
 distance and its neighbours' correlations over 2**20 draws). It replaced
 ``mx.random.gumbel`` draws per block of queries (a threefry draw per logit, its bits,
@@ -102,23 +103,27 @@ def _col_hash(col_key, k_positions):
     return _fmix32(k_positions.astype(mx.uint32) ^ col_key)
 
 
-_U = (1 - 2.0**-24) * 2.0**-32  # (h | 1) * _U for a uint32 h: in [2**-32, 1 - 2**-24], never 0 or 1
+# 2**32 / (1 - 2**-24) in float32, i.e. 2**32 (1 + 2**-23): u = float32(h | 1) / _C lies in
+# [2**-32 (1 - 2**-23), 1 - 2**-23] (float32 keeps h's 24 leading bits), never 0 or 1
+_C = float(np.float32(2.0**32 / (1 - 2.0**-24)))
 
 
 def _log_e(rows, cols):
     """log(E) for E = -log(u) ~ Exp(1), so that zeta = -log(E) ~ Gumbel(0, 1), from a logit's
-    row and column hashes: h = (rows ^ cols) * an odd constant, u = float32(h | 1) *
-    (1 - 2**-24) / 2**32, in (0, 1) and never 0 or 1 (float32 keeps h's 24 leading bits).
-    -log(u) is at least 2**-24 where log is exact near 1; the floor of 2**-25 is for a
-    fast-math log that returns 0 there. log, not log1p: MLX's CPU vectorizes log, not log1p."""
-    u = (((rows ^ cols) * 0x85EBCA6B) | 1).astype(mx.float32) * _U
-    return mx.log(mx.maximum(-mx.log(u), 2.0**-25))
+    row and column hashes: h = (rows ^ cols) * an odd constant, u = float32(h | 1) / _C, in
+    (0, 1) and never 0 or 1. E is taken as log(_C / float32(h | 1)), one division where
+    u's product and a negation would be two ops: the chain of ``_noisy`` then fits MLX's
+    fusion depth with the broadcasts of the hashes inside it (one kernel, no standalone
+    broadcast). E is at least log(1 + 2**-23) where log is exact near 1; the floor of 2**-25
+    is for a fast-math log that returns 0 there. log, not log1p: MLX's CPU vectorizes log,
+    not log1p."""
+    return mx.log(mx.maximum(mx.log(_C / ((rows ^ cols) * 0x85EBCA6B | 1).astype(mx.float32)), 2.0**-25))
 
 
 def _noisy(x, rows, cols, tau, scale):
     """(x * scale + zeta) / tau for the unscaled logits x, one kernel: MLX fuses chains of at
-    most 11 ops (compile.cpp's max_compile_depth), and the noise's is 11: xor, *, |, astype,
-    *, log, -, max, log, -, /. The scale is on x's side of the sum, off that chain, so it
+    most 11 ops (compile.cpp's max_compile_depth), and the noise's is 11 with the hashes'
+    broadcast: broadcast, xor, *, |, astype, /, log, max, log, -, /. The scale is on x's side of the sum, off that chain, so it
     joins the kernel instead of costing a pass over the queries before the product."""
     return (x * scale - _log_e(rows, cols)) / tau
 
