@@ -15,7 +15,7 @@ from tiny_models import prompt, tiny_model
 from veloxquant_mlx import make_prompt_cache
 from veloxquant_mlx.cache.rope import Rotary
 from veloxquant_mlx.quant import entropy
-from veloxquant_mlx.methods.kvtc.allocation import allocate, uniform_distortion
+from veloxquant_mlx.methods.kvtc.allocation import allocate, allocate_by_variance, uniform_distortion
 from veloxquant_mlx.methods.kvtc.transform import _rotate, fit_codec
 from veloxquant_mlx.methods.kvtc.window_store import CODE_EVERY
 from feeding import stored_decode_attention
@@ -73,6 +73,26 @@ def test_the_one_pass_dp_picks_what_the_width_by_width_dp_picks():
         assert np.array_equal(allocate(d, choices, budget), _allocate_width_by_width(d, choices, budget))
     d = uniform_distortion(np.sort(r.gamma(0.5, 1.0, 1024))[::-1], CHOICES, 3.5)
     assert np.array_equal(allocate(d, CHOICES, 512), _allocate_width_by_width(d, CHOICES, 512))
+
+def test_the_dp_over_the_components_that_can_get_bits_picks_what_the_whole_dp_picks():
+    """``allocate_by_variance`` (widths no better than dropping left out, components past
+    budget // narrowest width left out) against the DP over every component and width:
+    distinct variances with zeros after them, budgets and width sets of every kind, beta
+    on both sides of sqrt(3) (where 1 bit stops being worse than none), and the default's
+    scale (p = 1,024, 512 bits, where it runs over 256 components)."""
+    r = np.random.default_rng(2)
+    for trial in range(80):
+        p, budget = int(r.integers(1, 40)), int(r.integers(1, 60))
+        choices = tuple(r.choice([0, 1, 2, 3, 4, 6, 8, 16], size=int(r.integers(1, 6))).tolist()) + (0,)
+        beta = float(r.choice([0.8, 1.5, 3.5, 5.0]))
+        lam = np.sort(r.gamma(0.5, 1.0, p))[::-1]
+        lam[p - int(r.integers(0, p)):] = 0.0  # a rank-deficient spectrum: its zeros get no bits
+        want = allocate(uniform_distortion(lam, choices, beta), choices, budget)
+        assert np.array_equal(allocate_by_variance(lam, choices, budget, beta), want), (choices, budget, beta)
+    lam = np.sort(r.gamma(0.5, 1.0, 1024))[::-1]
+    want = allocate(uniform_distortion(lam, CHOICES, 3.5), CHOICES, 512)
+    assert np.array_equal(allocate_by_variance(lam, CHOICES, 512, 3.5), want) and (want[256:] == 0).all()
+
 
 @pytest.mark.parametrize("budget", [100, 256, 511, 512, 777, 1024, 2048])
 def test_the_allocation_spends_its_budget_exactly_non_increasing(budget):

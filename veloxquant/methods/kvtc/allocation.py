@@ -8,6 +8,17 @@ each component relaxes it for every allowed width in one numpy pass (O(p * budge
 none), so the optimum spends the whole budget whenever more bits still lower the
 distortion and the budget is a sum of allowed widths.
 
+``allocate_by_variance`` runs the DP on the only components that can get bits (issue 31: the
+DP ran over all H*d components, 1,024 at the 8B shape, twice a layer at every prompt). A
+width whose modelled distortion is no lower than the component's variance (1 bit at
+β >= √3) is never chosen: dropping the component costs no more and spends no bits. Among the
+other widths ``D_i(b) = λ_i r(b)`` with r strictly decreasing, so swapping the widths of
+two components whose order disagrees with their variances' lowers the sum: an optimal
+allocation's widths do not increase down the variances, and at most ``budget // w``
+components (w the narrowest width left) get any. The widths are those of the whole DP
+(tests check it on random spectra), unless two equal positive variances straddle that cut,
+where the whole DP may choose between them the other way at the same distortion.
+
 ``uniform_distortion``: the model of a uniform quantizer over ``[-β σ, β σ]`` with
 ``2**b`` levels (step ``Δ = 2 β σ / (2**b - 1)``): ``D(b) = Δ² / 12``, ``D(0) = λ`` (the
 component dropped); clipping beyond ``β σ`` is ignored (KVTC's card, inferred).
@@ -62,4 +73,23 @@ def allocate(distortion: np.ndarray, choices, budget: int) -> np.ndarray:
     for i in range(p - 1, -1, -1):
         out[i] = widths[pick[i, spent]]
         spent -= out[i]
+    return out
+
+
+def allocate_by_variance(variances: np.ndarray, choices, budget: int, beta: float) -> np.ndarray:
+    """``allocate(uniform_distortion(variances, choices, beta), choices, budget)`` for
+    variances by decreasing value, over the leading components that can get bits (module
+    docstring): widths (p,)."""
+    lam = np.asarray(variances, np.float64)
+    widths = sorted(set(int(w) for w in choices))
+    ratio = uniform_distortion(np.ones(1), widths, beta)[0]  # D(b) / λ for each width
+    useful = tuple(w for w, r in zip(widths, ratio) if w == 0 or r < 1)
+    positive = [w for w in useful if 0 < w <= budget]
+    out = np.zeros(lam.size, np.int64)
+    if not positive:
+        if 0 not in useful:
+            raise ValueError(f"no allocation of widths {widths} fits {budget} bits")
+        return out
+    k = min(lam.size, budget // min(positive))
+    out[:k] = allocate(uniform_distortion(lam[:k], useful, beta), useful, budget)
     return out

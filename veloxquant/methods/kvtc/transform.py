@@ -4,9 +4,10 @@
 float32: mean ``μ`` over every row, covariance ``(X - μ)ᵀ(X - μ) / n`` of at most
 ``lowrank.factors.FIT_SAMPLE_TOKENS`` evenly spaced rows (exact below that many, to
 float32 rounding; a sample above it: a bounded fit on the prefill path, not LAPACK over
-the data), its eigenpairs by decreasing eigenvalue ``λ`` (clamped at 0), the widths ``b_i`` by dynamic programming under the
-budget (``allocation.py``), and keeps the components that get bits (the rest are dropped:
-no basis column, no code). Component i is coded by a uniform quantizer over
+the data), its eigenpairs by decreasing eigenvalue ``λ`` (clamped at 0), the widths
+``b_i`` by dynamic programming under the budget (``allocation.py``, over the components
+that can get bits), and keeps the components that get bits (the rest are dropped: no
+basis column, no code). Component i is coded by a uniform quantizer over
 ``[-β √λ_i, β √λ_i]``: ``q = clip(round(y / Δ_i + c_i), 0, 2**b_i - 1)`` with
 ``c_i = (2**b_i - 1) / 2``, ``ŷ = (q - c_i) Δ_i``; ``x̂ = μ + V ŷ``.
 
@@ -37,7 +38,7 @@ from ...cache.rope import Rotary, derotate
 from ...kernels.kivi_decode import token_mix
 from ...lowrank.factors import gram_basis
 from ...quant.packed import FieldLayout
-from .allocation import allocate, uniform_distortion, uniform_step
+from .allocation import allocate_by_variance, uniform_step
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def fit_codec(x: mx.array, budget: int, choices, beta: float) -> tuple[Transform
     lam = np.maximum(np.asarray((sigma * sigma / x.shape[0]).astype(mx.float32), dtype=np.float64), 0.0)
     order = np.argsort(-lam, kind="stable")  # ‖x v‖² need not keep eigh's order to the last bit
     lam, vecs = lam[order], np.asarray(vecs)[:, order]
-    bits = allocate(uniform_distortion(lam, choices, beta), choices, budget)
+    bits = allocate_by_variance(lam, choices, budget, beta)
     keep = bits > 0
     codec = TransformCodec(
         mean.astype(mx.float16), mx.array(np.ascontiguousarray(vecs[:, keep]).astype(np.float16)),
