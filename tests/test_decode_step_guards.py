@@ -68,9 +68,7 @@ OVER_GRAPH_BOUND = {
     "tova+kivi4": 1.67,  # as h2o+kivi2 (1.94 before, 2026-12-05)
     "snapkv+kivi4": 1.67,
     "svdq": 1.52,  # as palu, and runs with exact values read as one part (2.04 before, 2026-12-05)
-    # one reader under one softmax, views kept (1.81 before, 2026-12-05); each run's bounds gathered
-    # from the inclusive cumulative sum, no pads or slice (1.40 before, 2026-12-06)
-    "anchorkv": 1.36,
+    "anchorkv": 1.40,  # one reader under one softmax, views kept (1.81 before, 2026-12-05)
     "turboquant": 1.52,  # through its kernel (1.75 was its pure path: the stub failed its own self-check)
 }
 GRAPH_BOUND = 1.3
@@ -109,8 +107,7 @@ PERIODIC_STEP = {
     "morphkv": 2.42, "kvzip": 1.23, "kvtc": 5.25, "curdkv": 1.23, "nestedkv": 1.42,
     # the flush's tiering of 32 tokens, a scan unrolled in one compiled pass (8.58 a step before)
     "amc": 14.38,
-    "a2ats": 2.77, "anchorkv": 1.48,  # 1.52 before its runs' bounds were gathered (2026-12-06)
-    "rocketkv": 1.17,
+    "a2ats": 2.77, "anchorkv": 1.52, "rocketkv": 1.17,
     # on CUDA every tier decoded + one fused attention (steady step 1.06 -> 1.25; 4.12 before, 2026-12-06)
     "age_tiered": 4.31,
     # its decode rows coded 32 at a time (2026-12-05; 7.58 before its read's QJL fold, 6.80 coding each row)

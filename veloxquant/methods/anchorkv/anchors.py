@@ -95,11 +95,9 @@ class AnchorPart:
 
 @dataclass(frozen=True)
 class _Views:
-    """What a decode step reads of an ``AnchorPart``, in the layout it reads it, for ``r``
-    query rows per KV head: views (a transpose, expanded and broadcast index and coefficient
-    rows; no bytes of their own), and where each value anchor's run starts and ends in the
-    inclusive cumulative sum of the mix, with a 0/1 weight for a bound at 0 (4 k numbers a
-    head, made once a part: the mix gathers its two bounds and pads nothing)."""
+    """What a decode step reads of an ``AnchorPart``, in the layout it reads it (views: a
+    transpose, expanded and broadcast index and coefficient rows; no bytes of their own),
+    for ``r`` query rows per KV head."""
 
     anchor_kt: mx.array  # (B, H, d, k) anchor_k transposed
     anchor_v: mx.array  # (B, H, k, d)
@@ -107,12 +105,7 @@ class _Views:
     key_ref: mx.array | None  # (B, H, r, M) each token's key anchor, broadcast over the query rows
     key_coef: mx.array | None  # (B, H, 1, M) float16
     value_coef: mx.array | None  # (B, H, 1, M) float16
-    # (B, H, r, k) int32: max(bound - 1, 0) for each anchor's run's end and start (the last
-    # run's end); (B, H, 1, k) float32: 1 where that bound is past 0, else 0
-    value_end_at: mx.array | None
-    value_end_live: mx.array | None
-    value_start_at: mx.array | None
-    value_start_live: mx.array | None
+    value_ends: mx.array | None  # (B, H, r, k)
     key_slot: mx.array | None  # (B, H, r, M), where keys have residuals
     value_pos: mx.array | None  # (B, H, r, N_v), where values have residuals
 
@@ -122,15 +115,9 @@ class _Views:
         m = p.key_ref.shape[2]
         rows = lambda x: mx.broadcast_to(x[:, :, None], (b, h, r, x.shape[2]))  # noqa: E731
         if not m:  # every token an anchor
-            return cls(p.anchor_k.swapaxes(-1, -2), p.anchor_v, *(None,) * 9)
-        ends = p.value_ends.astype(mx.int32)
-        starts = mx.pad(ends[..., :-1], [(0, 0), (0, 0), (1, 0)])  # a run starts where the last ended
-
-        def bound(at):
-            return rows(mx.maximum(at - 1, 0)), (at > 0).astype(mx.float32)[:, :, None]
-
+            return cls(p.anchor_k.swapaxes(-1, -2), p.anchor_v, None, None, None, None, None, None)
         return cls(p.anchor_k.swapaxes(-1, -2), p.anchor_v, rows(p.key_ref), p.key_coef[:, :, None],
-                   p.value_coef[:, :, None], *bound(ends), *bound(starts),
+                   p.value_coef[:, :, None], rows(p.value_ends),
                    rows(p.key_slot) if p.key_codes.shape[2] else None,
                    rows(p.value_pos) if p.value_codes.shape[2] else None)
 
@@ -183,10 +170,9 @@ class _AnchorRead:
         parts = mx.split(w, cuts, axis=-1) if cuts else [w]  # one node, not a slice a part
         if m:  # the prompt's mix: one compiled call (its shapes are the part's: traced once)
             read = _prompt_mix(self.codec.bits, self.codec.seed, v.value_pos is not None)
-            bounds = (v.value_end_at, v.value_end_live, v.value_start_at, v.value_start_live)
-            o = (read(parts[0], parts[1], v.value_coef, *bounds, v.anchor_v, v.value_pos, p.value_codes,
-                      p.value_scales)
-                 if v.value_pos is not None else read(parts[0], parts[1], v.value_coef, *bounds, v.anchor_v))
+            o = (read(parts[0], parts[1], v.value_coef, v.value_ends, v.anchor_v, v.value_pos,
+                      p.value_codes, p.value_scales)
+                 if v.value_pos is not None else read(parts[0], parts[1], v.value_coef, v.value_ends, v.anchor_v))
         else:
             o = parts[0] @ _float32(v.anchor_v)
         if self.v_tail is not None:
@@ -216,16 +202,15 @@ def _prompt_scores(bits: int, seed: int, residuals: bool):
 @functools.lru_cache(maxsize=None)
 def _prompt_mix(bits: int, seed: int, residuals: bool):
     """The mix over a compressed prompt (other tokens present), compiled: the per-anchor
-    sums of ``p_t γ_t`` as differences of one cumulative sum at the runs' bounds (``_Views``),
-    one product with ``anchor_v``, the value residuals (``mix``'s operations one by one
-    before, in the same order)."""
+    sums of ``p_t γ_t`` from one cumulative sum, one product with ``anchor_v``, the value
+    residuals (``mix``'s operations one by one before, in the same order)."""
     codec = RotatedGaussian(bits, seed)
 
-    def read(w_anchor, rest, value_coef, end_at, end_live, start_at, start_live, anchor_v, value_pos=None,
-             value_codes=None, value_scales=None):
-        run = mx.cumsum(rest * value_coef.astype(mx.float32), axis=-1)  # run[i]: the sum of the first i + 1
-        end = mx.take_along_axis(run, end_at, axis=-1) * end_live
-        start = mx.take_along_axis(run, start_at, axis=-1) * start_live
+    def read(w_anchor, rest, value_coef, value_ends, anchor_v, value_pos=None, value_codes=None, value_scales=None):
+        run = mx.cumsum(rest * value_coef.astype(mx.float32), axis=-1)
+        run = mx.pad(run, [(0, 0), (0, 0), (0, 0), (1, 0)])  # run[i]: the sum of the first i
+        end = mx.take_along_axis(run, value_ends, axis=-1)
+        start = mx.pad(end[..., :-1], [(0, 0), (0, 0), (0, 0), (1, 0)])  # a run starts where the last ended
         o = (w_anchor + (end - start)) @ _float32(anchor_v)
         if residuals:
             picked = mx.take_along_axis(rest, value_pos, axis=-1)
