@@ -76,20 +76,31 @@ def allocate(distortion: np.ndarray, choices, budget: int) -> np.ndarray:
     return out
 
 
+def _useful_widths(choices, beta: float) -> tuple[int, ...]:
+    """The widths an optimal allocation may choose: 0 and those whose modelled distortion is
+    below dropping the component (``D(b) < λ``), ascending."""
+    widths = sorted(set(int(w) for w in choices))
+    ratio = uniform_distortion(np.ones(1), widths, beta)[0]  # D(b) / λ for each width
+    return tuple(w for w, r in zip(widths, ratio) if w == 0 or r < 1)
+
+
+def leading_count(p: int, choices, budget: int, beta: float) -> int:
+    """How many of ``p`` components, by decreasing variance, can get bits (module
+    docstring): ``budget //`` the narrowest useful width, at most p; 0 where none fits."""
+    positive = [w for w in _useful_widths(choices, beta) if 0 < w <= budget]
+    return min(p, budget // min(positive)) if positive else 0
+
+
 def allocate_by_variance(variances: np.ndarray, choices, budget: int, beta: float) -> np.ndarray:
     """``allocate(uniform_distortion(variances, choices, beta), choices, budget)`` for
     variances by decreasing value, over the leading components that can get bits (module
     docstring): widths (p,)."""
     lam = np.asarray(variances, np.float64)
-    widths = sorted(set(int(w) for w in choices))
-    ratio = uniform_distortion(np.ones(1), widths, beta)[0]  # D(b) / λ for each width
-    useful = tuple(w for w, r in zip(widths, ratio) if w == 0 or r < 1)
-    positive = [w for w in useful if 0 < w <= budget]
+    useful = _useful_widths(choices, beta)
+    if 0 not in useful and not any(0 < w <= budget for w in useful):
+        raise ValueError(f"no allocation of widths {sorted(set(int(w) for w in choices))} fits {budget} bits")
     out = np.zeros(lam.size, np.int64)
-    if not positive:
-        if 0 not in useful:
-            raise ValueError(f"no allocation of widths {widths} fits {budget} bits")
-        return out
-    k = min(lam.size, budget // min(positive))
-    out[:k] = allocate(uniform_distortion(lam[:k], useful, beta), useful, budget)
+    k = leading_count(lam.size, choices, budget, beta)
+    if k:
+        out[:k] = allocate(uniform_distortion(lam[:k], useful, beta), useful, budget)
     return out

@@ -124,7 +124,9 @@ class KVTCCache(EntropyCodedCache):
         """A layer's codec arrays from its post-RoPE keys and values (B, H, T, D) of a text:
         the fit a one-chunk prompt of those tokens gets, on its tokens past the sinks and
         before the window (keys rotated back with ``model_args``' rotary, as the cache
-        does). ``iters`` and ``seed`` change nothing: the fit is exact and unseeded."""
+        does), but exact where a prompt's fit may take its leading components by subspace
+        iteration (``transform.fit_codec``). ``iters`` and ``seed`` change nothing: the fit is
+        exact and unseeded."""
         o = config.options
         _check_choices(o)
         _check_budget(o, keys, values)
@@ -135,7 +137,7 @@ class KVTCCache(EntropyCodedCache):
         arrays = {}
         for done, (prefix, x, rotary) in enumerate((("k", keys, args_rotary(model_args)), ("v", values, None))):
             run = TransformTokens(GROWTH_TOKENS, rotary, N_SINK)
-            run.fit(x[:, :, N_SINK:end], o.kvtc_bit_budget, o.kvtc_bit_choices, o.kvtc_beta)
+            run.fit(x[:, :, N_SINK:end], o.kvtc_bit_budget, o.kvtc_bit_choices, o.kvtc_beta, exact=True)
             arrays.update({f"{prefix}_{name}": getattr(run.codec, name) for name in CODEC})
             if progress:
                 progress("keys and values", done + 1, 2)
