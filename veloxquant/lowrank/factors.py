@@ -1,9 +1,9 @@
 """Low-rank factors ``x ~ A Bᵀ`` of a batch of matrices ``x (..., T, d)``, float32, with
 no QR or SVD over the tokens: the work over the T rows is matrix products on the default
 device, and the only decompositions are of small matrices (``eigh`` of d x d or k x k for a
-rank k, QR of d x k) on the CPU stream, where MLX runs them (``gram_basis``' d x d eigh goes
-through ``kernels/jacobi_eigh.symmetric_eigh``: the device's Jacobi kernel for the sizes it
-takes, none until measured).
+rank k, QR of d x k) on the CPU stream, where MLX runs them (MLX's CUDA back-end has no
+``eigh``; a Jacobi kernel on the device lost to the CPU stream's at every size measured:
+benchmarks/notes/fits.md).
 
 - ``sample_rows``: at most ``FIT_SAMPLE_TOKENS`` evenly spaced rows, float32, non-finite
   entries zeroed (LAPACK refuses a NaN: one overflowed row must not stop a prefill).
@@ -56,7 +56,6 @@ import math
 
 import mlx.core as mx
 
-from ..kernels.jacobi_eigh import symmetric_eigh
 
 POWER_ITERATIONS = 3  # GEAR's run scripts (--loop 3)
 SEED = 0  # the start of every power iteration: the same chunk gives the same factors
@@ -188,7 +187,7 @@ def gram_basis(x: mx.array, sample: int | None = None):
     t = x.shape[-2]
     x = sample_rows(x, sample)
     gram = x.swapaxes(-1, -2) @ x
-    _, vectors = symmetric_eigh(gram)  # ascending
+    _, vectors = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending
     vectors = vectors[..., ::-1]
     # ‖x v‖ rather than the eigenvalue's root: the small singular values keep float32's
     # precision instead of losing half of it to the square
