@@ -86,7 +86,10 @@ def _useful_widths(choices, beta: float) -> tuple[int, ...]:
 
 def leading_count(p: int, choices, budget: int, beta: float) -> int:
     """How many of ``p`` components, by decreasing variance, can get bits (module
-    docstring): ``budget //`` the narrowest useful width, at most p; 0 where none fits."""
+    docstring): ``budget //`` the narrowest useful width, at most p; 0 where none fits; p
+    where 0 is not an allowed width (every component then takes one: no cut)."""
+    if 0 not in {int(w) for w in choices}:
+        return p
     positive = [w for w in _useful_widths(choices, beta) if 0 < w <= budget]
     return min(p, budget // min(positive)) if positive else 0
 
@@ -96,11 +99,11 @@ def allocate_by_variance(variances: np.ndarray, choices, budget: int, beta: floa
     variances by decreasing value, over the leading components that can get bits (module
     docstring): widths (p,)."""
     lam = np.asarray(variances, np.float64)
-    useful = _useful_widths(choices, beta)
-    if 0 not in useful and not any(0 < w <= budget for w in useful):
-        raise ValueError(f"no allocation of widths {sorted(set(int(w) for w in choices))} fits {budget} bits")
+    if 0 not in {int(w) for w in choices}:  # no component may be dropped: the whole DP
+        return allocate(uniform_distortion(lam, choices, beta), choices, budget)
     out = np.zeros(lam.size, np.int64)
     k = leading_count(lam.size, choices, budget, beta)
     if k:
+        useful = _useful_widths(choices, beta)
         out[:k] = allocate(uniform_distortion(lam[:k], useful, beta), useful, budget)
     return out
