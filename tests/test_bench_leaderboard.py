@@ -234,3 +234,24 @@ def test_a_flat_main_field_hands_the_ratio_to_the_methods_next_swept_field(capsy
     assert set(data["outputs"]) == {"full|None", *(f"spectral|kv_bits={r['value']}" for r in rows)}
     assert "| spectral | 0.25 |" in (tmp_path / "leaderboard.md").read_text()
     capsys.readouterr()
+
+
+def test_a_jobs_run_stops_once_on_sigterm_and_ignores_the_next_until_it_has_merged():
+    """``timeout`` signals the ``--jobs`` process and then its process group: the first TERM
+    stops the parts as Ctrl-C does, and a second one must not cut the merge short (it did:
+    the run then wrote no leaderboard)."""
+    import signal
+
+    from veloxquant_mlx.bench import cli as bench_cli
+
+    previous = signal.signal(signal.SIGTERM, bench_cli.stop_once)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+        try:
+            signal.raise_signal(signal.SIGTERM)  # ignored: the merge goes on
+        except KeyboardInterrupt:
+            pytest.fail("a second SIGTERM stopped the run again, inside its merge")
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -404,10 +405,7 @@ def leaderboard_in_parts(args, methods, ratios, tasks, context, examples, out: P
     then one table, plot and JSON merged from the parts."""
     import json
     import shlex
-    import signal
     import subprocess
-
-    from . import leaderboard
 
     if (out / "leaderboard.json").exists() and not args.force:
         raise BenchError(f"--out {out}: already holds a leaderboard ({out / 'leaderboard.json'});"
@@ -434,10 +432,7 @@ def leaderboard_in_parts(args, methods, ratios, tasks, context, examples, out: P
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     started, done, interrupted = time.perf_counter(), len(reused), False
 
-    def stop(signum, frame):  # `timeout`'s SIGTERM: merge what the parts have, as Ctrl-C does
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, stop_once)
     try:
         while waiting or running:
             while waiting and len(running) < args.jobs:
@@ -467,11 +462,31 @@ def leaderboard_in_parts(args, methods, ratios, tasks, context, examples, out: P
         print(f"leaderboard: interrupted; merging what the parts in {parts_dir} hold, "
               "marked partial (rerun the same command to resume)", file=sys.stderr)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         for proc, _ in running.values():
             proc.terminate()
         for proc, _ in running.values():
             proc.wait()
+    try:
+        return _merged_parts(args, methods, tasks, context, out, parts_dir, shared, started, interrupted)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_once(signum, frame):
+    """SIGTERM while ``--jobs`` parts run (``timeout``'s): stop as Ctrl-C does, once. Later
+    TERMs are ignored until the merge is written: ``timeout`` signals the process and then
+    its process group, and a second TERM inside the ``except`` cut the merge short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _merged_parts(args, methods, tasks, context, out, parts_dir, shared, started, interrupted) -> int:
+    """The parts' leaderboard, table and plot in ``out`` (``leaderboard_in_parts``)."""
+    import json
+    import shlex
+
+    from . import leaderboard
+
     parts = []
     for key in methods:
         try:
