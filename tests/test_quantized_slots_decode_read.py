@@ -218,3 +218,36 @@ def test_a_packed_decode_step_returns_its_own_rows_and_attention_with_sinks_read
                                                     sinks=sinks)
         assert rows[0].shape[2] > BUDGET
         assert mx.allclose(out, want, rtol=0, atol=1e-6).item()
+
+
+@pytest.mark.parametrize("pure_path", ["qmm", "reference"])
+@pytest.mark.parametrize("method", ("tova+kivi4", "snapkv+kivi4", "tova+kivi2", "snapkv+kivi8"))
+@pytest.mark.parametrize("n_prompt, batch", [(150, 1), (150, 2), (6, 1)], ids=["long", "batch2", "short"])
+def test_tokens_packed_a_window_at_a_time_decode_as_tokens_packed_each_step(method, pure_path, n_prompt, batch,
+                                                                            monkeypatch):
+    """A decode token's packed rows written later, with the ring's other pending tokens
+    (``settle``), give every step's output and every saved array bit for bit what packing
+    each token as it comes gives; a state saved with tokens pending restores to the same."""
+    monkeypatch.setattr(kd, "_pure_path", lambda: pure_path)
+    (later, _, _), (each, _, _) = composed_cache(method), composed_cache(method)
+    steps = 60
+    k, v, q = synthetic_kvq(n_prompt + steps, 2, 2, HEAD_DIM, batch=batch)
+    for cache in (later, each):
+        run_prompt(cache, k, v, q, n_prompt)
+    each.store._defers = lambda: False
+    pending, middle = [], n_prompt + steps // 2
+    for t in range(n_prompt, n_prompt + steps):
+        if t == middle:  # saved with tokens pending: the copy goes on from the file's arrays
+            assert later.store.pending > 0
+            later = type(later).from_state(later.state)
+        out_later, out_each = feed(later, k, v, q, t, t + 1), feed(each, k, v, q, t, t + 1)
+        pending.append(later.store.pending)
+        assert each.store.pending == 0 and mx.array_equal(out_later, out_each), t
+    # tova's ring (10 tokens at this budget) filled with pending tokens and wrapped round;
+    # snapkv's (32) was settled first by its buffers' growth
+    window = later.store.window
+    assert max(pending) == window if method.startswith("tova") else max(pending) > window // 2
+    saved, want = later.state, each.state
+    assert later.store.pending == 0 and saved["meta"] == want["meta"]
+    for name, a in want["arrays"].items():
+        assert (a is None and saved["arrays"][name] is None) or mx.array_equal(saved["arrays"][name], a), name

@@ -368,7 +368,7 @@ class ScoredEvictionCache(CompressedKVCache):
         """What a step writes: generate_step evaluates only the logits, so a slot write
         attention did not read (positions, token state) would stay lazy and chain onto the
         next step's; attention's output depends on these (one node a layer)."""
-        written = [g.buffer for g in self.store.arrays.values() if g.buffer is not None]
+        written = self.store.buffers()
         if self.store.free is not None:
             written.append(self.store.free)
         return written

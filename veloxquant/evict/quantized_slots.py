@@ -7,13 +7,21 @@ saves slots exactly as it does for full-precision slots.
 
 While the prompt comes in, tokens are held in full precision: the method scores at the
 prompt's end over the keys the model gave, so it keeps the same positions as without
-storage. Once the prompt has been scored (``pack``) the kept tokens are quantized, and
-every later token is quantized as it is written. The newest tokens, those the method
-protects as recent (``recent``: never evicted), are also held in full precision, in a
-ring written in place (KIVI's full-precision window of the newest tokens, here the
-method's own recent window): decode attention reads them from the ring and masks their
-packed copies. Without it 2-bit storage lost the reference model (KL 1.2 nats against the
-full cache; 0.024 with it, benchmarks/results/composition-quick.md).
+storage. Once the prompt has been scored (``pack``) the kept tokens are quantized. The
+newest tokens, those the method protects as recent (``recent``: never evicted), are also
+held in full precision, in a ring written in place (KIVI's full-precision window of the
+newest tokens, here the method's own recent window): decode attention reads them from the
+ring and masks their packed copies. Without it 2-bit storage lost the reference model (KL
+1.2 nats against the full cache; 0.024 with it, benchmarks/results/composition-quick.md).
+
+Since attention never reads a ring token's packed copy, a decode step writes its token
+into the ring and its slot's position and state only; the packed rows of those pending
+tokens are written together (``settle``: one quantization of up to ``window`` rows)
+before the ring would overwrite the oldest of them, and before anything reads, moves or
+saves the packed rows. Rows are quantized independently, so the codes are those a
+per-step quantization gives, bit for bit. A method that scores over the room's keys at
+every step (``room_keys``: H2O's mass reads the packed copies too) quantizes each token
+as it is written.
 
 Quantizer: KIVI's min-max group-affine arithmetic at ``kv_bits`` in groups of
 ``kivi_group_size`` channels *per token*, for keys as for values (``quant/token_rows.py``).
@@ -79,11 +87,19 @@ class QuantizedSlots:
         # codes buffer they came from
         self._keys_read = False
         self._step_keys: tuple[mx.array, mx.array] | None = None
+        # the newest slots whose packed rows are not written yet: their tokens are in the ring
+        self.pending = 0
 
     # -- what the scorer base reads and writes -------------------------------------------
     @property
     def arrays(self):
+        self.settle()
         return self.slots.arrays
+
+    def buffers(self) -> list[mx.array]:
+        """The slot arrays' buffers as the last step left them (pending rows unwritten):
+        what a step wrote, for its output to depend on."""
+        return self.slots.buffers()
 
     @property
     def free(self):
@@ -102,6 +118,8 @@ class QuantizedSlots:
         return self.slots.kept
 
     def view(self, name: str) -> mx.array | None:
+        if name not in self.extra:
+            self.settle()
         if not self.quantized or name not in ("keys", "values"):
             return self.slots.view(name)
         g = self.slots.arrays
@@ -123,6 +141,7 @@ class QuantizedSlots:
         codes, scales, biases = (g[f"k_{part}"] for part in ("codes", "scales", "biases"))
         if codes.buffer is None:
             return None
+        self.settle()  # from now on each token is quantized as it is written (``_append_one``)
         self._keys_read = True
         step_keys, self._step_keys = self._step_keys, None  # held for this step only
         if step_keys is not None and step_keys[0] is codes.buffer and scales.buffer.dtype == mx.float32:
@@ -135,6 +154,7 @@ class QuantizedSlots:
             keys, values = new.pop("keys"), new.pop("values")
             if self._appends_one(keys):
                 return self._append_one(keys, values, new)
+            self.settle()
             if self.window:
                 self._ring_write(keys, values)
             new = {**self._encode(keys, values), **new}
@@ -160,19 +180,45 @@ class QuantizedSlots:
                 self._ring_write(keys, values)
             return self.slots.write(new)
         self._encode_checks(d_k, d_v)
+        deferred = self._defers()
+        if deferred and self.pending == self.window:
+            self.settle()  # the ring's slot this token takes holds the oldest pending token
         arrays = self.slots.arrays
         row = mx.array([arrays["k_codes"].length], mx.int32)
         rings = (self.k_ring, self.v_ring, mx.array([self.ring_next], mx.int32)) if self.window else ()
-        step = _append_pass(self.bits, self.group, len(self.extra), bool(self.window))
-        out = step(keys, values, row, _word_shifts(self.bits), *[arrays[n].buffer for n in PACKED],
-                   *[arrays[n].buffer for n in self.extra], *[new[n] for n in self.extra], *rings)
-        for name, buffer in zip((*PACKED, *self.extra), out):
+        written = self.extra if deferred else (*PACKED, *self.extra)
+        step = _append_pass(self.bits, self.group, len(self.extra), bool(self.window), deferred)
+        out = step(keys, values, row, _word_shifts(self.bits), *[arrays[n].buffer for n in written],
+                   *[new[n] for n in self.extra], *rings)
+        for name, buffer in zip(written, out):
             arrays[name].buffer = buffer
+        for name in (*PACKED, *self.extra):
             arrays[name].length += 1
+        self.pending += deferred
         if self.window:
             self.k_ring, self.v_ring = out[-2:]
             self.ring_next = (self.ring_next + 1) % self.window
             self.ring_fill = min(self.window, self.ring_fill + 1)
+
+    def _defers(self) -> bool:
+        """Whether a decode token's packed rows wait for ``settle``: its exact rows are in
+        the ring, and no step reads the room's keys (H2O's mass reads the packed copies)."""
+        return bool(self.window) and not self._keys_read
+
+    def settle(self) -> None:
+        """Write the packed rows of the pending tokens (the newest slots) from the ring,
+        in one quantization."""
+        n, self.pending = self.pending, 0
+        if not n:
+            return
+        first = self.ring_next - n  # the ring's rows in token order, from the oldest pending
+        index = mx.array([(first + i) % self.window for i in range(n)], mx.int32)
+        arrays = self.slots.arrays
+        row = mx.array([arrays["k_codes"].length - n], mx.int32)
+        out = _settle_pass(self.bits, self.group)(self.k_ring, self.v_ring, index, row, _word_shifts(self.bits),
+                                                  *[arrays[name].buffer for name in PACKED])
+        for name, buffer in zip(PACKED, out):
+            arrays[name].buffer = buffer
 
     def _ring_write(self, keys, values) -> None:
         """The newest rows into the ring, in place (order is free: attention needs none)."""
@@ -195,13 +241,16 @@ class QuantizedSlots:
         self.slots.update(name, values)
 
     def evict_one(self, slot: mx.array) -> None:
+        self.settle()
         self.slots.evict_one(slot)
 
     def keep(self, slots: mx.array, spare: int = 0) -> None:
+        self.settle()
         self.slots.keep(slots, spare)
 
     def truncate(self, rows: int) -> None:
         """Drop the newest slots (trim, while slots are in token order): the ring drops them too."""
+        self.settle()
         dropped = self.slots.rows - rows
         self.slots.truncate(rows)
         if self.window and dropped > 0:
@@ -228,7 +277,7 @@ class QuantizedSlots:
         """A saved state names its arrays: packed rows (``k_codes`` ...) or, saved before
         the prompt ended, full-precision ``keys``/``values``."""
         self.quantized = "k_codes" in arrays
-        self._step_keys = None
+        self._step_keys, self.pending = None, 0
         self.k_ring, self.v_ring = arrays.get("k_ring"), arrays.get("v_ring")
         self.window = 0 if self.k_ring is None else self.k_ring.shape[2]
         self.slots = SlotStore((*PACKED, *self.extra) if self.quantized else self.names)
@@ -369,8 +418,8 @@ def _whole_words(bits: int, group: int) -> bool:
 
 
 def _quantized_pair(keys, values, group: int, bits: int, shifts):
-    """``quantize_rows`` of one token's keys and of its values (B, H, 1, D) in one pass:
-    (k codes, k scales, k minima, v codes, v scales, v minima), each (B, H, 1, ...). The
+    """``quantize_rows`` of tokens' keys and of their values (B, H, N, D) in one pass:
+    (k codes, k scales, k minima, v codes, v scales, v minima), each (B, H, N, ...). The
     same codes, scales and minima bit for bit (``quantize_rows``' arithmetic; a min or max
     is exact in any order, and disjoint bit fields sum exactly), with fewer operations:
     the rows viewed as (group, word, code in word), so one elementwise pass computes the
@@ -392,22 +441,43 @@ def _quantized_pair(keys, values, group: int, bits: int, shifts):
     return kc, ks, km, vc, vs, vm
 
 
+def _packed_rows(keys, values, group: int, bits: int, shifts):
+    """``quantize_rows`` of keys and of values (B, H, N, D): (k codes, k scales, k minima,
+    v codes, v scales, v minima)."""
+    if _whole_words(bits, group):
+        return _quantized_pair(keys, values, group, bits, shifts)
+    codes, scales, minima = quantize_rows(mx.concatenate([keys, values], axis=2), group, bits)
+    (kc, vc), (ks, vs), (km, vm) = (mx.split(x, 2, axis=2) for x in (codes, scales, minima))
+    return kc, ks, km, vc, vs, vm
+
+
 @functools.lru_cache(maxsize=None)
-def _append_pass(bits: int, group: int, n_extra: int, ring: bool):
+def _settle_pass(bits: int, group: int):
+    """``QuantizedSlots.settle``'s pass: (k_ring, v_ring, ring rows in token order, first
+    slot, word shifts, the six packed buffers) -> the six buffers with those tokens' packed
+    rows written from the first slot on."""
+
+    def settle(k_ring, v_ring, index, row, shifts, *packed):
+        rows = _packed_rows(mx.take(k_ring, index, axis=2), mx.take(v_ring, index, axis=2), group, bits, shifts)
+        return [mx.slice_update(b, r, row, axes=(2,)) for b, r in zip(packed, rows)]
+
+    return mx.compile(settle)
+
+
+@functools.lru_cache(maxsize=None)
+def _append_pass(bits: int, group: int, n_extra: int, ring: bool, deferred: bool = False):
     """``QuantizedSlots._append_one``'s pass: (keys, values, row, word shifts, the six packed
-    buffers, the extra buffers, the extra rows[, k_ring, v_ring, ring row]) -> the new buffers."""
+    buffers, the extra buffers, the extra rows[, k_ring, v_ring, ring row]) -> the new buffers;
+    ``deferred``: without the packed buffers (their rows are written by ``settle``)."""
+    n_packed = 0 if deferred else 6
 
     def step(keys, values, row, shifts, *rest):
-        packed, extra, extra_rows = rest[:6], rest[6 : 6 + n_extra], rest[6 + n_extra : 6 + 2 * n_extra]
-        if _whole_words(bits, group):
-            rows = _quantized_pair(keys, values, group, bits, shifts)
-        else:
-            codes, scales, minima = quantize_rows(mx.concatenate([keys, values], axis=2), group, bits)
-            (kc, vc), (ks, vs), (km, vm) = (mx.split(x, 2, axis=2) for x in (codes, scales, minima))
-            rows = (kc, ks, km, vc, vs, vm)
+        packed, rest = rest[:n_packed], rest[n_packed:]
+        extra, extra_rows = rest[:n_extra], rest[n_extra : 2 * n_extra]
+        rows = () if deferred else _packed_rows(keys, values, group, bits, shifts)
         out = [mx.slice_update(b, r, row, axes=(2,)) for b, r in zip((*packed, *extra), (*rows, *extra_rows))]
         if ring:
-            k_ring, v_ring, ring_row = rest[6 + 2 * n_extra :]
+            k_ring, v_ring, ring_row = rest[2 * n_extra :]
             out += [mx.slice_update(k_ring, keys, ring_row, axes=(2,)),
                     mx.slice_update(v_ring, values, ring_row, axes=(2,))]
         return out

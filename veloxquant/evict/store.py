@@ -39,6 +39,10 @@ class SlotStore:
     def view(self, name: str) -> mx.array | None:
         return self.arrays[name].view()
 
+    def buffers(self) -> list[mx.array]:
+        """Every array's buffer (what a step wrote, for its output to depend on)."""
+        return [g.buffer for g in self.arrays.values() if g.buffer is not None]
+
     def write(self, new: dict[str, mx.array]) -> None:
         """Store new tokens (each array (B, H, N, ...)): the free slot first, then appended."""
         if self.free is not None:
