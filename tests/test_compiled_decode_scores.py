@@ -1,5 +1,7 @@
 """H2O's and Keyformer's decode steps add their query's (noisy) attention to each slot's
-score in one compiled pass over the keys' whole room, plain or packed store: the same
+score in one compiled pass over the keys' whole room, plain or (Keyformer) packed store
+(H2O's over packed slots adds attention's own weights instead:
+test_quantized_slots_decode_read.py): the same
 log-probabilities, bit for bit, and the same score on every kept slot to float32 rounding,
 as the reference (``attention_mass`` / ``gumbel_mass`` over the kept keys), through
 evictions, in float32 and float16."""
@@ -56,12 +58,11 @@ def _decode(config, dtype, compiled: bool, monkeypatch):
 @pytest.mark.parametrize("settings", [
     dict(options=H2OOptions(h2o_budget=40)),
     dict(options=H2OOptions(h2o_budget=36, h2o_decay=0.9, h2o_n_sink=2, h2o_grace=4)),
-    dict(options=H2OOptions(h2o_budget=40), storage=KIVIOptions(kivi_group_size=32), kv_bits=4),
     dict(options=KeyformerOptions(keyformer_budget=40)),
     dict(options=KeyformerOptions(keyformer_budget=36, keyformer_anneal_steps=50, keyformer_n_sink=2,
                                   keyformer_recent=6, keyformer_seed=7)),
     dict(options=KeyformerOptions(keyformer_budget=40), storage=KIVIOptions(kivi_group_size=32), kv_bits=4),
-], ids=["h2o", "h2o-decay", "h2o-kivi4", "keyformer", "keyformer-anneal", "keyformer-kivi4"])
+], ids=["h2o", "h2o-decay", "keyformer", "keyformer-anneal", "keyformer-kivi4"])
 def test_the_compiled_score_equals_the_reference_bit_for_bit(settings, dtype, monkeypatch):
     config = KVCacheConfig(**settings)
     lp_ref, mass_ref, _ = _decode(config, dtype, compiled=False, monkeypatch=monkeypatch)

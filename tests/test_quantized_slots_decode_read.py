@@ -148,7 +148,7 @@ def test_forty_decode_steps_match_attention_over_the_held_history(method, pure_p
 
 
 def _unshared(store):
-    """``store`` as it read H2O's keys before: ``attend_one`` keeps no keys for ``room_keys``
+    """``store`` as it read Keyformer's keys before: ``attend_one`` keeps no keys for ``room_keys``
     (which then dequantizes them itself, in the scales' dtype)."""
     attend_one = store.attend_one
 
@@ -162,11 +162,13 @@ def _unshared(store):
 
 @pytest.mark.parametrize("pure_path", ["qmm", "reference"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["float32", "float16"])
-def test_h2o_mass_is_bit_for_bit_with_the_keys_attention_dequantized(pure_path, dtype, monkeypatch):
+def test_keyformer_score_is_bit_for_bit_with_the_keys_attention_dequantized(pure_path, dtype, monkeypatch):
+    """Keyformer's noisy score reads every slot's keys at each step: on a GPU's path it
+    reads those attention dequantized, to the same score bit for bit."""
     monkeypatch.setattr(kd, "_pure_path", lambda: pure_path)
     scale = HEAD_DIM**-0.5
-    shared, bits, _ = composed_cache("h2o+kivi2")
-    alone, _, _ = composed_cache("h2o+kivi2")
+    shared, bits, _ = composed_cache("keyformer+kivi2")
+    alone, _, _ = composed_cache("keyformer+kivi2")
     k, v, q = (x.astype(dtype) for x in synthetic_kvq(150 + STEPS, 2, 2, HEAD_DIM, seed=7))
     for cache in (shared, alone):
         run_prompt(cache, k, v, q, 150)
@@ -185,7 +187,7 @@ def test_h2o_mass_is_bit_for_bit_with_the_keys_attention_dequantized(pure_path, 
     for t in range(150, 150 + STEPS):
         outs = [feed(c, k, v, q, t, t + 1) for c in (shared, alone)]
         assert mx.array_equal(outs[0], outs[1])
-        assert mx.array_equal(shared.store.view("mass"), alone.store.view("mass"))
+        assert mx.array_equal(shared.store.view("score"), alone.store.view("score"))
         assert mx.array_equal(shared.store.view("positions"), alone.store.view("positions"))
         rows.append(shared.store.rows)
         assert shared.store._step_keys is None  # no keys held past the step
@@ -196,6 +198,53 @@ def test_h2o_mass_is_bit_for_bit_with_the_keys_attention_dequantized(pure_path, 
         assert reused >= STEPS - 3
     else:  # ... the CPU reads them by quantized_matmul, float16 scales round otherwise
         assert reused == 0
+
+
+def _attention_weights(q, keys, scale):
+    """Attention's weights of one query token (B, Hq, 1, D) over rows (B, H, rows, D),
+    averaged over the query rows of each KV head: (B, H, rows), float32."""
+    b, hq, _, d = q.shape
+    h = keys.shape[1]
+    qg = q.astype(mx.float32).reshape(b, h, hq // h, d)
+    return mx.softmax(scale * qg @ keys.swapaxes(-1, -2), axis=-1, precise=True).mean(axis=2)
+
+
+@pytest.mark.parametrize("pure_path", ["qmm", "reference"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("decay", [1.0, 0.9])
+def test_h2o_adds_the_weight_attention_gave_each_kept_token(pure_path, dtype, decay, monkeypatch):
+    """Over packed slots, a step's mass is attention's own weights (one softmax over the
+    packed rows and the ring's exact rows), not a second softmax over packed copies: each
+    slot gains what attention over the held history gave its token, to float32
+    reassociation, the ring's tokens included (their packed copies weigh nothing)."""
+    monkeypatch.setattr(kd, "_pure_path", lambda: pure_path)
+    scale = HEAD_DIM**-0.5
+    base, composed = split_composed("h2o+kivi2")
+    cls = METHODS[base].load_implementation()
+    cache = cls(config("h2o+kivi2", {"h2o_budget": BUDGET, "h2o_decay": decay, "storage": {
+        "method": "kivi", "options": {"kivi_group_size": 32}}}))
+    bits, group = composed["kv_bits"], 32
+    k, v, q = (x.astype(dtype) for x in synthetic_kvq(150 + STEPS, 2, 2, HEAD_DIM, seed=7))
+    run_prompt(cache, k, v, q, 150)
+    compared, ring_gains = 0, []
+    for t in range(150, 150 + STEPS):
+        before, rows = cache.store.view("mass"), cache.store.rows
+        keys, values = cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        hk, _ = held(cache, k, v, group, bits)
+        new = _attention_weights(q[:, :, t : t + 1], hk, scale)
+        positions = cache.store.view("positions")
+        cache.attend(q[:, :, t : t + 1], keys, values, scale=scale, mask=None)
+        if cache.store.rows < rows + 1:  # this step evicted: the slots moved
+            continue
+        old = mx.concatenate([before * decay, mx.zeros((*before.shape[:2], 1))], axis=2)  # the new token's: 0
+        got, want = cache.store.view("mass"), old + new
+        # each weight from scores moved by float32 reassociation: relative 2 ds at most
+        qg = (q[:, :, t : t + 1].astype(mx.float32) * scale).reshape(1, 2, 2, HEAD_DIM)
+        ds = HEAD_DIM * EPS * float((mx.abs(qg) @ mx.abs(hk).swapaxes(-1, -2)).max())
+        assert mx.all(mx.abs(got - want) <= 4 * ds * new + 4 * EPS * mx.abs(want)).item(), t
+        ring_gains.append(float(mx.where(positions >= cache.offset - cache.store.ring_fill, new, 0).sum()))
+        compared += 1
+    assert compared >= STEPS - 4 and min(ring_gains) > 0.05  # most steps; the ring's tokens drew weight
 
 
 @pytest.mark.parametrize("method", COMPOSED)

@@ -160,6 +160,9 @@ class ScoredEvictionCache(CompressedKVCache):
     token_state: tuple[str, ...] = ()
     state_from_queries = False  # token_state accumulates what queries paid: trim is inexact
     logits_dtype = mx.float32  # dtype of the score's logits matmul (the softmax is float32)
+    # a decode step's observer reads the step's own attention weights over packed slots
+    # (``QuantizedSlots.step_weights``), which attention then hands over
+    reads_step_weights = False
     window_in_decode = False  # keep the last ``window`` queries at decode steps too
     # The kept count follows from the budget and the schedule (false where an eviction keeps
     # whole chunks below the budget, or the budget moves with the offset).
@@ -194,6 +197,8 @@ class ScoredEvictionCache(CompressedKVCache):
     def _init_storage(self) -> None:
         self.options = self.config.options
         self.store = slot_store(self.config, ("keys", "values", "positions", *self.token_state))
+        if isinstance(self.store, QuantizedSlots):
+            self.store.keeps_weights = self.reads_step_weights
         self.window_queries = None  # (B, Hq, <= window, D) during a prefill
         self.in_prompt = True  # the last update was a prompt chunk (or nothing came yet)
         self.decode_steps = 0  # single-token steps since the last prefill ended

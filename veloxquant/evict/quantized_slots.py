@@ -20,8 +20,9 @@ tokens are written together (``settle``: one quantization of up to ``window`` ro
 before the ring would overwrite the oldest of them, and before anything reads, moves or
 saves the packed rows. Rows are quantized independently, so the codes are those a
 per-step quantization gives, bit for bit. A method that scores over the room's keys at
-every step (``room_keys``: H2O's mass reads the packed copies too) quantizes each token
-as it is written.
+every step (``room_keys``: Keyformer's noisy score reads the packed copies too) quantizes
+each token as it is written. H2O's mass takes attention's own weights instead
+(``step_weights``).
 
 Quantizer: KIVI's min-max group-affine arithmetic at ``kv_bits`` in groups of
 ``kivi_group_size`` channels *per token*, for keys as for values (``quant/token_rows.py``).
@@ -89,12 +90,22 @@ class QuantizedSlots:
         self._step_keys: tuple[mx.array, mx.array] | None = None
         # the newest slots whose packed rows are not written yet: their tokens are in the ring
         self.pending = 0
+        # ``attend_one`` keeps its attention weights for ``step_weights`` (H2O's mass)
+        self.keeps_weights = False
+        self._step_weights: tuple | None = None
 
     # -- what the scorer base reads and writes -------------------------------------------
     @property
     def arrays(self):
         self.settle()
         return self.slots.arrays
+
+    def grown(self, name: str):
+        """The ``GrowingArray`` of one stored array (a method's token state: no pending
+        row to write first)."""
+        if name not in self.extra:
+            self.settle()
+        return self.slots.arrays[name]
 
     def buffers(self) -> list[mx.array]:
         """The slot arrays' buffers as the last step left them (pending rows unwritten):
@@ -148,8 +159,19 @@ class QuantizedSlots:
             return step_keys[1]
         return _dequantize_pass(self.group, self.bits)(codes.buffer, scales.buffer, biases.buffer)
 
+    def step_weights(self):
+        """The last ``attend_one``'s attention weights (with ``keeps_weights``), once; None
+        otherwise: (weights over the slots' room (B, H, R, room), ring), ring None without
+        one, else (weights over the ring (B, H, R, window), the slots' positions (B, H,
+        room), the first position in the ring, the position at ring row 0 modulo
+        ``window``, ``window``): a slot whose position p is in the ring reads row
+        ``(p - base) % window`` there. One softmax over the packed rows and the ring's exact
+        rows: the ring's tokens' packed copies weigh 0."""
+        out, self._step_weights = self._step_weights, None
+        return out
+
     def write(self, new: dict[str, mx.array]) -> None:
-        self._step_keys = None  # a step's keys are read within the step
+        self._step_keys = self._step_weights = None  # a step's keys and weights are read within the step
         if self.quantized:
             keys, values = new.pop("keys"), new.pop("values")
             if self._appends_one(keys):
@@ -202,7 +224,8 @@ class QuantizedSlots:
 
     def _defers(self) -> bool:
         """Whether a decode token's packed rows wait for ``settle``: its exact rows are in
-        the ring, and no step reads the room's keys (H2O's mass reads the packed copies)."""
+        the ring, and no step reads the room's keys (Keyformer's noisy score reads the
+        packed copies)."""
         return bool(self.window) and not self._keys_read
 
     def settle(self) -> None:
@@ -360,13 +383,15 @@ class QuantizedSlots:
         path), which keeps the step's graph small. One compiled pass over the buffers'
         whole room (rows past the slot count masked, the counts passed as arrays): it
         retraces only when the buffers grow. Where it dequantizes the keys (a GPU) and the
-        method read the room's keys at its last step (``room_keys``: H2O's mass), it keeps
-        them for this step's ``room_keys``: the same values, dequantized once."""
+        method read the room's keys at its last step (``room_keys``: Keyformer's noisy
+        score), it keeps them for this step's ``room_keys``: the same values, dequantized
+        once. With ``keeps_weights`` it keeps its weights for ``step_weights``."""
         g = self.slots.arrays
         n = self.ring_fill
         qmm = _mlx_has(self.bits, self.group) and kd._pure_path() == "qmm"
         keys_out = self._keys_read and not qmm
-        attend = _attend_pass(self.bits, self.group, float(scale), qmm, n > 0, n == self.window, keys_out)
+        attend = _attend_pass(self.bits, self.group, float(scale), qmm, n > 0, n == self.window, keys_out,
+                              self.keeps_weights)
         b, h, room = g["k_codes"].buffer.shape[:3]
         scores = (b, h, queries.shape[1] // h)
         rings = (self.k_ring, self.v_ring, mx.array(n, mx.int32), row_indices(self.window),
@@ -374,10 +399,16 @@ class QuantizedSlots:
         out = attend(queries, *[g[name].buffer for name in PACKED], g["positions"].buffer,
                      mx.array(self.rows, mx.int32), mx.array(offset - n, mx.int32), row_indices(room),
                      _zeros_view((*scores, room)), *rings)
+        if not (keys_out or self.keeps_weights):
+            return out
+        out = list(out)
         if keys_out:
-            out, keys = out
-            self._step_keys = (g["k_codes"].buffer, keys)
-        return out
+            self._step_keys = (g["k_codes"].buffer, out.pop())
+        if self.keeps_weights:
+            # the next token, at ``offset``, goes to the ring's row ``ring_next``
+            ring = (out[2], g["positions"].buffer, offset - n, offset - self.ring_next, self.window) if n else None
+            self._step_weights = (out[1], ring)
+        return out[0]
 
 def _dequantize_pass(group: int, bits: int):
     return _dequantize_compiled(group, bits, mx.default_device() == mx.cpu and 32 % bits == 0)
@@ -486,10 +517,12 @@ def _append_pass(bits: int, group: int, n_extra: int, ring: bool, deferred: bool
 
 
 @functools.lru_cache(maxsize=None)
-def _attend_pass(bits: int, group: int, scale: float, qmm: bool, ring: bool, ring_full: bool, keys_out: bool):
+def _attend_pass(bits: int, group: int, scale: float, qmm: bool, ring: bool, ring_full: bool, keys_out: bool,
+                 weights_out: bool = False):
     """``QuantizedSlots.attend_one``'s pass: (queries, the six packed buffers, positions,
     rows, ring start, slot ids[, k_ring, v_ring, ring fill, ring ids]) -> the attention
-    output (and, with ``keys_out``, the float32 keys it dequantized). Rows past ``rows`` and
+    output (and, with ``keys_out``, the float32 keys it dequantized; with ``weights_out``,
+    the weights over the packed rows and over the ring, or None without one). Rows past ``rows`` and
     the ring's tokens' packed copies (positions >= ring start) are masked. ``qmm``: the
     packed rows read by ``quantized_matmul`` (the CPU), else dequantized in float32 (a GPU).
     One softmax over the packed rows and the ring; the two products of ``p V`` in one
@@ -524,7 +557,9 @@ def _attend_pass(bits: int, group: int, scale: float, qmm: bool, ring: bool, rin
         if ring:
             o = mx.addmm(o, p_ring, v_ring.astype(mx.float32))
         o = o.reshape(b, hq, 1, -1).astype(queries.dtype)
-        return (o, keys) if keys_out else o
+        extra = ((p, p_ring) if ring else (p,)) if weights_out else ()
+        extra += (keys,) if keys_out else ()
+        return (o, *extra) if extra else o
 
     return mx.compile(attend)
 

@@ -39,6 +39,10 @@ class SlotStore:
     def view(self, name: str) -> mx.array | None:
         return self.arrays[name].view()
 
+    def grown(self, name: str) -> GrowingArray:
+        """The ``GrowingArray`` of one stored array, to write its buffer in place."""
+        return self.arrays[name]
+
     def buffers(self) -> list[mx.array]:
         """Every array's buffer (what a step wrote, for its output to depend on)."""
         return [g.buffer for g in self.arrays.values() if g.buffer is not None]
