@@ -634,7 +634,9 @@ def emulate_launch(source, inputs, outputs, template, blocks, threads, workdir, 
         if n + "_shape" in source:
             call.append("Shape{" + ",".join(map(str, list(a.shape) + [0] * (10 - a.ndim))) + "}")
     for n, d, size in outputs:
-        fill = "NAN" if d.startswith("float") else "~0u"
+        # an explicit conversion: GCC 13 takes _Float16 as C++23's extended floating type,
+        # into which a float does not convert implicitly (vector's fill was ill-formed there)
+        fill = f"static_cast<{_CT[d]}>(NAN)" if d.startswith("float") else "~0u"
         main += f"  std::vector<{_CT[d]}> o_{n}({size}, {fill});\n"
         call.append(f"o_{n}.data()")
     main += f"  launch({blocks[0]}, {blocks[1]}, {threads}, [&] {{ kmain({', '.join(call)}); }});\n"
