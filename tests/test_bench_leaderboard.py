@@ -255,3 +255,39 @@ def test_a_jobs_run_stops_once_on_sigterm_and_ignores_the_next_until_it_has_merg
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_part_whose_process_dies_shows_as_failed_rows_naming_how_it_ended(capsys, tmp_path, monkeypatch):
+    """A part's process that ends unfinished without a word of its own (a crash in native
+    code, as kvtc's part did on the H100) leaves failed rows in the merged table for the
+    ratios it had not reached, naming how the process ended; its log says so too."""
+    import signal
+    import subprocess
+    import sys
+
+    real = subprocess.Popen
+
+    def popen(argv, **kwargs):
+        if "streaming_llm" in argv:  # this part dies as a segmentation fault would end it
+            argv = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+        return real(argv, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    assert main([*TINY, "--jobs", "2", "--out", str(tmp_path)]) == 1
+    data = json.loads((tmp_path / "leaderboard.json").read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows) == ["full", "snapkv", "streaming_llm"] and data["partial"] is True
+    assert rows["snapkv"]["status"] == "ok"
+    dead = rows["streaming_llm"]
+    assert dead["status"] == "failed" and dead["target"] == 0.5
+    assert "its process ended unfinished (killed by SIGSEGV" in dead["error"]
+    table = (tmp_path / "leaderboard.md").read_text()
+    assert "| streaming_llm | 0.5 | - | - | - | - | failed: its process ended unfinished (killed by SIGSEGV" in table
+    log = (tmp_path / "parts" / "streaming_llm" / "log.txt").read_text()
+    assert log.endswith("leaderboard: the process ended unfinished: killed by SIGSEGV\n")
+    assert "streaming_llm: stopped (killed by SIGSEGV" in capsys.readouterr().err
+    # resumed, the part runs again and its failure is forgotten
+    monkeypatch.setattr(subprocess, "Popen", real)
+    assert main([*TINY, "--jobs", "2", "--force", "--out", str(tmp_path)]) == 0
+    assert not (tmp_path / "parts" / "streaming_llm" / "stopped.txt").exists()
+    assert json.loads((tmp_path / "leaderboard.json").read_text())["partial"] is False

@@ -439,6 +439,7 @@ def leaderboard_in_parts(args, methods, ratios, tasks, context, examples, out: P
                 key = waiting.pop(0)
                 folder = parts_dir / key
                 folder.mkdir(exist_ok=True)
+                (folder / STOPPED).unlink(missing_ok=True)
                 argv = (["bench", "--leaderboard", "--methods", key, *shared, "--out",
                          str(folder), "--force"]
                         + ([] if key == "full" else ["--baseline-unscored"]))
@@ -453,8 +454,13 @@ def leaderboard_in_parts(args, methods, ratios, tasks, context, examples, out: P
                     continue
                 del running[key]
                 done += 1
-                state = "done" if finished(key) else (
-                    f"stopped (exit {proc.returncode}; see {parts_dir / key / 'log.txt'})")
+                state = "done"
+                if not finished(key):  # said in its log and, by _merged_parts, in the table
+                    ended = process_end(proc.returncode)
+                    (parts_dir / key / STOPPED).write_text(ended)
+                    with open(parts_dir / key / "log.txt", "a") as log:
+                        log.write(f"leaderboard: the process ended unfinished: {ended}\n")
+                    state = f"stopped ({ended}; see {parts_dir / key / 'log.txt'})"
                 print(f"leaderboard [{done}/{len(methods)}] {key}: {state} in "
                       f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
@@ -467,7 +473,8 @@ def leaderboard_in_parts(args, methods, ratios, tasks, context, examples, out: P
         for proc, _ in running.values():
             proc.wait()
     try:
-        return _merged_parts(args, methods, tasks, context, out, parts_dir, shared, started, interrupted)
+        return _merged_parts(args, methods, ratios, tasks, context, out, parts_dir, shared, started,
+                             interrupted)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -480,24 +487,58 @@ def stop_once(signum, frame):
     raise KeyboardInterrupt
 
 
-def _merged_parts(args, methods, tasks, context, out, parts_dir, shared, started, interrupted) -> int:
-    """The parts' leaderboard, table and plot in ``out`` (``leaderboard_in_parts``)."""
+STOPPED = "stopped.txt"  # a part's process ended before its part did: how (``process_end``)
+
+
+def process_end(returncode: int) -> str:
+    """How a process ended, in words: ``exit 1``, ``killed by SIGSEGV``."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit {returncode}"
+
+
+def _stopped_rows(key: str, part: dict | None, ratios, ended: str, log: Path) -> list:
+    """Failed rows for the targets a part whose process ended unfinished had not reached."""
+    from .leaderboard import Row
+
+    reached = {r["target"] for r in (part or {}).get("rows", []) if r["method"] == key}
+    return [Row(method=key, target=t, ratio=float("nan"), field=None, value=None,
+                bytes_per_token=float("nan"), status="failed",
+                error=f"its process ended unfinished ({ended}; see {log})")
+            for t in ratios if t not in reached]
+
+
+def _merged_parts(args, methods, ratios, tasks, context, out, parts_dir, shared, started,
+                  interrupted) -> int:
+    """The parts' leaderboard, table and plot in ``out`` (``leaderboard_in_parts``); a part
+    whose process ended unfinished gives failed rows for the ratios it had not reached."""
     import json
     import shlex
 
     from . import leaderboard
 
-    parts = []
+    parts, stopped = [], []
     for key in methods:
+        part = None
         try:
-            parts.append(json.loads((parts_dir / key / "leaderboard.json").read_text()))
+            part = json.loads((parts_dir / key / "leaderboard.json").read_text())
+            parts.append(part)
         except (OSError, ValueError):
             print(f"leaderboard: {key} left no results (see {parts_dir / key / 'log.txt'})",
                   file=sys.stderr)
+        if key != "full" and (parts_dir / key / STOPPED).exists():
+            ended = (parts_dir / key / STOPPED).read_text()
+            stopped += _stopped_rows(key, part, ratios, ended, parts_dir / key / "log.txt")
     try:
         payload, rows = leaderboard.merge(parts)
     except ValueError as exc:
         raise BenchError(f"--jobs: the parts in {parts_dir} do not merge: {exc}") from None
+    order = {m: i for i, m in enumerate(methods)}
+    rows = [rows[0]] + sorted(rows[1:] + stopped, key=lambda r: (order.get(r.method, len(order)),
+                                                                  r.target if r.target is not None else -1))
     command = shlex.join(["veloxquant", "bench", "--leaderboard", "--methods",
                           ",".join(methods[1:]) or "full", *shared, "--jobs", str(args.jobs),
                           "--out", str(out)])
