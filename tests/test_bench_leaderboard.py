@@ -291,3 +291,26 @@ def test_a_part_whose_process_dies_shows_as_failed_rows_naming_how_it_ended(caps
     assert main([*TINY, "--jobs", "2", "--force", "--out", str(tmp_path)]) == 0
     assert not (tmp_path / "parts" / "streaming_llm" / "stopped.txt").exists()
     assert json.loads((tmp_path / "leaderboard.json").read_text())["partial"] is False
+
+
+def test_question_after_is_recorded_and_runs_in_parts(capsys, tmp_path):
+    """``--question-after`` answers by kvpress's protocol: the title, the JSON and each
+    part's command say so (a part run without it is not reused), and with a budget that
+    keeps the whole prompt a method scores as the full cache does."""
+    base = ["bench", "--leaderboard", "--methods", "knorm", "--ratios", "0.25", "--context", "300",
+            "--examples", "1", "--tasks", "niah_single", "--question-after"]
+    assert main([*base, "--jobs", "2", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "leaderboard.json").read_text())
+    assert data["question_after"] is True and "--question-after" in data["command"]
+    assert "question after compression (kvpress's protocol)" in (tmp_path / "leaderboard.md").read_text()
+    part = json.loads((tmp_path / "parts" / "knorm" / "leaderboard.json").read_text())
+    assert part["command"].endswith("--question-after --out " + str(tmp_path / "parts" / "knorm"))
+    capsys.readouterr()
+    assert main([*base[:-1], "--jobs", "2", "--force", "--out", str(tmp_path)]) == 0
+    assert "reusing" not in capsys.readouterr().err  # without it, another protocol: run again
+    assert json.loads((tmp_path / "leaderboard.json").read_text())["question_after"] is False
+
+
+def test_question_after_needs_the_leaderboard(capsys, tmp_path):
+    assert main(["bench", "--quick", "--question-after", "--out", str(tmp_path)]) == 2
+    assert "--question-after is a protocol of --leaderboard" in capsys.readouterr().err

@@ -110,6 +110,11 @@ def add_bench_parser(sub) -> None:
                         "method a process, each into OUT/parts/METHOD, then merge them into "
                         "OUT; a part that finished in an earlier run is reused, so a "
                         "stopped run resumes (default: 1, one process)")
+    p.add_argument("--question-after", action="store_true",
+                   help="with --leaderboard: kvpress's protocol: each prompt's context is "
+                        "prefilled and compressed alone, then eviction stops and the question "
+                        "is read and answered (query-agnostic compression); by default the "
+                        "whole prompt goes through the cache, as a generate call sends it")
     p.add_argument("--baseline-unscored", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="bench-out", metavar="DIR",
                    help="folder for results.json, table.md and pareto.png "
@@ -238,6 +243,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.leaderboard:
         return cmd_leaderboard(args)
+    if args.question_after:
+        raise BenchError("--question-after is a protocol of --leaderboard; add --leaderboard or drop it")
     if args.quick and args.sweep:
         raise BenchError("--quick runs one setting per method; drop --sweep or --quick")
     if args.context is None:
@@ -348,7 +355,8 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
         model.set_dtype(dtype)
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     title = "leaderboard: " + report.title(model_name, context, date, False).removeprefix(
-        "veloxquant bench: ") + f", {examples} examples a task"
+        "veloxquant bench: ") + f", {examples} examples a task" + (
+        ", question after compression (kvpress's protocol)" if args.question_after else "")
     command = shlex.join(["veloxquant", "bench", "--leaderboard", "--methods",
                           ",".join(methods[1:]) or "full",
                           *leaderboard_settings(args, ratios, tasks, context, examples),
@@ -356,7 +364,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     payload = {"environment": report.environment(args.seed, model_name), "date": date,
                "context": context, "ratios": ratios, "tasks": tasks, "seed": args.seed,
-               "title": title,
+               "title": title, "question_after": bool(args.question_after),
                "examples_per_task": examples, "command": command}
 
     def save(rows, partial: bool):
@@ -376,7 +384,8 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
             model, tokenizer, methods, ratios, tasks, prompts, context, args.seed,
             progress=progress, on_row=lambda rows: save(rows, partial=True),
             score_full=not args.baseline_unscored,
-            on_full=lambda nbytes, tokens: payload.update(full_bytes=nbytes, probe_tokens=tokens))
+            on_full=lambda nbytes, tokens: payload.update(full_bytes=nbytes, probe_tokens=tokens),
+            question_after=args.question_after)
     finally:
         progress.close()
     payload.update(full_bytes=result["full_bytes"], probe_tokens=result["probe_tokens"],
@@ -396,7 +405,8 @@ def leaderboard_settings(args, ratios, tasks, context: int, examples: int) -> li
     return (["--ratios", ",".join(f"{r:g}" for r in ratios), "--tasks", ",".join(tasks),
              "--context", str(context), "--examples", str(examples), "--seed", str(args.seed),
              "--dtype", args.dtype]
-            + ([] if args.model in (None, "reference") else ["--model", args.model]))
+            + ([] if args.model in (None, "reference") else ["--model", args.model])
+            + (["--question-after"] if args.question_after else []))
 
 
 def leaderboard_in_parts(args, methods, ratios, tasks, context, examples, out: Path) -> int:

@@ -144,6 +144,27 @@ def answer(model, tokenizer, run: MethodRun, example: Example) -> str:
     return tokenizer.decode(greedy(model, cache, logits, example.max_new_tokens))
 
 
+def answer_question_after(model, tokenizer, run: MethodRun, example) -> str:
+    """kvpress's protocol: the context (the prompt before its closing question) prefilled
+    and compressed alone, every cache then told to stop evicting (``stop_evicting``, where
+    it has one: a method without it stores the question as it stores any token), the
+    question read and the answer written."""
+    ids = tokenizer.encode(example.prompt)
+    context = tokenizer.encode(example.prompt[: len(example.prompt) - len(example.question)])
+    n = next((i for i, (a, b) in enumerate(zip(ids, context)) if a != b), min(len(ids), len(context)))
+    if not 1 < n < len(ids):
+        raise ValueError(f"{example.task} example {example.index}: no context before its question "
+                         f"({n} shared tokens of {len(ids)})")
+    cache = run.cache(model)
+    prefill(model, cache, mx.array(ids[:n]), tokenizer=tokenizer)
+    for layer in cache:
+        stop = getattr(layer, "stop_evicting", None)
+        if stop is not None:
+            stop()
+    logits = prefill(model, cache, mx.array(ids[n:]))
+    return tokenizer.decode(greedy(model, cache, logits, example.max_new_tokens))
+
+
 def retrieval(model, tokenizer, run: MethodRun, examples: list[Example], tick) -> dict:
     rows = []
     for ex in examples:

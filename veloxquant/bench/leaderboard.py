@@ -188,16 +188,17 @@ class Row:
     error: str | None = None
 
 
-def score_examples(model, tokenizer, config, examples, tick=lambda: None) -> dict:
-    """Percent per task (RULER's score of each output, averaged) and the outputs."""
-    from .harness import MethodRun, answer
+def score_examples(model, tokenizer, config, examples, tick=lambda: None, question_after: bool = False) -> dict:
+    """Percent per task (RULER's score of each output, averaged) and the outputs;
+    ``question_after``: kvpress's protocol (``harness.answer_question_after``)."""
+    from .harness import MethodRun, answer, answer_question_after
 
     run = MethodRun("leaderboard", config)
     per_task: dict[str, list[float]] = {}
     outputs = []
     eos = getattr(tokenizer, "eos_token", None)
     for ex in examples:
-        out = answer(model, tokenizer, run, ex)
+        out = (answer_question_after if question_after else answer)(model, tokenizer, run, ex)
         if eos:  # what follows the model's end of text is no part of its answer
             out = out.split(eos, 1)[0]
         s = ruler_score(ex, out)
@@ -229,11 +230,15 @@ def make_examples(tokenizer, tasks, examples_per_task: int, context: int, seed: 
 
 def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, examples: list,
                     context: int, seed: int, progress=None, on_row=lambda rows: None,
-                    score_full: bool = True, on_full=lambda full_bytes, tokens: None) -> dict:
+                    score_full: bool = True, on_full=lambda full_bytes, tokens: None,
+                    question_after: bool = False) -> dict:
     """Every method at every ratio; ``on_row`` gets the rows so far after each one.
     ``score_full=False``: the full cache's bytes are measured (every ratio is a fraction
     of them) but its examples are not answered; a part of a ``--jobs`` run, whose
-    baseline another part scores."""
+    baseline another part scores. ``question_after``: each example answered by kvpress's
+    protocol (the context compressed alone, then the question read with eviction
+    stopped); the bytes are measured as without it, over a context of the leaderboard's
+    length."""
     from .tasks import load_default_filler
 
     text = tokenizer.encode(load_default_filler())
@@ -254,7 +259,7 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
         """``setting``: the value of the method's main field, or "FIELD=VALUE" of another
         (spectral's d_eff and kv_bits may share a value), None at the defaults."""
         if (key, setting) not in scored:
-            scored[(key, setting)] = score_examples(model, tokenizer, config, examples, tick)
+            scored[(key, setting)] = score_examples(model, tokenizer, config, examples, tick, question_after)
         return scored[(key, setting)]
 
     def add(row: Row, result: dict | None):
@@ -322,7 +327,7 @@ def run_leaderboard(model, tokenizer, methods: list[str], ratios, tasks, example
 
 
 #: what every part of one leaderboard must share for its rows to stand in one table
-SHARED = ("context", "tasks", "examples_per_task", "full_bytes", "probe_tokens", "seed")
+SHARED = ("context", "tasks", "examples_per_task", "full_bytes", "probe_tokens", "seed", "question_after")
 
 
 def merge(parts: list[dict]) -> tuple[dict, list[Row]]:

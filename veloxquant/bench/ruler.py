@@ -82,6 +82,13 @@ class RulerExample:
     index: int
     meta: dict = field(default_factory=dict, compare=False)
 
+    @property
+    def question(self) -> str:
+        """The prompt's closing question and answer prefix (every task's prompt ends with
+        a blank line, then "Question: ..."): what kvpress's pipeline reads after
+        compressing the rest."""
+        return self.prompt[self.prompt.rindex("\n\nQuestion:") + 2:]
+
 
 def ruler_score(task_or_example, output: str, answers=None) -> float:
     """RULER's score of one output in [0, 1]: ``all`` tasks, the fraction of the

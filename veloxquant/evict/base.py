@@ -202,6 +202,7 @@ class ScoredEvictionCache(CompressedKVCache):
         self.window_queries = None  # (B, Hq, <= window, D) during a prefill
         self.in_prompt = True  # the last update was a prompt chunk (or nothing came yet)
         self.decode_steps = 0  # single-token steps since the last prefill ended
+        self.evicting = True  # False after ``stop_evicting``: every later token is kept
         self.padded = False  # some slots are padding (per-head budgets): attention masks them
         self.padded_rows = 0  # slots per head under per-head budgets (the largest budget)
 
@@ -283,12 +284,14 @@ class ScoredEvictionCache(CompressedKVCache):
     def _meta(self) -> dict[str, Any]:
         return {"in_prompt": self.in_prompt, "decode_steps": self.decode_steps,
                 "padded": self.padded, "padded_rows": self.padded_rows,
+                **({} if self.evicting else {"evicting": False}),
                 **getattr(self.store, "meta", {})}
 
     def _restore_meta(self, meta: dict[str, Any]) -> None:
         self.in_prompt = bool(meta["in_prompt"])
         self.decode_steps = int(meta["decode_steps"])
         self.padded, self.padded_rows = bool(meta["padded"]), int(meta["padded_rows"])
+        self.evicting = bool(meta.get("evicting", True))
         if isinstance(self.store, QuantizedSlots):
             self.store.restore_meta(meta)
 
@@ -307,7 +310,7 @@ class ScoredEvictionCache(CompressedKVCache):
         self._expect_attend()
         self._check_shape(keys, values)
         b, h, n, _ = keys.shape
-        if self.schedule.decode_every:  # steady state: the budget plus the steps between scorings
+        if self.schedule.decode_every and self.evicting:  # steady state: the budget plus the steps between scorings
             self.store.set_limit(self.budget + self.schedule.decode_every)
         # a decode token's position made on the host (a constant: no graph node)
         positions = (mx.array([[[self.offset]] * h] * b, mx.int32) if n == 1 else
@@ -387,8 +390,18 @@ class ScoredEvictionCache(CompressedKVCache):
         visible = (k >= 0) & (k <= q)
         return mx.repeat(visible, queries.shape[1] // positions.shape[1], axis=1)
 
+    def stop_evicting(self) -> None:
+        """Keep every token from here on: no scoring, no eviction, no budget. The
+        leaderboard's question-after protocol (kvpress's pipeline): the context is
+        compressed as the method does, then the question is read and the answer written
+        with nothing more evicted."""
+        self.evicting = False
+        self.store.set_limit(None)
+
     def _scores_now(self, n: int, prefill_end: bool) -> bool:
         s = self.schedule
+        if not self.evicting:
+            return False
         if prefill_end:
             self.decode_steps = 0
             return s.prefill_end
@@ -490,7 +503,7 @@ class ScoredEvictionCache(CompressedKVCache):
 
     def _expected_kept(self) -> int | None:
         """Tokens kept per head after the last update, where the schedule fixes it."""
-        if self.in_prompt or self.padded or not self.kept_count_follows_budget:
+        if self.in_prompt or self.padded or not self.kept_count_follows_budget or not self.evicting:
             return None
         prompt = self.offset - self.decode_steps  # evicted once at the prompt's end, then appends
         every = self.schedule.decode_every

@@ -182,6 +182,13 @@ class RocketKVCache(ScoredEvictionCache):
                                    self.store.kept, o.rocketkv_page_size, o.rocketkv_head_topk1))
         self._build_pages()
 
+    def stop_evicting(self) -> None:
+        """The base's, and stage 2 off: decode steps attend to every kept token (its pages
+        summarise the tokens kept at the prompt's end only)."""
+        super().stop_evicting()
+        self._set_plan(None)
+        self.pages.reset(None)
+
     def _set_plan(self, plan) -> None:
         self.plan = None if plan is None else tuple(plan)
         if plan is not None:  # pages grow by room for TOKEN_STEP tokens, as the kept keys do
