@@ -250,6 +250,25 @@ def test_a_budget_the_layer_cannot_spend_is_refused_naming_the_field():
         make_prompt_cache(model, config("kvtc", {"kvtc_bit_choices": (0, 2, 17)}))
 
 
+def test_a_budget_that_gives_no_component_bits_is_refused_naming_the_least():
+    """At beta 3.5 one bit is no better than dropping a component, so a budget of 1 gives
+    none bits: every token its mean, zero-width codes (MLX's CUDA back-end died of a floating
+    point exception on them, in the leaderboard's search). Refused, naming the least budget;
+    that least one fits one component."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    cache = make_prompt_cache(model, config("kvtc", {"kvtc_bit_budget": 1}))
+    with pytest.raises(ValueError, match=r"kvtc_bit_budget=1 gives no component bits: .* is 2; allowed: a "
+                                         r"budget of at least 2"):
+        model(prompt(10)[None], cache=cache)
+    cache = make_prompt_cache(model, config("kvtc", {"kvtc_bit_choices": (0, 1), "kvtc_bit_budget": 64}))
+    with pytest.raises(ValueError, match=r"kvtc_bit_choices=\(0, 1\): no width beats dropping"):
+        model(prompt(10)[None], cache=cache)
+    cache = make_prompt_cache(model, config("kvtc", {"kvtc_bit_budget": 2, "residual_window": 4}))
+    model(prompt(40)[None], cache=cache)
+    model(prompt(1)[None], cache=cache)
+    assert cache[0].stored_length == 41
+
+
 def _exact_eigenvalues(x: mx.array) -> np.ndarray:
     rows = np.asarray(x, dtype=np.float64)
     centred = rows - rows.mean(axis=0)

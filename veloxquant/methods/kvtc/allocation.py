@@ -76,7 +76,7 @@ def allocate(distortion: np.ndarray, choices, budget: int) -> np.ndarray:
     return out
 
 
-def _useful_widths(choices, beta: float) -> tuple[int, ...]:
+def useful_widths(choices, beta: float) -> tuple[int, ...]:
     """The widths an optimal allocation may choose: 0 and those whose modelled distortion is
     below dropping the component (``D(b) < λ``), ascending."""
     widths = sorted(set(int(w) for w in choices))
@@ -90,7 +90,7 @@ def leading_count(p: int, choices, budget: int, beta: float) -> int:
     where 0 is not an allowed width (every component then takes one: no cut)."""
     if 0 not in {int(w) for w in choices}:
         return p
-    positive = [w for w in _useful_widths(choices, beta) if 0 < w <= budget]
+    positive = [w for w in useful_widths(choices, beta) if 0 < w <= budget]
     return min(p, budget // min(positive)) if positive else 0
 
 
@@ -104,6 +104,6 @@ def allocate_by_variance(variances: np.ndarray, choices, budget: int, beta: floa
     out = np.zeros(lam.size, np.int64)
     k = leading_count(lam.size, choices, budget, beta)
     if k:
-        useful = _useful_widths(choices, beta)
+        useful = useful_widths(choices, beta)
         out[:k] = allocate(uniform_distortion(lam[:k], useful, beta), useful, budget)
     return out

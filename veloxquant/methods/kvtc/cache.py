@@ -59,6 +59,7 @@ from ...quant import entropy
 from ...quant.coded_cache import EntropyCodedCache, join_segments, split_segments, to_numpy
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import args_rotary, model_rotary, rotary_name
+from .allocation import leading_count, useful_widths
 from .transform import TransformCodec, TransformTokens
 from .window_store import SinkWindowStore
 
@@ -232,3 +233,16 @@ def _check_budget(options, keys: mx.array, values: mx.array) -> None:
         raise ValueError(
             f"kvtc_bit_budget={options.kvtc_bit_budget} is more than this model's layers can spend: "
             f"allowed up to max(kvtc_bit_choices) * kv heads * head_dim = {most}")
+    # no component able to take a width would leave every token its mean and zero-width
+    # codes, which MLX's CUDA back-end does not survive (a floating point exception)
+    p = keys.shape[1] * min(keys.shape[3], values.shape[3])
+    if not leading_count(p, options.kvtc_bit_choices, options.kvtc_bit_budget, options.kvtc_beta):
+        widths = [w for w in useful_widths(options.kvtc_bit_choices, options.kvtc_beta) if w]
+        if not widths:
+            raise ValueError(
+                f"kvtc_bit_choices={options.kvtc_bit_choices!r}: no width beats dropping a component at "
+                f"kvtc_beta={options.kvtc_beta:g}, so none gets bits; allowed: choices with a wider width")
+        raise ValueError(
+            f"kvtc_bit_budget={options.kvtc_bit_budget} gives no component bits: the narrowest width of "
+            f"kvtc_bit_choices that beats dropping a component at kvtc_beta={options.kvtc_beta:g} is "
+            f"{widths[0]}; allowed: a budget of at least {widths[0]}")
