@@ -4,6 +4,7 @@
 # come before this one). Parts finished by an earlier call (carried back in the working
 # tree) are reused, so a second call resumes. What it leaves comes back as one archive in $OUT.
 # Usage: bash benchmarks/leaderboard_on_device.sh SECONDS JOBS EXAMPLES OUTDIR
+# (METHODS=a,b: those methods only; EXTRA="--question-after": more bench arguments)
 set -o pipefail
 seconds=$1 jobs=$2 examples=$3 out=$4
 source benchmarks/install_on_device.sh || exit 1
@@ -15,7 +16,7 @@ methods+=,snapkv,chunkkv,knorm,streaming_llm,kivi
 methods=${METHODS:-$methods}
 timeout "$seconds" python3 -c "import sys; from veloxquant_mlx.cli import main; sys.exit(main(sys.argv[1:]))" \
   bench --leaderboard --model reference-subword --methods "$methods" --context 4096 \
-  --examples "$examples" --jobs "$jobs" --force --out "$out"
+  --examples "$examples" --jobs "$jobs" --force --out "$out" ${EXTRA:-}
 echo "leaderboard exit $?"
 tar czf "$OUT/leaderboard.tgz" "$out"
 ls -la "$OUT"
