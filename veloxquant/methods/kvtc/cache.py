@@ -97,8 +97,13 @@ class KVTCCache(EntropyCodedCache):
         if self.config.calibration_file and self.context is not None:  # a wrong file fails at once
             self._calibration(None)
 
+    _budget_checked = None  # the (kv heads, key and value head_dims) the budget was checked for
+
     def update_and_fetch(self, keys, values):
-        _check_budget(self.config, keys, values)  # the flat fields: ``options`` builds an object a read
+        dims = (keys.shape[1], keys.shape[3], values.shape[3])
+        if dims != self._budget_checked:  # once: the check's allocation is numpy work a decode step need not do
+            _check_budget(self.config, keys, values)  # the flat fields: ``options`` builds an object a read
+            self._budget_checked = dims
         if self.config.calibration_file and self.kv_shape is None:  # the file meets the keys
             self._calibration((keys.shape[1], keys.shape[-1]))
         return super().update_and_fetch(keys, values)
