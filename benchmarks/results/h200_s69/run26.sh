@@ -1,6 +1,6 @@
 #!/bin/bash
 # Session 69 (issue 30): the four row kernels off and on, alternated in one process
-# (benchmarks/row_kernels_ab.py), where run24.sh timed them in separate processes whose
+# (benchmarks/row_kernels_ab.py, now read_ab.py), where run24.sh timed them in separate processes whose
 # baselines differed by 2x. After the c1 and c2 calls, carry [".device/c3"]; about 200 s.
 # TESTS=1 first reruns the kernels' tests with 9059d9f's fixes (up to 240 s).
 source benchmarks/install_on_device.sh >/dev/null 2>&1
@@ -12,7 +12,7 @@ if [ "${TESTS:-0}" = 1 ]; then
     tests/test_adakv_plane_rows_kernel.py tests/test_kitty_key_rows_kernel.py > $OUT/row_kernels_cuda.log 2>&1
   echo "pytest rc=$? after ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/row_kernels_cuda.log | cut -c1-300 | head -12
 fi
-timeout $((590 - SECONDS)) python3 benchmarks/row_kernels_ab.py --preset llama3-8b --context 4096 \
+timeout $((590 - SECONDS)) python3 benchmarks/read_ab.py --preset llama3-8b --context 4096 \
   --methods ${METHODS:-vecinfer nsnquant adakv kitty} --steps 16 --rounds 6 > $OUT/row_kernels_ab_4k.log 2>&1
 echo "row_kernels_ab rc=$?"; grep "^|\|KVCache" $OUT/row_kernels_ab_4k.log | cut -c1-300
 grep -A3 Traceback $OUT/row_kernels_ab_4k.log | tail -4

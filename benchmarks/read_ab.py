@@ -1,17 +1,22 @@
-"""The row kernels (vecinfer's ``kernels/codebook_rows.py``, nsnquant's, AdaKV's and kitty's
-``methods/<key>/kernel.py``) off and on, alternated in one process.
+"""A decode read off and on, alternated in one process: ``--switch row-kernels`` (vecinfer's
+``kernels/codebook_rows.py``, nsnquant's, AdaKV's and kitty's ``methods/<key>/kernel.py``) or
+``--switch composed-rows`` (an eviction method's packed slots on CUDA: every row decoded in
+the model's dtype and one fused attention, ``QuantizedSlots._attend_rows``, against the
+float32 read).
 
 ``decode.py --isolate`` times a method in a process of its own, and two processes' host times
 differed by 2x on one H100 (``results/h200_s69``). Here one process holds, per method, two
-caches prefilled alike. One reads its rows through MLX's ops (the kernels' ``kernel_checked``
-answers False while it prefills and steps). The other takes the kernels. An mlx-lm
+caches prefilled alike. One reads its rows the other way (for the row kernels: through MLX's
+ops, ``kernel_checked`` answering False while it prefills and steps). An mlx-lm
 ``KVCache`` runs beside them. They take turns, round after round, each round
 ``--steps`` overlapped steps as ``generate_step`` runs them (``decode.overlapped_steps``).
-The table gives the medians and the ratios on/off and against KVCache. On a CPU the kernels
-do not run: both columns read the MLX ops, so the ratio there is the spread.
+The table gives the medians and the ratios on/off and against KVCache. On a CPU neither
+switch changes the read: both columns read the same way, so the ratio there is the spread.
 
-    python benchmarks/row_kernels_ab.py --preset llama3-8b --context 4096 \
+    python benchmarks/read_ab.py --preset llama3-8b --context 4096 \
         --methods vecinfer nsnquant adakv kitty [--steps 16] [--rounds 6]
+    python benchmarks/read_ab.py --switch composed-rows --preset llama3-8b --context 4096 \
+        --methods "snapkv 2048 + kivi-4bit" "tova 2048 + kivi-4bit"
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode  # noqa: E402  (this folder's decode.py: model, prefill and overlapped steps)
 
 from veloxquant_mlx import KVCacheConfig  # noqa: E402
+from veloxquant_mlx.evict import quantized_slots  # noqa: E402
 from veloxquant_mlx.kernels import codebook_rows  # noqa: E402
 from veloxquant_mlx.methods.adakv import kernel as adakv_kernel  # noqa: E402
 from veloxquant_mlx.methods.kitty import kernel as kitty_kernel  # noqa: E402
@@ -38,40 +44,57 @@ ROW_KERNELS = (codebook_rows, nsnquant_kernel, adakv_kernel, kitty_kernel)
 
 
 @contextlib.contextmanager
-def kernels(on: bool):
-    """The row kernels as they are (``on``) or refused, as their failed check would refuse them."""
-    saved = [m.kernel_checked for m in ROW_KERNELS]
+def refused(switches, on: bool):
+    """``(module, name)`` functions as they are (``on``) or answering False."""
+    saved = [getattr(m, name) for m, name in switches]
     try:
         if not on:
-            for m in ROW_KERNELS:
-                m.kernel_checked = lambda *args: False
+            for m, name in switches:
+                setattr(m, name, lambda *args: False)
         yield
     finally:
-        for m, fn in zip(ROW_KERNELS, saved):
-            m.kernel_checked = fn
+        for (m, name), fn in zip(switches, saved):
+            setattr(m, name, fn)
+
+
+SWITCHES = {
+    # the row kernels refused, as their failed check would refuse them
+    "row-kernels": [(m, "kernel_checked") for m in ROW_KERNELS],
+    # the packed slots' float32 read on CUDA
+    "composed-rows": [(quantized_slots, "reads_rows_on_cuda")],
+}
+
+
+def method_config(name: str):
+    """A name of ``decode.METHODS`` (a composition: "snapkv 2048 + kivi-4bit"), or a method's
+    key at its defaults."""
+    return decode.METHODS[name] if name in decode.METHODS else KVCacheConfig(method=name)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small", choices=list(decode.PRESETS))
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--methods", nargs="+", default=["vecinfer", "nsnquant", "adakv", "kitty"])
+    ap.add_argument("--switch", default="row-kernels", choices=list(SWITCHES))
+    ap.add_argument("--methods", nargs="+", default=["vecinfer", "nsnquant", "adakv", "kitty"],
+                    help="methods' keys at their defaults, or names of decode.py's METHODS")
     ap.add_argument("--steps", type=int, default=16, help="overlapped steps a cache takes a turn")
     ap.add_argument("--rounds", type=int, default=6, help="timed rounds (one warm-up round first)")
     args = ap.parse_args()
+    switch = SWITCHES[args.switch]
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.float16
     model = decode.build_model(args.preset, dtype)
     states = {"mlx-lm KVCache": (*decode.start(model, None, args.context, 1)[:2], True)}
     for method in args.methods:
         for on in (False, True):
-            with kernels(on):
-                cache, y, _ = decode.start(model, KVCacheConfig(method=method), args.context, 1)
+            with refused(switch, on):
+                cache, y, _ = decode.start(model, method_config(method), args.context, 1)
             states[(method, on)] = (cache, y, on)
-            print(f"prefilled {method} (kernels {'on' if on else 'off'})", flush=True)
+            print(f"prefilled {method} ({args.switch} {'on' if on else 'off'})", flush=True)
     steps = {name: [] for name in states}
     for r in range(args.rounds + 1):
         for name, (cache, y, on) in states.items():
-            with kernels(on):
+            with refused(switch, on):
                 y, t = decode.overlapped_steps(model, cache, y, args.steps)
             states[name] = (cache, y, on)
             if r:  # the first round warms every cache up
@@ -79,7 +102,7 @@ def main() -> None:
     base = statistics.median(steps["mlx-lm KVCache"])
     print(f"\n{args.preset}, {args.context} tokens, {args.rounds} rounds of {args.steps} overlapped steps, "
           f"{mx.default_device()}; ms a token, median of the rounds; KVCache {base * 1e3:.2f} ms\n")
-    print("| cache | kernels off ms | on ms | off / on (above 1: on is faster) | off vs KVCache | on vs KVCache |")
+    print(f"| cache | {args.switch} off ms | on ms | off / on (above 1: on is faster) | off vs KVCache | on vs KVCache |")
     print("|---|---:|---:|---:|---:|---:|")
     for method in args.methods:
         off, on = (statistics.median(steps[(method, k)]) for k in (False, True))
