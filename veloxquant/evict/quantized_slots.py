@@ -41,7 +41,10 @@ Decode attention reads the packed rows as ``TokenRows`` does (the pure-MLX reads
 ``p V`` on the CPU, a float32 dequantization of the kept rows on a GPU, where MLX's CUDA
 back-end has no ``quantized_matmul`` for these shapes; the fused kernels read keys per
 channel only), in one compiled pass with the ring under one softmax; scores that need
-keys read them dequantized (a GPU's step dequantizes the keys once for both).
+keys read them dequantized (a GPU's step dequantizes the keys once for both). On CUDA, where
+no score reads the step's keys (Keyformer's), a step decodes every slot's rows in the model's
+dtype, the ring's tokens' rows from the ring, and calls one fused attention (``_attend_rows``;
+H2O's weights from one more product).
 """
 
 from __future__ import annotations
@@ -390,6 +393,8 @@ class QuantizedSlots:
         n = self.ring_fill
         qmm = _mlx_has(self.bits, self.group) and kd._pure_path() == "qmm"
         keys_out = self._keys_read and not qmm
+        if not keys_out and reads_rows_on_cuda():
+            return self._attend_rows(queries, scale, offset)
         attend = _attend_pass(self.bits, self.group, float(scale), qmm, n > 0, n == self.window, keys_out,
                               self.keeps_weights)
         b, h, room = g["k_codes"].buffer.shape[:3]
@@ -409,6 +414,76 @@ class QuantizedSlots:
             ring = (out[2], g["positions"].buffer, offset - n, offset - self.ring_next, self.window) if n else None
             self._step_weights = (out[1], ring)
         return out[0]
+
+    def _attend_rows(self, queries: mx.array, scale: float, offset: int) -> mx.array:
+        """On CUDA: every slot's rows decoded in the queries' dtype, the ring's tokens' rows
+        taken from the ring (their packed copies may not be written yet), and one fused
+        attention over the slots held, with no mask: MLX's CUDA back-end fuses a one-row
+        attention only without one, and the float32 read's products are served by cuBLAS
+        kernels that walk every token in a few blocks (``benchmarks/notes/cuda_dense_reads.md``).
+        Each token is read once, as the float32 read reads it. (No gate on the queries, as
+        the dense reads of ``cuda_dense_reads.md`` need: the chained-layer peak is the same
+        with one, since the queries come first in the attention's inputs.) With
+        ``keeps_weights`` the step's weights over the slots' room come from one more product
+        of the queries and the decoded keys (the fused attention gives none); the ring's
+        tokens are weighed at their slots."""
+        g = self.slots.arrays
+        packed = [g[name].buffer for name in PACKED]
+        # a ring token at position p is in the ring's row (p - base) % window
+        rings = (g["positions"].buffer, mx.array(offset - self.ring_fill, mx.int32),
+                 mx.array(offset - self.ring_next, mx.int32), self.k_ring, self.v_ring) if self.ring_fill else ()
+        k, v = _rows_pass(self.bits, self.group, queries.dtype, bool(rings))(*packed, *rings)
+        room = k.shape[2]
+        if self.keeps_weights:
+            b, h = k.shape[:2]
+            p = _weights_pass(float(scale))(queries, k, mx.array(self.rows, mx.int32), row_indices(room),
+                                            _zeros_view((b, h, queries.shape[1] // h, room)))
+            self._step_weights = (p, None)
+        if self.rows < room:  # spare room past the slots held
+            k, v = k[:, :, : self.rows], v[:, :, : self.rows]
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+
+
+def reads_rows_on_cuda() -> bool:
+    """Whether a step reads the decoded rows through one fused attention
+    (``QuantizedSlots._attend_rows``): on CUDA (``benchmarks/read_ab.py`` turns it off)."""
+    return kd.gpu_backend() == "cuda"
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_pass(bits: int, group: int, dtype: mx.Dtype, ring: bool):
+    """``QuantizedSlots._attend_rows``' decode: (the six packed buffers[, positions, ring
+    start, the position at ring row 0, k_ring, v_ring]) -> every slot's keys and values in
+    ``dtype`` over the buffers' room, a ring token's (position >= ring start) from the ring."""
+
+    def rows(kc, ks, kb, vc, vs, vb, *rings):
+        k, v = dequantize_rows(kc, ks, kb, group, bits, dtype), dequantize_rows(vc, vs, vb, group, bits, dtype)
+        if not ring:
+            return k, v
+        positions, start, base, k_ring, v_ring = rings
+        in_ring = (positions >= start)[..., None]
+        index = ((positions - base) % k_ring.shape[2])[..., None]
+        return (mx.where(in_ring, mx.take_along_axis(k_ring, index, axis=2).astype(dtype), k),
+                mx.where(in_ring, mx.take_along_axis(v_ring, index, axis=2).astype(dtype), v))
+
+    return mx.compile(rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _weights_pass(scale: float):
+    """One query token's attention weights (B, H, R, room) over keys (B, H, room, D) in
+    float32, rows past ``rows`` weighing 0: ``_attend_rows``' weights for H2O's mass."""
+
+    def weights(queries, keys, rows, slot_ids, zeros):
+        b, hq, _, d = queries.shape
+        h = keys.shape[1]
+        q = queries.astype(mx.float32).reshape(b, h, hq // h, d)
+        s = mx.addmm(mx.where(slot_ids < rows, zeros, -float("inf")), q, keys.astype(mx.float32).swapaxes(-1, -2),
+                     alpha=scale)
+        return mx.softmax(s, axis=-1, precise=True)
+
+    return mx.compile(weights)
+
 
 def _dequantize_pass(group: int, bits: int):
     return _dequantize_compiled(group, bits, mx.default_device() == mx.cpu and 32 % bits == 0)
