@@ -220,8 +220,8 @@ def test_h2o_adds_the_weight_attention_gave_each_kept_token(pure_path, dtype, de
     reassociation, the ring's tokens included (their packed copies weigh nothing). On
     CUDA (float32 here: the decoded rows in the model's dtype are the float32 read's) the
     weights come from the decoded rows, the ring's tokens at their slots."""
-    if pure_path == "cuda":
-        monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
+    # the float32 read's paths on any device (a CUDA device's own read is the "cuda" case)
+    monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda" if pure_path == "cuda" else None)
     monkeypatch.setattr(kd, "_pure_path", lambda: "reference" if pure_path == "cuda" else pure_path)
     scale = HEAD_DIM**-0.5
     base, composed = split_composed("h2o+kivi2")

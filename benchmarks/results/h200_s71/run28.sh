@@ -26,7 +26,7 @@ echo "question-after leaderboard rc=$? after ${SECONDS}s"
 wait $kvtc; echo "kvtc leaderboard rc=$? after ${SECONDS}s"
 wait $tests; echo "tests rc=$? after ${SECONDS}s"
 grep -E "^FAILED|^ERROR|passed|failed" $OUT/kernel_tests_cuda.log | cut -c1-300 | head -12
-tail -2 $OUT/lb_kvtc.log $OUT/lb_qa.log | cut -c1-300
+tail -n 2 $OUT/lb_kvtc.log $OUT/lb_qa.log | cut -c1-300
 tar czf "$OUT/leaderboards.tgz" lb_kvtc lb_qa
 export VQ_MEMORY_LIMIT_GB=100
 composed=("snapkv 2048 + kivi-4bit" "tova 2048 + kivi-4bit" "h2o 2048 + kivi-2bit")
