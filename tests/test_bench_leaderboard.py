@@ -314,3 +314,49 @@ def test_question_after_is_recorded_and_runs_in_parts(capsys, tmp_path):
 def test_question_after_needs_the_leaderboard(capsys, tmp_path):
     assert main(["bench", "--quick", "--question-after", "--out", str(tmp_path)]) == 2
     assert "--question-after is a protocol of --leaderboard" in capsys.readouterr().err
+
+
+def test_merge_leaderboards_puts_a_rerun_method_in_its_place_and_clears_partial(tmp_path, monkeypatch):
+    """``benchmarks/merge_leaderboards.py``: a method whose part died (no rows) and was run
+    alone later takes its place in the first run's order; a method run again replaces its
+    earlier rows; the merge is partial only while a method of the first command has none;
+    a run written before ``question_after`` existed merges with one run without it."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "merge_leaderboards.py"
+    spec = importlib.util.spec_from_file_location("merge_leaderboards", path)
+    merge_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_script)
+    full = lb.Row("full", None, 0.0, None, None, 4.0, {"niah_single": 100.0}, 100.0)
+
+    def row(method, score):
+        return lb.Row(method, 0.5, 0.5, "f", 1, 2.0, {"niah_single": score}, score)
+
+    def run(name, methods, rows, **over):
+        part = _part([full, *rows], command=f"veloxquant bench --leaderboard --methods {methods} --out x",
+                     **over)
+        part.setdefault("question_after", False)
+        if over.get("question_after", False) is None:
+            del part["question_after"]
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps(part))
+        return p
+
+    first = run("first", "a,kvtc,b", [row("a", 10.0), row("b", 30.0)], partial=True, question_after=None)
+    kvtc = run("kvtc", "kvtc", [row("kvtc", 20.0)])
+    again = run("again", "a", [row("a", 15.0)])
+
+    def merged(*runs):
+        out = tmp_path / "out"
+        monkeypatch.setattr(sys, "argv", ["merge", "--out", str(out), *map(str, runs)])
+        merge_script.main()
+        return json.loads((out / "leaderboard.json").read_text())
+
+    data = merged(first, kvtc, again)
+    assert [(r["method"], r["average"]) for r in data["rows"]] == [("full", 100.0), ("a", 15.0), ("kvtc", 20.0),
+                                                                  ("b", 30.0)]
+    assert data["partial"] is False and "PARTIAL" not in (tmp_path / "out" / "leaderboard.md").read_text()
+    data = merged(first, again)
+    assert data["partial"] is True and [r["method"] for r in data["rows"]] == ["full", "a", "b"]
