@@ -43,7 +43,8 @@ from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from veloxquant_mlx.bench.runner import prefill  # noqa: E402
-from veloxquant_mlx.cache.options import KIVIOptions, SnapKVOptions, StreamingLLMOptions  # noqa: E402
+from veloxquant_mlx.cache.options import (  # noqa: E402
+    H2OOptions, KIVIOptions, SnapKVOptions, StreamingLLMOptions, TOVAOptions)
 from veloxquant_mlx.kernels import kivi_decode as kd  # noqa: E402
 from veloxquant_mlx.quant import store as store_module  # noqa: E402
 
@@ -58,6 +59,13 @@ METHODS = {
     "kivi-2bit": KVCacheConfig(method="kivi", options=KIVIOptions(kivi_group_size=32), kv_bits=2),
     "snapkv": KVCacheConfig(options=SnapKVOptions(snap_budget=512)),
     "streaming_llm": KVCacheConfig(options=StreamingLLMOptions(stream_n_sink=4, stream_window_size=508)),
+    # eviction over packed slots (evict/quantized_slots.py): on CUDA, rows decoded and one SDPA
+    "snapkv + kivi-4bit": KVCacheConfig(options=SnapKVOptions(snap_budget=512), storage=KIVIOptions(kivi_group_size=32),
+                                        kv_bits=4),
+    "tova + kivi-4bit": KVCacheConfig(options=TOVAOptions(tova_budget=512), storage=KIVIOptions(kivi_group_size=32),
+                                      kv_bits=4),
+    "h2o + kivi-2bit": KVCacheConfig(options=H2OOptions(h2o_budget=512), storage=KIVIOptions(kivi_group_size=32),
+                                     kv_bits=2),
 }
 
 
