@@ -2,7 +2,8 @@
 ``kernels/codebook_rows.py``, nsnquant's, AdaKV's and kitty's ``methods/<key>/kernel.py``) or
 ``--switch composed-rows`` (an eviction method's packed slots on CUDA: every row decoded in
 the model's dtype and one fused attention, ``QuantizedSlots._attend_rows``, against the
-float32 read).
+float32 read) or ``--switch slot-rows-kernel`` (those rows in one launch,
+``evict/slot_rows_kernel.py``, against MLX's ops).
 
 ``decode.py --isolate`` times a method in a process of its own, and two processes' host times
 differed by 2x on one H100 (``results/h200_s69``). Here one process holds, per method, two
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode  # noqa: E402  (this folder's decode.py: model, prefill and overlapped steps)
 
 from veloxquant_mlx import KVCacheConfig  # noqa: E402
-from veloxquant_mlx.evict import quantized_slots  # noqa: E402
+from veloxquant_mlx.evict import quantized_slots, slot_rows_kernel  # noqa: E402
 from veloxquant_mlx.kernels import codebook_rows  # noqa: E402
 from veloxquant_mlx.methods.adakv import kernel as adakv_kernel  # noqa: E402
 from veloxquant_mlx.methods.kitty import kernel as kitty_kernel  # noqa: E402
@@ -62,6 +63,8 @@ SWITCHES = {
     "row-kernels": [(m, "kernel_checked") for m in ROW_KERNELS],
     # the packed slots' float32 read on CUDA
     "composed-rows": [(quantized_slots, "reads_rows_on_cuda")],
+    # the packed slots' rows on CUDA through MLX's ops instead of one launch
+    "slot-rows-kernel": [(slot_rows_kernel, "kernel_checked")],
 }
 
 

@@ -223,6 +223,7 @@ def cuda_kernels_as_launch_nodes():
     each ``mx.fast.cuda_kernel`` launch is one graph node (evaluated zeros behind a
     ``Depends`` on its inputs): the Python that checks layouts, plans the launch and builds
     it runs as on CUDA, on the CPU (also ``benchmarks/host_time.py``'s host timings)."""
+    from veloxquant_mlx.evict import slot_rows_kernel as slots
     from veloxquant_mlx.kernels import codebook_rows as cr
     from veloxquant_mlx.methods.adakv import kernel as adakv
     from veloxquant_mlx.methods.kitty import kernel as kitty
@@ -232,7 +233,7 @@ def cuda_kernels_as_launch_nodes():
 
     saved = (getattr(mx.fast, "cuda_kernel", None), kd.gpu_backend, kd.kernel_self_check, dict(kd._KERNELS),
              turbo._self_check_problem, dict(turbo._CHECKED), cr.kernel_checked, nsn.kernel_checked, adakv.kernel_checked,
-             kitty.kernel_checked)
+             kitty.kernel_checked, slots.kernel_checked)
     try:
         mx.fast.cuda_kernel = lambda **_: _LaunchNode()
         kd.gpu_backend = lambda: "cuda"
@@ -242,6 +243,7 @@ def cuda_kernels_as_launch_nodes():
         nsn.kernel_checked = lambda *key: True  # nsnquant's code-rows kernel's, likewise
         adakv.kernel_checked = lambda *key: True  # AdaKV's plane-rows kernel's, likewise
         kitty.kernel_checked = lambda *key: True  # kitty's key-rows kernel's, likewise
+        slots.kernel_checked = lambda *key: True  # packed slots' rows kernel's, likewise
         kd._KERNELS.clear()
         kd._STEP_PLANS.clear()
         turbo._CHECKED.clear()
@@ -257,6 +259,7 @@ def cuda_kernels_as_launch_nodes():
         turbo._CHECKED.clear()
         turbo._CHECKED.update(saved[5])
         cr.kernel_checked, nsn.kernel_checked, adakv.kernel_checked, kitty.kernel_checked = saved[6:10]
+        slots.kernel_checked = saved[10]
 
 
 def _clear_package_caches() -> None:

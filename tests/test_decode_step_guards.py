@@ -49,12 +49,6 @@ OVER_GRAPH_BOUND = {
     # a compiled read of the merged rows in place (m (q.e)) and the rows held, the second
     # layer's retained table read (2.56 while it merged each decode token; 2026-12-05: 32 at a time)
     "minicache": 1.69,
-    # composed (issue 36): h2o's mass from attention's own weights (its column of the packed
-    # rows, the ring's gathered by position) and the tokens packed a ring at a time (1.88 before,
-    # 2026-12-06, when every step dequantized the kept keys for a second softmax; 2.17 before that);
-    # on CUDA the rows decoded in the model's dtype, one fused attention, the weights from one
-    # more product (1.48 before, 2026-12-06)
-    "h2o+kivi2": 1.46,
     # its table read counted on the CUDA path (a select an entry); bit planes read in place and
     # the sinks, run and tail one part (2.08 before, 2026-12-05)
     "kvquant": 1.61,

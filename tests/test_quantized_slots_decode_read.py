@@ -210,8 +210,10 @@ def _attention_weights(q, keys, scale):
 
 
 @pytest.mark.parametrize("pure_path, dtype", [("qmm", mx.float32), ("qmm", mx.float16), ("reference", mx.float32),
-                                              ("reference", mx.float16), ("cuda", mx.float32)],
-                         ids=["qmm-float32", "qmm-float16", "reference-float32", "reference-float16", "cuda"])
+                                              ("reference", mx.float16), ("cuda", mx.float32),
+                                              ("cuda-kernel", mx.float32)],
+                         ids=["qmm-float32", "qmm-float16", "reference-float32", "reference-float16", "cuda",
+                              "cuda-kernel"])
 @pytest.mark.parametrize("decay", [1.0, 0.9])
 def test_h2o_adds_the_weight_attention_gave_each_kept_token(pure_path, dtype, decay, monkeypatch):
     """Over packed slots, a step's mass is attention's own weights (one softmax over the
@@ -220,9 +222,11 @@ def test_h2o_adds_the_weight_attention_gave_each_kept_token(pure_path, dtype, de
     reassociation, the ring's tokens included (their packed copies weigh nothing). On
     CUDA (float32 here: the decoded rows in the model's dtype are the float32 read's) the
     weights come from the decoded rows, the ring's tokens at their slots."""
-    # the float32 read's paths on any device (a CUDA device's own read is the "cuda" case)
-    monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda" if pure_path == "cuda" else None)
-    monkeypatch.setattr(kd, "_pure_path", lambda: "reference" if pure_path == "cuda" else pure_path)
+    # the float32 read's paths on any device (a CUDA device's own read is the "cuda" cases)
+    cuda = pure_path.startswith("cuda")
+    monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda" if cuda else None)
+    monkeypatch.setattr(kd, "_pure_path", lambda: "reference" if cuda else pure_path)
+    launches = through_the_kernel(monkeypatch) if pure_path == "cuda-kernel" else None
     scale = HEAD_DIM**-0.5
     base, composed = split_composed("h2o+kivi2")
     cls = METHODS[base].load_implementation()
@@ -250,6 +254,8 @@ def test_h2o_adds_the_weight_attention_gave_each_kept_token(pure_path, dtype, de
         ring_gains.append(float(mx.where(positions >= cache.offset - cache.store.ring_fill, new, 0).sum()))
         compared += 1
     assert compared >= STEPS - 4 and min(ring_gains) > 0.05  # most steps; the ring's tokens drew weight
+    if launches is not None:  # the kernel wrote the buffers' whole room: the weights are over it
+        assert len(launches) == STEPS and all(n == room for n, room in launches)
 
 
 @pytest.mark.parametrize("method", COMPOSED)
@@ -307,14 +313,44 @@ def test_tokens_packed_a_window_at_a_time_decode_as_tokens_packed_each_step(meth
         assert (a is None and saved["arrays"][name] is None) or mx.array_equal(saved["arrays"][name], a), name
 
 
+def slot_rows_contract(backend, packed, positions, k_ring, v_ring, *, count, ring_start, base, bits, group, dtype):
+    """What ``slot_rows_kernel.slot_rows`` computes from its arguments (its emulated CUDA
+    source is held to this in ``test_slot_rows_kernel.py``): the float32 pass's rows rounded
+    once to ``dtype``, cut to ``count``. A stand-in that checks what the store passes it."""
+    assert backend == "cuda" and count <= packed[0].shape[2]
+    rings = (positions, mx.array(ring_start, mx.int32), mx.array(base, mx.int32), k_ring, v_ring) \
+        if k_ring is not None else ()
+    k, v = qs._rows_pass(bits, group, mx.float32, bool(rings))(*packed, *rings)
+    return k[:, :, :count].astype(dtype), v[:, :, :count].astype(dtype)
+
+
+def through_the_kernel(monkeypatch):
+    """The store's CUDA read as it runs where the slot-rows kernel passed its check, the
+    kernel replaced by ``slot_rows_contract``; the calls made, appended as they are."""
+    from veloxquant_mlx.evict import slot_rows_kernel as sk
+
+    calls = []
+
+    def slot_rows(*args, **kw):
+        calls.append((kw["count"], args[1][0].shape[2]))  # the rows written, the buffers' room
+        return slot_rows_contract(*args, **kw)
+
+    monkeypatch.setattr(sk, "kernel_backend", lambda dtype: "cuda")
+    monkeypatch.setattr(sk, "slot_rows", slot_rows)
+    return calls
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["mlx-pass", "kernel"])
 @pytest.mark.parametrize("method", ("tova+kivi4", "snapkv+kivi4", "tova+kivi2", "snapkv+kivi8"))
 @pytest.mark.parametrize("n_prompt, batch", [(150, 1), (150, 2), (6, 1)], ids=["long", "batch2", "short"])
-def test_on_cuda_a_step_reads_the_decoded_rows_in_one_fused_attention(method, n_prompt, batch, monkeypatch):
+def test_on_cuda_a_step_reads_the_decoded_rows_in_one_fused_attention(method, n_prompt, batch, kernel,
+                                                                      monkeypatch):
     """On CUDA a step decodes every slot's rows in the queries' dtype, takes the ring's
     tokens from the ring (their packed rows pending or written), and calls one fused
     attention over the slots held, unmasked: over 60 steps with growths, room past the
     slots and the ring wrapping with tokens pending, what the float32 read gives, to float32
-    reassociation."""
+    reassociation; through MLX's ops, or the slot-rows kernel (its contract) asked for the
+    slots held."""
     from sdpa_calls import one_row, recorded
 
     monkeypatch.setattr(kd, "_pure_path", lambda: "reference")
@@ -329,6 +365,7 @@ def test_on_cuda_a_step_reads_the_decoded_rows_in_one_fused_attention(method, n_
         bounds.append(reassociation_bound(q[:, :, t : t + 1], *held(read, k, v, group, bits), scale))
     run_prompt(cuda, k, v, q, n_prompt)
     monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
+    launches = through_the_kernel(monkeypatch) if kernel else None
     fused, pending, rows, spare = recorded(monkeypatch), [], [], 0
     for t in range(n_prompt, n_prompt + steps):
         before = len(fused)
@@ -341,6 +378,7 @@ def test_on_cuda_a_step_reads_the_decoded_rows_in_one_fused_attention(method, n_
         err = float(mx.abs(out - want[t - n_prompt]).max())
         assert err <= bounds[t - n_prompt], (t, err, bounds[t - n_prompt])
     assert max(pending) > 0 and spare > 0  # tokens pending; room past the slots
+    assert launches is None or [n for n, _ in launches] == rows  # one launch a step, for the slots held
 
 
 def test_on_cuda_the_read_decodes_a_layers_rows_only_once_its_queries_exist(monkeypatch):

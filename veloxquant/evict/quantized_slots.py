@@ -59,6 +59,7 @@ from ..quant.affine import _MIN_SCALE
 from ..quant.groups import check_divides
 from ..quant.packed import AffineLayout
 from ..quant.token_rows import _mlx_has, compiled_quantizer, dequantize_rows, packs, quantize_rows
+from . import slot_rows_kernel
 from .store import SlotStore
 
 PACKED = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
@@ -417,10 +418,11 @@ class QuantizedSlots:
 
     def _attend_rows(self, queries: mx.array, scale: float, offset: int) -> mx.array:
         """On CUDA: every slot's rows decoded in the queries' dtype, the ring's tokens' rows
-        taken from the ring (their packed copies may not be written yet), and one fused
-        attention over the slots held, with no mask: MLX's CUDA back-end fuses a one-row
-        attention only without one, and the float32 read's products are served by cuBLAS
-        kernels that walk every token in a few blocks (``benchmarks/notes/cuda_dense_reads.md``).
+        taken from the ring (their packed copies may not be written yet), in one launch where
+        ``slot_rows_kernel`` runs, and one fused attention over the slots held, with no mask:
+        MLX's CUDA back-end fuses a one-row attention only without one, and the float32
+        read's products are served by cuBLAS kernels that walk every token in a few blocks
+        (``benchmarks/notes/cuda_dense_reads.md``).
         Each token is read once, as the float32 read reads it. (No gate on the queries, as
         the dense reads of ``cuda_dense_reads.md`` need: the chained-layer peak is the same
         with one, since the queries come first in the attention's inputs.) With
@@ -429,17 +431,26 @@ class QuantizedSlots:
         tokens are weighed at their slots."""
         g = self.slots.arrays
         packed = [g[name].buffer for name in PACKED]
+        room, dtype = packed[0].shape[2], queries.dtype
         # a ring token at position p is in the ring's row (p - base) % window
-        rings = (g["positions"].buffer, mx.array(offset - self.ring_fill, mx.int32),
-                 mx.array(offset - self.ring_next, mx.int32), self.k_ring, self.v_ring) if self.ring_fill else ()
-        k, v = _rows_pass(self.bits, self.group, queries.dtype, bool(rings))(*packed, *rings)
-        room = k.shape[2]
+        start, base = offset - self.ring_fill, offset - self.ring_next
+        k_ring, v_ring = (self.k_ring, self.v_ring) if self.ring_fill else (None, None)
+        backend = slot_rows_kernel.kernel_backend(dtype) if slot_rows_kernel.takes(
+            packed, k_ring, v_ring, self.bits, dtype) else None
+        if backend is not None:  # one launch; the room only where H2O's weights read it
+            k, v = slot_rows_kernel.slot_rows(backend, packed, g["positions"].buffer, k_ring, v_ring,
+                                              count=room if self.keeps_weights else self.rows, ring_start=start,
+                                              base=base, bits=self.bits, group=self.group, dtype=dtype)
+        else:
+            rings = (g["positions"].buffer, mx.array(start, mx.int32), mx.array(base, mx.int32), k_ring,
+                     v_ring) if self.ring_fill else ()
+            k, v = _rows_pass(self.bits, self.group, dtype, bool(rings))(*packed, *rings)
         if self.keeps_weights:
             b, h = k.shape[:2]
             p = _weights_pass(float(scale))(queries, k, mx.array(self.rows, mx.int32), row_indices(room),
                                             _zeros_view((b, h, queries.shape[1] // h, room)))
             self._step_weights = (p, None)
-        if self.rows < room:  # spare room past the slots held
+        if self.rows < k.shape[2]:  # spare room past the slots held
             k, v = k[:, :, : self.rows], v[:, :, : self.rows]
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
 
