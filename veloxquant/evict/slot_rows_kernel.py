@@ -53,8 +53,9 @@ CUDA_SOURCE = r"""
   const int p = positions[row];
   T out;
   if (W > 0 && p >= ring_start) {
-    int r = (p - base) % W;
-    if (r < 0) r += W;
+    const int w = W > 0 ? W : 1;  // no modulo by a zero constant where the branch is dead
+    int r = (p - base) % w;
+    if (r < 0) r += w;
     out = (values ? v_ring : k_ring)[((size_t)bh * W + r) * D + c];
   } else {
     const unsigned int* codes = (values ? v_codes : k_codes) + row * (D * BITS / 32);
@@ -82,8 +83,9 @@ METAL_SOURCE = r"""
   const int p = positions[row];
   T out;
   if (W > 0 && p >= ring_start) {
-    int r = (p - base) % W;
-    if (r < 0) r += W;
+    const int w = W > 0 ? W : 1;  // no modulo by a zero constant where the branch is dead
+    int r = (p - base) % w;
+    if (r < 0) r += w;
     out = (values ? v_ring : k_ring)[(size_t(bh) * W + r) * D + c];
   } else {
     const device uint* codes = (values ? v_codes : k_codes) + row * (D * BITS / 32);
