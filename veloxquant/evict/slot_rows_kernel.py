@@ -18,9 +18,9 @@ alone for 2,048 rows, spent on the launches rather than the bytes
 - ``count`` slots are written: the slots held (or the buffers' room, where H2O's weights are
   taken over it).
 
-CUDA may fuse ``code * scale + min``, so a value may differ from the MLX pass by one float32
-rounding before the cast (``kernels/checks.within_a_rounding`` allows that). The first use
-checks the kernel against the MLX pass once a process and dtype; a failure keeps the pass.
+CUDA may fuse ``code * scale + min``, so a value may differ from the float32 pass by one
+float32 rounding before the cast (``kernels/checks.within_a_rounding`` allows that). The first
+use checks the kernel against that pass once a process and dtype; a failure keeps MLX's ops.
 The CUDA source is run on the CPU by emulation (tests). The Metal twin mirrors it line for
 line: UNTESTED ON HARDWARE.
 """
