@@ -3,9 +3,8 @@
 ``QuantizedSlots._attend_rows`` decodes every slot's rows in the queries' dtype and takes
 the ring's tokens from the ring, then calls one fused attention. In MLX ops that is a
 dequantization, a gather from the ring and a select for the keys and again for the values,
-then a cut to the slots held: on an H100 about 86 us a layer of device time over snapkv
-alone for 2,048 rows, spent on the launches rather than the bytes
-(``benchmarks/results/h200_s71``). This kernel writes both in one:
+then a cut to the slots held: small launches that a composed step waits on
+(``benchmarks/notes/cuda_dense_reads.md``). This kernel writes both in one:
 
 - a thread owns channel c of slot t of one KV head, of the keys (grid row ``y < B H``) or
   of the values (the rest);
