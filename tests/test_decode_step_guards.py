@@ -109,8 +109,9 @@ PERIODIC_STEP = {
     "turboquant": 2.50,
     # the ring's pending tokens packed in one pass, every ring's length of steps at most
     # (2.47, 2.85 and 2.50 before, when each token was packed at its own step; steady steps
-    # 1.67 -> 1.29, 1.67 -> 1.29, 1.88 -> 1.48)
-    "snapkv+kivi4": 2.97, "tova+kivi4": 2.98, "h2o+kivi2": 2.60,
+    # 1.67 -> 1.29, 1.67 -> 1.29, 1.88 -> 1.48); on CUDA the slots' rows in one launch
+    # (evict/slot_rows_kernel.py: 2.97, 2.98 and 2.60 before, 2026-12-06; steady 1.02, 1.02, 1.25)
+    "snapkv+kivi4": 2.67, "tova+kivi4": 2.71, "h2o+kivi2": 2.34,
 }
 
 # Cache state that generate_step's loop never evaluates (it is not in the logits' graph),
