@@ -34,7 +34,6 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode  # noqa: E402  (this folder's decode.py: model, prefill and overlapped steps)
 
-from veloxquant_mlx import KVCacheConfig  # noqa: E402
 from veloxquant_mlx.evict import quantized_slots, slot_rows_kernel  # noqa: E402
 from veloxquant_mlx.kernels import codebook_rows  # noqa: E402
 from veloxquant_mlx.methods.adakv import kernel as adakv_kernel  # noqa: E402
@@ -68,11 +67,6 @@ SWITCHES = {
 }
 
 
-def method_config(name: str):
-    """A name of ``decode.METHODS`` (a composition: "snapkv 2048 + kivi-4bit"), or a method's
-    key at its defaults."""
-    return decode.METHODS[name] if name in decode.METHODS else KVCacheConfig(method=name)
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,13 +79,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="timed rounds (one warm-up round first)")
     args = ap.parse_args()
     switch = SWITCHES[args.switch]
+    methods = decode.resolve_methods(args.methods, ap, every_row=False)
     dtype = mx.float32 if mx.default_device() == mx.cpu else mx.float16
     model = decode.build_model(args.preset, dtype)
     states = {"mlx-lm KVCache": (*decode.start(model, None, args.context, 1)[:2], True)}
-    for method in args.methods:
+    for method in methods:
         for on in (False, True):
             with refused(switch, on):
-                cache, y, _ = decode.start(model, method_config(method), args.context, 1)
+                cache, y, _ = decode.start(model, decode.METHODS[method], args.context, 1)
             states[(method, on)] = (cache, y, on)
             print(f"prefilled {method} ({args.switch} {'on' if on else 'off'})", flush=True)
     steps = {name: [] for name in states}
@@ -107,7 +102,7 @@ def main() -> None:
           f"{mx.default_device()}; ms a token, median of the rounds; KVCache {base * 1e3:.2f} ms\n")
     print(f"| cache | {args.switch} off ms | on ms | off / on (above 1: on is faster) | off vs KVCache | on vs KVCache |")
     print("|---|---:|---:|---:|---:|---:|")
-    for method in args.methods:
+    for method in methods:
         off, on = (statistics.median(steps[(method, k)]) for k in (False, True))
         print(f"| {method} | {off * 1e3:.2f} | {on * 1e3:.2f} | {off / on:.3f} | "
               f"{base / off:.2f}x | {base / on:.2f}x |")

@@ -313,27 +313,19 @@ def test_tokens_packed_a_window_at_a_time_decode_as_tokens_packed_each_step(meth
         assert (a is None and saved["arrays"][name] is None) or mx.array_equal(saved["arrays"][name], a), name
 
 
-def slot_rows_contract(backend, packed, positions, k_ring, v_ring, *, count, ring_start, base, bits, group, dtype):
-    """What ``slot_rows_kernel.slot_rows`` computes from its arguments (its emulated CUDA
-    source is held to this in ``test_slot_rows_kernel.py``): the float32 pass's rows rounded
-    once to ``dtype``, cut to ``count``. A stand-in that checks what the store passes it."""
-    assert backend == "cuda" and count <= packed[0].shape[2]
-    rings = (positions, mx.array(ring_start, mx.int32), mx.array(base, mx.int32), k_ring, v_ring) \
-        if k_ring is not None else ()
-    k, v = qs._rows_pass(bits, group, mx.float32, bool(rings))(*packed, *rings)
-    return k[:, :, :count].astype(dtype), v[:, :, :count].astype(dtype)
-
-
 def through_the_kernel(monkeypatch):
     """The store's CUDA read as it runs where the slot-rows kernel passed its check, the
-    kernel replaced by ``slot_rows_contract``; the calls made, appended as they are."""
+    kernel replaced by what it computes through MLX's ops (``slot_rows_kernel.reference_rows``:
+    its emulated CUDA source is held to that in ``test_slot_rows_kernel.py``), a stand-in
+    that checks what the store passes it; the calls made, appended as they are."""
     from veloxquant_mlx.evict import slot_rows_kernel as sk
 
     calls = []
 
-    def slot_rows(*args, **kw):
-        calls.append((kw["count"], args[1][0].shape[2]))  # the rows written, the buffers' room
-        return slot_rows_contract(*args, **kw)
+    def slot_rows(backend, packed, *args, **kw):
+        assert backend == "cuda" and kw["count"] <= packed[0].shape[2]
+        calls.append((kw["count"], packed[0].shape[2]))  # the rows written, the buffers' room
+        return sk.reference_rows(packed, *args, **kw)
 
     monkeypatch.setattr(sk, "kernel_backend", lambda dtype: "cuda")
     monkeypatch.setattr(sk, "slot_rows", slot_rows)

@@ -38,10 +38,7 @@ def test_the_cuda_source_gives_the_mlx_passs_rows(tmp_path, bits, group, dtype, 
         args, ref_k, ref_v = sk.check_case(dtype, bits, group, count=count, window=window or 16)
         if not window:  # no ring: every slot dequantized
             args.update(k_ring=None, v_ring=None)
-            from veloxquant_mlx.evict.quantized_slots import _rows_pass
-
-            ref_k, ref_v = (x[:, :, :count].astype(dtype)
-                            for x in _rows_pass(bits, group, mx.float32, False)(*args["packed"]))
+            ref_k, ref_v = sk.reference_rows(**args)
         in_ring = np.array(args["positions"][:, :, :count]) >= args["ring_start"]
         assert (in_ring.any() and not in_ring.all()) if window else True
         got = emulate(args, str(tmp_path))

@@ -162,7 +162,6 @@ def check_case(dtype, bits: int = 4, group: int = 32, room: int = 96, count: int
     then rounds once to ``dtype``, as the kernel does: MLX's own dequantization in float16
     rounds the product and the sum each, up to 4 units in the last place apart on this case."""
     from ..quant.token_rows import quantize_rows
-    from .quantized_slots import _rows_pass
 
     b, h, d = 2, 2, 64
     x = mx.random.normal((b, h, 2 * room, d), key=mx.random.key(11)) * (1 + 6 * (mx.arange(d) % 9 == 0))
@@ -177,9 +176,19 @@ def check_case(dtype, bits: int = 4, group: int = 32, room: int = 96, count: int
     ring_start = offset - window
     args = dict(packed=packed, positions=positions, k_ring=k_ring, v_ring=v_ring, count=count,
                 ring_start=ring_start, base=base, bits=bits, group=group, dtype=dtype)
-    k, v = _rows_pass(bits, group, mx.float32, True)(*packed, positions, mx.array(ring_start, mx.int32),
-                                                     mx.array(base, mx.int32), k_ring, v_ring)
-    return args, k[:, :, :count].astype(dtype), v[:, :, :count].astype(dtype)
+    return (args, *reference_rows(**args))
+
+
+def reference_rows(packed, positions, k_ring, v_ring, *, count: int, ring_start: int, base: int, bits: int,
+                   group: int, dtype) -> tuple[mx.array, mx.array]:
+    """What the kernel computes from ``launch_args``' keywords, through MLX's ops: the float32
+    pass (``quantized_slots._rows_pass``) rounded once to ``dtype``, cut to ``count``."""
+    from .quantized_slots import _rows_pass
+
+    rings = (positions, mx.array(ring_start, mx.int32), mx.array(base, mx.int32), k_ring, v_ring) \
+        if k_ring is not None else ()
+    k, v = _rows_pass(bits, group, mx.float32, bool(rings))(*packed, *rings)
+    return k[:, :, :count].astype(dtype), v[:, :, :count].astype(dtype)
 
 
 def _check_problem(backend: str, dtype) -> Optional[str]:
