@@ -36,9 +36,9 @@ def main() -> None:
         if part.get("question_after") is None:
             part["question_after"] = False
     order = methods_of(parts[0].get("command", ""))
-    for part in parts[1:]:  # a later run's methods replace the earlier runs' rows
+    for i, part in enumerate(parts[1:], 1):  # a later run's methods replace the earlier runs' rows
         again = {r["method"] for r in part["rows"] if r["method"] != "full"}
-        for earlier in parts[: parts.index(part)]:
+        for earlier in parts[:i]:
             earlier["rows"] = [r for r in earlier["rows"] if r["method"] not in again]
         order += [m for m in methods_of(part.get("command", "")) if m not in order]
     payload, rows = leaderboard.merge(parts)
