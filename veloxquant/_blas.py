@@ -80,3 +80,16 @@ def use_optimized_blas() -> str | None:
         return None
     loaded = name
     return loaded
+
+
+def set_threads(count: int) -> int | None:
+    """Set OpenBLAS's thread count for later calls; return the count it had, or None where
+    no OpenBLAS in this process can be told (MLX's own BLAS, Accelerate)."""
+    try:
+        lib = ctypes.CDLL(loaded) if loaded else ctypes.CDLL(None)
+        get, put = lib.openblas_get_num_threads, lib.openblas_set_num_threads
+    except (OSError, AttributeError):
+        return None
+    before = int(get())
+    put(int(count))
+    return before

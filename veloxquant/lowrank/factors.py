@@ -1,9 +1,10 @@
 """Low-rank factors ``x ~ A Bᵀ`` of a batch of matrices ``x (..., T, d)``, float32, with
 no QR or SVD over the tokens: the work over the T rows is matrix products on the default
 device, and the only decompositions are of small matrices (``eigh`` of d x d or k x k for a
-rank k, QR of d x k) on the CPU stream, where MLX runs them (MLX's CUDA back-end has no
+rank k, QR of d x k) on the CPU, where MLX runs them (MLX's CUDA back-end has no
 ``eigh``; a Jacobi kernel on the device lost to the CPU stream's at every size measured:
-benchmarks/notes/fits.md).
+benchmarks/notes/fits.md), a batch of them split over several CPU streams
+(``cpu_streams.py``).
 
 - ``sample_rows``: at most ``FIT_SAMPLE_TOKENS`` evenly spaced rows, float32, non-finite
   entries zeroed (LAPACK refuses a NaN: one overflowed row must not stop a prefill).
@@ -56,6 +57,7 @@ import math
 
 import mlx.core as mx
 
+from .cpu_streams import cpu_eigh, on_fit_streams
 
 POWER_ITERATIONS = 3  # GEAR's run scripts (--loop 3)
 SEED = 0  # the start of every power iteration: the same chunk gives the same factors
@@ -84,7 +86,7 @@ def orthonormalize(y: mx.array, passes: int = ORTHO_PASSES) -> mx.array:
     back zero: ``Q Qᵀ`` is still the projection on the span."""
     for i in range(passes):
         y = y / mx.maximum(mx.linalg.norm(y, axis=-2, keepdims=True), 1e-30)
-        w, v = mx.linalg.eigh(y.swapaxes(-1, -2) @ y, stream=mx.cpu)
+        w, v = cpu_eigh(y.swapaxes(-1, -2) @ y)
         if i < passes - 1:  # keep the span: a small direction is amplified, not dropped
             inv = mx.rsqrt(mx.maximum(w, EIG_FLOOR * w[..., -1:]))
         else:  # near-orthonormal unit columns by now: an eigenvalue near 0 is a repeated direction
@@ -97,7 +99,7 @@ def _ritz(x: mx.array, v: mx.array):
     """The right singular pairs of ``x`` within the span of the orthonormal ``v``: (V, sigma)
     by decreasing sigma (``‖x v_i‖``, not the eigenvalue's root: small values keep float32)."""
     b = x @ v
-    _, w = mx.linalg.eigh(b.swapaxes(-1, -2) @ b, stream=mx.cpu)  # ascending
+    _, w = cpu_eigh(b.swapaxes(-1, -2) @ b)  # ascending
     v = v @ w[..., ::-1]
     return v, mx.sqrt(((x @ v) ** 2).sum(axis=-2))
 
@@ -128,10 +130,10 @@ def _small_side_basis(x: mx.array):
     rounding of the squared singular values, through the Gram matrix of the smaller side."""
     t, d = x.shape[-2:]
     if d <= t:
-        _, v = mx.linalg.eigh(x.swapaxes(-1, -2) @ x, stream=mx.cpu)  # (d, d), ascending
+        _, v = cpu_eigh(x.swapaxes(-1, -2) @ x)  # (d, d), ascending
         v = v[..., ::-1]
         return v, mx.sqrt(((x @ v) ** 2).sum(axis=-2))  # ‖x v_i‖: small values keep float32
-    _, u = mx.linalg.eigh(x @ x.swapaxes(-1, -2), stream=mx.cpu)  # (T, T), ascending
+    _, u = cpu_eigh(x @ x.swapaxes(-1, -2))  # (T, T), ascending
     v = x.swapaxes(-1, -2) @ u[..., ::-1]  # V Σ
     sigma = mx.linalg.norm(v, axis=-2)
     return v / mx.maximum(sigma[..., None, :], 1e-30), sigma
@@ -187,7 +189,7 @@ def gram_basis(x: mx.array, sample: int | None = None):
     t = x.shape[-2]
     x = sample_rows(x, sample)
     gram = x.swapaxes(-1, -2) @ x
-    _, vectors = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending
+    _, vectors = cpu_eigh(gram)  # ascending
     vectors = vectors[..., ::-1]
     # ‖x v‖ rather than the eigenvalue's root: the small singular values keep float32's
     # precision instead of losing half of it to the square
@@ -209,21 +211,24 @@ def _gaussian_start(d: int, width: int, seed: int) -> mx.array:
 
 def gram_leading(gram: mx.array, k: int, iterations: int = POWER_ITERATIONS, seed: int = SEED):
     """(V (..., d, k), eigenvalues (..., k), trace (...)) of the Gram matrices ``gram``
-    (..., d, d): ``leading_basis``'s work after the product over the rows, on the CPU stream
-    (d x width products and width x width eigenproblems: one wait for the Gram)."""
+    (..., d, d): ``leading_basis``'s work after the product over the rows, on the CPU
+    streams (d x width products and width x width eigenproblems: one wait for the Gram)."""
     d = gram.shape[-1]
     width = min(k + OVERSAMPLE, d)
-    with mx.stream(mx.cpu):
+
+    def leading(g):
         if 3 * width >= d:  # the iterations' eigenproblems would cost more than one of d x d
-            w, v = mx.linalg.eigh(gram)
+            w, v = mx.linalg.eigh(g)
         else:
             v = _gaussian_start(d, width, seed)
             for _ in range(iterations):
-                v = mx.linalg.qr(gram @ v)[0]  # Householder on d x width: no pass over the tokens
-            w, u = mx.linalg.eigh(v.swapaxes(-1, -2) @ gram @ v)  # Rayleigh-Ritz, ascending
+                v = mx.linalg.qr(g @ v)[0]  # Householder on d x width: no pass over the tokens
+            w, u = mx.linalg.eigh(v.swapaxes(-1, -2) @ g @ v)  # Rayleigh-Ritz, ascending
             v = v @ u
         leading = slice(-1, -k - 1, -1)  # the k largest, by decreasing value
-        return v[..., leading], w[..., leading], mx.trace(gram, axis1=-2, axis2=-1)
+        return v[..., leading], w[..., leading], mx.trace(g, axis1=-2, axis2=-1)
+
+    return on_fit_streams(leading, gram)
 
 
 def leading_basis(x: mx.array, k: int, iterations: int = POWER_ITERATIONS, seed: int = SEED):

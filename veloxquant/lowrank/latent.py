@@ -98,6 +98,7 @@ from ..quant.cache import QuantizedCache
 from ..quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
 from ..quant.store import WINDOW_STEP, PackedStore, as_dtype
 from ..quant.token_rows import ReadViews, held
+from .cpu_streams import cpu_eigh
 from .factors import energy_rank, gram_basis
 
 UNQUANTIZED_BITS = 16  # widths from here on keep a channel in the model's dtype
@@ -684,7 +685,7 @@ class Latent:
         mean_c = self.total / count
         scatter = self.gram - count * (mean_c.swapaxes(-1, -2) @ mean_c)
         scatter = mx.where(mx.isfinite(scatter), scatter, 0.0)  # an overflowed token must not stop the refit
-        _, vectors = mx.linalg.eigh(scatter, stream=mx.cpu)  # ascending
+        _, vectors = cpu_eigh(scatter)  # ascending
         basis = vectors[..., ::-1][..., : self.basis.shape[-1]]
         dtype = self.basis.dtype
         self.install((self.shift + mean_c).astype(dtype), mx.contiguous(basis.astype(dtype)))

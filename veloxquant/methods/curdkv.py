@@ -35,6 +35,7 @@ import mlx.core as mx
 from ..cache.options import CurDKVOptions
 from ..evict.base import Roles, Schedule, ScoredEvictionCache
 from ..cache.rope import Rotary, derotate
+from ..lowrank.cpu_streams import cpu_eigh
 
 LOCAL_WINDOW = 16  # tokens per local normalisation window (the card's constant)
 RECENT = 32  # the prompt's last tokens (its question) are kept, like SnapKV's window
@@ -45,7 +46,7 @@ DEFAULT_BASE = {f.name: f.default for f in dataclasses.fields(CurDKVOptions)}["c
 def leverage_scores(x: mx.array) -> mx.array:
     """Row leverage of x (..., T, r): x_i^T (x^T x)^+ x_i, float32 (...,T); sums to rank(x)."""
     x = x.astype(mx.float32)
-    eigenvalues, basis = mx.linalg.eigh(x.swapaxes(-1, -2) @ x, stream=mx.cpu)
+    eigenvalues, basis = cpu_eigh(x.swapaxes(-1, -2) @ x)
     present = eigenvalues > RANK_RTOL * eigenvalues.max(axis=-1, keepdims=True)
     inverse = mx.where(present, 1.0 / mx.where(present, eigenvalues, 1.0), 0.0)
     return (mx.square(x @ basis) * inverse[..., None, :]).sum(axis=-1)

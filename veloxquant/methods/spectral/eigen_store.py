@@ -58,6 +58,7 @@ from ...cache.buffers import GrowingArray
 from ...cache.calibration import batch_rows
 from ...kernels.decode import DecodePart
 from ...kernels.kivi_decode import _splits_tokens, token_mix
+from ...lowrank.cpu_streams import cpu_eigh
 from ...lowrank.factors import sample_rows
 from ...quant import codebook as cb
 from .bitfields import pack_fields, read_codes, row_words
@@ -170,7 +171,7 @@ def eigenbasis(x: mx.array) -> tuple[mx.array, mx.array]:
     x = sample_rows(x)
     unit = x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
     second = unit.swapaxes(-1, -2) @ unit / x.shape[2]
-    w, v = mx.linalg.eigh(second, stream=mx.cpu)
+    w, v = cpu_eigh(second)
     return v[..., ::-1], mx.maximum(w[..., ::-1], 0.0)
 
 
@@ -320,7 +321,7 @@ class EigenTokens:
         """A new run after this one, on the eigenbasis of the moment of every row taken in
         (a D x D eigh; nothing read on the host), which it carries on."""
         second = self.moment / max(self.seen, 1)
-        w, v = mx.linalg.eigh(mx.where(mx.isfinite(second), second, 0.0), stream=mx.cpu)
+        w, v = cpu_eigh(mx.where(mx.isfinite(second), second, 0.0))
         run = EigenTokens(self.codec, rotary=self.rotary, seed=self.seed, step_tokens=self.step,
                           start=self.start + self.count)
         # the codebooks are in σ units: they carry over to the new basis's σ
