@@ -23,9 +23,10 @@ from tiny_models import prompt, tiny_model
 from veloxquant_mlx import make_prompt_cache
 from veloxquant_mlx.cache.buffers import GrowingArray
 
-PACKAGE_DIRS = tuple(
-    str(Path(p).resolve()) + os.sep
+PACKAGE_DIRS = tuple(  # as imported and resolved: a checkout may reach the package through a link
+    str(path) + os.sep
     for p in (Path(veloxquant_mlx.__file__).parent, Path(veloxquant_mlx._generated.__file__).parent)
+    for path in {p.absolute(), p.resolve()}
 )
 HOST_READS = ("item", "tolist", "__array__", "__bool__", "__int__", "__float__", "__index__")
 WARMUP = 4
@@ -45,7 +46,7 @@ def _package_frame():
     while frame is not None:
         if frame.f_code.co_filename.startswith(PACKAGE_DIRS):
             root = Path(veloxquant_mlx.__file__).resolve().parents[1]
-            return f"{Path(frame.f_code.co_filename).relative_to(root)}:{frame.f_lineno}"
+            return f"{Path(frame.f_code.co_filename).resolve().relative_to(root)}:{frame.f_lineno}"
         frame = frame.f_back
     return None
 

@@ -226,6 +226,29 @@ def test_chunks_of_narrower_rank_are_padded_and_a_wider_one_widens_the_store():
     assert mx.allclose(k_hat[:, :, :32], keys[:, :, :32], atol=1e-5)  # still exact at full rank
 
 
+def test_a_prompt_chunks_history_reads_no_chunk_end_on_the_host_and_a_restore_reads_them_once():
+    """The chunks' ends come from the host's record of the appends: a prompt chunk's history
+    (``dense``, per layer and chunk) waited for the device once each before. A restored or
+    trimmed store has no record and reads them from its arrays."""
+    from decode_steps import recording_host_reads
+
+    keys, values = kv(160, seed=3)
+    cache = gear(window=32)
+    with recording_host_reads() as reads:
+        for start in range(0, 160, 40):  # four prompt chunks, three of them over a history
+            feed(cache, keys[:, :, start:start + 40], values[:, :, start:start + 40], 40)
+    assert not [r for r in reads if "chunked.py" in r.where], reads
+    f = cache.store.keys.factors
+    assert f.chunk_ends() == f.ends.view().tolist() == [32, 64, 96, 160]  # whole groups of 32 flushed
+    restored = gear(window=32)
+    restored.state = cache.state
+    g = restored.store.keys.factors
+    assert g.chunk_ends() == [32, 64, 96, 160]
+    assert mx.array_equal(g.dense(), f.dense())
+    g.ends.length -= 2  # a shortened record is read again
+    assert g.chunk_ends() == [32, 64]
+
+
 @pytest.mark.parametrize("t, chunk", [(20, 20), (31, 7), (64, 64), (200, 200), (201, 1), (300, 77)])
 def test_streaming_compresses_whole_groups_of_a_prompt_and_block_sized_decode_chunks(t, chunk):
     keys, values = kv(t, seed=t)

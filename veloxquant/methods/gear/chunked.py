@@ -50,6 +50,12 @@ class ChunkedFactors:
         self.b = GrowingArray(axis=2, step=step_chunks)
         self.chunk = GrowingArray(axis=0, step=step_tokens)
         self.ends = GrowingArray(axis=0, step=step_chunks)
+        # where each chunk ends, on the host as appended, for ``dense`` (a prompt chunk's
+        # history, per layer: reading ``ends`` there waited for the device every time);
+        # valid while ``ends`` holds the buffer and length ``append`` left (a restore
+        # replaces the buffer, a trim shortens it)
+        self._ends: list[int] = []
+        self._ends_buffer = None
 
     @property
     def count(self) -> int:
@@ -68,10 +74,20 @@ class ChunkedFactors:
         rank = max(self.rank, a.shape[-1])
         _widen(self.a, rank)
         _widen(self.b, rank)
+        ends = self.chunk_ends() + [self.count + a.shape[2]]
         self.chunk.append(mx.full((a.shape[2],), self.n_chunks, mx.int32))
-        self.ends.append(mx.array([self.count + a.shape[2]], mx.int32))
+        self.ends.append(mx.array(ends[-1:], mx.int32))
+        self._ends, self._ends_buffer = ends, self.ends.buffer
         self.a.append(_pad(a, rank))
         self.b.append(_pad(b, rank)[:, :, None])
+
+    def chunk_ends(self) -> list[int]:
+        """Where each chunk ends, from the host's record of the appends (read from ``ends``
+        only after a restore)."""
+        if self.ends.buffer is not self._ends_buffer or self.ends.length != len(self._ends):
+            self._ends = [] if self.ends.buffer is None else self.ends.view().tolist()
+            self._ends_buffer = self.ends.buffer
+        return self._ends
 
     def term(self, room: int, group: int, scores: bool) -> "LowRankTerm":
         """What decode reads over ``room`` tokens (the backbone's buffers' room): the whole
@@ -93,10 +109,10 @@ class ChunkedFactors:
 
     def dense(self) -> mx.array:
         """L of every token (B, H, T, d), float32, chunk by chunk (transient: prefill and
-        tests; the chunk lengths are read on the host)."""
+        tests)."""
         a, b = self.a.view().astype(mx.float32), self.b.view().astype(mx.float32)
         parts, start = [], 0
-        for c, end in enumerate(self.ends.view().tolist()):
+        for c, end in enumerate(self.chunk_ends()):
             parts.append(a[:, :, start:end] @ b[:, :, c].swapaxes(-1, -2))
             start = end
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
