@@ -11,8 +11,8 @@ method's compressing settings (budgets of 48 tokens, a 200-token prompt), fed as
 ``generate_step`` feeds a prompt (chunks of ``--chunk`` tokens, the caches' state evaluated
 after each). The values computed meanwhile are wrong; only counts are read.
 
-Columns: nodes a chunk and layer (median over the chunks), as a ratio to the ``full``
-cache's; the largest chunk's (the first fit, say); host reads over the whole prefill a
+Columns: kernels a chunk and layer (graph nodes less the views: reshapes, broadcasts,
+slices; median over the chunks), as a ratio to the ``full`` cache's; the largest chunk's (the first fit, say); host reads over the whole prefill a
 layer, and where the most frequent ones come from. These rank methods; the GPU figures
 come from ``decode.py --prefill-repeats``.
 
@@ -36,11 +36,14 @@ import mlx.core as mx  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conformance import COMPOSED, PROMPT, config, profile  # noqa: E402
 import contextlib  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import tempfile  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import decode_steps  # noqa: E402
-from decode_steps import HOST_READS, HostRead, graph_nodes, steps_as_on_cuda  # noqa: E402
+from decode_steps import HOST_READS, HostRead, steps_as_on_cuda  # noqa: E402
 from tiny_models import prompt, tiny_model  # noqa: E402
 from veloxquant_mlx import make_prompt_cache  # noqa: E402
 from veloxquant_mlx.registry import implemented_methods  # noqa: E402
@@ -64,7 +67,7 @@ def counting_evaluations():
             if where is not None:
                 arrays = [a for a in args if isinstance(a, mx.array)]
                 arrays += [a for x in args if isinstance(x, (list, tuple)) for a in x if isinstance(a, mx.array)]
-                nodes[0] += graph_nodes(arrays)
+                nodes[0] += kernel_nodes(arrays)
                 if is_read and arrays:
                     reads.append(HostRead(label, where))
             if label == "mx.async_eval":  # scheduled now and run here: its nodes are counted once
@@ -84,6 +87,23 @@ def counting_evaluations():
             setattr(owner, name, original)
 
 
+# primitives that make a view of their input (no kernel on a GPU when the input allows it)
+VIEWS = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Transpose", "Flatten", "Unflatten", "Slice",
+         "AsStrided"}
+
+
+def kernel_nodes(outputs) -> int:
+    """``graph_nodes`` less the views (``VIEWS``): what launches a kernel."""
+    outputs = [a for a in outputs if isinstance(a, mx.array)]
+    if not outputs:
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "chunk.dot")
+        mx.export_to_dot(path, *outputs)
+        labels = re.findall(r'label ="?([A-Za-z_]+)"?, shape=rectangle', open(path).read())
+    return sum(1 for label in labels if label not in VIEWS)
+
+
 def census(method: str, chunk: int, layers: int) -> dict:
     model = tiny_model("llama", num_hidden_layers=layers)
     with steps_as_on_cuda(), counting_evaluations() as (reads, counted):
@@ -94,7 +114,7 @@ def census(method: str, chunk: int, layers: int) -> dict:
             stop = min(start + chunk, PROMPT - 1)
             counted[0] = 0
             out = model(tokens[start:stop][None], cache=cache)
-            built = graph_nodes([out, *[a for c in cache for a in _state_arrays(c)]])
+            built = kernel_nodes([out, *[a for c in cache for a in _state_arrays(c)]])
             nodes.append(counted[0] + built)
             mx.eval.__wrapped__(out, [c.state for c in cache])
             start = stop
@@ -128,7 +148,7 @@ def main() -> None:
     methods = args.methods or ["full", *[m for m in implemented_methods() if m != "full"], *COMPOSED]
     rows = []
     full = census("full", args.chunk, args.layers)
-    print("| method | nodes a chunk and layer | vs full | largest chunk | host reads a layer | most frequent reads |")
+    print("| method | kernels a chunk and layer | vs full | largest chunk | host reads a layer | most frequent reads |")
     print("|---|---:|---:|---:|---:|---|")
     for method in methods:
         try:
