@@ -9,12 +9,14 @@ and for variants of it: median of ``--repeats`` warm evaluations, and each varia
 largest error over the keys' masses relative to the current function's. SDPA over the same chunk is the yardstick.
 
     python benchmarks/prompt_mass.py                                   # GPU: 2,048 queries x 4,096 keys, float16
+    python benchmarks/prompt_mass.py --only "MLX ops" "mass kernels"   # the kernels against MLX's ops
     MLX_DEFAULT_DEVICE=cpu python benchmarks/prompt_mass.py --context 1024 --chunk 512
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -22,7 +24,7 @@ import veloxquant_mlx  # noqa: F401  first: it may load OpenBLAS
 
 import mlx.core as mx  # noqa: E402
 
-from veloxquant_mlx.evict import attention  # noqa: E402
+from veloxquant_mlx.evict import attention, mass_kernel  # noqa: E402
 from veloxquant_mlx.methods import keyformer  # noqa: E402
 
 
@@ -64,6 +66,8 @@ def main():
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--dtype", default="float16")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--only", nargs="+", default=None,
+                   help="variants whose names contain one of these (the yardstick always runs)")
     a = p.parse_args()
     hq, hkv = a.heads
     dtype = getattr(mx, a.dtype)
@@ -80,6 +84,20 @@ def main():
 
     def current():
         return attention.attention_mass(q, k, scale, qpos, kpos, qw)
+
+    def mlx_ops(fn):
+        """``fn`` with the prompt-mass kernels off (``VQ_MASS_KERNEL=0``): MLX's ops."""
+        def run():
+            old = os.environ.get("VQ_MASS_KERNEL")
+            os.environ["VQ_MASS_KERNEL"] = "0"
+            try:
+                return fn()
+            finally:
+                if old is None:
+                    del os.environ["VQ_MASS_KERNEL"]
+                else:
+                    os.environ["VQ_MASS_KERNEL"] = old
+        return run
 
     def before():  # attention_mass until session 48: a broadcast product, the keys cast a block
         def block(qb, start, stop):
@@ -139,10 +157,18 @@ def main():
             q, n, lambda qb, s, e: ((qb.reshape(1, hkv, g, e - s, d).astype(mx.float32) * scale)
                                    @ k.astype(mx.float32)[:, :, None].swapaxes(-1, -2)).sum(axis=(2, 3)))
 
-    ref = current()
+    ref = mlx_ops(current)()
     mx.eval(ref)
+    kernels = "on" if mass_kernel.kernel_backend(mx.float32) else "off: no GPU, or failed its check"
     variants = {
         "attention_mass (current)": current,
+        "MLX ops (VQ_MASS_KERNEL=0)": mlx_ops(current),
+        "MLX ops, blocks of 2^24": mlx_ops(with_block_size(attention, 2**24, current)),
+        f"mass kernels ({kernels}), blocks of 2^23 (the default)": current,
+        f"mass kernels ({kernels}), blocks of 2^24": with_block_size(attention, 2**24, current),
+        f"mass kernels ({kernels}), blocks of 2^25": with_block_size(attention, 2**25, current),
+        f"mass kernels ({kernels}), blocks of 2^26": with_block_size(attention, 2**26, current),
+        f"mass kernels ({kernels}), float16 logits": fp16_logits,
         "attention_mass before session 48": before,
         "blocks of 2^24 logits": with_block_size(attention, 2**24, current),
         "blocks of 2^25 logits": with_block_size(attention, 2**25, current),
@@ -162,9 +188,12 @@ def main():
         "keyformer gumbel_mass, 2^25": with_block_size(keyformer, 2**25, keyformer_mass),
         "SDPA, causal (yardstick)": sdpa,
     }
+    if a.only:
+        variants = {name: fn for name, fn in variants.items()
+                    if "yardstick" in name or any(o in name for o in a.only)}
     print(f"{mx.default_device()}, {hq}/{hkv} heads x {d}, {a.dtype}: {c} queries over {n} keys, "
           f"median of {a.repeats} warm evaluations\n")
-    print("| variant | ms | vs SDPA | max rel err vs current |\n|---|---:|---:|---:|")
+    print("| variant | ms | vs SDPA | max rel err vs MLX's ops |\n|---|---:|---:|---:|")
     times = {name: timed(fn, a.repeats) for name, fn in variants.items()}
     base = times["SDPA, causal (yardstick)"]
     for name, fn in variants.items():
@@ -172,7 +201,7 @@ def main():
         err = "-"
         if out.shape == ref.shape and "keyformer" not in name and "logits alone" not in name:
             err = f"{(mx.abs(out - ref).max() / mx.abs(ref).max()).item():.1e}"
-        print(f"| {name} | {times[name] * 1e3:.2f} | {times[name] / base:.1f}x | {err} |")
+        print(f"| {name} | {times[name] * 1e3:.2f} | {times[name] / base:.1f}x | {err} |", flush=True)
 
 
 if __name__ == "__main__":

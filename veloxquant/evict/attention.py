@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import mass_kernel
+
 QUERY_BLOCK = 256  # queries scored at a time, at most
 # Logits one block of queries may hold (32 MiB in float32). A block's scoring holds about
 # 3.3x that at its peak (measured on the CPU: tests/test_prefill_scores.py), about 104 MiB,
@@ -82,7 +84,8 @@ def attention_mass(
     are cast once; a KV group's query heads are one product's rows (no batch broadcast over
     the group); the weighted sum over a block's rows is one product with the softmax (no
     weighted copy of the block). The terms are ``attention_weights``'s, summed in another
-    order.
+    order. On a GPU whose kernels passed their check, a block's mask, softmax and weighted
+    sum are two launches over its logits (``mass_kernel.py``).
     """
     b, hq, nq, d = queries.shape
     hkv, n = keys.shape[1], keys.shape[2]
@@ -90,11 +93,18 @@ def attention_mass(
     dtype = keys.dtype if dtype is None else dtype
     keys_t = keys.astype(dtype).swapaxes(-1, -2)
     k = None if k_positions is None else k_positions[:, :, None, None, :]
+    kernels = mass_kernel.kernel_backend(dtype)
 
     def block(q, start, stop):
         m = stop - start
         rows = q.reshape(b, hkv, g * m, d).astype(dtype)  # row i * m + j: head i's query j
-        logits = ((rows * scale) @ keys_t).reshape(b, hkv, g, m, n)
+        logits = (rows * scale) @ keys_t
+        if kernels is not None:  # the mask, the softmax and the weighted sum in two launches
+            qp = None if k is None else (q_positions[start:stop] if q_positions.ndim == 1
+                                         else q_positions[..., start:stop])
+            w = mx.full((m,), 1.0 / g, mx.float32) if query_weights is None else query_weights[start:stop] / g
+            return mass_kernel.block_mass(kernels, logits, qp, k_positions, w)
+        logits = logits.reshape(b, hkv, g, m, n)
         if k is not None:  # the mask is shared by a group's heads: (B, Hkv, 1, m, n)
             qp = q_positions[start:stop] if q_positions.ndim == 1 else q_positions[..., start:stop]
             qp = qp[None, None, None, :, None] if qp.ndim == 1 else qp[:, :, None, :, None]
