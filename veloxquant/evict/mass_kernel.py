@@ -23,6 +23,7 @@ dtype and keeps MLX's ops if they fail. The CUDA source is run on the CPU by emu
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import mlx.core as mx
@@ -42,15 +43,16 @@ ROWS_CUDA = r"""
   const int bh = row / R;
   const int jq = (row - bh * R) % m;
   const T* s = logits + (size_t)row * n;
+  const float inf = __uint_as_float(0x7f800000u);  // NVRTC has no INFINITY
   const int qp = MASKED ? q_pos[(size_t)bh * q_stride + jq] : 0;
-  float top = -INFINITY, total = 0.f;
+  float top = -inf, total = 0.f;
   for (int j = (int)threadIdx.x; j < n; j += NT) {
     if (MASKED) {
       const int p = k_pos[(size_t)bh * n + j];
       if (p < 0 || p > qp) continue;
     }
     const float x = (float)s[j];
-    if (x == -INFINITY) continue;
+    if (x == -inf) continue;
     if (x > top) { total = total * expf(top - x) + 1.f; top = x; }
     else total += expf(x - top);
   }
@@ -63,13 +65,13 @@ ROWS_CUDA = r"""
     if ((int)threadIdx.x < stride) {
       const float a = tops[threadIdx.x], b = tops[threadIdx.x + stride];
       const float c = fmaxf(a, b);
-      totals[threadIdx.x] = c == -INFINITY ? 0.f
+      totals[threadIdx.x] = c == -inf ? 0.f
           : totals[threadIdx.x] * expf(a - c) + totals[threadIdx.x + stride] * expf(b - c);
       tops[threadIdx.x] = c;
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) lse[row] = totals[0] > 0.f ? tops[0] + logf(totals[0]) : INFINITY;
+  if (threadIdx.x == 0) lse[row] = totals[0] > 0.f ? tops[0] + logf(totals[0]) : inf;
 """
 
 COLUMNS_CUDA = r"""
@@ -235,8 +237,6 @@ def reference_mass(logits, q_positions, k_positions, weights) -> mx.array:
 def kernel_backend(dtype) -> Optional[str]:
     """The GPU back-end the kernels run on for logits in ``dtype``; None where they do not (no
     GPU, ``VQ_MASS_KERNEL=0``, kernels that failed their check): the caller runs MLX's ops."""
-    import os
-
     backend = kd.gpu_backend()
     if backend is None or os.environ.get("VQ_MASS_KERNEL") == "0":
         return None
