@@ -148,3 +148,21 @@ def test_a_latent_method_stores_the_same_with_its_fits_split(method):
         runs = [run for part in (store.keys, store.values) if part is not None for run in part.runs]
         out.append([run.basis for run in runs] + list(cache.dequantized(mx.float32)))
     assert all(a.shape == b.shape and mx.array_equal(a, b) for a, b in zip(*out))
+
+
+def test_single_matrices_take_the_streams_in_turn(monkeypatch):
+    """Fits started one after another before any is read (kvtc's keys and values) run side
+    by side: each single matrix goes to the next stream."""
+    seen = []
+    eigh = mx.linalg.eigh
+
+    def recording(a, stream=None):
+        seen.append(mx.default_stream(mx.cpu))
+        return eigh(a, stream=stream)
+
+    monkeypatch.setattr(mx.linalg, "eigh", recording)
+    streams = set_fit_streams(3)
+    for _ in range(4):
+        cpu_eigh(_grams((), 8))
+    assert len(set(map(str, seen))) == 3 and all(a != b for a, b in zip(seen, seen[1:]))
+    assert all(s in streams for s in seen)

@@ -309,3 +309,32 @@ def test_the_bounded_fit_matches_the_exact_one_up_to_its_sample():
         _, lam, _ = fit_codec(x, 4 * p, CHOICES, 3.5)
         exact = _exact_eigenvalues(x)
         assert np.abs(lam - exact).max() <= bound * exact[0], (n, np.abs(lam - exact).max() / exact[0])
+
+
+def test_the_keys_and_values_fits_are_evaluated_together_and_give_what_one_at_a_time_gives(monkeypatch):
+    """The store's first fit starts both tensors' fits and evaluates them at once (one wait
+    for the device; their decompositions side by side on the CPU streams), then allocates:
+    when the keys' fit is finished the values' arrays are computed already, and the codecs
+    are the ones ``fit_codec`` gives each alone."""
+    from decode_steps import graph_nodes
+    from veloxquant_mlx.methods.kvtc import transform
+
+    _, cache, _ = _prefilled({"residual_window": 64, "kvtc_bit_budget": 128})
+    store = cache[0].make_store()
+    x = mx.random.normal((1, 2, 150, 32), key=mx.random.key(3))
+    pending = []
+    finish = transform.finish_fit
+
+    def finishing(started, *args):
+        pending.append(graph_nodes(list(started[:3])))
+        return finish(started, *args)
+
+    monkeypatch.setattr(transform, "finish_fit", finishing)
+    store.commit(x, x * 2)
+    assert pending == [0, 0]
+    o = cache[0].config.options
+    for run, rows in ((store.keys, x), (store.values, 2 * x)):
+        alone = transform.TransformTokens(16, run.rotary, run.start)
+        alone.fit(rows[:, :, 4:150 - 64], o.kvtc_bit_budget, o.kvtc_bit_choices, o.kvtc_beta)
+        for name in ("mean", "basis", "bits", "step"):
+            assert mx.array_equal(getattr(alone.codec, name), getattr(run.codec, name)), name

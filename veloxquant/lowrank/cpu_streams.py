@@ -33,6 +33,7 @@ MAX_STREAMS = 8
 
 _streams: list | None = None
 _threads_before: int | None = None
+_turn = 0  # the stream the last single matrix went to
 
 
 def _default_count() -> int:
@@ -78,12 +79,14 @@ def on_fit_streams(fn, a: mx.array, matrix_dims: int = 2):
     """``fn(a)`` on the CPU, for a function of a batch of matrices ``a`` (..., m, n) whose
     outputs keep the batch in front: the batch split over ``fit_streams()``, each part's
     ``fn`` run with its stream as the default, the outputs joined again (a tuple for a
-    tuple)."""
+    tuple). A single matrix goes to the next stream in turn."""
+    global _turn
     streams = fit_streams()
     lead, tail = a.shape[: a.ndim - matrix_dims], a.shape[a.ndim - matrix_dims:]
     count = math.prod(lead)
-    if len(streams) == 1 or count < 2:
-        with mx.stream(streams[0]):
+    if len(streams) == 1 or count < 2:  # one matrix: the streams take turns, so that fits
+        _turn = (_turn + 1) % len(streams)  # started one after another run side by side
+        with mx.stream(streams[_turn]):
             return fn(a)
     flat = a.reshape(count, *tail)
     parts = min(count, len(streams))

@@ -115,14 +115,22 @@ class KVTCCache(EntropyCodedCache):
                                  model_args=getattr(self.context, "model_args", None), kv_shape=kv_shape,
                                  cache_metadata={"key_rotary": rotary_name(self.store.keys.rotary)})
 
-    def _fit(self, run: TransformTokens, x: mx.array) -> None:
+    def _fit(self, runs: list[tuple[TransformTokens, mx.array]]) -> None:
+        """Fit each (run, rows): every fit's array work is started, then evaluated at once (the
+        decompositions side by side on the CPU streams, one wait for the device), then each
+        fit's allocation runs on the host."""
         if self.config.calibration_file:  # calibrated offline: prefill only projects and codes
-            prefix = "k" if run is self.store.keys else "v"
             arrays = self._calibration(self.kv_shape[1:3])
-            run.codec = TransformCodec(*(arrays[f"{prefix}_{name}"] for name in CODEC))
+            for run, _ in runs:
+                prefix = "k" if run is self.store.keys else "v"
+                run.codec = TransformCodec(*(arrays[f"{prefix}_{name}"] for name in CODEC))
             return
         o = self.config.options
-        run.fit(x, o.kvtc_bit_budget, o.kvtc_bit_choices, o.kvtc_beta)
+        fit = (o.kvtc_bit_budget, o.kvtc_bit_choices, o.kvtc_beta)
+        started = [run.start_fit(x, *fit) for run, x in runs]
+        mx.eval([a for s in started for a in s[:3]])
+        for (run, _), s in zip(runs, started):
+            run.finish_fit(s, *fit)
 
     # -- offline calibration (``veloxquant calibrate --method kvtc``) -----------------------
     @classmethod

@@ -84,7 +84,13 @@ def fit_codec(x: mx.array, budget: int, choices, beta: float,
     costs less than one p x p eigenproblem, they come from it (``factors.leading_basis``:
     ``POWER_ITERATIONS`` products with the covariance from a seeded start, then Rayleigh-Ritz;
     k values), else from the exact eigendecomposition (p values). ``exact``: always the
-    latter (offline calibration)."""
+    latter (offline calibration). ``start_fit`` then ``finish_fit``: several fits started
+    before any is finished wait for the device once, their decompositions side by side."""
+    return finish_fit(start_fit(x, budget, choices, beta, exact), budget, choices, beta)
+
+
+def start_fit(x: mx.array, budget: int, choices, beta: float, exact: bool = False) -> tuple:
+    """The fit's work on arrays, lazy: (mean, components, singular values, rows)."""
     x = x.astype(mx.float32)
     mean = x.mean(axis=0)
     p = x.shape[-1]
@@ -93,7 +99,14 @@ def fit_codec(x: mx.array, budget: int, choices, beta: float,
         vecs, sigma, _ = leading_basis(x - mean, k)  # by decreasing Ritz value
     else:
         vecs, sigma = gram_basis(x - mean)  # by decreasing singular value
-    lam = np.maximum(np.asarray((sigma * sigma / x.shape[0]).astype(mx.float32), dtype=np.float64), 0.0)
+    return mean, vecs, sigma, x.shape[0]
+
+
+def finish_fit(started: tuple, budget: int, choices, beta: float) -> tuple[TransformCodec, np.ndarray, np.ndarray]:
+    """``start_fit``'s arrays read on the host, the widths allocated: the codec, the
+    eigenvalues (descending) and the widths."""
+    mean, vecs, sigma, n = started
+    lam = np.maximum(np.asarray((sigma * sigma / n).astype(mx.float32), dtype=np.float64), 0.0)
     order = np.argsort(-lam, kind="stable")  # ‖x v‖² need not keep eigh's order to the last bit
     lam, vecs = lam[order], np.asarray(vecs)[:, order]
     bits = allocate_by_variance(lam, choices, budget, beta)
@@ -133,8 +146,16 @@ class TransformTokens:
 
     def fit(self, x: mx.array, budget: int, choices, beta: float, exact: bool = False):
         """Fit the codec on ``x`` (B, H, n, d), the tokens at positions ``start``..."""
+        return self.finish_fit(self.start_fit(x, budget, choices, beta, exact), budget, choices, beta)
+
+    def start_fit(self, x: mx.array, budget: int, choices, beta: float, exact: bool = False) -> tuple:
+        """``fit``'s work on arrays, lazy (``transform.start_fit``)."""
         rows = self._rows(x, self.start)
-        self.codec, lam, bits = fit_codec(rows.reshape(-1, rows.shape[-1]), budget, choices, beta, exact)
+        return start_fit(rows.reshape(-1, rows.shape[-1]), budget, choices, beta, exact)
+
+    def finish_fit(self, started: tuple, budget: int, choices, beta: float):
+        """``start_fit``'s arrays read on the host: the codec kept; its eigenvalues and widths."""
+        self.codec, lam, bits = finish_fit(started, budget, choices, beta)
         return lam, bits
 
     def append(self, x: mx.array, decoding: bool = False) -> None:

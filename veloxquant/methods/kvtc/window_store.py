@@ -34,7 +34,7 @@ CODE_EVERY = VALUE_ROOM  # decode rows coded at once: the window's buffer has th
 
 
 class SinkWindowStore(PackedStore):
-    def __init__(self, keys, values, *, n_sink: int, window: int, fit: Callable[[Any, mx.array], None]):
+    def __init__(self, keys, values, *, n_sink: int, window: int, fit: Callable[[list[tuple[Any, mx.array]]], None]):
         self.keys, self.values = keys, values
         self.n_sink, self.window, self._fit = n_sink, window, fit
         self.sink_k = GrowingArray(step=max(n_sink, 1), limit=n_sink)
@@ -55,11 +55,9 @@ class SinkWindowStore(PackedStore):
     def _code(self, keys: mx.array, values: mx.array) -> None:
         """Rows leaving the window (oldest first) join the middle; the first fit the runs."""
         self._code_views.clear()  # no view pins a codes buffer the appends below write in place
-        if self.keys.codec is None:
-            held = [x for x in (self.k_win.view(),) if x is not None]
-            self._fit(self.keys, mx.concatenate([keys, *held], axis=2))
-            held = [x for x in (self.v_win.view(),) if x is not None]
-            self._fit(self.values, mx.concatenate([values, *held], axis=2))
+        if self.keys.codec is None:  # both fits at once: one wait for the device, side by side on the CPU
+            self._fit([(run, mx.concatenate([x, *[w for w in (window.view(),) if w is not None]], axis=2))
+                       for run, x, window in ((self.keys, keys, self.k_win), (self.values, values, self.v_win))])
         self.keys.append(keys)
         self.values.append(values)
 
