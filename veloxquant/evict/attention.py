@@ -21,6 +21,12 @@ QUERY_BLOCK = 256  # queries scored at a time, at most
 # the whole 8B model's prefill slower at 32k and its peak above fp16's at 4k
 # (benchmarks/notes/prefill.md).
 SCORE_ELEMENTS = 2**23
+# Logits a block holds where the prompt-mass kernels take the block (``mass_kernel.py``):
+# the block is its logits alone (128 MiB in float32) plus a sum a row and a share, under
+# the same MLP transient. On an H100, one 2,048-query chunk over 4,096 keys: 5.33 ms
+# through MLX's ops at 2^23, 4.60 through the kernels at 2^23, 3.38 at 2^25
+# (benchmarks/results/h200_s72, prompt_mass.py).
+KERNEL_SCORE_ELEMENTS = 2**25
 
 
 def query_block(queries, n_keys: int, elements: int | None = None) -> int:
@@ -113,4 +119,4 @@ def attention_mass(
         w = mx.full((m,), 1.0 / g, mx.float32) if query_weights is None else query_weights[start:stop] / g
         return (mx.tile(w, (g,))[None, None, None] @ weights)[:, :, 0]
 
-    return reduce_query_blocks(queries, n, block)
+    return reduce_query_blocks(queries, n, block, elements=None if kernels is None else KERNEL_SCORE_ELEMENTS)
