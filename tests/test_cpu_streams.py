@@ -166,3 +166,10 @@ def test_single_matrices_take_the_streams_in_turn(monkeypatch):
         cpu_eigh(_grams((), 8))
     assert len(set(map(str, seen))) == 3 and all(a != b for a, b in zip(seen, seen[1:]))
     assert all(s in streams for s in seen)
+
+
+def test_streams_are_made_once_and_reused():
+    four = set_fit_streams(4)
+    set_fit_streams(1)
+    two = set_fit_streams(2)
+    assert two == four[:2] and set_fit_streams(4) == four

@@ -32,6 +32,7 @@ ENV = "VQ_FIT_STREAMS"
 MAX_STREAMS = 8
 
 _streams: list | None = None
+_made: list = []  # every CPU stream made so far, reused (MLX keeps a stream's thread for good)
 _threads_before: int | None = None
 _turn = 0  # the stream the last single matrix went to
 
@@ -66,7 +67,8 @@ def set_fit_streams(count: int | None) -> list:
     else:
         if _threads_before is None:
             _threads_before = _blas.set_threads(1)
-        _streams = [mx.new_stream(mx.cpu) for _ in range(count)]
+        _made.extend(mx.new_stream(mx.cpu) for _ in range(count - len(_made)))
+        _streams = _made[:count]
     return _streams
 
 
