@@ -85,16 +85,21 @@ def test_gram_leading_and_basis_split_equal_one_stream():
         assert a.shape == b.shape and mx.array_equal(a, b)
 
 
-def test_openblas_one_thread_a_call_while_split_then_restored():
+def test_openblas_shares_the_cores_while_split_then_restored(monkeypatch):
     before = _blas.set_threads(2)
     if before is None:
         pytest.skip("no OpenBLAS in this process to set threads on")
     try:
+        monkeypatch.setattr(cpu_streams.os, "cpu_count", lambda: 16)
+        set_fit_streams(8)
+        assert _blas.set_threads(2) == 2  # 16 cores over 8 streams: 2 threads a call
         set_fit_streams(3)
-        assert _blas.set_threads(1) == 1  # several streams: one thread a call
-        set_fit_streams(2)  # still split: the count kept, not taken as the one to restore
+        assert _blas.set_threads(5) == 5  # 16 // 3
+        monkeypatch.setattr(cpu_streams.os, "cpu_count", lambda: 2)
+        set_fit_streams(3)
+        assert _blas.set_threads(1) == 1  # never below one
         set_fit_streams(1)
-        assert _blas.set_threads(2) == 2  # one stream again: OpenBLAS's count back
+        assert _blas.set_threads(2) == 2  # one stream again: OpenBLAS's own count back
     finally:
         _blas.set_threads(before)
 

@@ -4,11 +4,13 @@ MLX runs ``eigh`` on the CPU only, and a batch of them (a layer's head groups or
 one operation on one stream: one core. Each MLX stream has a thread of its own, so a batch
 split over ``fit_streams()`` CPU streams runs on as many cores (``cpu_eigh``).
 
-OpenBLAS's pthread build must then run each call on one thread: several calls at once, each
-asking for all the cores, thrash (measured on a 2-core machine, 48 eigenproblems of 256 x
-256: 0.16 s on one stream, 0.8 s on two and 13 s on four at OpenBLAS's default thread count;
-0.07 s on two at one thread a call). So while more than one stream is in use, OpenBLAS runs
-one thread a call (``_blas.set_threads``), and going back to one stream restores its count.
+OpenBLAS's pthread build must then share the cores out: several calls at once, each asking
+for all the cores, thrash (on a 2-core machine, 48 eigenproblems of 256 x 256 took 0.16 s on
+one stream, 0.8 s on two and 13 s on four at OpenBLAS's default thread count, 0.07 s on two
+at one thread a call). So while more than one stream is in use, OpenBLAS runs the cores
+divided by the streams, at least one, threads a call (``_blas.set_threads``): a fit of one
+large matrix (kvtc's) keeps some threads for its products. Going back to one stream
+restores OpenBLAS's count.
 
 How many streams: ``VQ_FIT_STREAMS`` when set; else one where the default device is the CPU
 (there the model's products run on OpenBLAS too and need its threads), else half the cores,
@@ -65,8 +67,10 @@ def set_fit_streams(count: int | None) -> list:
             _threads_before = None
         _streams = [mx.cpu]
     else:
+        threads = max(1, (os.cpu_count() or 1) // count)
+        before = _blas.set_threads(threads)
         if _threads_before is None:
-            _threads_before = _blas.set_threads(1)
+            _threads_before = before
         _made.extend(mx.new_stream(mx.cpu) for _ in range(count - len(_made)))
         _streams = _made[:count]
     return _streams
