@@ -6,7 +6,8 @@ host side can: ``--stub`` (the default) makes ``kivi_decode.gpu_backend()`` answ
 and makes each ``mx.fast.cuda_kernel`` launch one graph node (zeros of the right shapes
 behind a ``Depends`` on its inputs: ``tests/decode_steps.cuda_kernels_as_launch_nodes``),
 so the Python that checks layouts, plans the split and builds the launch runs as it would
-on CUDA. The stand-in's own cost (one ``mx.depends`` a launch) is not
+on CUDA; each ``mx.dequantize`` / ``mx.quantize`` is one node too, as on a GPU (the CPU
+builds them as graphs of shifts, which cost its host far more). The stand-in's own cost (one ``mx.depends`` a launch) is not
 MLX's cost of a custom-kernel call on CUDA (~12 us, notes): these are CPU host-time
 figures with stub kernels, not GPU timings, good for comparing the Python around them.
 
@@ -49,7 +50,7 @@ from veloxquant_mlx.kernels import kivi_decode as kd  # noqa: E402
 from veloxquant_mlx.quant import store as store_module  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from decode_steps import cuda_kernels_as_launch_nodes  # noqa: E402
+from decode_steps import affine_ops_as_on_a_gpu, cuda_kernels_as_launch_nodes  # noqa: E402
 
 BASELINE = "mlx-lm KVCache"
 METHODS = {
@@ -81,9 +82,13 @@ def build_model(layers: int, dtype):
     return model
 
 
+@contextlib.contextmanager
 def stubbed_gpu_path():
-    """The dispatcher believes it runs on CUDA; each kernel launch is one graph node."""
-    return cuda_kernels_as_launch_nodes()
+    """The dispatcher believes it runs on CUDA; each kernel launch, dequantization and
+    quantization is one graph node (the CPU builds the last two as graphs of shifts: palu's
+    step spent 40 us a call building them here)."""
+    with cuda_kernels_as_launch_nodes(), affine_ops_as_on_a_gpu():
+        yield
 
 
 def make_cache(model, config):

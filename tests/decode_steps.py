@@ -276,17 +276,11 @@ def _clear_package_caches() -> None:
 
 
 @contextlib.contextmanager
-def steps_as_on_cuda():
-    """Build decode steps as they are built on MLX's CUDA back-end, for counting their graphs.
-
-    Besides :func:`fused_ops_as_on_a_gpu` and :func:`cuda_kernels_as_launch_nodes`: the
-    package's code sees a GPU (``mx.default_device()``), so it takes the paths it takes
-    there (the pure-MLX reading where ``quantized_matmul`` would serve on the CPU), and each
-    ``mx.dequantize`` / ``mx.quantize`` is one node, as on a GPU (the CPU runs them as graphs
-    of shifts). The arrays still live on the CPU and the values are wrong; only the graphs'
-    sizes are read."""
-    saved = (mx.default_device, mx.dequantize, mx.quantize)
-    gpu = mx.Device(mx.gpu)
+def affine_ops_as_on_a_gpu():
+    """Each ``mx.dequantize`` / ``mx.quantize`` is one node, as on a GPU (the CPU runs them as
+    graphs of shifts, whose building also costs the host far more than one node's). The
+    values are wrong (zeros); only graphs and their building are measured."""
+    saved = (mx.dequantize, mx.quantize)
 
     def dequantize(w, scales, biases=None, group_size=64, bits=4, **_):
         return _one_node([((*w.shape[:-1], w.shape[-1] * 32 // bits), scales.dtype)], [w, scales, biases])[0]
@@ -297,13 +291,30 @@ def steps_as_on_cuda():
                                 ((*lead, n // group_size), w.dtype)], [w]))
 
     try:
+        mx.dequantize, mx.quantize = dequantize, quantize
+        yield
+    finally:
+        mx.dequantize, mx.quantize = saved
+
+
+@contextlib.contextmanager
+def steps_as_on_cuda():
+    """Build decode steps as they are built on MLX's CUDA back-end, for counting their graphs.
+
+    Besides :func:`fused_ops_as_on_a_gpu`, :func:`cuda_kernels_as_launch_nodes` and
+    :func:`affine_ops_as_on_a_gpu`: the package's code sees a GPU (``mx.default_device()``),
+    so it takes the paths it takes there (the pure-MLX reading where ``quantized_matmul``
+    would serve on the CPU). The arrays still live on the CPU and the values are wrong; only
+    the graphs' sizes are read."""
+    saved = mx.default_device
+    gpu = mx.Device(mx.gpu)
+    try:
         _clear_package_caches()
         mx.default_device = lambda: gpu
-        mx.dequantize, mx.quantize = dequantize, quantize
-        with cuda_kernels_as_launch_nodes(), fused_ops_as_on_a_gpu():
+        with cuda_kernels_as_launch_nodes(), fused_ops_as_on_a_gpu(), affine_ops_as_on_a_gpu():
             yield
     finally:
-        mx.default_device, mx.dequantize, mx.quantize = saved
+        mx.default_device = saved
         _clear_package_caches()
 
 
