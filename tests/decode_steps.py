@@ -152,16 +152,18 @@ def cache_arrays(cache) -> list[mx.array]:
     return found
 
 
-def graph_nodes(outputs) -> int:
+def graph_nodes(outputs, skip: frozenset = frozenset()) -> int:
     """Operations not yet evaluated in the graph of ``outputs`` (evaluated arrays are
-    leaves), counted in ``mx.export_to_dot``'s output."""
+    leaves), counted in ``mx.export_to_dot``'s output; operations named in ``skip`` (the
+    primitives' names, "Reshape") are not counted."""
     outputs = [a for a in outputs if isinstance(a, mx.array)]
     if not outputs:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "step.dot")
         mx.export_to_dot(path, *outputs)
-        return sum(1 for line in open(path) if "shape=rectangle" in line)
+        labels = re.findall(r'label ="?([A-Za-z_]+)"?, shape=rectangle', open(path).read())
+    return sum(1 for label in labels if label not in skip)
 
 
 _FUSED = ("rms_norm", "rope", "scaled_dot_product_attention")
