@@ -105,18 +105,16 @@ def attention_mass(
         m = stop - start
         rows = q.reshape(b, hkv, g * m, d).astype(dtype)  # row i * m + j: head i's query j
         logits = (rows * scale) @ keys_t
+        qp = None if k is None else (q_positions[start:stop] if q_positions.ndim == 1
+                                     else q_positions[..., start:stop])
+        w = mx.full((m,), 1.0 / g, mx.float32) if query_weights is None else query_weights[start:stop] / g
         if kernels is not None:  # the mask, the softmax and the weighted sum in two launches
-            qp = None if k is None else (q_positions[start:stop] if q_positions.ndim == 1
-                                         else q_positions[..., start:stop])
-            w = mx.full((m,), 1.0 / g, mx.float32) if query_weights is None else query_weights[start:stop] / g
             return mass_kernel.block_mass(kernels, logits, qp, k_positions, w)
         logits = logits.reshape(b, hkv, g, m, n)
         if k is not None:  # the mask is shared by a group's heads: (B, Hkv, 1, m, n)
-            qp = q_positions[start:stop] if q_positions.ndim == 1 else q_positions[..., start:stop]
             qp = qp[None, None, None, :, None] if qp.ndim == 1 else qp[:, :, None, :, None]
             logits = mx.where((k >= 0) & (k <= qp), logits, -float("inf"))
         weights = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True).reshape(b, hkv, g * m, n)
-        w = mx.full((m,), 1.0 / g, mx.float32) if query_weights is None else query_weights[start:stop] / g
         return (mx.tile(w, (g,))[None, None, None] @ weights)[:, :, 0]
 
     return reduce_query_blocks(queries, n, block, elements=None if kernels is None else KERNEL_SCORE_ELEMENTS)
