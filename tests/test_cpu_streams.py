@@ -178,3 +178,11 @@ def test_streams_are_made_once_and_reused():
     set_fit_streams(1)
     two = set_fit_streams(2)
     assert two == four[:2] and set_fit_streams(4) == four
+
+
+@pytest.mark.parametrize("cores, expected", [(16, 8), (64, cpu_streams.MAX_STREAMS), (2, 1), (1, 1)])
+def test_default_on_a_gpu_is_half_the_cores_at_most_eight(monkeypatch, cores, expected):
+    monkeypatch.delenv(cpu_streams.ENV, raising=False)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(cpu_streams.os, "cpu_count", lambda: cores)
+    assert cpu_streams._default_count() == expected
