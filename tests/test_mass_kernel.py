@@ -62,15 +62,21 @@ def test_a_row_that_sees_no_key_adds_nothing(tmp_path):
         assert np.all(np.isinf(lse)) and np.all(got == 0)
 
 
+def prompt_chunk(hkv: int, g: int, m: int, n: int, d: int, decay: float, seed: int):
+    """Queries (1, hkv g, m, d) at the last m of n causal positions, keys (1, hkv, n, d),
+    their positions and decaying query weights."""
+    q = mx.random.normal((1, hkv * g, m, d), key=mx.random.key(seed))
+    k = mx.random.normal((1, hkv, n, d), key=mx.random.key(seed + 1))
+    q_pos = mx.arange(n - m, n, dtype=mx.int32)
+    k_pos = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (1, hkv, n))
+    return q, k, q_pos, k_pos, decay ** mx.arange(m, dtype=mx.float32)
+
+
 def test_reference_mass_is_attention_masss_block():
     """``reference_mass`` is the block ``attention_mass`` sums, so the self-check and the
     emulation hold the kernels to what the scores were."""
     b, hkv, g, m, n, d = 1, 2, 3, 6, 40, 16
-    q = mx.random.normal((b, hkv * g, m, d), key=mx.random.key(1))
-    k = mx.random.normal((b, hkv, n, d), key=mx.random.key(2))
-    q_pos = mx.arange(n - m, n, dtype=mx.int32)
-    k_pos = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, hkv, n))
-    w = 0.8 ** mx.arange(m, dtype=mx.float32)
+    q, k, q_pos, k_pos, w = prompt_chunk(hkv, g, m, n, d, 0.8, seed=1)
     ref = attention.attention_mass(q, k, 0.25, q_pos, k_pos, w)
     logits = ((q.reshape(b, hkv, g * m, d) * 0.25) @ k.swapaxes(-1, -2))
     assert mx.allclose(mk.reference_mass(logits, q_pos, k_pos, w / g), ref, rtol=1e-6, atol=1e-7)
@@ -100,12 +106,7 @@ def test_attention_mass_takes_the_kernels_where_they_run(monkeypatch):
         calls.append((backend, logits.shape, weights.shape))
         return mk.reference_mass(logits, q_positions, k_positions, weights)
 
-    b, hkv, g, m, n, d = 1, 2, 2, 9, 50, 16
-    q = mx.random.normal((b, hkv * g, m, d), key=mx.random.key(3))
-    k = mx.random.normal((b, hkv, n, d), key=mx.random.key(4))
-    q_pos = mx.arange(n - m, n, dtype=mx.int32)
-    k_pos = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, hkv, n))
-    w = 0.9 ** mx.arange(m, dtype=mx.float32)
+    q, k, q_pos, k_pos, w = prompt_chunk(hkv=2, g=2, m=9, n=50, d=16, decay=0.9, seed=3)
     ref = attention.attention_mass(q, k, 0.25, q_pos, k_pos, w)
     monkeypatch.setattr(mk, "kernel_backend", lambda dtype: "cuda")
     monkeypatch.setattr(mk, "block_mass", stand_in)
