@@ -47,13 +47,26 @@ benchmarks/notes/fits.md), a batch of them split over several CPU streams
   singular values (but for the float32 Gram's rounding), so an energy rule on them keeps
   at least the exact rule's rank; ``tests/test_lowrank_fit.py`` bounds the rank-k error
   within 2% of the exact SVD's.
+- ``device_leading``: ``leading_basis``'s iteration on a GPU, for Gram matrices of at least
+  ``DEVICE_FIT_MIN_DIM`` columns (kvtc's 1,024 channels; GEAR's 128-wide heads stay on the
+  CPU streams: small products, where the polar steps' launches are unmeasured): the products with
+  the Gram matrix on the device, each block orthonormalised by Newton-Schulz steps
+  (``device_polar``: matrix products only), and only the Rayleigh-Ritz step's (k + 8) x
+  (k + 8) eigenproblem on a CPU stream. MLX multiplies float32 in TF32 on CUDA (10 mantissa
+  bits) unless ``MLX_ENABLE_TF32=0``; a product with the covariance then loses the directions
+  about 1e-4 below the first (kvtc's fit 1.77x the exact one's error on a power-law
+  spectrum), so each product's operands are split into the part TF32 keeps and the rest
+  (``split_product``: three products, float32's precision). ``tests/test_device_fit.py``
+  emulates TF32's operands on the CPU; ``VQ_DEVICE_FIT=0`` keeps the CPU streams.
 - ``energy_rank``: the smallest r whose singular values hold a fraction of the energy
   (squared singular values) or of their mass (``power=1``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import mlx.core as mx
 
@@ -211,8 +224,19 @@ def _gaussian_start(d: int, width: int, seed: int) -> mx.array:
 
 def gram_leading(gram: mx.array, k: int, iterations: int = POWER_ITERATIONS, seed: int = SEED):
     """(V (..., d, k), eigenvalues (..., k), trace (...)) of the Gram matrices ``gram``
-    (..., d, d): ``leading_basis``'s work after the product over the rows, on the CPU
-    streams (d x width products and width x width eigenproblems: one wait for the Gram)."""
+    (..., d, d): ``leading_basis``'s work after the product over the rows. On a GPU, Gram
+    matrices of at least ``DEVICE_FIT_MIN_DIM`` columns iterate there (``device_leading``);
+    the rest on the CPU streams (``stream_leading``)."""
+    d = gram.shape[-1]
+    if _iterates_on_device(d, min(k + OVERSAMPLE, d)):
+        return device_leading(gram, k, iterations, seed, split_product if _reduced_products() else mx.matmul)
+    return stream_leading(gram, k, iterations, seed)
+
+
+def stream_leading(gram: mx.array, k: int, iterations: int = POWER_ITERATIONS, seed: int = SEED):
+    """``gram_leading`` on the CPU streams: d x width products, Householder QRs of d x width
+    and a width x width eigenproblem (one wait for the Gram), or one d x d eigenproblem where
+    the iterations' would cost more."""
     d = gram.shape[-1]
     width = min(k + OVERSAMPLE, d)
 
@@ -229,6 +253,78 @@ def gram_leading(gram: mx.array, k: int, iterations: int = POWER_ITERATIONS, see
         return v[..., leading], w[..., leading], mx.trace(g, axis1=-2, axis2=-1)
 
     return on_fit_streams(leading, gram)
+
+
+DEVICE_FIT_ENV = "VQ_DEVICE_FIT"  # "0": every iteration on the CPU streams (A/B benchmarks)
+DEVICE_FIT_MIN_DIM = 512  # Gram matrices at least this wide iterate on a GPU (kvtc's 1,024 channels)
+POLAR_STEPS = (14, 4)  # Newton-Schulz steps: the quintic's (lift every singular value), then the cubic's
+QUINTIC = (3.4445, -4.7750, 2.0315)  # the Muon optimizer's: (0, 1] into about [0.7, 1.2], small values x3.44 a step
+_TF32_KEEPS = 0xFFFFE000  # the float32 bits a TF32 operand keeps: sign, exponent, 10 of 23 mantissa bits
+
+
+def _iterates_on_device(d: int, width: int) -> bool:
+    return (mx.default_device() != mx.cpu and d >= DEVICE_FIT_MIN_DIM and 3 * width < d
+            and os.environ.get(DEVICE_FIT_ENV, "1") != "0")
+
+
+def _reduced_products() -> bool:
+    """Whether the default device multiplies float32 in TF32 (MLX does on CUDA, and on the
+    GPUs with such units, unless ``MLX_ENABLE_TF32=0``)."""
+    return mx.default_device() != mx.cpu and os.environ.get("MLX_ENABLE_TF32", "1") != "0"
+
+
+def _high(a: mx.array) -> mx.array:
+    return (a.view(mx.uint32) & _TF32_KEEPS).view(mx.float32)
+
+
+def split_product(a: mx.array, b: mx.array, product=mx.matmul) -> mx.array:
+    """``a @ b`` to about float32's precision where ``product`` rounds its operands to TF32:
+    each operand split into the part TF32 keeps and the rest (exact in float32), the three
+    products that matter summed (the two rests' product is below float32's rounding)."""
+    ah, bh = _high(a), _high(b)
+    return product(ah, bh) + (product(ah, b - bh) + product(a - ah, bh))
+
+
+def device_polar(y: mx.array, product=mx.matmul, steps: tuple = POLAR_STEPS) -> mx.array:
+    """Orthonormal columns spanning those of ``y`` (..., d, w) by Newton-Schulz steps, matrix
+    products only (no decomposition, so it runs on a GPU): the columns to unit norm, the
+    whole scaled by ``1/sqrt(w)`` (every singular value in (0, 1]), ``steps[0]`` quintic steps
+    (a value below 1 grows 3.44x a step: 14 lift 1e-7 into about [0.7, 1.2]), ``steps[1]``
+    cubic ones (``y (3 - yᵀy) / 2``: quadratic convergence to the polar factor). The singular
+    vectors stay; a direction with no weight (a dependent column) stays near zero."""
+    y = y / mx.maximum(mx.linalg.norm(y, axis=-2, keepdims=True), 1e-30) / math.sqrt(y.shape[-1])
+    a5, b5, c5 = QUINTIC
+    for _ in range(steps[0]):
+        gram = product(y.swapaxes(-1, -2), y)
+        y = a5 * y + product(y, b5 * gram + c5 * product(gram, gram))
+    for _ in range(steps[1]):
+        y = 1.5 * y - 0.5 * product(y, product(y.swapaxes(-1, -2), y))
+    return y
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_polar(product):
+    """``device_polar`` with ``product`` as one compiled pass (its elementwise work fused: a
+    launch or two a step besides the products), traced once a shape."""
+    return mx.compile(functools.partial(device_polar, product=product))
+
+
+def device_leading(gram: mx.array, k: int, iterations: int = POWER_ITERATIONS, seed: int = SEED,
+                   product=mx.matmul, polar=None):
+    """``gram_leading`` with its products on the default device (a GPU): subspace iteration
+    orthonormalised by ``polar`` (``device_polar`` with ``product``, compiled by default),
+    then the Rayleigh-Ritz step's (k + p) x (k + p) eigenproblem on a CPU stream, the one
+    wait for the device."""
+    d = gram.shape[-1]
+    width = min(k + OVERSAMPLE, d)
+    polar = compiled_polar(product) if polar is None else polar
+    v = mx.broadcast_to(_gaussian_start(d, width, seed), (*gram.shape[:-2], d, width))
+    for _ in range(iterations):
+        v = polar(product(gram, v))
+    ritz = product(v.swapaxes(-1, -2), product(gram, v))
+    w, u = cpu_eigh((ritz + ritz.swapaxes(-1, -2)) / 2)  # ascending
+    leading = slice(-1, -k - 1, -1)
+    return product(v, u[..., leading]), w[..., leading], mx.trace(gram, axis1=-2, axis2=-1)
 
 
 def leading_basis(x: mx.array, k: int, iterations: int = POWER_ITERATIONS, seed: int = SEED):

@@ -117,8 +117,8 @@ class KVTCCache(EntropyCodedCache):
 
     def _fit(self, runs: list[tuple[TransformTokens, mx.array]]) -> None:
         """Fit each (run, rows): every fit's array work is started, then evaluated at once (the
-        decompositions side by side on the CPU streams, one wait for the device), then each
-        fit's allocation runs on the host."""
+        decompositions side by side, on the GPU or the CPU streams: ``factors.gram_leading``;
+        one wait for the device), then each fit's allocation runs on the host."""
         if self.config.calibration_file:  # calibrated offline: prefill only projects and codes
             arrays = self._calibration(self.kv_shape[1:3])
             for run, _ in runs:
