@@ -143,6 +143,84 @@ def test_codes_pack_in_mx_quantize_order_at_every_width(bits):
     assert mx.array_equal(mx.dequantize(words, ones, zeros, group_size=32, bits=bits), codes.astype(mx.float32))
 
 
+def _quantized_op_by_op(x, group_size, bits, alpha=None):
+    """The card's min-max quantizer written out one operation at a time (the reference);
+    ``alpha`` (B, H): SKVQ's clip ratio on each group's minimum and maximum."""
+    from veloxquant_mlx.quant.affine import _MIN_SCALE, pack_codes
+
+    *lead, n = x.shape
+    groups = x.reshape(*lead, n // group_size, group_size).astype(mx.float32)
+    low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
+    if alpha is not None:
+        low, high = low * alpha[:, :, None, None, None], high * alpha[:, :, None, None, None]
+    scale = mx.maximum((high - low) / (2**bits - 1), _MIN_SCALE).astype(x.dtype)
+    low = low.astype(x.dtype)
+    codes = mx.clip(mx.round((groups - low.astype(mx.float32)) / scale.astype(mx.float32)), 0, 2**bits - 1)
+    return pack_codes(codes.reshape(*lead, n), bits), scale.squeeze(-1), low.squeeze(-1)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_the_compiled_quantizer_gives_the_op_by_op_codes_at_any_shape(bits, dtype):
+    """One shapeless compiled pass a width and group serves every chunk length (a prompt's
+    last chunk, a decode block, one token), a constant group included, bit for bit."""
+    from veloxquant_mlx.quant.affine import quantize
+
+    for shape, group in [((1, 4, 64, 128), 32), ((1, 4, 7, 128), 64), ((2, 3, 1, 64), 32), ((3, 5, 256), 128)]:
+        x = (3 * mx.random.normal(shape, key=mx.random.key(bits + shape[-2]))).astype(dtype)
+        x = mx.concatenate([mx.full(x[..., :1, :].shape, 1.5, dtype), x[..., 1:, :]], axis=-2)
+        for got, want in zip(quantize(x, group, bits), _quantized_op_by_op(x, group, bits)):
+            assert got.dtype == want.dtype and mx.array_equal(got, want)
+
+
+@pytest.mark.parametrize("bits, group", [(4, 1), (2, 8), (4, 16), (7, 32), (3, 64), (8, 128)])
+def test_clipped_rows_at_any_width_and_group_give_the_op_by_op_codes(bits, group):
+    """``token_rows.quantize_rows`` through the same compiled pass: a clip ratio per (batch
+    row, KV head), groups narrower than a word's codes (2 bits in 8) and widths that
+    straddle words (3, 7); groups of one channel uncompiled (MLX's shapeless compile
+    crashes on a reduction over one element)."""
+    from veloxquant_mlx.quant.token_rows import quantize_rows
+
+    x = (2 * mx.random.normal((2, 3, 9, 128), key=mx.random.key(bits))).astype(mx.float16)
+    alpha = mx.random.uniform(0.6, 1.0, (2, 3), key=mx.random.key(group))
+    for a in (None, alpha):
+        for got, want in zip(quantize_rows(x, group, bits, a), _quantized_op_by_op(x, group, bits, a)):
+            assert got.dtype == want.dtype and mx.array_equal(got, want)
+
+
+def test_a_prompt_chunks_quantization_is_seven_kernels():
+    """The minimum and maximum (in the input's dtype) and their casts, the scales' pass, the
+    codes' pass (shifted into their words) and the words' sum: on a GPU each node is a
+    launch, and a prompt chunk quantizes keys and values of every layer (the operations one
+    by one made 13 kernels: kivi's chunk 60 kernels a layer then, 40 now; age_tiered's
+    176 -> 96: ``benchmarks/prefill_census.py``)."""
+    import os
+    import re
+    import tempfile
+
+    from veloxquant_mlx.quant.affine import quantize
+
+    x = mx.random.normal((1, 8, 2048, 128), key=mx.random.key(0)).astype(mx.float16)
+    mx.eval(x)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "q.dot")
+        mx.export_to_dot(path, *quantize(x, 32, 2))
+        kernels = [label for label in re.findall(r'label ="?([A-Za-z_]+)"?, shape=rectangle', open(path).read())
+                   if label not in ("Reshape", "Squeeze", "Broadcast", "Slice")]
+    assert len(kernels) == 7, kernels
+
+
+def test_the_quantizers_switch_gives_the_same_codes_one_operation_at_a_time(monkeypatch):
+    """``VQ_COMPILED_QUANTIZER=0`` (benchmarks' A/B): the same pass uncompiled, the same codes."""
+    from veloxquant_mlx.quant.affine import quantize
+
+    x = mx.random.normal((1, 2, 40, 64), key=mx.random.key(5)).astype(mx.float16)
+    compiled = quantize(x, 32, 4)
+    monkeypatch.setenv("VQ_COMPILED_QUANTIZER", "0")
+    for got, want in zip(quantize(x, 32, 4), compiled):
+        assert mx.array_equal(got, want)
+
+
 @pytest.mark.parametrize("bits", [3, 5, 6, 7])
 def test_codes_of_six_axes_pack_and_unpack_at_widths_across_words(bits):
     """kitty's 7-bit plane, (B, H, blocks, channels, words): on CUDA its pack and unpack

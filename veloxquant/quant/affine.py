@@ -17,7 +17,9 @@ it has (1-6 and 8 bits), so ``mx.dequantize``, ``mx.quantized_matmul`` and our k
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import mlx.core as mx
 
@@ -80,15 +82,63 @@ def quantize(x: mx.array, group_size: int, bits: int):
     *lead, n = x.shape
     if 32 % bits and n % 32:
         raise ValueError(f"{bits}-bit codes pack 32 at a time: {n} elements per row do not")
-    groups = x.reshape(*lead, n // group_size, group_size).astype(mx.float32)
-    low = groups.min(axis=-1, keepdims=True)
-    high = groups.max(axis=-1, keepdims=True)
+    return group_quantize(x, group_size, bits)
+
+
+def group_quantize(x: mx.array, group_size: int, bits: int, alpha: mx.array | None = None):
+    """``quantize``'s codes, scales and minima, unchecked; ``alpha`` (float32, broadcasting
+    against the groups (..., G, 1)): a clip ratio scaling each group's minimum and maximum
+    (``token_rows.quantize_rows``)."""
+    *lead, n = x.shape
+    core = _group_codes(bits, group_size, alpha is not None, os.environ.get(COMPILED_ENV) != "0")
+    groups = x.reshape(*lead, n // group_size, group_size)
+    codes, scale, low = core(groups) if alpha is None else core(groups, alpha)
+    if _in_their_words(bits, group_size):  # each code already at its place in its word: a word is their sum
+        words = codes.reshape(*lead, n * bits // 32, 32 // bits).sum(axis=-1)  # uint32
+    else:
+        words = pack_codes(codes.reshape(*lead, n), bits)
+    return words, scale.squeeze(-1), low.squeeze(-1)
+
+
+def _in_their_words(bits: int, group_size: int) -> bool:
+    """Whether whole codes fill a word and a group holds whole words."""
+    return 32 % bits == 0 and group_size % (32 // bits) == 0
+
+
+COMPILED_ENV = "VQ_COMPILED_QUANTIZER"  # "0": the operations one by one (A/B benchmarks)
+
+
+@functools.lru_cache(maxsize=None)
+def _group_codes(bits: int, group_size: int, clipped: bool, compiled: bool = True):
+    """Groups (..., G, group_size) in the input's dtype (and, ``clipped``, the ratio) ->
+    (codes (..., G, group_size) uint32, scales and minima (..., G, 1) in that dtype), one
+    compiled pass for any shape (shapeless: a prompt chunk's length traces nothing again)
+    with its elementwise work fused: 7 kernels where the operations one by one made 20
+    (``tests/test_quant_store.py``), the same codes. Where a group holds whole words
+    (``_in_their_words``) each code comes shifted to its place in its word
+    (``pack_codes``' little-endian order)."""
     levels = (1 << bits) - 1
-    scale = mx.maximum((high - low) / levels, _MIN_SCALE).astype(x.dtype)
-    low = low.astype(x.dtype)
-    codes = mx.round((groups - low.astype(mx.float32)) / scale.astype(mx.float32))
-    codes = mx.clip(codes, 0, levels).reshape(*lead, n)
-    return pack_codes(codes, bits), scale.squeeze(-1), low.squeeze(-1)
+    per_word = 32 // bits
+    shifts = (mx.array([(i % per_word) * bits for i in range(group_size)], mx.uint32)
+              if _in_their_words(bits, group_size) else None)
+
+    def codes(groups, alpha=None):
+        low = groups.min(axis=-1, keepdims=True)  # exact in the input's dtype: no float32 copy to reduce
+        high = groups.max(axis=-1, keepdims=True)
+        low32, high32 = low.astype(mx.float32), high.astype(mx.float32)
+        if clipped:
+            low32, high32 = low32 * alpha, high32 * alpha
+        scale = mx.maximum((high32 - low32) / levels, _MIN_SCALE).astype(groups.dtype)
+        if clipped:  # the minimum kept is the clipped one, rounded to the dtype
+            low = low32.astype(groups.dtype)
+            low32 = low.astype(mx.float32)
+        q = mx.round((groups.astype(mx.float32) - low32) / scale.astype(mx.float32))
+        q = mx.clip(q, 0, levels).astype(mx.uint32)
+        return (q if shifts is None else q << shifts), scale, low
+
+    # MLX 0.32's shapeless compile crashes on a reduction over an axis of one element
+    # ("malloc(): invalid size"): groups of one channel (zipcache's lossless setting) run uncompiled
+    return mx.compile(codes, shapeless=True) if compiled and group_size > 1 else codes
 
 
 def dequantize(codes, scales, minima, group_size: int, bits: int, dtype=None):

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..kernels import kivi_decode as kd
-from .affine import _MIN_SCALE, SUPPORTED_BITS, dequantize, pack_codes, unpack_codes
+from .affine import SUPPORTED_BITS, dequantize, group_quantize, unpack_codes
 from .packed import AffineLayout
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -63,16 +63,9 @@ def quantize_rows(x: mx.array, group: int, bits: int, alpha: mx.array | None = N
     *lead, n = x.shape
     if n % group or not packs(n, bits):
         raise ValueError(f"{n} channels per row: need a multiple of group={group} that {bits}-bit codes pack")
-    groups = x.reshape(*lead, n // group, group).astype(mx.float32)
-    low, high = groups.min(axis=-1, keepdims=True), groups.max(axis=-1, keepdims=True)
-    if alpha is not None:
-        a = alpha.astype(mx.float32).reshape(*alpha.shape, *([1] * (len(lead) - alpha.ndim + 2)))
-        low, high = low * a, high * a
-    levels = (1 << bits) - 1
-    scale = mx.maximum((high - low) / levels, _MIN_SCALE).astype(x.dtype)
-    low = low.astype(x.dtype)
-    codes = mx.clip(mx.round((groups - low.astype(mx.float32)) / scale.astype(mx.float32)), 0, levels)
-    return pack_codes(codes.reshape(x.shape), bits), scale.squeeze(-1), low.squeeze(-1)
+    if alpha is not None:  # against the groups (..., G, 1)
+        alpha = alpha.astype(mx.float32).reshape(*alpha.shape, *([1] * (len(lead) - alpha.ndim + 2)))
+    return group_quantize(x, group, bits, alpha)
 
 
 def dequantize_rows(codes, scales, minima, group: int, bits: int, dtype=None) -> mx.array:
