@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 73, after the c1 and c2 calls (c2 holds pytest's wheels), carry [".device/c3"];
+# Session 73, after the c1 and c2 calls, carry [".device/c3"] (with pytest's wheels);
 # ends by itself within CALL_S (default 580) s:
 # (1) the GPU's subspace iteration for kvtc's fits (lowrank/factors.device_leading): its tests
 #     and kvtc's and the fits' on the GPU (MLX's real TF32 products), then
@@ -8,8 +8,8 @@
 #     session 72's way) against the default, each a process beside its own KVCache;
 # (3) with the time left: run35's h2o rows (the mass kernels off and on) at 4k.
 source benchmarks/install_on_device.sh >/dev/null 2>&1 || { echo "install failed"; exit 1; }
-python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/p/pytest-*.whl /tmp/p/pluggy-*.whl \
-  /tmp/p/iniconfig-*.whl /tmp/p/pygments-*.whl /tmp/p/packaging-*.whl 2>/dev/null
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/c3/pytest-*.whl .device/c3/pluggy-*.whl \
+  .device/c3/iniconfig-*.whl .device/c3/pygments-*.whl .device/c3/packaging-*.whl 2>/dev/null
 deadline=${CALL_S:-580}
 timeout 150 python3 -m pytest -q -p no:cacheprovider --no-header -rfE tests/test_device_fit.py tests/test_kvtc.py \
   tests/test_lowrank_fit.py > $OUT/fit_tests_cuda.log 2>&1
