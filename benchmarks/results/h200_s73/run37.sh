@@ -11,7 +11,7 @@ source benchmarks/install_on_device.sh >/dev/null 2>&1 || { echo "install failed
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/c3/pytest-*.whl .device/c3/pluggy-*.whl \
   .device/c3/iniconfig-*.whl .device/c3/pygments-*.whl .device/c3/packaging-*.whl 2>/dev/null
 deadline=${CALL_S:-580}
-timeout 150 python3 -m pytest -q -p no:cacheprovider --no-header -rfE tests/test_device_fit.py tests/test_kvtc.py \
+MLX_DEFAULT_DEVICE=gpu timeout 150 python3 -m pytest -q -p no:cacheprovider --no-header -rfE tests/test_device_fit.py tests/test_kvtc.py \
   tests/test_lowrank_fit.py > $OUT/fit_tests_cuda.log 2>&1
 echo "pytest rc=$? after ${SECONDS}s"; grep -E "^FAILED|^ERROR|passed|failed" $OUT/fit_tests_cuda.log | cut -c1-300 | head -8
 timeout 90 python3 benchmarks/device_fit.py --repeats 7 > $OUT/device_fit.log 2>&1
