@@ -85,6 +85,9 @@ def quantize(x: mx.array, group_size: int, bits: int):
     return group_quantize(x, group_size, bits)
 
 
+COMPILED_ENV = "VQ_COMPILED_QUANTIZER"  # "0": the operations one by one (A/B benchmarks)
+
+
 def group_quantize(x: mx.array, group_size: int, bits: int, alpha: mx.array | None = None):
     """``quantize``'s codes, scales and minima, unchecked; ``alpha`` (float32, broadcasting
     against the groups (..., G, 1)): a clip ratio scaling each group's minimum and maximum
@@ -103,9 +106,6 @@ def group_quantize(x: mx.array, group_size: int, bits: int, alpha: mx.array | No
 def _in_their_words(bits: int, group_size: int) -> bool:
     """Whether whole codes fill a word and a group holds whole words."""
     return 32 % bits == 0 and group_size % (32 // bits) == 0
-
-
-COMPILED_ENV = "VQ_COMPILED_QUANTIZER"  # "0": the operations one by one (A/B benchmarks)
 
 
 @functools.lru_cache(maxsize=None)
