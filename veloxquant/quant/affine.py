@@ -29,12 +29,21 @@ SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)  # what mx.quantize / mx.dequantize pack
 _MIN_SCALE = 1e-6  # a constant group gets this scale and codes 0: x_hat == x exactly
 
 
+@functools.lru_cache(maxsize=None)
 def _bit_fields(bits: int):
     """Where each of 32 consecutive codes lies in its ``bits`` words (a little-endian bit
-    stream, mx.quantize's order): word, shift, and whether it runs into the next word."""
-    start = mx.arange(32, dtype=mx.uint32) * bits
-    word, shift = start // 32, start % 32
-    return word, shift, (shift + bits) > 32
+    stream, mx.quantize's order): word, shift, and whether it runs into the next word.
+    Arrays made from lists: they hold their data, so a compiled pass takes them as
+    constants, where ``mx.arange`` would be a kernel at every call."""
+    start = [i * bits for i in range(32)]
+    return (mx.array([s // 32 for s in start], mx.uint32), mx.array([s % 32 for s in start], mx.uint32),
+            mx.array([s % 32 + bits > 32 for s in start]))
+
+
+@functools.lru_cache(maxsize=None)
+def _code_shifts(bits: int) -> mx.array:
+    """The shift of each of a word's ``32 // bits`` whole codes (as ``_bit_fields``, a constant)."""
+    return mx.array([i * bits for i in range(32 // bits)], mx.uint32)
 
 
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
@@ -43,8 +52,7 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
     if 32 % bits == 0:  # whole codes per word
         per_word = 32 // bits
         grouped = codes.reshape(*codes.shape[:-1], -1, per_word)
-        shifts = mx.arange(per_word, dtype=mx.uint32) * bits
-        return (grouped << shifts).sum(axis=-1).astype(mx.uint32)  # disjoint bit fields
+        return (grouped << _code_shifts(bits)).sum(axis=-1).astype(mx.uint32)  # disjoint bit fields
     *lead, n = codes.shape
     # the leading axes as one: MLX turns the slices before an index array into index arrays
     # of their own, and its CUDA gather and scatter take 10 axes at most (index and source
@@ -63,8 +71,7 @@ def unpack_codes(words: mx.array, bits: int) -> mx.array:
     mask = (1 << bits) - 1
     if 32 % bits == 0:
         per_word = 32 // bits
-        shifts = mx.arange(per_word, dtype=mx.uint32) * bits
-        codes = (words[..., None] >> shifts) & mask
+        codes = (words[..., None] >> _code_shifts(bits)) & mask
         return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
     *lead, w = words.shape
     # the leading axes as one, as ``pack_codes`` does: the CUDA gather's 10 axes at most

@@ -62,6 +62,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from ..kernels.compiled import PerShape
 from ..kernels.kivi_decode import token_mix
 from ..kernels.nearest_centroid import nearest_rows
 
@@ -114,7 +115,7 @@ def unpack_indices(words: mx.array, bits: int, n: int) -> mx.array:
     mask = (1 << bits) - 1
     if 32 % bits == 0:
         per = 32 // bits
-        shifts = mx.arange(per, dtype=mx.uint32) * bits
+        shifts = mx.array([i * bits for i in range(per)], mx.uint32)  # a constant in a compiled pass, not a kernel
         codes = (words[..., None] >> shifts) & mask
         return codes.reshape(*words.shape[:-1], -1)[..., :n]
     # The layout repeats every lcm(bits, 32) bits: static slices of each period's words
@@ -326,11 +327,23 @@ class ProductVQ:
         return pack_indices(self.indices(x), self.bits)
 
     def decode(self, words: mx.array, head_dim: int, dtype) -> mx.array:
-        idx = unpack_indices(words, self.bits, head_dim // self.sub_dim)
-        return self.from_code_space(gather_centroids(idx, self.centroids)).astype(dtype)
+        """(B, H, T, W) packed words -> (B, H, T, head_dim) in ``dtype``, one pass compiled
+        for each shape (``kernels/compiled.py``: a prompt chunk's history grows each chunk)."""
+        return _decoder(self.bits, head_dim // self.sub_dim, self.rotated, dtype)(words, self.centroids, self.scale)
 
     def words(self, head_dim: int) -> int:
         return index_words(head_dim // self.sub_dim, self.bits)
+
+
+@functools.lru_cache(maxsize=None)
+def _decoder(bits: int, n: int, rotated: bool, dtype):
+    """``ProductVQ.decode`` of ``n`` indices a row, as a function of the arrays it reads."""
+    def decode(words, centroids, scale):
+        x = gather_centroids(unpack_indices(words, bits, n), centroids)
+        x = rotate(x) if rotated else x
+        return (x * scale if scale is not None else x).astype(dtype)
+
+    return PerShape(decode)
 
 
 @dataclass(frozen=True)

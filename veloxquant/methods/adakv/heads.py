@@ -39,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...cache.buffers import GrowingArray
+from ...kernels.compiled import PerShape
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.store import PackedStore
 from ...quant.token_rows import ReadViews, held
@@ -89,10 +90,9 @@ def greedy_on_device(levels: tuple[int, int, int], spare: int, n_heads: int):
 # -- codes and planes ------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _constant(kind: str, n: int) -> mx.array:
-    """An evaluated ``arange`` (a leaf of a step's graph, not an operation in it)."""
-    a = mx.arange(n, dtype=mx.uint32 if kind == "shifts" else mx.int32)
-    mx.eval(a)
-    return a
+    """``arange(n)`` made from a list: it holds its data, so it is a leaf of a step's graph
+    (a constant of a compiled pass), not an operation in it."""
+    return mx.array(list(range(n)), mx.uint32 if kind == "shifts" else mx.int32)
 
 
 def _top(widths: mx.array) -> mx.array:
@@ -131,10 +131,10 @@ def plane_map(widths: mx.array, n_planes: int, hi: int):
     (``n_planes`` where b_h <= k) and the bit's weight (B, H, hi) uint32 (``2**k``, 0 where
     b_h <= k)."""
     offsets = mx.cumsum(widths, axis=-1) - widths
-    k = mx.arange(hi, dtype=mx.int32)
+    k = _constant("index", hi)
     own = k < widths[..., None]
     source = mx.where(own, offsets[..., None] + k, n_planes).reshape(widths.shape[0], -1)
-    return source, mx.where(own, mx.array(1, mx.uint32) << k.astype(mx.uint32), 0).astype(mx.uint32)
+    return source, mx.where(own, mx.array(1, mx.uint32) << _constant("shifts", hi), 0).astype(mx.uint32)
 
 
 def to_planes(codes: mx.array, source: mx.array, n_planes: int, hi: int) -> mx.array:
@@ -143,14 +143,14 @@ def to_planes(codes: mx.array, source: mx.array, n_planes: int, hi: int) -> mx.a
     read unpacks a word's 32 bits)."""
     b, h, nb, g, d = codes.shape
     words = -(-d // WORD)
-    bits = (codes[:, :, None] >> mx.arange(hi, dtype=mx.uint32).reshape(1, 1, hi, 1, 1, 1)) & 1
+    bits = (codes[:, :, None] >> _constant("shifts", hi).reshape(1, 1, hi, 1, 1, 1)) & 1
     if d % WORD:
         bits = mx.pad(bits, [(0, 0)] * 5 + [(0, words * WORD - d)])
-    packed = (bits.reshape(b, h, hi, nb, g, words, WORD) << mx.arange(WORD, dtype=mx.uint32)).sum(axis=-1)
+    packed = (bits.reshape(b, h, hi, nb, g, words, WORD) << _constant("shifts", WORD)).sum(axis=-1)
     rows = packed.astype(mx.uint32).reshape(b, h * hi, nb, g, words)
     # each row's bits into its own row's planes (plane n_planes: a dump for the unused bits);
     # the bits of a plane are disjoint integers, so the order of the adds changes nothing
-    planes = mx.zeros((b, n_planes + 1, nb, g, words), mx.uint32).at[mx.arange(b)[:, None], source].add(rows)
+    planes = mx.zeros((b, n_planes + 1, nb, g, words), mx.uint32).at[_constant("index", b)[:, None], source].add(rows)
     return planes[:, :n_planes][..., None]
 
 
@@ -177,6 +177,28 @@ def dequantized(k_planes, k_scales, k_min, v_planes, v_scales, v_min, sources, w
     vc = from_planes(v_planes, sources, weights, d[1]).reshape(b, h, nb, g, d[1] // group, group)
     values = vc * v_scales[..., None].astype(mx.float32) + v_min[..., None].astype(mx.float32)
     return keys.reshape(b, h, nb * g, d[0]).astype(dtype), values.reshape(b, h, nb * g, d[1]).astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _encoder(hi: int, n_planes: int, block: int, group: int):
+    """A flush's blocks (keys, values (B, H, n, d), widths (B, H)) -> key and value planes,
+    their scales and minima, and per bit the plane (clipped to the last: the dump plane's
+    bits have weight 0) and weight, (B, H, hi); compiled for each shape (``kernels/compiled.py``)."""
+    def encode(keys, values, widths):
+        source, weights = plane_map(widths, n_planes, hi)
+        kc, ks, kmin = quantize_keys(keys, widths, block)
+        vc, vs, vmin = quantize_values(values, widths, block, group)
+        b, h = widths.shape
+        return (to_planes(kc, source, n_planes, hi), to_planes(vc, source, n_planes, hi), ks, kmin, vs, vmin,
+                mx.minimum(source, n_planes - 1).reshape(b, h, hi), weights)
+
+    return PerShape(encode)
+
+
+@functools.lru_cache(maxsize=None)
+def _history(group: int, d: tuple[int, int], dtype):
+    """``dequantized`` of the valid rows (a prompt chunk's history), compiled for each shape."""
+    return PerShape(lambda *planes_and_maps: dequantized(*planes_and_maps, group=group, d=d, dtype=dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -304,14 +326,12 @@ class PlaneStore(PackedStore):
         if widths.shape != (b, h):  # one allocation for every row
             widths = mx.broadcast_to(widths, (b, h))
         hi, p, nb = self.levels[2], self.n_planes(h), keys.shape[2] // self.block
-        source, weights = plane_map(widths, p, hi)
-        kc, ks, kmin = quantize_keys(keys, widths, self.block)
-        vc, vs, vmin = quantize_values(values, widths, self.block, self.group)
-        self.k_planes.append(to_planes(kc, source, p, hi))
-        self.v_planes.append(to_planes(vc, source, p, hi))
+        k_planes, v_planes, ks, kmin, vs, vmin, source, weights = _encoder(hi, p, self.block, self.group)(
+            keys, values, widths)
+        self.k_planes.append(k_planes)
+        self.v_planes.append(v_planes)
         for buf, x in ((self.k_scales, ks), (self.k_min, kmin), (self.v_scales, vs), (self.v_min, vmin)):
             buf.append(x)
-        source = mx.minimum(source, p - 1).reshape(b, h, hi)
         shape = (b, h, nb, 1, 1, 1)
         for k in range(hi):
             self.sources[k].append(mx.broadcast_to(source[:, :, k].reshape(b, h, 1, 1, 1, 1), shape))
@@ -331,10 +351,9 @@ class PlaneStore(PackedStore):
         k, v = self._window()
         if not self.stored:
             return (None, None) if k is None else (k.astype(dtype), v.astype(dtype))
-        hk, hv = dequantized(*(x.view() for x in (self.k_planes, self.k_scales, self.k_min, self.v_planes,
-                                                 self.v_scales, self.v_min)),
-                             [x.view() for x in self.sources], [x.view() for x in self.weights],
-                             group=self.group, d=self._dims(), dtype=dtype)
+        hk, hv = _history(self.group, self._dims(), dtype)(
+            *(x.view() for x in (self.k_planes, self.k_scales, self.k_min, self.v_planes, self.v_scales, self.v_min)),
+            [x.view() for x in self.sources], [x.view() for x in self.weights])
         if k is None:
             return hk, hv
         return mx.concatenate([hk, k.astype(dtype)], axis=2), mx.concatenate([hv, v.astype(dtype)], axis=2)

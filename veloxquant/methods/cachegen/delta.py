@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
+from ...kernels.compiled import PerShape
 from ...kernels import kivi_decode as kd
 from ...quant.affine import dequantize, pack_codes, unpack_codes
 from ...quant.chunk_store import ChunkedStore
@@ -91,7 +92,7 @@ def encode_anchored(c: AnchoredCodec, x: mx.array):
     groups = x.astype(mx.float32).reshape(b, h, n // c.group, c.group, d)
     a_codes, a_scales = quantize_symmetric(groups[:, :, :, 0], ANCHOR_BITS, c.group)
     anchor = dequantize_symmetric(a_codes, a_scales, ANCHOR_BITS)[:, :, :, None]
-    first = (mx.arange(c.group) == 0)[:, None]  # the anchor's own delta is zero
+    first = mx.array([[i == 0] for i in range(c.group)])  # the anchor's own delta is zero (a constant: no kernel)
     deltas = mx.where(first, 0.0, groups - anchor)
     return (*quantize_deltas(deltas, a_scales, c.bits, c.group), a_codes, a_scales)
 
@@ -101,6 +102,24 @@ def _compiled_encoder(codec: AnchoredCodec):
     """``encode_anchored`` at ``codec`` as one compiled graph (its arrays only: no anchors
     without delta coding)."""
     return mx.compile(lambda x: tuple(a for a in encode_anchored(codec, x) if a is not None))
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_encoder(codec: AnchoredCodec):
+    """``encode_anchored`` at ``codec`` with its codes packed, compiled for each prompt
+    chunk's shape (``kernels/compiled.py``)."""
+    def encode(x):
+        codes, scales, anchor_codes, anchor_scales = encode_anchored(codec, x)
+        return (pack_codes(codes, codec.bits), scales,
+                None if anchor_codes is None else pack_codes(anchor_codes, ANCHOR_BITS), anchor_scales)
+
+    return PerShape(encode)
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_decoder(codec: AnchoredCodec, dtype):
+    """``reconstruct`` at ``codec`` in ``dtype``, compiled for each shape (``kernels/compiled.py``)."""
+    return PerShape(lambda *runs: reconstruct(codec, *runs).astype(dtype))
 
 
 class AnchoredTokens:
@@ -127,9 +146,10 @@ class AnchoredTokens:
         return encode_anchored(self.codec, x)
 
     def append(self, x: mx.array, decoding: bool = False) -> None:
-        """``decoding``: a decode step's chunk (its shape recurs): the compiled encoder."""
+        """``decoding``: a decode step's chunk (its shape recurs): the compiled encoder; a
+        prompt chunk: encoded and packed in one pass compiled for its shape."""
         if not decoding:
-            return self.put(*self.encode(x))
+            return self.put(*_chunk_encoder(self.codec)(x), packed=True)
         parts = _compiled_encoder(self.codec)(x)
         self.put(*parts, *(None,) * (4 - len(parts)))
 
@@ -163,8 +183,11 @@ class AnchoredTokens:
                            *((self.anchor_codes.view(), self.anchor_scales.view()) if self.codec.use_delta else ()))
 
     def decode(self, dtype) -> mx.array | None:
-        x = self.dense()
-        return None if x is None else x.astype(dtype)
+        """``dense`` in ``dtype`` (a prompt chunk's history), one pass compiled for its shape."""
+        if not self.count:
+            return None
+        runs = (self.codes, self.scales) + ((self.anchor_codes, self.anchor_scales) if self.codec.use_delta else ())
+        return _chunk_decoder(self.codec, dtype)(*(g.view() for g in runs))
 
     @property
     def rebuilds(self) -> bool:

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
+from ...cache.rope import derotate
+from ...kernels.compiled import PerShape
 from ...kernels import kivi_decode as kd
 from ...kernels.kivi_decode import token_mix
 from ...quant import codebook as cb
@@ -121,6 +123,16 @@ class NonUniform:
 def _compiled_encode(codec: NonUniform, dtype):
     """``encode`` of one token (values at a decode step), one compiled graph."""
     return mx.compile(lambda x, centroids: codec.encode(x, centroids, dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_encode(codec: NonUniform, dtype, rotary):
+    """``encode`` of a prompt chunk after the first (its keys de-rotated at ``positions``
+    first when ``rotary``), compiled for each chunk shape (``kernels/compiled.py``)."""
+    def encode(x, positions, centroids):
+        return codec.encode(x if rotary is None else derotate(x, positions, rotary), centroids, dtype)
+
+    return PerShape(encode)
 
 
 class NonUniformTokens:
@@ -203,16 +215,16 @@ class NonUniformTokens:
         c, dtype = self.codec, x.dtype
         self._views.clear()  # no view pins a buffer the appends below write in place
         self._pass_holder().value = None
-        x = self._pre_rope(x)
         if not self.books.length:
-            z, weights, offsets, ranges, pos, val = c.prepare(x, dtype)
+            z, weights, offsets, ranges, pos, val = c.prepare(self._pre_rope(x), dtype)
             self.install(cb.fit(z, c.bits, c.iters, weights))
             codes = c.assign(z, self._newest())
         elif decoding:
-            codes, offsets, ranges, pos, val, z, weights = _compiled_encode(c, dtype)(x, self._newest())
+            codes, offsets, ranges, pos, val, z, weights = _compiled_encode(c, dtype)(self._pre_rope(x), self._newest())
             self._observe(z, weights)
-        else:
-            codes, offsets, ranges, pos, val, z, weights = c.encode(x, self._newest(), dtype)
+        else:  # a prompt chunk: de-rotation and encoding in one compiled pass a chunk shape
+            positions = None if self.rotary is None else mx.arange(self.start + self.count, self.start + self.count + x.shape[2])
+            codes, offsets, ranges, pos, val, z, weights = _chunk_encode(c, dtype, self.rotary)(x, positions, self._newest())
             self._observe(z, weights)
         self.codes.append(codes)
         self.offsets.append(offsets)

@@ -49,6 +49,7 @@ import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
 from ...kernels import kivi_decode as kd
+from ...kernels.compiled import PerShape
 from ...kernels.decode import DecodePart
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.store import WINDOW_STEP, PackedStore, joined_history
@@ -170,6 +171,22 @@ class NSNCodec:
         return index_words(head_dim // self.sub_dim, self.index_bits), (index_words(head_dim, 1) if self.bits == 2 else 0)
 
 
+# a chunk's transform, compiled for each shape (kernels/compiled.py)
+_nsn_fn = PerShape(nsn)
+
+
+@functools.lru_cache(maxsize=None)
+def _decoder(bits: int, head_dim: int, chunk: int, dtype):
+    """``NSNTokens.decode`` as a function of the arrays it reads (``parts``' arithmetic)."""
+    def decode(codebook, idx, sign, norms, means):
+        y = _y_hat(codebook, bits, idx, sign, head_dim)
+        norms = norms.astype(mx.float32)
+        o = mx.repeat(means.astype(mx.float32), chunk, axis=2)
+        return (norms[..., :1] * (norms[..., 1:] * rotate(y) + o)).astype(dtype)
+
+    return PerShape(decode)
+
+
 class NSNTokens:
     """One tensor's (keys' or values') coded chunks: index and sign words and the two norms
     per token, the mean per chunk, in growing buffers (capped at ``limit`` tokens)."""
@@ -188,7 +205,7 @@ class NSNTokens:
     def append(self, x: mx.array, decoding: bool = False) -> None:
         """Code whole chunks x (B, H, n * chunk, D)."""
         b, h, t, d = x.shape
-        y, s1, s2, o = nsn(x.reshape(b, h, t // self.chunk, self.chunk, d))
+        y, s1, s2, o = _nsn_fn(x.reshape(b, h, t // self.chunk, self.chunk, d))
         idx, sign = self.codec.encode(y.reshape(b, h, t, d))
         self.idx.append(idx)
         if sign is not None:
@@ -234,10 +251,12 @@ class NSNTokens:
         return held(self, "_fused_views", ReadViews).get(self, key, build)
 
     def decode(self, dtype) -> mx.array:
-        y, s1, s2, means = self.parts(self.mean.buffer.shape[-1])
-        b, h, t, d = y.shape
-        o = mx.repeat(means, self.chunk, axis=2)
-        return (s1.swapaxes(-1, -2) * (s2.swapaxes(-1, -2) * rotate(y) + o)).astype(dtype)
+        """The coded tokens in ``dtype`` (a prompt chunk's history), one pass compiled for its shape."""
+        n = self.count
+        sign = self.sign.buffer[:, :, :n] if self.codec.bits == 2 else None
+        return _decoder(self.codec.bits, self.mean.buffer.shape[-1], self.chunk, dtype)(
+            self.codec.codebook, self.idx.buffer[:, :, :n], sign, self.norms.buffer[:, :, :n],
+            self.mean.buffer[:, :, : n // self.chunk])
 
     def arrays(self, prefix: str) -> dict[str, GrowingArray]:
         return {f"{prefix}_idx": self.idx, f"{prefix}_sign": self.sign, f"{prefix}_norms": self.norms,

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
+from ...kernels.compiled import PerShape
 from ...kernels.kivi_decode import token_mix
 from ...quant import codebook as cb
 from ...quant import hadamard
@@ -180,7 +181,8 @@ def _encoder(codec: TurboCodec, d: int, compiled: bool):
         gamma = mx.sqrt(mx.sum(res * res, axis=-1, keepdims=True)).astype(mx.float16)
         return _pack(mx.concatenate([bits, sign], axis=-2), d), mx.concatenate([norm16, gamma], axis=-1)[..., None, None]
 
-    return mx.compile(encode) if compiled else encode
+    # a prompt chunk's encode: compiled for each chunk shape, a few kept (kernels/compiled.py)
+    return mx.compile(encode) if compiled else PerShape(encode)
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,6 +208,12 @@ def _rows_fn(codec: TurboCodec, d: int):
     return mx.compile(rows)
 
 
+@functools.lru_cache(maxsize=None)
+def _history_fn(codec: TurboCodec, d: int, dtype):
+    """``codec.decode`` in ``dtype``, compiled for each shape (``kernels/compiled.py``)."""
+    return PerShape(lambda words, norms: codec.decode(words, norms, d).astype(dtype))
+
+
 class TurboTokens:
     """A growing run of rows in one ``TurboCodec`` (the store's packed keys or values)."""
 
@@ -229,9 +237,10 @@ class TurboTokens:
         self.norms.append(norms)
 
     def decode(self, dtype) -> mx.array | None:
+        """The rows held, in ``dtype`` (a prompt chunk's history), one pass compiled for its shape."""
         if not self.count:
             return None
-        return self.codec.decode(self.words.view(), self.norms.view(), self.dim).astype(dtype)
+        return _history_fn(self.codec, self.dim, dtype)(self.words.view(), self.norms.view())
 
     def layout(self, empty: mx.array) -> "TurboScores":
         return TurboScores(self, self.count)
