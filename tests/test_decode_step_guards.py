@@ -83,17 +83,20 @@ PERIODIC_STEP = {
     "full": 1.13, "vecinfer": 1.98, "kivi": 1.54, "svdq": 4.08,
     # its stored keys from one launch on CUDA (3.21 before, 2026-12-06)
     "kitty": 2.71,
-    # its stored rows from one launch on a GPU; the flush stacks the plane maps the kernel reads (6.48 before, 2026-12-06)
-    "adakv": 6.58,
-    "xquant": 2.22, "kvquant": 6.38, "cachegen": 5.40, "minicache": 2.71,
+    # its stored rows from one launch on a GPU; the flush stacks the plane maps the kernel reads (6.48 before,
+    # 2026-12-06); its flush's encode one pass compiled for its shape (6.54 before, 2026-12-07)
+    "adakv": 4.79,
+    # cachegen's flush: its shifts constants made from lists, not aranges (5.02 before, 2026-12-07)
+    "xquant": 2.22, "kvquant": 6.38, "cachegen": 4.48, "minicache": 2.71,
     # its CUDA read decodes each span's whole room and cuts the valid tokens (a slice a span)
     # instead of copying the spans' sliced codes first (4.17 before, 2026-12-06)
     "palu": 4.29,
     "gear": 7.98, "zipcache": 4.02, "snapkv": 1.23, "streaming_llm": 0.96, "h2o": 1.67,
     "tova": 2.00, "pyramidkv": 1.14, "squeeze": 1.25, "chunkkv": 1.23, "cam": 3.40, "xkv": 1.35,
     "knorm": 1.90,
-    # its coded rows in one launch a tensor (5.50 before, 2026-12-06)
-    "nsnquant": 4.92,
+    # its coded rows in one launch a tensor (5.50 before, 2026-12-06); its block's NSN transform one
+    # compiled pass (4.92 before, 2026-12-07)
+    "nsnquant": 4.17,
     # its CUDA read, the kept rows decoded + one fused attention over views kept between flushes (2.42 before, 2026-12-06)
     "skvq": 2.27, "qfilters": 1.60,
     # its noise's broadcasts inside the noisy-logits kernel (1.75 before, 2026-12-06)
