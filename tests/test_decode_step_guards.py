@@ -91,7 +91,8 @@ PERIODIC_STEP = {
     # its CUDA read decodes each span's whole room and cuts the valid tokens (a slice a span)
     # instead of copying the spans' sliced codes first (4.17 before, 2026-12-06)
     "palu": 4.29,
-    "gear": 7.98, "zipcache": 4.02, "snapkv": 1.23, "streaming_llm": 0.96, "h2o": 1.67,
+    # gear: its flush's work before and after the fit one compiled pass each (7.27 before, 2026-12-07)
+    "gear": 6.42, "zipcache": 4.02, "snapkv": 1.23, "streaming_llm": 0.96, "h2o": 1.67,
     "tova": 2.00, "pyramidkv": 1.14, "squeeze": 1.25, "chunkkv": 1.23, "cam": 3.40, "xkv": 1.35,
     "knorm": 1.90,
     # its coded rows in one launch a tensor (5.50 before, 2026-12-06); its block's NSN transform one

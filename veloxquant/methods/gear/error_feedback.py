@@ -36,10 +36,12 @@ backbone alone, bit for bit, and its layout is the plain ``AffineLayout``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ...kernels.compiled import PerShape
 from ...lowrank.factors import energy_rank, leading_basis, rank_cap
 from ...quant.outliers import per_tail, tail_indices
 from ...quant.packed import GroupAffine, PackedTokens
@@ -78,15 +80,27 @@ class ErrorFeedback:
         """(A, B) float32 as kept, or None: under the energy rule at the cap rank (a Python
         value), the columns past the energy rule's rank zero, so nothing is read on the host
         (a chunk flush is a decode step); the same product as ``factors``."""
+        return self._fitted_factors(residual, self._fit(residual))
+
+    def _fit(self, residual: mx.array):
+        """The fit of the residual as ``_fitted_factors`` takes it: the fixed rank's basis,
+        the energy rule's ``leading_basis`` at the cap rank (basis, singular values, total),
+        or None (no rank). Its eigenproblems run on the CPU streams: never compiled."""
+        if self.rank == 0:
+            return None
         if self.rank is not None:
             rank = min(self.rank, *residual.shape[-2:])
-            if not rank:
-                return None
-            b, _, _ = leading_basis(residual, rank)
-            return residual.astype(mx.float32) @ b, b
-        a, b, need, _ = self._energy_factors(residual)
-        keep = mx.arange(a.shape[-1]) < need
-        return mx.where(keep, a, 0.0), mx.where(keep, b, 0.0)
+            return leading_basis(residual, rank)[0] if rank else None
+        return leading_basis(residual, rank_cap(*residual.shape[-2:], RANK_CAP_FRACTION))
+
+    def _fitted_factors(self, residual: mx.array, fit):
+        """(A, B) float32 from ``_fit``'s result, or None."""
+        if isinstance(fit, tuple):  # the energy rule at the cap rank: columns past its rank zero
+            b, sigma, total = fit
+            a = residual.astype(mx.float32) @ b  # U Σ, from every row of the chunk
+            keep = mx.arange(a.shape[-1]) < energy_rank(sigma, self.energy, total=total).max()
+            return mx.where(keep, a, 0.0), mx.where(keep, b, 0.0)
+        return None if fit is None else (residual.astype(mx.float32) @ fit, fit)
 
     def _energy_factors(self, residual: mx.array):
         """(A, B) at the cap rank, the energy rule's rank (an array: the largest over the
@@ -100,7 +114,18 @@ class ErrorFeedback:
     def encode(self, x: mx.array, offset: int = 0):
         """A chunk (B, H, n, D) -> backbone (codes, scales, biases), factors (A, B) or None,
         outliers (delta, index) or None; token positions of per-channel outliers count from
-        ``offset`` (the chunk's place in its run)."""
+        ``offset`` (the chunk's place in its run). The work before the low-rank fit and the
+        work after it are each one pass compiled for the chunk's shape (``kernels/compiled.py``);
+        the fit (``leading_basis``: its eigenproblems on the CPU streams) runs between them."""
+        codes, scales, biases, approx, residual, index = _backbone_pass(self)(x)
+        fit = self._fit(residual)
+        factors, outliers = _correction_pass(self)(x, approx, residual, fit, index, mx.array(offset, mx.int32))
+        return (codes, scales, biases), factors, outliers
+
+    def _backbone(self, x: mx.array):
+        """The chunk's backbone before the fit: its codes, scales and biases, their float32
+        reconstruction, the residual to fit (outliers' entries zeroed) and the outliers'
+        positions (None without outliers)."""
         dtype, xf = x.dtype, x.astype(mx.float32)
         vectors = self._vectors(xf)
         k = per_tail(self.sparse_fraction, vectors.shape[-1])
@@ -112,19 +137,34 @@ class ErrorFeedback:
             mask = self._vectors(mask)  # back in the chunk's layout
         codes, scales, biases = self.base.encode(self._vectors(vectors).astype(dtype))
         approx = self.base.decode(codes, scales, biases, mx.float32)
-        factors = None
-        if self.rank != 0:
-            residual = xf - approx
-            factors = self.kept_factors(residual if mask is None else mx.where(mask, 0.0, residual))
+        residual = xf - approx
+        return codes, scales, biases, approx, residual if mask is None else mx.where(mask, 0.0, residual), index
+
+    def _corrections(self, x, approx, residual, fit, index, offset):
+        """After the fit (``fit``: the fixed rank's basis, the energy rule's ``leading_basis``
+        triple, or None): the factors (A, B) in x's dtype or None, and the outliers (delta,
+        index) or None, taken against the backbone plus the low-rank term."""
+        dtype = x.dtype
+        factors = self._fitted_factors(residual, fit)
         if factors is not None:
             factors = tuple(f.astype(dtype) for f in factors)
             approx = approx + factors[0].astype(mx.float32) @ factors[1].astype(mx.float32).swapaxes(-1, -2)
         outliers = None
-        if k:
-            delta = mx.take_along_axis(self._vectors(xf - approx), index, axis=-1).astype(dtype)
+        if index is not None:
+            delta = mx.take_along_axis(self._vectors(x.astype(mx.float32) - approx), index, axis=-1).astype(dtype)
             where = (index + offset) if self.per_channel else index.astype(channel_index_dtype(x.shape[-1]))
             outliers = delta, where
-        return (codes, scales, biases), factors, outliers
+        return factors, outliers
+
+
+@functools.lru_cache(maxsize=None)
+def _backbone_pass(codec: ErrorFeedback):
+    return PerShape(codec._backbone)
+
+
+@functools.lru_cache(maxsize=None)
+def _correction_pass(codec: ErrorFeedback):
+    return PerShape(codec._corrections)
 
 
 class ErrorFeedbackTokens:
