@@ -1,7 +1,7 @@
 #!/bin/bash
-# Session 74: prompt chunks' encoders and histories compiled for each shape (quant/compiled.py:
+# Session 74: prompt chunks' encoders and histories compiled for each shape (kernels/compiled.py:
 # kvquant, cachegen, adakv, turboquant, vecinfer, nsnquant, gear) on warm prefill at 4k, 8B shape,
-# VQ_COMPILED_PROMPT=0 against the default, each a process beside its own KVCache; the first
+# VQ_COMPILED_PROMPT=0 against the default, one process each beside KVCache; the first
 # prefill (compilation) is reported apart. After the c1 and c2 calls, carry [".device/c3"];
 # ends within CALL_S (default 440) s. METHODS overrides the methods.
 source benchmarks/install_on_device.sh >/dev/null 2>&1 || { echo "install failed"; exit 1; }
