@@ -37,6 +37,7 @@ the buffer through one fused attention (``TokenMixedStore._decoded_attention``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 from typing import Any
@@ -45,6 +46,7 @@ import mlx.core as mx
 
 from ...cache.buffers import GrowingArray
 from ...kernels import kivi_decode as kd
+from ...kernels.compiled import PerShape
 from ...kernels.decode import DecodePart, decode_attention
 from .channel_scaled import channel_scale
 from ...quant.packed import GROWTH_TOKENS, PackedTokens
@@ -95,12 +97,17 @@ class TokenClass:
         return (k.codes.buffer, k.scales.buffer, k.biases.buffer, v.codes.buffer, v.scales.buffer,
                 v.biases.buffer, k.count)
 
+    def views(self) -> tuple:
+        """The valid rows of what the class keeps: key codes, scales and minima, then the
+        values' (or the full-precision values)."""
+        keys = (self.keys.codes.view(), self.keys.scales.view(), self.keys.biases.view())
+        if self.values is None:
+            return (*keys, self.raw_values.view())
+        return (*keys, self.values.codes.view(), self.values.scales.view(), self.values.biases.view())
+
     def decode(self, k_channel, v_channel, dtype) -> tuple[mx.array, mx.array]:
         """Keys and values (B, H, count, D) in ``dtype``, class order (transient)."""
-        keys = (self.keys.decode(mx.float32) * k_channel[:, :, None]).astype(dtype)
-        if self.values is None:
-            return keys, self.raw_values.view().astype(dtype)
-        return keys, (self.values.decode(mx.float32) * v_channel[:, :, None]).astype(dtype)
+        return _class_decoded(self.keys.codec, self.views(), k_channel, v_channel, dtype)
 
     def readers(self, empty, k_channel, v_channel):
         keys = TokenRows(self.keys.layout(empty), k_channel)
@@ -115,6 +122,32 @@ class TokenClass:
         else:
             out[f"{prefix}_v_rows"] = self.raw_values
         return out
+
+
+def _class_decoded(codec: TokenGroups, views: tuple, k_channel, v_channel, dtype):
+    """A class's keys and values (B, H, count, D) in ``dtype`` from ``TokenClass.views``."""
+    keys = (codec.decode(*views[:3], mx.float32) * k_channel[:, :, None]).astype(dtype)
+    if len(views) == 4:
+        return keys, views[3].astype(dtype)
+    return keys, (codec.decode(*views[3:], mx.float32) * v_channel[:, :, None]).astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _classes_decoded(codecs: tuple, quantize_values: bool, dtype):
+    """Every compressed token (B, H, n, D) in position order, from the non-empty classes'
+    views (hi first) and, with two, the flags (the k-th flagged token is the k-th hi one,
+    and so on), one pass compiled for each shape (``kernels/compiled.py``)."""
+    def decoded(views, k_channel, v_channel, flags):
+        parts = [_class_decoded(c, v, k_channel, v_channel, dtype) for c, v in zip(codecs, views)]
+        if len(parts) == 1:
+            return parts[0]
+        k, v = (mx.concatenate([p[i] for p in parts], axis=2) for i in (0, 1))
+        hi = flags.astype(mx.int32)
+        n_hi = parts[0][0].shape[2]
+        source = mx.where(hi > 0, mx.cumsum(hi, axis=-1) - 1, n_hi + mx.cumsum(1 - hi, axis=-1) - 1)
+        return _gather(k, source), _gather(v, source)
+
+    return PerShape(decoded)
 
 
 def _gather(x: mx.array, index: mx.array) -> mx.array:
@@ -346,14 +379,10 @@ class TokenMixedStore(PackedStore):
         and tests): the classes put back where their flags say, then the buffer."""
         parts_k, parts_v = [], []
         classes = [c for c in (self.hi, self.lo) if c.count]
-        if classes:
-            decoded = [c.decode(self.k_channel, self.v_channel, dtype) for c in classes]
-            k = mx.concatenate([x[0] for x in decoded], axis=2) if len(decoded) > 1 else decoded[0][0]
-            v = mx.concatenate([x[1] for x in decoded], axis=2) if len(decoded) > 1 else decoded[0][1]
-            if len(decoded) > 1:  # the k-th flagged token is the k-th hi one, and so on
-                hi = self.flags.view().astype(mx.int32)
-                source = mx.where(hi > 0, mx.cumsum(hi, axis=-1) - 1, self.hi.count + mx.cumsum(1 - hi, axis=-1) - 1)
-                k, v = _gather(k, source), _gather(v, source)
+        if classes:  # one pass compiled for the classes' shapes (kernels/compiled.py)
+            k, v = _classes_decoded(tuple(c.keys.codec for c in classes), self.quantize_values, dtype)(
+                [c.views() for c in classes], self.k_channel, self.v_channel,
+                self.flags.view() if len(classes) > 1 else None)
             parts_k.append(k)
             parts_v.append(v)
         return joined_history(parts_k, parts_v, self.k_buf.view(), self.v_buf.view(), dtype)
