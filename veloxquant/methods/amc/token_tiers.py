@@ -31,12 +31,14 @@ and values differ in room).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray, added_room
+from ...kernels.compiled import PerShape
 from ...kernels.decode import DecodePart
 from .projection import ProjectedRows, RotatedRows
 from ...quant.token_rows import TokenGroups, TokenRows
@@ -256,33 +258,25 @@ class TieredRowsStore(PackedStore):
 
     def _decoded(self, t: int, which: int) -> mx.array:
         tier = (self.k_tiers, self.v_tiers)[which][t]
-        rows = tier.rows()
-        if t in self.projections:
-            mean, basis = (a.astype(mx.float32) for a in self.projections[t][2 * which : 2 * which + 2])
-            rows = rows @ basis.swapaxes(-1, -2) + mean[:, :, None]
-            if tier.positions is not None:
-                # derotate by -position is the rotation by +position (angles are linear in it)
-                rows = derotate(rows, -tier.positions, self.rotary)
-        return rows
+        projection = self.projections[t][2 * which : 2 * which + 2] if t in self.projections else None
+        return _tier_rows(tier.codec, tier.codes, tier.scales, tier.biases, projection,
+                          tier.positions if projection is not None else None, self.rotary)
 
     def history(self, dtype):
-        """Every token in position order, decoded (transient: prefill chunks and tests)."""
+        """Every token in position order, decoded (transient: prefill chunks and tests), one
+        pass compiled for the tiers' shapes (``kernels/compiled.py``)."""
         if not self.length:
             return None, None
-        flags = self.flags.view().astype(mx.int32)
-        out = []
-        for which in (0, 1):
-            parts, source, start = [], mx.zeros(flags.shape, mx.int32), 0
-            for t, tier in enumerate((self.k_tiers, self.v_tiers)[which]):
+        plan, arrays = [], []
+        for which, tiers in enumerate((self.k_tiers, self.v_tiers)):
+            for t, tier in enumerate(tiers):
                 if not tier.capacity:
                     continue
-                parts.append(self._decoded(t, which))
-                mine = flags == t
-                source = mx.where(mine, start + mx.cumsum(mine.astype(mx.int32), axis=-1) - 1, source)
-                start += tier.capacity
-            rows = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
-            out.append(mx.take_along_axis(rows, source[..., None], axis=2).astype(dtype))
-        return out[0], out[1]
+                projection = self.projections[t][2 * which : 2 * which + 2] if t in self.projections else None
+                positions = tier.positions if projection is not None else None
+                plan.append((which, t, tier.codec, projection is not None, positions is not None))
+                arrays.append((tier.codes, tier.scales, tier.biases, projection, positions))
+        return _history_fn(tuple(plan), self.rotary, dtype)(self.flags.view(), arrays)
 
     # -- what is kept -------------------------------------------------------------------------
     def arrays(self) -> dict[str, Any]:
@@ -351,3 +345,42 @@ class TieredRowsStore(PackedStore):
                 held = mx.zeros(flagged.shape, mx.int32) if tier.counts is None else tier.counts
                 if not bool(mx.all(held == flagged)) or (tier.counts is not None and int(held.max()) > tier.capacity):
                     yield f"tier {t} {name} rows per head", held.tolist(), f"the tokens flagged {t}: {flagged.tolist()}"
+
+
+def _tier_rows(codec, codes, scales, biases, projection, positions, rotary) -> mx.array:
+    """A tier's whole buffer of rows (B, H, capacity, D) float32: decoded, lifted from the
+    projection's coefficients (mean, basis) where it has one, and turned to their
+    positions where it keeps them (keys kept before RoPE)."""
+    rows = codec.decode(codes, scales, biases, mx.float32)
+    if projection is not None:
+        mean, basis = (a.astype(mx.float32) for a in projection)
+        rows = rows @ basis.swapaxes(-1, -2) + mean[:, :, None]
+        if positions is not None:
+            # derotate by -position is the rotation by +position (angles are linear in it)
+            rows = derotate(rows, -positions, rotary)
+    return rows
+
+
+@functools.lru_cache(maxsize=None)
+def _history_fn(plan: tuple, rotary, dtype):
+    """``TieredRowsStore.history`` as a function of the flags and, per tier in ``plan``
+    ((tensor, tier, codec, projected, positioned), keys' tiers then values'), its codes,
+    scales, biases, projection (mean, basis) and positions (``_tier_rows``), the rows taken
+    in position order by where each token's tier holds it."""
+    def history(flags, arrays):
+        flags = flags.astype(mx.int32)
+        out = []
+        for which in (0, 1):
+            parts, source, start = [], mx.zeros(flags.shape, mx.int32), 0
+            for (w, t, codec, _, _), (codes, scales, biases, projection, positions) in zip(plan, arrays):
+                if w != which:
+                    continue
+                parts.append(_tier_rows(codec, codes, scales, biases, projection, positions, rotary))
+                mine = flags == t
+                source = mx.where(mine, start + mx.cumsum(mine.astype(mx.int32), axis=-1) - 1, source)
+                start += codes.shape[2]
+            rows = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+            out.append(mx.take_along_axis(rows, source[..., None], axis=2).astype(dtype))
+        return out[0], out[1]
+
+    return PerShape(history)
