@@ -101,7 +101,7 @@ def pack_indices(codes: mx.array, bits: int) -> mx.array:
     if 32 % bits == 0:  # whole indices per word
         per = 32 // bits
         codes = mx.pad(codes, [(0, 0)] * len(lead) + [(0, w * per - n)])
-        shifts = mx.arange(per, dtype=mx.uint32) * bits
+        shifts = mx.array([i * bits for i in range(per)], mx.uint32)  # a constant, not a kernel
         return (codes.reshape(*lead, w, per) << shifts).sum(axis=-1).astype(mx.uint32)
     word, shift, spill, nxt, back = _fields(n, bits)
     low = codes << shift  # high bits that do not fit drop off
