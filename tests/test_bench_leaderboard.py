@@ -113,28 +113,6 @@ TINY = ["bench", "--leaderboard", "--methods", "snapkv,streaming_llm", "--ratios
         "--context", "300", "--examples", "1", "--tasks", "niah_single"]
 
 
-def test_tiny_leaderboard(capsys, tmp_path):
-    assert main([*TINY, "--out", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "leaderboard.json").read_text())
-    assert data["partial"] is False and data["probe_tokens"] == 256  # whole steps of 256
-    rows = {r["method"]: r for r in data["rows"]}
-    assert list(rows) == ["full", "snapkv", "streaming_llm"]
-    assert rows["full"]["ratio"] == 0 and rows["full"]["scores"] == {"niah_single": 100.0}
-    for m, name in (("snapkv", "snap_budget"), ("streaming_llm", "stream_window_size")):
-        assert rows[m]["field"] == name and rows[m]["target"] == 0.5
-        assert abs(rows[m]["ratio"] - 0.5) < 0.01  # token budgets reach a ratio closely
-        assert rows[m]["scores"]["niah_single"] in (0.0, 100.0)
-    # the committed command reruns the same leaderboard
-    assert data["command"].startswith("veloxquant bench --leaderboard --methods "
-                                      "snapkv,streaming_llm --ratios 0.5 --tasks niah_single "
-                                      "--context 300 --examples 1 --seed 0")
-    assert (tmp_path / "leaderboard.png").stat().st_size > 10_000
-    assert "| streaming_llm | 0.5 |" in (tmp_path / "leaderboard.md").read_text()
-    capsys.readouterr()
-    assert main([*TINY, "--out", str(tmp_path)]) == 2  # an earlier leaderboard is kept
-    assert "pass --force" in capsys.readouterr().err
-
-
 def test_a_main_field_that_leaves_bytes_unchanged_runs_the_method_at_its_defaults(
         capsys, tmp_path):
     # a2ats keeps the exact K/V beside its codes: no retrieval fraction changes its bytes,
@@ -189,17 +167,40 @@ def test_merge_takes_the_scored_baseline_and_every_parts_rows_in_order():
         lb.merge([_part([unscored, snap])])
 
 
+def _check_tiny_leaderboard(out, capsys):
+    """What the one-process run of ``TINY`` writes in ``out``."""
+    data = json.loads((out / "leaderboard.json").read_text())
+    assert data["partial"] is False and data["probe_tokens"] == 256  # whole steps of 256
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows) == ["full", "snapkv", "streaming_llm"]
+    assert rows["full"]["ratio"] == 0 and rows["full"]["scores"] == {"niah_single": 100.0}
+    for m, name in (("snapkv", "snap_budget"), ("streaming_llm", "stream_window_size")):
+        assert rows[m]["field"] == name and rows[m]["target"] == 0.5
+        assert abs(rows[m]["ratio"] - 0.5) < 0.01  # token budgets reach a ratio closely
+        assert rows[m]["scores"]["niah_single"] in (0.0, 100.0)
+    # the committed command reruns the same leaderboard
+    assert data["command"].startswith("veloxquant bench --leaderboard --methods "
+                                      "snapkv,streaming_llm --ratios 0.5 --tasks niah_single "
+                                      "--context 300 --examples 1 --seed 0")
+    assert (out / "leaderboard.png").stat().st_size > 10_000
+    assert "| streaming_llm | 0.5 |" in (out / "leaderboard.md").read_text()
+    capsys.readouterr()
+    assert main([*TINY, "--out", str(out)]) == 2  # an earlier leaderboard is kept
+    assert "pass --force" in capsys.readouterr().err
+
+
 def test_jobs_runs_each_method_in_a_part_and_resumes(capsys, tmp_path):
     assert main([*TINY, "--jobs", "2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "leaderboard.json").read_text())
     rows = {r["method"]: r for r in data["rows"]}
     assert list(rows) == ["full", "snapkv", "streaming_llm"] and data["partial"] is False
     assert rows["full"]["scores"] == {"niah_single": 100.0}
-    # the same rows as one process gives (test_tiny_leaderboard's run, made again here)
+    # the same rows as one process gives
     single = tmp_path / "single"
     assert main([*TINY, "--out", str(single)]) == 0
     alone = {r["method"]: r for r in json.loads((single / "leaderboard.json").read_text())["rows"]}
     assert rows == alone
+    _check_tiny_leaderboard(single, capsys)
     parts = json.loads((tmp_path / "parts" / "snapkv" / "leaderboard.json").read_text())
     assert parts["rows"][0]["status"] == "not scored"  # the baseline is answered once
     assert "| full | - | 0.000 | - |" in (tmp_path / "parts" / "snapkv" / "leaderboard.md"
