@@ -338,3 +338,38 @@ def test_the_keys_and_values_fits_are_evaluated_together_and_give_what_one_at_a_
         alone.fit(rows[:, :, 4:150 - 64], o.kvtc_bit_budget, o.kvtc_bit_choices, o.kvtc_beta)
         for name in ("mean", "basis", "bits", "step"):
             assert mx.array_equal(getattr(alone.codec, name), getattr(run.codec, name)), name
+
+
+def test_a_layers_keys_and_values_fit_as_one_batch_with_the_same_results(monkeypatch):
+    """``transform.start_fits``: two fits of one shape that take their components by subspace
+    iteration (the 8B shape's 1,024 channels) run one ``leading_basis`` over both, and each
+    gets what its own fit gives, bit for bit (the same arithmetic per matrix)."""
+    from veloxquant_mlx.methods.kvtc import transform
+
+    budget, choices, beta = 512, (0, 1, 2, 3, 4, 6, 8), 3.5
+    xs = [mx.random.normal((2000, 1024), key=mx.random.key(s)) * (mx.arange(1024) + 1.0) ** -0.7 for s in (1, 2)]
+    assert transform._iterated_k((2000, 1024), budget, choices, beta, False) == 256
+    alone = [transform.start_fit(x, budget, choices, beta) for x in xs]
+    calls = []
+    real = transform.leading_basis
+    monkeypatch.setattr(transform, "leading_basis", lambda x, k: calls.append(x.shape) or real(x, k))
+    batched = transform.start_fits(xs, budget, choices, beta)
+    assert calls == [(2, 2000, 1024)]
+    for b, a in zip(batched, alone):
+        assert b[3] == a[3] == 2000
+        for got, want in zip(b[:3], a[:3]):
+            assert got.shape == want.shape and mx.array_equal(got, want).item()
+    # shapes that differ, or the exact decomposition, fit one by one
+    calls.clear()
+    transform.start_fits([xs[0], xs[1][:1500]], budget, choices, beta)
+    assert calls == [(2000, 1024), (1500, 1024)]
+
+
+def test_a_layer_starts_its_keys_and_values_fits_together(monkeypatch):
+    from veloxquant_mlx.methods.kvtc import cache as kvtc_cache
+
+    seen = []
+    real = kvtc_cache.start_fits
+    monkeypatch.setattr(kvtc_cache, "start_fits", lambda xs, *a: seen.append(len(xs)) or real(xs, *a))
+    _prefilled({"kvtc_bit_budget": 128})
+    assert seen == [2, 2]  # one call a layer, the keys' and the values' rows

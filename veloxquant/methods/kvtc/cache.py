@@ -60,7 +60,7 @@ from ...quant.coded_cache import EntropyCodedCache, join_segments, split_segment
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.prerope import args_rotary, model_rotary, rotary_name
 from .allocation import leading_count, useful_widths
-from .transform import TransformCodec, TransformTokens
+from .transform import TransformCodec, TransformTokens, start_fits
 from .window_store import SinkWindowStore
 
 N_SINK = 4
@@ -127,7 +127,7 @@ class KVTCCache(EntropyCodedCache):
             return
         o = self.config.options
         fit = (o.kvtc_bit_budget, o.kvtc_bit_choices, o.kvtc_beta)
-        started = [run.start_fit(x, *fit) for run, x in runs]
+        started = start_fits([run.fit_rows(x) for run, x in runs], *fit)  # keys' and values' as one batch
         mx.eval([a for s in started for a in s[:3]])
         for (run, _), s in zip(runs, started):
             run.finish_fit(s, *fit)

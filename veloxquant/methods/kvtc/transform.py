@@ -91,15 +91,34 @@ def fit_codec(x: mx.array, budget: int, choices, beta: float,
 
 def start_fit(x: mx.array, budget: int, choices, beta: float, exact: bool = False) -> tuple:
     """The fit's work on arrays, lazy: (mean, components, singular values, rows)."""
-    x = x.astype(mx.float32)
-    mean = x.mean(axis=0)
-    p = x.shape[-1]
+    return start_fits([x], budget, choices, beta, exact)[0]
+
+
+def start_fits(xs: list[mx.array], budget: int, choices, beta: float, exact: bool = False) -> list[tuple]:
+    """``start_fit`` of each of ``xs``. Rows of one shape whose leading components come by
+    subspace iteration (a layer's keys and values) iterate as one batch: on a GPU, half the
+    launches of two fits (``factors.device_leading``), each matrix's arithmetic unchanged."""
+    xs = [x.astype(mx.float32) for x in xs]
+    means = [x.mean(axis=0) for x in xs]
+    centred = [x - mean for x, mean in zip(xs, means)]
+    ks = [_iterated_k(x.shape, budget, choices, beta, exact) for x in xs]
+    if len(xs) > 1 and ks[0] is not None and len({(x.shape, k) for x, k in zip(xs, ks)}) == 1:
+        vecs, sigma, _ = leading_basis(mx.stack(centred), ks[0])  # by decreasing Ritz value
+        return [(mean, vecs[i], sigma[i], xs[0].shape[0]) for i, mean in enumerate(means)]
+    out = []
+    for x, mean, c, k in zip(xs, means, centred, ks):
+        vecs, sigma = leading_basis(c, k)[:2] if k is not None else gram_basis(c)  # by decreasing value
+        out.append((mean, vecs, sigma, x.shape[0]))
+    return out
+
+
+def _iterated_k(shape: tuple, budget: int, choices, beta: float, exact: bool) -> int | None:
+    """The components a fit of rows ``shape`` (n, p) takes by subspace iteration, or None
+    where it takes the exact decomposition (offline calibration, or where the iteration
+    would cost more than one p x p eigenproblem)."""
+    n, p = shape
     k = leading_count(p, choices, budget, beta)
-    if not exact and 0 < k and 3 * (k + OVERSAMPLE) < min(p, x.shape[0]):
-        vecs, sigma, _ = leading_basis(x - mean, k)  # by decreasing Ritz value
-    else:
-        vecs, sigma = gram_basis(x - mean)  # by decreasing singular value
-    return mean, vecs, sigma, x.shape[0]
+    return k if not exact and 0 < k and 3 * (k + OVERSAMPLE) < min(p, n) else None
 
 
 def finish_fit(started: tuple, budget: int, choices, beta: float) -> tuple[TransformCodec, np.ndarray, np.ndarray]:
@@ -150,8 +169,12 @@ class TransformTokens:
 
     def start_fit(self, x: mx.array, budget: int, choices, beta: float, exact: bool = False) -> tuple:
         """``fit``'s work on arrays, lazy (``transform.start_fit``)."""
+        return start_fit(self.fit_rows(x), budget, choices, beta, exact)
+
+    def fit_rows(self, x: mx.array) -> mx.array:
+        """The rows (B n, H d) a fit on ``x`` (B, H, n, d) reads, at positions ``start``..."""
         rows = self._rows(x, self.start)
-        return start_fit(rows.reshape(-1, rows.shape[-1]), budget, choices, beta, exact)
+        return rows.reshape(-1, rows.shape[-1])
 
     def finish_fit(self, started: tuple, budget: int, choices, beta: float):
         """``start_fit``'s arrays read on the host: the codec kept; its eigenvalues and widths."""
