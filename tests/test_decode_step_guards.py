@@ -102,7 +102,8 @@ PERIODIC_STEP = {
     "skvq": 2.27, "qfilters": 1.60,
     # its noise's broadcasts inside the noisy-logits kernel (1.75 before, 2026-12-06)
     "keyformer": 1.69,
-    "morphkv": 2.42, "kvzip": 1.23, "kvtc": 5.25, "curdkv": 1.23, "nestedkv": 1.42,
+    # kvtc: a block's coding one pass compiled for its shape (5.25 before, 2026-12-07)
+    "morphkv": 2.42, "kvzip": 1.23, "kvtc": 3.56, "curdkv": 1.23, "nestedkv": 1.42,
     # the flush's tiering of 32 tokens, a scan unrolled in one compiled pass (8.58 a step before)
     "amc": 14.38,
     "a2ats": 2.77, "anchorkv": 1.52, "rocketkv": 1.17,

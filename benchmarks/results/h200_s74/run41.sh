@@ -1,13 +1,13 @@
 #!/bin/bash
 # Session 74: prompt chunks' encoders and histories compiled for each shape (kernels/compiled.py:
-# kvquant, cachegen, adakv, turboquant, vecinfer, nsnquant, gear, zipcache, amc) at 4k, 8B shape,
+# kvquant, cachegen, adakv, turboquant, vecinfer, nsnquant, gear, zipcache, amc, kvtc) at 4k, 8B shape,
 # VQ_COMPILED_PROMPT=0 against the default, one process each beside KVCache; the first
 # prefill (compilation) is reported apart. After the c1 and c2 calls, carry [".device/c3"];
 # ends within CALL_S (default 440) s. METHODS overrides the methods.
 source benchmarks/install_on_device.sh >/dev/null 2>&1 || { echo "install failed"; exit 1; }
 export VQ_MEMORY_LIMIT_GB=100
 deadline=${CALL_S:-440}
-methods=${METHODS:-kvquant cachegen adakv turboquant vecinfer nsnquant gear zipcache amc}
+methods=${METHODS:-kvquant cachegen adakv turboquant vecinfer nsnquant gear zipcache amc kvtc}
 for v in 0 1; do
   left=$(( (deadline - SECONDS) / (v == 0 ? 2 : 1) ))
   [ $left -lt 80 ] && break

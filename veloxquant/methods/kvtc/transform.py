@@ -31,6 +31,7 @@ transform domain, ``p V̂ = ((p Ŷ) Vᵀ) + (Σ p) μ``, with no dense values at
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -38,6 +39,7 @@ import numpy as np
 
 from ...cache.buffers import GrowingArray
 from ...cache.rope import Rotary, derotate
+from ...kernels.compiled import PerShape
 from ...kernels.kivi_decode import token_mix
 from ...lowrank.factors import OVERSAMPLE, gram_basis, leading_basis
 from ...quant.packed import FieldLayout
@@ -182,7 +184,14 @@ class TransformTokens:
         return lam, bits
 
     def append(self, x: mx.array, decoding: bool = False) -> None:
-        self.codes.append(self.codec.fields.pack(self.codec.encode(self._rows(x, self.start + self.count))))
+        """Code ``x`` (B, H, n, d) after the tokens kept: rotated back, projected, quantized
+        and packed in one pass compiled for its shape (``kernels/compiled.py``)."""
+        first = self.start + self.count
+        positions = None if self.rotary is None else mx.arange(first, first + x.shape[2])
+        self.heads = x.shape[1], x.shape[3]
+        c = self.codec
+        self.codes.append(_coder(self.rotary, c.fields.n_words)(x, positions, c.mean, c.basis, c.bits, c.step,
+                                                                 c.fields.arrays()))
 
     def unpacked(self, start: int = 0, end: int | None = None) -> mx.array:
         """The codes of tokens [start, end), (B, n, k) uint32."""
@@ -195,8 +204,12 @@ class TransformTokens:
         return _reconstruct(self.codec, self.unpacked(), self.heads, self.rotary, self.start)
 
     def decode(self, dtype) -> mx.array | None:
-        x = self.dense()
-        return None if x is None else x.astype(dtype)
+        """``dense`` in ``dtype`` (a prompt chunk's history), one pass compiled for its shape."""
+        if not self.count:
+            return None
+        c = self.codec
+        return _decoder(self.heads, self.rotary, self.start, dtype)(self.codes.view(), c.mean, c.basis, c.bits, c.step,
+                                                                   c.fields.arrays())
 
     def layout(self, empty: mx.array) -> "TransformScores":
         return TransformScores(self.codec, self.unpacked(), self.count, self.heads, self.rotary, self.start)
@@ -208,6 +221,41 @@ class TransformTokens:
             out.update({f"{prefix}_mean": c.mean, f"{prefix}_basis": c.basis, f"{prefix}_bits": c.bits,
                         f"{prefix}_step": c.step, f"{prefix}_fields": c.fields.arrays()})
         return out
+
+
+def _codec_of(mean, basis, bits, step, fields) -> "TransformCodec":
+    """A ``TransformCodec`` of given arrays and field layout, for a compiled pass's trace
+    (``fields`` the layout's arrays; its word count is what the trace was made for)."""
+    codec = object.__new__(TransformCodec)
+    for name, value in (("mean", mean), ("basis", basis), ("bits", bits), ("step", step)):
+        object.__setattr__(codec, name, value)
+    object.__setattr__(codec, "fields", fields)
+    return codec
+
+
+@functools.lru_cache(maxsize=None)
+def _coder(rotary: Rotary | None, n_words: int):
+    """``TransformTokens.append``'s arithmetic as a function of the chunk, its positions and
+    the codec's arrays: rows rotated back, projected, quantized, packed into ``n_words``."""
+    def code(x, positions, mean, basis, bits, step, layout):
+        b, h, n, d = x.shape
+        rows = (x.astype(mx.float32) if rotary is None else derotate(x, positions, rotary))
+        rows = rows.transpose(0, 2, 1, 3).reshape(b, n, h * d)
+        codec = _codec_of(mean, basis, bits, step, FieldLayout(*layout, n_words))
+        return codec.fields.pack(codec.encode(rows))
+
+    return PerShape(code)
+
+
+@functools.lru_cache(maxsize=None)
+def _decoder(heads: tuple[int, int], rotary: Rotary | None, start: int, dtype):
+    """``TransformTokens.dense`` in ``dtype`` as a function of the packed codes and the
+    codec's arrays."""
+    def decode(words, mean, basis, bits, step, layout):
+        codec = _codec_of(mean, basis, bits, step, FieldLayout(*layout, words.shape[-1]))
+        return _reconstruct(codec, codec.fields.unpack(words), heads, rotary, start).astype(dtype)
+
+    return PerShape(decode)
 
 
 def _reconstruct(codec, codes, heads, rotary, start) -> mx.array:
