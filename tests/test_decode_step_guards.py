@@ -102,7 +102,7 @@ PERIODIC_STEP = {
     "skvq": 2.27, "qfilters": 1.60,
     # its noise's broadcasts inside the noisy-logits kernel (1.75 before, 2026-12-06)
     "keyformer": 1.69,
-    # kvtc: a block's coding one pass compiled for its shape (5.25 before, 2026-12-07)
+    # kvtc: a block's coding one pass compiled for its shape (5.17 before, 2026-12-07)
     "morphkv": 2.42, "kvzip": 1.23, "kvtc": 3.56, "curdkv": 1.23, "nestedkv": 1.42,
     # the flush's tiering of 32 tokens, a scan unrolled in one compiled pass (8.58 a step before)
     "amc": 14.38,
