@@ -17,6 +17,7 @@ remainder, so a few shapes cover a prompt.
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from typing import Callable
 
@@ -42,20 +43,22 @@ class PerShape:
             raise ValueError(f"PerShape keep={keep}: at least one compiled shape must be kept")
         self.fn, self.keep = fn, keep
         self._compiled: OrderedDict[tuple, Callable] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __call__(self, *args):
         if os.environ.get("VQ_COMPILED_PROMPT", "1") == "0":
             return self.fn(*args)
         key = _signature(args)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            fn = self.fn
-            # a function object of its own per shape: MLX keys its traces by the function's identity
-            compiled = self._compiled[key] = mx.compile(lambda *a: fn(*a))
-            while len(self._compiled) > self.keep:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
+        with self._lock:  # a server's threads may share one
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                fn = self.fn
+                # a function object of its own per shape: MLX keys its traces by the function's identity
+                compiled = self._compiled[key] = mx.compile(lambda *a: fn(*a))
+                while len(self._compiled) > self.keep:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
         return compiled(*args)
 
     @property
