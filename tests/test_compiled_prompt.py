@@ -8,6 +8,7 @@ import sys
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 from conformance import PROMPT, config, profile
 from decode_steps import graph_nodes, steps_as_on_cuda
@@ -90,16 +91,7 @@ def _prefill(method: str, layers: int = 2, counted: bool = False):
 
 
 def _arrays(tree) -> list[mx.array]:
-    flat, stack = [], [tree]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, mx.array):
-            flat.append(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return flat
+    return [x for _, x in tree_flatten(tree) if isinstance(x, mx.array)]
 
 
 @pytest.mark.parametrize("method", sorted(KERNELS))

@@ -73,8 +73,9 @@ class ErrorFeedback:
         the host: tests and tools, never a decode step)."""
         if self.rank is not None:
             return self.kept_factors(residual)
-        a, b, need, _ = self._energy_factors(residual)
-        return a[..., :int(need)], b[..., :int(need)]
+        b, sigma, total = self._fit(residual)
+        need = int(energy_rank(sigma, self.energy, total=total).max())
+        return (residual.astype(mx.float32) @ b)[..., :need], b[..., :need]
 
     def kept_factors(self, residual: mx.array):
         """(A, B) float32 as kept, or None: under the energy rule at the cap rank (a Python
@@ -101,15 +102,6 @@ class ErrorFeedback:
             keep = mx.arange(a.shape[-1]) < energy_rank(sigma, self.energy, total=total).max()
             return mx.where(keep, a, 0.0), mx.where(keep, b, 0.0)
         return None if fit is None else (residual.astype(mx.float32) @ fit, fit)
-
-    def _energy_factors(self, residual: mx.array):
-        """(A, B) at the cap rank, the energy rule's rank (an array: the largest over the
-        chunk's heads) and the cap (``ceil(RANK_CAP_FRACTION * min(n, D))``)."""
-        n, d = residual.shape[-2:]
-        cap = rank_cap(n, d, RANK_CAP_FRACTION)
-        b, sigma, total = leading_basis(residual, cap)
-        a = residual.astype(mx.float32) @ b  # U Σ, from every row of the chunk
-        return a, b, energy_rank(sigma, self.energy, total=total).max(), cap
 
     def encode(self, x: mx.array, offset: int = 0):
         """A chunk (B, H, n, D) -> backbone (codes, scales, biases), factors (A, B) or None,
