@@ -15,7 +15,7 @@ from decode_steps import graph_nodes, steps_as_on_cuda
 from tiny_models import prompt, tiny_model
 from veloxquant_mlx import make_prompt_cache
 from veloxquant_mlx.quant import store
-from veloxquant_mlx.kernels.compiled import PerShape
+from veloxquant_mlx.kernels.compiled import PerShape, index_range
 
 CHUNK = 48
 
@@ -49,6 +49,14 @@ def test_the_switch_runs_the_function_uncompiled(monkeypatch):
     assert len(calls) == 3 and not f.shapes
 
 
+def test_an_index_range_is_arange_held_as_a_leaf():
+    r = index_range(7)
+    assert r.dtype == mx.int32 and mx.array_equal(r, mx.arange(7)).item()
+    x = mx.ones((3, 7), mx.int32)
+    mx.eval(x)
+    assert graph_nodes([x + mx.arange(7)]) == graph_nodes([x + index_range(7)]) + 1  # the arange's own node
+
+
 def test_keep_must_be_positive():
     with pytest.raises(ValueError, match="keep=0"):
         PerShape(lambda x: x, keep=0)
@@ -57,11 +65,11 @@ def test_keep_must_be_positive():
 # Kernels a prompt chunk and layer (graph nodes as MLX's CUDA back-end builds them, views
 # excluded, as ``benchmarks/prefill_census.py`` counts) with the compiled passes, recorded on
 # 2026-12-07 at the third chunk of CHUNK tokens. The operations one by one (VQ_COMPILED_PROMPT=0)
-# were then: adakv 163.5, amc 300.5 (its history alone is compiled), cachegen 149.5, gear 196.5
+# were then: adakv 163.5, amc 276.5 (its history alone is compiled), cachegen 149.5, gear 196.5
 # (its fit, between the passes on the CPU streams, is most of the rest), kvquant 185.5, kvtc
 # 158.5, nsnquant 139.5, turboquant 105.5, vecinfer 112.5, zipcache 122.5 (its history alone is
 # compiled; the chunk's scoring and classing are the rest).
-KERNELS = {"adakv": 102.5, "amc": 261.5, "cachegen": 97.5, "gear": 186.5, "kvquant": 128.5, "kvtc": 91.5,
+KERNELS = {"adakv": 102.5, "amc": 237.5, "cachegen": 97.5, "gear": 186.5, "kvquant": 128.5, "kvtc": 91.5,
            "nsnquant": 105.5, "turboquant": 61.5, "vecinfer": 91.5, "zipcache": 118.5}
 VIEWS = frozenset({"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Transpose", "Flatten", "Unflatten", "Slice",
                    "AsStrided"})

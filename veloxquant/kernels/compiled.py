@@ -16,6 +16,7 @@ remainder, so a few shapes cover a prompt.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import OrderedDict
@@ -24,6 +25,13 @@ from typing import Callable
 import mlx.core as mx
 
 KEEP_SHAPES = 4
+
+
+@functools.lru_cache(maxsize=64)
+def index_range(n: int) -> mx.array:
+    """``mx.arange(n)`` (int32) made from a list: it holds its data, so a graph reads it as a
+    leaf (a compiled pass as a constant) where ``arange`` is a kernel at every call."""
+    return mx.array(list(range(n)), mx.int32)
 
 
 def _signature(args) -> tuple:

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from ...cache.rope import Rotary, derotate
 from ...kernels import kivi_decode as kd
+from ...kernels.compiled import index_range
 from ...kernels.kivi_decode import token_mix
 from ...quant.token_rows import dequantize_rows
 from .token_tiers import MASKED
@@ -69,11 +70,11 @@ def _graph(how: _Step, queries, counts, tiers, projections, positions, window):
             values.append((vals, v_basis, v_mean))
         else:
             values.append((vals, None, None))
-        valid = mx.arange(kc.shape[2]) < counts[t][..., None]
+        valid = index_range(kc.shape[2]) < counts[t][..., None]
         scores.append(mx.where(valid[:, :, None], q @ keys.swapaxes(-1, -2), MASKED))
     if how.window:
         keys, vals, held = window
-        valid = mx.arange(keys.shape[2]) < held
+        valid = index_range(keys.shape[2]) < held
         scores.append(mx.where(valid, q @ keys.astype(mx.float32).swapaxes(-1, -2), MASKED))
         values.append((vals.astype(mx.float32), None, None))
     p = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...cache.rope import Rotary, derotate
+from ...kernels.compiled import index_range
 from ...quant.saliency import n_salient
 from ...quant.token_rows import quantize_rows
 
@@ -131,7 +132,7 @@ def _graph(how: _Flush, keys, values, positions, ring_order, ring_slots, mu, var
     slots = [c[..., None] + mx.cumsum(m, axis=-1) - m for c, m in zip(counts, mine)]
 
     b, h = keys.shape[:2]
-    bi, hi = mx.arange(b).reshape(b, 1, 1), mx.arange(h).reshape(1, h, 1)
+    bi, hi = index_range(b).reshape(b, 1, 1), index_range(h).reshape(1, h, 1)
     out_buffers = []
     for t in range(n_tiers):
         bits, group = how.codecs[t]

@@ -38,7 +38,7 @@ from typing import Any
 import mlx.core as mx
 
 from ...cache.buffers import GrowingArray, added_room
-from ...kernels.compiled import PerShape
+from ...kernels.compiled import PerShape, index_range
 from ...kernels.decode import DecodePart
 from .projection import ProjectedRows, RotatedRows
 from ...quant.token_rows import TokenGroups, TokenRows
@@ -90,7 +90,7 @@ class RaggedTier:
         if self.counts is None:
             self.counts = mx.zeros((b, h), mx.int32)
         if most < n:  # each head's taken rows first, in order
-            pick = mx.argsort(mx.where(take, 0, n) + mx.arange(n), axis=-1)[..., :most]
+            pick = mx.argsort(mx.where(take, 0, n) + index_range(n), axis=-1)[..., :most]
             rows = mx.take_along_axis(rows, pick[..., None], axis=2)
             take = mx.take_along_axis(take, pick, axis=-1)
             if positions is not None:
@@ -102,8 +102,8 @@ class RaggedTier:
             if self.positioned:
                 self.positions = mx.zeros((b, h, 0), mx.int32)
         self.grow_to(self.room_for(most) if capacity is None else capacity)
-        pos = self.counts[..., None] + mx.arange(most)
-        bi, hi = mx.arange(b).reshape(b, 1, 1), mx.arange(h).reshape(1, h, 1)
+        pos = self.counts[..., None] + index_range(most)
+        bi, hi = index_range(b).reshape(b, 1, 1), index_range(h).reshape(1, h, 1)
         self.codes[bi, hi, pos] = codes
         self.scales[bi, hi, pos] = scales
         self.biases[bi, hi, pos] = biases
@@ -143,7 +143,7 @@ class MaskedRows:
         return self.counts.shape[1]
 
     def scores(self, q: mx.array) -> mx.array:
-        valid = mx.arange(self.count) < self.counts[..., None]
+        valid = index_range(self.count) < self.counts[..., None]
         return mx.where(valid[:, :, None], self.inner.scores(q), MASKED)
 
     def mix(self, p: mx.array) -> mx.array:
