@@ -34,6 +34,13 @@ def index_range(n: int) -> mx.array:
     return mx.array(list(range(n)), mx.int32)
 
 
+@functools.lru_cache(maxsize=None)
+def code_shifts(bits: int) -> mx.array:
+    """The shift of each of a word's ``32 // bits`` codes of ``bits`` bits (uint32), a constant
+    like ``index_range``."""
+    return mx.array([i * bits for i in range(32 // bits)], mx.uint32)
+
+
 def _signature(args) -> tuple:
     """Shapes and dtypes of the arrays in ``args`` (lists and tuples of them too), and any
     other argument as it is (a constant of the trace)."""

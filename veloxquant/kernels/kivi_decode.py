@@ -63,6 +63,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from .compiled import code_shifts
 from .kivi_decode_cuda_src import CUDA_COMBINE_SOURCE, CUDA_HEADER, CUDA_SOURCE
 from .kivi_decode_cuda_folded_src import CUDA_FOLDED_HEADER, CUDA_FOLDED_SOURCE
 from .kivi_decode_cuda_frag_src import (
@@ -176,17 +177,10 @@ def _check_layout(queries, k_codes, k_scales, n_kq, k_res, n_kres, v_codes, v_sc
     return B, Hq, H, D, T, n_kq, n_kres, n_vq, n_vres
 
 
-@functools.lru_cache(maxsize=None)
-def _code_shifts(bits: int) -> mx.array:
-    """The shift of each of a word's ``32 // bits`` codes, made from a list: it holds its data,
-    so a step's graph reads it as a leaf (``arange`` would be two kernels at every read)."""
-    return mx.array([i * bits for i in range(32 // bits)], mx.uint32)
-
-
 def _unpack_codes(words: mx.array, bits: int) -> mx.array:
     """uint32 words (..., W) -> float32 codes (..., W * 32 // bits), mx.quantize order."""
     pack = 32 // bits
-    codes = (words[..., None] >> _code_shifts(bits)) & ((1 << bits) - 1)
+    codes = (words[..., None] >> code_shifts(bits)) & ((1 << bits) - 1)
     return codes.reshape(*words.shape[:-1], words.shape[-1] * pack).astype(mx.float32)
 
 

@@ -24,6 +24,7 @@ import os
 import mlx.core as mx
 
 from ..kernels import kivi_decode as kd
+from ..kernels.compiled import code_shifts
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)  # what mx.quantize / mx.dequantize pack
 _MIN_SCALE = 1e-6  # a constant group gets this scale and codes 0: x_hat == x exactly
@@ -40,10 +41,6 @@ def _bit_fields(bits: int):
             mx.array([s % 32 + bits > 32 for s in start]))
 
 
-@functools.lru_cache(maxsize=None)
-def _code_shifts(bits: int) -> mx.array:
-    """The shift of each of a word's ``32 // bits`` whole codes (as ``_bit_fields``, a constant)."""
-    return mx.array([i * bits for i in range(32 // bits)], mx.uint32)
 
 
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
@@ -52,7 +49,7 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
     if 32 % bits == 0:  # whole codes per word
         per_word = 32 // bits
         grouped = codes.reshape(*codes.shape[:-1], -1, per_word)
-        return (grouped << _code_shifts(bits)).sum(axis=-1).astype(mx.uint32)  # disjoint bit fields
+        return (grouped << code_shifts(bits)).sum(axis=-1).astype(mx.uint32)  # disjoint bit fields
     *lead, n = codes.shape
     # the leading axes as one: MLX turns the slices before an index array into index arrays
     # of their own, and its CUDA gather and scatter take 10 axes at most (index and source
@@ -71,7 +68,7 @@ def unpack_codes(words: mx.array, bits: int) -> mx.array:
     mask = (1 << bits) - 1
     if 32 % bits == 0:
         per_word = 32 // bits
-        codes = (words[..., None] >> _code_shifts(bits)) & mask
+        codes = (words[..., None] >> code_shifts(bits)) & mask
         return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
     *lead, w = words.shape
     # the leading axes as one, as ``pack_codes`` does: the CUDA gather's 10 axes at most

@@ -62,7 +62,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..kernels.compiled import PerShape
+from ..kernels.compiled import PerShape, code_shifts
 from ..kernels.kivi_decode import token_mix
 from ..kernels.nearest_centroid import nearest_rows
 
@@ -101,8 +101,7 @@ def pack_indices(codes: mx.array, bits: int) -> mx.array:
     if 32 % bits == 0:  # whole indices per word
         per = 32 // bits
         codes = mx.pad(codes, [(0, 0)] * len(lead) + [(0, w * per - n)])
-        shifts = mx.array([i * bits for i in range(per)], mx.uint32)  # a constant, not a kernel
-        return (codes.reshape(*lead, w, per) << shifts).sum(axis=-1).astype(mx.uint32)
+        return (codes.reshape(*lead, w, per) << code_shifts(bits)).sum(axis=-1).astype(mx.uint32)
     word, shift, spill, nxt, back = _fields(n, bits)
     low = codes << shift  # high bits that do not fit drop off
     high = mx.where(spill, codes >> back, 0).astype(mx.uint32)
@@ -115,8 +114,7 @@ def unpack_indices(words: mx.array, bits: int, n: int) -> mx.array:
     mask = (1 << bits) - 1
     if 32 % bits == 0:
         per = 32 // bits
-        shifts = mx.array([i * bits for i in range(per)], mx.uint32)  # a constant in a compiled pass, not a kernel
-        codes = (words[..., None] >> shifts) & mask
+        codes = (words[..., None] >> code_shifts(bits)) & mask
         return codes.reshape(*words.shape[:-1], -1)[..., :n]
     # The layout repeats every lcm(bits, 32) bits: static slices of each period's words
     # (elementwise, no gather; 12 bits: 8 indices in 3 words).

@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...cache.buffers import GrowingArray
-from ...kernels.compiled import PerShape
+from ...kernels.compiled import PerShape, index_range
 from ...quant.packed import GROWTH_TOKENS
 from ...quant.store import PackedStore
 from ...quant.token_rows import ReadViews, held
@@ -89,10 +89,9 @@ def greedy_on_device(levels: tuple[int, int, int], spare: int, n_heads: int):
 
 # -- codes and planes ------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _constant(kind: str, n: int) -> mx.array:
-    """``arange(n)`` made from a list: it holds its data, so it is a leaf of a step's graph
-    (a constant of a compiled pass), not an operation in it."""
-    return mx.array(list(range(n)), mx.uint32 if kind == "shifts" else mx.int32)
+def _bit_positions(n: int) -> mx.array:
+    """0 .. n-1 as uint32 shifts, a constant (``kernels/compiled.index_range``'s kind)."""
+    return mx.array(list(range(n)), mx.uint32)
 
 
 def _top(widths: mx.array) -> mx.array:
@@ -131,10 +130,10 @@ def plane_map(widths: mx.array, n_planes: int, hi: int):
     (``n_planes`` where b_h <= k) and the bit's weight (B, H, hi) uint32 (``2**k``, 0 where
     b_h <= k)."""
     offsets = mx.cumsum(widths, axis=-1) - widths
-    k = _constant("index", hi)
+    k = index_range(hi)
     own = k < widths[..., None]
     source = mx.where(own, offsets[..., None] + k, n_planes).reshape(widths.shape[0], -1)
-    return source, mx.where(own, mx.array(1, mx.uint32) << _constant("shifts", hi), 0).astype(mx.uint32)
+    return source, mx.where(own, mx.array(1, mx.uint32) << _bit_positions(hi), 0).astype(mx.uint32)
 
 
 def to_planes(codes: mx.array, source: mx.array, n_planes: int, hi: int) -> mx.array:
@@ -143,14 +142,14 @@ def to_planes(codes: mx.array, source: mx.array, n_planes: int, hi: int) -> mx.a
     read unpacks a word's 32 bits)."""
     b, h, nb, g, d = codes.shape
     words = -(-d // WORD)
-    bits = (codes[:, :, None] >> _constant("shifts", hi).reshape(1, 1, hi, 1, 1, 1)) & 1
+    bits = (codes[:, :, None] >> _bit_positions(hi).reshape(1, 1, hi, 1, 1, 1)) & 1
     if d % WORD:
         bits = mx.pad(bits, [(0, 0)] * 5 + [(0, words * WORD - d)])
-    packed = (bits.reshape(b, h, hi, nb, g, words, WORD) << _constant("shifts", WORD)).sum(axis=-1)
+    packed = (bits.reshape(b, h, hi, nb, g, words, WORD) << _bit_positions(WORD)).sum(axis=-1)
     rows = packed.astype(mx.uint32).reshape(b, h * hi, nb, g, words)
     # each row's bits into its own row's planes (plane n_planes: a dump for the unused bits);
     # the bits of a plane are disjoint integers, so the order of the adds changes nothing
-    planes = mx.zeros((b, n_planes + 1, nb, g, words), mx.uint32).at[_constant("index", b)[:, None], source].add(rows)
+    planes = mx.zeros((b, n_planes + 1, nb, g, words), mx.uint32).at[index_range(b)[:, None], source].add(rows)
     return planes[:, :n_planes][..., None]
 
 
@@ -163,7 +162,7 @@ def from_planes(planes: mx.array, sources: list, weights: list, d: int) -> mx.ar
     b, _, nb, g, words, _ = planes.shape
     codes = None
     for where, weight in zip(sources, weights):
-        bit = ((mx.take_along_axis(planes, where, axis=1) >> _constant("shifts", WORD)) & 1) * weight
+        bit = ((mx.take_along_axis(planes, where, axis=1) >> _bit_positions(WORD)) & 1) * weight
         codes = bit if codes is None else codes + bit
     return codes.reshape(b, codes.shape[1], nb, g, words * WORD)[..., :d].astype(mx.float32)
 
@@ -224,7 +223,7 @@ def _fused_codes(planes, sources, weights) -> mx.array:
     the 32 bits of a word on the last axis (elementwise: fused with the dequantization)."""
     codes = None
     for where, weight in zip(sources, weights):
-        bit = ((mx.take_along_axis(planes, where, axis=1) >> _constant("shifts", WORD)) & 1) * weight
+        bit = ((mx.take_along_axis(planes, where, axis=1) >> _bit_positions(WORD)) & 1) * weight
         codes = bit if codes is None else codes + bit
     return codes.astype(mx.float32)
 

@@ -127,10 +127,6 @@ class RaggedTier:
         c = self.codec
         return AffineLayout(self.codes, self.scales, self.biases, self.capacity, c.bits, c.group, "token")
 
-    def rows(self) -> mx.array:
-        """Every buffered row (B, H, capacity, ·), float32 (transient)."""
-        return self.codec.decode(self.codes, self.scales, self.biases, mx.float32)
-
 
 class MaskedRows:
     """A reader over a tier's whole buffer whose rows past each head's count score MASKED."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ...kernels.compiled import PerShape
+from ...kernels.compiled import PerShape, index_range
 from ...lowrank.factors import energy_rank, leading_basis, rank_cap
 from ...quant.outliers import per_tail, tail_indices
 from ...quant.packed import GroupAffine, PackedTokens
@@ -99,7 +99,7 @@ class ErrorFeedback:
         if isinstance(fit, tuple):  # the energy rule at the cap rank: columns past its rank zero
             b, sigma, total = fit
             a = residual.astype(mx.float32) @ b  # U Σ, from every row of the chunk
-            keep = mx.arange(a.shape[-1]) < energy_rank(sigma, self.energy, total=total).max()
+            keep = index_range(a.shape[-1]) < energy_rank(sigma, self.energy, total=total).max()
             return mx.where(keep, a, 0.0), mx.where(keep, b, 0.0)
         return None if fit is None else (residual.astype(mx.float32) @ fit, fit)
 

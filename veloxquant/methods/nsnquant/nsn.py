@@ -175,14 +175,20 @@ class NSNCodec:
 _nsn_fn = PerShape(nsn)
 
 
+def _parts(codebook, bits: int, head_dim: int, idx, sign, norms, means):
+    """``NSNTokens.parts`` of the valid tokens' arrays."""
+    y = _y_hat(codebook, bits, idx, sign, head_dim)
+    norms = norms.astype(mx.float32).swapaxes(-1, -2)  # (B, H, 2, T)
+    return y, norms[:, :, :1], norms[:, :, 1:], means.astype(mx.float32)
+
+
 @functools.lru_cache(maxsize=None)
 def _decoder(bits: int, head_dim: int, chunk: int, dtype):
-    """``NSNTokens.decode`` as a function of the arrays it reads (``parts``' arithmetic)."""
+    """``NSNTokens.decode`` as a function of the arrays it reads."""
     def decode(codebook, idx, sign, norms, means):
-        y = _y_hat(codebook, bits, idx, sign, head_dim)
-        norms = norms.astype(mx.float32)
-        o = mx.repeat(means.astype(mx.float32), chunk, axis=2)
-        return (norms[..., :1] * (norms[..., 1:] * rotate(y) + o)).astype(dtype)
+        y, s1, s2, means = _parts(codebook, bits, head_dim, idx, sign, norms, means)
+        o = mx.repeat(means, chunk, axis=2)
+        return (s1.swapaxes(-1, -2) * (s2.swapaxes(-1, -2) * rotate(y) + o)).astype(dtype)
 
     return PerShape(decode)
 
@@ -216,12 +222,13 @@ class NSNTokens:
     def parts(self, head_dim: int):
         """(y_hat (B, H, T, D), s1 (B, H, 1, T), s2, means (B, H, chunks, D)) of the
         ``count`` coded tokens, float32."""
+        return _parts(self.codec.codebook, self.codec.bits, head_dim, *self._valid())
+
+    def _valid(self) -> tuple:
+        """The coded tokens' index words, sign words (or None), norms and chunk means (views)."""
         n = self.count
         sign = self.sign.buffer[:, :, :n] if self.codec.bits == 2 else None
-        y = self.codec.y_hat(self.idx.buffer[:, :, :n], sign, head_dim)
-        norms = self.norms.buffer[:, :, :n].astype(mx.float32).swapaxes(-1, -2)  # (B, H, 2, T)
-        means = self.mean.buffer[:, :, : n // self.chunk].astype(mx.float32)
-        return y, norms[:, :, :1], norms[:, :, 1:], means
+        return self.idx.buffer[:, :, :n], sign, self.norms.buffer[:, :, :n], self.mean.buffer[:, :, : n // self.chunk]
 
     @property
     def capacity(self) -> int:
@@ -252,11 +259,8 @@ class NSNTokens:
 
     def decode(self, dtype) -> mx.array:
         """The coded tokens in ``dtype`` (a prompt chunk's history), one pass compiled for its shape."""
-        n = self.count
-        sign = self.sign.buffer[:, :, :n] if self.codec.bits == 2 else None
         return _decoder(self.codec.bits, self.mean.buffer.shape[-1], self.chunk, dtype)(
-            self.codec.codebook, self.idx.buffer[:, :, :n], sign, self.norms.buffer[:, :, :n],
-            self.mean.buffer[:, :, : n // self.chunk])
+            self.codec.codebook, *self._valid())
 
     def arrays(self, prefix: str) -> dict[str, GrowingArray]:
         return {f"{prefix}_idx": self.idx, f"{prefix}_sign": self.sign, f"{prefix}_norms": self.norms,

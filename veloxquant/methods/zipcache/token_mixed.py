@@ -105,10 +105,6 @@ class TokenClass:
             return (*keys, self.raw_values.view())
         return (*keys, self.values.codes.view(), self.values.scales.view(), self.values.biases.view())
 
-    def decode(self, k_channel, v_channel, dtype) -> tuple[mx.array, mx.array]:
-        """Keys and values (B, H, count, D) in ``dtype``, class order (transient)."""
-        return _class_decoded(self.keys.codec, self.views(), k_channel, v_channel, dtype)
-
     def readers(self, empty, k_channel, v_channel):
         keys = TokenRows(self.keys.layout(empty), k_channel)
         if self.values is None:
