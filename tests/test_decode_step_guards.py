@@ -54,15 +54,16 @@ OVER_GRAPH_BOUND = {
     # the sinks, run and tail one part (2.08 before, 2026-12-05)
     "kvquant": 1.61,
     # each span's valid rows and each run's per-head basis kept as views between flushes (1.96 before,
-    # 2026-12-05); on CUDA one fused attention in the latent space (1.73 before, 2026-12-06)
-    "palu": 1.71,
+    # 2026-12-05); on CUDA one fused attention in the latent space (1.73 before, 2026-12-06); a token's
+    # moments one elementwise pass each (1.71 before, 2026-12-07)
+    "palu": 1.67,
     # one part, outliers written into the dequantized rows, views kept between flushes (2.04 before,
     # 2026-12-05); on CUDA its rows rebuilt + one fused attention (1.65 before, 2026-12-06)
     "gear": 1.46,
     # lookup tables read from kept views, top-k by one sort of (score, position) keys (2.04 before, 2026-12-05)
     "a2ats": 1.61,
     "kvtc": 1.65,  # keys rebuilt channels first, gather indices and views kept between codings (2.02 before, 2026-12-05)
-    "svdq": 1.52,  # as palu, and runs with exact values read as one part (2.04 before, 2026-12-05)
+    "svdq": 1.50,  # as palu, and runs with exact values read as one part (2.04 before, 2026-12-05; 1.52, 2026-12-07)
     # one reader under one softmax, views kept (1.81 before, 2026-12-05); its value runs' sums read
     # at kept bounds, no pad or shift of the cumulative sum (1.40 before, 2026-12-07)
     "anchorkv": 1.36,
@@ -83,7 +84,8 @@ GRAPH_BOUND = 1.3
 # 1.5x (alone) to 3.6x (8 stacked) faster than take_along_axis (benchmarks/notes/serving_batches.md).
 PERIODIC_STEP = {
     # vecinfer 2.65 before its CUDA read, 2.40 before its coded rows came from one launch (2026-12-06)
-    "full": 1.13, "vecinfer": 1.98, "kivi": 1.54, "svdq": 4.08,
+    # svdq and palu: a token's moments one elementwise pass each (4.08 and 4.29 before, 2026-12-07)
+    "full": 1.13, "vecinfer": 1.98, "kivi": 1.54, "svdq": 3.71,
     # its stored keys from one launch on CUDA (3.21 before, 2026-12-06)
     "kitty": 2.71,
     # its stored rows from one launch on a GPU; the flush stacks the plane maps the kernel reads (6.48 before,
@@ -93,7 +95,7 @@ PERIODIC_STEP = {
     "xquant": 2.22, "kvquant": 6.38, "cachegen": 4.48, "minicache": 2.71,
     # its CUDA read decodes each span's whole room and cuts the valid tokens (a slice a span)
     # instead of copying the spans' sliced codes first (4.17 before, 2026-12-06)
-    "palu": 4.29,
+    "palu": 3.92,
     # gear: its flush's work before and after the fit one compiled pass each (7.27 before, 2026-12-07)
     "gear": 6.42, "zipcache": 4.02, "snapkv": 1.23, "streaming_llm": 0.96, "h2o": 1.67,
     "tova": 2.00, "pyramidkv": 1.14, "squeeze": 1.25, "chunkkv": 1.23, "cam": 3.40, "xkv": 1.35,

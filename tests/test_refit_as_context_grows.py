@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from feeding import stored_decode_attention
+from float64_attention import gamma
 from test_kivi import feed
 from test_palu import palu
 from test_svdq import kv, rel_err, svdq
@@ -75,6 +76,29 @@ def test_a_refit_is_the_principal_subspace_of_every_token_taken_in():
     assert np.abs(got @ got.swapaxes(-1, -2) - want @ want.swapaxes(-1, -2)).max() < 1e-3
     assert np.abs(np.array(latent.mean) - mean).max() < 1e-4
     assert np.all(w[..., ::-1][..., 11] > 10 * w[..., ::-1][..., 12])
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_the_running_moments_are_those_of_every_token_taken_in(method):
+    """After a prompt and decode steps (each step's token taken in by its own pass), ``gram``
+    and ``total`` are the float64 sums over every exact token, centred on ``shift``, per
+    group and tensor in latent form. Bound per entry: float32 sums of N terms, each term one product
+    rounded, ``gamma(N + 2)`` times the sum of the terms' magnitudes."""
+    keys, values = rope_keys(230)
+    cache = CASES[method][0]()
+    feed(cache, keys[:, :, :150], values[:, :, :150], 150)
+    feed(cache, keys[:, :, 150:], values[:, :, 150:], 1)  # a refit at 300 not yet: 80 decode tokens
+    g = cache.store.heads_per_group
+    for latent, x in ((cache.store.keys, keys), (cache.store.values, values)):
+        if latent is None:  # svdq keeps its values exact
+            continue
+        b, h, t, d = x.shape
+        grouped = np.array(x, np.float64).reshape(b, h // g, g, t, d).swapaxes(2, 3).reshape(b, h // g, t, g * d)
+        c = grouped - np.array(latent.shift, np.float64)
+        gram, total = c.swapaxes(-1, -2) @ c, c.sum(axis=2, keepdims=True)
+        slack = gamma(t + 2)
+        assert (np.abs(np.array(latent.gram) - gram) <= slack * (np.abs(c).swapaxes(-1, -2) @ np.abs(c))).all()
+        assert (np.abs(np.array(latent.total) - total) <= slack * np.abs(c).sum(axis=2, keepdims=True)).all()
 
 
 @pytest.mark.parametrize("method", sorted(CASES))

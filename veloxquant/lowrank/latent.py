@@ -607,6 +607,19 @@ class Run:
     tokens: LatentTokens
 
 
+@mx.compile
+def _decode_token(x, x_col, mean, basis, shift, shift_col, gram, total):
+    """A decode token's latents and the running moments with it taken in, each moment one
+    elementwise pass: the outer product as a broadcast product of the token centred as a
+    column and as a row, not a product of its own (its factors negated, bit for bit the same
+    product: the sum's ``x - shift`` is then no common term, which compile would make a
+    pass of its own)."""
+    f32 = mx.float32
+    latents = ((x.astype(f32) - mean.astype(f32)) @ basis.astype(f32)).astype(x.dtype)
+    gram = gram + (shift_col - x_col.astype(f32)) * (shift - x.astype(f32))
+    return latents, gram, total + (x.astype(f32) - shift)
+
+
 class Latent:
     """One tensor of a layer in latent form: runs of tokens, each kept on the basis it was
     coded with (``Run``; a refit starts a new run and leaves the earlier ones as they are),
@@ -663,16 +676,23 @@ class Latent:
         evaluated with the latents (``append``; ``LatentStore._encode``, for keys and values
         at once)."""
         run, f32 = self.runs[-1], mx.float32
+        gram = self.gram
+        if gram is not None and x.shape[2] == 1:  # a decode token: one compiled pass
+            latents, self.gram, self.total = _decode_token(x, x.swapaxes(-1, -2), run.mean, run.basis, self.shift,
+                                                           self._shift_column(), gram, self.total)
+            return latents, [self.gram, self.total]
         xf = x.astype(f32)  # (a cast to the dtype an array has is the array: no node)
         latents = ((xf - run.mean.astype(f32)) @ run.basis.astype(f32)).astype(x.dtype)
-        gram = self.gram
         if gram is None:
             return latents, []
         centred = xf - self.shift
         self.gram = gram = mx.addmm(gram, centred.swapaxes(-1, -2), centred)
-        # a decode token's sum over its one row is itself
-        self.total = total = self.total + (centred if x.shape[2] == 1 else centred.sum(axis=2, keepdims=True))
+        self.total = total = self.total + centred.sum(axis=2, keepdims=True)
         return latents, [gram, total]
+
+    def _shift_column(self) -> mx.array:
+        """``shift`` as a column (B, G, n, 1): a view kept while ``shift`` is the same array."""
+        return held(self, "_shift_views", ReadViews).get(self, (self.shift,), lambda: self.shift.swapaxes(-1, -2))
 
     def refit(self) -> None:
         """A new run on a basis of the same rank from the running moments of every token
