@@ -109,3 +109,27 @@ def test_head_groups_must_divide_the_kv_heads():
     cache = palu(palu_n_head_groups=6)  # more groups than heads: one head a group
     prompt_then_decode(cache, *kv(40, h=4, d=32), 39)
     assert cache.store.keys.basis.shape[1:3] == (4, 32)
+
+
+@pytest.mark.parametrize("options", [{}, {"palu_rank": 24}, {"palu_quantize_values": False}])
+def test_a_layers_keys_and_values_are_fitted_as_one_batch_with_their_own_bases(monkeypatch, options):
+    """The first fit takes both tensors' Gram matrices through one batch of eigenproblems
+    (one host read of both ranks, not a wait for the device a tensor), and each tensor gets
+    the basis, mean and rank its own fit gives, bit for bit (each matrix decomposed alone)."""
+    from veloxquant_mlx.lowrank import latent
+
+    keys, values = kv(200, h=4, d=32, seed=3)
+    values = values * mx.linspace(2.0, 0.05, 32)  # a spectrum of their own: the values' rank differs
+    calls = []
+    real = latent.gram_basis
+    monkeypatch.setattr(latent, "gram_basis", lambda x, *a: calls.append(x.shape) or real(x, *a))
+    cache = palu(palu_n_head_groups=2, **options)
+    feed(cache, keys, values, 200)
+    assert calls == [(2, 1, 2, 200, 64)]
+    o = cache.config.options
+    for lat, x in ((cache.store.keys, keys), (cache.store.values, values)):
+        grouped = x.reshape(1, 2, 2, 200, 32).swapaxes(2, 3).reshape(1, 2, 200, 64)
+        mean, basis = latent.fit_basis(grouped, o.palu_rank, o.palu_energy_threshold)
+        assert mx.array_equal(lat.basis, basis).item() and mx.array_equal(lat.mean, mean).item()
+    if not options:
+        assert cache.store.keys.basis.shape[-1] != cache.store.values.basis.shape[-1]

@@ -158,12 +158,23 @@ def stored_spans(segments: list[ChannelSegment]) -> list[tuple[int, ChannelSegme
 
 def fit_basis(x: mx.array, rank: int | None, fraction: float):
     """(mean (B, G, 1, n), basis (B, G, n, r)) of ``x`` (B, G, T, n), float32."""
-    x = x.astype(mx.float32)
-    mean = x.mean(axis=2, keepdims=True)
+    return fit_bases([x], rank, fraction)[0]
+
+
+def fit_bases(xs: list[mx.array], rank: int | None, fraction: float) -> list[tuple[mx.array, mx.array]]:
+    """``fit_basis`` of tensors of one shape (a layer's keys and values) as one batch: one
+    set of eigenproblems over the fit streams and one host read of every tensor's rank
+    (each tensor's own: the largest over its groups and batch rows), where a fit each would
+    wait for the device twice. Each matrix is decomposed alone: the same bases."""
+    x = mx.stack([a.astype(mx.float32) for a in xs])
+    mean = x.mean(axis=3, keepdims=True)
     n = x.shape[-1]
     basis, sigma = gram_basis(x - mean)
-    r = min(rank, n) if rank is not None else int(energy_rank(sigma, fraction, power=1).max())
-    return mean, mx.contiguous(basis[..., :r])
+    if rank is not None:
+        ranks = [min(rank, n)] * len(xs)
+    else:
+        ranks = energy_rank(sigma, fraction, power=1).reshape(len(xs), -1).max(axis=1).tolist()
+    return [(mean[i], mx.contiguous(basis[i, ..., :r])) for i, r in enumerate(ranks)]
 
 
 class LatentTokens:
@@ -651,9 +662,13 @@ class Latent:
 
     def fit(self, x: mx.array) -> None:
         """Fit the basis on ``x`` (B, G, T, n); the moments start empty (``append`` adds)."""
-        mean, basis = fit_basis(x, self.codec.rank, self.codec.fraction)
-        self.install(mean.astype(x.dtype), basis.astype(x.dtype))
-        n = x.shape[-1]
+        self.start(*fit_basis(x, self.codec.rank, self.codec.fraction), x.dtype)
+
+    def start(self, mean: mx.array, basis: mx.array, dtype) -> None:
+        """The first run on a fitted ``mean`` and ``basis`` (float32), kept in ``dtype``;
+        the moments start empty."""
+        self.install(mean.astype(dtype), basis.astype(dtype))
+        n = mean.shape[-1]
         self.shift = mx.array(mean)  # its own buffer: the run's mean is this one in float32
         self.total = mx.zeros(mean.shape, mx.float32)
         self.gram = mx.zeros((*mean.shape[:2], n, n), mx.float32)
@@ -810,9 +825,16 @@ class LatentStore(PackedStore):
     def _fit(self) -> None:
         keys, values = self.k_pend.view(), self.v_pend.view()
         g = self.heads_per_group
-        self.keys.fit(_group(keys, g))
-        if self.values is not None:
-            self.values.fit(_group(values, g))
+        k_codec = self.keys.codec
+        if self.values is not None and (self.values.codec.rank, self.values.codec.fraction) == (
+                k_codec.rank, k_codec.fraction) and keys.shape == values.shape:
+            fits = fit_bases([_group(keys, g), _group(values, g)], k_codec.rank, k_codec.fraction)
+            for latent, fit in zip((self.keys, self.values), fits):
+                latent.start(*fit, keys.dtype)
+        else:
+            self.keys.fit(_group(keys, g))
+            if self.values is not None:
+                self.values.fit(_group(values, g))
         self.k_pend.reset(None)
         self.v_pend.reset(None)
         self.fitted_at = keys.shape[2]
