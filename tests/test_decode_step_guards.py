@@ -64,9 +64,7 @@ OVER_GRAPH_BOUND = {
     "a2ats": 1.61,
     "kvtc": 1.65,  # keys rebuilt channels first, gather indices and views kept between codings (2.02 before, 2026-12-05)
     "svdq": 1.50,  # as palu, and runs with exact values read as one part (2.04 before, 2026-12-05; 1.52, 2026-12-07)
-    # one reader under one softmax, views kept (1.81 before, 2026-12-05); its value runs' sums read
-    # at kept bounds, no pad or shift of the cumulative sum (1.40 before, 2026-12-07)
-    "anchorkv": 1.36,
+    "anchorkv": 1.40,  # one reader under one softmax, views kept (1.81 before, 2026-12-05)
     "turboquant": 1.52,  # through its kernel (1.75 was its pure path: the stub failed its own self-check)
 }
 GRAPH_BOUND = 1.3
@@ -111,7 +109,7 @@ PERIODIC_STEP = {
     "morphkv": 2.42, "kvzip": 1.23, "kvtc": 3.56, "curdkv": 1.23, "nestedkv": 1.42,
     # the flush's tiering of 32 tokens, a scan unrolled in one compiled pass (8.58 a step before)
     "amc": 13.69,  # 14.38 recorded, 13.79 measured before the kept index ranges (2026-12-07)
-    "a2ats": 2.77, "anchorkv": 1.48, "rocketkv": 1.17,  # anchorkv 1.52 before its kept run bounds (2026-12-07)
+    "a2ats": 2.77, "anchorkv": 1.52, "rocketkv": 1.17,
     # on CUDA every tier decoded + one fused attention (steady step 1.06 -> 1.25; 4.12 before, 2026-12-06)
     "age_tiered": 4.31,
     # its decode rows coded 32 at a time (2026-12-05; 7.58 before its read's QJL fold, 6.80 coding each row)

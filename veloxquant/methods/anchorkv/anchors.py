@@ -96,8 +96,8 @@ class AnchorPart:
 @dataclass(frozen=True)
 class _Views:
     """What a decode step reads of an ``AnchorPart``, in the layout it reads it (views: a
-    transpose, expanded and broadcast index and coefficient rows; no bytes of their own but
-    the value runs' bounds, four numbers an anchor), for ``r`` query rows per KV head."""
+    transpose, expanded and broadcast index and coefficient rows; no bytes of their own),
+    for ``r`` query rows per KV head."""
 
     anchor_kt: mx.array  # (B, H, d, k) anchor_k transposed
     anchor_v: mx.array  # (B, H, k, d)
@@ -105,16 +105,9 @@ class _Views:
     key_ref: mx.array | None  # (B, H, r, M) each token's key anchor, broadcast over the query rows
     key_coef: mx.array | None  # (B, H, 1, M) float16
     value_coef: mx.array | None  # (B, H, 1, M) float16
+    value_ends: mx.array | None  # (B, H, r, k)
     key_slot: mx.array | None  # (B, H, r, M), where keys have residuals
     value_pos: mx.array | None  # (B, H, r, N_v), where values have residuals
-    # each value anchor's run as two reads of the cumulative sum over the tokens: at its
-    # last token (``value_last``, 0 where the run is empty, ``value_has_last`` 0 there) and
-    # at the previous run's (``value_before``, ``value_has_before``), so that no pad of the sum
-    # and no shift of the read is left to a decode step
-    value_last: mx.array | None  # (B, H, r, k) int32
-    value_before: mx.array | None  # (B, H, r, k) int32
-    value_has_last: mx.array | None  # (B, H, 1, k) float32
-    value_has_before: mx.array | None  # (B, H, 1, k) float32
 
     @classmethod
     def of(cls, p: AnchorPart, r: int) -> "_Views":
@@ -122,14 +115,11 @@ class _Views:
         m = p.key_ref.shape[2]
         rows = lambda x: mx.broadcast_to(x[:, :, None], (b, h, r, x.shape[2]))  # noqa: E731
         if not m:  # every token an anchor
-            return cls(p.anchor_k.swapaxes(-1, -2), p.anchor_v, None, None, None, None, None, None, None, None, None)
-        last = mx.maximum(p.value_ends - 1, 0)
-        has_last = (p.value_ends > 0).astype(mx.float32)
-        earlier = lambda x: mx.pad(x[..., :-1], [(0, 0), (0, 0), (1, 0)])  # noqa: E731  (the first run: none)
+            return cls(p.anchor_k.swapaxes(-1, -2), p.anchor_v, None, None, None, None, None, None)
         return cls(p.anchor_k.swapaxes(-1, -2), p.anchor_v, rows(p.key_ref), p.key_coef[:, :, None],
-                   p.value_coef[:, :, None], rows(p.key_slot) if p.key_codes.shape[2] else None,
-                   rows(p.value_pos) if p.value_codes.shape[2] else None,
-                   rows(last), rows(earlier(last)), has_last[:, :, None], earlier(has_last)[:, :, None])
+                   p.value_coef[:, :, None], rows(p.value_ends),
+                   rows(p.key_slot) if p.key_codes.shape[2] else None,
+                   rows(p.value_pos) if p.value_codes.shape[2] else None)
 
 
 class _AnchorRead:
@@ -180,9 +170,9 @@ class _AnchorRead:
         parts = mx.split(w, cuts, axis=-1) if cuts else [w]  # one node, not a slice a part
         if m:  # the prompt's mix: one compiled call (its shapes are the part's: traced once)
             read = _prompt_mix(self.codec.bits, self.codec.seed, v.value_pos is not None)
-            runs = (v.value_last, v.value_before, v.value_has_last, v.value_has_before)
-            o = (read(parts[0], parts[1], v.value_coef, *runs, v.anchor_v, v.value_pos, p.value_codes, p.value_scales)
-                 if v.value_pos is not None else read(parts[0], parts[1], v.value_coef, *runs, v.anchor_v))
+            o = (read(parts[0], parts[1], v.value_coef, v.value_ends, v.anchor_v, v.value_pos,
+                      p.value_codes, p.value_scales)
+                 if v.value_pos is not None else read(parts[0], parts[1], v.value_coef, v.value_ends, v.anchor_v))
         else:
             o = parts[0] @ _float32(v.anchor_v)
         if self.v_tail is not None:
@@ -212,17 +202,15 @@ def _prompt_scores(bits: int, seed: int, residuals: bool):
 @functools.lru_cache(maxsize=None)
 def _prompt_mix(bits: int, seed: int, residuals: bool):
     """The mix over a compressed prompt (other tokens present), compiled: the per-anchor
-    sums of ``p_t γ_t`` as differences of one cumulative sum read at each run's last token
-    and the previous run's (``_Views.value_last``: the same sums as reading a zero-padded
-    sum at the runs' ends, bit for bit), one product with ``anchor_v``, the value residuals
-    (``mix``'s operations one by one before, in the same order)."""
+    sums of ``p_t γ_t`` from one cumulative sum, one product with ``anchor_v``, the value
+    residuals (``mix``'s operations one by one before, in the same order)."""
     codec = RotatedGaussian(bits, seed)
 
-    def read(w_anchor, rest, value_coef, last, before, has_last, has_before, anchor_v, value_pos=None,
-             value_codes=None, value_scales=None):
-        run = mx.cumsum(rest * value_coef.astype(mx.float32), axis=-1)  # run[i]: the sum of the first i + 1
-        end = mx.take_along_axis(run, last, axis=-1) * has_last
-        start = mx.take_along_axis(run, before, axis=-1) * has_before  # a run starts where the last ended
+    def read(w_anchor, rest, value_coef, value_ends, anchor_v, value_pos=None, value_codes=None, value_scales=None):
+        run = mx.cumsum(rest * value_coef.astype(mx.float32), axis=-1)
+        run = mx.pad(run, [(0, 0), (0, 0), (0, 0), (1, 0)])  # run[i]: the sum of the first i
+        end = mx.take_along_axis(run, value_ends, axis=-1)
+        start = mx.pad(end[..., :-1], [(0, 0), (0, 0), (0, 0), (1, 0)])  # a run starts where the last ended
         o = (w_anchor + (end - start)) @ _float32(anchor_v)
         if residuals:
             picked = mx.take_along_axis(rest, value_pos, axis=-1)
