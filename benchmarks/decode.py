@@ -11,7 +11,7 @@ while building a step shows as a slower token); ``--timing completed`` times eac
 completion instead. Per step: the
 host time to build the step's graph (the model call, which is lazy), the time from then
 until the step's logits are ready (the device's share), and their sum (the step; tokens
-per second are its inverse, median over every step). Prefill time: a method's first
+per second are ``--batch`` over it, median over every step: every sequence's token counts). Prefill time: a method's first
 prefill in the process (its compilation and first-use work included) and, separately,
 the median of ``--prefill-repeats`` warm ones, each on a fresh cache (the whole prompt,
 the last token included, until its logits are ready). Peak memory is
@@ -27,6 +27,7 @@ shapes).
     python benchmarks/decode.py --preset llama3-8b --contexts 4096 --methods all   # every method at its defaults
     python benchmarks/decode.py --preset llama3-8b --contexts 4096 --methods all --isolate   # each in its own process
     python benchmarks/decode.py --preset tiny --contexts 256 --steps 2 --rounds 1   # a CPU check
+    python benchmarks/decode.py --preset llama3-8b --contexts 32768 --batch 8 --methods all   # 8 sequences
     python benchmarks/decode.py --preset llama3-8b --contexts 4096 32768 --methods \
         "snapkv 2048" "snapkv 2048 + kivi-4bit" "h2o 2048 + kivi-2bit" "tova 2048 + kivi-4bit"
 """
@@ -167,10 +168,12 @@ def timed_prefill(model, config, tokens):
     return cache, logits, time.perf_counter() - t0
 
 
-def start(model, config, context, prefill_repeats=2):
+def start(model, config, context, prefill_repeats=2, batch=1):
     """Prefill one method's cache: its first and warm prefill times, KV bytes and peak memory
-    over the last prefill + 2 steps."""
-    tokens = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(context))
+    over the last prefill + 2 steps. ``batch`` > 1: that many prompts of ``context`` tokens
+    (each its own random tokens) prefilled together, one cache holding every sequence."""
+    shape = (context,) if batch == 1 else (batch, context)
+    tokens = mx.random.randint(0, model.args.vocab_size, shape, key=mx.random.key(context))
     warm = []
     _, _, first = timed_prefill(model, config, tokens)
     for _ in range(prefill_repeats - 1):
@@ -182,7 +185,7 @@ def start(model, config, context, prefill_repeats=2):
     base = mx.get_active_memory()
     cache, logits, seconds = timed_prefill(model, config, tokens)
     warm.append(seconds)
-    y = mx.argmax(logits)[None]
+    y = mx.argmax(logits, axis=-1).reshape(batch)
     for _ in range(2):
         y, _ = step(model, cache, y)
     return cache, y, {"kv_bytes": sum(c.nbytes for c in cache), "peak_bytes": mx.get_peak_memory() - base,
@@ -237,11 +240,12 @@ def time_interleaved(model, states, steps, rounds, overlapped=True):
     return times
 
 
-def summary(figures, times):
+def summary(figures, times, batch=1):
+    """Median host, device and step seconds; tokens a second over the batch's sequences."""
     host = statistics.median(t[0] for t in times)
     device = statistics.median(t[1] for t in times)
     total = statistics.median(t[0] + t[1] for t in times)
-    return {**figures, "host_s": host, "device_s": device, "step_s": total, "decode_tokens_per_s": 1 / total}
+    return {**figures, "host_s": host, "device_s": device, "step_s": total, "decode_tokens_per_s": batch / total}
 
 
 def table(results) -> list[str]:
@@ -290,11 +294,16 @@ def main() -> None:
                          "(a run under a time limit still ends with its table)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                     help="auto: float32 on the CPU (MLX's fast CPU path), float16 on a GPU")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences decoded together: that many prompts of each context, prefilled as "
+                         "one batch into one cache per method; tokens a second count every sequence's")
     ap.add_argument("--isolate", action="store_true",
                     help="each method in a process of its own, beside its own baseline: many "
                          "caches taking turns in one process slow every method unequally "
                          "(benchmarks/notes/decode_host_bound.md)")
     args = ap.parse_args()
+    if args.batch < 1:
+        ap.error(f"--batch {args.batch}: the sequences decoded together must be 1 or more")
     args.methods = resolve_methods(args.methods, ap, every_row=True)
     if args.isolate:
         return run_isolated(args)
@@ -310,24 +319,26 @@ def main() -> None:
         for name in names:
             if (args.budget_s is not None and name != BASELINE
                     and time.perf_counter() - started > args.budget_s):
-                results.append({"method": name, "context": context,
+                results.append({"method": name, "context": context, "batch": args.batch,
                                 "error": f"skipped: --budget-s {args.budget_s:g} spent before its prefill"})
                 print(f"  {name:30s} {context:7d}: skipped (--budget-s spent)", flush=True)
                 continue
             try:
-                cache, y, figures[name] = start(model, METHODS[name], context, args.prefill_repeats)
+                cache, y, figures[name] = start(model, METHODS[name], context, args.prefill_repeats, args.batch)
                 states[name] = (cache, y)
                 print(f"  {name:30s} {context:7d}: prefilled in {figures[name]['prefill_first_s']:.2f} s "
                       f"(first)", flush=True)
             except Exception as exc:  # noqa: BLE001 - a failing peer is a row, not a crash
-                results.append({"method": name, "context": context, "error": f"{type(exc).__name__}: {exc}",
+                results.append({"method": name, "context": context, "batch": args.batch,
+                                "error": f"{type(exc).__name__}: {exc}",
                                 "traceback": traceback.format_exc(limit=4)})
                 print(f"  {name:30s} {context:7d}: failed: {exc}", flush=True)
         warmup_rounds = max(args.warmup_rounds, -(-WARMUP_STEPS // args.steps))
         time_interleaved(model, states, args.steps, warmup_rounds, args.timing == "overlapped")
         times = time_interleaved(model, states, args.steps, args.rounds, args.timing == "overlapped")
         for name in states:
-            r = {"method": name, "context": context, **summary(figures[name], times[name])}
+            r = {"method": name, "context": context, "batch": args.batch,
+                 **summary(figures[name], times[name], args.batch)}
             results.append(r)
             print(f"  {name:30s} {context:7d}: prefill {r['prefill_first_s']:.3f} s first, "
                   f"{r['prefill_warm_s']:.3f} s warm, peak {r['peak_bytes'] / 2**20:.1f} MiB, "
@@ -336,7 +347,8 @@ def main() -> None:
         del states
     results.sort(key=lambda r: (r["context"], names.index(r["method"])))
     env = {"mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
-           "preset": args.preset, "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds,
+           "preset": args.preset, "dtype": str(dtype), "batch": args.batch, "steps": args.steps,
+           "rounds": args.rounds,
            "warmup_rounds": args.warmup_rounds, "timing": args.timing,
            "prefill_repeats": args.prefill_repeats}
     print("\n" + "\n".join(table(results)))
@@ -348,7 +360,8 @@ def main() -> None:
 def run_isolated(args) -> None:
     """Each method in a child process beside its own baseline (``--methods BASELINE m``);
     the table holds each method's rows with ratios to the baseline of its own process."""
-    passed = ["--preset", args.preset, "--contexts", *map(str, args.contexts), "--steps", str(args.steps),
+    passed = ["--preset", args.preset, "--contexts", *map(str, args.contexts), "--batch", str(args.batch),
+              "--steps", str(args.steps),
               "--rounds", str(args.rounds), "--warmup-rounds", str(args.warmup_rounds),
               "--prefill-repeats", str(args.prefill_repeats), "--timing", args.timing, "--dtype", args.dtype]
     names = [m for m in dict.fromkeys(args.methods) if m != BASELINE]
@@ -375,7 +388,7 @@ def run_isolated(args) -> None:
     print("\n" + "\n".join([*table([])[:2], *lines]))
     if args.out:
         env = {"mlx": mx.__version__, "device": str(mx.default_device()), "preset": args.preset,
-               "steps": args.steps, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
+               "batch": args.batch, "steps": args.steps, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds,
                "timing": args.timing, "prefill_repeats": args.prefill_repeats, "isolated": True}
         with open(args.out, "w") as f:
             json.dump({"environment": env, "runs": runs}, f, indent=2)
