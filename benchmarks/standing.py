@@ -105,13 +105,15 @@ def figures_of(path: Path, preset: str) -> list[Figure]:
 
 def latest(figures: list[Figure]) -> dict[tuple[str, int, int], Figure]:
     """The newest measured figure of each (method, context, batch) (ties: the later source
-    path), with the newest failure or skip after it, if any (``newer_failure``); a failure
-    where nothing was ever measured."""
+    path), with the newest failure after it, if any (``newer_failure``; a row skipped for a
+    run's time budget says nothing of the method and is left out); a failure or skip where
+    nothing was ever measured."""
     best: dict[tuple[str, int, int], Figure] = {}
     for f in sorted(figures, key=lambda f: (f.when, f.source)):
         key, held = (f.method, f.context, f.batch), best.get((f.method, f.context, f.batch))
         if f.error and held is not None and not held.error:
-            held.newer_failure = f
+            if not f.error.startswith("skipped"):
+                held.newer_failure = f
         else:
             best[key] = f
     return best
@@ -130,7 +132,8 @@ def _cell(x: float | None, target: float | None = None, above: bool = True) -> s
 
 
 def table(best: dict[tuple[str, int, int], Figure], context: int, batch: int, methods: list[str]) -> list[str]:
-    """Markdown rows of one context, every method named (``no figure`` where none is stored);
+    """Markdown rows of one context and batch, every method in ``methods`` (``no figure`` where
+    none is stored) and every other measured row;
     bold: short of the issues' bar (decode below 0.9x, warm prefill above 1.5x, peak above
     KVCache's)."""
     lines = ["| method | KV vs fp16 | decode vs KVCache | host vs KVCache | warm prefill vs KVCache | "
@@ -178,7 +181,7 @@ def main(argv=None) -> None:
     for context in args.context:
         for batch in sorted({b for _, c, b in best if c == context} or {1}):
             print(f"## {context:,} tokens, batch {batch}\n")
-            print("\n".join(table(best, context, batch, methods)) + "\n")
+            print("\n".join(table(best, context, batch, methods if batch == 1 else [])) + "\n")
 
 
 if __name__ == "__main__":

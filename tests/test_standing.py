@@ -33,7 +33,10 @@ def test_newest_figures_are_ratios_to_their_own_processes_kvcache(tmp_path):
     _write(tmp_path / "new.json", {"environment": {**env, "isolated": True}, "runs": {
         "kivi": [_row(base, 60.0, 0.1, 1000, kv=400), _row("kivi", 48.0, 0.3, 500)],
         "tova": [{"method": "tova", "context": 4096, "error": "RuntimeError: out of memory"}]}}, 2_000)
-    # the newest: kivi skipped (a budget), and a CPU run and a batch-8 run that do not count here
+    # newer: kivi failed; the newest: kivi skipped (a budget: nothing of the method), and a CPU
+    # run and a batch-8 run that do not count here
+    _write(tmp_path / "newer.json", {"environment": {**env, "isolated": True}, "runs": {
+        "kivi": [{"method": "kivi", "context": 4096, "error": "RuntimeError: boom"}]}}, 2_500)
     _write(tmp_path / "newest.json", {"environment": {**env, "isolated": True}, "runs": {
         "kivi": [{"method": "kivi", "context": 4096, "error": "skipped: --budget-s 100 spent"}]}}, 3_000)
     _write(tmp_path / "cpu.json", {"environment": {**env, "device": "Device(cpu, 0)"}, "results": [
@@ -44,9 +47,9 @@ def test_newest_figures_are_ratios_to_their_own_processes_kvcache(tmp_path):
     best = standing.latest(figures)
     kivi = best[("kivi", 4096, 1)]
     assert kivi.source.endswith("new.json") and kivi.decode == 0.8 and abs(kivi.prefill - 3.0) < 1e-12 and kivi.peak == 0.5
-    assert kivi.kv == 0.25 and kivi.newer_failure.error.startswith("skipped")
+    assert kivi.kv == 0.25 and kivi.newer_failure.error == "RuntimeError: boom"
     assert best[("tova", 4096, 1)].error.startswith("RuntimeError")
     assert best[("kivi", 4096, 8)].decode == 1.5
     rows = standing.table(best, 4096, 1, ["kivi", "tova", "h2o"])
-    assert "**3.00**" in rows[2] and "| **0.80** |" in rows[2] and "newest.json" in rows[2]
+    assert "**3.00**" in rows[2] and "| **0.80** |" in rows[2] and "newer.json`: RuntimeError: boom" in rows[2]
     assert "failed or skipped: RuntimeError" in rows[3] and rows[4].startswith("| h2o | no figure")
