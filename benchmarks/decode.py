@@ -11,9 +11,9 @@ while building a step shows as a slower token); ``--timing completed`` times eac
 completion instead. Per step: the
 host time to build the step's graph (the model call, which is lazy), the time from then
 until the step's logits are ready (the device's share), and their sum (the step; tokens
-per second are ``--batch`` over it, median over every step: every sequence's token counts). Prefill time: a method's first
-prefill in the process (its compilation and first-use work included) and, separately,
-the median of ``--prefill-repeats`` warm ones, each on a fresh cache (the whole prompt,
+per second are ``--batch`` over it, median over every step: every sequence's token
+counts). Prefill time: a method's first prefill in the process (its compilation and
+first-use work included) and, separately, the median of ``--prefill-repeats`` warm ones, each on a fresh cache (the whole prompt,
 the last token included, until its logits are ready). Peak memory is
 ``mx.get_peak_memory`` after ``mx.reset_peak_memory``, over the last warm prefill and the
 first two steps, less the memory in use before it (the model's weights). Every figure is also a ratio to mlx-lm's own ``KVCache`` in the same
@@ -348,8 +348,7 @@ def main() -> None:
     results.sort(key=lambda r: (r["context"], names.index(r["method"])))
     env = {"mlx": mx.__version__, "device": str(mx.default_device()), "machine": platform.machine(),
            "preset": args.preset, "dtype": str(dtype), "batch": args.batch, "steps": args.steps,
-           "rounds": args.rounds,
-           "warmup_rounds": args.warmup_rounds, "timing": args.timing,
+           "rounds": args.rounds, "warmup_rounds": args.warmup_rounds, "timing": args.timing,
            "prefill_repeats": args.prefill_repeats}
     print("\n" + "\n".join(table(results)))
     if args.out:
