@@ -11,6 +11,7 @@ import time
 
 import mlx_lm.models.llama as llama
 
+from child_process import sigint_as_default
 from veloxquant_mlx.cli import main
 
 REF_BYTES_PER_TOKEN = 4 * 2 * 2 * 128 * 4  # layers x (K, V) x kv heads x head_dim x float32
@@ -21,7 +22,8 @@ def test_generate_streams_warns_past_positions_and_stops_on_ctrl_c(tmp_path):
     text arrives long before the end, and SIGINT then ends the run without a traceback."""
     cmd = [sys.executable, "-m", "veloxquant_mlx.cli", "generate", "--prompt", "And the apostles said",
            "--max-tokens", "100000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                            preexec_fn=sigint_as_default)
     try:
         first = b""
         deadline = time.monotonic() + 60

@@ -18,6 +18,7 @@ import urllib.request
 
 import pytest
 
+from child_process import sigint_as_default
 from veloxquant_mlx.reference import REFERENCE_MODEL
 
 
@@ -46,7 +47,7 @@ def _start(tmp_path, *args, server_args=(), env=None):
     server = subprocess.Popen(
         [sys.executable, "-m", "veloxquant_mlx.cli", "serve", *args, "--",
          "--model", str(REFERENCE_MODEL), "--host", "127.0.0.1", "--port", str(port), *server_args],
-        stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **(env or {})}, preexec_fn=sigint_as_default,
     )
     deadline = time.time() + 60
     while time.time() < deadline and server.poll() is None:
