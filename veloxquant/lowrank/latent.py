@@ -166,7 +166,8 @@ def fit_bases(xs: list[mx.array], rank: int | None, fraction: float) -> list[tup
     set of eigenproblems over the fit streams and one host read of every tensor's rank
     (each tensor's own: the largest over its groups and batch rows), where a fit each would
     wait for the device twice. Each matrix is decomposed alone: the same bases."""
-    x = mx.stack([a.astype(mx.float32) for a in xs])
+    xs = [a.astype(mx.float32) for a in xs]
+    x = xs[0][None] if len(xs) == 1 else mx.stack(xs)  # one tensor (svdq, calibration): a view, no copy
     mean = x.mean(axis=3, keepdims=True)
     n = x.shape[-1]
     basis, sigma = gram_basis(x - mean)
