@@ -12,16 +12,16 @@ deadline=${CALL_S:-420}
 n=0
 for e in ${EXPONENTS:-23 24 25 ops}; do
   left=$(( deadline - SECONDS - 10 )); [ $left -lt 60 ] && { echo "2^$e: no time left"; continue; }
-  [ $left -gt 110 ] && left=110
+  [ $left -gt ${PER_S:-110} ] && left=${PER_S:-110}
   if [ $e = ops ]; then export VQ_MASS_KERNEL=0; x=23; else unset VQ_MASS_KERNEL; x=$e; fi
   timeout $left python3 -c "
 import runpy, sys
 import veloxquant_mlx.evict.attention as a
 a.KERNEL_SCORE_ELEMENTS = 2**$x
-sys.argv = ['decode.py', '--preset', 'llama3-8b', '--contexts', '4096', '--methods', 'mlx-lm KVCache', 'h2o 2048',
-            '--steps', '2', '--rounds', '1', '--prefill-repeats', '3', '--out', '$OUT/h2o_block_$e.json']
-runpy.run_path('benchmarks/decode.py', run_name='__main__')" > $OUT/h2o_block_$e.log 2>&1
+sys.argv = ['decode.py', '--preset', 'llama3-8b', '--contexts', '${CONTEXT:-4096}', '--methods', 'mlx-lm KVCache', 'h2o 2048',
+            '--steps', '2', '--rounds', '1', '--prefill-repeats', '3', '--out', '$OUT/h2o_block_${CONTEXT:-4096}_$e.json']
+runpy.run_path('benchmarks/decode.py', run_name='__main__')" > $OUT/h2o_block_${CONTEXT:-4096}_$e.log 2>&1
   echo "blocks $e rc=$? after ${SECONDS}s"
-  grep -E "^\| 4096" $OUT/h2o_block_$e.log | cut -d'|' -f3,6,7,9,10
+  grep -E "^\| ${CONTEXT:-4096}" $OUT/h2o_block_${CONTEXT:-4096}_$e.log | cut -d'|' -f3,6,7,9,10
 done
 true
