@@ -110,11 +110,10 @@ def test_attention_mass_takes_the_kernels_where_they_run(monkeypatch):
     ref = attention.attention_mass(q, k, 0.25, q_pos, k_pos, w)
     monkeypatch.setattr(mk, "kernel_backend", lambda dtype: "cuda")
     monkeypatch.setattr(mk, "block_mass", stand_in)
-    # the kernels' blocks hold KERNEL_SCORE_ELEMENTS logits: 4 query heads x 50 keys = 200 a
-    # query, so 400 of them make blocks of 2 queries, 4 rows a KV head (SCORE_ELEMENTS, the
-    # MLX ops' share, would make blocks of 9)
-    monkeypatch.setattr(attention, "KERNEL_SCORE_ELEMENTS", 400)
-    monkeypatch.setattr(attention, "SCORE_ELEMENTS", 2500)
+    # the kernels' blocks hold SCORE_ELEMENTS logits, as MLX's ops' do (larger ones raised a
+    # CUDA prefill's peak past mlx-lm's KVCache's): 4 query heads x 50 keys = 200 a query,
+    # so 400 of them make blocks of 2 queries, 4 rows a KV head
+    monkeypatch.setattr(attention, "SCORE_ELEMENTS", 400)
     got = attention.attention_mass(q, k, 0.25, q_pos, k_pos, w)
     assert [c[1][2] for c in calls] == [4, 4, 4, 4, 2] and all(c[0] == "cuda" for c in calls)
     assert mx.allclose(got, ref, rtol=1e-6, atol=1e-7)

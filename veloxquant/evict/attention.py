@@ -14,19 +14,13 @@ import mlx.core as mx
 from . import mass_kernel
 
 QUERY_BLOCK = 256  # queries scored at a time, at most
-# Logits one block of queries may hold (32 MiB in float32). A block's scoring holds about
-# 3.3x that at its peak (measured on the CPU: tests/test_prefill_scores.py), about 104 MiB,
-# below an 8B layer's MLP transient (2,048 tokens x 14,336 x 3 in float16), so scoring
-# never sets a prefill's peak. On the H200, 2^24 scored one chunk alone faster but made
-# the whole 8B model's prefill slower at 32k and its peak above fp16's at 4k
+# Logits one block of queries may hold (32 MiB in float32), through MLX's ops or the
+# prompt-mass kernels alike. A block's scoring holds about 3.3x that at its peak on the CPU
+# (tests/test_prefill_scores.py), below an 8B layer's MLP transient. On CUDA a whole
+# prefill's peak grows with the block far beyond one block's size: the kernels' blocks of
+# 2^25 logits took h2o's 4k prefill to 1.89x mlx-lm's KVCache's peak, 2^23 keeps it at 0.85x
 # (benchmarks/notes/prefill.md).
 SCORE_ELEMENTS = 2**23
-# Logits a block holds where the prompt-mass kernels take the block (``mass_kernel.py``):
-# the block is its logits alone (128 MiB in float32) plus a sum a row and a share, under
-# the same MLP transient. On an H100, one 2,048-query chunk over 4,096 keys: 5.33 ms
-# through MLX's ops at 2^23, 4.60 through the kernels at 2^23, 3.38 at 2^25
-# (benchmarks/results/h200_s72, prompt_mass.py).
-KERNEL_SCORE_ELEMENTS = 2**25
 
 
 def query_block(queries, n_keys: int, elements: int | None = None) -> int:
@@ -117,4 +111,4 @@ def attention_mass(
         weights = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True).reshape(b, hkv, g * m, n)
         return (mx.tile(w, (g,))[None, None, None] @ weights)[:, :, 0]
 
-    return reduce_query_blocks(queries, n, block, elements=None if kernels is None else KERNEL_SCORE_ELEMENTS)
+    return reduce_query_blocks(queries, n, block)
