@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import re
 import sys
@@ -156,14 +157,26 @@ def graph_nodes(outputs, skip: frozenset = frozenset()) -> int:
     """Operations not yet evaluated in the graph of ``outputs`` (evaluated arrays are
     leaves), counted in ``mx.export_to_dot``'s output; operations named in ``skip`` (the
     primitives' names, "Reshape") are not counted."""
+    return graph_shape(outputs, skip)[0]
+
+
+def graph_shape(outputs, skip: frozenset = frozenset()) -> tuple[int, str]:
+    """``graph_nodes`` and a digest of the graph's structure: its operations in
+    ``mx.export_to_dot``'s order and its edges, shapes and values left out. Two steps with
+    one digest launch the same kernels in the same order (what MLX's CUDA back-end keys
+    its cached graphs by, ``benchmarks/notes/cuda_graphs.md``)."""
     outputs = [a for a in outputs if isinstance(a, mx.array)]
     if not outputs:
-        return 0
+        return 0, ""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "step.dot")
         mx.export_to_dot(path, *outputs)
-        labels = re.findall(r'label ="?([A-Za-z_]+)"?, shape=rectangle', open(path).read())
-    return sum(1 for label in labels if label not in skip)
+        text = open(path).read()
+    labels = [label for label in re.findall(r'label ="?([A-Za-z_]+)"?, shape=rectangle', text) if label not in skip]
+    names = {}  # node ids and array letters, numbered by first appearance
+    edges = [tuple(names.setdefault(x, len(names)) for x in edge)
+             for edge in re.findall(r'^"?(\w+)"? -> "?(\w+)"?$', text, flags=re.M)]
+    return len(labels), hashlib.sha1(repr((labels, edges)).encode()).hexdigest()[:12]
 
 
 _FUSED = ("rms_norm", "rope", "scaled_dot_product_attention")
@@ -327,6 +340,7 @@ class StepGraph:
     nodes: int  # median over the measured steps, the whole model, as MLX's CUDA back-end builds it
     largest: int  # the largest measured step (a flush or a refit, if one fell in)
     pending: tuple[int, ...]  # cache operations left unevaluated by generate_step's loop
+    structures: tuple[str, ...] = ()  # each measured step's ``graph_shape`` digest, in order
 
     @property
     def per_layer(self) -> float:
@@ -371,12 +385,15 @@ def decode_guards(method: str, steps: int = 40, apart: int = 10, arch: str = "ll
             y.item()
             if block:
                 pending.append(graph_nodes(cache_arrays(cache)))
-    counts = []
+    counts, structures = [], []
     with steps_as_on_cuda():
         for _ in range(steps):
             mx.eval(y, cache_arrays(cache))
             y, logprobs = step(model, cache, y)
-            counts.append(graph_nodes([y, logprobs, *cache_arrays(cache)]))
+            n, digest = graph_shape([y, logprobs, *cache_arrays(cache)])
+            counts.append(n)
+            structures.append(digest)
         mx.eval(y, cache_arrays(cache))
-    graph = StepGraph(method, len(model.layers), sorted(counts)[len(counts) // 2], max(counts), tuple(pending))
+    graph = StepGraph(method, len(model.layers), sorted(counts)[len(counts) // 2], max(counts), tuple(pending),
+                      tuple(structures))
     return list(reads), graph

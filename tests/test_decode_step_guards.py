@@ -156,6 +156,25 @@ def test_the_largest_decode_step_grows_no_larger_than_recorded(method):
         f"per layer, above the {PERIODIC_STEP[method]:.2f}x recorded in PERIODIC_STEP")
 
 
+# Distinct graph structures (``decode_steps.graph_shape``) 40 decode steps may build. A step's
+# graph changes only at periodic work (a flush, an eviction, a refit, a buffer's growth), so
+# steady steps build the same one. MLX's CUDA back-end commits a step's kernels every 100
+# nodes and keeps instantiated graphs by structure: a step with a node more or less shifts
+# every later commit of the step, and each structure not met before is instantiated, a
+# millisecond-scale cost (benchmarks/notes/cuda_graphs.md). Windows regrown from nothing
+# after each flush built 8-11 (palu, svdq, gear, cachegen, kvquant, before 2026-12-07).
+STEP_STRUCTURES_BOUND = 6
+
+
+@pytest.mark.parametrize("method", [*implemented_methods(), *COMPOSED])
+def test_steady_decode_steps_build_the_same_graph(method):
+    structures = step_graph(method).structures
+    ids = {}
+    sequence = "".join(chr(ord("A") + ids.setdefault(s, len(ids)) % 26) for s in structures)
+    assert len(ids) <= STEP_STRUCTURES_BOUND, (
+        f"{method}: 40 decode steps built {len(ids)} graph structures, step by step {sequence}")
+
+
 @pytest.mark.parametrize("method", [_expect(m, GROWING_LAZY_STATE) for m in (*implemented_methods(), *COMPOSED)])
 def test_cache_state_left_unevaluated_does_not_grow_step_after_step(method):
     pending = step_graph(method).pending

@@ -98,7 +98,8 @@ def test_memory_is_the_cards_formula():
     n = h // groups * d
     bases = groups * (n * r + n) * s
     moments = groups * (n * n + 2 * n) * 4  # float32 Gram, sum and shift, for the refits
-    assert cache.nbytes == 2 * (t * per_token + bases + moments)
+    room = groups * 32 * r * s  # the decode buffer's room, a quantization group, kept across flushes
+    assert cache.nbytes == 2 * (t * per_token + bases + moments + room)
     assert per_token == groups * 27  # 6 + 9 code bytes + 12 of scales a group, against 512 in float32
 
 

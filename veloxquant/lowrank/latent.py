@@ -89,7 +89,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from ..cache.buffers import GrowingArray
+from ..cache.buffers import GrowingArray, RecentRows
 from ..cache.calibration import batch_rows, layer_calibration
 from ..kernels import kivi_decode as kd
 from ..kernels.decode import DecodePart, scaled_queries
@@ -191,7 +191,9 @@ class LatentTokens:
         # unquantized segments and the buffer are read through ``view``, never by whole steps
         self.exact = {i: GrowingArray(axis=2, step=step_tokens, geometric=True)
                       for i, s in self.spans if s.bits >= UNQUANTIZED_BITS}
-        self.buf = GrowingArray(axis=2, step=WINDOW_STEP, limit=group, geometric=True)
+        # a group's room, kept across flushes: every decode step writes one row in place, so
+        # steps launch the same kernels whatever the count (MLX's CUDA graphs recur)
+        self.buf = RecentRows(axis=2, step=WINDOW_STEP, limit=group, geometric=True)
         self.flushed = 0  # tokens in the segments (a multiple of the group)
         # the decode read's views: each span's valid tokens (``_span_views``, kept until the
         # next flush) and its run's basis and mean in the read's layouts (``basis_views``)
@@ -209,7 +211,7 @@ class LatentTokens:
             self.buf.append(latents)
             if self.buf.length == self.group:
                 self._flush(self.buf.view(), decoding=True)
-                self.buf.reset(None)
+                self.buf.truncate(0)
             return
         old = self.buf.view()
         x = latents if old is None else mx.concatenate([old, latents], axis=2)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cache.buffers import GrowingArray
+from ..cache.buffers import GrowingArray, RecentRows
 from ..kernels.decode import DecodePart
 from .packed import GROWTH_TOKENS
 from .store import WINDOW_STEP, PackedStore
@@ -38,8 +38,9 @@ class ChunkedStore(PackedStore):
             raise ValueError(f"block={block} must be a multiple of group={group}")
         self.keys, self.values = keys, values
         self.block, self.group, self.quantize_values = block, group, quantize_values
-        self.k_buf = GrowingArray(step=WINDOW_STEP, limit=block, geometric=True)
-        self.v_buf = GrowingArray(step=WINDOW_STEP, limit=block, geometric=True) if quantize_values else GrowingArray(step=step_tokens)
+        # a block's room, kept across flushes (steps launch the same kernels: MLX's CUDA graphs recur)
+        self.k_buf = RecentRows(step=WINDOW_STEP, limit=block, geometric=True)
+        self.v_buf = RecentRows(step=WINDOW_STEP, limit=block, geometric=True) if quantize_values else GrowingArray(step=step_tokens)
 
     @property
     def length(self) -> int:
@@ -59,9 +60,9 @@ class ChunkedStore(PackedStore):
                 self.v_buf.append(values)
             if self.k_buf.length == self.block:
                 self._flush(self.k_buf.view(), self.v_buf.view() if self.quantize_values else None, decoding=True)
-                self.k_buf.reset(None)
+                self.k_buf.truncate(0)
                 if self.quantize_values:
-                    self.v_buf.reset(None)
+                    self.v_buf.truncate(0)
             return
         k = _cat(self.k_buf, keys)
         v = _cat(self.v_buf, values) if self.quantize_values else None

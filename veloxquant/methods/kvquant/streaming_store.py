@@ -58,7 +58,7 @@ class StreamingStore(SinkKVStore):
         self.k_win.append(keys)
         if self.k_win.held == self.key_block:
             self.keys.append(self.k_win.view(), decoding=True)
-            self.k_win.reset(None)
+            self.k_win.truncate(0)  # its room stays: the next block fills it without growing
         if self.window or self.value_flush > 1:
             self._step_values(values)
         else:
