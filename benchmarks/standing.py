@@ -7,7 +7,8 @@ different machines and days are not compared with each other. For each method an
 the newest file holding it wins (its last commit's time; a file git does not track: its
 modification time). Decode counts only with ``decode.py``'s overlapped timing (mlx-lm's
 ``generate_step``), the issue's measure. A row whose newest run failed or was skipped shows
-why. The card (H100 or H200) is in the source folder's README.
+why. The card (H100 or H200) is in the source folder's README. A file whose environment
+names a ``variant`` (an A/B's arm the tree does not ship, noted after the run) is left out.
 
     python benchmarks/standing.py --preset llama3-8b --context 4096 > benchmarks/notes/standing.md
 """
@@ -74,6 +75,8 @@ def figures_of(path: Path, preset: str) -> list[Figure]:
         return []
     env = data.get("environment") if isinstance(data, dict) else None
     if not isinstance(env, dict) or env.get("preset") != preset or "gpu" not in str(env.get("device", "")):
+        return []
+    if env.get("variant"):  # a run of a setting the tree does not ship (an A/B's other arm)
         return []
     overlapped = env.get("timing") == "overlapped"
     batch = int(env.get("batch", 1))

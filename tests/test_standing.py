@@ -43,6 +43,9 @@ def test_newest_figures_are_ratios_to_their_own_processes_kvcache(tmp_path):
         _row(base, 100.0, 0.1, 1000), _row("kivi", 10.0, 0.1, 1000)]}, 4_000)
     _write(tmp_path / "b8.json", {"environment": {**env, "batch": 8}, "results": [
         _row(base, 400.0, 0.1, 1000), _row("kivi", 600.0, 0.1, 1000)]}, 4_000)
+    # the newest of all: an A/B's arm the tree does not ship
+    _write(tmp_path / "variant.json", {"environment": {**env, "variant": "blocks of 2^25"}, "results": [
+        _row(base, 100.0, 0.1, 1000), _row("kivi", 200.0, 0.1, 1000), _row("tova", 100.0, 0.1, 1000)]}, 5_000)
     figures = [f for p in sorted(tmp_path.glob("*.json")) for f in standing.figures_of(p, "llama3-8b")]
     best = standing.latest(figures)
     kivi = best[("kivi", 4096, 1)]
