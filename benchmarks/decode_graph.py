@@ -36,17 +36,18 @@ def main() -> None:
         the nodes outside the layers taken out; *extra / layer*: nodes beyond the full cache's
         per layer. *pending*: cache operations the overlapped loop leaves unevaluated after 10,
         20 and 30 of its steps; growing from one to the next is a lazy graph that lengthens
-        every step. *host reads*: the sync detector's findings
-        (tests/test_decode_step_guards.py).
+        every step. *graphs*: distinct graph structures among the 40 (operations in order
+        and edges: what MLX's CUDA back-end keys its cached graphs by; steady steps build
+        one). *host reads*: the sync detector's findings (tests/test_decode_step_guards.py).
         """))
-    print("| method | nodes | max | ratio | max ratio | extra / layer | pending | grows | host reads |")
-    print("|---|---:|---:|---:|---:|---:|---|---|---|")
+    print("| method | nodes | max | ratio | max ratio | extra / layer | pending | grows | graphs | host reads |")
+    print("|---|---:|---:|---:|---:|---:|---|---|---:|---|")
     for method in implemented_methods():
         reads, g = decode_guards(method)
         where = ", ".join(sorted({str(r) for r in reads})) or "-"
         print(f"| {method} | {g.nodes} | {g.largest} | {per_layer_ratio(method):.2f} | "
               f"{per_layer_ratio(method, largest=True):.2f} | {(g.nodes - full.nodes) / g.layers:+.0f} | {'/'.join(map(str, g.pending))} | "
-              f"{'yes' if g.grows else ''} | {where} |")
+              f"{'yes' if g.grows else ''} | {len(set(g.structures))} | {where} |")
 
 
 if __name__ == "__main__":
