@@ -35,8 +35,11 @@ import mlx.core as mx  # noqa: E402
 _NOISE = re.compile(r"0x[0-9a-fA-F]+|graph_\d+(?:_node_\d+)?|\bnode_\d+\b|\b\d+\\n")
 
 
-def structure(path: str) -> tuple[str, list[str]]:
-    """(a digest of the graph's structure, its kernels' names in order) from a dot file."""
+def structure(path: str) -> tuple[str, str, list[str]]:
+    """(a digest of the graph's structure, a digest of its node kinds alone, its kernels'
+    names in order) from a dot file. The first holds each node's label (a kernel's name); the
+    second only each node's kind (a kernel, a child graph, ...) in order, and the edges: the
+    coarser key MLX looks its instantiated graphs up by, where a hit is patched in place."""
     text = open(path, errors="replace").read()
     # plain ("...") or HTML (<...>) labels, whichever the CUDA version writes
     found = re.findall(r'label\s*=\s*(?:"((?:[^"\\]|\\.)*)"|<(.*?)>\s*[\],;])', text, flags=re.S)
@@ -44,7 +47,9 @@ def structure(path: str) -> tuple[str, list[str]]:
     edges = len(re.findall(r"->", text))
     kernels = [m.replace("\\n", " | ")[:160] for m in labels if m]
     digest = hashlib.sha1(("\n".join(labels) + f"|{edges}").encode()).hexdigest()[:12]
-    return digest, kernels
+    kinds = re.findall(r'shape\s*=\s*"?(\w+)', text)
+    kinds_digest = hashlib.sha1((" ".join(kinds) + f"|{edges}").encode()).hexdigest()[:12]
+    return digest, kinds_digest, kernels
 
 
 def main() -> None:
@@ -72,32 +77,38 @@ def main() -> None:
     seen_before = written()
     for f in seen_before:
         os.remove(f)
-    known, steps, kept = {}, [], Path(args.out).with_suffix("")
+    known, known_kinds, steps, kept = {}, {}, [], Path(args.out).with_suffix("")
     kept.mkdir(parents=True, exist_ok=True)
     for i in range(args.steps):
         y, _ = bench.step(model, cache, y)  # evaluated: its commits are its own
         files = sorted(written(), key=lambda f: int(re.search(r"_(\d+)\.dot$", f).group(1)))
-        keys = []
+        keys, kind_keys = [], []
         for f in files:
-            digest, kernels = structure(f)
+            digest, kinds, kernels = structure(f)
             keys.append(digest)
+            kind_keys.append(kinds)
             known.setdefault(digest, {"first_step": i, "kernels": kernels})
+            known_kinds.setdefault(kinds, i)
             if i < args.keep:
                 os.replace(f, kept / f"step{i:02d}_{Path(f).name}")
             else:
                 os.remove(f)
         new = sum(1 for k in keys if known[k]["first_step"] == i)
-        steps.append({"step": i, "graphs": len(keys), "new": new, "keys": keys})
-        print(f"step {i:3d}: {len(keys):3d} graphs, {new:3d} new", flush=True)
+        new_kinds = sum(1 for k in kind_keys if known_kinds[k] == i)
+        steps.append({"step": i, "graphs": len(keys), "new": new, "new_by_kind": new_kinds, "keys": keys,
+                      "kind_keys": kind_keys})
+        print(f"step {i:3d}: {len(keys):3d} graphs, {new:3d} new, {new_kinds:3d} new by kind", flush=True)
     steady = steps[len(steps) // 3:]
     report = {"method": args.method, "preset": args.preset, "layers": args.layers, "context": args.context,
               "graphs_a_step": [s["graphs"] for s in steps], "new_a_step": [s["new"] for s in steps],
-              "distinct": len(known), "steady_new_share": sum(s["new"] for s in steady) /
-              max(1, sum(s["graphs"] for s in steady)), "steps": steps,
-              "structures": known}
+              "distinct": len(known), "distinct_by_kind": len(known_kinds),
+              "steady_new_share": sum(s["new"] for s in steady) / max(1, sum(s["graphs"] for s in steady)),
+              "steady_new_by_kind_share": sum(s["new_by_kind"] for s in steady) / max(1, sum(s["graphs"] for s in steady)),
+              "steps": steps, "structures": known}
     Path(args.out).write_text(json.dumps(report))
-    print(f"{args.method}: {len(known)} distinct graphs over {args.steps} steps; in the last two thirds "
-          f"{report['steady_new_share']:.0%} of committed graphs were new")
+    print(f"{args.method}: {len(known)} distinct graphs over {args.steps} steps ({len(known_kinds)} by node kinds); "
+          f"in the last two thirds {report['steady_new_share']:.0%} of committed graphs were new "
+          f"({report['steady_new_by_kind_share']:.0%} by node kinds)")
 
 
 if __name__ == "__main__":
