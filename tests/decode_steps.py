@@ -163,8 +163,8 @@ def graph_nodes(outputs, skip: frozenset = frozenset()) -> int:
 def graph_shape(outputs, skip: frozenset = frozenset()) -> tuple[int, str]:
     """``graph_nodes`` and a digest of the graph's structure: its operations in
     ``mx.export_to_dot``'s order and its edges, shapes and values left out. Two steps with
-    one digest launch the same kernels in the same order (what MLX's CUDA back-end keys
-    its cached graphs by, ``benchmarks/notes/cuda_graphs.md``)."""
+    one digest launch the same kernels in the same order, so MLX's CUDA back-end meets the
+    graphs it cached for the one again in the other (``benchmarks/notes/cuda_graphs.md``)."""
     outputs = [a for a in outputs if isinstance(a, mx.array)]
     if not outputs:
         return 0, ""
