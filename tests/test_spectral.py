@@ -4,6 +4,9 @@ reconstruction without QJL and to the explicit QJL formula with it (pre-RoPE key
 included), and the QJL estimator's bias and variance against the math."""
 
 import math
+import os
+import re
+import tempfile
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -486,3 +489,50 @@ def test_a_cache_saved_with_its_window_just_coded_reloads_with_its_room_and_cont
     assert back.nbytes == cache.nbytes
     for mine, theirs in zip(cache.dequantized(mx.float32), back.dequantized(mx.float32)):
         assert mx.array_equal(mine, theirs)
+
+
+# -- the CUDA read: selects instead of axis gathers ---------------------------------------------
+
+
+def _step_output(cache, q, *, cuda: bool, monkeypatch):
+    """A decode step's attention over the cache, read as on the CPU or with the package's
+    dispatcher answering CUDA (the compiled reads traced anew either way), and its graph's
+    operations."""
+    from decode_steps import _clear_package_caches
+
+    from veloxquant_mlx.kernels import kivi_decode as kd
+
+    monkeypatch.setattr(kd, "gpu_backend", (lambda: "cuda") if cuda else (lambda: None))
+    _clear_package_caches()
+    out = stored_decode_attention(cache, q, 0.125)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "step.dot")
+        mx.export_to_dot(path, out)
+        labels = re.findall(r'label ="?([A-Za-z_]+)"?, shape=rectangle', open(path).read())
+    mx.eval(out)
+    _clear_package_caches()
+    return out, labels
+
+
+@pytest.mark.parametrize("context, bits", [(None, 2), (rotary_context(), 2), (rotary_context(), 8)],
+                         ids=["post-rope-2bit", "pre-rope-2bit", "pre-rope-8bit"])
+def test_on_cuda_a_decode_step_reads_words_and_codebooks_by_selects_to_the_same_bits(context, bits, monkeypatch):
+    """On CUDA MLX's axis gather read a row's words at 85 us a layer and gather (results/h200_s77):
+    there the words and the codebooks are read by trees of selects (``quant/packed.py``), up to
+    32 entries. The step must give the gathers' output bit for bit, and launch no axis gather
+    where every axis read is that short (head_dim 64 at 2 bits: rows of 5 and 6 words,
+    codebooks of 8 and 12 levels; at 8 bits the rows of 17 and 16 words are selects, the
+    codebooks of 512 and 384 levels stay gathers)."""
+    from decode_steps import cache_arrays
+
+    k, v = structured(300), structured(300, seed=9)
+    cache = spectral(context, bits=bits)
+    feed(cache, k[:, :, :256], v[:, :, :256], 128)
+    feed(cache, k[:, :, 256:], v[:, :, 256:], 1)
+    mx.eval(cache_arrays([cache]))
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(31))
+    gathered, on_cpu = _step_output(cache, q, cuda=False, monkeypatch=monkeypatch)
+    selected, on_cuda = _step_output(cache, q, cuda=True, monkeypatch=monkeypatch)
+    assert on_cpu.count("GatherAxis") >= 6  # words (low, high) and codebooks, keys and values
+    assert mx.array_equal(gathered, selected)
+    assert on_cuda.count("GatherAxis") == (0 if bits == 2 else 2), on_cuda.count("GatherAxis")

@@ -12,8 +12,9 @@ protocol: ``encode``, ``decode``, ``append_axis``.
 ``FieldLayout`` packs codes of different widths one after the other into uint32 words,
 least significant bit first (a code that crosses a word boundary keeps its high bits at
 the bottom of the next word: ``ceil(sum(bits) / 32)`` words a row); reading is two
-gathers, two shifts and a mask per code, with no intermediate of the words' 32 bits each
-(a decode step reads every row of the history: benchmarks/notes/decode_kernels.md).
+gathers (on CUDA, where the reader asks, two trees of selects: ``unpack_fields``), two shifts
+and a mask per code, with no intermediate of the words' 32 bits each (a decode step reads
+every row of the history: benchmarks/notes/decode_kernels.md).
 kvtc packs its per-component widths this way, spectral its fields.
 """
 
@@ -33,8 +34,59 @@ from .affine import (
     quantize_per_channel,
     quantize_per_token,
 )
+from ..kernels import kivi_decode as kd
 
 GROWTH_TOKENS = 256  # room added to packed storage at a time, in tokens
+
+
+# -- a short last axis read by index (a row's words, a codebook's levels) ------------------------
+# A decode step reads the whole history's words and codebook levels by index. On CUDA MLX's
+# axis gather (``take_along_axis``) is slow at these shapes: 138 us for kvquant's 16-entry
+# tables at 4k, where selects fused into the compiled read took 60
+# (benchmarks/notes/decode_kernels.md); spectral's word reads were 85 us a gather
+# (benchmarks/results/h200_s77). Selects cost an operation an entry and the gather does not, so
+# past SELECT_MOST_ENTRIES the gather stays; on the CPU the selects were 10x slower, so the
+# gather stays there.
+
+# kvquant's 16 entries took 0.44x the gather's time; about twice that is where selects
+# would stop paying (inferred, not measured)
+SELECT_MOST_ENTRIES = 32
+
+
+def selects_here(entries: int) -> bool:
+    """Whether ``taken_along_last`` reads an axis of ``entries`` entries by selects: on CUDA
+    (asked through the dispatcher's module at each call, so the CPU guards' CUDA stub reaches
+    it), up to ``SELECT_MOST_ENTRIES``."""
+    return entries <= SELECT_MOST_ENTRIES and kd.gpu_backend() == "cuda"
+
+
+def index_bits(index, entries: int) -> tuple:
+    """The conditions of ``selected_along_last``'s tree for ``index`` (an array, or numpy for
+    a constant index, whose conditions its owner builds once: computed in every read they are
+    kernels of their own), over ``entries`` entries: per level, whether the index's bit is set."""
+    return tuple(((index >> b) & 1) == 1 for b in range((entries - 1).bit_length()))
+
+
+def selected_along_last(x: mx.array, index: mx.array, bits: tuple | None = None) -> mx.array:
+    """``mx.take_along_axis(x, index, axis=-1)`` exactly (``x`` and ``index`` broadcast over
+    the other axes), by ``mx.where`` over the entries of ``x``'s last axis: a tree, each level
+    choosing between neighbours by one bit of the index (``bits``: ``index_bits``, built ahead),
+    so that it is as deep as the index has bits (a chain, one entry a level, was cut into
+    several kernels by MLX's compile, which fuses at most 11 operations deep). Every index
+    must lie in ``[0, x.shape[-1])``."""
+    n = x.shape[-1]
+    level = mx.split(x, n, axis=-1) if n > 1 else [x]  # one node, not a slice an entry
+    for odd in index_bits(index, n) if bits is None else bits:
+        level = [mx.where(odd, level[i + 1], level[i]) if i + 1 < len(level) else level[i]
+                 for i in range(0, len(level), 2)]
+    return mx.broadcast_to(level[0], mx.broadcast_shapes(x.shape[:-1] + (1,), index.shape))
+
+
+def taken_along_last(x: mx.array, index: mx.array, bits: tuple | None = None) -> mx.array:
+    """``mx.take_along_axis(x, index, axis=-1)``, by selects where ``selects_here``."""
+    if selects_here(x.shape[-1]):
+        return selected_along_last(x, index, bits)
+    return mx.take_along_axis(x, index, axis=-1)
 
 
 # not frozen: a decode step builds one a packed run, and a frozen dataclass takes about five times as long to make
@@ -199,13 +251,19 @@ class FieldLayout:
         return unpack_fields(words, *self._for(words.ndim))
 
 
-def unpack_fields(words, word, next_word, shift, high_shift, crosses, mask) -> mx.array:
+def unpack_fields(words, word, next_word, shift, high_shift, crosses, mask, bits=None) -> mx.array:
     """``FieldLayout.unpack`` from its arrays (shaped for ``words``' dimensions, or 1-D: one
-    list of words for every row, taken as such, with no index broadcast over the rows)."""
+    list of words for every row, taken as such, with no index broadcast over the rows).
+    ``bits``: ``index_bits`` of ``word`` and ``next_word``, built ahead by a reader of short
+    rows (spectral's), which then reads them by selects on CUDA; without them, gathers (a
+    tree cut over several kernels added 4 launches a layer to kvtc's tiny-model prompt chunk,
+    tests/test_compiled_prompt.py)."""
     if word.ndim == 1:
         low, high = mx.take(words, word, axis=-1), mx.take(words, next_word, axis=-1)
-    else:
+    elif bits is None:
         low, high = mx.take_along_axis(words, word, axis=-1), mx.take_along_axis(words, next_word, axis=-1)
+    else:
+        low, high = taken_along_last(words, word, bits[0]), taken_along_last(words, next_word, bits[1])
     return ((low >> shift) | mx.where(crosses, high << high_shift, 0).astype(mx.uint32)) & mask
 
 

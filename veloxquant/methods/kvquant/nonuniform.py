@@ -27,7 +27,7 @@ Reading: ``NonUniformScores`` (the ``PackedScores`` protocol of ``kernels/decode
 is the one pass a decode step makes over the packed run, compiled as one graph
 (``_dense_graph``): every bit plane unpacked at once, per group a table of its codebook's
 centroids scaled and offset (``c * rho + o``, 2^bits entries) read by index (one gather
-on the CPU, a fused chain of selects on CUDA: ``_table_read``), the outlier table
+on the CPU, a fused tree of selects on CUDA: ``_table_read``), the outlier table
 scattered over that tile, pre-RoPE keys rotated back (one reversed view of the channel
 halves), then ``q K^T`` or ``p V`` as one matrix product (``p V`` cut along the tokens
 on CUDA: ``kernels/kivi_decode.token_mix``).
@@ -52,7 +52,7 @@ from ...kernels import kivi_decode as kd
 from ...kernels.kivi_decode import token_mix
 from ...quant import codebook as cb
 from ...quant.outliers import per_tail, split_channel_groups, split_vectors
-from ...quant.packed import GROWTH_TOKENS
+from ...quant.packed import GROWTH_TOKENS, selected_along_last
 from ...quant.prerope import rotary_angles, to_pre_rope
 from ...quant.token_rows import KeptRead, ReadViews, held
 
@@ -615,16 +615,12 @@ def gpu_backend():
 
 def _table_read(table: mx.array, codes: mx.array) -> mx.array:
     """``table[..., codes]`` along the last axis, exactly: a gather on the CPU; on CUDA a
-    chain of selects, one per entry, which a compiled pass fuses into one elementwise
-    kernel (MLX's axis gather took twice as long at these shapes:
-    benchmarks/notes/decode_kernels.md)."""
+    tree of selects (``quant/packed.py``'s ``selected_along_last``) that the compiled read
+    fuses (MLX's axis gather took twice as long as a chain of selects at these shapes:
+    benchmarks/notes/decode_kernels.md; the tree, fewer operations deep, is not timed)."""
     if gpu_backend() != "cuda":
         return mx.take_along_axis(table, codes, axis=-1)
-    entries = mx.split(table, table.shape[-1], axis=-1)  # one node, not a slice an entry
-    out = mx.broadcast_to(entries[0], codes.shape)
-    for j in range(1, table.shape[-1]):
-        out = mx.where(codes == j, entries[j], out)
-    return out
+    return selected_along_last(table, codes)
 
 
 def _dense_graph(how: _Read, planes, books, ranges, offsets, along, across, *extra):

@@ -15,7 +15,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from ...quant.packed import field_arrays, runs_layout
+from ...quant.packed import field_arrays, index_bits, runs_layout
 from ...quant.packed import unpack_fields as unpack_codes
 
 
@@ -56,18 +56,30 @@ def unpack_fields(words: mx.array, layout: tuple[tuple[int, int], ...]) -> list[
 
 @functools.lru_cache(maxsize=None)
 def _code_reader(layout: tuple[tuple[int, int], ...], first: int, end: int, offsets: tuple[int, ...] | None):
-    """``quant/packed.py``'s unpacking arrays for codes ``[first, end)`` of a row (counted over
-    every field), shaped for rows (B, H, n, words), and the offsets added to them: built in
-    numpy once (slices of the whole row's arrays would be operations in every read)."""
-    arrays, _ = field_arrays(np.concatenate([np.full(n, b, dtype=np.int64) for n, b in layout]))
-    reader = tuple(mx.array(a[first:end].reshape(1, 1, 1, -1)) for a in arrays)
-    return reader, None if offsets is None else mx.array(np.asarray(offsets, dtype=np.uint32).reshape(1, 1, 1, -1))
+    """What ``read_codes`` reads codes ``[first, end)`` of a row (counted over every field) with,
+    built in numpy once (slices of the whole row's arrays would be operations in every read):
+    ``quant/packed.py``'s unpacking arrays shaped for rows (B, H, n, words), indexing the words
+    ``[lo, hi)`` that hold the codes; ``index_bits`` of their word indices (CUDA's selects); the
+    span of words, None for all of them; the offsets added to the codes."""
+    arrays, n_words = field_arrays(np.concatenate([np.full(n, b, dtype=np.int64) for n, b in layout]))
+    word, next_word, *rest = (a[first:end] for a in arrays)
+    lo, hi = int(word.min()), int(next_word.max()) + 1
+    word, next_word = word - lo, next_word - lo
+
+    def bits(index):
+        return tuple(mx.array(c.reshape(1, 1, 1, -1)) for c in index_bits(index, hi - lo))
+
+    reader = tuple(mx.array(a.reshape(1, 1, 1, -1)) for a in (word, next_word, *rest))
+    span = None if (lo, hi) == (0, n_words) else (lo, hi)
+    offset = None if offsets is None else mx.array(np.asarray(offsets, dtype=np.uint32).reshape(1, 1, 1, -1))
+    return reader, (bits(word), bits(next_word)), span, offset
 
 
 def read_codes(words: mx.array, layout: tuple[tuple[int, int], ...], first: int, end: int,
                offsets: tuple[int, ...] | None = None) -> mx.array:
     """uint32 codes ``[first, end)`` of rows (B, H, n, words), each plus its entry of
-    ``offsets`` (one per code) if given: one field or several, the rest of the row left packed."""
-    reader, offset = _code_reader(tuple(layout), first, end, offsets)
-    codes = unpack_codes(words, *reader)
+    ``offsets`` (one per code) if given: one field or several, the rest of the row left packed
+    (only the words that hold them read)."""
+    reader, bits, span, offset = _code_reader(tuple(layout), first, end, offsets)
+    codes = unpack_codes(words if span is None else words[..., span[0] : span[1]], *reader, bits=bits)
     return codes if offset is None else codes + offset

@@ -35,7 +35,8 @@ The score adds ``sqrt(π/2) / e · ‖r‖ · (S q_sem) · sign(S r)``, an unbia
 
 **Reading** (``EigenScores``, the ``PackedScores`` protocol): values and post-RoPE keys are
 read in the rotated frame, ``q Kᵀ = (q V)(‖k‖ ẑ)ᵀ`` and ``p V = (p (‖v‖ ẑ)) Vᵀ``: the codes
-are looked up, never rotated back row by row. Pre-RoPE keys cannot be: RoPE turns each
+are looked up (on CUDA the rows' words and the codebooks' levels by trees of selects,
+``quant/packed.py``'s ``selected_along_last``, not MLX's axis gather), never rotated back row by row. Pre-RoPE keys cannot be: RoPE turns each
 position by its own angle, so the keys are rotated back out of the basis (one
 (D x D) product over the history) and RoPE applied again at their positions. The QJL term
 rides in the same product: ``(S q_sem) · sign = q_sem · (Sᵀ sign)``, so it is the score of
@@ -62,7 +63,7 @@ from ...lowrank.cpu_streams import cpu_eigh
 from ...lowrank.factors import sample_rows
 from ...quant import codebook as cb
 from .bitfields import pack_fields, read_codes, row_words
-from ...quant.packed import GROWTH_TOKENS
+from ...quant.packed import GROWTH_TOKENS, selected_along_last, selects_here
 from ...quant.prerope import from_pre_rope_channels, rotary_angles, to_pre_rope
 from ...quant.store import VALUE_ROOM, PackedStore, paced
 from ...quant.token_rows import ReadViews
@@ -437,7 +438,10 @@ def _coordinates(codec: EigenCodec, d: int, on_rows: bool, qjl: bool, words, nor
     b, h = words.shape[:2]
     table = _scaled_table(codec, d, sigma, tables, (b, h))
     codes = read_codes(words, codec.layout(d), 0, d, (0,) * e + (codec.table_sizes(d)[0],) * (d - e))
-    z = mx.take_along_axis(table, codes.reshape(b, h, -1), axis=-1).reshape(codes.shape)
+    if selects_here(table.shape[-1]):  # CUDA: a tree of selects (``quant/packed.py``)
+        z = selected_along_last(table[:, :, None, :], codes)
+    else:
+        z = mx.take_along_axis(table, codes.reshape(b, h, -1), axis=-1).reshape(codes.shape)
     norm = norms[..., :1].astype(mx.float32)
     if on_rows:
         z = z * norm
