@@ -1,0 +1,116 @@
+"""Which of a decode step's matrix products cuBLAS runs with a thread-block cluster taller
+than 1 in y or z, on a CUDA machine under Nsight Compute.
+
+MLX re-instantiates, at every commit, a CUDA graph that holds such a kernel (it cannot
+update it in place: ``benchmarks/notes/cuda_graphs.md``), a millisecond-scale cost per
+layer and step. ``decode_kernels.py`` names the kernel but not the product that launched
+it. Here each product of spectral's pure-MLX decode read at the 8B shape (8 KV heads of
+128, 4 query rows a head, ``--tokens`` rows of history) and candidate rewrites of it run
+alone, each preceded by a marker kernel (a unary operation of its own), so the profile
+tells which product launched which kernel.
+
+    # on the device (ncu), then the table
+    ncu --metrics gpu__time_duration.sum,launch__cluster_dim_y,launch__cluster_dim_z --csv \\
+        python3 benchmarks/cluster_products.py --tokens 4352 > products.csv
+    python3 benchmarks/cluster_products.py --report products.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+
+MARKERS = ("Sin", "Cos", "Tan", "Exp", "Log", "Sqrt", "Abs", "Floor", "Ceil", "Sinh", "Cosh", "Tanh", "Erf",
+           "Rsqrt", "Log1p", "Expm1", "ArcTan", "Sign")
+
+
+def products(tokens: int, heads: int = 8, dim: int = 128, rows: int = 4):
+    """(label, thunk) for each product, float32 unless named."""
+    import mlx.core as mx
+
+    f32, f16 = mx.float32, mx.float16
+    basis = mx.random.normal((1, heads, dim, dim))
+    z = mx.random.normal((1, heads, tokens, dim))
+    zt = mx.contiguous(z.swapaxes(-1, -2))
+    q = mx.random.normal((1, heads, rows, dim))
+    p = mx.random.normal((1, heads, rows, tokens))
+    half = dim // 2
+    mx.eval(basis, z, zt, q, p)
+    return [
+        ("basis @ z^T (keys rebuilt, the z view transposed)", lambda: basis @ z.swapaxes(-1, -2)),
+        ("basis @ z^T, z^T contiguous", lambda: basis @ zt),
+        ("z @ basis^T (keys rebuilt as rows)", lambda: z @ basis.swapaxes(-1, -2)),
+        ("basis @ z^T, float16", lambda: basis.astype(f16) @ z.swapaxes(-1, -2).astype(f16)),
+        ("z @ basis^T, float16", lambda: z.astype(f16) @ basis.swapaxes(-1, -2).astype(f16)),
+        ("q half @ keys half (turned scores)", lambda: q[..., :half] @ zt[..., :half, :]),
+        ("addmm of the other half", lambda: mx.addmm(q[..., :half] @ zt[..., :half, :], q[..., half:],
+                                                     zt[..., half:, :])),
+        ("q @ z^T (scores in the basis)", lambda: q @ z.swapaxes(-1, -2)),
+        ("p @ z (values mixed)", lambda: p @ z),
+        ("out @ basis^T (mix back out of the basis)", lambda: q @ basis.swapaxes(-1, -2)),
+        ("float32 basis @ z^T over each head alone", lambda: mx.concatenate(
+            [basis[:, h : h + 1] @ z[:, h : h + 1].swapaxes(-1, -2) for h in range(heads)], axis=1)),
+    ]
+
+
+def run(tokens: int) -> None:
+    import mlx.core as mx
+
+    marker_input = mx.full((4,), 0.5)
+    mx.eval(marker_input)
+    cases = products(tokens)
+    for _, thunk in cases:  # every kernel chosen and compiled before the profiled pass
+        mx.eval(thunk())
+    mx.synchronize()
+    for (label, thunk), marker in zip(cases, MARKERS):
+        mx.eval(getattr(mx, marker.lower() if marker != "ArcTan" else "arctan")(marker_input))
+        mx.synchronize()
+        mx.eval(thunk())
+        mx.synchronize()
+        print(f"# {marker}: {label}", flush=True)
+
+
+def report(path: str) -> None:
+    """One line per product: its kernels, grid, cluster (y, z) and microseconds."""
+    text = open(path).read()
+    labels = dict(line[2:].split(": ", 1) for line in text.splitlines() if line.startswith("# "))
+    body = "\n".join(line for line in text.splitlines() if line.startswith('"'))
+    launches: dict[str, dict] = {}
+    order: list[str] = []
+    for row in csv.DictReader(io.StringIO(body)):
+        key = row["ID"]
+        if key not in launches:
+            launches[key] = {"name": row["Kernel Name"], "grid": row["Grid Size"]}
+            order.append(key)
+        launches[key][row["Metric Name"]] = row["Metric Value"]
+    print("| product | kernel | grid | cluster y, z | us |")
+    print("|---|---|---|---|---:|")
+    current = None
+    for key in order:
+        launch = launches[key]
+        marker = next((m for m in MARKERS if f"mlx::{m}," in launch["name"] or f"<mlx::{m}" in launch["name"]), None)
+        if marker and marker in labels:
+            current = labels[marker]
+            continue
+        if current is None:
+            continue
+        us = float(launch.get("gpu__time_duration.sum", "0").replace(",", "")) / 1e3
+        cluster = f"{launch.get('launch__cluster_dim_y', '?')}, {launch.get('launch__cluster_dim_z', '?')}"
+        name = launch["name"].split("(")[0][:70]
+        print(f"| {current} | {name} | {launch['grid']} | {cluster} | {us:.1f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4352, help="rows of history (4,352: a 4k prompt's buffer)")
+    ap.add_argument("--report", metavar="CSV", help="print the table of a finished ncu run")
+    args = ap.parse_args()
+    if args.report:
+        report(args.report)
+    else:
+        run(args.tokens)
+
+
+if __name__ == "__main__":
+    main()
