@@ -8,6 +8,8 @@ edges): a graph whose key was not seen before is instantiated, a millisecond-sca
 step how many graphs it committed and how many of their structures no earlier decode
 step had. A structure is each node's label with addresses, node and graph numbers removed, in
 order, plus the edges. Steady steps whose graphs keep being new pay an instantiation each.
+A window that grows after the prompt, or flushes every 32 steps, meets its structures once
+and then again: ``--warm`` steps count them as seen before the steady steps are counted.
 
     MLX_SAVE_CUDA_GRAPHS_DOT_FILE=/tmp/g/cg python benchmarks/cuda_graph_structures.py \
         --preset llama3-8b --layers 4 --context 4096 --steps 48 --method cachegen
@@ -58,6 +60,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--warm", type=int, default=0,
+                    help="steps whose graphs count as seen but not as steady (a window's growths after the "
+                         "prompt, the first flush: decode.py runs 64 before it times); 0: the first third")
     ap.add_argument("--method", required=True)
     ap.add_argument("--keep", type=int, default=6, help="dot files of the first decode steps kept (for reading)")
     ap.add_argument("--out", required=True, help="a JSON file; kept dot files go beside it")
@@ -79,7 +84,7 @@ def main() -> None:
         os.remove(f)
     known, known_kinds, steps, kept = {}, {}, [], Path(args.out).with_suffix("")
     kept.mkdir(parents=True, exist_ok=True)
-    for i in range(args.steps):
+    for i in range(args.warm + args.steps):
         y, _ = bench.step(model, cache, y)  # evaluated: its commits are its own
         files = sorted(written(), key=lambda f: int(re.search(r"_(\d+)\.dot$", f).group(1)))
         keys, kind_keys = [], []
@@ -98,16 +103,17 @@ def main() -> None:
         steps.append({"step": i, "graphs": len(keys), "new": new, "new_by_kind": new_kinds, "keys": keys,
                       "kind_keys": kind_keys})
         print(f"step {i:3d}: {len(keys):3d} graphs, {new:3d} new, {new_kinds:3d} new by kind", flush=True)
-    steady = steps[len(steps) // 3:]
+    steady = steps[args.warm:] if args.warm else steps[len(steps) // 3:]
+    where = f"after {args.warm} warm steps" if args.warm else "in the last two thirds"
     report = {"method": args.method, "preset": args.preset, "layers": args.layers, "context": args.context,
-              "graphs_a_step": [s["graphs"] for s in steps], "new_a_step": [s["new"] for s in steps],
+              "warm": args.warm, "graphs_a_step": [s["graphs"] for s in steps], "new_a_step": [s["new"] for s in steps],
               "distinct": len(known), "distinct_by_kind": len(known_kinds),
               "steady_new_share": sum(s["new"] for s in steady) / max(1, sum(s["graphs"] for s in steady)),
               "steady_new_by_kind_share": sum(s["new_by_kind"] for s in steady) / max(1, sum(s["graphs"] for s in steady)),
               "steps": steps, "structures": known}
     Path(args.out).write_text(json.dumps(report))
-    print(f"{args.method}: {len(known)} distinct graphs over {args.steps} steps ({len(known_kinds)} by node kinds); "
-          f"in the last two thirds {report['steady_new_share']:.0%} of committed graphs were new "
+    print(f"{args.method}: {len(known)} distinct graphs over {args.warm + args.steps} steps ({len(known_kinds)} by node "
+          f"kinds); {where} {report['steady_new_share']:.0%} of committed graphs were new "
           f"({report['steady_new_by_kind_share']:.0%} by node kinds)")
 
 
