@@ -2,8 +2,8 @@
 than 1 in y or z, on a CUDA machine under Nsight Compute.
 
 MLX re-instantiates, at every commit, a CUDA graph that holds such a kernel (it cannot
-update it in place: ``benchmarks/notes/cuda_graphs.md``), a millisecond-scale cost per
-layer and step. ``decode_kernels.py`` names the kernel but not the product that launched
+update it in place: ``benchmarks/notes/cuda_graphs.md``; ``subgraph_to_key`` and ``commit``
+in ``mlx/backend/cuda/device.cpp``), a millisecond-scale cost per layer and step. ``decode_kernels.py`` names the kernel but not the product that launched
 it. Here each product of spectral's pure-MLX decode read at the 8B shape (8 KV heads of
 128, 4 query rows a head, ``--tokens`` rows of history) and candidate rewrites of it run
 alone, each preceded by a marker kernel (a unary operation of its own), so the profile
@@ -49,6 +49,8 @@ def products(tokens: int, heads: int = 8, dim: int = 128, rows: int = 4):
         ("q @ z^T (scores in the basis)", lambda: q @ z.swapaxes(-1, -2)),
         ("p @ z (values mixed)", lambda: p @ z),
         ("out @ basis^T (mix back out of the basis)", lambda: q @ basis.swapaxes(-1, -2)),
+        ("basis halves @ z^T (the two rotary halves apart, M = 64 each)",
+         lambda: [basis[..., :half, :] @ z.swapaxes(-1, -2), basis[..., half:, :] @ z.swapaxes(-1, -2)]),
         ("float32 basis @ z^T over each head alone", lambda: mx.concatenate(
             [basis[:, h : h + 1] @ z[:, h : h + 1].swapaxes(-1, -2) for h in range(heads)], axis=1)),
     ]
