@@ -10,6 +10,7 @@ import tempfile
 from types import SimpleNamespace
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from test_kivi import feed
@@ -536,3 +537,36 @@ def test_on_cuda_a_decode_step_reads_words_and_codebooks_by_selects_to_the_same_
     assert on_cpu.count("GatherAxis") >= 6  # words (low, high) and codebooks, keys and values
     assert mx.array_equal(gathered, selected)
     assert on_cuda.count("GatherAxis") == (0 if bits == 2 else 2), on_cuda.count("GatherAxis")
+
+
+def test_the_qjl_sketch_of_a_few_columns_is_summed_within_float32_rounding_of_the_product():
+    signs = mx.where(mx.random.normal((2, 3, 50, 4), key=mx.random.key(5)) > 0, 1.0, -1.0)
+    for e in (1, 4, es.QJL_SUMMED_COLUMNS, es.QJL_SUMMED_COLUMNS + 1):
+        s = signs[..., :e] if e <= 4 else mx.tile(signs, (1, 1, 1, 3))[..., :e]
+        sketch = mx.random.normal((e, e), key=mx.random.key(e))
+        exact = np.asarray(s, dtype=np.float64) @ np.asarray(sketch, dtype=np.float64)
+        # e - 1 float32 additions of terms no larger than max |sketch|
+        bound = (e - 1) * 2**-24 * float(mx.abs(sketch).sum(axis=0).max())
+        assert np.abs(np.asarray(es._sketched(s, sketch)) - exact).max() <= bound + 1e-30
+        if e > es.QJL_SUMMED_COLUMNS:
+            assert mx.array_equal(es._sketched(s, sketch), s @ sketch)
+
+
+@pytest.mark.parametrize("context", [None, rotary_context()], ids=["post-rope", "pre-rope"])
+def test_a_decode_steps_qjl_correction_adds_no_matrix_product_at_the_default_d_eff(context, monkeypatch):
+    """The correction is ``signs @ sketch``, n rows by spectral_key_d_eff (4) columns: as a
+    product it was a launch of its own a layer and step (a cuBLAS kernel for four
+    multiply-adds a row); summed, it fuses into the compiled read."""
+    from decode_steps import cache_arrays
+
+    k, v = structured(300), structured(300, seed=9)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(31))
+    products = {}
+    for qjl in (False, True):
+        cache = spectral(context, spectral_apply_qjl=qjl)
+        feed(cache, k[:, :, :256], v[:, :, :256], 128)
+        feed(cache, k[:, :, 256:], v[:, :, 256:], 1)
+        mx.eval(cache_arrays([cache]))
+        _, labels = _step_output(cache, q, cuda=True, monkeypatch=monkeypatch)
+        products[qjl] = labels.count("Matmul") + labels.count("AddMM")
+    assert products[True] == products[False] > 0, products

@@ -73,6 +73,9 @@ GRID_POINTS = 16384  # quadrature points of the Gaussian density over that range
 LLOYD_ITERS = 200  # (a tenth of them from 6 bits on)
 SIGMA_FLOOR = 1e-4  # σ_tail >= this fraction of σ_head
 QJL_SCALE = math.sqrt(math.pi / 2)
+# sketches of at most this many columns (spectral_key_d_eff) are applied to the QJL signs as a
+# sum of broadcast products inside the compiled read rather than as a matrix product
+QJL_SUMMED_COLUMNS = 8
 HISTORY_BLOCK_SCORES = 1 << 26  # float32 scores of a prompt chunk against one block of the history (256 MiB)
 MIN_HISTORY_BLOCK = 256
 # float32 coordinates a decode step's reader decodes at once (``read_block``). On the CPU
@@ -450,8 +453,23 @@ def _coordinates(codec: EigenCodec, d: int, on_rows: bool, qjl: bool, words, nor
         rho = norms[..., 1:2].astype(mx.float32)
         if not on_rows:  # zero norms (spare rows, a zero key) have a zero residual
             rho = mx.where(norm > 0, rho / mx.maximum(norm, 1e-30), 0.0)
-        z[..., :e] = z[..., :e] + (QJL_SCALE / e) * rho * (signs @ sketch)
+        z[..., :e] = z[..., :e] + (QJL_SCALE / e) * rho * _sketched(signs, sketch)
     return z, norm.swapaxes(-1, -2)
+
+
+def _sketched(signs: mx.array, sketch: mx.array) -> mx.array:
+    """``signs @ sketch`` (..., n, e) for an (e, e) sketch. For a few columns, a sum of e
+    broadcast products that the compiled read fuses. As a product (n rows by e), cuBLAS ran
+    it on an H100 with a thread-block cluster of 3 in y, and MLX instantiates a CUDA graph
+    that holds such a kernel anew at every commit (benchmarks/notes/cuda_graphs.md)."""
+    e = sketch.shape[-1]
+    if e > QJL_SUMMED_COLUMNS:
+        return signs @ sketch
+    columns, rows = mx.split(signs, e, axis=-1), mx.split(sketch, e, axis=0)
+    out = columns[0] * rows[0]
+    for column, row in zip(columns[1:], rows[1:]):
+        out = out + column * row
+    return out
 
 
 @functools.lru_cache(maxsize=256)  # a span per read block and capacity: bounded
