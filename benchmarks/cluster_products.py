@@ -20,13 +20,17 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import re
 
 MARKERS = ("Sin", "Cos", "Tan", "Exp", "Log", "Sqrt", "Abs", "Floor", "Ceil", "Sinh", "Cosh", "Tanh", "Erf",
-           "Rsqrt", "Log1p", "Expm1", "ArcTan", "Sign")
+           "Rsqrt", "Log1p", "Expm1", "ArcTan", "Sign", "ArcSin", "ArcCos", "ArcSinh", "Square", "Negative",
+           "ArcCosh")
 
 
 def products(tokens: int, heads: int = 8, dim: int = 128, rows: int = 4):
     """(label, thunk) for each product, float32 unless named."""
+    from veloxquant_mlx.kernels.kivi_decode import token_mix  # first: it may load OpenBLAS
+
     import mlx.core as mx
 
     f16 = mx.float16
@@ -36,7 +40,9 @@ def products(tokens: int, heads: int = 8, dim: int = 128, rows: int = 4):
     q = mx.random.normal((1, heads, rows, dim))
     p = mx.random.normal((1, heads, rows, tokens))
     half = dim // 2
-    mx.eval(basis, z, zt, q, p)
+    signs = mx.where(mx.random.normal((1, heads, tokens, 4)) > 0, 1.0, -1.0)
+    sketch = mx.random.normal((4, 4))
+    mx.eval(basis, z, zt, q, p, signs, sketch)
     return [
         ("basis @ z^T (keys rebuilt, the z view transposed)", lambda: basis @ z.swapaxes(-1, -2)),
         ("basis @ z^T, z^T contiguous", lambda: basis @ zt),
@@ -53,6 +59,13 @@ def products(tokens: int, heads: int = 8, dim: int = 128, rows: int = 4):
          lambda: [basis[..., :half, :] @ z.swapaxes(-1, -2), basis[..., half:, :] @ z.swapaxes(-1, -2)]),
         ("float32 basis @ z^T over each head alone", lambda: mx.concatenate(
             [basis[:, h : h + 1] @ z[:, h : h + 1].swapaxes(-1, -2) for h in range(heads)], axis=1)),
+    ] + [(f"basis @ z^T over {n} tokens", lambda n=n: basis @ z[:, :, :n].swapaxes(-1, -2))
+         for n in (256, 512, 1024, 2048)] + [
+        ("basis @ z^T in token blocks of 512", lambda: [basis @ z[:, :, i : i + 512].swapaxes(-1, -2)
+                                                        for i in range(0, tokens, 512)]),
+        ("basis @ z^T, bfloat16", lambda: basis.astype(mx.bfloat16) @ z.swapaxes(-1, -2).astype(mx.bfloat16)),
+        ("QJL signs @ sketch (n x 4 by 4 x 4, the keys' correction)", lambda: signs @ sketch),
+        ("p @ z with the token axis cut in 512s (token_mix on CUDA)", lambda: token_mix(p, z)),
     ]
 
 
@@ -91,7 +104,8 @@ def report(path: str) -> None:
     current = None
     for key in order:
         launch = launches[key]
-        marker = next((m for m in MARKERS if f"mlx::{m}," in launch["name"] or f"<mlx::{m}" in launch["name"]), None)
+        named = set(re.findall(r"mlx::(?:cu::)?(\w+)[,>]", launch["name"]))  # whole names: Sin is not Sinh
+        marker = next((m for m in MARKERS if m in named), None)
         if marker and marker in labels:
             current = labels[marker]
             continue
