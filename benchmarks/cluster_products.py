@@ -3,11 +3,13 @@ than 1 in y or z, on a CUDA machine under Nsight Compute.
 
 MLX re-instantiates, at every commit, a CUDA graph that holds such a kernel (it cannot
 update it in place: ``benchmarks/notes/cuda_graphs.md``; ``subgraph_to_key`` and ``commit``
-in ``mlx/backend/cuda/device.cpp``), a millisecond-scale cost per layer and step. ``decode_kernels.py`` names the kernel but not the product that launched
-it. Here each product of spectral's pure-MLX decode read at the 8B shape (8 KV heads of
-128, 4 query rows a head, ``--tokens`` rows of history) and candidate rewrites of it run
-alone, each preceded by a marker kernel (a unary operation of its own), so the profile
-tells which product launched which kernel.
+in ``mlx/backend/cuda/device.cpp``), a millisecond-scale cost per layer and step.
+``decode_kernels.py`` names the kernel but not the product that launched it. Here each
+product runs alone, preceded by a marker kernel (``mx.sin`` of four numbers), so the
+profile tells which product launched which kernel: by default spectral's decode products
+at the 8B shape (8 KV heads of 128, 4 query rows a head, ``--tokens`` rows of history) and
+candidate rewrites of them; with ``--shapes``, the products of a ``decode_products.py``
+census (the flagged ones, or ``--all``).
 
     # on the device (ncu), then the table
     ncu --metrics gpu__time_duration.sum,launch__cluster_dim_y,launch__cluster_dim_z --csv \\
@@ -20,11 +22,14 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import math
 import re
+import sys
+from pathlib import Path
 
-MARKERS = ("Sin", "Cos", "Tan", "Exp", "Log", "Sqrt", "Abs", "Floor", "Ceil", "Sinh", "Cosh", "Tanh", "Erf",
-           "Rsqrt", "Log1p", "Expm1", "ArcTan", "Sign", "ArcSin", "ArcCos", "ArcSinh", "Square", "Negative",
-           "ArcCosh")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MARKER = "Sin"  # the marker kernel, launched alone before each product: the k-th starts product k
 
 
 def products(tokens: int, heads: int = 8, dim: int = 128, rows: int = 4):
@@ -69,27 +74,51 @@ def products(tokens: int, heads: int = 8, dim: int = 128, rows: int = 4):
     ]
 
 
-def run(tokens: int) -> None:
+def census_products(path: str, everything: bool):
+    """(label, thunk) for each product of a ``decode_products.py --out`` census: random
+    operands of each recorded shape and dtype, flagged ones only unless ``everything``; a
+    product of one row (the model's projections: MLX's own gemv) is left out."""
+    import json
+
+    from decode_products import flagged  # first: it imports veloxquant_mlx, which may load OpenBLAS
+
+    import mlx.core as mx
+
+    cases, seen = [], set()
+    for method, products in json.loads(open(path).read()).items():
+        for p in products:
+            a, b, dtypes = tuple(p["a"]), tuple(p["b"]), p["dtypes"]
+            key = (p["kind"], a, b, tuple(dtypes))
+            if key in seen or math.prod(a[:-1]) == 1 or not (everything or flagged(a, b, dtypes, 16, 1024)):
+                continue
+            seen.add(key)
+            x = mx.random.normal(a).astype(getattr(mx, dtypes[0]))
+            y = mx.random.normal(b).astype(getattr(mx, dtypes[1]))
+            mx.eval(x, y)
+            cases.append((f"{method}: {a} x {b} {'/'.join(dtypes)}", lambda x=x, y=y: x @ y))
+    return cases
+
+
+def run(cases) -> None:
     import mlx.core as mx
 
     marker_input = mx.full((4,), 0.5)
     mx.eval(marker_input)
-    cases = products(tokens)
     for _, thunk in cases:  # every kernel chosen and compiled before the profiled pass
         mx.eval(thunk())
     mx.synchronize()
-    for (label, thunk), marker in zip(cases, MARKERS):
-        mx.eval(getattr(mx, marker.lower())(marker_input))
+    for k, (label, thunk) in enumerate(cases):
+        mx.eval(getattr(mx, MARKER.lower())(marker_input))
         mx.synchronize()
         mx.eval(thunk())
         mx.synchronize()
-        print(f"# {marker}: {label}", flush=True)
+        print(f"# {k}: {label}", flush=True)
 
 
 def report(path: str) -> None:
     """One line per product: its kernels, grid, cluster (y, z) and microseconds."""
     text = open(path).read()
-    labels = dict(line[2:].split(": ", 1) for line in text.splitlines() if line.startswith("# "))
+    labels = [line[2:].split(": ", 1)[1] for line in text.splitlines() if line.startswith("# ")]
     body = "\n".join(line for line in text.splitlines() if line.startswith('"'))
     launches: dict[str, dict] = {}
     order: list[str] = []
@@ -101,13 +130,12 @@ def report(path: str) -> None:
         launches[key][row["Metric Name"]] = row["Metric Value"]
     print("| product | kernel | grid | cluster y, z | us |")
     print("|---|---|---|---|---:|")
-    current = None
+    current, markers = None, 0
     for key in order:
         launch = launches[key]
-        named = set(re.findall(r"mlx::(?:cu::)?(\w+)[,>]", launch["name"]))  # whole names: Sin is not Sinh
-        marker = next((m for m in MARKERS if m in named), None)
-        if marker and marker in labels:
-            current = labels[marker]
+        if MARKER in re.findall(r"mlx::(?:cu::)?(\w+)[,>]", launch["name"]):  # whole names: Sin is not Sinh
+            current = labels[markers] if markers < len(labels) else None
+            markers += 1
             continue
         if current is None:
             continue
@@ -121,11 +149,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4352, help="rows of history (4,352: a 4k prompt's buffer)")
     ap.add_argument("--report", metavar="CSV", help="print the table of a finished ncu run")
+    ap.add_argument("--shapes", metavar="JSON", help="the products of a decode_products.py census instead "
+                                                     "(its flagged ones; --all: every one)")
+    ap.add_argument("--all", action="store_true")
     args = ap.parse_args()
     if args.report:
         report(args.report)
     else:
-        run(args.tokens)
+        run(census_products(args.shapes, args.all) if args.shapes else products(args.tokens))
 
 
 if __name__ == "__main__":
