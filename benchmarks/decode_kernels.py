@@ -89,17 +89,30 @@ def run_all(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for method in args.methods:
         name = method.replace(" ", "_").replace("+", "plus")
-        cmd = ["ncu", "--profile-from-start", "off", "--metrics", ",".join(METRICS), "--csv",
-               sys.executable, __file__, "--one", method, "--preset", args.preset, "--layers", str(args.layers),
+        one = [sys.executable, __file__, "--one", method, "--preset", args.preset, "--layers", str(args.layers),
                "--context", str(args.context), "--warm", str(args.warm), "--steps", str(args.steps),
                "--batch", str(args.batch)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        if args.prewarm:  # the first run of a fresh machine compiles; MLX keeps the kernels on disk
+            warm = _run(one, args.timeout)
+            print(f"{method}: prewarm rc {warm.returncode}", flush=True)
+        done = _run(["ncu", "--profile-from-start", "off", "--metrics", ",".join(METRICS), "--csv", *one],
+                    args.timeout)
         (out / f"{name}.csv").write_text(done.stdout)
         (out / f"{name}.err").write_text(done.stderr)
         (out / f"{name}.json").write_text(json.dumps({
             "method": method, "rc": done.returncode, "layers": args.layers, "steps": args.steps,
             "context": args.context, "preset": args.preset, "batch": args.batch}))
         print(f"{method}: rc {done.returncode}", flush=True)
+
+
+def _run(cmd, timeout: float) -> subprocess.CompletedProcess:
+    """``cmd``'s run, or past ``timeout`` seconds one with return code "timeout" and what it
+    had printed: the next method still runs."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        return subprocess.CompletedProcess(cmd, "timeout", text(e.stdout), text(e.stderr))
 
 
 TIME = "gpu__time_duration.sum"
@@ -184,6 +197,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=40, help="decode steps before the captured ones")
     ap.add_argument("--steps", type=int, default=4, help="captured decode steps")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a method's ncu run may take")
+    ap.add_argument("--prewarm", action="store_true",
+                    help="run each method once without ncu first (on a fresh machine its first run compiles)")
     ap.add_argument("--out-dir")
     ap.add_argument("--report", metavar="DIR", help="print the table of a finished --out-dir")
     ap.add_argument("--top", type=int, default=5)

@@ -7,7 +7,7 @@
 source benchmarks/install_on_device.sh >/dev/null 2>&1 || { echo "install failed"; exit 1; }
 export VQ_MEMORY_LIMIT_GB=100
 for m in ${METHODS:-cachegen gear zipcache palu svdq turboquant}; do  # one process a method
-  python3 benchmarks/decode_kernels.py --out-dir $OUT/kernels --timeout ${PER_S:-90} --layers 2 --warm 36 --steps 4 \
+  python3 benchmarks/decode_kernels.py --out-dir $OUT/kernels --prewarm --timeout ${PER_S:-200} --layers 2 --warm 36 --steps 4 \
     --methods "${m//_/ }" >> $OUT/kernels.log 2>&1
   echo "$m rc=$? after ${SECONDS}s"
 done
