@@ -570,3 +570,22 @@ def test_a_decode_steps_qjl_correction_adds_no_matrix_product_at_the_default_d_e
         _, labels = _step_output(cache, q, cuda=True, monkeypatch=monkeypatch)
         products[qjl] = labels.count("Matmul") + labels.count("AddMM")
     assert products[True] == products[False] > 0, products
+
+
+def test_encoding_the_qjl_signs_adds_no_matrix_product_at_the_default_d_eff(tmp_path):
+    """The encoder projects each key's residual on the sketch, n rows by 4 columns: the same
+    shape as the read's correction (above), summed in the same way."""
+    d, n = 64, 2048
+    x = structured(n)
+    basis = mx.broadcast_to(mx.eye(d), (1, 2, d, d))
+    sigma = mx.ones((1, 2, 2))
+    sketch = mx.random.normal((4, 4), key=mx.random.key(3))
+    mx.eval(x, basis, sigma, sketch)
+    products = {}
+    for qjl in (False, True):
+        codec = EigenCodec(2, 4, key=True, qjl=qjl)
+        words, norms = codec.encode(x, basis, sigma, sketch if qjl else None)
+        path = tmp_path / f"encode_{qjl}.dot"
+        mx.export_to_dot(str(path), words, norms)
+        products[qjl] = re.findall(r'label ="?([A-Za-z_]+)"?, shape=rectangle', path.read_text()).count("Matmul")
+    assert products[True] == products[False] == 1, products

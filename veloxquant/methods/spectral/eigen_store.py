@@ -73,8 +73,8 @@ GRID_POINTS = 16384  # quadrature points of the Gaussian density over that range
 LLOYD_ITERS = 200  # (a tenth of them from 6 bits on)
 SIGMA_FLOOR = 1e-4  # σ_tail >= this fraction of σ_head
 QJL_SCALE = math.sqrt(math.pi / 2)
-# sketches of at most this many columns (spectral_key_d_eff) are applied to the QJL signs as a
-# sum of broadcast products inside the compiled read rather than as a matrix product
+# sketches of at most this many columns (spectral_key_d_eff) are applied (to the QJL signs in a
+# read, to the residuals in an encode) as a sum of broadcast products, not a matrix product
 QJL_SUMMED_COLUMNS = 8
 HISTORY_BLOCK_SCORES = 1 << 26  # float32 scores of a prompt chunk against one block of the history (256 MiB)
 MIN_HISTORY_BLOCK = 256
@@ -273,7 +273,7 @@ class EigenCodec:
         if self.qjl:
             z_head = mx.take_along_axis(book_head, head, axis=-1).reshape(b, h, n, e) * s[..., :1]
             residual = norm * z[..., :e] - norm16.astype(mx.float32) * z_head
-            fields.append((residual @ sketch.T >= 0, 1))
+            fields.append((_sketched(residual, sketch.T) >= 0, 1))
             norms.append(mx.linalg.norm(residual, axis=-1, keepdims=True).astype(mx.float16))
         return pack_fields(fields), mx.concatenate(norms, axis=-1) if self.qjl else norm16
 
@@ -457,15 +457,16 @@ def _coordinates(codec: EigenCodec, d: int, on_rows: bool, qjl: bool, words, nor
     return z, norm.swapaxes(-1, -2)
 
 
-def _sketched(signs: mx.array, sketch: mx.array) -> mx.array:
-    """``signs @ sketch`` (..., n, e) for an (e, e) sketch. For a few columns, a sum of e
-    broadcast products that the compiled read fuses. As a product (n rows by e), cuBLAS ran
-    it on an H100 with a thread-block cluster of 3 in y, and MLX instantiates a CUDA graph
-    that holds such a kernel anew at every commit (benchmarks/notes/cuda_graphs.md)."""
+def _sketched(x: mx.array, sketch: mx.array) -> mx.array:
+    """``x @ sketch`` (..., n, e) for an (e, e) sketch (or its transpose): the QJL signs'
+    correction, or the encoder's projection of the residuals. For a few columns, a sum of e
+    broadcast products that a compiled pass fuses. As a product (n rows by e), cuBLAS ran it
+    on an H100 with a thread-block cluster of 3 in y, and MLX instantiates a CUDA graph that
+    holds such a kernel anew at every commit (benchmarks/notes/cuda_graphs.md)."""
     e = sketch.shape[-1]
     if e > QJL_SUMMED_COLUMNS:
-        return signs @ sketch
-    columns, rows = mx.split(signs, e, axis=-1), mx.split(sketch, e, axis=0)
+        return x @ sketch
+    columns, rows = mx.split(x, e, axis=-1), mx.split(sketch, e, axis=0)
     out = columns[0] * rows[0]
     for column, row in zip(columns[1:], rows[1:]):
         out = out + column * row
