@@ -12,7 +12,8 @@ when it is float32 with an inner dimension of at most ``--max-inner`` over at le
 The model: ``--layers`` layers of Llama-3-8B's attention shape (``host_time.build_model``),
 float16, a ``--context``-token prompt, ``--warm`` decode steps, then ``--steps`` steps with
 ``mx.compile`` off (so that compiled reads run their Python) and every ``@``,
-``mx.matmul`` and ``mx.addmm`` recorded.
+``mx.matmul`` and ``mx.addmm`` recorded; ``--prefill``: the products of the prompt's
+prefill instead (2,048-token chunks, as the device's benchmarks prefill).
 
     python benchmarks/decode_products.py --methods spectral gear --out products.json
     python benchmarks/decode_products.py --flagged-only
@@ -77,13 +78,28 @@ def flagged(a_shape, b_shape, dtypes, max_inner: int, min_rows: int) -> bool:
     return "float32" in dtypes and inner <= max_inner and rows >= min_rows
 
 
-def census(names, context: int, layers: int, warm: int, steps: int) -> dict[str, list]:
+def census(names, context: int, layers: int, warm: int, steps: int, of_prefill: bool = False) -> dict[str, list]:
+    """Per method, the products of ``steps`` steady decode steps (per step), or with
+    ``of_prefill`` those of the prompt's prefill in 2,048-token chunks (per prefill)."""
     model = host_time.build_model(layers, mx.float16)
     tokens = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(1))
     found = {}
     for name in names:
         config = host_time.METHODS.get(name) or KVCacheConfig(method=name)
         cache = host_time.make_cache(model, config)
+        if of_prefill:
+            with host_time.stubbed_gpu_path(), ProductLog() as log:
+                mx.disable_compile()
+                log.active = True
+                try:
+                    mx.eval(prefill(model, cache, tokens, chunk=2048))
+                finally:
+                    log.active = False
+                    mx.enable_compile()
+            found[name] = [dict(kind=k, a=list(a), b=list(b), dtypes=[da, db], per_step=n)
+                           for (k, a, b, da, db), n in log.seen.items()]
+            print(f"{name}: {len(found[name])} product shapes", file=sys.stderr, flush=True)
+            continue
         y = mx.argmax(prefill(model, cache, tokens, chunk=512))[None]
         with host_time.stubbed_gpu_path(), ProductLog() as log:
             for _ in range(warm):
@@ -112,10 +128,12 @@ def main() -> None:
     ap.add_argument("--max-inner", type=int, default=16)
     ap.add_argument("--min-rows", type=int, default=1024)
     ap.add_argument("--flagged-only", action="store_true")
+    ap.add_argument("--prefill", action="store_true", help="the products of the prompt's prefill instead "
+                                                           "(2,048-token chunks; the 'a step' column: a prefill)")
     ap.add_argument("--out", help="write the census as JSON (cluster_products.py --shapes reads it)")
     args = ap.parse_args()
     names = args.methods or implemented_methods()
-    found = census(names, args.context, args.layers, args.warm, args.steps)
+    found = census(names, args.context, args.layers, args.warm, args.steps, args.prefill)
     if args.out:
         Path(args.out).write_text(json.dumps(found, indent=1))
     print(f"| method | product | operands | dtypes | a step | flagged (float32, inner <= {args.max_inner}, "
