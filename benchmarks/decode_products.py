@@ -72,7 +72,10 @@ class ProductLog:
         mx.array.__matmul__, mx.matmul, mx.addmm = self._real
 
 
-def flagged(a_shape, b_shape, dtypes, max_inner: int, min_rows: int) -> bool:
+MAX_INNER, MIN_ROWS = 16, 1024  # a flagged product: float32, inner dimension <= MAX_INNER, rows >= MIN_ROWS
+
+
+def flagged(a_shape, b_shape, dtypes, max_inner: int = MAX_INNER, min_rows: int = MIN_ROWS) -> bool:
     inner = a_shape[-1]
     rows = math.prod(a_shape[:-1]) if len(b_shape) == 2 else a_shape[-2]
     return "float32" in dtypes and inner <= max_inner and rows >= min_rows
@@ -125,8 +128,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--warm", type=int, default=40, help="steps before the recorded ones (past the first flush)")
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--max-inner", type=int, default=16)
-    ap.add_argument("--min-rows", type=int, default=1024)
+    ap.add_argument("--max-inner", type=int, default=MAX_INNER)
+    ap.add_argument("--min-rows", type=int, default=MIN_ROWS)
     ap.add_argument("--flagged-only", action="store_true")
     ap.add_argument("--prefill", action="store_true", help="the products of the prompt's prefill instead "
                                                            "(2,048-token chunks; the 'a step' column: a prefill)")
