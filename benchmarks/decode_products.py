@@ -22,6 +22,7 @@ prefill instead (2,048-token chunks, as the device's benchmarks prefill).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -71,6 +72,17 @@ class ProductLog:
     def __exit__(self, *exc):
         mx.array.__matmul__, mx.matmul, mx.addmm = self._real
 
+    @contextlib.contextmanager
+    def recording(self):
+        """Record inside: ``mx.compile`` off, so that compiled passes run their Python."""
+        mx.disable_compile()
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+            mx.enable_compile()
+
 
 MAX_INNER, MIN_ROWS = 16, 1024  # a flagged product: float32, inner dimension <= MAX_INNER, rows >= MIN_ROWS
 
@@ -90,32 +102,19 @@ def census(names, context: int, layers: int, warm: int, steps: int, of_prefill: 
     for name in names:
         config = host_time.METHODS.get(name) or KVCacheConfig(method=name)
         cache = host_time.make_cache(model, config)
-        if of_prefill:
-            with host_time.stubbed_gpu_path(), ProductLog() as log:
-                mx.disable_compile()
-                log.active = True
-                try:
-                    mx.eval(prefill(model, cache, tokens, chunk=2048))
-                finally:
-                    log.active = False
-                    mx.enable_compile()
-            found[name] = [dict(kind=k, a=list(a), b=list(b), dtypes=[da, db], per_step=n)
-                           for (k, a, b, da, db), n in log.seen.items()]
-            print(f"{name}: {len(found[name])} product shapes", file=sys.stderr, flush=True)
-            continue
-        y = mx.argmax(prefill(model, cache, tokens, chunk=512))[None]
+        y = None if of_prefill else mx.argmax(prefill(model, cache, tokens, chunk=512))[None]
         with host_time.stubbed_gpu_path(), ProductLog() as log:
-            for _ in range(warm):
-                y, _ = host_time.timed_step(model, cache, y)
-            mx.disable_compile()
-            log.active = True
-            try:
-                for _ in range(steps):
+            if of_prefill:
+                with log.recording():
+                    mx.eval(prefill(model, cache, tokens, chunk=2048))
+            else:
+                for _ in range(warm):
                     y, _ = host_time.timed_step(model, cache, y)
-            finally:
-                log.active = False
-                mx.enable_compile()
-        found[name] = [dict(kind=k, a=list(a), b=list(b), dtypes=[da, db], per_step=n / steps)
+                with log.recording():
+                    for _ in range(steps):
+                        y, _ = host_time.timed_step(model, cache, y)
+        per = 1 if of_prefill else steps
+        found[name] = [dict(kind=k, a=list(a), b=list(b), dtypes=[da, db], per_step=n / per)
                        for (k, a, b, da, db), n in log.seen.items()]
         print(f"{name}: {len(found[name])} product shapes", file=sys.stderr, flush=True)
     return found
