@@ -111,8 +111,12 @@ def _run(cmd, timeout: float) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        return subprocess.CompletedProcess(cmd, "timeout", text(e.stdout), text(e.stderr))
+        return subprocess.CompletedProcess(cmd, "timeout", _text(e.stdout), _text(e.stderr))
+
+
+def _text(out) -> str:
+    """What a timed-out run had printed (bytes, text or None) as text."""
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 TIME = "gpu__time_duration.sum"
