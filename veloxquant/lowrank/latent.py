@@ -46,10 +46,11 @@ another (``addmm``); the lift adds the mean in the same product; 1-bit words are
 in one fused pass on a GPU's path; a token's moments and both tensors' latents are tied by
 one dependency.
 
-On CUDA, a steady step (one run, the queries one row) is one fused
-``scaled_dot_product_attention`` in the latent space instead: the folded queries against
+On CUDA, a steady step (one run, the queries one row) is one
+``scaled_dot_product_attention`` call in the latent space instead (fused by MLX up to
+width 128): the folded queries against
 the latents decoded in the queries' dtype, the value latents (or the exact values) as its
-values, every width zero-padded to one MLX fuses (``FUSED_WIDTHS``), the mixed latents
+values, every width zero-padded to one of ``FUSED_WIDTHS``, the mixed latents
 lifted with the mean in one product (``LatentStore._fused_attention``). The stored rows
 are read once the queries exist, as the other CUDA reads do (``PackedStore.history_after``).
 
@@ -102,8 +103,10 @@ from .cpu_streams import cpu_eigh
 from .factors import energy_rank, gram_basis
 
 UNQUANTIZED_BITS = 16  # widths from here on keep a channel in the model's dtype
-# the head widths MLX's CUDA back-end fuses a one-row attention for (0.32.4,
-# ``ScaledDotProductAttention::use_fallback``: queries', keys' and values' widths equal)
+# the widths the latent attention is padded to on CUDA (queries', keys' and values' widths
+# equal). MLX 0.32's CUDA back-end fuses a one-row attention at 64, 96 and 128
+# (``sdpa_vector``); at 256 it runs its own products and softmax, which an H100 still ran
+# about twice as fast as the float32 read, against KVCache (benchmarks/notes/cuda_dense_reads.md)
 FUSED_WIDTHS = (64, 96, 128, 256)
 REFIT_GROWTH = 2  # a new basis each time the tokens held have doubled since the last fit
 
@@ -918,7 +921,7 @@ class LatentStore(PackedStore):
 
     def _fused_width(self, queries) -> int | None:
         """The width one fused attention in the latent space reads the run at (the ranks,
-        or the head dim of values kept exactly, rounded up to a width MLX fuses), or None
+        or the head dim of values kept exactly, rounded up to one of ``FUSED_WIDTHS``), or None
         where it cannot: a width past them all; values kept exactly per head while a
         group holds several heads (keys and values would have different head counts)."""
         if queries.shape[2] != 1:
