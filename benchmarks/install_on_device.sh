@@ -8,6 +8,18 @@
 # illegal accesses). veloxquant_mlx is imported first in every process, so that MLX's CPU
 # back-end (the CPU stream's linear algebra in fits) uses the system OpenBLAS.
 # Usage: source benchmarks/install_on_device.sh
+# The run tool brings back at most 8 files of $OUT (session 79 lost a JSON and two ncu CSVs to
+# that): a script that sources this and leaves more gets them as one archive when it exits
+# (out_<its pid>.tgz; earlier archives are kept beside it, not packed again).
+archive_out() {
+  [ -d "${OUT:-}" ] || return 0
+  [ "$(find "$OUT" -type f | wc -l)" -le 8 ] && return 0
+  local name="out_$$.tgz"
+  (cd "$OUT" && tar czf "/tmp/$name" --exclude='./out_*.tgz' . &&
+    find . -type f ! -name 'out_*.tgz' -delete && find . -mindepth 1 -type d -empty -delete &&
+    mv "/tmp/$name" .)
+}
+trap archive_out EXIT
 if [ ! -d /tmp/site/mlx ]; then
   wheel=/tmp/$(cat /tmp/p/cuda-wheel-name)
   cat /tmp/p/whole.part.00 /tmp/p/whole.part.01 .device/c3/whole.part.02 > "$wheel" &&
