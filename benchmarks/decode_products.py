@@ -4,8 +4,12 @@ On an H100, cuBLAS ran spectral's QJL correction (a float32 product of 34,816 ro
 a 4 x 4 sketch) with a thread-block cluster of 3 in y, and MLX instantiates a CUDA graph that
 holds such a kernel anew at every commit (``notes/cuda_graphs.md``, session 78). Which kernel
 cuBLAS picks can only be seen on the device; this lists, for every method, the products its
-step builds (the CUDA path stubbed, as ``host_time.py`` builds it), so that the device's
-``cluster_products.py --shapes`` can run each shape alone under ncu. A product is flagged
+step builds, so that the device's ``cluster_products.py --shapes`` can run each shape alone
+under ncu. The steps are built as on MLX's CUDA back-end
+(``tests/decode_steps.steps_as_on_cuda``): the package sees a GPU as the default device, so
+reads that choose their path by it take the GPU's (session 78's census stubbed only the
+kernels, and recorded the CPU's reads of cachegen, gear and the other stores that choose by
+``kivi_decode._pure_path``). A product is flagged
 when it is float32 with an inner dimension of at most ``--max-inner`` over at least
 ``--min-rows`` rows: the QJL product's kind.
 
@@ -29,7 +33,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import host_time  # noqa: E402  (imports veloxquant_mlx before mlx)
+import host_time  # noqa: E402  (imports veloxquant_mlx before mlx; puts tests/ on the path)
+from decode_steps import steps_as_on_cuda  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
@@ -103,7 +108,7 @@ def census(names, context: int, layers: int, warm: int, steps: int, of_prefill: 
         config = host_time.METHODS.get(name) or KVCacheConfig(method=name)
         cache = host_time.make_cache(model, config)
         y = None if of_prefill else mx.argmax(prefill(model, cache, tokens, chunk=512))[None]
-        with host_time.stubbed_gpu_path(), ProductLog() as log:
+        with steps_as_on_cuda(), ProductLog() as log:
             if of_prefill:
                 with log.recording():
                     mx.eval(prefill(model, cache, tokens, chunk=2048))
