@@ -9,9 +9,9 @@ under ncu. The steps are built as on MLX's CUDA back-end
 (``tests/decode_steps.steps_as_on_cuda``): the package sees a GPU as the default device, so
 reads that choose their path by it take the GPU's (session 78's census stubbed only the
 kernels, and recorded the CPU's reads of cachegen, gear and the other stores that choose by
-``kivi_decode._pure_path``). A product is flagged
-when it is float32 with an inner dimension of at most ``--max-inner`` over at least
-``--min-rows`` rows: the QJL product's kind.
+``kivi_decode._pure_path``). A product is flagged when it is float32 with an inner
+dimension of at most ``--max-inner`` over at least ``--min-rows`` rows: the QJL product's
+kind.
 
 The model: ``--layers`` layers of Llama-3-8B's attention shape (``host_time.build_model``),
 float16, a ``--context``-token prompt, ``--warm`` decode steps, then ``--steps`` steps with

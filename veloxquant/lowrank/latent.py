@@ -105,8 +105,8 @@ from .factors import energy_rank, gram_basis
 UNQUANTIZED_BITS = 16  # widths from here on keep a channel in the model's dtype
 # the widths the latent attention is padded to on CUDA (queries', keys' and values' widths
 # equal). MLX 0.32's CUDA back-end fuses a one-row attention at 64, 96 and 128
-# (``sdpa_vector``); at 256 it runs its own products and softmax, which an H100 still ran
-# about twice as fast as the float32 read, against KVCache (benchmarks/notes/cuda_dense_reads.md)
+# (``sdpa_vector``); at 256 it runs its own products and softmax, which still beat the
+# float32 read on an H100 (benchmarks/notes/cuda_dense_reads.md)
 FUSED_WIDTHS = (64, 96, 128, 256)
 REFIT_GROWTH = 2  # a new basis each time the tokens held have doubled since the last fit
 
