@@ -190,3 +190,58 @@ def test_the_energy_rule_takes_one_gram_eigenproblem_and_the_exact_rank(monkeypa
         assert r == int(np.searchsorted(energy, fraction) + 1)
         err = sum(float(((a @ b - _cols(k)) ** 2).sum()) for b, k in zip(bs, ks))
         assert err <= s2[r:].sum() * (1 + 1e-3)
+
+
+@pytest.fixture
+def fit_streams():
+    from veloxquant_mlx.lowrank import cpu_streams
+
+    yield cpu_streams.set_fit_streams
+    cpu_streams.set_fit_streams(None)
+
+
+def _kept(caches):
+    """Every array the caches keep after the groups' fits, by layer and name."""
+    out = {}
+    for c in caches:
+        for name, x in c._arrays().items():
+            x = getattr(x, "buffer", x)
+            if isinstance(x, mx.array):
+                out[(c.layer, name)] = x
+    return out
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3])
+def test_the_groups_fits_at_a_prompts_end_run_a_wave_at_a_time_and_match_one_group_at_a_time(
+        streams, fit_streams, monkeypatch):
+    """Issue 31: at the first decode step each group fitted at its last layer, one LAPACK
+    eigenproblem and one host read after another (xkv's 4k prefill 57x KVCache's on an H100,
+    32 layers: 16 eigenproblems of 2,048). The first group to end its prompt now queues the
+    later groups' eigenproblems too, as many at a time as there are fit streams, before it
+    reads their ranks; the later groups take their bases from it. Each matrix is decomposed
+    alone on the same streams either way, so every kept array and output is the same bit
+    for bit as fitting one group at a time."""
+    from veloxquant_mlx.lowrank import factors
+    from veloxquant_mlx.methods.xkv import XKVCache
+
+    fit_streams(streams)
+    groups = 3
+    eighs, queued_at_first_read = [], []
+    real_eigh, real_rank = factors.cpu_eigh, factors.energy_rank
+    monkeypatch.setattr(factors, "cpu_eigh", lambda a: eighs.append(a.shape) or real_eigh(a))
+    monkeypatch.setattr(factors, "energy_rank", lambda *a, **k: queued_at_first_read.append(len(eighs)) or real_rank(*a, **k))
+    caches, _, _, outs = _run(n_layers=2 * groups)
+    assert len(eighs) == groups and queued_at_first_read[0] == min(streams, groups)
+    assert not any("_prompt_basis" in c.__dict__ for c in caches)  # every basis taken by its group
+
+    monkeypatch.setattr(XKVCache, "_waiting_groups", lambda self, end: [])  # one group at a time
+    eighs.clear()
+    alone, _, _, alone_outs = _run(n_layers=2 * groups)
+    assert len(eighs) == groups
+    kept, want = _kept(caches), _kept(alone)
+    assert kept.keys() == want.keys()
+    for key in want:
+        assert mx.array_equal(kept[key], want[key]), key
+    for layer, (got, ref) in enumerate(zip(outs, alone_outs)):
+        for step, (a, b) in enumerate(zip(got, ref)):
+            assert mx.array_equal(a, b), (layer, step)

@@ -29,6 +29,9 @@ benchmarks/notes/fits.md), a batch of them split over several CPU streams
   the tokens) gives the exact spectrum and basis with one host read. The total energy the
   doubling compares with is summed per column first (one float32 sum over 8M squares
   lost 1.2% of it and chose 1,135 directions for the exact rule's 1,194).
+- ``leading_bases``: ``randomized_basis`` of several matrices (xKV's groups at a prompt's
+  end), the exact route's eigenproblems queued a wave at a time over the fit streams, each
+  wave's ranks in one host read.
 - ``svd_factors``: the exact thin SVD through a QR first (tests and offline tools; not on
   a prefill path).
 - ``gram_basis``: the right singular vectors and singular values of a tall ``x`` through
@@ -70,7 +73,7 @@ import os
 
 import mlx.core as mx
 
-from .cpu_streams import cpu_eigh, on_fit_streams
+from .cpu_streams import cpu_eigh, fit_streams, on_fit_streams
 
 POWER_ITERATIONS = 3  # GEAR's run scripts (--loop 3)
 SEED = 0  # the start of every power iteration: the same chunk gives the same factors
@@ -160,8 +163,7 @@ def randomized_basis(x: mx.array, rank: int | None, fraction: float = 1.0, sampl
     the largest over the batch (read on the host: a prefill step, never a decode step)."""
     xs = sample_rows(x, sample)
     m = min(xs.shape[-2:])
-    wide = rank is None or 3 * (min(rank, m) + OVERSAMPLE) >= m  # the iterations would cost more
-    if m <= DIRECT_MAX or (m <= GRAM_MAX and wide):  # one eigenproblem, not the iterations' many
+    if _exact_route(m, rank):
         v, sigma = _small_side_basis(xs)
         r = min(rank, m) if rank is not None else int(energy_rank(sigma, fraction).max())
         return v[..., :r], r
@@ -179,6 +181,45 @@ def randomized_basis(x: mx.array, rank: int | None, fraction: float = 1.0, sampl
             r = min(int((short.sum(axis=-1) + 1).max()), k)
             return v[..., :r], r
         k = min(2 * k, m)
+
+
+def _exact_route(m: int, rank: int | None) -> bool:
+    """Whether ``randomized_basis`` takes the exact basis (one eigenproblem of the smaller
+    side's Gram matrix) for a sample whose smaller side is ``m``: up to ``DIRECT_MAX``, or up
+    to ``GRAM_MAX`` where the iterations would cost more (the energy rule, or a rank past a
+    third of ``m``)."""
+    wide = rank is None or 3 * (min(rank, m) + OVERSAMPLE) >= m
+    return m <= DIRECT_MAX or (m <= GRAM_MAX and wide)
+
+
+def leading_bases(xs: list, rank: int | None, fraction: float = 1.0, sample: int | None = None) -> list:
+    """``randomized_basis`` of each matrix of ``xs``, the exact route's eigenproblems queued
+    a wave at a time before any of their ranks is read: each wave (as many matrices as
+    ``fit_streams()``) runs side by side on the fit streams (``cpu_eigh`` hands single
+    matrices to the streams in turn) and its ranks come back in one host read, where
+    ``randomized_basis`` one matrix at a time waits for each eigenproblem alone. Each basis
+    is the one ``randomized_basis`` gives (each matrix decomposed alone), cut to its rank
+    and copied and evaluated with its wave, so no wave's full eigenvectors outlive it."""
+    out: list = [None] * len(xs)
+    exact = []
+    for i, x in enumerate(xs):
+        s = sample_rows(x, sample)
+        if _exact_route(min(s.shape[-2:]), rank):
+            exact.append((i, s))
+        else:
+            out[i] = randomized_basis(x, rank, fraction, sample)
+    wave = max(1, len(fit_streams()))
+    for lo in range(0, len(exact), wave):
+        fits = [(i, *_small_side_basis(s)) for i, s in exact[lo : lo + wave]]
+        if rank is not None:
+            ranks = [min(rank, v.shape[-1]) for _, v, _ in fits]
+        else:
+            ranks = mx.stack([energy_rank(sigma, fraction).max() for _, _, sigma in fits]).tolist()
+        bases = [mx.contiguous(v[..., :r]) for (_, v, _), r in zip(fits, ranks)]
+        mx.eval(bases)
+        for (i, _, _), v, r in zip(fits, bases, ranks):
+            out[i] = (v, int(r))
+    return out
 
 
 def svd_factors(x: mx.array):

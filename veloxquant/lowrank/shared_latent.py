@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from ..kernels import kivi_decode as kd
 from ..quant.affine import dequantize_per_channel, quantize_per_channel
-from .factors import randomized_basis
+from .factors import leading_bases, randomized_basis
 
 DENSE_BITS = 16  # the latent kept in the model dtype
 
@@ -34,11 +34,23 @@ def heads_to_channels(k: mx.array) -> mx.array:
     return k.transpose(0, 2, 1, 3).reshape(b, t, h * d)
 
 
-def joint_factors(blocks: list[mx.array], rank: int | None, energy: float):
+def joint_keys(blocks: list[mx.array]) -> mx.array:
+    """``X = [K_1 | ... | K_G]`` (B, T, G*H*d) float32 of keys ``blocks`` (B, H, T, d)."""
+    return mx.concatenate([heads_to_channels(k.astype(mx.float32)) for k in blocks], axis=-1)
+
+
+def joint_bases(groups: list[list[mx.array]], rank: int | None, energy: float) -> list:
+    """``(V_r, r)`` of each group's ``joint_keys`` as ``joint_factors`` fits it, every group's
+    eigenproblem queued before their ranks are read (``factors.leading_bases``)."""
+    return leading_bases([joint_keys(blocks) for blocks in groups], rank, energy)
+
+
+def joint_factors(blocks: list[mx.array], rank: int | None, energy: float, basis=None):
     """The shared latent and each layer's reconstruction of keys ``blocks`` (B, H, T, d)
     of the same tokens: (A (B, T, r) float32, [B_l (B, r, H*d) float32], r). ``rank``
     None: the smallest r holding ``energy`` of the squared singular values (the largest
-    over the batch); any rank is capped at min(T, G*H*d).
+    over the batch); any rank is capped at min(T, G*H*d). ``basis``: ``(V_r, r)`` fitted
+    already (``joint_bases``), for these blocks with this rank rule.
 
     The basis ``V_r`` comes from ``factors.randomized_basis`` over at most
     ``FIT_SAMPLE_TOKENS`` tokens (the Gram matrix's one eigenproblem up to ``GRAM_MAX``
@@ -46,8 +58,8 @@ def joint_factors(blocks: list[mx.array], rank: int | None, energy: float):
     instead of the exact SVD of the T x G*H*d matrix; ``A = X V_r`` over every token, so
     ``A B_l`` is X's projection on the basis. Under the energy rule the projection holds at
     least ``energy`` of the sampled rows' energy, with at least the exact rule's rank."""
-    x = mx.concatenate([heads_to_channels(k.astype(mx.float32)) for k in blocks], axis=-1)
-    v, r = randomized_basis(x, rank, energy)
+    x = joint_keys(blocks)
+    v, r = randomized_basis(x, rank, energy) if basis is None else basis
     a = mx.where(mx.isfinite(x), x, 0.0) @ v
     width = blocks[0].shape[1] * blocks[0].shape[3]
     bs = [v[:, i * width : (i + 1) * width].swapaxes(1, 2) for i in range(len(blocks))]

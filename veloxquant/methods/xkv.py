@@ -50,9 +50,10 @@ import mlx.core as mx
 
 from ..cache.base import CompressedKVCache, causal_mask
 from ..cache.buffers import GrowingArray
-from ..cache.cross_layer import CrossLayer, consecutive_groups
+from ..cache.cross_layer import CrossLayer, CrossLayerError, consecutive_groups
 from ..kernels import kivi_decode as kd
-from ..lowrank.shared_latent import SharedLatentCodec, LatentKeys, joint_factors
+from ..lowrank.cpu_streams import fit_streams
+from ..lowrank.shared_latent import SharedLatentCodec, LatentKeys, joint_bases, joint_factors
 from ..quant.token_rows import ReadViews
 
 
@@ -154,13 +155,55 @@ class XKVCache(CrossLayer, CompressedKVCache):
             return  # one SVD per cache, over its first prompt
         o = self.config.options
         dtype = self.keys.view().dtype
+        basis = self.owner.__dict__.pop("_prompt_basis", None)
+        if basis is None or basis[0] != end:
+            basis = self._fit_waiting_groups(members, end)
         a, bs, _ = joint_factors([m.keys.view()[:, :, :end] for m in members],
-                                 o.xkv_rank, o.xkv_energy_threshold)
+                                 o.xkv_rank, o.xkv_energy_threshold, basis=basis[1:])
         self.owner.shared.items.update(self.codec.encode(a, dtype))
         for m, b in zip(members, bs):
             rest = m.keys.view()[:, :, end:]
             m.keys.reset(mx.contiguous(rest) if rest.shape[2] else None)
             m.b, m.n_latent = mx.contiguous(b.astype(dtype)), end  # not a view pinning all of V
+
+    def _fit_waiting_groups(self, members, end: int) -> tuple:
+        """This group's ``(end, V_r, r)``, fitted with the bases of the later groups whose
+        prompts (ending at the same token) wait for their first decode token, in one
+        ``joint_bases`` call: their eigenproblems run side by side on the fit streams, with
+        their ranks read together, where a group at a time waited for each alone at its last
+        layer (mlx-lm's first decode step runs the layers in order; every layer's prompt keys
+        are there before it starts). Each later group's owner holds its basis until its
+        prompt ends there (``_prompt_basis``, not state: it lives within that one step). On one
+        fit stream (the CPU's default) each group fits alone, as before: queued, the 2-core
+        CPU was no faster (benchmarks/notes/prefill.md)."""
+        o = self.config.options
+        alone = len(fit_streams()) == 1  # nothing would run side by side: no bases held early
+        groups = [members] + ([] if alone else self._waiting_groups(end))
+        bases = joint_bases([[m.keys.view()[:, :, :end] for m in g] for g in groups],
+                            o.xkv_rank, o.xkv_energy_threshold)
+        for g, basis in zip(groups[1:], bases[1:]):
+            g[0].owner._prompt_basis = (end, *basis)
+        return (end, *bases[0])
+
+    def _waiting_groups(self, end: int) -> list:
+        """The groups after this one whose every member holds exactly a prompt of ``end``
+        tokens, still open and not yet compressed (an unlinked or other-rank neighbour: not
+        one of them)."""
+        ctx = self.context
+        if ctx is None:
+            return []
+        out = []
+        for group in self.layer_groups(tuple(ctx.compressed_layers), ctx.n_layers):
+            if group[0] <= self.layer:
+                continue
+            try:
+                members = [self.member(i) for i in group]
+            except CrossLayerError:
+                continue
+            if all(isinstance(m, XKVCache) and m.prompt_open and m.offset == end and not m.n_latent
+                   and m.keys.length == end and m.config == self.config for m in members):
+                out.append(members)
+        return out
 
     # -- what is kept ------------------------------------------------------------------------------
     @property
