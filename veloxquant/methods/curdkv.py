@@ -7,11 +7,12 @@ sketched by one seeded Gaussian G (head_dim x r, r = min(``curdkv_rank_cap``, he
 seeded by the layer index, so a run is reproducible); r >= head_dim takes K and V whole.
 A token's leverage in X (the T x r sketch) is l_i = x_i^T (X^T X)^+ x_i, the squared norm
 of its row in an orthonormal basis of X's columns: the rank-r leverage of the randomized
-range finder, which sums to rank(X). Leverage is made local (divided by its sum over
-consecutive windows of 16 tokens, aligned at the first token, the last one short), the
-key and value shares are multiplied (the card's kv_product) and normalised to sum 1;
-the sinks and the prompt's last 32 tokens are kept and the rest of ``curdkv_budget``
-goes to the best-scored tokens. Decode only appends.
+range finder, which sums to rank(X); at the default sketch width it is computed on the
+device, by Gauss-Jordan sweeps of the r x r Gram matrix. Leverage is made local (divided
+by its sum over consecutive windows of 16 tokens, aligned at the first token, the last
+one short), the key and value shares are multiplied (the card's kv_product) and
+normalised to sum 1; the sinks and the prompt's last 32 tokens are kept and the rest of
+``curdkv_budget`` goes to the best-scored tokens. Decode only appends.
 
 Adapted: the reference code (kvpress's CURPress, the third-party original) scores squared
 row norms of the sketch; here the sketch's true leverage is taken (the CUR definition,
@@ -35,21 +36,64 @@ import mlx.core as mx
 from ..cache.options import CurDKVOptions
 from ..evict.base import Roles, Schedule, ScoredEvictionCache
 from ..cache.rope import Rotary, derotate
+from ..kernels.compiled import PerShape
 from ..lowrank.cpu_streams import cpu_eigh
 
 LOCAL_WINDOW = 16  # tokens per local normalisation window (the card's constant)
 RECENT = 32  # the prompt's last tokens (its question) are kept, like SnapKV's window
-RANK_RTOL = 1e-6  # directions of X^T X below this fraction of the largest are absent
+RANK_RTOL = 1e-6  # directions below this fraction of the largest eigenvalue (or its bound r) are absent
+SWEPT_MAX_RANK = 32  # sketches up to this wide are inverted on the device (``_swept_inverse``)
 DEFAULT_BASE = {f.name: f.default for f in dataclasses.fields(CurDKVOptions)}["curdkv_rope_base"]
 
 
 def leverage_scores(x: mx.array) -> mx.array:
-    """Row leverage of x (..., T, r): x_i^T (x^T x)^+ x_i, float32 (...,T); sums to rank(x)."""
+    """Row leverage of x (..., T, r): x_i^T (x^T x)^+ x_i, float32 (...,T); sums to rank(x).
+
+    The columns are scaled to unit norm first (leverage depends on their span alone). Up to
+    ``SWEPT_MAX_RANK`` columns (the sketch at its default, 16) the r x r Gram matrix is
+    inverted by sweeping its pivots in turn (``_swept_inverse``), r compiled elementwise
+    steps: the whole score stays on the device, where an ``eigh`` is a round trip to the
+    CPU at every layer's prompt end. Wider (the exact mode's head_dim), the r steps would
+    cost more than that round trip, and the CPU stream's ``eigh`` takes the pseudo-inverse."""
     x = x.astype(mx.float32)
-    eigenvalues, basis = cpu_eigh(x.swapaxes(-1, -2) @ x)
+    x = x / mx.maximum(mx.linalg.norm(x, axis=-2, keepdims=True), 1e-30)
+    gram = x.swapaxes(-1, -2) @ x
+    if gram.shape[-1] <= SWEPT_MAX_RANK:
+        return ((x @ _swept_inverse(gram)) * x).sum(axis=-1)
+    eigenvalues, basis = cpu_eigh(gram)
     present = eigenvalues > RANK_RTOL * eigenvalues.max(axis=-1, keepdims=True)
     inverse = mx.where(present, 1.0 / mx.where(present, eigenvalues, 1.0), 0.0)
     return (mx.square(x @ basis) * inverse[..., None, :]).sum(axis=-1)
+
+
+def _sweep(gram: mx.array) -> mx.array:
+    """(G_SS)^-1 (zero outside S) of Gram matrices (..., r, r) with unit diagonal, S the
+    columns that stand off the span of the columns before them: Gauss-Jordan sweeps
+    over the pivots in order (a symmetric positive semidefinite matrix needs no pivoting).
+    A pivot is column k's squared distance to the earlier columns' span; one at most
+    ``RANK_RTOL`` x r (of the trace, which bounds the largest eigenvalue) is skipped, so
+    x_i^T (G_SS)^-1 x_i projects on the span of all the columns, the pseudo-inverse's
+    leverage with its cut where ``eigh``'s was."""
+    r = gram.shape[-1]
+    floor = RANK_RTOL * r  # of the trace, the largest eigenvalue's bound, as eigh's cut was of it
+    index = mx.arange(r)
+    swept = mx.zeros(gram.shape[:-1], dtype=mx.bool_)
+    a = gram
+    for k in range(r):
+        d = a[..., k : k + 1, k : k + 1]
+        take = d > floor
+        d = mx.where(take, d, 1.0)
+        col, row = a[..., :, k : k + 1], a[..., k : k + 1, :]
+        on_row, on_col = (index == k)[:, None], (index == k)[None, :]
+        swept_a = mx.where(on_row & on_col, -1.0 / d,
+                           mx.where(on_row, row / d, mx.where(on_col, col / d, a - col * row / d)))
+        a = mx.where(take, swept_a, a)
+        swept = swept | (take[..., 0] & (index == k))
+    both = swept[..., :, None] & swept[..., None, :]
+    return mx.where(both, -a, 0.0)
+
+
+_swept_inverse = PerShape(_sweep)  # r fused steps, not some 10 r kernels
 
 
 def local_share(scores: mx.array, window: int = LOCAL_WINDOW) -> mx.array:
