@@ -244,12 +244,13 @@ def cuda_kernels_as_launch_nodes():
     from veloxquant_mlx.methods.adakv import kernel as adakv
     from veloxquant_mlx.methods.kitty import kernel as kitty
     from veloxquant_mlx.kernels import kivi_decode as kd
+    from veloxquant_mlx.lowrank import latent_rows_kernel as latent_rows
     from veloxquant_mlx.methods.nsnquant import kernel as nsn
     from veloxquant_mlx.methods.turboquant import kernel as turbo
 
     saved = (getattr(mx.fast, "cuda_kernel", None), kd.gpu_backend, kd.kernel_self_check, dict(kd._KERNELS),
              turbo._self_check_problem, dict(turbo._CHECKED), cr.kernel_checked, nsn.kernel_checked, adakv.kernel_checked,
-             kitty.kernel_checked, slots.kernel_checked)
+             kitty.kernel_checked, slots.kernel_checked, latent_rows.kernel_checked)
     try:
         mx.fast.cuda_kernel = lambda **_: _LaunchNode()
         kd.gpu_backend = lambda: "cuda"
@@ -260,6 +261,7 @@ def cuda_kernels_as_launch_nodes():
         adakv.kernel_checked = lambda *key: True  # AdaKV's plane-rows kernel's, likewise
         kitty.kernel_checked = lambda *key: True  # kitty's key-rows kernel's, likewise
         slots.kernel_checked = lambda *key: True  # packed slots' rows kernel's, likewise
+        latent_rows.kernel_checked = lambda *key: True  # latent stores' rows kernel's, likewise
         kd._KERNELS.clear()
         kd._STEP_PLANS.clear()
         turbo._CHECKED.clear()
@@ -275,7 +277,7 @@ def cuda_kernels_as_launch_nodes():
         turbo._CHECKED.clear()
         turbo._CHECKED.update(saved[5])
         cr.kernel_checked, nsn.kernel_checked, adakv.kernel_checked, kitty.kernel_checked = saved[6:10]
-        slots.kernel_checked = saved[10]
+        slots.kernel_checked, latent_rows.kernel_checked = saved[10:12]
 
 
 def _clear_package_caches() -> None:

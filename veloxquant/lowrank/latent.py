@@ -99,6 +99,7 @@ from ..quant.cache import QuantizedCache
 from ..quant.packed import GROWTH_TOKENS, GroupAffine, PackedTokens
 from ..quant.store import WINDOW_STEP, PackedStore, as_dtype
 from ..quant.token_rows import ReadViews, held
+from . import latent_rows_kernel as rows_kernel
 from .cpu_streams import cpu_eigh
 from .factors import energy_rank, gram_basis
 
@@ -203,6 +204,8 @@ class LatentTokens:
         self._views = ReadViews()
         self._basis_views = ReadViews()
         self._stored = [g for p in self.packed.values() for g in (p.codes, p.scales, p.biases)] + list(self.exact.values())
+        self.rows_layout = rows_kernel.RowsLayout(tuple(rows_kernel.Span(s.start, s.stop, s.bits) for _, s in self.spans),
+                                                  self.rank, group)
 
     @property
     def count(self) -> int:
@@ -298,15 +301,40 @@ class LatentTokens:
             out = pb @ latents if out is None else mx.addmm(out, pb, latents)
         return out
 
-    def read_inputs(self) -> list[mx.array]:
-        """What ``rows`` reads of each stored span first (its codes, or its unquantized
-        rows): what a decode step holds back until its queries exist."""
-        return [sp.inputs[0] for sp in self._span_views() if sp.arrays] if self.flushed else []
+    def read_inputs(self, dtype=None) -> list[mx.array]:
+        """What ``rows`` in ``dtype`` reads of the stored spans first (their codes, or their
+        unquantized rows; every buffer and the window's where the latent-rows kernel writes
+        the rows): what a decode step holds back until its queries exist."""
+        if not self.flushed:
+            return []
+        if dtype is not None and rows_kernel.runs_for(self.rows_layout, dtype):
+            _, window, _, arrays = self.kernel_inputs()
+            return ([] if window is None else [window]) + [a for span in arrays for a in span]
+        return [sp.inputs[0] for sp in self._span_views() if sp.arrays]
+
+    def kernel_inputs(self) -> tuple:
+        """(layout, the window's buffer or None, its first row, each span's buffers) as the
+        latent-rows kernel reads them: whole buffers, spare room included (no copy)."""
+        arrays = []
+        for i, _ in self.spans:
+            if i in self.packed:
+                p = self.packed[i]
+                arrays.append((p.codes.buffer, p.scales.buffer, p.biases.buffer))
+            else:
+                arrays.append((self.exact[i].buffer,) if i in self.exact else ())
+        return self.rows_layout, self.buf.buffer if self.buf.length else None, self.buf.start, arrays
 
     def rows(self, dtype, width: int, inputs) -> mx.array:
         """Every latent (B, G, count, width) in ``dtype``, 0 in dropped channels and past the
         rank: the keys or values of one fused attention in the latent space (a CUDA decode
-        step); ``inputs``: ``read_inputs()`` as the caller holds them (an iterator)."""
+        step); ``inputs``: ``read_inputs(dtype)`` as the caller holds them (an iterator). On
+        a GPU one launch writes them (``latent_rows_kernel``), else MLX's ops join them."""
+        if self.flushed and rows_kernel.runs_for(self.rows_layout, dtype):
+            layout, window, start, arrays = self.kernel_inputs()
+            window = None if window is None else next(inputs)
+            arrays = [tuple(next(inputs) for _ in span) for span in arrays]
+            return rows_kernel.latent_rows(layout, window, start, arrays, self.flushed, self.count, width, dtype,
+                                           self.lead)
         parts, pad = [], width - self.rank
         if self.flushed:
             spans = self._span_views()
@@ -948,7 +976,7 @@ class LatentStore(PackedStore):
         h, dtype = n_kv_heads, queries.dtype
         rq = hq // h
         vr = None if self.values is None else self.values.runs[0]
-        inputs = run.tokens.read_inputs() + ([] if vr is None else vr.tokens.read_inputs())
+        inputs = run.tokens.read_inputs(dtype) + ([] if vr is None else vr.tokens.read_inputs(dtype))
         inputs = iter(mx.depends(inputs, [queries]) if inputs else [])
         qf = queries.reshape(b, h, rq, d) @ run.tokens.fused_views(run.basis, run.mean, g, rq, width, dtype).basis
         keys = run.tokens.rows(dtype, width, inputs)
