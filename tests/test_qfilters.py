@@ -20,6 +20,7 @@ from veloxquant_mlx.cache.options import QFiltersOptions
 from veloxquant_mlx.evict.base import EVICT_EVERY
 from veloxquant_mlx.evict import attention as attention_module
 from veloxquant_mlx.methods.qfilters import (
+    _report_low_retention,
     LowRetentionError,
     LowRetentionWarning,
     QFiltersCache,
@@ -336,3 +337,37 @@ def test_calibration_runs_no_lapack(monkeypatch):
     k, v, q, _ = synthetic(300, seed=5)
     cache = run(qfilters(qfilters_budget=40), k, v, q, 300, chunk=64)
     assert cache.filter is not None
+
+
+def test_a_models_retention_warnings_wait_for_its_last_layer_and_take_one_host_read():
+    """Issue 31: each layer's retention check read its values on the host at the prompt's end
+    (three reads a layer), so the device waited for every layer in turn. Warnings now wait
+    for the last layer, which reads every layer's at once; each layer still gets its own
+    warning, in layer order, with its own worst head."""
+    from decode_steps import recording_host_reads
+    from tiny_models import prompt, tiny_model
+    from veloxquant_mlx import make_prompt_cache
+
+    model = tiny_model(num_hidden_layers=4)
+    config = KVCacheConfig(options=QFiltersOptions(qfilters_budget=40, qfilters_sign=-1,
+                                                   qfilters_min_retention=0.999))
+    tokens = prompt(200)
+
+    def prompt_end():
+        cache = make_prompt_cache(model, config)
+        model(tokens[None, :199], cache=cache)
+        mx.eval([c.state for c in cache])
+        with warnings.catch_warnings(record=True) as caught, recording_host_reads() as reads:
+            warnings.simplefilter("always")
+            mx.eval(model(tokens[None, 199:], cache=cache))
+        caught = [w.message for w in caught if isinstance(w.message, LowRetentionWarning)]
+        return [r.call for r in reads if "qfilters.py" in r.where], [(w.layer, w.head, w.retention) for w in caught]
+
+    reads, warned = prompt_end()
+    assert reads == ["tolist"]
+    assert [layer for layer, _, _ in warned] == [0, 1, 2, 3]
+    with pytest.MonkeyPatch.context() as m:  # each layer checked at once, as before
+        m.setattr(QFiltersCache, "_wait_to_check", lambda self, per_head, threshold: _report_low_retention(
+            self.layer, per_head.tolist(), threshold, "warn"))
+        reads_each, warned_each = prompt_end()
+    assert reads_each == ["tolist"] * 4 and warned == warned_each

@@ -53,7 +53,9 @@ calibration queries' exact causal attention over the stored keys; the mass on th
 the filter keeps, averaged over the queries and the query heads of a KV head, is that
 head's retention. Below the threshold, 'warn' issues a ``LowRetentionWarning`` and 'raise'
 a ``LowRetentionError`` (before anything is evicted), each naming the layer, the worst KV
-head and its value.
+head and its value. In a model's cache the warnings wait for the last layer's prompt end,
+which reads every layer's retention at once (one host read a prompt, not one a layer);
+'raise' reads its layer's at once, to fail before anything is evicted.
 """
 
 from __future__ import annotations
@@ -85,6 +87,20 @@ class LowRetentionWarning(_LowRetention, VeloxQuantWarning):
 
 class LowRetentionError(_LowRetention, RuntimeError):
     """``qfilters_on_low_retention='raise'`` and a Q-filter keeps too little attention."""
+
+
+WAITING_CHECKS = "qfilters_waiting_checks"  # the model context's (layer, per-head retention, threshold)s
+
+
+def _report_low_retention(layer: int, per_head: list[float], threshold: float, action: str) -> None:
+    """Warn or raise (``action``) when a KV head's retention is below ``threshold``."""
+    worst = min(range(len(per_head)), key=per_head.__getitem__)
+    if per_head[worst] >= threshold:
+        return
+    args = (layer, worst, per_head[worst], threshold, sum(v < threshold for v in per_head), len(per_head))
+    if action == "raise":
+        raise LowRetentionError(*args)
+    warnings.warn(LowRetentionWarning(*args), stacklevel=4)
 
 
 def oriented(u: mx.array, v: mx.array) -> mx.array:
@@ -236,6 +252,9 @@ class QFiltersCache(ScoredEvictionCache):
         if self.filter is None and self.store.rows > self.budget:
             self._calibrate(inputs)
         super()._evict(inputs, decode_step)
+        ctx = self.context
+        if ctx is not None and self.layer == ctx.local_compressed_layers[-1]:
+            self._report_waiting_checks()
 
     def _calibrate(self, inputs) -> None:
         b, hkv, _, d = inputs.keys.shape
@@ -256,19 +275,28 @@ class QFiltersCache(ScoredEvictionCache):
             slots = top_k_sorted(score, self.budget)
             kept = mx.put_along_axis(mx.zeros(proj.shape, mx.bool_), slots, mx.array(True), axis=-1)
             mass = retention(queries, q_positions, inputs.keys, inputs.positions, kept, inputs.scale)
-            self._check(mass.min(axis=0), options.qfilters_min_retention, options.qfilters_on_low_retention)
+            per_head, threshold = mass.min(axis=0), options.qfilters_min_retention
+            if options.qfilters_on_low_retention == "warn" and self.context is not None:
+                self._wait_to_check(per_head, threshold)
+            else:  # "raise" fails before anything is evicted or fixed
+                _report_low_retention(self.layer, per_head.tolist(), threshold, options.qfilters_on_low_retention)
         self.filter, self.calib = filters, None
         self.store.update("proj", proj)
 
-    def _check(self, per_head: mx.array, threshold: float, action: str) -> None:
-        worst = int(mx.argmin(per_head))
-        value = float(per_head[worst])
-        if value >= threshold:
-            return
-        args = (self.layer, worst, value, threshold, int((per_head < threshold).sum()), per_head.shape[0])
-        if action == "raise":
-            raise LowRetentionError(*args)
-        warnings.warn(LowRetentionWarning(*args), stacklevel=2)
+    def _wait_to_check(self, per_head: mx.array, threshold: float) -> None:
+        """Hold a warning's check until the last layer's prompt end (``_report_waiting_checks``):
+        one host read for every layer, where a read a layer made the device wait at each."""
+        waiting = self.context.shared.setdefault(WAITING_CHECKS, [])
+        if self.layer == self.context.local_compressed_layers[0]:
+            waiting.clear()  # a step that stopped before its last layer left nothing to report
+        waiting.append((self.layer, per_head, threshold))
+
+    def _report_waiting_checks(self) -> None:
+        waiting = self.context.shared.pop(WAITING_CHECKS, None)
+        if waiting:
+            values = mx.stack([per_head for _, per_head, _ in waiting]).tolist()
+            for (layer, _, threshold), row in zip(waiting, values):
+                _report_low_retention(layer, row, threshold, "warn")
 
     def new_token_state(self, keys, values):
         if self.filter is None:
