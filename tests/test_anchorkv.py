@@ -239,3 +239,23 @@ def test_the_residual_codec_levels_and_its_reads():
         assert mx.allclose(folded, (q * r_hat).sum(-1), atol=1e-4)
     assert errors == sorted(errors, reverse=True)
     assert abs(errors[1] - 0.1175) < 0.01 and errors[-1] < 1e-3  # Lloyd-Max MSE of a Gaussian at 2 bits
+
+
+@pytest.mark.parametrize("rho,frac", [(0.5, 0.1), (0.0, 0.3), (1.0, 0.05)])
+def test_the_prompt_end_reads_no_anchor_count_on_the_host(rho, frac):
+    """Issue 31: the random anchors' count was read on the host at every layer's prompt end
+    (a device drain a layer). Each pick adds exactly the tokens asked for, so it is known:
+    the only host work left is the memory-bounding evaluations, and the anchor count holds."""
+    from decode_steps import recording_host_reads
+
+    keys = mx.random.normal((2, 2, 300, 32), key=mx.random.key(5)).astype(mx.float16)
+    values = mx.random.normal((2, 2, 300, 32), key=mx.random.key(6)).astype(mx.float16)
+    o = AnchorKVOptions(anchorkv_rho=rho, anchorkv_anchor_frac=frac)
+    cache = AnchorKVCache(KVCacheConfig(method="anchorkv", options=o), None, 0)
+    with recording_host_reads() as reads:
+        part, positions = compress(keys, values, cache.config.options, cache.store.codec)
+        mx.eval(part.arrays())
+    assert {r.call for r in reads} <= {"mx.eval"}, [str(r) for r in reads]
+    n_anchor = max(1, round(300 * frac))
+    assert part.anchor_k.shape[2] == n_anchor and part.count == 300  # as many anchors as asked
+    assert mx.array_equal(mx.sort(positions, axis=-1), mx.broadcast_to(mx.arange(300), positions.shape))

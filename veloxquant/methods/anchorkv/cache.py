@@ -137,10 +137,11 @@ def compress(keys: mx.array, values: mx.array, o, codec: RotatedGaussian) -> tup
     # 1. anchors: the window, then by score, then uniformly at random
     taken = mx.broadcast_to(positions >= s - n_window, (b, h, s))
     rest = n_anchor - n_window
-    taken = _pick(alpha.mean(axis=2), taken, round(o.anchorkv_rho * rest))
+    by_score = round(o.anchorkv_rho * rest)
+    taken = _pick(alpha.mean(axis=2), taken, by_score)
     # one draw for every row: each sequence of a batch draws what it draws alone
     uniform = mx.broadcast_to(mx.random.uniform(shape=(1, h, s), key=mx.random.key(o.anchorkv_seed)), (b, h, s))
-    taken = _pick(uniform, taken, n_anchor - int(taken[0, 0].sum()))
+    taken = _pick(uniform, taken, rest - by_score)  # picks add exactly n untaken tokens: no count to read
     order = mx.argsort(mx.where(taken, -1, positions), axis=-1)  # anchors first, by position
     anchors, others = order[..., :n_anchor], order[..., n_anchor:]
     m = s - n_anchor
