@@ -576,9 +576,13 @@ static inline void vqk_mma(float* c, const uint32_t* a, const uint32_t* b) {
   }
   w_bar[w]->arrive_and_wait();
 }
-template <class F> void launch(int gx, int gy, int nt, F f) {
+template <class F> void launch(int gx, int gy, int nt, F f, bool together = true) {
   gridDim = {gx, gy, 1};
   for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {
+    if (!together) {  // no barrier in the kernel: its threads one after another, in this one
+      for (int t = 0; t < nt; ++t) { threadIdx = {t, 0, 0}; blockIdx = {x, y, 0}; f(); }
+      continue;
+    }
     std::barrier<> bar(nt); g_bar = &bar; w_bar.clear();
     for (int w = 0; w < (nt + 31) / 32; ++w) w_bar.emplace_back(new std::barrier<>(32));
     std::vector<std::thread> th;
@@ -618,6 +622,9 @@ _NP = {"float32": np.float32, "uint32": np.uint32, "int32": np.int32, "float16":
        "uint16": np.uint16}
 
 
+_WAITS = ("__syncthreads", "__syncwarp", "__shfl", "vqk_mma")  # what makes a block's threads wait for each other
+
+
 def emulate_launch(source, inputs, outputs, template, blocks, threads, workdir, header=""):
     """One launch of a kernel's CUDA ``source`` as C++ threads on the CPU: ``inputs``
     [(name, dtype name, array)], ``outputs`` [(name, dtype name, size)] (filled with NaN,
@@ -639,7 +646,8 @@ def emulate_launch(source, inputs, outputs, template, blocks, threads, workdir, 
         fill = f"static_cast<{_CT[d]}>(NAN)" if d.startswith("float") else "~0u"
         main += f"  std::vector<{_CT[d]}> o_{n}({size}, {fill});\n"
         call.append(f"o_{n}.data()")
-    main += f"  launch({blocks[0]}, {blocks[1]}, {threads}, [&] {{ kmain({', '.join(call)}); }});\n"
+    together = "true" if any(word in header + source for word in _WAITS) else "false"
+    main += f"  launch({blocks[0]}, {blocks[1]}, {threads}, [&] {{ kmain({', '.join(call)}); }}, {together});\n"
     for n, d, _ in outputs:
         path = os.path.join(workdir, n + ".out")
         main += f'  {{ FILE* f = fopen("{path}", "wb"); fwrite(o_{n}.data(), sizeof(o_{n}[0]), o_{n}.size(), f); fclose(f); }}\n'
