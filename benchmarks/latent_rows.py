@@ -49,11 +49,19 @@ def store(lead, rank, schedule, tokens: int, dtype) -> LatentTokens:
 
 
 def rows(run: LatentTokens, dtype, width: int, kernel: bool) -> mx.array:
-    lr._SWITCHED_OFF = not kernel
+    saved, lr._SWITCHED_ON = lr._SWITCHED_ON, kernel
     try:
         return run.rows(dtype, width, iter(run.read_inputs(dtype)))
     finally:
-        lr._SWITCHED_OFF = False
+        lr._SWITCHED_ON = saved
+
+
+def rows_kernel_runs(layout, dtype) -> bool:
+    saved, lr._SWITCHED_ON = lr._SWITCHED_ON, True  # whatever VQ_LATENT_ROWS_KERNEL says
+    try:
+        return lr.runs_for(layout, dtype)
+    finally:
+        lr._SWITCHED_ON = saved
 
 
 def time_us(fn, repeats: int) -> float:
@@ -78,7 +86,7 @@ def main() -> None:
     for name, (lead, rank, schedule, width) in LAYOUTS.items():
         run = store(lead, rank, schedule, a.tokens, dtype)
         ops = rows(run, dtype, width, kernel=False)
-        if not lr.runs_for(run.rows_layout, dtype):
+        if not rows_kernel_runs(run.rows_layout, dtype):
             t_ops = time_us(lambda: rows(run, dtype, width, False), a.repeats)
             print(f"| {name} | {t_ops:.1f} | - | - | no kernel here |")
             continue

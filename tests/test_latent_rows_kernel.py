@@ -66,14 +66,15 @@ def test_a_store_s_tokens_give_the_rows_its_fused_read_takes():
 def test_palus_cuda_step_writes_each_runs_rows_in_one_launch(monkeypatch):
     """Issue 30: on CUDA palu's fused read joined each run's latents through a dequantization
     a span, a cut, a join along the channels with zeros and one with the window (153 us of
-    copies a layer and step on an H100). Its steady step now writes the keys' and the values'
-    rows with one launch each, and the step's graph shrinks by what the joins took."""
+    copies a layer and step on an H100). With the kernel switched on, its steady step writes
+    the keys' and the values' rows with one launch each; off (the default), MLX's ops."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
     from decode_steps import decode_overlapped, prefilled, step, steps_as_on_cuda
 
+    monkeypatch.setattr(lr, "_SWITCHED_ON", True)  # VQ_LATENT_ROWS_KERNEL=1: off until a device times it
     model, cache, token = prefilled("palu")
     y = decode_overlapped(model, cache, token, 4)
     calls = []
@@ -84,3 +85,8 @@ def test_palus_cuda_step_writes_each_runs_rows_in_one_launch(monkeypatch):
         step(model, cache, y)
     assert len(calls) == 2 * len(model.layers)  # the keys' rows and the values' a layer
     assert all(layout.takes() for layout in calls)
+    monkeypatch.setattr(lr, "_SWITCHED_ON", False)
+    calls.clear()
+    with steps_as_on_cuda():
+        step(model, cache, y)
+    assert not calls

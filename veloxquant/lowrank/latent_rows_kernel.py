@@ -24,8 +24,9 @@ rounds the product and the sum each); CUDA may fuse the product and the sum, so 
 differ from the float32 pass by one float32 rounding before the cast
 (``kernels/checks.within_a_rounding``). Packed widths 1, 2, 4 and 8 (a code never crosses a
 word); other layouts keep MLX's ops. The first use of a layout checks the kernel against
-the float32 pass on a random case of that layout, once a process; a failure keeps MLX's ops
-(as does ``VQ_LATENT_ROWS_KERNEL=0``).
+the float32 pass on a random case of that layout, once a process; a failure keeps MLX's ops.
+It has not run on a GPU yet: it runs only with ``VQ_LATENT_ROWS_KERNEL=1`` until a device
+has checked and timed it.
 The CUDA source is run on the CPU by emulation (tests). The Metal twin mirrors it line for
 line: UNTESTED ON HARDWARE.
 """
@@ -43,8 +44,10 @@ from ..kernels.checks import checked_once, gpu_kernel, within_a_rounding
 
 NT = 256
 KERNEL_BITS = (1, 2, 4, 8)  # packed widths whose codes never cross a word
-SWITCH = "VQ_LATENT_ROWS_KERNEL"  # "0": MLX's ops even on a GPU (A/B benchmarks), read at import
-_SWITCHED_OFF = os.environ.get(SWITCH) == "0"
+# "1" runs the kernel on a GPU; off by default until a device times it against MLX's ops
+# (benchmarks/latent_rows.py, results/h200_s80/run62.sh); read at import
+SWITCH = "VQ_LATENT_ROWS_KERNEL"
+_SWITCHED_ON = os.environ.get(SWITCH) == "1"
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,7 @@ def runs_for(layout: RowsLayout, dtype) -> bool:
     """Whether the kernel writes this layout's rows in ``dtype`` here: on a GPU, a layout it
     reads (``RowsLayout.takes``), a kernel that passed its check; else the caller runs MLX's ops."""
     backend = kd.gpu_backend()
-    return backend is not None and not _SWITCHED_OFF and layout.takes() and kernel_checked(backend, layout, dtype)
+    return backend is not None and _SWITCHED_ON and layout.takes() and kernel_checked(backend, layout, dtype)
 
 
 def latent_rows(layout: RowsLayout, window, window_start: int, span_arrays: list, flushed: int, count: int,

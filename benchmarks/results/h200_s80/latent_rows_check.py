@@ -3,6 +3,8 @@ dtypes, then a 4k case of each against the float32 pass (session 80)."""
 import veloxquant_mlx
 import mlx.core as mx
 from veloxquant_mlx.lowrank import latent_rows_kernel as lr
+
+lr._SWITCHED_ON = True  # the kernel itself, whatever VQ_LATENT_ROWS_KERNEL says
 layouts = {"palu": lr.RowsLayout((lr.Span(0, 53, 4), lr.Span(53, 209, 2)), 209, 32),
            "svdq": lr.RowsLayout((lr.Span(0, 14, 8), lr.Span(14, 28, 4), lr.Span(28, 42, 2), lr.Span(42, 70, 1),
                                   lr.Span(70, 110, 0)), 110, 32)}
