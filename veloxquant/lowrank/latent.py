@@ -328,7 +328,8 @@ class LatentTokens:
         """Every latent (B, G, count, width) in ``dtype``, 0 in dropped channels and past the
         rank: the keys or values of one fused attention in the latent space (a CUDA decode
         step); ``inputs``: ``read_inputs(dtype)`` as the caller holds them (an iterator). On
-        a GPU one launch writes them (``latent_rows_kernel``), else MLX's ops join them."""
+        a GPU with ``VQ_LATENT_ROWS_KERNEL=1`` one launch writes them (``latent_rows_kernel``,
+        untimed on a device so far), else MLX's ops join them."""
         if self.flushed and rows_kernel.runs_for(self.rows_layout, dtype):
             layout, window, start, arrays = self.kernel_inputs()
             window = None if window is None else next(inputs)
