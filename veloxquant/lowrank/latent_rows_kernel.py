@@ -198,8 +198,10 @@ def reference(layout: RowsLayout, window, window_start: int, span_arrays: list, 
 def runs_for(layout: RowsLayout, dtype) -> bool:
     """Whether the kernel writes this layout's rows in ``dtype`` here: on a GPU, a layout it
     reads (``RowsLayout.takes``), a kernel that passed its check; else the caller runs MLX's ops."""
+    if not _SWITCHED_ON:  # first: a decode step asks this of every run
+        return False
     backend = kd.gpu_backend()
-    return backend is not None and _SWITCHED_ON and layout.takes() and kernel_checked(backend, layout, dtype)
+    return backend is not None and layout.takes() and kernel_checked(backend, layout, dtype)
 
 
 def latent_rows(layout: RowsLayout, window, window_start: int, span_arrays: list, flushed: int, count: int,
