@@ -19,6 +19,7 @@ from tiny_models import char_tokenizer, prompt, tiny_model
 from veloxquant_mlx import KVCacheConfig, make_prompt_cache, patch_model_kv_cache, unpatch_model_kv_cache
 from veloxquant_mlx.cache.options import SqueezeAttentionOptions
 from veloxquant_mlx.cache.context import ModelContext
+from veloxquant_mlx.evict.base import EVICT_EVERY
 from veloxquant_mlx.methods.squeeze import SqueezeAttentionCache, squeeze_budgets, three_means
 
 HKV, GROUP, D, MODEL_DIM = 2, 2, 16, 24
@@ -101,23 +102,33 @@ def test_budgets_follow_the_similarity_and_keep_the_total(strength):
 
 
 # -- the cache, driven with synthetic data -----------------------------------------------------
+def kept_now(seen, n_prompt, budget, sinks):
+    """The sinks and the newest tokens: ``budget`` of them at the prompt's end and every
+    ``EVICT_EVERY`` decode steps after it, when the oldest leave together; every token
+    since then besides."""
+    evicted_at = n_prompt + (seen - n_prompt) // EVICT_EVERY * EVICT_EVERY
+    return set(range(sinks)) | set(range(evicted_at - budget + sinks, seen))
+
+
 def test_budgets_come_from_every_layers_measurement_of_the_prompt():
     spread = [0.2, 3.0, 0.25, 1.0, 2.5, 0.9]  # layers 0 and 2: attention changes little
     layers, n, budget, sinks = len(spread), 230, 40, 4
-    data = layer_data(layers, n + 8, spread)
+    data = layer_data(layers, n + 2 * EVICT_EVERY + 3, spread)  # two evictions after the prompt's
     caches = caches_for(SqueezeAttentionOptions(squeeze_budget=budget, squeeze_n_sink=sinks), layers)
+    sizes = []
 
     def check(caches, seen):
         for cache, kept_budget in zip(caches, expected):
-            assert cache.stored_length == min(seen, kept_budget)
             kept = set(cache.kept_positions[0, 0].tolist())
-            assert kept == set(range(sinks)) | set(range(seen - kept_budget + sinks, seen))
+            assert kept == kept_now(seen, n, kept_budget, sinks) and cache.stored_length == len(kept)
+        sizes.append(caches[0].stored_length - expected[0])
 
     # The prompt's chunks are measured; its last token, at which budgets are fixed, is not.
     brute = [mean_cosine(before[:, : n - 1], after[:, : n - 1]) for *_, before, after in data]
     expected = squeeze_budgets(brute, budget, 1.0, sinks)
     assert expected[0] == expected[2] == 20 and sum(expected) == layers * budget
     run(caches, data, n, after_each=check)
+    assert sizes == [*range(EVICT_EVERY), *range(EVICT_EVERY), 0, 1, 2, 3]  # tokens over the budget
     assert caches[0].similarity == pytest.approx(brute, abs=1e-5)
     assert caches[0].resolved_budgets == expected == [c.budget for c in caches]
 
@@ -128,7 +139,7 @@ def test_strength_zero_is_uniform_sinks_plus_recent():
 
     def check(caches, seen):
         for cache in caches:
-            assert set(cache.kept_positions[0, 1].tolist()) == set(range(4)) | set(range(seen - 26, seen))
+            assert set(cache.kept_positions[0, 1].tolist()) == kept_now(seen, 140, 30, 4)
 
     run(caches, data, 140, after_each=check)
     assert caches[0].resolved_budgets == [30] * 4
@@ -138,8 +149,8 @@ def test_an_explicit_list_bypasses_the_measurement(monkeypatch):
     monkeypatch.setattr(SqueezeAttentionCache, "similarity", property(lambda self: pytest.fail("measured")))
     data = layer_data(3, 120, [0.2, 3.0, 0.5])
     caches = caches_for(SqueezeAttentionOptions(squeeze_budget=30, squeeze_resolved_budget=(10, 50, 30)), 3)
-    run(caches, data, 110)
-    assert caches[0].resolved_budgets == [10, 50, 30] == [c.stored_length for c in caches]
+    run(caches, data, 110)  # then 10 decode steps, none of them evicting
+    assert caches[0].resolved_budgets == [10, 50, 30] == [c.stored_length - 10 for c in caches]
     assert "squeeze_similarity" not in caches[0].context.shared  # nothing was measured
     with pytest.raises(ValueError, match=r"squeeze_resolved_budget=\(10, 50\) has 2 budgets; "
                                          r"allowed: one per compressed layer of this model, 3"):

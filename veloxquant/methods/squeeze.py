@@ -16,14 +16,17 @@ B_low = round((1 - ``squeeze_strength``/2) B), at least the sinks + 1; the other
 share the rest equally (remainders to the lower layers), so the total is exactly L B.
 Fewer than 3 distinct similarities, or strength 0, give every layer B. Each layer then
 keeps its ``squeeze_n_sink`` sinks and its most recent tokens (StreamingLLM, the official
-real-drop policy): at the prefill end and at every decode step, by slot reuse.
+real-drop policy): at the prefill end, then every ``EVICT_EVERY`` (32) decode steps, when
+the 32 oldest leave together.
 
-Adapted: absolute budgets instead of prompt fractions; as everywhere on the eviction base,
-attention runs before eviction, so a decode step attends over B_l + 1 tokens; a prompt
-that continues an exchange adds to the measurement and the budgets are fixed again at its
-end; ``squeeze_resolved_budget`` replaces the measurement (nothing is measured).
-Architectures that normalise the attention output before adding it to the residual
-(Gemma 2/3) are measured with the raw output, as the hook sees it.
+Adapted: absolute budgets instead of prompt fractions; the official code drops the oldest
+token at every decode step, here the 32 oldest go at once, as for the other per-step
+evictors (a decode step attends over B_l + 1 to B_l + 32 tokens: attention runs before
+eviction everywhere on the eviction base); a prompt that continues an exchange adds to the
+measurement and the budgets are fixed again at its end; ``squeeze_resolved_budget``
+replaces the measurement (nothing is measured). Architectures that normalise the
+attention output before adding it to the residual (Gemma 2/3) are measured with the raw
+output, as the hook sees it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from math import floor
 
 import mlx.core as mx
 
-from ..evict.base import Roles, Schedule, ScoredEvictionCache
+from ..evict.base import EVICT_EVERY, Roles, Schedule, ScoredEvictionCache
 from ..evict.layer_budgets import LayerBudgets, apportion
 
 CLUSTERS = 3
@@ -73,7 +76,7 @@ def squeeze_budgets(similarity: list[float], budget: int, strength: float, n_sin
 
 class SqueezeAttentionCache(LayerBudgets, ScoredEvictionCache):
     roles = Roles(budget="squeeze_budget", n_sink="squeeze_n_sink")
-    schedule = Schedule(prefill_end=True, decode_every=1)
+    schedule = Schedule(prefill_end=True, decode_every=EVICT_EVERY)
     resolved_field = "squeeze_resolved_budget"
     batchable = True  # packed decode: evict/batch.py runs the base's decode steps for the batch
     observes_hidden_states = True  # the integration calls observe_hidden in every layer
