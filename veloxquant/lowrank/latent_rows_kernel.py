@@ -105,9 +105,8 @@ def _span_branches(layout: RowsLayout) -> str:
         elif s.kind == "exact":
             out.append(f"""  {head} (c < {s.stop}) {{
     v = (float)s{j}_rows[((size_t)lead * params[{param}] + t) * {width} + (c - {s.start})];""")
-        else:
-            out.append(f"""  {head} (c < {s.stop}) {{
-    v = 0.0f;""")
+        else:  # dropped: v stays 0
+            out.append(f"""  {head} (c < {s.stop}) {{""")
         param += 2
     return "\n".join(out) + "\n  }\n" if out else ""
 
@@ -130,12 +129,10 @@ def source(layout: RowsLayout, metal: bool = False) -> str:
   {lead}
   const int t = (int)(i / WIDTH);
   const int c = (int)(i - (size_t)t * WIDTH);
-  float v = 0.0f;
-  if (c >= RANK) {{
-    v = 0.0f;
-  }} else if (t >= flushed) {{
+  float v = 0.0f;  // past the rank and in dropped channels
+  if (c < RANK && t >= flushed) {{
     v = (float)window[((size_t)lead * window_room + window_start + (t - flushed)) * RANK + c];
-  }} else {{
+  }} else if (c < RANK) {{
 {_span_branches(layout)}  }}
   out[(size_t)lead * count * WIDTH + i] = (T)v;
 """
