@@ -47,6 +47,19 @@ def test_the_cuda_source_writes_the_float32_pass_rows(tmp_path, layout, dtype, w
         assert mx.all(got[:, :, :flushed, s.start:s.stop] == 0)
 
 
+def test_the_check_allows_a_multiply_add_that_cancels_near_zero():
+    """The kernel's dequantization is one multiply-add; MLX's rounds the product first. Where
+    code x scale and the minimum cancel, the two differ by a rounding of the product, not of
+    the result: the float32 layouts failed their self-check on CUDA for that (session 81)."""
+    ref = mx.array([3.0e-8, -2.0, 1.5], mx.float32)
+    fused = mx.array([3.0e-8 + 2.0 ** -24, -2.0, 1.5], mx.float32)  # the product's rounding (a term near 1)
+    assert lr.within_a_rounding(fused, ref)
+    wrong = mx.array([3.0e-8, -2.0, 1.5 + 2.0 ** -20], mx.float32)  # four roundings of the largest
+    assert not lr.within_a_rounding(wrong, ref)
+    half = mx.array([1.0, -3.0, 1000.0], mx.float16)  # the 16-bit dtypes' ulp rule still holds
+    assert not lr.within_a_rounding(mx.array([1.0 + 2.0 ** -9, -3.0, 1000.0], mx.float16), half)
+
+
 def test_a_store_s_tokens_give_the_rows_its_fused_read_takes():
     """``LatentTokens.kernel_arrays`` hands the kernel the buffers the MLX path reads: the
     float32 pass over them is the store's own rows, to a rounding of the dtype."""
