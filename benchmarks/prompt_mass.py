@@ -10,6 +10,7 @@ largest error over the keys' masses relative to the current function's. SDPA ove
 
     python benchmarks/prompt_mass.py                                   # GPU: 2,048 queries x 4,096 keys, float16
     python benchmarks/prompt_mass.py --only "MLX ops" "mass kernels"   # the kernels against MLX's ops
+    python benchmarks/prompt_mass.py --only fused "2^23 (the"          # the fused kernels against written logits
     MLX_DEFAULT_DEVICE=cpu python benchmarks/prompt_mass.py --context 1024 --chunk 512
 """
 
@@ -24,7 +25,7 @@ import veloxquant_mlx  # noqa: F401  first: it may load OpenBLAS
 
 import mlx.core as mx  # noqa: E402
 
-from veloxquant_mlx.evict import attention, mass_kernel  # noqa: E402
+from veloxquant_mlx.evict import attention, fused_mass_kernel, mass_kernel  # noqa: E402
 from veloxquant_mlx.methods import keyformer  # noqa: E402
 
 
@@ -85,19 +86,28 @@ def main():
     def current():
         return attention.attention_mass(q, k, scale, qpos, kpos, qw)
 
-    def mlx_ops(fn):
-        """``fn`` with the prompt-mass kernels off (``VQ_MASS_KERNEL=0``): MLX's ops."""
+    def with_env(settings: dict, fn):
+        """``fn`` run with the environment's ``settings`` (restored after)."""
         def run():
-            old = os.environ.get("VQ_MASS_KERNEL")
-            os.environ["VQ_MASS_KERNEL"] = "0"
+            old = {name: os.environ.get(name) for name in settings}
+            os.environ.update(settings)
             try:
                 return fn()
             finally:
-                if old is None:
-                    del os.environ["VQ_MASS_KERNEL"]
-                else:
-                    os.environ["VQ_MASS_KERNEL"] = old
+                for name, value in old.items():
+                    if value is None:
+                        del os.environ[name]
+                    else:
+                        os.environ[name] = value
         return run
+
+    def written(fn):
+        """``fn`` with the fused kernels off (``VQ_FUSED_MASS=0``, the default): logits written, then scored."""
+        return with_env({"VQ_FUSED_MASS": "0"}, fn)
+
+    def mlx_ops(fn):
+        """``fn`` with every scoring kernel off: MLX's ops over written logits."""
+        return with_env({"VQ_FUSED_MASS": "0", "VQ_MASS_KERNEL": "0"}, fn)
 
     def before():  # attention_mass until session 48: a broadcast product, the keys cast a block
         def block(qb, start, stop):
@@ -160,19 +170,22 @@ def main():
     ref = mlx_ops(current)()
     mx.eval(ref)
     kernels = "on" if mass_kernel.kernel_backend(mx.float32) else "off: no GPU, or failed its check"
+    fused = "on" if with_env({"VQ_FUSED_MASS": "1"}, lambda: fused_mass_kernel.kernel_backend(q, k))() else (
+        "off: no GPU, or failed its check")
     variants = {
         "attention_mass (current)": current,
-        "MLX ops (VQ_MASS_KERNEL=0)": mlx_ops(current),
+        f"fused kernels ({fused}; VQ_FUSED_MASS=1)": with_env({"VQ_FUSED_MASS": "1"}, current),
+        "MLX ops (VQ_FUSED_MASS=0 VQ_MASS_KERNEL=0)": mlx_ops(current),
         "MLX ops, blocks of 2^24": mlx_ops(with_block_size(attention, 2**24, current)),
-        f"mass kernels ({kernels}), blocks of 2^23 (the default)": current,
-        f"mass kernels ({kernels}), blocks of 2^24": with_block_size(attention, 2**24, current),
-        f"mass kernels ({kernels}), blocks of 2^25": with_block_size(attention, 2**25, current),
-        f"mass kernels ({kernels}), blocks of 2^26": with_block_size(attention, 2**26, current),
-        f"mass kernels ({kernels}), float16 logits": fp16_logits,
+        f"mass kernels ({kernels}), blocks of 2^23 (the default)": written(current),
+        f"mass kernels ({kernels}), blocks of 2^24": written(with_block_size(attention, 2**24, current)),
+        f"mass kernels ({kernels}), blocks of 2^25": written(with_block_size(attention, 2**25, current)),
+        f"mass kernels ({kernels}), blocks of 2^26": written(with_block_size(attention, 2**26, current)),
+        f"mass kernels ({kernels}), float16 logits": written(fp16_logits),
         "attention_mass before session 48": before,
-        "blocks of 2^24 logits": with_block_size(attention, 2**24, current),
-        "blocks of 2^25 logits": with_block_size(attention, 2**25, current),
-        "blocks of 2^22 logits": with_block_size(attention, 2**22, current),
+        "blocks of 2^24 logits": written(with_block_size(attention, 2**24, current)),
+        "blocks of 2^25 logits": written(with_block_size(attention, 2**25, current)),
+        "blocks of 2^22 logits": written(with_block_size(attention, 2**22, current)),
         "float16 logits": fp16_logits,
         "float16 logits, 2^25": with_block_size(attention, 2**25, fp16_logits),
         "matvec reduce": matvec_reduce,
@@ -184,6 +197,8 @@ def main():
         "stacked f16 logits, compiled tail": stacked(dtype),
         "stacked f16 logits, compiled tail, 2^25": stacked(dtype, 2**25),
         "keyformer gumbel_mass": keyformer_mass,
+        f"keyformer gumbel_mass, fused kernels ({fused}; VQ_FUSED_MASS=1)": with_env({"VQ_FUSED_MASS": "1"},
+                                                                                 keyformer_mass),
         "keyformer gumbel_mass, 2^21 (its blocks before session 48)": with_block_size(keyformer, 2**21, keyformer_mass),
         "keyformer gumbel_mass, 2^25": with_block_size(keyformer, 2**25, keyformer_mass),
         "SDPA, causal (yardstick)": sdpa,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import mass_kernel
+from . import fused_mass_kernel, mass_kernel
 
 QUERY_BLOCK = 256  # queries scored at a time, at most
 # Logits one block of queries may hold (32 MiB in float32), through MLX's ops or the
@@ -84,13 +84,18 @@ def attention_mass(
     are cast once; a KV group's query heads are one product's rows (no batch broadcast over
     the group); the weighted sum over a block's rows is one product with the softmax (no
     weighted copy of the block). The terms are ``attention_weights``'s, summed in another
-    order. On a GPU whose kernels passed their check, a block's mask, softmax and weighted
-    sum are two launches over its logits (``mass_kernel.py``).
+    order. On a GPU whose kernels passed their check, float16 and bfloat16 queries and keys
+    are scored in two launches that never write a logit (``fused_mass_kernel.py``); else a
+    block's mask, softmax and weighted sum are two launches over its logits (``mass_kernel.py``).
     """
     b, hq, nq, d = queries.shape
     hkv, n = keys.shape[1], keys.shape[2]
     g = hq // hkv
     dtype = keys.dtype if dtype is None else dtype
+    fused = fused_mass_kernel.kernel_backend(queries, keys) if dtype in (mx.float32, keys.dtype) else None
+    if fused is not None:  # every query at once: no logit is written
+        w = mx.full((nq,), 1.0 / g, mx.float32) if query_weights is None else query_weights / g
+        return fused_mass_kernel.fused_mass(fused, queries, keys, scale, q_positions, k_positions, w)
     keys_t = keys.astype(dtype).swapaxes(-1, -2)
     k = None if k_positions is None else k_positions[:, :, None, None, :]
     kernels = mass_kernel.kernel_backend(dtype)

@@ -57,6 +57,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.buffers import row_indices
+from ..evict import fused_mass_kernel
+from ..kernels.checks import checked_once
 from ..evict.attention import SCORE_ELEMENTS, reduce_query_blocks  # a module global: tests vary the block
 from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 from ..evict.prng import MASK64, mix64
@@ -171,8 +173,60 @@ def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, stream=None) ->
     query head, query position and key position (``gumbel_noise``), so the mass does not
     depend on the block size. A key a query cannot see adds 0 (keys are at most at the last
     query's position). Blocks hold at most SCORE_ELEMENTS logits, one block at a time
-    (``reduce_query_blocks``).
+    (``reduce_query_blocks``); on a GPU with ``VQ_FUSED_MASS=1``, two launches that write no
+    logit (``evict/fused_mass_kernel.py``, which also leaves out a padding slot's position -1).
     """
+    fused = _fused_backend(queries, keys)
+    if fused is not None:  # every query at once, the noise made where each logit is: none written
+        return _fused_gumbel_mass(fused, queries, keys, scale, q_start, k_positions, tau, stream)
+    return _written_gumbel_mass(queries, keys, scale, q_start, k_positions, tau, stream)
+
+
+def _fused_gumbel_mass(backend, queries, keys, scale, q_start, k_positions, tau, stream):
+    b, hkv, n = keys.shape[:3]
+    n_queries = queries.shape[2]
+    q_positions = mx.arange(q_start, q_start + n_queries, dtype=mx.int32)
+    k_positions = mx.broadcast_to(k_positions, (b, hkv, n))
+    ones = mx.ones((n_queries,), mx.float32)
+    if stream is None:
+        return fused_mass_kernel.fused_mass(backend, queries, keys, scale / tau, q_positions, k_positions, ones)
+    return fused_mass_kernel.fused_mass(backend, queries, keys, scale, q_positions, k_positions, ones,
+                                        (stream[0], stream[1], tau))
+
+
+_NOISE_CHECKED: dict = {}
+
+
+def _fused_backend(queries, keys):
+    """``fused_mass_kernel.kernel_backend``, and the kernels' noise checked once a process and
+    dtype against the written logits' (the kernels' own check has no noise)."""
+    backend = fused_mass_kernel.kernel_backend(queries, keys)
+    if backend is None:
+        return None
+    return backend if checked_once(_NOISE_CHECKED, backend, (backend, str(keys.dtype)),
+                                   lambda: _noise_problem(backend, keys.dtype),
+                                   "fused prompt-mass kernels' Gumbel noise",
+                                   "keyformer's scores are computed through written logits instead") else None
+
+
+def _noise_problem(backend, dtype):
+    try:
+        q, k, scale, _, _, _ = fused_mass_kernel.check_case(dtype, nq=70, n=300, d=128)
+        b, hq, nq, _ = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        k_pos = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, hkv, n))
+        stream = noise_stream(7, 1, b, hq, hkv)
+        got = _fused_gumbel_mass(backend, q, k, scale, n - nq, k_pos, 0.7, stream)
+        ref = _written_gumbel_mass(q, k, scale, n - nq, k_pos, 0.7, stream)
+        if not fused_mass_kernel.within_check_tolerance(got, ref):
+            return f"masses differ from the written logits' by more than {fused_mass_kernel.CHECK_RTOL:g} of the largest"
+    except Exception as exc:  # kernels that do not compile or launch fail their check
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
+def _written_gumbel_mass(queries, keys, scale, q_start, k_positions, tau, stream):
+    """``gumbel_mass`` through logits written a block at a time."""
     b, hq, n_queries, d = queries.shape
     hkv = keys.shape[1]
     k = keys.astype(mx.float32).swapaxes(-1, -2)  # a group's heads are one product's rows

@@ -1,0 +1,281 @@
+"""The fused prompt-mass kernels (``evict/fused_mass_kernel.py``): their CUDA source run on the
+CPU by emulation (tensor-core products included, float16 and bfloat16) against MLX's float32
+masses (masked, per-head positions, none; several tiles, split rows, a row that sees no key),
+``reference_mass`` against ``attention.attention_mass``, and the dispatch."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import veloxquant_mlx  # noqa: F401  (before mlx binds its CPU BLAS)
+from veloxquant_mlx.evict import attention
+from veloxquant_mlx.evict import fused_mass_kernel as fk
+from veloxquant_mlx.kernels import kivi_decode as kd
+from veloxquant_mlx.methods import keyformer
+
+# The emulation's tensor-core product for either 16-bit type: every lane posts its fragments,
+# then computes its own accumulators from the warp's (PTX m16n8k16 .row.col layouts), the
+# halves decoded as float16 or as bfloat16 (the top half of a float32).
+_EMU_MMA = r"""
+static inline float vqm_word(uint32_t r, int k, bool bf16) {
+  const uint16_t v = (uint16_t)(r >> (16 * k));
+  if (bf16) { const uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+  _Float16 f; memcpy(&f, &v, 2); return (float)f;
+}
+template <bool BF16> static inline void vqm_mma(float* c, const uint32_t* a, const uint32_t* b) {
+  const int t = threadIdx.x, w = t / 32, lane = t % 32, base = w * 32;
+  for (int k = 0; k < 4; ++k) xa[t][k] = a[k];
+  xb[t][0] = b[0]; xb[t][1] = b[1];
+  w_bar[w]->arrive_and_wait();
+  const int g = lane / 4, q = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + (e >= 2 ? 8 : 0), col = 2 * q + (e & 1);
+    float sum = 0.f;
+    for (int k = 0; k < 16; ++k) {
+      const float av = vqm_word(xa[base + (row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k % 2, BF16);
+      const float bv = vqm_word(xb[base + col * 4 + (k % 8) / 2][k >= 8], k % 2, BF16);
+      sum += av * bv;
+    }
+    c[e] += sum;
+  }
+  w_bar[w]->arrive_and_wait();
+}
+"""
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    """A 16-bit array's words, as the kernels read them."""
+    return np.array(a.view(mx.uint16))
+
+
+def _emulated_args(names, args):
+    ins = []
+    for name, a in zip(names, args["inputs"]):
+        if a.dtype in (mx.float16, mx.bfloat16):
+            ins.append((name, "uint16", _bits(a)))
+        else:
+            ins.append((name, {mx.float32: "float32", mx.int32: "int32", mx.uint32: "uint32"}[a.dtype], np.array(a)))
+    template = [(k, "uint16" if k == "T" else v) for k, v in args["template"]]
+    return ins, template
+
+
+def emulate(case, workdir, noise=None) -> tuple[np.ndarray, np.ndarray]:
+    """Both launches of ``fused_mass`` emulated, the second fed the first's output:
+    (masses (B, Hkv, n), the rows' log-sum-exps in base 2)."""
+    from test_kernel_kivi_decode import emulate_launch
+
+    header = _EMU_MMA + fk.CUDA_HEADER
+    lse_args, col_args, _ = fk.launch_args("cuda", *case, noise)
+    ins, template = _emulated_args(fk.LSE_IN, lse_args)
+    (size,) = lse_args["output_shapes"][0]
+    gx, gy, _ = lse_args["grid"]
+    lse = emulate_launch(fk.LSE_CUDA, ins, [("lse", "float32", size)], template, (gx // fk.NT, gy), fk.NT,
+                         workdir, header=header)["lse"]
+    col_args["inputs"][2] = mx.array(lse)
+    ins, template = _emulated_args(fk.COLUMNS_IN, col_args)
+    shape = col_args["output_shapes"][0]
+    gx, gy, _ = col_args["grid"]
+    partial = emulate_launch(fk.COLUMNS_CUDA, ins, [("partial", "float32", int(np.prod(shape)))], template,
+                             (gx // fk.NT, gy), fk.NT, workdir, header=header)["partial"]
+    b, hkv, n = case[1].shape[:3]
+    return partial.reshape(shape).sum(axis=0).reshape(b, hkv, n), lse
+
+
+@pytest.mark.parametrize("dtype, masked, per_head, nq, n, d", [
+    (mx.float16, True, False, 37, 150, 32),    # H2O's chunk: causal positions shared by the heads, padding slots
+    (mx.float16, True, True, 37, 150, 32),     # positions per KV head (a store's slots)
+    (mx.float16, False, False, 37, 150, 32),   # every key visible
+    (mx.bfloat16, True, False, 37, 150, 32),   # bfloat16's products
+    (mx.float16, True, False, 70, 300, 128),   # the 8B head: 8 products a tile row, 5 key tiles, 3 row tiles
+])
+def test_the_cuda_source_gives_mlxs_float32_masses(tmp_path, dtype, masked, per_head, nq, n, d):
+    from test_kernel_kivi_decode import skip_without_emulation
+
+    skip_without_emulation()
+    with mx.stream(mx.cpu):
+        case = fk.check_case(dtype, masked, per_head, nq=nq, n=n, d=d)
+        assert fk.launch_args("cuda", *case)[2] > 1  # the rows split into shares, summed after
+        got, lse = emulate(case, str(tmp_path))
+        ref = np.array(fk.reference_mass(*case))
+        # the emulation sums each product's 16 terms in float32, as MLX's product does in
+        # another order: a few float32 roundings of the largest logit's exponential
+        assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max(), np.abs(got - ref).max()
+        if masked:  # padding keys get nothing; every row sees its own key, so its lse is finite
+            assert np.all(got[np.array(case[4]) < 0] == 0) and np.isfinite(lse).all()
+        total = got.sum(axis=-1)  # each row's softmax sums to 1, times its weight
+        assert np.allclose(total, np.array(case[5]).sum() * (case[0].shape[1] // case[1].shape[1]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("noisy", [True, False])
+def test_the_cuda_source_gives_keyformers_masses(tmp_path, noisy):
+    """keyformer's prompt scores: softmax((x scale + zeta) / tau) summed over the queries and a
+    group's heads, zeta the hash of the query head, query and key positions made inside the
+    kernels (``keyformer.gumbel_mass``'s own, through MLX's float32 ops, is the reference);
+    without noise, softmax(x scale / tau)."""
+    from test_kernel_kivi_decode import skip_without_emulation
+
+    skip_without_emulation()
+    with mx.stream(mx.cpu):
+        q, k, scale, _, _, _ = fk.check_case(mx.float16, nq=37, n=150, d=32)
+        b, hq, nq, _ = q.shape
+        hkv, n = k.shape[1], k.shape[2]
+        k_pos = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, hkv, n))
+        stream = keyformer.noise_stream(5, 3, b, hq, hkv) if noisy else None
+        tau = 0.7
+        ref = np.array(keyformer.gumbel_mass(q, k, scale, n - nq, k_pos, tau, stream))
+        q_pos = mx.arange(n - nq, n, dtype=mx.int32)
+        case = (q, k, scale if noisy else scale / tau, q_pos, k_pos, mx.ones((nq,), mx.float32))
+        got, _ = emulate(case, str(tmp_path), (stream[0], stream[1], tau) if noisy else None)
+        # the logs of the noise by the C library here and by MLX's vectorised log: a few
+        # float32 roundings of a logit, as the products' order
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(got - ref).max()
+        assert np.isclose(got.sum(), hq * nq, rtol=1e-5)  # every row's softmax sums to 1
+
+
+def test_keyformer_takes_the_fused_kernels_where_they_run(monkeypatch):
+    """On a GPU whose fused kernels passed their check, ``gumbel_mass`` is one ``fused_mass``
+    over every query (a stand-in here that emulates nothing: it records its call and returns
+    the logits' path's masses), the noise's keys and tau passed along."""
+    calls = []
+    q, k, scale, _, _, _ = fk.check_case(mx.float16, nq=9, n=50, d=16)
+    k_pos = mx.broadcast_to(mx.arange(50, dtype=mx.int32), (1, 2, 50))
+    stream = keyformer.noise_stream(1, 0, 1, 4, 2)
+    ref = keyformer.gumbel_mass(q, k, scale, 41, k_pos, 0.5, stream)
+
+    def stand_in(backend, queries, keys, scale_, q_positions, k_positions, weights, noise=None):
+        calls.append((scale_, q_positions.tolist(), weights.tolist(), noise[2]))
+        assert noise[0] is stream[0] and noise[1] is stream[1]
+        return ref
+
+    monkeypatch.setattr(fk, "kernel_backend", lambda queries, keys: "cuda")
+    monkeypatch.setattr(keyformer, "checked_once", lambda *args: True)  # the noise's check: its own test
+    monkeypatch.setattr(fk, "fused_mass", stand_in)
+    assert keyformer.gumbel_mass(q, k, scale, 41, k_pos, 0.5, stream) is ref
+    assert calls == [(scale, list(range(41, 50)), [1.0] * 9, 0.5)]
+
+
+def test_a_row_that_sees_no_key_adds_nothing(tmp_path):
+    from test_kernel_kivi_decode import skip_without_emulation
+
+    skip_without_emulation()
+    with mx.stream(mx.cpu):
+        q, k, scale, q_pos, k_pos, w = fk.check_case(mx.float16)
+        k_pos = mx.where(mx.arange(k_pos.shape[-1]) < 120, -1, k_pos)
+        q_pos = mx.where(mx.arange(q_pos.shape[0]) < 10, 100, q_pos)  # the first 10 queries see only padding
+        got, lse = emulate((q, k, scale, q_pos, k_pos, w), str(tmp_path))
+        lse = lse.reshape(2, 2, 37)  # (KV head, query head of its group, query)
+        assert np.all(np.isinf(lse[..., :10])) and np.isfinite(lse[..., 10:]).all()
+        ref = np.array(fk.reference_mass(q, k, scale, q_pos, k_pos, w))
+        assert np.all(got[..., :120] == 0)
+        assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()
+
+
+def test_reference_mass_is_attention_masss_scores():
+    """``reference_mass`` is what ``attention_mass`` sums (its float32 path), so the
+    self-check and the emulation hold the kernels to what the scores were."""
+    for per_head in (False, True):
+        q, k, scale, q_pos, k_pos, w = fk.check_case(mx.float16, True, per_head, nq=9, n=40, d=16)
+        g = q.shape[1] // k.shape[1]
+        ref = attention.attention_mass(q, k, scale, q_pos, k_pos, w * g)
+        assert mx.allclose(fk.reference_mass(q, k, scale, q_pos, k_pos, w), ref, rtol=1e-5, atol=1e-7)
+
+
+def test_the_kernels_take_16_bit_heads_of_16s():
+    q16, k16 = mx.zeros((1, 4, 3, 128), mx.float16), mx.zeros((1, 2, 9, 128), mx.float16)
+    assert fk.takes(q16, k16) and fk.takes(q16.astype(mx.bfloat16), k16.astype(mx.bfloat16))
+    assert not fk.takes(q16.astype(mx.float32), k16.astype(mx.float32))  # logits written as before
+    assert not fk.takes(q16, k16.astype(mx.bfloat16))
+    assert not fk.takes(q16[..., :120], k16[..., :120])  # not a multiple of 16
+    assert not fk.takes(mx.zeros((1, 4, 3, 512), mx.float16), mx.zeros((1, 2, 9, 512), mx.float16))
+
+
+def test_splits_fill_the_gpu_and_keep_a_tile_of_rows_a_share():
+    assert fk.splits_for(8192, 4096, 8) == 2    # 512 blocks of keys -> 2 shares
+    assert fk.splits_for(100, 300, 1) == 2      # 5 blocks of keys, 2 tiles of rows
+    assert fk.splits_for(8192, 32768, 8) == 1   # 4,096 blocks of keys already
+    # shares are a parameter, not a constant of the source: one kernel serves every chunk
+    q, k = mx.zeros((1, 4, 3, 128), mx.float16), mx.zeros((1, 2, 300, 128), mx.float16)
+    lse, columns, splits = fk.launch_args("cuda", q, k, 0.1, None, None, mx.ones((3,)))
+    assert splits == 1 and columns["inputs"][-1].tolist()[-1] == splits
+    assert [name for name, _ in columns["template"]] == ["T", "HEAD_DIM", "MASKED", "BF16", "NOISE", "NT"]
+
+
+def test_a_test_that_takes_a_gpus_paths_on_the_cpu_writes_logits(monkeypatch):
+    if kd._gpu_kind() is not None:
+        pytest.skip("a GPU back-end is here: its kernels run, there is no stand-in to test")
+    monkeypatch.setenv("VQ_FUSED_MASS", "1")
+    monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(fk, "_CHECKED", {})
+    q, k = mx.zeros((1, 4, 3, 128), mx.float16), mx.zeros((1, 2, 9, 128), mx.float16)
+    assert fk.kernel_backend(q, k) is None and fk._CHECKED == {}
+
+
+def test_the_kernels_run_only_when_switched_on(monkeypatch):
+    """Untimed on a GPU, they stay off unless ``VQ_FUSED_MASS=1``; on, a GPU whose kernels
+    passed their check takes them for shapes they take."""
+    monkeypatch.setattr(kd, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(fk, "kernel_checked", lambda backend, dtype: True)
+    q, k = mx.zeros((1, 4, 3, 128), mx.float16), mx.zeros((1, 2, 9, 128), mx.float16)
+    monkeypatch.delenv("VQ_FUSED_MASS", raising=False)
+    assert fk.kernel_backend(q, k) is None
+    monkeypatch.setenv("VQ_FUSED_MASS", "0")
+    assert fk.kernel_backend(q, k) is None
+    monkeypatch.setenv("VQ_FUSED_MASS", "1")
+    assert fk.kernel_backend(q, k) == "cuda"
+    assert fk.kernel_backend(q.astype(mx.float32), k.astype(mx.float32)) is None
+
+
+def test_attention_mass_takes_the_fused_kernels_where_they_run(monkeypatch):
+    """On a GPU whose fused kernels passed their check, the whole call's mass is one
+    ``fused_mass`` (a stand-in here that computes the reference) over every query, with the
+    weights over the group's heads: the same masses as the logits' path, and no block."""
+    calls = []
+
+    def stand_in(backend, queries, keys, scale, q_positions, k_positions, weights):
+        calls.append((backend, queries.shape))
+        return fk.reference_mass(queries, keys, scale, q_positions, k_positions, weights)
+
+    q, k, scale, q_pos, k_pos, w = fk.check_case(mx.float16, nq=9, n=50, d=16)
+    ref = attention.attention_mass(q, k, scale, q_pos, k_pos, w)
+    monkeypatch.setattr(fk, "kernel_backend", lambda queries, keys: "cuda")
+    monkeypatch.setattr(fk, "fused_mass", stand_in)
+    monkeypatch.setattr(attention, "SCORE_ELEMENTS", 400)  # blocks of 2 queries for the logits' path
+    got = attention.attention_mass(q, k, scale, q_pos, k_pos, w)
+    assert calls == [("cuda", q.shape)]
+    assert mx.allclose(got, ref, rtol=1e-5, atol=1e-7)
+    calls.clear()  # a float16 product asked for: the fused float32 sums are at least as exact
+    assert mx.allclose(attention.attention_mass(q, k, scale, None, None, None, None),
+                       attention.attention_mass(q, k, scale, None, None, None, mx.float32), rtol=1e-5, atol=1e-7)
+    assert len(calls) == 2
+
+
+def test_keyformer_keeps_written_logits_where_the_noise_fails_its_check(monkeypatch):
+    """The kernels' own check has no noise: keyformer checks it once against its written
+    logits (on a CUDA back-end emulated by a stand-in whose noise is off by a factor) and, when
+    it fails, scores through written logits with a warning."""
+    q, k, scale, _, _, _ = fk.check_case(mx.float16, nq=9, n=50, d=16)
+    k_pos = mx.broadcast_to(mx.arange(50, dtype=mx.int32), (1, 2, 50))
+    stream = keyformer.noise_stream(1, 0, 1, 4, 2)
+    ref = keyformer.gumbel_mass(q, k, scale, 41, k_pos, 0.5, stream)
+    monkeypatch.setattr(fk, "kernel_backend", lambda queries, keys: "cuda")
+    monkeypatch.setattr(kd, "_gpu_kind", lambda: "cuda")
+    monkeypatch.setattr(keyformer, "_NOISE_CHECKED", {})
+    monkeypatch.setattr(keyformer, "_fused_gumbel_mass",
+                        lambda backend, *a: keyformer._written_gumbel_mass(*a[:5], a[5] * 1.1, a[6]))
+    with pytest.warns(RuntimeWarning, match="Gumbel noise failed its self-check"):
+        got = keyformer.gumbel_mass(q, k, scale, 41, k_pos, 0.5, stream)
+    assert mx.array_equal(got, ref) and list(keyformer._NOISE_CHECKED.values())[0] is not None
+
+
+def test_on_a_gpu_the_fused_kernels_give_mlxs_float32_masses():
+    if kd.gpu_backend() is None:
+        pytest.skip("SKIPPED LOUDLY: no GPU here: the fused kernels run on a GPU only (their CUDA source is "
+                    "emulated above)")
+    for dtype in (mx.float16, mx.bfloat16):
+        assert fk.kernel_checked(kd.gpu_backend(), dtype), fk._CHECKED
+        assert keyformer._noise_problem(kd.gpu_backend(), dtype) is None
+        for masked, per_head, nq in ((True, False, 200), (True, True, 5), (False, False, 64)):
+            case = fk.check_case(dtype, masked, per_head, nq=nq, n=3000, d=128)
+            assert fk.within_check_tolerance(fk.fused_mass(kd.gpu_backend(), *case), fk.reference_mass(*case))
