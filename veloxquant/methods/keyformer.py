@@ -58,10 +58,10 @@ import numpy as np
 
 from ..cache.buffers import row_indices
 from ..evict import fused_mass_kernel
-from ..kernels.checks import checked_once
 from ..evict.attention import SCORE_ELEMENTS, reduce_query_blocks  # a module global: tests vary the block
 from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 from ..evict.prng import MASK64, mix64
+from ..kernels.checks import checked_once
 
 
 def _fmix32(h: mx.array) -> mx.array:
