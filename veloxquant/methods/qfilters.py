@@ -66,7 +66,7 @@ import mlx.core as mx
 
 from ..cache.calibration import batch_rows, layer_calibration
 from ..diagnostics import VeloxQuantWarning
-from ..evict.attention import attention_weights, reduce_query_blocks
+from ..evict.attention import attention_mass
 from ..evict.base import EVICT_EVERY, RECENT_FLOOR, Roles, Schedule, ScoredEvictionCache
 from ..evict.select import group_mean, top_k_sorted
 
@@ -144,14 +144,12 @@ def query_filters(queries: mx.array) -> mx.array:
 
 def retention(queries, q_positions, keys, k_positions, kept, scale) -> mx.array:
     """Mass the queries' causal attention puts on the ``kept`` keys (B, Hkv, n) bool,
-    averaged over the queries and the query heads of each KV head: (B, Hkv)."""
-    keys = keys.astype(mx.float32)  # once: a cast in every block left several alive at once
-
-    def block(q, start, stop):
-        w = attention_weights(q, keys, scale, q_positions[start:stop], k_positions)  # (B, Hkv, G, N, n)
-        return (w * kept[:, :, None, None, :]).sum(axis=(-1, -2)).mean(axis=2)
-
-    return reduce_query_blocks(queries, keys.shape[2], block) / queries.shape[2]
+    averaged over the queries and the query heads of each KV head: (B, Hkv). Each key's
+    share is ``attention_mass`` with every query weighted 1/N: the prompt-mass kernels on a
+    GPU, no softmax written per head and query."""
+    n = queries.shape[2]
+    mass = attention_mass(queries, keys, scale, q_positions, k_positions, mx.full((n,), 1.0 / n, mx.float32))
+    return mx.where(kept, mass, 0.0).sum(axis=-1)
 
 
 def calibration_stride(seen: int, capacity: int) -> int:
