@@ -88,7 +88,9 @@ def emulate(case, workdir, noise=None) -> tuple[np.ndarray, np.ndarray]:
     pytest.param(mx.float16, True, True, 37, 150, 32, marks=pytest.mark.slow),  # positions per KV head (a store's slots)
     (mx.float16, False, False, 37, 150, 32),   # every key visible
     (mx.bfloat16, True, False, 37, 150, 32),   # bfloat16's products
-    (mx.float16, True, False, 70, 300, 128),   # the 8B head: 8 products a tile row, 5 key tiles, 3 row tiles
+    # the 8B head: 8 products a tile row, 5 key tiles, 3 row tiles (9 s of the CI's two workers;
+    # nvcc compiles this head dim below)
+    pytest.param(mx.float16, True, False, 70, 300, 128, marks=pytest.mark.slow),
 ])
 def test_the_cuda_source_gives_mlxs_float32_masses(tmp_path, dtype, masked, per_head, nq, n, d):
     from test_kernel_kivi_decode import skip_without_emulation
