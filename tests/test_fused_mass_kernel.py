@@ -15,36 +15,6 @@ from veloxquant_mlx.evict import fused_mass_kernel as fk
 from veloxquant_mlx.kernels import kivi_decode as kd
 from veloxquant_mlx.methods import keyformer
 
-# The emulation's tensor-core product for either 16-bit type: every lane posts its fragments,
-# then computes its own accumulators from the warp's (PTX m16n8k16 .row.col layouts), the
-# halves decoded as float16 or as bfloat16 (the top half of a float32).
-_EMU_MMA = r"""
-static inline float vqm_word(uint32_t r, int k, bool bf16) {
-  const uint16_t v = (uint16_t)(r >> (16 * k));
-  if (bf16) { const uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
-  _Float16 f; memcpy(&f, &v, 2); return (float)f;
-}
-template <bool BF16> static inline void vqm_mma(float* c, const uint32_t* a, const uint32_t* b) {
-  const int t = threadIdx.x, w = t / 32, lane = t % 32, base = w * 32;
-  for (int k = 0; k < 4; ++k) xa[t][k] = a[k];
-  xb[t][0] = b[0]; xb[t][1] = b[1];
-  w_bar[w]->arrive_and_wait();
-  const int g = lane / 4, q = lane % 4;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + (e >= 2 ? 8 : 0), col = 2 * q + (e & 1);
-    float sum = 0.f;
-    for (int k = 0; k < 16; ++k) {
-      const float av = vqm_word(xa[base + (row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k % 2, BF16);
-      const float bv = vqm_word(xb[base + col * 4 + (k % 8) / 2][k >= 8], k % 2, BF16);
-      sum += av * bv;
-    }
-    c[e] += sum;
-  }
-  w_bar[w]->arrive_and_wait();
-}
-"""
-
-
 def _bits(a: mx.array) -> np.ndarray:
     """A 16-bit array's words, as the kernels read them."""
     return np.array(a.view(mx.uint16))
@@ -66,7 +36,7 @@ def emulate(case, workdir, noise=None) -> tuple[np.ndarray, np.ndarray]:
     (masses (B, Hkv, n), the rows' log-sum-exps in base 2)."""
     from test_kernel_kivi_decode import emulate_launch
 
-    header = _EMU_MMA + fk.CUDA_HEADER
+    header = fk.CUDA_HEADER  # the emulator's prelude has vqm_mma for both 16-bit types
     lse_args, col_args, _ = fk.launch_args("cuda", *case, noise)
     ins, template = _emulated_args(fk.LSE_IN, lse_args)
     (size,) = lse_args["output_shapes"][0]

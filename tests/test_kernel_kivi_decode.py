@@ -556,11 +556,14 @@ static inline uint32_t vqk_h2(float lo, float hi) {
   _Float16 l = (_Float16)lo, h = (_Float16)hi; uint16_t a, b;
   memcpy(&a, &l, 2); memcpy(&b, &h, 2); return (uint32_t)a | ((uint32_t)b << 16);
 }
-static inline float vqk_half(uint32_t r, int k) {
-  uint16_t v = (uint16_t)(r >> (16 * k)); _Float16 f; memcpy(&f, &v, 2); return (float)f;
+static inline float vqk_half(uint32_t r, int k, bool bf16 = false) {
+  const uint16_t v = (uint16_t)(r >> (16 * k));
+  if (bf16) { const uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }  // a float32's top half
+  _Float16 f; memcpy(&f, &v, 2); return (float)f;
 }
 static uint32_t xa[1024][4], xb[1024][2];
-static inline void vqk_mma(float* c, const uint32_t* a, const uint32_t* b) {
+// the halves decoded as float16, or with BF16 as bfloat16 (fused_mass_kernel's vqm_mma)
+template <bool BF16> static inline void vqm_mma(float* c, const uint32_t* a, const uint32_t* b) {
   const int t = threadIdx.x, w = t / 32, lane = t % 32, base = w * 32;
   for (int k = 0; k < 4; ++k) xa[t][k] = a[k];
   xb[t][0] = b[0]; xb[t][1] = b[1];
@@ -570,14 +573,15 @@ static inline void vqk_mma(float* c, const uint32_t* a, const uint32_t* b) {
     const int row = g + (e >= 2 ? 8 : 0), col = 2 * q + (e & 1);
     float sum = 0.f;
     for (int k = 0; k < 16; ++k) {
-      const float av = vqk_half(xa[base + (row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k % 2);
-      const float bv = vqk_half(xb[base + col * 4 + (k % 8) / 2][k >= 8], k % 2);
+      const float av = vqk_half(xa[base + (row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k % 2, BF16);
+      const float bv = vqk_half(xb[base + col * 4 + (k % 8) / 2][k >= 8], k % 2, BF16);
       sum += av * bv;
     }
     c[e] += sum;
   }
   w_bar[w]->arrive_and_wait();
 }
+static inline void vqk_mma(float* c, const uint32_t* a, const uint32_t* b) { vqm_mma<false>(c, a, b); }
 template <class F> void launch(int gx, int gy, int nt, F f, bool together = true) {
   gridDim = {gx, gy, 1};
   for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {

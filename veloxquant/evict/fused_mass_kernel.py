@@ -40,6 +40,7 @@ import mlx.core as mx
 
 from ..kernels import kivi_decode as kd
 from ..kernels.checks import checked_once, gpu_kernel
+from .mass_kernel import flat_positions
 
 TILE = 64  # rows a block of the lse launch, keys a block of the columns launch, and a staged tile
 NT = 128  # threads a block: 4 warps of 16 rows (or keys) each
@@ -428,13 +429,7 @@ def launch_args(backend: str, queries, keys, scale: float, q_positions, k_positi
     masked = k_positions is not None
     if noise is not None and not masked:
         raise ValueError("fused_mass: keyformer's noise is a hash of the positions; pass q_positions and k_positions")
-    if masked:
-        q_stride = 0 if q_positions.ndim == 1 else nq
-        q_pos = q_positions.astype(mx.int32).reshape(-1)
-        k_pos = k_positions.astype(mx.int32).reshape(-1)
-    else:
-        q_stride, q_pos = 0, mx.zeros((1,), mx.int32)
-        k_pos = q_pos
+    q_stride, q_pos, k_pos = flat_positions(q_positions, k_positions, nq)
     splits = splits_for(rows, n, b * hkv)
     params = mx.array([n, nq, g, q_stride, splits], mx.int32)  # shapes as parameters: one kernel a head dim
     if noise is None:

@@ -180,6 +180,18 @@ def splits_for(rows_per_head: int, n: int, heads: int) -> int:
     return max(1, min(-(-TARGET_BLOCKS // blocks), rows_per_head // 8))
 
 
+def flat_positions(q_positions, k_positions, m: int) -> tuple[int, mx.array, mx.array]:
+    """The kernels' positions: (the stride between KV heads' query positions, 0 where the
+    heads share them; the query positions and the key positions as flat int32), from
+    ``q_positions`` (m,) or (B, Hkv, m) and ``k_positions`` (B, Hkv, n), or both None (a
+    placeholder each: every key visible)."""
+    if k_positions is None:
+        none = mx.zeros((1,), mx.int32)
+        return 0, none, none
+    q_stride = 0 if q_positions.ndim == 1 else m
+    return q_stride, q_positions.astype(mx.int32).reshape(-1), k_positions.astype(mx.int32).reshape(-1)
+
+
 def launch_args(logits, q_positions, k_positions, weights) -> tuple[dict, dict, int]:
     """The two launches' keywords for logits (B, Hkv, R, n), R = g m rows (head i's query j
     at row i m + j), ``q_positions`` (m,) or (B, Hkv, m) and ``k_positions`` (B, Hkv, n), or
@@ -189,13 +201,7 @@ def launch_args(logits, q_positions, k_positions, weights) -> tuple[dict, dict, 
     b, h, r, n = logits.shape
     m = weights.shape[0]
     masked = k_positions is not None
-    if masked:
-        q_stride = 0 if q_positions.ndim == 1 else m
-        q_pos = q_positions.astype(mx.int32).reshape(-1)
-        k_pos = k_positions.astype(mx.int32).reshape(-1)
-    else:
-        q_stride, q_pos = 0, mx.zeros((1,), mx.int32)
-        k_pos = q_pos
+    q_stride, q_pos, k_pos = flat_positions(q_positions, k_positions, m)
     params = mx.array([n, r, m, q_stride], mx.int32)
     splits = splits_for(r, n, b * h)
     template = [("T", logits.dtype), ("NT", NT), ("MASKED", masked)]
