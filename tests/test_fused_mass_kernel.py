@@ -205,6 +205,9 @@ def test_splits_fill_the_gpu_and_keep_a_tile_of_rows_a_share():
     q, k = mx.zeros((1, 4, 3, 128), mx.float16), mx.zeros((1, 2, 300, 128), mx.float16)
     lse, columns, splits = fk.launch_args("cuda", q, k, 0.1, None, None, mx.ones((3,)))
     assert splits == 1 and columns["inputs"][-1].tolist()[-1] == splits
+    # a scale given as an array (as some caches hold it) is taken as it is, not read
+    assert mx.array_equal(fk.launch_args("cuda", q, k, mx.array(0.1), None, None, mx.ones((3,)))[0]["inputs"][-2],
+                          lse["inputs"][-2])
     assert [name for name, _ in columns["template"]] == ["T", "HEAD_DIM", "MASKED", "BF16", "NOISE", "NT"]
 
 

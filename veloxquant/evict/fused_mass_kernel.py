@@ -434,11 +434,12 @@ def launch_args(backend: str, queries, keys, scale: float, q_positions, k_positi
     params = mx.array([n, nq, g, q_stride, splits], mx.int32)  # shapes as parameters: one kernel a head dim
     if noise is None:
         head_keys = col_key = mx.zeros((1,), mx.uint32)
-        scales = mx.array([scale, 1.0], mx.float32)
+        tau = 1.0
     else:
         head_keys, col_key, tau = noise
         head_keys, col_key = head_keys.astype(mx.uint32).reshape(-1), col_key.astype(mx.uint32).reshape(1)
-        scales = mx.concatenate([mx.array([scale], mx.float32), mx.array(tau, mx.float32).reshape(1)])
+    # a Python number or an array alike (an array scale is never read on the host)
+    scales = mx.concatenate([mx.array(scale, mx.float32).reshape(1), mx.array(tau, mx.float32).reshape(1)])
     template = [("T", keys.dtype), ("HEAD_DIM", d), ("MASKED", masked), ("BF16", keys.dtype == mx.bfloat16),
                 ("NOISE", noise is not None), ("NT", NT)]
     cuda = backend == "cuda"
