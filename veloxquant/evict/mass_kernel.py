@@ -275,9 +275,9 @@ def check_case(dtype, masked: bool = True, per_head_positions: bool = False, b: 
     return logits, q_pos, k_pos, weights
 
 
-def within_check_tolerance(got: mx.array, ref: mx.array) -> bool:
-    """Equal to ``CHECK_RTOL`` of the largest mass. A host read: a check's."""
-    return bool((mx.abs(got - ref).max() <= CHECK_RTOL * mx.maximum(mx.abs(ref).max(), 1e-30)).item())
+def within_check_tolerance(got: mx.array, ref: mx.array, rtol: float = CHECK_RTOL) -> bool:
+    """Equal to ``rtol`` of the largest mass. A host read: a check's."""
+    return bool((mx.abs(got - ref).max() <= rtol * mx.maximum(mx.abs(ref).max(), 1e-30)).item())
 
 
 def _check_problem(backend: str, dtype) -> Optional[str]:
