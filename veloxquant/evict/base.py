@@ -309,14 +309,11 @@ class ScoredEvictionCache(CompressedKVCache):
     def update_and_fetch(self, keys, values):
         self._expect_attend()
         self._check_shape(keys, values)
-        b, h, n, _ = keys.shape
+        n = keys.shape[2]
         if self.schedule.decode_every and self.evicting:  # steady state: the budget plus the steps between scorings
             self.store.set_limit(self.budget + self.schedule.decode_every)
-        # a decode token's position made on the host (a constant: no graph node)
-        positions = (mx.array([[[self.offset]] * h] * b, mx.int32) if n == 1 else
-                     mx.broadcast_to(mx.arange(self.offset, self.offset + n, dtype=mx.int32), (b, h, n)))
-        self.store.write({"keys": keys, "values": values, "positions": positions,
-                          **self.new_token_state(keys, values)})
+        self.store.write({"keys": keys, "values": values, **self.new_token_state(keys, values)},
+                         first_position=self.offset)
         self.offset += n
         if self._packed_step(n):  # attend reads the packed rows: no dequantized views to build
             return keys, values

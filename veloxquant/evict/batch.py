@@ -184,13 +184,16 @@ class EvictionPacked(PackedLayout):
         if every:  # each sequence's own store stops growing at its budget plus the steps between scorings
             self.limits = [s.budget + every for s in self.shells]
             self._set_limit()
-        positions = mx.broadcast_to(self.offset_array.reshape(b, 1, 1), (b, h, 1))
-        new = {"keys": keys, "values": values, "positions": positions, **w.new_token_state(keys, values)}
+        new = {"keys": keys, "values": values, **w.new_token_state(keys, values)}
         rows = store.rows
         if not any(self.has_free) and all(r == rows for r in self.rows):  # no padding, no free slot
             for name, grown in store.arrays.items():
-                grown.append(new[name])
+                if name == "positions":  # written ahead by the store: mostly nothing to write
+                    store.append_positions(b, h, tuple(self.offsets), 1)
+                else:
+                    grown.append(new[name])
         else:  # each sequence writes its free slot, or the slot after its own ones
+            new["positions"] = mx.broadcast_to(self.offset_array.reshape(b, 1, 1), (b, h, 1))
             if any(not f and r == rows for f, r in zip(self.has_free, self.rows)):
                 for name, grown in store.arrays.items():  # one more row, padding for the others
                     row = new[name]

@@ -60,7 +60,7 @@ from ..quant.groups import check_divides
 from ..quant.packed import AffineLayout
 from ..quant.token_rows import _mlx_has, compiled_quantizer, dequantize_rows, packs, quantize_rows
 from . import slot_rows_kernel
-from .store import SlotStore
+from .store import SlotStore, consecutive_positions
 
 PACKED = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
 GROUP_FIELD = "kivi_group_size"
@@ -174,8 +174,11 @@ class QuantizedSlots:
         out, self._step_weights = self._step_weights, None
         return out
 
-    def write(self, new: dict[str, mx.array]) -> None:
+    def write(self, new: dict[str, mx.array], first_position: int | None = None) -> None:
         self._step_keys = self._step_weights = None  # a step's keys and weights are read within the step
+        if "positions" not in new:
+            keys = new["keys"]
+            new = {**new, "positions": consecutive_positions(*keys.shape[:2], first_position, keys.shape[2])}
         if self.quantized:
             keys, values = new.pop("keys"), new.pop("values")
             if self._appends_one(keys):
