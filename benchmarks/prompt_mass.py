@@ -102,7 +102,7 @@ def main():
         return run
 
     def written(fn):
-        """``fn`` with the fused kernels off (``VQ_FUSED_MASS=0``, the default): logits written, then scored."""
+        """``fn`` with the fused kernels off (``VQ_FUSED_MASS=0``): logits written, then scored."""
         return with_env({"VQ_FUSED_MASS": "0"}, fn)
 
     def mlx_ops(fn):

@@ -85,7 +85,7 @@ def attention_mass(
     the group); the weighted sum over a block's rows is one product with the softmax (no
     weighted copy of the block). The terms are ``attention_weights``'s, summed in another
     order. On a GPU whose kernels passed their check, a block's mask, softmax and weighted
-    sum are two launches over its logits (``mass_kernel.py``); with ``VQ_FUSED_MASS=1``,
+    sum are two launches over its logits (``mass_kernel.py``); unless ``VQ_FUSED_MASS=0``,
     float16 and bfloat16 queries and keys are scored in two launches that never write a
     logit (``fused_mass_kernel.py``).
     """

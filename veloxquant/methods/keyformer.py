@@ -173,7 +173,7 @@ def gumbel_mass(queries, keys, scale, q_start, k_positions, tau, stream=None) ->
     query head, query position and key position (``gumbel_noise``), so the mass does not
     depend on the block size. A key a query cannot see adds 0 (keys are at most at the last
     query's position). Blocks hold at most SCORE_ELEMENTS logits, one block at a time
-    (``reduce_query_blocks``); on a GPU with ``VQ_FUSED_MASS=1``, two launches that write no
+    (``reduce_query_blocks``); on a GPU (unless ``VQ_FUSED_MASS=0``), two launches that write no
     logit (``evict/fused_mass_kernel.py``, which also leaves out a padding slot's position -1).
     """
     fused = _fused_backend(queries, keys)
