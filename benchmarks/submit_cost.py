@@ -51,6 +51,14 @@ def kinds(tokens: int, dtype):
         x[:, :, 3:4, :] = x[:, :, 5:6, :] * 0.5
         return x
 
+    device_seven = mx.array(7, mx.int32)
+    mx.eval(device_seven)
+
+    def host_row_write(x, row):  # the row's slot in a (1, 8, 64) int32 table, added back to x
+        table = mx.zeros((1, 8, 64), mx.int32)
+        table[:, :, 3:4] = row
+        return x + table[:, :, :1, None].astype(x.dtype) * 0
+
     table = {
         "add (1x8x4x128)": (q_small, lambda x: x + 0.5),
         f"add (1x8x{tokens}x128)": (rows, lambda x: x + 0.5),
@@ -67,6 +75,13 @@ def kinds(tokens: int, dtype):
             rows, lambda x: x + mx.dequantize(packed, scales, biases, group_size=32, bits=4)
             .reshape(rows.shape).astype(dtype)),
         "slice write": (rows, write),
+        # an eviction step wrote its token's position from such an array (session 82: 0.71-0.92x
+        # -> 0.90-1.06x KVCache at 4k without it); which of the two costs mattered was not timed
+        "slice write of a host-made (1x8x1) int32 array": (
+            rows, lambda x: host_row_write(x, mx.array([[[7]] * 8], mx.int32))),
+        "slice write of a device-made (1x8x1) int32 array": (
+            rows, lambda x: host_row_write(x, mx.broadcast_to(device_seven, (1, 8, 1)))),
+        "add a host-made scalar (mx.array(7))": (q_small, lambda x: x + mx.array(7, dtype)),
         f"gather along the tokens ({tokens})": (rows, lambda x: mx.take_along_axis(x, index, axis=2) + x),
     }
     table.update(custom_kernel_kinds(tokens, dtype))
