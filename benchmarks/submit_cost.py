@@ -8,7 +8,9 @@ skipped or fused), built, submitted and waited for apart; per operation: the bui
 submission and wait in microseconds (medians over ``--repeats``). Kinds are the
 operations a decode step is made of: small and large elementwise ops, views that launch
 nothing, MLX's own matrix-vector kernel, a batched product that cuBLAS serves, the fused
-attention, a compiled fused chain, ``mx.dequantize``, a slice write, a gather; on a GPU
+attention, a compiled fused chain, ``mx.dequantize``, a slice write, a gather; a small int32 array
+that a step hands over made on the host, made on the device, or a view of a device-made table
+at a host index (written into a table, or added); on a GPU
 also custom kernels (``mx.fast.cuda_kernel``/``metal_kernel``): a small one, the same with
 its source padded to the size of the fused KIVI kernel's, and the KIVI dispatcher's two
 launches (main kernel and merge) over a 4-bit cache. MLX builds a custom kernel's whole
@@ -52,7 +54,8 @@ def kinds(tokens: int, dtype):
         return x
 
     device_seven = mx.array(7, mx.int32)
-    mx.eval(device_seven)
+    counts = mx.arange(4096, dtype=mx.int32)  # a device-made table a host counter indexes (a view)
+    mx.eval(device_seven, counts)
 
     def host_row_write(x, row):  # the row's slot in a (1, 8, 64) int32 table, added back to x
         table = mx.zeros((1, 8, 64), mx.int32)
@@ -81,7 +84,10 @@ def kinds(tokens: int, dtype):
             rows, lambda x: host_row_write(x, mx.array([[[7]] * 8], mx.int32))),
         "slice write of a device-made (1x8x1) int32 array": (
             rows, lambda x: host_row_write(x, mx.broadcast_to(device_seven, (1, 8, 1)))),
+        "slice write of a view of a device-made table at a host index": (
+            rows, lambda x: host_row_write(x, mx.broadcast_to(counts[7:8].reshape(1, 1, 1), (1, 8, 1)))),
         "add a host-made scalar (mx.array(7))": (q_small, lambda x: x + mx.array(7, dtype)),
+        "add a view of a device-made table at a host index": (q_small, lambda x: x + counts[7].astype(dtype)),
         f"gather along the tokens ({tokens})": (rows, lambda x: mx.take_along_axis(x, index, axis=2) + x),
     }
     table.update(custom_kernel_kinds(tokens, dtype))

@@ -20,10 +20,14 @@ def _bits(a: mx.array) -> np.ndarray:
     return np.array(a.view(mx.uint16))
 
 
-def _emulated_args(names, args):
+def _emulated_args(names, args, keys_words=None):
+    """The emulator's inputs; ``keys_words``: the keys' 16-bit words as a numpy view (strided,
+    as a store's keys are) in place of the keys' own contiguous words."""
     ins = []
     for name, a in zip(names, args["inputs"]):
-        if a.dtype in (mx.float16, mx.bfloat16):
+        if name == "keys" and keys_words is not None:
+            ins.append((name, "uint16", keys_words))
+        elif a.dtype in (mx.float16, mx.bfloat16):
             ins.append((name, "uint16", _bits(a)))
         else:
             ins.append((name, {mx.float32: "float32", mx.int32: "int32", mx.uint32: "uint32"}[a.dtype], np.array(a)))
@@ -31,20 +35,30 @@ def _emulated_args(names, args):
     return ins, template
 
 
-def emulate(case, workdir, noise=None) -> tuple[np.ndarray, np.ndarray]:
+def words_in_a_larger_buffer(words: np.ndarray) -> np.ndarray:
+    """(B, H, n, D) words as a store holds them: the first n rows of a buffer of more rows,
+    whose rows beyond are +inf (a read of one shows)."""
+    b, h, n, d = words.shape
+    root = np.full((b, h, n + 29, d), 0x7C00, np.uint16)
+    root[:, :, :n] = words
+    return root[:, :, :n]
+
+
+def emulate(case, workdir, noise=None, keys_words=None) -> tuple[np.ndarray, np.ndarray]:
     """Both launches of ``fused_mass`` emulated, the second fed the first's output:
-    (masses (B, Hkv, n), the rows' log-sum-exps in base 2)."""
+    (masses (B, Hkv, n), the rows' log-sum-exps in base 2); ``keys_words`` as
+    ``_emulated_args``'."""
     from test_kernel_kivi_decode import emulate_launch
 
     header = fk.CUDA_HEADER  # the emulator's prelude has vqm_mma for both 16-bit types
     lse_args, col_args, _ = fk.launch_args("cuda", *case, noise)
-    ins, template = _emulated_args(fk.LSE_IN, lse_args)
+    ins, template = _emulated_args(fk.LSE_IN, lse_args, keys_words)
     (size,) = lse_args["output_shapes"][0]
     gx, gy, _ = lse_args["grid"]
     lse = emulate_launch(fk.LSE_CUDA, ins, [("lse", "float32", size)], template, (gx // fk.NT, gy), fk.NT,
                          workdir, header=header)["lse"]
     col_args["inputs"][2] = mx.array(lse)
-    ins, template = _emulated_args(fk.COLUMNS_IN, col_args)
+    ins, template = _emulated_args(fk.COLUMNS_IN, col_args, keys_words)
     shape = col_args["output_shapes"][0]
     gx, gy, _ = col_args["grid"]
     partial = emulate_launch(fk.COLUMNS_CUDA, ins, [("partial", "float32", int(np.prod(shape)))], template,
@@ -69,7 +83,8 @@ def test_the_cuda_source_gives_mlxs_float32_masses(tmp_path, dtype, masked, per_
     with mx.stream(mx.cpu):
         case = fk.check_case(dtype, masked, per_head, nq=nq, n=n, d=d)
         assert fk.launch_args("cuda", *case)[2] > 1  # the rows split into shares, summed after
-        got, lse = emulate(case, str(tmp_path))
+        # the keys read in place from a larger buffer, as a store's are
+        got, lse = emulate(case, str(tmp_path), keys_words=words_in_a_larger_buffer(_bits(case[1])))
         ref = np.array(fk.reference_mass(*case))
         # the emulation sums each product's 16 terms in float32, as MLX's product does in
         # another order: a few float32 roundings of the largest logit's exponential
@@ -78,6 +93,43 @@ def test_the_cuda_source_gives_mlxs_float32_masses(tmp_path, dtype, masked, per_
             assert np.all(got[np.array(case[4]) < 0] == 0) and np.isfinite(lse).all()
         total = got.sum(axis=-1)  # each row's softmax sums to 1, times its weight
         assert np.allclose(total, np.array(case[5]).sum() * (case[0].shape[1] // case[1].shape[1]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [
+    # a store's keys: 16-byte loads in place (in CI through the masses' test above)
+    pytest.param("rows of a larger buffer", marks=pytest.mark.slow),
+    pytest.param("transposed", marks=pytest.mark.slow),  # words a row apart: one word a load
+    pytest.param("rows off 16 bytes", marks=pytest.mark.slow),  # adjacent words, rows not aligned
+])
+def test_the_cuda_source_reads_the_keys_where_they_lie(tmp_path, layout):
+    """The launches read the keys through their strides, so a store's keys (a view of its
+    larger buffer) are not copied at each launch (MLX keeps such copies until the command
+    buffer ends: at 32k, 64 MiB a layer). Two sequences of two KV heads; the masses and
+    log-sum-exps equal those of the same keys given contiguous, bit for bit (the same products
+    in the same order, whatever the loads)."""
+    from test_kernel_kivi_decode import skip_without_emulation
+
+    skip_without_emulation()
+    with mx.stream(mx.cpu):
+        case = fk.check_case(mx.float16, b=2, nq=37, n=150, d=32)
+        words = _bits(case[1])
+        b, h, n, d = words.shape
+        if layout == "rows of a larger buffer":
+            view = words_in_a_larger_buffer(words)
+        elif layout == "transposed":
+            view = np.ascontiguousarray(words.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+        else:
+            root = np.full((b, h, n, d + 3), 0x7C00, np.uint16)
+            root[..., 3:] = words
+            view = root[..., 3:]
+        assert not view.flags.c_contiguous
+        (tmp_path / "view").mkdir()
+        (tmp_path / "contiguous").mkdir()
+        got, lse = emulate(case, str(tmp_path / "view"), keys_words=view)
+        want, want_lse = emulate(case, str(tmp_path / "contiguous"))
+        assert np.array_equal(got, want) and np.array_equal(lse, want_lse)
+        ref = np.array(fk.reference_mass(*case))
+        assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("noisy", [True, pytest.param(False, marks=pytest.mark.slow)])
@@ -142,14 +194,20 @@ def test_the_cuda_source_compiles_for_hopper(tmp_path):
     types = {"queries": "const T*", "keys": "const T*", "lse": "const float*", "q_pos": "const int32_t*",
              "k_pos": "const int32_t*", "head_keys": "const uint32_t*", "col_key": "const uint32_t*",
              "weights": "const float*", "scale": "const float*", "params": "const int32_t*"}
-    code = "#include <cstdint>\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + fk.CUDA_HEADER
+    # MLX's own Strides (mlx/backend/cuda/device/utils.cuh), after the keys as MLX passes them
+    code = ("#include <cstdint>\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cuda/std/array>\n"
+            "using Strides = cuda::std::array<int64_t, 8>;\n" + fk.CUDA_HEADER)
     calls = []
     for name, source, inputs, output in (("vq_lse", fk.LSE_CUDA, fk.LSE_IN, "lse"),
                                          ("vq_columns", fk.COLUMNS_CUDA, fk.COLUMNS_IN, "partial")):
-        args = ", ".join([f"{types[n]} {n}" for n in inputs] + [f"float* {output}"])
+        params = [f"{types[n]} {n}" for n in inputs]
+        params.insert(inputs.index("keys") + 1, "const __grid_constant__ Strides keys_strides")
+        args = ", ".join(params + [f"float* {output}"])
         code += (f"template <typename T, int HEAD_DIM, bool MASKED, bool BF16, bool NOISE, int NT>\n"
                  f"__global__ void {name}({args}) {{\n{source}\n}}\n")
-        nulls = ", ".join(["nullptr"] * (len(inputs) + 1))
+        nulls = ["nullptr"] * (len(inputs) + 1)
+        nulls.insert(inputs.index("keys") + 1, "Strides{}")
+        nulls = ", ".join(nulls)
         for t, bf16, noise in (("__half", "false", "false"), ("__nv_bfloat16", "true", "true")):
             calls.append(f"  {name}<{t}, 128, true, {bf16}, {noise}, {fk.NT}><<<1, {fk.NT}>>>({nulls});")
     code += "void launch_all() {\n" + "\n".join(calls) + "\n}\n"
@@ -204,7 +262,7 @@ def test_splits_fill_the_gpu_and_keep_a_tile_of_rows_a_share():
     # shares are a parameter, not a constant of the source: one kernel serves every chunk
     q, k = mx.zeros((1, 4, 3, 128), mx.float16), mx.zeros((1, 2, 300, 128), mx.float16)
     lse, columns, splits = fk.launch_args("cuda", q, k, 0.1, None, None, mx.ones((3,)))
-    assert splits == 1 and columns["inputs"][-1].tolist()[-1] == splits
+    assert splits == 1 and columns["inputs"][-1].tolist()[4] == splits
     # a scale given as an array (as some caches hold it) is taken as it is, not read
     assert mx.array_equal(fk.launch_args("cuda", q, k, mx.array(0.1), None, None, mx.ones((3,)))[0]["inputs"][-2],
                           lse["inputs"][-2])
@@ -288,3 +346,27 @@ def test_on_a_gpu_the_fused_kernels_give_mlxs_float32_masses():
         for masked, per_head, nq in ((True, False, 200), (True, True, 5), (False, False, 64)):
             case = fk.check_case(dtype, masked, per_head, nq=nq, n=3000, d=128)
             assert fk.within_check_tolerance(fk.fused_mass(kd.gpu_backend(), *case), fk.reference_mass(*case))
+
+
+def test_the_self_check_reads_a_stores_keys_in_place(monkeypatch):
+    """The kernels' once-a-process check includes keys given as a store holds them (a view of
+    a larger buffer, two sequences): a GPU that read them wrongly in place would fail it and
+    keep the written logits. A stand-in that computes the reference from the keys it is given
+    passes; one that reads the view's spare rows (+inf) fails."""
+    seen = []
+
+    def stand_in(backend, queries, keys, *rest):
+        seen.append(keys.shape)
+        return fk.reference_mass(queries, keys, *rest)
+
+    monkeypatch.setattr(fk, "fused_mass", stand_in)
+    assert fk._check_problem("cuda", mx.float16) is None
+    assert (2, 2, 300, 128) in seen
+
+    def past_the_view(backend, queries, keys, *rest):
+        if keys.shape[0] == 2:  # the rows past the view: the buffer's spare ones
+            keys = mx.concatenate([keys[:, :, 1:], mx.full(keys[:, :, :1].shape, float("inf"), keys.dtype)], axis=2)
+        return fk.reference_mass(queries, keys, *rest)
+
+    monkeypatch.setattr(fk, "fused_mass", past_the_view)
+    assert fk._check_problem("cuda", mx.float16) is not None

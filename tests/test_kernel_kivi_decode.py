@@ -522,6 +522,7 @@ static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
 thread_local D3 threadIdx, blockIdx;
 D3 gridDim;
 using Shape = std::array<int32_t, 10>;
+using Strides = std::array<int64_t, 10>;
 std::barrier<>* g_bar;
 std::vector<std::unique_ptr<std::barrier<>>> w_bar;
 static float xbuf[1024];
@@ -617,6 +618,8 @@ def _emu_function(name, source, inputs, outputs, template):
         args.append(f"const {_CT[dt]}* {n}")
         if n + "_shape" in source:
             args.append(f"const Shape {n}_shape")
+        if n + "_strides" in source:
+            args.append(f"const Strides {n}_strides")
     args += [f"{_CT[dt]}* {n}" for n, dt in outputs]
     body = "".join(f"  using {k} = {_CT[v]};\n" if isinstance(v, str)
                    else f"  constexpr bool {k} = {str(v).lower()};\n" if isinstance(v, bool)
@@ -631,6 +634,19 @@ _NP = {"float32": np.float32, "uint32": np.uint32, "int32": np.int32, "float16":
 _WAITS = ("__syncthreads", "__syncwarp", "__shfl", "vqk_mma")  # what makes a block's threads wait for each other
 
 
+def _strided(a: np.ndarray, dtype) -> tuple[np.ndarray, int, list[int]]:
+    """A numpy view as MLX hands a strided input to a kernel that reads its strides: (the
+    contiguous array it views, its first element's offset there, its strides in elements).
+    An array that is not a view of one of ``dtype`` is copied: contiguous strides."""
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if root.dtype != dtype or a.dtype != dtype or not root.flags.c_contiguous:
+        root = a = np.ascontiguousarray(a, dtype)
+    offset = a.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    return root, offset // a.itemsize, [s // a.itemsize for s in a.strides]
+
+
 def emulate_launch(source, inputs, outputs, template, blocks, threads, workdir, header=""):
     """One launch of a kernel's CUDA ``source`` as C++ threads on the CPU: ``inputs``
     [(name, dtype name, array)], ``outputs`` [(name, dtype name, size)] (filled with NaN,
@@ -641,11 +657,19 @@ def emulate_launch(source, inputs, outputs, template, blocks, threads, workdir, 
     main, call = "int main() {\n", []
     for n, d, a in inputs:
         path = os.path.join(workdir, n + ".bin")
-        np.array(a).astype(_NP[d]).tofile(path)
+        if n + "_strides" in source:  # a numpy view stays one: its root's words, its offset and strides
+            root, offset, strides = _strided(np.asarray(a), _NP[d])
+            root.tofile(path)
+        else:
+            np.array(a).astype(_NP[d]).tofile(path)
         main += f'  auto b_{n} = rd("{path}");\n'
         call.append(f"(const {_CT[d]}*)b_{n}.data()")
+        if n + "_strides" in source:
+            call[-1] = f"((const {_CT[d]}*)b_{n}.data()) + {offset}"
         if n + "_shape" in source:
             call.append("Shape{" + ",".join(map(str, list(a.shape) + [0] * (10 - a.ndim))) + "}")
+        if n + "_strides" in source:
+            call.append("Strides{" + ",".join(map(str, strides + [0] * (10 - len(strides)))) + "}")
     for n, d, size in outputs:
         # an explicit conversion: GCC 13 takes _Float16 as C++23's extended floating type,
         # into which a float does not convert implicitly (vector's fill was ill-formed there)

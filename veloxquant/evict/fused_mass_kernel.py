@@ -17,20 +17,27 @@ every key written once and read twice. Here the logits exist only in registers:
   tiles of 64 staged queries: ``exp(logit - lse) * w`` over the rows whose query sees the
   key, ``w`` the query's weight over the group's heads.
 
+The keys are read where they lie, through their strides (a store's keys are a view of its
+larger buffer; MLX would copy a view before each launch and keep the copy until its command
+buffer ends): 16-byte loads where the words of a row are adjacent and every row starts on 16
+bytes, one word a load otherwise. The other inputs are made row-contiguous first.
+
 A key is visible to a query when its position is at least 0 (-1: a padding slot) and at most
 the query's; without positions every key is visible. A tile that no row of a warp can see
 is skipped (causal prompts skip about half), and one that no warp sees is not staged. The
 logits are the products of the stored float16/bfloat16 values summed in float32, times the
 scale, as MLX's float32 product of the same values is, but summed in the tensor cores'
 order; the first use checks the kernels against MLX's float32 path once a process and dtype
-(``CHECK_RTOL``) and keeps the other paths if they fail. The CUDA source runs on the CPU by
+(``CHECK_RTOL``; one case's keys a view of a larger buffer of two sequences) and keeps the
+other paths if they fail. The CUDA source runs on the CPU by
 emulation in the tests (float16 and bfloat16). The Metal twin computes the same quantities a
 thread a row and a thread a key, without tensor cores: UNTESTED ON HARDWARE.
 
 On by default where they pass their check (``VQ_FUSED_MASS=0`` turns them off): on an H100
 they passed it for float16 and bfloat16 (about 2e-6 of the largest mass) and cut h2o's warm
 prefill at 4k from 2.91x to 1.54x mlx-lm's KVCache's and keyformer's from 3.97x to 2.31x
-(``benchmarks/results/h200_s82/README.md``).
+(``benchmarks/results/h200_s82/README.md``). Reading the keys in place (session 83) is
+emulated and compiled with nvcc, not yet run on a GPU: its self-check case guards it.
 """
 
 from __future__ import annotations
@@ -70,32 +77,55 @@ __device__ __forceinline__ void vqm_mma(float* c, const uint32_t* a, const uint3
   }
 }
 #endif
-// a warp's 16 rows of 16-bit words (row i at rows + i * stride) as an m16n8k16 A fragment per
-// 16 columns; rows past `valid` are zero
+// a pair of 16-bit words (p[0] low, p[cs] high) as one 32-bit word; `vec`: adjacent (cs 1) and
+// on 4 bytes, one load
+__device__ __forceinline__ uint32_t vqm_pair(const uint16_t* p, long long cs, bool vec) {
+  return vec ? *reinterpret_cast<const uint32_t*>(p) : (uint32_t)p[0] | ((uint32_t)p[cs] << 16);
+}
+// a warp's 16 rows of 16-bit words (word c of row i at rows + i * rs + c * cs) as an m16n8k16 A
+// fragment per 16 columns; rows past `valid` are zero. `vec`: cs 1 and every row on 16 bytes
 template <int KS>
-__device__ __forceinline__ void vqm_load_a(uint32_t (*a)[4], const uint16_t* rows, size_t stride, int g, int t,
-                                           bool valid0, bool valid1) {
-  const uint16_t* r0 = rows + (size_t)g * stride + 2 * t;
-  const uint16_t* r1 = rows + (size_t)(g + 8) * stride + 2 * t;
+__device__ __forceinline__ void vqm_load_a(uint32_t (*a)[4], const uint16_t* rows, long long rs, long long cs,
+                                           bool vec, int g, int t, bool valid0, bool valid1) {
+  const uint16_t* r0 = rows + g * rs + 2 * t * cs;
+  const uint16_t* r1 = rows + (g + 8) * rs + 2 * t * cs;
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
-    a[ks][0] = valid0 ? *reinterpret_cast<const uint32_t*>(r0 + 16 * ks) : 0u;
-    a[ks][1] = valid1 ? *reinterpret_cast<const uint32_t*>(r1 + 16 * ks) : 0u;
-    a[ks][2] = valid0 ? *reinterpret_cast<const uint32_t*>(r0 + 16 * ks + 8) : 0u;
-    a[ks][3] = valid1 ? *reinterpret_cast<const uint32_t*>(r1 + 16 * ks + 8) : 0u;
+    a[ks][0] = valid0 ? vqm_pair(r0 + 16 * ks * cs, cs, vec) : 0u;
+    a[ks][1] = valid1 ? vqm_pair(r1 + 16 * ks * cs, cs, vec) : 0u;
+    a[ks][2] = valid0 ? vqm_pair(r0 + (16 * ks + 8) * cs, cs, vec) : 0u;
+    a[ks][3] = valid1 ? vqm_pair(r1 + (16 * ks + 8) * cs, cs, vec) : 0u;
   }
 }
-// 64 rows of HEAD_DIM 16-bit words from src (row i at src + i * HEAD_DIM, rows at and past
-// `count` zero) into a shared tile of row stride HEAD_DIM + 8, 16 bytes a copy
+// 64 rows of HEAD_DIM 16-bit words from src (word c of row i at src + i * rs + c * cs, rows at
+// and past `count` zero) into a shared tile of row stride HEAD_DIM + 8; `vec` (cs 1, every row
+// on 16 bytes): 16 bytes a copy
 template <int HEAD_DIM, int NTH>
-__device__ __forceinline__ void vqm_stage(uint16_t* tile, const uint16_t* src, int count, int tid) {
+__device__ __forceinline__ void vqm_stage(uint16_t* tile, const uint16_t* src, long long rs, long long cs, bool vec,
+                                          int count, int tid) {
   constexpr int CH = HEAD_DIM / 8;
   for (int c = tid; c < 64 * CH; c += NTH) {
     const int r = c / CH, cc = c - r * CH;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (r < count) v = *reinterpret_cast<const uint4*>(src + (size_t)r * HEAD_DIM + cc * 8);
+    if (r < count) {
+      const uint16_t* p = src + r * rs + cc * 8 * cs;
+      v = vec ? *reinterpret_cast<const uint4*>(p)
+              : make_uint4(vqm_pair(p, cs, false), vqm_pair(p + 2 * cs, cs, false), vqm_pair(p + 4 * cs, cs, false),
+                           vqm_pair(p + 6 * cs, cs, false));
+    }
     *reinterpret_cast<uint4*>(tile + r * (HEAD_DIM + 8) + cc * 8) = v;
   }
+}
+// the keys as MLX gives them (a view of a store's larger buffer is not copied): head bh's first
+// row, and whether rows are 16-byte loads (words adjacent, every row on 16 bytes)
+template <typename S>  // MLX's Strides, whatever its namespace
+__device__ __forceinline__ const uint16_t* vqm_key_head(const void* keys, const S& st, int bh, int hkv) {
+  return reinterpret_cast<const uint16_t*>(keys) + (bh / hkv) * st[0] + (bh % hkv) * st[1];
+}
+template <typename S>
+__device__ __forceinline__ bool vqm_key_vec(const void* keys, const S& st) {
+  return st[3] == 1 && st[2] % 8 == 0 && st[1] % 8 == 0 && st[0] % 8 == 0 &&
+         reinterpret_cast<unsigned long long>(keys) % 16 == 0;
 }
 // keyformer's Gumbel noise term log(E) of a logit from its row and column hashes
 // (methods/keyformer.py's _log_e: h = (rows ^ cols) * an odd constant, E = log(C / float(h | 1)))
@@ -120,7 +150,7 @@ __device__ __forceinline__ float vqm_warp_max(float v) {
 LSE_CUDA = r"""
   constexpr int KS = HEAD_DIM / 16;
   constexpr int STR = HEAD_DIM + 8;  // 16 bytes of padding a staged row: no bank conflicts
-  const int n = params[0], N = params[1], G = params[2], q_stride = params[3];
+  const int n = params[0], N = params[1], G = params[2], q_stride = params[3], hkv = params[5];
   const int R = G * N;
   const int bh = (int)blockIdx.y;
   const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
@@ -150,9 +180,11 @@ LSE_CUDA = r"""
       if (valid[x]) rh[x] = vqm_fmix(head_keys[(size_t)bh * G + row[x] / N] ^ (uint32_t)qp[x]);
   }
   uint32_t a[KS][4];
-  vqm_load_a<KS>(a, reinterpret_cast<const uint16_t*>(queries) + ((size_t)bh * R + r0) * HEAD_DIM, HEAD_DIM, g, t,
-                 valid[0], valid[1]);
-  const uint16_t* k16 = reinterpret_cast<const uint16_t*>(keys) + (size_t)bh * n * HEAD_DIM;
+  vqm_load_a<KS>(a, reinterpret_cast<const uint16_t*>(queries) + ((size_t)bh * R + r0) * HEAD_DIM, HEAD_DIM, 1, true,
+                 g, t, valid[0], valid[1]);
+  const uint16_t* k16 = vqm_key_head(keys, keys_strides, bh, hkv);
+  const long long krs = keys_strides[2], kcs = keys_strides[3];
+  const bool kvec = vqm_key_vec(keys, keys_strides);
 
   float m[2] = {-inf, -inf}, l[2] = {0.f, 0.f};
   for (int k0 = 0; k0 < n; k0 += 64) {
@@ -168,7 +200,7 @@ LSE_CUDA = r"""
     if (lane == 0) seen[warp] = sees > 0.f;
     __syncthreads();
     if (!(seen[0] | seen[1] | seen[2] | seen[3])) continue;  // the same for every thread
-    vqm_stage<HEAD_DIM, NT>(tile, k16 + (size_t)k0 * HEAD_DIM, n - k0, tid);
+    vqm_stage<HEAD_DIM, NT>(tile, k16 + k0 * krs, krs, kcs, kvec, n - k0, tid);
     __syncthreads();
     if (sees == 0.f) continue;  // the same for the warp
     float s[8][4];
@@ -229,7 +261,7 @@ LSE_CUDA = r"""
 COLUMNS_CUDA = r"""
   constexpr int KS = HEAD_DIM / 16;
   constexpr int STR = HEAD_DIM + 8;
-  const int n = params[0], N = params[1], G = params[2], q_stride = params[3], SPLITS = params[4];
+  const int n = params[0], N = params[1], G = params[2], q_stride = params[3], SPLITS = params[4], hkv = params[5];
   const int R = G * N;
   const int bh = (int)blockIdx.y / SPLITS;
   const int split = (int)blockIdx.y - bh * SPLITS;
@@ -261,8 +293,9 @@ COLUMNS_CUDA = r"""
     for (int x = 0; x < 2; ++x) kh[x] = vqm_fmix((uint32_t)kp[x] ^ col_key[0]);
   }
   uint32_t a[KS][4];
-  vqm_load_a<KS>(a, reinterpret_cast<const uint16_t*>(keys) + ((size_t)bh * n + j0) * HEAD_DIM, HEAD_DIM, g, t,
-                 key[0] < n, key[1] < n);
+  const long long krs = keys_strides[2];
+  vqm_load_a<KS>(a, vqm_key_head(keys, keys_strides, bh, hkv) + j0 * krs, krs, keys_strides[3],
+                 vqm_key_vec(keys, keys_strides), g, t, key[0] < n, key[1] < n);
   const uint16_t* q16 = reinterpret_cast<const uint16_t*>(queries) + (size_t)bh * R * HEAD_DIM;
 
   const int r_begin = (int)((long long)R * split / SPLITS);
@@ -288,7 +321,7 @@ COLUMNS_CUDA = r"""
     if (lane == 0) seen[warp] = sees > 0.f;
     __syncthreads();
     if (!(seen[0] | seen[1] | seen[2] | seen[3])) continue;
-    vqm_stage<HEAD_DIM, NT>(tile, q16 + (size_t)r0 * HEAD_DIM, r_end - r0, tid);
+    vqm_stage<HEAD_DIM, NT>(tile, q16 + (size_t)r0 * HEAD_DIM, HEAD_DIM, 1, true, r_end - r0, tid);
     __syncthreads();
     if (sees == 0.f) continue;
 #pragma unroll
@@ -324,7 +357,7 @@ COLUMNS_CUDA = r"""
 # The Metal twin: the same two launches' outputs, a thread a row (lse, in base 2) and a thread
 # a key (columns), dot products in float32 without tensor cores. UNTESTED ON HARDWARE.
 LSE_METAL = r"""
-  const int n = params[0], N = params[1], G = params[2], q_stride = params[3];
+  const int n = params[0], N = params[1], G = params[2], q_stride = params[3], hkv = params[5];
   const int R = G * N;
   const int r = int(thread_position_in_grid.x);
   const int bh = int(thread_position_in_grid.y);
@@ -332,7 +365,8 @@ LSE_METAL = r"""
   const float c2 = scale[0] * 1.4426950408889634f;
   const float noise2 = 1.4426950408889634f / scale[1];
   const device T* q = queries + (size_t(bh) * R + r) * HEAD_DIM;
-  const device T* k = keys + size_t(bh) * n * HEAD_DIM;
+  const device T* k = keys + (bh / hkv) * keys_strides[0] + (bh % hkv) * keys_strides[1];
+  const int64_t krs = keys_strides[2], kcs = keys_strides[3];
   const int qp = MASKED ? q_pos[size_t(bh) * q_stride + r % N] : 0;
   const uint32_t rh = NOISE ? vqm_fmix(head_keys[size_t(bh) * G + r / N] ^ uint32_t(qp)) : 0u;
   float m = -INFINITY, l = 0.f;
@@ -340,7 +374,7 @@ LSE_METAL = r"""
     const int p = MASKED ? k_pos[size_t(bh) * n + j] : 0;
     if (p < 0 || p > qp) continue;
     float s = 0.f;
-    for (int d = 0; d < HEAD_DIM; ++d) s += float(q[d]) * float(k[size_t(j) * HEAD_DIM + d]);
+    for (int d = 0; d < HEAD_DIM; ++d) s += float(q[d]) * float(k[j * krs + d * kcs]);
     s = NOISE ? (s * scale[0] - vqm_log_e(rh, vqm_fmix(uint32_t(p) ^ col_key[0]))) * noise2 : s * c2;
     if (s > m) { l = l * metal::exp2(m - s) + 1.f; m = s; }
     else l += metal::exp2(s - m);
@@ -349,7 +383,7 @@ LSE_METAL = r"""
 """
 
 COLUMNS_METAL = r"""
-  const int n = params[0], N = params[1], G = params[2], q_stride = params[3], SPLITS = params[4];
+  const int n = params[0], N = params[1], G = params[2], q_stride = params[3], SPLITS = params[4], hkv = params[5];
   const int R = G * N;
   const int j = int(thread_position_in_grid.x);
   const int heads = int(threads_per_grid.y) / SPLITS;
@@ -358,7 +392,8 @@ COLUMNS_METAL = r"""
   if (j >= n) return;
   const float c2 = scale[0] * 1.4426950408889634f;
   const float noise2 = 1.4426950408889634f / scale[1];
-  const device T* k = keys + (size_t(bh) * n + j) * HEAD_DIM;
+  const device T* k = keys + (bh / hkv) * keys_strides[0] + (bh % hkv) * keys_strides[1] + j * keys_strides[2];
+  const int64_t kcs = keys_strides[3];
   const device T* q = queries + size_t(bh) * R * HEAD_DIM;
   const int kp = MASKED ? k_pos[size_t(bh) * n + j] : 0;
   const int r0 = int((long(R) * split) / SPLITS), r1 = int((long(R) * (split + 1)) / SPLITS);
@@ -368,7 +403,7 @@ COLUMNS_METAL = r"""
       const int qp = MASKED ? q_pos[size_t(bh) * q_stride + r % N] : 0;
       if (kp > qp) continue;
       float s = 0.f;
-      for (int d = 0; d < HEAD_DIM; ++d) s += float(q[size_t(r) * HEAD_DIM + d]) * float(k[d]);
+      for (int d = 0; d < HEAD_DIM; ++d) s += float(q[size_t(r) * HEAD_DIM + d]) * float(k[d * kcs]);
       const uint32_t kh = vqm_fmix(uint32_t(kp) ^ col_key[0]);
       const uint32_t rh = vqm_fmix(head_keys[size_t(bh) * G + r / N] ^ uint32_t(qp));
       const float y = NOISE ? (s * scale[0] - vqm_log_e(rh, kh)) * noise2 : s * c2;
@@ -396,9 +431,12 @@ COLUMNS_IN = ("queries", "keys", "lse", "q_pos", "k_pos", "head_keys", "col_key"
 
 def _kernels(backend: str):
     headers = (CUDA_HEADER, METAL_HEADER)
-    lse = gpu_kernel(backend, "vq_fused_mass_lse", LSE_IN, ("lse",), (LSE_CUDA, LSE_METAL), headers)
+    # the keys are read through their strides: a store's keys are a view of its larger buffer,
+    # which MLX would otherwise copy at each launch and keep until the command buffer ends
+    lse = gpu_kernel(backend, "vq_fused_mass_lse", LSE_IN, ("lse",), (LSE_CUDA, LSE_METAL), headers,
+                     row_contiguous=False)
     columns = gpu_kernel(backend, "vq_fused_mass_columns", COLUMNS_IN, ("partial",), (COLUMNS_CUDA, COLUMNS_METAL),
-                         headers)
+                         headers, row_contiguous=False)
     return lse, columns
 
 
@@ -434,7 +472,7 @@ def launch_args(backend: str, queries, keys, scale: float, q_positions, k_positi
         raise ValueError("fused_mass: keyformer's noise is a hash of the positions; pass q_positions and k_positions")
     q_stride, q_pos, k_pos = flat_positions(q_positions, k_positions, nq)
     splits = splits_for(rows, n, b * hkv)
-    params = mx.array([n, nq, g, q_stride, splits], mx.int32)  # shapes as parameters: one kernel a head dim
+    params = mx.array([n, nq, g, q_stride, splits, hkv], mx.int32)  # shapes as parameters: one kernel a head dim
     if noise is None:
         head_keys = col_key = mx.zeros((1,), mx.uint32)
         tau = 1.0
@@ -450,10 +488,12 @@ def launch_args(backend: str, queries, keys, scale: float, q_positions, k_positi
     lse_group = (NT, 1, 1) if cuda else (min(NT, rows), 1, 1)
     col_grid = (-(-n // TILE) * NT, b * hkv * splits, 1) if cuda else (n, b * hkv * splits, 1)
     col_group = (NT, 1, 1) if cuda else (min(NT, n), 1, 1)
+    # every input but the keys row-contiguous (the launches read the keys' strides)
+    queries, q_pos, k_pos, head_keys, weights = (mx.contiguous(a) for a in (
+        queries, q_pos, k_pos, head_keys, weights.astype(mx.float32)))
     lse = dict(inputs=[queries, keys, q_pos, k_pos, head_keys, col_key, scales, params], template=template,
                grid=lse_grid, threadgroup=lse_group, output_shapes=[(b * hkv * rows,)], output_dtypes=[mx.float32])
-    columns = dict(inputs=[queries, keys, None, q_pos, k_pos, head_keys, col_key, weights.astype(mx.float32), scales,
-                           params],
+    columns = dict(inputs=[queries, keys, None, q_pos, k_pos, head_keys, col_key, weights, scales, params],
                    template=template, grid=col_grid, threadgroup=col_group,
                    output_shapes=[(splits, b * hkv, n)], output_dtypes=[mx.float32])
     return lse, columns, splits
@@ -536,11 +576,19 @@ def within_check_tolerance(got: mx.array, ref: mx.array) -> bool:
     return mass_kernel.within_check_tolerance(got, ref, CHECK_RTOL)
 
 
+def in_a_larger_buffer(keys: mx.array, spare: int = 29) -> mx.array:
+    """``keys`` (B, H, n, D) as a store holds them: the first n rows of a buffer with ``spare``
+    rows more (+inf, so that a read of one shows), a view the launches read in place."""
+    b, h, n, d = keys.shape
+    return mx.concatenate([keys, mx.full((b, h, spare, d), float("inf"), keys.dtype)], axis=2)[:, :, :n]
+
+
 def _check_problem(backend: str, dtype) -> Optional[str]:
     try:
-        for masked, per_head in ((True, False), (True, True), (False, False)):
-            case = check_case(dtype, masked, per_head, d=128, n=300, nq=70)
-            if not within_check_tolerance(fused_mass(backend, *case), reference_mass(*case)):
+        for masked, per_head, b in ((True, False, 1), (True, True, 1), (False, False, 1), (True, False, 2)):
+            case = check_case(dtype, masked, per_head, b=b, d=128, n=300, nq=70)
+            keys = in_a_larger_buffer(case[1]) if b > 1 else case[1]  # a store's keys: a view, read in place
+            if not within_check_tolerance(fused_mass(backend, case[0], keys, *case[2:]), reference_mass(*case)):
                 return f"masses differ from MLX's by more than {CHECK_RTOL:g} of the largest"
     except Exception as exc:  # kernels that do not compile or launch fail their check
         return f"{type(exc).__name__}: {exc}".splitlines()[0]
