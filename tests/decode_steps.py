@@ -79,12 +79,14 @@ def recording_host_reads():
             setattr(owner, name, original)
 
 
-def prefilled(method: str, arch: str = "llama", n_prompt: int = PROMPT, chunk: int = 64, layers: int | None = None):
-    """A tiny model (``layers`` layers, if given) and its caches under the method's
-    compressing settings, the prompt prefilled in chunks as ``generate_step`` does it
-    (evaluating the caches' state after each chunk); returns the model, the caches and the
-    last prompt token."""
-    model = tiny_model(arch) if layers is None else tiny_model(arch, num_hidden_layers=layers)
+def prefilled(method: str, arch: str = "llama", n_prompt: int = PROMPT, chunk: int = 64, layers: int | None = None,
+              dtype=mx.float32):
+    """A tiny model (``layers`` layers, if given; weights in ``dtype``) and its caches under
+    the method's compressing settings, the prompt prefilled in chunks as ``generate_step``
+    does it (evaluating the caches' state after each chunk); returns the model, the caches
+    and the last prompt token."""
+    extra = {} if layers is None else {"num_hidden_layers": layers}
+    model = tiny_model(arch, dtype=dtype, **extra)
     cache = make_prompt_cache(model, config(method, profile(method).compressing))
     tokens = prompt(n_prompt)
     start = 0
