@@ -346,6 +346,12 @@ def test_on_a_gpu_the_fused_kernels_give_mlxs_float32_masses():
         for masked, per_head, nq in ((True, False, 200), (True, True, 5), (False, False, 64)):
             case = fk.check_case(dtype, masked, per_head, nq=nq, n=3000, d=128)
             assert fk.within_check_tolerance(fk.fused_mass(kd.gpu_backend(), *case), fk.reference_mass(*case))
+        # keys read in place: a store's (rows of a larger buffer) and a transposed buffer's, the
+        # same masses bit for bit as the keys made contiguous
+        q, k, scale, q_pos, k_pos, w = fk.check_case(dtype, b=2, nq=100, n=1000, d=128)
+        want = fk.fused_mass(kd.gpu_backend(), q, mx.contiguous(k), scale, q_pos, k_pos, w)
+        for keys in (fk.in_a_larger_buffer(k), mx.contiguous(k.swapaxes(2, 3)).swapaxes(2, 3)):
+            assert mx.array_equal(fk.fused_mass(kd.gpu_backend(), q, keys, scale, q_pos, k_pos, w), want)
 
 
 def test_the_self_check_reads_a_stores_keys_in_place(monkeypatch):
