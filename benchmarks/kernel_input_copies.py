@@ -55,9 +55,11 @@ class Recorder:
         self.copies = {"prefill": collections.defaultdict(lambda: [0, 0]),
                        "decode": collections.defaultdict(lambda: [0, 0])}
         self.launches = collections.Counter()
+        self.kernels = {}  # name -> (source, header) of each kernel made
 
-    def factory(self, *, name, input_names, ensure_row_contiguous=True, **_):
+    def factory(self, *, name, input_names, source="", header="", ensure_row_contiguous=True, **_):
         recorder = self
+        self.kernels[name] = (source, header)
 
         class Launch(ds._LaunchNode):
             def __call__(self, *, inputs, output_shapes, output_dtypes, **kw):

@@ -369,8 +369,8 @@ def main_kernel(backend: str, algo: str, min_blocks: int = 0):
         raise ValueError("the mma kernel has no Metal twin")
     if "mma" not in _MMA:
         _MMA["mma"] = mx.fast.cuda_kernel(
-            name="vq_kivi_decode_mma", input_names=kd._INPUT_NAMES,
-            output_names=["o_part", "ml_part"], source=CUDA_MMA_SOURCE,
+            name=kd.source_tagged("vq_kivi_decode_mma", CUDA_MMA_SOURCE, kd.cuda_header(0)),
+            input_names=kd._INPUT_NAMES, output_names=["o_part", "ml_part"], source=CUDA_MMA_SOURCE,
             header=kd.cuda_header(0))
     return _MMA["mma"]
 

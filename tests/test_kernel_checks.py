@@ -29,3 +29,21 @@ def test_a_process_on_another_back_end_asks_nothing(monkeypatch):
     table = {}
     assert not checks.checked_once(table, "cuda", ("k",), lambda: pytest.fail("asked"), "row kernel", "-")
     assert table == {}
+
+
+def test_a_kernel_is_named_with_its_text(monkeypatch):
+    """MLX's CUDA back-end keeps compiled kernels by name (on disk, across processes): a
+    changed source or header under one name must not meet the old compiled code."""
+    from veloxquant_mlx.kernels.names import source_tagged
+
+    made = []
+    monkeypatch.setattr(checks.mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw["name"])
+    checks.gpu_kernel.cache_clear()
+    try:
+        names = [checks.gpu_kernel("cuda", "vq_x", ("a",), ("b",), (src, "metal"), (head, ""))
+                 for src, head in (("s1", "h"), ("s2", "h"), ("s1", "h2"), ("s1", "h"))]
+    finally:
+        checks.gpu_kernel.cache_clear()
+    assert len(set(names)) == 3 and names[0] == names[3] and len(made) == 3
+    assert all(n.startswith("vq_x_") and len(n) == len("vq_x_") + 12 for n in names)
+    assert names[1] == source_tagged("vq_x", "s2", "h") and made[1]["source"] == "s2"

@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import kernel_input_copies as kic  # noqa: E402
+from veloxquant_mlx.kernels.names import source_tagged  # noqa: E402
 from veloxquant_mlx.registry import implemented_methods  # noqa: E402
 
 
@@ -46,3 +47,6 @@ def test_no_launch_gets_an_input_mlx_would_copy(method):
     recorder = kic.audit(method, mx.float16)
     copied = {phase: dict(table) for phase, table in recorder.copies.items() if table}
     assert not copied, copied
+    # and every kernel made is named with its text's digest (kernels/names.py)
+    for name, (source, header) in recorder.kernels.items():
+        assert source and name == source_tagged(name.rsplit("_", 1)[0], source, header), name

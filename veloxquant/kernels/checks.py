@@ -10,19 +10,22 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from . import kivi_decode as kd
+from .names import source_tagged
 
 
 @functools.lru_cache(maxsize=None)
 def gpu_kernel(backend: str, name: str, inputs: tuple, outputs: tuple, sources: tuple, headers: tuple = ("", ""),
                row_contiguous: bool = True):
     """The kernel ``name`` for ``backend`` ("cuda": ``sources[0]`` and ``headers[0]``, else
-    Metal's twins ``sources[1]`` and ``headers[1]``), made once a process. ``row_contiguous``:
+    Metal's twins ``sources[1]`` and ``headers[1]``), made once a process, its name tagged with
+    its text (``names.source_tagged``). ``row_contiguous``:
     MLX copies every input that is not row-contiguous before each launch (False: the source
     reads its inputs' strides, and the caller makes the others contiguous)."""
     cuda = backend == "cuda"
     make = mx.fast.cuda_kernel if cuda else mx.fast.metal_kernel
-    return make(name=name, input_names=list(inputs), output_names=list(outputs), source=sources[0 if cuda else 1],
-                header=headers[0 if cuda else 1], ensure_row_contiguous=row_contiguous)
+    source, header = sources[0 if cuda else 1], headers[0 if cuda else 1]
+    return make(name=source_tagged(name, source, header), input_names=list(inputs), output_names=list(outputs),
+                source=source, header=header, ensure_row_contiguous=row_contiguous)
 
 
 def within_a_rounding(got: mx.array, ref: mx.array) -> bool:

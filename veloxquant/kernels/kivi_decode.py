@@ -74,6 +74,7 @@ from .kivi_decode_cuda_frag_src import (
     cuda_frag_bounds,
 )
 from .kivi_decode_metal_src import METAL_COMBINE_SOURCE, METAL_HEADER, METAL_SOURCE
+from .names import source_tagged
 
 __all__ = [
     "SUPPORTED_BITS",
@@ -315,24 +316,27 @@ def _get_kernels(backend: str, algo: str = "simt", min_blocks: int = 0):
             source = {"simt": CUDA_SOURCE, "folded": CUDA_FOLDED_SOURCE,
                       "frag": CUDA_FRAG_SOURCE}[algo]
             # MLX caches a compiled kernel by its name (and template): the launch bounds,
-            # which are in the header, must be in the name too
+            # which are in the header, must be in the name too, and so is the text's digest
+            header = cuda_header(min_blocks)
             main = mx.fast.cuda_kernel(
-                name="vq_kivi_decode" + ("" if algo == "simt" else "_" + algo) + (
-                    f"_mb{min_blocks}" if algo == "frag" else ""),
+                name=source_tagged("vq_kivi_decode" + ("" if algo == "simt" else "_" + algo) + (
+                    f"_mb{min_blocks}" if algo == "frag" else ""), source, header),
                 input_names=_INPUT_NAMES, output_names=["o_part", "ml_part"],
-                source=source, header=cuda_header(min_blocks))
+                source=source, header=header)
             comb = mx.fast.cuda_kernel(
-                name="vq_kivi_decode_combine", input_names=["o_part", "ml_part"],
+                name=source_tagged("vq_kivi_decode_combine", CUDA_COMBINE_SOURCE, CUDA_HEADER),
+                input_names=["o_part", "ml_part"],
                 output_names=["out"], source=CUDA_COMBINE_SOURCE, header=CUDA_HEADER)
         elif backend == "metal":
             if algo != "simt":
                 raise ValueError("the Metal twin exists for the 'simt' kernel only")
             main = mx.fast.metal_kernel(
-                name="vq_kivi_decode", input_names=_INPUT_NAMES,
+                name=source_tagged("vq_kivi_decode", METAL_SOURCE, METAL_HEADER), input_names=_INPUT_NAMES,
                 output_names=["o_part", "ml_part"], source=METAL_SOURCE,
                 header=METAL_HEADER)
             comb = mx.fast.metal_kernel(
-                name="vq_kivi_decode_combine", input_names=["o_part", "ml_part"],
+                name=source_tagged("vq_kivi_decode_combine", METAL_COMBINE_SOURCE, METAL_HEADER),
+                input_names=["o_part", "ml_part"],
                 output_names=["out"], source=METAL_COMBINE_SOURCE, header=METAL_HEADER)
         else:
             raise ValueError(backend)

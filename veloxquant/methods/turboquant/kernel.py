@@ -34,6 +34,7 @@ import warnings
 import mlx.core as mx
 
 from ...kernels import kivi_decode as kd
+from ...kernels.names import source_tagged
 from .codec import _matrices
 
 NT = 128  # threads a block: 4 warps
@@ -272,12 +273,13 @@ MAX_STATE = 2048  # G * D floats a warp keeps (shared memory: 4 warps of them, 3
 @functools.lru_cache(maxsize=None)
 def _kernel(backend: str):
     if backend == "cuda":
-        return mx.fast.cuda_kernel(name="vq_turboquant_decode", input_names=INPUT_NAMES,
-                                   output_names=["o_part", "ml_part"], source=CUDA_SOURCE,
+        return mx.fast.cuda_kernel(name=source_tagged("vq_turboquant_decode", CUDA_SOURCE, kd.CUDA_HEADER),
+                                   input_names=INPUT_NAMES, output_names=["o_part", "ml_part"], source=CUDA_SOURCE,
                                    header=kd.CUDA_HEADER)
-    return mx.fast.metal_kernel(name="vq_turboquant_decode", input_names=INPUT_NAMES,
-                                output_names=["o_part", "ml_part"], source=METAL_SOURCE,
-                                header="#include <metal_stdlib>\nusing namespace metal;\n")
+    header = "#include <metal_stdlib>\nusing namespace metal;\n"
+    return mx.fast.metal_kernel(name=source_tagged("vq_turboquant_decode", METAL_SOURCE, header),
+                                input_names=INPUT_NAMES, output_names=["o_part", "ml_part"], source=METAL_SOURCE,
+                                header=header)
 
 
 def supports(d: int, gqa: int, key_level_bits: int) -> bool:
