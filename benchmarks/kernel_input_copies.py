@@ -1,4 +1,5 @@
-"""Which custom-kernel launches get an input that MLX copies before the launch, per method.
+"""Which custom-kernel launches (and fused attention calls) get an input that MLX copies
+before running them, per method.
 
 ``mx.fast.cuda_kernel`` (and ``metal_kernel``) with ``ensure_row_contiguous`` (the default)
 copy every input that is not row-contiguous (a view of a larger buffer, a transpose, a
@@ -11,6 +12,9 @@ its launch. This runs each method on the tiny model as the CUDA path builds its 
 node, its values wrong), records every launch's inputs, evaluates them and reads their layout
 (``np.from_dlpack``: strides), over the prompt's chunks and 40 decode steps after the warm-up.
 Views are made by the same primitives on the CPU as on a GPU, so the layouts are the GPU's.
+The inputs of each ``mx.fast.scaled_dot_product_attention`` call are held to the CUDA
+back-end's own copy rules (``attention_copies``), outside compiled functions (a trace has no
+layouts to read).
 
     python benchmarks/kernel_input_copies.py                  # every method
     python benchmarks/kernel_input_copies.py kivi palu        # these
@@ -35,15 +39,53 @@ from veloxquant_mlx.registry import implemented_methods  # noqa: E402
 
 def row_contiguous(x: mx.array) -> bool | None:
     """Whether ``x`` (evaluated) is row-contiguous as MLX lays it out; None where numpy cannot
-    take its dtype."""
-    mx.eval(x)
+    take its dtype or inside a compiled function's trace."""
     try:
+        mx.eval(x)
         return bool(np.from_dlpack(x).flags.c_contiguous)
     except (TypeError, RuntimeError, BufferError, ValueError):
         try:
             return bool(np.from_dlpack(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x).flags.c_contiguous)
         except Exception:  # noqa: BLE001
             return None
+
+
+def strides(x: mx.array) -> list[int] | None:
+    """``x``'s strides in elements as MLX lays it out (evaluated); None where numpy cannot
+    take its dtype."""
+    try:
+        mx.eval(x)  # refused inside a compiled function's trace: its layouts are not known there
+        a = np.from_dlpack(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
+    except Exception:  # noqa: BLE001
+        return None
+    return [s // a.itemsize for s in a.strides]
+
+
+def attention_copies(q: mx.array, k: mx.array, v: mx.array) -> list[str]:
+    """Which of ``mx.fast.scaled_dot_product_attention``'s inputs MLX's CUDA back-end (0.32)
+    copies before attending (``ScaledDotProductAttention::eval_gpu``): with at most 8 queries
+    (its vector kernels) the queries unless row-contiguous (or, with one sequence or head, the
+    model's transposed layout), keys and values unless their last axis is adjacent and their
+    batch and head axes are one run; with more queries, any input whose last axis is not."""
+    copied = []
+    if q.shape[2] <= 8:
+        sq = strides(q)
+        b, h = q.shape[0], q.shape[1]
+        if sq is None:  # a compiled function's trace
+            return []
+        q_ok = row_contiguous(q) or (sq is not None and (b == 1 or h == 1) and sq[3] == 1 and (
+            sq[2] == q.shape[3] * q.shape[1 if b == 1 else 0]) and sq[1 if b == 1 else 0] == q.shape[3])
+        if not q_ok:
+            copied.append("queries")
+        for name, x in (("keys", k), ("values", v)):
+            sx = strides(x)
+            if sx is not None and not (sx[-1] == 1 and (x.shape[0] == 1 or x.shape[1] == 1 or
+                                                        sx[0] == sx[1] * x.shape[1])):
+                copied.append(name)
+    else:
+        copied = [name for name, x in (("queries", q), ("keys", k), ("values", v))
+                  if (strides(x) or [1])[-1] != 1]
+    return copied
 
 
 class Recorder:
@@ -56,6 +98,7 @@ class Recorder:
                        "decode": collections.defaultdict(lambda: [0, 0])}
         self.launches = collections.Counter()
         self.kernels = {}  # name -> (source, header) of each kernel made
+        self.attention = collections.Counter()  # fused attention calls whose inputs were read
 
     def factory(self, *, name, input_names, source="", header="", ensure_row_contiguous=True, **_):
         recorder = self
@@ -86,6 +129,18 @@ def audit(method: str, dtype) -> Recorder:
     checks = (mass_kernel.kernel_checked, fused_mass_kernel.kernel_checked, keyformer._fused_backend)
     with ds.steps_as_on_cuda():
         mx.fast.cuda_kernel = recorder.factory
+        attention = mx.fast.scaled_dot_product_attention  # the census's stand-in
+
+        def recorded_attention(q, k, v, *args, **kwargs):
+            recorder.attention[recorder.phase] += strides(q) is not None
+            for name in attention_copies(q, k, v):
+                x = {"queries": q, "keys": k, "values": v}[name]
+                entry = recorder.copies[recorder.phase][("scaled_dot_product_attention", name, x.shape)]
+                entry[0] += 1
+                entry[1] = max(entry[1], x.nbytes)
+            return attention(q, k, v, *args, **kwargs)
+
+        mx.fast.scaled_dot_product_attention = recorded_attention
         # the prompt-mass kernels (not among the census's stand-ins: prefill only) run too,
         # keyformer's noise through them
         mass_kernel.kernel_checked = fused_mass_kernel.kernel_checked = lambda *key: True
@@ -106,15 +161,15 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "float16"), default="float16")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
-    print("| method | launches (prefill / decode) | copied inputs: kernel, input, shape, phase, launches, "
-          "largest bytes |")
-    print("|---|---:|---|")
+    print("| method | kernel launches (prefill / decode) | attention calls read (prefill / decode) | copied inputs: "
+          "kernel, input, shape, phase, launches, largest bytes |")
+    print("|---|---:|---:|---|")
     for method in args.methods or implemented_methods():
         r = audit(method, getattr(mx, args.dtype))
         found = [f"{k} `{i}` {tuple(s)} {phase} x{n} ({b:,} B)"
                  for phase, table in r.copies.items() for (k, i, s), (n, b) in sorted(table.items())]
-        print(f"| {method} | {r.launches['prefill']} / {r.launches['decode']} | {'; '.join(found) or '-'} |",
-              flush=True)
+        print(f"| {method} | {r.launches['prefill']} / {r.launches['decode']} | "
+              f"{r.attention['prefill']} / {r.attention['decode']} | {'; '.join(found) or '-'} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""No custom-kernel launch of any method gets an input that MLX would copy first
-(``benchmarks/kernel_input_copies.py``): on CUDA such a copy is no node of the step's graph
+"""No custom-kernel launch or fused attention of any method gets an input that MLX would copy
+first (``benchmarks/kernel_input_copies.py``): on CUDA such a copy is no node of the step's graph
 (the census does not see it), a pass over the input at each launch (a store's history in a
 decode step) and a buffer kept until the command buffer ends (session 82's fused prompt-mass
 kernels copied a store's keys, 64 MiB a launch at 32k)."""
@@ -50,3 +50,24 @@ def test_no_launch_gets_an_input_mlx_would_copy(method):
     # and every kernel made is named with its text's digest (kernels/names.py)
     for name, (source, header) in recorder.kernels.items():
         assert source and name == source_tagged(name.rsplit("_", 1)[0], source, header), name
+
+
+def test_attention_copies_follow_mlxs_cuda_rules():
+    """``attention_copies`` reads MLX's CUDA rules: at a decode step a store's keys (rows of a
+    larger buffer, two sequences) are read in place; keys whose heads are not one run apart
+    from their sequences (a (B, n, H, D) buffer seen as (B, H, n, D)) or whose last axis is not
+    adjacent are copied; with more than 8 queries only the last axis counts."""
+    b, h, n, d = 2, 2, 5, 4
+    store = mx.zeros((b, h, 9, d), mx.float16)
+    q1, q9 = mx.zeros((b, 4, 1, d), mx.float16), mx.zeros((b, 4, 9, d), mx.float16)
+    view = store[:, :, :n]
+    assert kic.attention_copies(q1, view, view) == []
+    token_major = mx.zeros((b, n, h, d), mx.float16).swapaxes(1, 2)
+    assert kic.attention_copies(q1, token_major, view) == ["keys"]
+    assert kic.attention_copies(q9, token_major, view) == []
+    last_apart = mx.zeros((b, h, d, n), mx.float16).swapaxes(2, 3)
+    assert kic.attention_copies(q1, view, last_apart) == ["values"]
+    assert kic.attention_copies(q9, last_apart, view) == ["keys"]
+    # the model's own queries, (B, L, H, D) seen as (B, H, L, D): read in place for one sequence
+    assert kic.attention_copies(mx.zeros((1, 2, 4, d), mx.float16).swapaxes(1, 2), view[:1], view[:1]) == []
+    assert kic.attention_copies(mx.zeros((b, 2, 4, d), mx.float16).swapaxes(1, 2), view, view) == ["queries"]
