@@ -37,54 +37,53 @@ import decode_steps as ds  # noqa: E402
 from veloxquant_mlx.registry import implemented_methods  # noqa: E402
 
 
-def row_contiguous(x: mx.array) -> bool | None:
-    """Whether ``x`` (evaluated) is row-contiguous as MLX lays it out; None where numpy cannot
-    take its dtype or inside a compiled function's trace."""
+def _as_numpy(x: mx.array) -> np.ndarray | None:
+    """``x`` evaluated and seen through numpy with MLX's own strides (bfloat16 as its 16-bit
+    words); None inside a compiled function's trace (no layout to read) or for a dtype numpy
+    cannot take."""
     try:
         mx.eval(x)
-        return bool(np.from_dlpack(x).flags.c_contiguous)
-    except (TypeError, RuntimeError, BufferError, ValueError):
-        try:
-            return bool(np.from_dlpack(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x).flags.c_contiguous)
-        except Exception:  # noqa: BLE001
-            return None
+        return np.from_dlpack(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def row_contiguous(x: mx.array) -> bool | None:
+    """Whether ``x`` is row-contiguous as MLX lays it out (None: not known, ``_as_numpy``)."""
+    a = _as_numpy(x)
+    return None if a is None else bool(a.flags.c_contiguous)
 
 
 def strides(x: mx.array) -> list[int] | None:
-    """``x``'s strides in elements as MLX lays it out (evaluated); None where numpy cannot
-    take its dtype."""
-    try:
-        mx.eval(x)  # refused inside a compiled function's trace: its layouts are not known there
-        a = np.from_dlpack(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
-    except Exception:  # noqa: BLE001
-        return None
-    return [s // a.itemsize for s in a.strides]
+    """``x``'s strides in elements as MLX lays it out (None: not known, ``_as_numpy``)."""
+    a = _as_numpy(x)
+    return None if a is None else [s // a.itemsize for s in a.strides]
 
 
-def attention_copies(q: mx.array, k: mx.array, v: mx.array) -> list[str]:
+def attention_copies(q: mx.array, k: mx.array, v: mx.array) -> list[str] | None:
     """Which of ``mx.fast.scaled_dot_product_attention``'s inputs MLX's CUDA back-end (0.32)
     copies before attending (``ScaledDotProductAttention::eval_gpu``): with at most 8 queries
     (its vector kernels) the queries unless row-contiguous (or, with one sequence or head, the
     model's transposed layout), keys and values unless their last axis is adjacent and their
-    batch and head axes are one run; with more queries, any input whose last axis is not."""
+    batch and head axes are one run; with more queries, any input whose last axis is not.
+    None inside a compiled function's trace."""
+    sq = strides(q)
+    if sq is None:
+        return None
+    if q.shape[2] > 8:
+        return [name for name, x in (("queries", q), ("keys", k), ("values", v))
+                if (strides(x) or [1])[-1] != 1]
     copied = []
-    if q.shape[2] <= 8:
-        sq = strides(q)
-        b, h = q.shape[0], q.shape[1]
-        if sq is None:  # a compiled function's trace
-            return []
-        q_ok = row_contiguous(q) or (sq is not None and (b == 1 or h == 1) and sq[3] == 1 and (
-            sq[2] == q.shape[3] * q.shape[1 if b == 1 else 0]) and sq[1 if b == 1 else 0] == q.shape[3])
-        if not q_ok:
-            copied.append("queries")
-        for name, x in (("keys", k), ("values", v)):
-            sx = strides(x)
-            if sx is not None and not (sx[-1] == 1 and (x.shape[0] == 1 or x.shape[1] == 1 or
-                                                        sx[0] == sx[1] * x.shape[1])):
-                copied.append(name)
-    else:
-        copied = [name for name, x in (("queries", q), ("keys", k), ("values", v))
-                  if (strides(x) or [1])[-1] != 1]
+    b, h = q.shape[0], q.shape[1]
+    lead = 1 if b == 1 else 0  # the singleton's other axis may be transposed with the tokens'
+    if not (row_contiguous(q) or ((b == 1 or h == 1) and sq[3] == 1 and sq[2] == q.shape[3] * q.shape[lead]
+                                  and sq[lead] == q.shape[3])):
+        copied.append("queries")
+    for name, x in (("keys", k), ("values", v)):
+        sx = strides(x)
+        if sx is not None and not (sx[-1] == 1 and (x.shape[0] == 1 or x.shape[1] == 1 or
+                                                    sx[0] == sx[1] * x.shape[1])):
+            copied.append(name)
     return copied
 
 
@@ -100,6 +99,11 @@ class Recorder:
         self.kernels = {}  # name -> (source, header) of each kernel made
         self.attention = collections.Counter()  # fused attention calls whose inputs were read
 
+    def note_copy(self, op: str, input_name: str, x: mx.array) -> None:
+        entry = self.copies[self.phase][(op, input_name, x.shape)]
+        entry[0] += 1
+        entry[1] = max(entry[1], x.nbytes)
+
     def factory(self, *, name, input_names, source="", header="", ensure_row_contiguous=True, **_):
         recorder = self
         self.kernels[name] = (source, header)
@@ -110,9 +114,7 @@ class Recorder:
                 if ensure_row_contiguous:
                     for input_name, x in zip(input_names, inputs):
                         if isinstance(x, mx.array) and x.ndim and row_contiguous(x) is False:
-                            entry = recorder.copies[recorder.phase][(name, input_name, x.shape)]
-                            entry[0] += 1
-                            entry[1] = max(entry[1], x.nbytes)
+                            recorder.note_copy(name, input_name, x)
                 return super().__call__(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
                                         **kw)
 
@@ -132,12 +134,10 @@ def audit(method: str, dtype) -> Recorder:
         attention = mx.fast.scaled_dot_product_attention  # the census's stand-in
 
         def recorded_attention(q, k, v, *args, **kwargs):
-            recorder.attention[recorder.phase] += strides(q) is not None
-            for name in attention_copies(q, k, v):
-                x = {"queries": q, "keys": k, "values": v}[name]
-                entry = recorder.copies[recorder.phase][("scaled_dot_product_attention", name, x.shape)]
-                entry[0] += 1
-                entry[1] = max(entry[1], x.nbytes)
+            copied = attention_copies(q, k, v)
+            recorder.attention[recorder.phase] += copied is not None
+            for name in copied or ():
+                recorder.note_copy("scaled_dot_product_attention", name, {"queries": q, "keys": k, "values": v}[name])
             return attention(q, k, v, *args, **kwargs)
 
         mx.fast.scaled_dot_product_attention = recorded_attention
